@@ -1,0 +1,113 @@
+"""Store control over NATS request/reply (paper §5.3): TxAllocate / TxCommit / TxAbort,
+discovery, dumps, replication and role switches.
+
+The node's store is the authority on its blocks. A conductor asks it to lock the
+prefix blocks a request will reuse and to allocate slots for the rest
+(:class:`TxAllocate`); the store answers with a :class:`TxHandle` or a
+:class:`Refused`. After the first token, :class:`TxCommit` publishes the new blocks;
+:class:`TxAbort` rolls everything back. A transaction not committed within its
+lease is rolled back by the store itself, so a dead conductor leaks nothing.
+"""
+
+from enum import IntEnum
+
+from bus_schemas._base import Msg
+from bus_schemas.requests import Retention
+
+
+class TxRole(IntEnum):
+    PREFILL = 0  # lock the reusable prefix, allocate the rest, cache on commit
+    DECODE = 1  # receive a whole request's KV (tail block included)
+    SOURCE = 2  # lock blocks another node will pull; allocates nothing
+
+
+class TxAllocate(Msg):
+    request_id: str
+    role: TxRole
+    block_hashes: list[int]  # full blocks of the prompt, chained
+    num_tokens: int  # prompt length; the tail beyond the full blocks gets a slot too
+    retention: Retention = Retention.DEFAULT
+    context_ttl_s: float = 0.0
+    lease_s: float = 30.0
+
+
+class TxHandle(Msg, tag="handle"):
+    tx_id: str
+    node: str
+    epoch: int
+    # One slot per block of the request (tail block included unless role is SOURCE).
+    slots: list[int]
+    # The first ``hit_blocks`` blocks are already on this node and are locked.
+    hit_blocks: int
+    shm_name: str
+    data_addr: str  # ZeroMQ endpoint of the node's store
+    block_bytes: int
+
+
+class Refused(Msg, tag="refused"):
+    reason: str  # "capacity" | "epoch" | "unknown_tx" | "bad_request" ...
+    message: str
+
+
+TxReply = TxHandle | Refused
+
+
+class TxCommit(Msg):
+    tx_id: str
+    request_id: str
+
+
+class TxAbort(Msg):
+    tx_id: str
+    request_id: str
+    reason: str = ""
+
+
+class TxDone(Msg, tag="done"):
+    tx_id: str
+    stored_blocks: int = 0
+
+
+TxDoneReply = TxDone | Refused
+
+
+class StoreInfo(Msg):
+    node: str
+    epoch: int
+    seq: int  # last KV-event sequence number published
+    data_addr: str
+    shm_name: str
+    block_size: int
+    block_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    host: str = ""
+    ts: float = 0.0
+
+
+class DumpRequest(Msg):
+    """Ask a store for every block it holds (a conductor saw a gap or just started)."""
+
+    cursor: int = 0
+    limit: int = 50_000
+
+
+class DumpPage(Msg):
+    node: str
+    epoch: int
+    seq: int  # sequence number the snapshot is consistent with
+    block_hashes: list[int]
+    next_cursor: int | None = None
+
+
+class Replicate(Msg):
+    """Copy blocks from one node to another (hot-spot replication, paper §4.2)."""
+
+    block_hashes: list[int]
+    source_node: str
+    dest_node: str
+
+
+class RoleSwitch(Msg):
+    instance: str
+    role: str  # "prefill" | "decode"

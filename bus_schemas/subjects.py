@@ -1,0 +1,59 @@
+"""All NATS subject names, in one place.
+
+Layout is ``{namespace}.{component}.{endpoint}``; per-instance subjects put the
+instance id before the endpoint so one wildcard subscribes to a whole role.
+"""
+
+NS = "perigee"
+
+# Clients (the gateway, or anyone with nats-py) publish a GenerateRequest here with
+# a reply subject; every StreamEvent for that request goes to the reply subject.
+REQUESTS = f"{NS}.requests"
+# admission -> conductor, after the request passed early rejection.
+SCHEDULE = f"{NS}.conductor.schedule"
+# A client that gives up (HTTP disconnect) publishes CancelRequest here; every
+# prefill and decode worker listens.
+CANCEL = f"{NS}.cancel"
+
+# Store discovery: every store publishes StoreInfo periodically; a request on
+# STORE_DISCOVER makes every store answer at once.
+STORE_ANNOUNCE = f"{NS}.store.announce"
+STORE_DISCOVER = f"{NS}.store.discover"
+
+KV_EVENTS_ALL = f"{NS}.kv.events.>"
+LOAD_ALL = f"{NS}.load.>"
+LOAD_PREFILL_ALL = f"{NS}.load.prefill.>"
+LOAD_DECODE_ALL = f"{NS}.load.decode.>"
+
+CTL_REPLICATE = f"{NS}.ctl.kv.replicate"
+CTL_ROLE = f"{NS}.ctl.role"
+
+# Queue groups: one per component, so N copies of a service share the work.
+Q_ADMISSION = "admission"
+Q_CONDUCTOR = "conductor"
+
+
+def prefill_tasks(instance: str) -> str:
+    return f"{NS}.prefill.{instance}.tasks"
+
+
+def decode_tasks(instance: str) -> str:
+    return f"{NS}.decode.{instance}.tasks"
+
+
+def conductor_events(conductor_id: str) -> str:
+    """Where decode tells the placing conductor that the first token went out."""
+    return f"{NS}.conductor.{conductor_id}.events"
+
+
+def store_ctl(node: str, endpoint: str) -> str:
+    """Store control endpoints: tx.allocate, tx.commit, tx.abort, dump, info."""
+    return f"{NS}.store.{node}.{endpoint}"
+
+
+def kv_events(node: str) -> str:
+    return f"{NS}.kv.events.{node}"
+
+
+def load_report(role: str, instance: str) -> str:
+    return f"{NS}.load.{role}.{instance}"

@@ -1,0 +1,1 @@
+"""perigee: KVCache-centric disaggregated LLM serving (command-line entry points)."""

@@ -1,0 +1,168 @@
+"""How every service talks to NATS: connect, subscribe with strict decoding, reply,
+and shut down on a signal.
+
+A handler gets a decoded message and may return a reply struct; a payload that does
+not decode gets an error reply (or is logged and dropped when there is no reply
+subject). A handler that raises is logged and answered with an error; the service
+keeps running either way.
+"""
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from opentelemetry import trace
+
+from bus_schemas.codec import BadMessage, decode, encode
+from tracing import extract, inject, tracer
+
+log = structlog.get_logger()
+
+Handler = Callable[[Any, NatsMsg], Awaitable[Any]]
+
+ERROR_HEADER = "Perigee-Error"
+
+
+async def connect(url: str, name: str) -> NATS:
+    async def on_error(e: Exception) -> None:
+        log.warning("nats_error", error=str(e))
+
+    return await nats.connect(
+        url,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.2,
+        error_cb=on_error,
+    )
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent with header ``Perigee-Error`` when a request could not be handled."""
+
+    error: str
+    message: str
+
+
+def error_reply(kind: str, message: str) -> tuple[bytes, dict[str, str]]:
+    return encode(ErrorReply(error=kind, message=message)), {ERROR_HEADER: kind}
+
+
+async def publish(nc: NATS, subject: str, msg: Any, reply: str = "") -> None:
+    await nc.publish(subject, encode(msg), reply=reply, headers=inject())
+
+
+async def request(nc: NATS, subject: str, msg: Any, reply_type: Any, timeout: float = 2.0) -> Any:
+    """Request/reply with strict decoding; an error reply raises :class:`RemoteError`."""
+    resp = await nc.request(subject, encode(msg), timeout=timeout, headers=inject())
+    if resp.headers and ERROR_HEADER in resp.headers:
+        err = decode(resp.data, ErrorReply)
+        raise RemoteError(err.error, err.message)
+    return decode(resp.data, reply_type)
+
+
+class RemoteError(RuntimeError):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class Subscriptions:
+    """Owns a service's subscriptions and the tasks its handlers spawn."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        if name:
+            task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
+
+    async def serve(
+        self,
+        subject: str,
+        msg_type: Any,
+        handler: Handler,
+        *,
+        queue: str = "",
+        concurrent: bool = False,
+        span_name: str | None = None,
+    ) -> None:
+        """Subscribe ``handler`` to ``subject``.
+
+        ``concurrent`` runs each message in its own task (for handlers that wait on
+        other services); otherwise messages are handled in arrival order.
+        """
+        name = span_name or subject
+
+        async def run(m: NatsMsg) -> None:
+            try:
+                obj = decode(m.data, msg_type)
+            except BadMessage as e:
+                log.warning("bad_message", subject=m.subject, error=str(e))
+                if m.reply:
+                    data, hdrs = error_reply("bad_request", str(e))
+                    await self.nc.publish(m.reply, data, headers=hdrs)
+                return
+            ctx = extract(m.headers)
+            with tracer().start_as_current_span(name, context=ctx, kind=trace.SpanKind.CONSUMER):
+                try:
+                    out = await handler(obj, m)
+                except Exception as e:  # noqa: BLE001 - a handler bug must not kill the service
+                    log.exception("handler_failed", subject=m.subject)
+                    if m.reply:
+                        data, hdrs = error_reply("internal", f"{type(e).__name__}: {e}")
+                        await self.nc.publish(m.reply, data, headers=hdrs)
+                    return
+                if out is not None and m.reply:
+                    await self.nc.publish(m.reply, encode(out), headers=inject())
+
+        async def cb(m: NatsMsg) -> None:
+            if concurrent:
+                self.spawn(run(m), name=f"{subject}:handler")
+            else:
+                await run(m)
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=cb))
+
+    async def close(self) -> None:
+        for s in self._subs:
+            try:
+                await s.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may already be gone
+                pass
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def install_signal_handlers(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+
+async def drain(nc: NATS) -> None:
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=5)
+    except Exception:  # noqa: BLE001 - shutting down anyway
+        await nc.close()

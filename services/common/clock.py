@@ -1,0 +1,35 @@
+"""Injected clocks: policy code never reads time itself."""
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+
+class WallClock:
+    """Monotonic seconds for durations and deadlines."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+class ManualClock:
+    """A clock tests and the simulator move by hand."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        if dt < 0:
+            raise ValueError("time does not go backwards")
+        self.t += dt
+
+    def set(self, t: float) -> None:
+        if t < self.t:
+            raise ValueError("time does not go backwards")
+        self.t = t

@@ -1,0 +1,60 @@
+"""The paper's analytic cost model (eq. 1, Table 1), used by the mock engine to
+decide how long to sleep, by the conductor to estimate TTFT, and by the simulator.
+
+flops(n) = l * (a*n^2*d + b*n*d^2); a prefix hit of p tokens saves flops(p).
+KV size of n tokens = n * l * (2*d/gqa) * s. Decode is memory-bound: one step reads
+the weights once plus every token of context in the batch.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class CostModel:
+    layers: int = 80
+    d: int = 8192
+    a: float = 4.0
+    b: float = 22.0
+    gqa: int = 8
+    elem_bytes: int = 2
+    gpu_flops: float = 8 * 312e12  # G
+    h2d_bw: float = 128e9  # B_h2d, bytes/s
+    nic_bw: float = 800e9 / 8  # B_nic, bytes/s
+    hbm_bw: float = 8 * 2.039e12  # A800 HBM2e, bytes/s
+    weight_bytes: float = 70e9 * 2
+    # Divides every time the model returns; math.inf means "no compute at all".
+    speedup: float = 1.0
+
+    @classmethod
+    def llama3_70b_a800(cls, speedup: float = 1.0) -> "CostModel":
+        return cls(speedup=speedup)
+
+    def with_speedup(self, speedup: float) -> "CostModel":
+        return replace(self, speedup=speedup)
+
+    def _scale(self, seconds: float) -> float:
+        return 0.0 if math.isinf(self.speedup) else seconds / self.speedup
+
+    def prefill_flops(self, n: int) -> float:
+        return self.layers * (self.a * n * n * self.d + self.b * n * self.d * self.d)
+
+    def prefill_time(self, n: int, prefix: int = 0) -> float:
+        """Seconds to prefill ``n`` prompt tokens of which ``prefix`` are cached."""
+        prefix = min(max(prefix, 0), n)
+        return self._scale((self.prefill_flops(n) - self.prefill_flops(prefix)) / self.gpu_flops)
+
+    def kv_bytes(self, tokens: int) -> float:
+        return tokens * self.layers * (2 * self.d / self.gqa) * self.elem_bytes
+
+    def load_bw(self) -> float:
+        return min(self.h2d_bw, self.nic_bw)
+
+    def transfer_time(self, tokens: int, inflight_bytes: float = 0.0) -> float:
+        """KV of ``tokens`` over the node's link, behind ``inflight_bytes`` already queued."""
+        return self._scale((self.kv_bytes(tokens) + inflight_bytes) / self.nic_bw)
+
+    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        return self._scale((self.weight_bytes + self.kv_bytes(context_tokens)) / self.hbm_bw)

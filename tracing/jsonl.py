@@ -1,0 +1,46 @@
+"""A span exporter that appends one JSON object per finished span to a file.
+
+Several processes append to the same file; each line is written with one
+``write`` on a file opened in append mode, so lines do not interleave."""
+
+import json
+import os
+import threading
+from collections.abc import Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+
+def span_to_dict(span: ReadableSpan) -> dict:
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{parent.span_id:016x}" if parent else None,
+        "service": span.resource.attributes.get("service.name"),
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
+    }
+
+
+class JsonlSpanExporter(SpanExporter):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        d = os.path.dirname(path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        data = "".join(json.dumps(span_to_dict(s), default=str) + "\n" for s in spans)
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(data)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
