@@ -22,3 +22,13 @@ class DecodeLoad(Msg):
     kv_tokens: int  # tokens of context held by the running batch
     step_time_s: float  # cost-model time of one decode step at the current batch (TBT)
     ts: float
+
+
+class WorkerStats(Msg):
+    """Reply on ``subjects.worker_stats(role, instance)``: monotonically growing counters
+    (tasks_done, tasks_failed, computed_tokens, prefix_tokens_loaded, ...)."""
+
+    instance: str
+    node: str
+    role: str
+    counters: dict[str, int]
