@@ -1,0 +1,15 @@
+"""``perigee bench <name>``: benchmarks, each measured beside its baseline in one run."""
+
+import importlib
+import sys
+
+BENCHES = {
+    "pipeline": "perigee.bench.pipeline",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: perigee bench {{{','.join(BENCHES)}}} [--json PATH]", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)

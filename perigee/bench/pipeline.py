@@ -1,0 +1,110 @@
+"""``perigee bench pipeline``: the stack's own overhead.
+
+Starts the whole stack with the mock engine at zero compute (``--speedup inf``),
+sends short streaming completions open-loop at a steady rate through the HTTP
+gateway, and measures full-path TTFT (request sent -> first SSE token chunk). In the
+same run it measures a bare NATS request/reply round trip on the same server: the
+floor any bus hop pays. Both as p50/p99; the ratio says how many bus round trips
+the full path costs.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+
+import aiohttp
+import nats
+
+from perigee.bench.stats import summary_ms
+from perigee.natsd import free_port
+from perigee.stack import Stack, StackConfig
+
+
+async def nats_rtt(url: str, n: int) -> list[float]:
+    server = await nats.connect(url)
+    client = await nats.connect(url)
+
+    async def echo(m):
+        await m.respond(m.data)
+
+    await server.subscribe("bench.echo", cb=echo)
+    await server.flush()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await client.request("bench.echo", b"x" * 64, timeout=5)
+        out.append(time.perf_counter() - t0)
+    await client.close()
+    await server.close()
+    return out
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[float, bool]:
+    body = {"prompt": f"bench request {i}: hello", "max_tokens": 2, "ignore_eos": True,
+            "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    ok = False
+    async with http.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return float("nan"), False
+        async for raw in r.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            if ttft is None and b'"text"' in line:
+                ttft = time.perf_counter() - t0
+            if line == b"data: [DONE]":
+                ok = True
+                break
+    return (ttft if ttft is not None else float("nan")), ok
+
+
+async def drive(url: str, n: int, rate: float, warmup: int) -> tuple[list[float], int]:
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        for i in range(warmup):
+            await one_request(http, url, -i - 1)
+        tasks = []
+        start = time.perf_counter()
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(http, url, i)))
+        results = await asyncio.gather(*tasks)
+    ttfts = [t for t, ok in results if ok and t == t]
+    return ttfts, sum(1 for _, ok in results if not ok)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="perigee bench pipeline", description=__doc__)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--rate", type=float, default=50.0, help="requests per second (open loop)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--rtt-samples", type=int, default=2000)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+
+    cfg = StackConfig(port=free_port(), speedup="inf", log_dir=".perigee/bench-logs",
+                      log_level="WARNING")
+    with Stack(cfg) as stack:
+        rtt = asyncio.run(nats_rtt(stack.nats_url, a.rtt_samples))
+        ttfts, failed = asyncio.run(drive(stack.url, a.requests, a.rate, a.warmup))
+    result = {
+        "requests": a.requests,
+        "rate_rps": a.rate,
+        "failed": failed,
+        "ttft_ms": summary_ms(ttfts),
+        "nats_rtt_ms": summary_ms(rtt),
+    }
+    result["ttft_over_nats_rtt_p50"] = round(result["ttft_ms"]["p50"] / result["nats_rtt_ms"]["p50"], 2)
+    print(f"full-path TTFT  p50 {result['ttft_ms']['p50']:.3f} ms  p99 {result['ttft_ms']['p99']:.3f} ms"
+          f"  ({a.requests} requests at {a.rate:g}/s, {failed} failed)")
+    print(f"NATS req/reply  p50 {result['nats_rtt_ms']['p50']:.3f} ms  p99 {result['nats_rtt_ms']['p99']:.3f} ms")
+    print(f"TTFT / NATS RTT (p50): {result['ttft_over_nats_rtt_p50']}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if failed == 0 else 1

@@ -1,0 +1,213 @@
+"""The local stack as a set of child processes: what ``perigee up`` runs and what the
+end-to-end tests and benchmarks start, through the same code.
+
+Topology: every prefill and every decode instance is a node of its own with one
+store process (as in the paper's deployment, one instance per 8-GPU node), so KV
+really moves store to store over TCP. ``nats-server`` is started too unless a URL
+is given.
+"""
+
+import asyncio
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+
+from bus_schemas import subjects
+from perigee.natsd import NatsServer
+from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the launcher dies, even by SIGKILL: no orphans."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class StackConfig:
+    nats_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    engine: str = "mock"
+    model_dir: str = str(DEFAULT_MODEL_DIR)
+    block_size: int = 32
+    speedup: str = "1.0"
+    store_capacity_blocks: int = 4096
+    ttft_slo: float = 30.0
+    tbt_slo: float = 0.1
+    admission_policy: str = "early"
+    max_batch: int = 128
+    dead_after: float = 2.0
+    report_interval: float = 0.1
+    log_dir: str = ".perigee/logs"
+    log_level: str = "INFO"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+
+class Stack:
+    def __init__(self, cfg: StackConfig) -> None:
+        self.cfg = cfg
+        self.nats: NatsServer | None = None
+        self.nats_url = cfg.nats_url or ""
+        self.children: dict[str, Child] = {}
+        self.url = f"http://{cfg.host}:{cfg.port}"
+
+    # -- topology -----------------------------------------------------------------
+    def _common(self) -> list[str]:
+        return ["--nats", self.nats_url, "--log-level", self.cfg.log_level]
+
+    def plan(self) -> list[Child]:
+        c = self.cfg
+        spec = ModelSpec.from_dir(c.model_dir)
+        block_bytes = spec.block_bytes(c.block_size)
+        out: list[Child] = []
+        workers = [("prefill", f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
+        workers += [("decode", f"decode-{i}", f"d{i}") for i in range(c.decode)]
+        for _, _, node in workers:
+            out.append(Child(f"store-{node}", ["services.store", *self._common(), "--node", node,
+                "--block-size", str(c.block_size), "--block-bytes", str(block_bytes),
+                "--capacity-blocks", str(c.store_capacity_blocks), "--host", c.host]))
+        for role, inst, node in workers:
+            args = ["services." + role, *self._common(), "--instance", inst, "--node", node,
+                    "--engine", c.engine, "--model-dir", c.model_dir,
+                    "--block-size", str(c.block_size), "--speedup", c.speedup,
+                    "--report-interval", str(c.report_interval)]
+            if role == "decode":
+                args += ["--max-batch", str(c.max_batch)]
+            out.append(Child(inst, args))
+        slo = ["--ttft-slo", str(c.ttft_slo), "--tbt-slo", str(c.tbt_slo),
+               "--speedup", c.speedup, "--dead-after", str(c.dead_after),
+               "--block-size", str(c.block_size)]
+        out.append(Child("admission", ["services.admission", *self._common(), *slo,
+                                       "--policy", c.admission_policy]))
+        out.append(Child("conductor", ["services.conductor", *self._common(), *slo,
+                                       "--id", "conductor-0"]))
+        out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
+            "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
+            "--dead-after", str(c.dead_after)]))
+        return out
+
+    # -- lifecycle ----------------------------------------------------------------
+    def _spawn(self, child: Child) -> None:
+        log_dir = Path(self.cfg.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.cfg.extra_env, "PYTHONPATH": str(ROOT)}
+        env.setdefault("OTEL_SERVICE_NAME", child.name)
+        with open(log_dir / f"{child.name}.log", "ab") as log:
+            child.proc = subprocess.Popen(
+                [sys.executable, "-m", *child.argv], cwd=ROOT, env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        self.children[child.name] = child
+
+    def start(self, timeout: float = 60.0) -> "Stack":
+        if not self.nats_url:
+            self.nats = NatsServer().start()
+            self.nats_url = self.nats.url
+        try:
+            for child in self.plan():
+                self._spawn(child)
+            asyncio.run(self._wait_ready(timeout))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _wait_ready(self, timeout: float) -> None:
+        """Ready when every worker has reported load and the gateway answers /health."""
+        want = {f"prefill-{i}" for i in range(self.cfg.prefill)}
+        want |= {f"decode-{i}" for i in range(self.cfg.decode)}
+        seen: set[str] = set()
+        ready = asyncio.Event()
+
+        async def on_load(m) -> None:
+            seen.add(m.subject.rsplit(".", 1)[-1])
+            if want <= seen:
+                ready.set()
+
+        nc = await nats.connect(self.nats_url)
+        try:
+            await nc.subscribe(subjects.LOAD_ALL, cb=on_load)
+            deadline = time.monotonic() + timeout
+            while not ready.is_set():
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers not ready: missing {sorted(want - seen)}")
+                try:
+                    await asyncio.wait_for(ready.wait(), 0.5)
+                except TimeoutError:
+                    pass
+            while not await asyncio.to_thread(self._health):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError("gateway did not become healthy")
+                await asyncio.sleep(0.1)
+        finally:
+            await nc.close()
+
+    def _health(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def exited(self) -> list[Child]:
+        return [c for c in self.children.values() if c.proc and c.proc.poll() is not None]
+
+    def _check_alive(self) -> None:
+        for c in self.exited():
+            log = Path(self.cfg.log_dir) / f"{c.name}.log"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            raise RuntimeError(f"{c.name} exited with {c.proc.returncode}:\n{tail}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kill one service abruptly (fault-injection in tests)."""
+        proc = self.children[name].proc
+        if proc and proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(timeout=10)
+
+    def stop(self, grace: float = 8.0) -> None:
+        procs = [c.proc for c in self.children.values() if c.proc and c.proc.poll() is None]
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
