@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "up": ("perigee.up", "start nats-server and every service"),
     "bench": ("perigee.bench", "benchmarks: pipeline"),
+    "replay": ("perigee.replay", "replay a Mooncake trace against an OpenAI endpoint"),
 }
 
 

@@ -1,0 +1,171 @@
+"""``perigee replay``: open-loop replay of a Mooncake trace against any OpenAI endpoint.
+
+Each request is sent at its trace timestamp (divided by ``--speedup``) as a streaming
+``/v1/completions`` call with the prompt as token ids (vLLM's server accepts the same),
+``max_tokens`` = the trace's output length (scaled) and ``ignore_eos``. Reports TTFT
+and TBT percentiles (TBT = mean of the longest 10 % of a request's token gaps, as in
+the paper §7.1), goodput under the thresholds, and the cached-token ratio from
+``usage.prompt_tokens_details.cached_tokens``.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from tqdm import tqdm
+
+from perigee.bench.stats import percentile
+from perigee.trace import DEFAULT_TRACE, PromptBuilder, TraceRequest, load_trace
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    status: int = 0
+    ttft_s: float = math.nan
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tbt_s(self) -> float:
+        if not self.gaps:
+            return 0.0
+        k = max(1, math.ceil(len(self.gaps) * 0.1))
+        return sum(sorted(self.gaps)[-k:]) / k
+
+
+async def send(http, url: str, model: str, prompt: list[int], max_tokens: int,
+               headers: dict) -> Outcome:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    last = None
+    out = Outcome(ok=False)
+    try:
+        async with http.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers) as r:
+            out.status = r.status
+            if r.status != 200:
+                out.error = (await r.text())[:200]
+                return out
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    out.ok = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    out.error = str(obj["error"])[:200]
+                    break
+                now = time.perf_counter()
+                if obj.get("choices") and obj["choices"][0].get("text") is not None:
+                    if last is None:
+                        out.ttft_s = now - t0
+                    else:
+                        out.gaps.append(now - last)
+                    last = now
+                usage = obj.get("usage")
+                if usage:
+                    out.prompt_tokens = usage.get("prompt_tokens", 0)
+                    out.completion_tokens = usage.get("completion_tokens", 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    out.cached_tokens = details.get("cached_tokens") or 0
+    except (TimeoutError, aiohttp.ClientError) as e:
+        out.error = repr(e)
+    return out
+
+
+async def replay(reqs: list[TraceRequest], url: str, *, speedup: float, builder: PromptBuilder,
+                 model: str, output_scale: float, max_output: int, api_key: str | None,
+                 progress: bool = True) -> tuple[list[Outcome], float]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        t_start = time.perf_counter()
+        base = reqs[0].timestamp_s if reqs else 0.0
+
+        async def one(r: TraceRequest) -> Outcome:
+            delay = t_start + (r.timestamp_s - base) / speedup - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            n_out = max(1, min(max_output, round(r.output_length * output_scale)))
+            o = await send(http, url, model, builder.tokens(r), n_out, headers)
+            bar.update(1)
+            return o
+
+        outs = await asyncio.gather(*(one(r) for r in reqs))
+        wall = time.perf_counter() - t_start
+    bar.close()
+    return list(outs), wall
+
+
+def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: float) -> dict:
+    done = [o for o in outs if o.ok]
+    ttfts = [o.ttft_s for o in done]
+    tbts = [o.tbt_s for o in done]
+    good = [o for o in done if o.ttft_s <= ttft_slo and o.tbt_s <= tbt_slo]
+    prompt = sum(o.prompt_tokens for o in done)
+
+    def pct(v):
+        return {"mean": sum(v) / len(v) if v else math.nan, "p50": percentile(v, 50),
+                "p90": percentile(v, 90), "p99": percentile(v, 99)}
+
+    return {
+        "requests": len(outs),
+        "completed": len(done),
+        "rejected": sum(1 for o in outs if o.status == 429),
+        "failed": sum(1 for o in outs if not o.ok and o.status != 429),
+        "ttft_s": pct(ttfts),
+        "tbt_s": pct(tbts),
+        "goodput": {"ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo, "requests": len(good),
+                    "fraction": len(good) / len(outs) if outs else 0.0,
+                    "rps": len(good) / wall_s if wall_s > 0 else 0.0},
+        "cached_token_ratio": (sum(o.cached_tokens for o in done) / prompt) if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "wall_s": wall_s,
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="perigee replay", description=__doc__)
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--speedup", type=float, default=1.0, help="divide trace timestamps by this")
+    p.add_argument("--limit", type=int, default=None, help="first N requests only")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--output-scale", type=float, default=1.0)
+    p.add_argument("--max-output", type=int, default=4096)
+    p.add_argument("--ttft-slo", type=float, default=30.0)
+    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    reqs = load_trace(a.trace, a.limit)
+    builder = PromptBuilder(a.block_tokens, a.vocab_size)
+    outs, wall = asyncio.run(replay(reqs, a.url, speedup=a.speedup, builder=builder, model=a.model,
+                                    output_scale=a.output_scale, max_output=a.max_output,
+                                    api_key=a.api_key, progress=not a.no_progress))
+    s = summarize(outs, wall, a.ttft_slo, a.tbt_slo)
+    print(f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']}  "
+          f"failed {s['failed']}  wall {s['wall_s']:.1f}s")
+    print(f"TTFT p50 {s['ttft_s']['p50']:.4f}s p99 {s['ttft_s']['p99']:.4f}s   "
+          f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s")
+    print(f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%})  "
+          f"cached-token ratio {s['cached_token_ratio']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=2)
+    return 0
