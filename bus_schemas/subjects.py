@@ -62,3 +62,13 @@ def load_report(role: str, instance: str) -> str:
 def worker_stats(role: str, instance: str) -> str:
     """Request/reply: a worker's counters (tasks, tokens computed, prefix tokens loaded)."""
     return f"{NS}.{role}.{instance}.stats"
+
+
+def gateway_reply(gateway_id: str, request_id: str) -> str:
+    """The per-request stream subject a gateway sets as the NATS reply of a GenerateRequest."""
+    return f"{NS}.gw.{gateway_id}.{request_id}"
+
+
+def gateway_replies(gateway_id: str) -> str:
+    """One wildcard subscription covers every stream of a gateway."""
+    return f"{NS}.gw.{gateway_id}.>"

@@ -7,7 +7,7 @@ The exporter follows the standard variables: ``OTEL_TRACES_EXPORTER`` = ``jsonl`
 or ``none``. ``OTEL_SERVICE_NAME`` overrides the service name.
 """
 
-from tracing.setup import setup_tracing, shutdown_tracing, tracer
 from tracing.propagation import extract, inject
+from tracing.setup import setup_tracing, shutdown_tracing, tracer
 
 __all__ = ["setup_tracing", "shutdown_tracing", "tracer", "inject", "extract"]

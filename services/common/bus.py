@@ -25,6 +25,8 @@ from tracing import extract, inject, tracer
 log = structlog.get_logger()
 
 Handler = Callable[[Any, NatsMsg], Awaitable[Any]]
+# Called instead of the default error reply when a payload does not decode.
+BadHandler = Callable[[NatsMsg, BadMessage], Awaitable[None]]
 
 ERROR_HEADER = "Perigee-Error"
 
@@ -40,6 +42,15 @@ async def connect(url: str, name: str) -> NATS:
         reconnect_time_wait=0.2,
         error_cb=on_error,
     )
+
+
+async def sync(nc: NATS) -> None:
+    """Return once the server has processed every SUB sent so far.
+
+    nats-py writes a flush's PING straight to the socket, possibly ahead of a SUB still
+    in its buffer; the second round trip is ordered after it."""
+    await nc.flush()
+    await nc.flush()
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,11 +113,14 @@ class Subscriptions:
         queue: str = "",
         concurrent: bool = False,
         span_name: str | None = None,
+        on_bad: BadHandler | None = None,
     ) -> None:
         """Subscribe ``handler`` to ``subject``.
 
         ``concurrent`` runs each message in its own task (for handlers that wait on
-        other services); otherwise messages are handled in arrival order.
+        other services); otherwise messages are handled in arrival order. ``on_bad``
+        replaces the default ``Perigee-Error`` reply to a payload that does not decode
+        (e.g. to answer in the subject's own stream protocol).
         """
         name = span_name or subject
 
@@ -115,7 +129,12 @@ class Subscriptions:
                 obj = decode(m.data, msg_type)
             except BadMessage as e:
                 log.warning("bad_message", subject=m.subject, error=str(e))
-                if m.reply:
+                if on_bad is not None:
+                    try:
+                        await on_bad(m, e)
+                    except Exception:  # noqa: BLE001 - never let bad input kill the service
+                        log.exception("bad_message_handler_failed", subject=m.subject)
+                elif m.reply:
                     data, hdrs = error_reply("bad_request", str(e))
                     await self.nc.publish(m.reply, data, headers=hdrs)
                 return
@@ -139,6 +158,7 @@ class Subscriptions:
                 await run(m)
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=cb))
+        await sync(self.nc)
 
     async def close(self) -> None:
         for s in self._subs:

@@ -1,0 +1,198 @@
+"""The tokenizer every service loads from a model directory (``tokenizer.json`` +
+``tokenizer_config.json``, the files HuggingFace ``transformers`` reads).
+
+Encoding runs in the ``tokenizers`` package (Rust). Decoding is a table lookup: each id
+maps to its raw bytes (byte-level BPE), so detokenization is ``bytes.join`` followed by
+UTF-8 decoding. :class:`IncrementalDetokenizer` feeds those bytes through an incremental
+UTF-8 decoder, so a streamed character split across tokens is held back until it is
+complete and the text streamed equals the text decoded at once; it never emits half a
+character. Invalid byte sequences become U+FFFD, exactly as ``bytes.decode(errors=
+"replace")`` (and HF's ``decode``) would.
+
+Chat prompts render with :func:`render_chat`, the Python twin of :data:`CHAT_TEMPLATE`
+(the Jinja template shipped in ``tokenizer_config.json``). A model directory with a
+different template is rendered with ``jinja2`` when it is installed.
+"""
+
+import codecs
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from services.common.model_spec import DEFAULT_MODEL_DIR
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def render_chat(
+    messages: Iterable[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    bos_token: str = "<s>",
+    eos_token: str = "</s>",
+) -> str:
+    """:data:`CHAT_TEMPLATE` in Python; ``content`` must already be a string."""
+    parts = [bos_token]
+    for m in messages:
+        parts.append(f"<|{m['role']}|>\n{m['content']}{eos_token}\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's printable-character alias of every byte, reversed."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text out, for streaming: ``push`` returns only complete characters.
+
+    ``"".join(push(...) for each batch) + flush()`` equals ``Tokenizer.decode`` of all the
+    ids, however they were split.
+    """
+
+    __slots__ = ("_table", "_skip", "_dec", "text_len")
+
+    def __init__(self, table: Sequence[bytes], skip: frozenset[int]) -> None:
+        self._table = table
+        self._skip = skip
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text_len = 0  # characters emitted so far
+
+    def push(self, ids: Iterable[int]) -> str:
+        table, skip, n = self._table, self._skip, len(self._table)
+        data = b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
+        out = self._dec.decode(data) if data else ""
+        self.text_len += len(out)
+        return out
+
+    def flush(self) -> str:
+        """Whatever bytes are still pending (an unfinished character becomes U+FFFD)."""
+        out = self._dec.decode(b"", final=True)
+        self.text_len += len(out)
+        return out
+
+
+class Tokenizer:
+    """A model directory's tokenizer: encode (with BOS), decode, stream, chat."""
+
+    def __init__(self, hf: HFTokenizer, config: Mapping[str, Any] | None = None) -> None:
+        self._tok = hf
+        cfg = dict(config or {})
+        self.bos_token = _token_str(cfg.get("bos_token")) or "<s>"
+        self.eos_token = _token_str(cfg.get("eos_token")) or "</s>"
+        self.chat_template: str = cfg.get("chat_template") or CHAT_TEMPLATE
+        vocab = hf.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.bos_id = hf.token_to_id(self.bos_token)
+        self.eos_id = hf.token_to_id(self.eos_token)
+        byte_of = _byte_decoder()
+        special = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
+        table = [b""] * self.vocab_size
+        for tok, i in vocab.items():
+            if tok in special or any(c not in byte_of for c in tok):
+                table[i] = tok.encode("utf-8")
+            else:
+                table[i] = bytes(byte_of[c] for c in tok)
+        self._table: list[bytes] = table
+        self.special_ids = frozenset(vocab[t] for t in special if t in vocab)
+        alias = {b: c for c, b in byte_of.items()}
+        self._byte_ids = [hf.token_to_id(alias[b]) for b in range(256)]
+        self._jinja = None
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_dir(cls, model_dir: str | Path | None = None) -> "Tokenizer":
+        path = Path(model_dir) if model_dir else DEFAULT_MODEL_DIR
+        cfg_path = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), cfg)
+
+    # ---- encoding ------------------------------------------------------------------
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_bos`` prepends ``<s>`` (the tokenizer's template).
+        Special-token strings in ``text`` (``"</s>"``) become their ids, as in HF."""
+        return self._tok.encode(text, add_special_tokens=add_bos).ids
+
+    def encode_bytes(self, data: bytes, add_bos: bool = True) -> list[int]:
+        """Any bytes, valid UTF-8 or not: invalid bytes become their byte tokens."""
+        ids = [self.bos_id] if add_bos else []
+        i = 0
+        while i < len(data):
+            try:
+                ids += self.encode(data[i:].decode("utf-8"), add_bos=False)
+                break
+            except UnicodeDecodeError as e:
+                if e.start:
+                    ids += self.encode(data[i : i + e.start].decode("utf-8"), add_bos=False)
+                ids += [self._byte_ids[b] for b in data[i + e.start : i + e.end]]
+                i += e.end
+        return ids
+
+    # ---- decoding ------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._table[token_id] if 0 <= token_id < self.vocab_size else b""
+
+    def decode_bytes(self, ids: Iterable[int], skip_special_tokens: bool = False) -> bytes:
+        table, n = self._table, self.vocab_size
+        skip = self.special_ids if skip_special_tokens else frozenset()
+        return b"".join(table[i] for i in ids if 0 <= i < n and i not in skip)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self._table, self.special_ids if skip_special_tokens else frozenset()
+        )
+
+    # ---- chat ----------------------------------------------------------------------
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text for ``messages`` (each ``{"role", "content": str}``)."""
+        if self.chat_template == CHAT_TEMPLATE:
+            return render_chat(messages, add_generation_prompt, self.bos_token, self.eos_token)
+        if self._jinja is None:
+            try:
+                from jinja2.sandbox import ImmutableSandboxedEnvironment
+            except ImportError:  # pragma: no cover - depends on the environment
+                raise ValueError("this model's chat template needs jinja2 installed") from None
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._jinja = env.from_string(self.chat_template)
+        return self._jinja.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template writes ``<s>`` itself."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok

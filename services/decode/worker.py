@@ -1,0 +1,299 @@
+"""Decode instance: takes over a request whose KV prefill has shipped to this node,
+and streams its tokens.
+
+Lifecycle of a request on this instance:
+
+    TransferQueue  a DecodeTask arrives once every layer has landed in decode_tx's
+                   slots on this node's store (prefill awaited the acks); the engine
+                   loads the prompt KV from the slots (the mock verifies it), then
+                   decode_tx is committed on the store (the KV now lives in the
+                   engine) and the first token goes out with FirstTokenNotice
+      -> WaitingQueue  inside the engine, until the running batch has room (max_batch)
+      -> RunningBatch  continuous batching: Tokens as they come, then Finished
+
+CancelRequest aborts the request in the engine (Finished "abort"); a failure sends
+Error to the client and RequestFailed to the conductor; shutdown fails what is
+running with Error 503.
+"""
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.control import Refused, TxCommit, TxDoneReply
+from bus_schemas.load import DecodeLoad, WorkerStats
+from bus_schemas.placement import DecodeTask, FirstTokenNotice, RequestFailed
+from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from services.common import bus
+from services.common.hashing import num_blocks
+from services.common.kv_layout import KVLayout
+from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, SlotKV
+from tracing import tracer
+
+log = structlog.get_logger()
+
+REMEMBER_CANCELLED = 10_000
+
+
+class DecodeStore(Protocol):
+    """What this worker needs of services.store.client.StoreClient."""
+
+    def slot(self, i: int) -> memoryview: ...
+
+
+class BadTask(ValueError):
+    """A DecodeTask this instance cannot serve as placed."""
+
+
+class TxLost(RuntimeError):
+    """The store refused to commit decode_tx (lease expired, store restarted)."""
+
+
+class _Stopped(Exception):
+    """Cancelled or shut down before the request reached the running batch."""
+
+
+def classify(exc: BaseException) -> tuple[ErrorCode, str]:
+    """(code, short client message) for a failed decode."""
+    if isinstance(exc, BadTask):
+        return ErrorCode.INTERNAL, f"bad decode task: {exc}"
+    if isinstance(exc, EngineDeadError):
+        return ErrorCode.UNAVAILABLE, "decode engine is down"
+    if isinstance(exc, EngineError):
+        return ErrorCode.INTERNAL, f"decode failed: {exc}"
+    if isinstance(exc, TxLost):
+        return ErrorCode.UNAVAILABLE, f"decode kv transaction lost: {exc}"
+    if isinstance(exc, bus.RemoteError | nats.errors.NoRespondersError | TimeoutError):
+        return ErrorCode.UNAVAILABLE, "decode store unavailable"
+    return ErrorCode.INTERNAL, "decode failed: internal error"
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        nc: NATS,
+        store: DecodeStore,
+        engine: Engine,
+        *,
+        instance: str,
+        node: str,
+        layout: KVLayout,
+        report_interval: float = 0.1,
+        commit_timeout: float = 2.0,
+    ) -> None:
+        self.nc = nc
+        self.store = store
+        self.engine = engine
+        self.instance = instance
+        self.node = node
+        self.layout = layout
+        self.report_interval = report_interval
+        self.commit_timeout = commit_timeout
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
+             "kv_tokens_loaded"), 0,
+        )
+        self.dead = asyncio.Event()  # the engine died: the process should exit
+        self._subs = bus.Subscriptions(nc)
+        self._stats_sub: Any = None
+        self._active: set[str] = set()
+        self._loading = 0  # requests in the TransferQueue (KV being loaded)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._closing = False
+        self._reporter: asyncio.Task | None = None
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        await self._subs.serve(
+            subjects.decode_tasks(self.instance), DecodeTask, self._on_task,
+            concurrent=True, span_name="decode.task",
+        )
+        await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
+        self._stats_sub = await self.nc.subscribe(
+            subjects.worker_stats("decode", self.instance), cb=self._on_stats
+        )
+        self._reporter = asyncio.create_task(self._report_loop(), name="decode-load-report")
+        await self.nc.flush()
+        log.info("decode_started", instance=self.instance, node=self.node)
+
+    async def close(self) -> None:
+        """Fail every request still here with Error 503, then stop."""
+        self._closing = True
+        for rid in list(self._active):
+            self._stop_reason.setdefault(rid, (ErrorCode.UNAVAILABLE,
+                                               "decode instance shutting down"))
+            self.engine.abort(rid)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=5)
+        except TimeoutError:
+            log.warning("decode_close_timeout", active=len(self._active))
+        if self._reporter is not None:
+            self._reporter.cancel()
+            await asyncio.gather(self._reporter, return_exceptions=True)
+        if self._stats_sub is not None:
+            try:
+                await self._stats_sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone
+                pass
+        await self._subs.close()
+
+    # -- bus handlers --
+    async def _on_task(self, task: DecodeTask, msg: NatsMsg) -> None:
+        rid = task.request.request_id
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            if rid in self._cancelled:
+                await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_aborted")
+                return
+            if self._closing:
+                await self._fail(task, ErrorCode.UNAVAILABLE, "decode instance shutting down")
+                return
+            if rid in self._active:
+                log.warning("duplicate_decode_task")
+                return
+            self._active.add(rid)
+            self._idle.clear()
+            try:
+                await self._serve(task)
+            except _Stopped:
+                code, message = self._stop_reason.pop(rid, (ErrorCode.CANCELLED, "cancelled"))
+                counter = "tasks_aborted" if code == ErrorCode.CANCELLED else "tasks_failed"
+                await self._fail(task, code, message, counter=counter)
+            except Exception as e:  # noqa: BLE001 - one request's failure, not the worker's
+                self.engine.abort(rid)
+                code, message = classify(e)
+                log.warning("decode_failed", error=f"{type(e).__name__}: {e}", code=int(code))
+                await self._fail(task, code, message)
+                if isinstance(e, EngineDeadError):
+                    self.dead.set()
+            finally:
+                self._stop_reason.pop(rid, None)
+                self._active.discard(rid)
+                if not self._active:
+                    self._idle.set()
+
+    async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
+        rid = c.request_id
+        self._cancelled[rid] = None
+        while len(self._cancelled) > REMEMBER_CANCELLED:
+            self._cancelled.popitem(last=False)
+        if rid in self._active:
+            self._stop_reason.setdefault(rid, (ErrorCode.CANCELLED, f"cancelled: {c.reason}"))
+            self.engine.abort(rid)
+
+    async def _on_stats(self, msg: NatsMsg) -> None:
+        if msg.reply:
+            # "running" is a gauge beside the monotonic counters: requests in flight now.
+            stats = WorkerStats(instance=self.instance, node=self.node, role="decode",
+                                counters={**self.counters, "running": len(self._active)})
+            await self.nc.publish(msg.reply, encode(stats))
+
+    # -- one request --
+    async def _serve(self, task: DecodeTask) -> None:
+        req = task.request
+        rid, n = req.request_id, len(req.prompt_token_ids)
+        self._validate(task)
+        self._loading += 1
+        try:
+            with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
+                slots = [self.store.slot(s) for s in task.decode_tx.slots]
+                stream = await self.engine.add_request(DecodeJob(
+                    request_id=rid, prompt_token_ids=req.prompt_token_ids,
+                    first_token=task.first_token, sampling=req.sampling,
+                    kv=SlotKV(self.layout, slots, n),
+                ))
+        finally:
+            self._loading -= 1
+        self.counters["kv_tokens_loaded"] += n
+        if rid in self._stop_reason:  # cancelled while the KV was loading
+            self.engine.abort(rid)
+            raise _Stopped()
+        with tracer().start_as_current_span("decode.commit"):
+            reply = await bus.request(
+                self.nc, subjects.store_ctl(self.node, "tx.commit"),
+                TxCommit(tx_id=task.decode_tx.tx_id, request_id=rid), TxDoneReply,
+                timeout=self.commit_timeout,
+            )
+        if isinstance(reply, Refused):
+            raise TxLost(f"{reply.reason}: {reply.message}")
+        if rid in self._stop_reason:
+            self.engine.abort(rid)
+            raise _Stopped()
+        await self._emit(req.reply_subject, Tokens(request_id=rid, token_ids=[task.first_token],
+                                                   index=0))
+        await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
+            request_id=rid, prefill_node=task.prefill_node, prefill_tx_id=task.prefill_tx_id,
+            ts=time.time(),
+        ))
+        self.counters["tokens_generated"] += 1
+        index = 1
+        with tracer().start_as_current_span("decode.generate") as span:
+            while batch := await stream.next_batch():
+                await self._emit(req.reply_subject,
+                                 Tokens(request_id=rid, token_ids=batch, index=index))
+                index += len(batch)
+                self.counters["tokens_generated"] += len(batch)
+            span.set_attribute("completion_tokens", index)
+        stop = self._stop_reason.get(rid)
+        if stream.finish_reason == "abort" and stop is not None and stop[0] != ErrorCode.CANCELLED:
+            raise _Stopped()  # shutting down: the client gets Error 503, not a short answer
+        await self._emit(req.reply_subject, Finished(
+            request_id=rid, finish_reason=stream.finish_reason or "abort", prompt_tokens=n,
+            completion_tokens=index, cached_tokens=task.cached_tokens,
+        ))
+        self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
+
+    # -- helpers --
+    def _validate(self, task: DecodeTask) -> None:
+        n, bs, tx = len(task.request.prompt_token_ids), self.layout.block_size, task.decode_tx
+        if n == 0:
+            raise BadTask("empty prompt")
+        if tx.node != self.node:
+            raise BadTask(f"decode tx is on node {tx.node}, not {self.node}")
+        if tx.block_bytes != self.layout.block_bytes:
+            raise BadTask(f"decode tx blocks are {tx.block_bytes} bytes, "
+                          f"the model needs {self.layout.block_bytes}")
+        if len(tx.slots) != num_blocks(n, bs):
+            raise BadTask(f"decode tx has {len(tx.slots)} slots for {n} tokens")
+
+    async def _emit(self, subject: str, event: Any) -> None:
+        if subject:
+            await bus.publish(self.nc, subject, event)
+
+    async def _fail(self, task: DecodeTask, code: ErrorCode, message: str,
+                    counter: str = "tasks_failed") -> None:
+        req = task.request
+        self.counters[counter] += 1
+        try:
+            await self._emit(req.reply_subject,
+                             Error(request_id=req.request_id, code=code, message=message))
+            await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), RequestFailed(
+                request_id=req.request_id, prefill_node=task.prefill_node,
+                prefill_tx_id=task.prefill_tx_id, reason=message,
+            ))
+        except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
+            log.warning("fail_publish_failed", error=str(e))
+
+    async def _report_loop(self) -> None:
+        subject = subjects.load_report("decode", self.instance)
+        while not self.dead.is_set():
+            st = self.engine.stats()
+            try:
+                await bus.publish(self.nc, subject, DecodeLoad(
+                    instance=self.instance, node=self.node, batch_size=st.batch_size,
+                    waiting=st.waiting + self._loading, max_batch=self.engine.max_batch,
+                    kv_tokens=st.kv_tokens, step_time_s=st.step_time_s, ts=time.time(),
+                ))
+            except Exception as e:  # noqa: BLE001 - keep reporting through reconnects
+                log.warning("load_report_failed", error=str(e))
+            await asyncio.sleep(self.report_interval)

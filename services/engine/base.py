@@ -1,0 +1,232 @@
+"""The engine interface: what a prefill or decode worker asks of a model runner.
+
+An engine never touches NATS or the store protocol. The worker hands it a job whose
+KV lives in store slots (shared memory) behind a :class:`KVAccess`; the engine reads
+the cached prefix from there and writes the new KV there, layer by layer, calling
+``job.on_layer(layer)`` after each layer so the worker can ship that layer while the
+next one computes (paper §4.1, layer-wise prefill).
+
+How a vLLM backend maps onto this (through vLLM's KV-connector API):
+
+- ``PrefillJob.prefix_tokens`` answers the scheduler-side
+  ``get_num_new_matched_tokens``: those tokens are loaded, not computed;
+- ``KVAccess.read`` / ``KVAccess.block`` serve ``start_load_kv`` /
+  ``wait_for_layer_load`` (copy the prefix into the paged cache, per layer);
+- ``KVAccess.write`` + ``PrefillJob.on_layer`` serve ``save_kv_layer`` (copy one
+  layer out, then let the worker ship it); ``wait_for_save`` is the worker awaiting
+  its ships;
+- ``DecodeJob.kv`` is loaded whole by ``add_request`` before the request joins the
+  running batch; after ``add_request`` returns the engine no longer needs the slots.
+
+Errors: :class:`EngineError` fails one request (the engine keeps serving);
+:class:`EngineDeadError` means the engine is gone and the worker must stop.
+"""
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bus_schemas.requests import SamplingParams
+from services.common.kv_layout import KVLayout
+from services.common.model_spec import ModelSpec
+
+
+class EngineError(RuntimeError):
+    """One request failed (bad input, KV mismatch); the engine is fine."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped or crashed; no request can be served any more."""
+
+
+class KVAccess(ABC):
+    """KV of one request's token positions [0, num_tokens), per layer.
+
+    Arrays are ``[2, n, row]`` (K then V; ``row = num_kv_heads * head_dim``) in the
+    layout's dtype, exactly as :class:`~services.common.kv_layout.KVLayout` stores them.
+    """
+
+    layout: KVLayout
+    num_tokens: int
+
+    @abstractmethod
+    def read(self, layer: int, start: int, end: int) -> np.ndarray:
+        """A copy of the KV of positions [start, end) of ``layer``."""
+
+    @abstractmethod
+    def write(self, layer: int, start: int, kv: np.ndarray) -> None:
+        """Store ``kv`` ([2, n, row]) at positions [start, start + n) of ``layer``."""
+
+    @abstractmethod
+    def block(self, index: int, layer: int) -> np.ndarray:
+        """Writable ``[2, block_size, row]`` view of one block of one layer (zero copy)."""
+
+
+class SlotKV(KVAccess):
+    """KV access over store slots: ``slots[b]`` is the memoryview of block ``b``."""
+
+    def __init__(self, layout: KVLayout, slots: Sequence[memoryview], num_tokens: int) -> None:
+        if num_tokens > len(slots) * layout.block_size:
+            raise EngineError(
+                f"{num_tokens} tokens do not fit in {len(slots)} blocks of {layout.block_size}"
+            )
+        for s in slots:
+            if len(s) < layout.block_bytes:
+                raise EngineError(f"slot of {len(s)} bytes, block needs {layout.block_bytes}")
+        self.layout = layout
+        self.slots = list(slots)
+        self.num_tokens = num_tokens
+
+    def _check(self, layer: int, start: int, end: int) -> None:
+        if not 0 <= layer < self.layout.spec.num_layers:
+            raise EngineError(f"layer {layer} out of range")
+        if not 0 <= start <= end <= self.num_tokens:
+            raise EngineError(f"positions [{start}, {end}) outside [0, {self.num_tokens})")
+
+    def read(self, layer: int, start: int, end: int) -> np.ndarray:
+        self._check(layer, start, end)
+        return self.layout.read_tokens(self.slots, layer, start, end)
+
+    def write(self, layer: int, start: int, kv: np.ndarray) -> None:
+        self._check(layer, start, start + kv.shape[1])
+        self.layout.write_tokens(self.slots, layer, start, kv)
+
+    def block(self, index: int, layer: int) -> np.ndarray:
+        return self.layout.layer_view(self.slots[index], layer)
+
+
+@dataclass
+class PrefillJob:
+    """Compute the KV of ``prompt_token_ids[prefix_tokens:]`` and the first token.
+
+    The KV of positions [0, prefix_tokens) is already in ``kv`` (cached or pulled);
+    the engine reads it instead of recomputing it, and writes positions
+    [prefix_tokens, len(prompt)) of every layer. ``on_layer(layer)`` is awaited after
+    layer ``layer`` has been written, in layer order.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    prefix_tokens: int
+    sampling: SamplingParams
+    kv: KVAccess
+    on_layer: Callable[[int], Awaitable[None]] | None = None
+
+
+@dataclass
+class DecodeJob:
+    """Continue a request whose prompt KV is in ``kv`` and whose first token is known."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    first_token: int
+    sampling: SamplingParams
+    kv: KVAccess
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    batch_size: int  # requests in the running batch
+    waiting: int  # admitted to the engine, waiting for a batch slot
+    kv_tokens: int  # context tokens held by the running batch
+    step_time_s: float  # estimated time of one decode step at this batch (TBT)
+
+
+@dataclass
+class RequestStream:
+    """Tokens of one decoding request, after the first token, as they are produced.
+
+    ``async for tok in stream`` yields one token at a time; ``await next_batch()``
+    returns every token available now (waiting for at least one), ``[]`` once the
+    request has finished. ``finish_reason`` ("stop" | "length" | "abort") is set
+    when it finishes. If the engine dies the consumer gets :class:`EngineDeadError`.
+    """
+
+    request_id: str
+    finish_reason: str | None = None
+    _tokens: deque[int] = field(default_factory=deque)
+    _error: BaseException | None = None
+    _event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # -- producer side (the engine) --
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self._error is not None
+
+    def push(self, token: int) -> None:
+        self._tokens.append(token)
+        self._event.set()
+
+    def finish(self, reason: str) -> None:
+        if not self.done:
+            self.finish_reason = reason
+            self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self._error = error
+            self._event.set()
+
+    # -- consumer side (the worker) --
+    async def next_batch(self) -> list[int]:
+        while not self._tokens and not self.done:
+            self._event.clear()
+            await self._event.wait()
+        if self._tokens:
+            out = list(self._tokens)
+            self._tokens.clear()
+            return out
+        if self._error is not None:
+            raise self._error
+        return []
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> int:
+        while not self._tokens and not self.done:
+            self._event.clear()
+            await self._event.wait()
+        if self._tokens:
+            return self._tokens.popleft()
+        if self._error is not None:
+            raise self._error
+        raise StopAsyncIteration
+
+
+class Engine(ABC):
+    """A model runner. Prefill side: :meth:`prefill`. Decode side: :meth:`add_request`
+    (continuous batching inside the engine), :meth:`abort`, :meth:`stats`."""
+
+    spec: ModelSpec
+    max_batch: int
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Start background work (the decode loop). Call once before decoding."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Stop; streams still running fail with :class:`EngineDeadError`."""
+
+    @abstractmethod
+    async def prefill(self, job: PrefillJob) -> int:
+        """Run the prefill of ``job`` layer by layer; returns the first generated token."""
+
+    @abstractmethod
+    async def add_request(self, job: DecodeJob) -> RequestStream:
+        """Load the job's KV (raising :class:`EngineError` if it is unusable), queue the
+        request for the running batch and return its token stream. The first token is
+        counted against ``max_tokens`` and may finish the request at once."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Drop a decoding request; its stream finishes with "abort". False if unknown."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        """Current decode load."""

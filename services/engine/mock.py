@@ -1,0 +1,259 @@
+"""MockEngine: the paper's cost model for time, deterministic synthetic outputs for data.
+
+Prefill sleeps ``cost.prefill_time(n, prefix)`` split evenly over the layers; after
+each layer it has *read and verified* the prefix KV from the slots (a mismatch is an
+:class:`EngineError` "kv mismatch") and *written* the suffix KV, then awaits
+``job.on_layer(layer)``. Decode is one asyncio task running continuous batching:
+
+    WaitingQueue --(step boundary, batch < max_batch)--> RunningBatch --> finished
+
+each step sleeps ``cost.decode_step_time(batch, context tokens)`` and then gives one
+token to every running request. Tokens and KV come from :mod:`services.engine.synth`,
+so a disaggregated run produces exactly the tokens of one process computing
+everything from scratch. With ``speedup = inf`` nothing sleeps, but every layer and
+every step still yields to the event loop.
+"""
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from services.common.cost_model import CostModel
+from services.common.model_spec import ModelSpec
+from services.engine import synth
+from services.engine.base import (
+    DecodeJob,
+    Engine,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    KVAccess,
+    PrefillJob,
+    RequestStream,
+)
+
+log = structlog.get_logger()
+
+SleepFn = Callable[[float], Awaitable[object]]
+
+# Above this many KV elements per layer the numpy work runs in a thread, so a long
+# prompt does not stall the event loop (ships, load reports, the decode loop).
+THREAD_ELEMENTS = 1 << 18
+
+
+@dataclass
+class _Req:
+    job: DecodeJob
+    stream: RequestStream
+    h: int  # rolling hash of prompt + generated tokens
+    generated: int  # completion tokens so far, the first token included
+    context: int  # tokens of context: prompt + generated
+
+
+class MockEngine(Engine):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        cost: CostModel,
+        *,
+        max_batch: int = 128,
+        sleep: SleepFn | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.spec = spec
+        self.cost = cost
+        self.max_batch = max_batch
+        self._sleep = sleep or asyncio.sleep
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._by_id: dict[str, _Req] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._dead: EngineDeadError | None = None
+        self.steps = 0
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._decode_loop(), name="mock-decode-loop")
+
+    async def stop(self) -> None:
+        self._kill(EngineDeadError("engine stopped"))
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _kill(self, err: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = err
+        for r in list(self._by_id.values()):
+            r.stream.fail(err)
+        self._by_id.clear()
+        self._waiting.clear()
+        self._running.clear()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    async def _pause(self, seconds: float) -> None:
+        if seconds > 0:
+            await self._sleep(seconds)
+        else:
+            await asyncio.sleep(0)
+
+    # -- prefill --
+    async def prefill(self, job: PrefillJob) -> int:
+        self._check_alive()
+        prompt = np.asarray(job.prompt_token_ids, dtype=np.int64)
+        n, p = len(prompt), job.prefix_tokens
+        if n == 0:
+            raise EngineError("empty prompt")
+        if not 0 <= p <= n:
+            raise EngineError(f"prefix_tokens {p} outside [0, {n}]")
+        if n > self.spec.max_model_len:
+            raise EngineError(f"prompt of {n} tokens exceeds max_model_len {self.spec.max_model_len}")
+        if job.kv.num_tokens < n:
+            raise EngineError(f"kv holds {job.kv.num_tokens} positions, prompt has {n}")
+        hashes = synth.prefix_hashes(prompt)
+        per_layer = self.cost.prefill_time(n, p) / self.spec.num_layers
+        big = n * job.kv.layout.row * 2 >= THREAD_ELEMENTS
+        for layer in range(self.spec.num_layers):
+            if big:
+                await asyncio.to_thread(self._prefill_layer, job.kv, hashes, layer, p)
+            else:
+                self._prefill_layer(job.kv, hashes, layer, p)
+            await self._pause(per_layer)
+            self._check_alive()
+            if job.on_layer is not None:
+                await job.on_layer(layer)
+        return synth.next_token(int(hashes[-1]), self.spec.vocab_size, self.spec.eos_token_id)
+
+    def _expected(self, kv: KVAccess, hashes: np.ndarray, layer: int) -> np.ndarray:
+        return synth.layer_kv(hashes, layer, kv.layout.row, kv.layout.dtype)
+
+    def _verify(self, kv: KVAccess, hashes: np.ndarray, layer: int, end: int) -> None:
+        if end == 0:
+            return
+        got = kv.read(layer, 0, end)
+        bad = synth.first_mismatch(got, self._expected(kv, hashes[:end], layer))
+        if bad is not None:
+            raise EngineError(f"kv mismatch: layer {layer}, token {bad} of {end} loaded")
+
+    def _prefill_layer(self, kv: KVAccess, hashes: np.ndarray, layer: int, prefix: int) -> None:
+        self._verify(kv, hashes, layer, prefix)
+        if prefix < len(hashes):
+            kv.write(layer, prefix, self._expected(kv, hashes[prefix:], layer))
+
+    # -- decode --
+    async def add_request(self, job: DecodeJob) -> RequestStream:
+        self._check_alive()
+        if self._loop_task is None:
+            raise EngineDeadError("engine not started")
+        rid = job.request_id
+        if rid in self._by_id:
+            raise EngineError(f"request {rid} is already decoding")
+        prompt = np.asarray(job.prompt_token_ids, dtype=np.int64)
+        n = len(prompt)
+        if n == 0:
+            raise EngineError("empty prompt")
+        if job.kv.num_tokens < n:
+            raise EngineError(f"kv holds {job.kv.num_tokens} positions, prompt has {n}")
+        if not 0 <= job.first_token < self.spec.vocab_size:
+            raise EngineError(f"first token {job.first_token} outside the vocabulary")
+        hashes = synth.prefix_hashes(prompt)
+        if n * job.kv.layout.row * 2 >= THREAD_ELEMENTS:
+            await asyncio.to_thread(self._verify_all, job.kv, hashes, n)
+        else:
+            self._verify_all(job.kv, hashes, n)
+        self._check_alive()
+        if rid in self._by_id:
+            raise EngineError(f"request {rid} is already decoding")
+        h = synth.extend_hash(int(hashes[-1]), job.first_token)
+        req = _Req(job=job, stream=RequestStream(rid), h=h, generated=1, context=n + 1)
+        reason = self._finish_reason(req, job.first_token)
+        if reason is not None:
+            req.stream.finish(reason)
+            return req.stream
+        self._by_id[rid] = req
+        self._waiting.append(req)
+        self._wake.set()
+        return req.stream
+
+    def _verify_all(self, kv: KVAccess, hashes: np.ndarray, n: int) -> None:
+        for layer in range(self.spec.num_layers):
+            self._verify(kv, hashes, layer, n)
+
+    def _finish_reason(self, req: _Req, token: int) -> str | None:
+        s = req.job.sampling
+        if token in s.stop_token_ids:
+            return "stop"
+        if not s.ignore_eos and token == self.spec.eos_token_id:
+            return "stop"
+        if req.generated >= s.max_tokens or req.context >= self.spec.max_model_len:
+            return "length"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        req = self._by_id.pop(request_id, None)
+        if req is None:
+            return False
+        if req in self._running:
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        req.stream.finish("abort")
+        return True
+
+    def stats(self) -> EngineStats:
+        kv_tokens = sum(r.context for r in self._running)
+        return EngineStats(
+            batch_size=len(self._running),
+            waiting=len(self._waiting),
+            kv_tokens=kv_tokens,
+            step_time_s=self.cost.decode_step_time(len(self._running), kv_tokens),
+        )
+
+    async def _decode_loop(self) -> None:
+        try:
+            while True:
+                while self._waiting and len(self._running) < self.max_batch:
+                    self._running.append(self._waiting.popleft())
+                if not self._running:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                batch = list(self._running)
+                await self._pause(
+                    self.cost.decode_step_time(len(batch), sum(r.context for r in batch))
+                )
+                self.steps += 1
+                for req in batch:
+                    if self._by_id.get(req.job.request_id) is not req:
+                        continue  # aborted during the step
+                    self._step(req)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a loop bug kills the engine, loudly
+            log.exception("decode_loop_crashed")
+            self._kill(EngineDeadError(f"decode loop crashed: {type(e).__name__}: {e}"))
+
+    def _step(self, req: _Req) -> None:
+        tok = synth.next_token(req.h, self.spec.vocab_size, self.spec.eos_token_id)
+        req.h = synth.extend_hash(req.h, tok)
+        req.generated += 1
+        req.context += 1
+        req.stream.push(tok)
+        reason = self._finish_reason(req, tok)
+        if reason is not None:
+            del self._by_id[req.job.request_id]
+            self._running.remove(req)
+            req.stream.finish(reason)

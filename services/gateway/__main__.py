@@ -1,0 +1,74 @@
+"""``python -m services.gateway --nats URL --port 8000 --model-dir models/tiny-llama ...``"""
+
+import argparse
+import asyncio
+import sys
+
+from services.common.bus import connect, drain, install_signal_handlers
+from services.common.logging import configure
+from services.gateway.server import Gateway, GatewayConfig
+from tracing import setup_tracing, shutdown_tracing
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
+    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--model-dir", default=None, help="tokenizer + config.json (default models/tiny-llama)")
+    ap.add_argument("--served-model-name", default="tiny-llama")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per hashed KV block")
+    ap.add_argument("--max-prompt-tokens", type=int, default=8192)
+    ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: config.json")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--request-timeout", type=float, default=120.0,
+                    help="seconds without any event before a request fails with 504")
+    ap.add_argument("--dead-after", type=float, default=2.0,
+                    help="seconds without a load report before a worker counts as dead (503)")
+    ap.add_argument("--shutdown-grace", type=float, default=5.0,
+                    help="seconds in-flight requests get to finish on SIGTERM before a 503")
+    ap.add_argument("--gateway-id", default="", help="default: random")
+    ap.add_argument("--log-level", default="INFO")
+    return ap.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        model_dir=args.model_dir,
+        served_model_name=args.served_model_name,
+        block_size=args.block_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_tokens_limit=args.max_tokens_limit,
+        max_model_len=args.max_model_len,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        dead_after_s=args.dead_after,
+        gateway_id=args.gateway_id,
+    )
+
+
+async def amain(args: argparse.Namespace) -> int:
+    log = configure("gateway", args.log_level)
+    setup_tracing("gateway")
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    nc = await connect(args.nats, name="gateway")
+    gw = Gateway(config_from_args(args), nc)
+    await gw.start()
+    await stop.wait()
+    log.info("gateway_stopping", in_flight=gw.router.in_flight)
+    await gw.close(args.shutdown_grace)
+    await drain(nc)
+    shutdown_tracing()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(amain(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Stream events -> one HTTP response: a JSON body (:func:`collect`) or SSE (:func:`stream`).
+
+Both consume a request's events through ``next_event()`` (the server's queue reader)
+until ``finished`` or ``error``. A stream starts at the first ``tokens`` event, so an
+error before it is still a plain HTTP status; after it, an error becomes one SSE chunk
+``{"error": {...}}`` and the stream ends without ``[DONE]``. A response that ends while
+the backend may still be working (client gone, stop string, the gateway's own verdict)
+raises :class:`StopEarly`, and the server sends a CancelRequest.
+"""
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from bus_schemas.requests import Accepted, Error, Finished, StreamEvent, Tokens
+from services.gateway.output import TextOutput
+from services.gateway.protocol import (
+    ApiError,
+    ChunkWriter,
+    ParsedRequest,
+    chat_response,
+    completion_response,
+    usage,
+)
+from services.gateway.replies import LocalError
+
+NextEvent = Callable[[], Awaitable[StreamEvent]]
+
+_json = msgspec.json.Encoder()
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@dataclass
+class Outcome:
+    """What happened to one request: for the span, the log line and the metrics."""
+
+    status: int = 200
+    finish: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prefill: str = ""
+    decode: str = ""
+    ttft_s: float | None = None
+    error: str = ""
+
+    def note(self, ev: StreamEvent, t0: float) -> None:
+        if type(ev) is Accepted:
+            self.prefill, self.decode = ev.prefill_instance, ev.decode_instance
+            self.cached_tokens = ev.cached_tokens
+        elif type(ev) is Tokens and self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - t0
+
+    def finished(self, ev: Finished, text: TextOutput) -> None:
+        # prompt_tokens stays the gateway's own count (it tokenized the prompt)
+        self.finish = ev.finish_reason
+        self.completion_tokens = max(ev.completion_tokens, text.completion_tokens)
+        self.cached_tokens = ev.cached_tokens
+
+
+class StopEarly(Exception):
+    """The response ends before the backend finished; ``local``: the backend is still at
+    work (client gone, stop string, watchdog) and gets a CancelRequest."""
+
+    def __init__(self, resp: web.StreamResponse, status: int, reason: str, local: bool = True) -> None:
+        super().__init__(reason)
+        self.resp, self.status, self.reason, self.local = resp, status, reason, local
+
+
+class BackendError(ApiError):
+    """An Error event as an HTTP error; ``local``: the gateway's own verdict, the backend
+    may still hold the request."""
+
+    local: bool = False
+
+
+_CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
+
+
+def api_error(ev: Error) -> BackendError:
+    status = int(ev.code)
+    headers: dict[str, str] = {}
+    if ev.retry_after_s is not None or status == 429:
+        headers["Retry-After"] = str(max(1, math.ceil(ev.retry_after_s or 1)))
+    err = BackendError(status, ev.message, code=_CODES.get(status), headers=headers)
+    err.local = isinstance(ev, LocalError) and ev.cancel
+    return err
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, headers=headers, content_type="application/json")
+
+
+def error_response(e: ApiError) -> web.Response:
+    return json_response(e.body(), e.status, e.headers or None)
+
+
+async def collect(
+    next_event: NextEvent, p: ParsedRequest, rid: str, model: str, text: TextOutput, out: Outcome
+) -> web.Response:
+    parts: list[str] = []
+    while True:
+        ev = await next_event()
+        if isinstance(ev, Tokens):
+            parts.append(text.push(ev.token_ids, ev.index))
+            if text.stopped:
+                out.finish, out.completion_tokens = "stop", text.completion_tokens
+                break
+        elif isinstance(ev, Finished):
+            parts.append(text.finish())
+            out.finished(ev, text)
+            break
+        elif isinstance(ev, Error):
+            raise api_error(ev)
+    use = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+    build = chat_response if p.chat else completion_response
+    resp = json_response(build(rid, int(time.time()), model, "".join(parts), out.finish, use))
+    if text.stopped:  # the backend is still generating: tell it to stop
+        raise StopEarly(resp, 200, "stop string")
+    return resp
+
+
+async def stream(
+    request: web.Request, next_event: NextEvent, p: ParsedRequest, rid: str, model: str,
+    text: TextOutput, out: Outcome, write_timeout_s: float,
+) -> web.StreamResponse:
+    w = ChunkWriter(rid, int(time.time()), model, p.chat, p.include_usage)
+    resp: web.StreamResponse | None = None
+    while True:
+        ev = await next_event()
+        if isinstance(ev, Accepted):
+            continue
+        if isinstance(ev, Error):
+            err = api_error(ev)
+            if resp is None:
+                raise err
+            await try_write(resp, w.error(err), write_timeout_s)
+            await try_eof(resp)
+            raise StopEarly(resp, err.status, err.message, local=err.local)
+        buf = b""
+        if resp is None:
+            resp = web.StreamResponse(headers=SSE_HEADERS)
+            try:
+                await resp.prepare(request)
+            except (ConnectionResetError, OSError):
+                raise StopEarly(resp, 499, "client disconnected") from None
+            buf = w.role() if p.chat else b""
+        if isinstance(ev, Tokens):
+            delta = text.push(ev.token_ids, ev.index)
+            if delta:
+                buf += w.text(delta)
+            if text.stopped:
+                out.finish, out.completion_tokens = "stop", text.completion_tokens
+        elif isinstance(ev, Finished):
+            tail = text.finish()
+            if tail:
+                buf += w.text(tail)
+            out.finished(ev, text)
+        if out.finish:
+            use = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            buf += w.text("", finish=out.finish) + w.usage(use) + ChunkWriter.DONE
+        if buf and not await try_write(resp, buf, write_timeout_s):
+            raise StopEarly(resp, 499, "client disconnected")
+        if out.finish:
+            await try_eof(resp)
+            if text.stopped:
+                raise StopEarly(resp, 200, "stop string")  # cancels the backend
+            return resp
+
+
+async def try_write(resp: web.StreamResponse, data: bytes, timeout: float) -> bool:
+    """False when the client is gone (or has not read anything for ``timeout`` s)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await resp.write(data)
+        return True
+    except (ConnectionResetError, OSError, RuntimeError, TimeoutError):
+        return False
+
+
+async def try_eof(resp: web.StreamResponse) -> None:
+    try:
+        await resp.write_eof()
+    except (ConnectionResetError, OSError, RuntimeError):
+        pass

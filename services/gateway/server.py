@@ -1,0 +1,353 @@
+"""The HTTP front of perigee: OpenAI-compatible endpoints over the NATS request path.
+
+Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
+
+    READ      body, at most --max-body-bytes                    (413)
+    PARSE     OpenAI body -> ParsedRequest, model name           (400 / 404)
+    TOKENIZE  prompt -> ids (off the event loop when long); limits (400)
+    PUBLISH   GenerateRequest on perigee.requests, reply = perigee.gw.<gateway>.<rid>;
+              the reply queue is open before the publish
+    WAIT      Accepted (instances noted) ... first Tokens: a stream starts here, so any
+              error before the first token is a plain HTTP status (429 + Retry-After,
+              503, 500, 504); after it, an SSE error chunk ends the stream
+    DONE      Finished -> usage, finish_reason; [DONE]
+Client disconnect, a watchdog verdict or a stop string publishes CancelRequest.
+Responses are built in :mod:`services.gateway.responses`.
+"""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client as NATS
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent
+from services.common.clock import Clock, WallClock
+from services.common.hashing import block_hashes
+from services.common.model_spec import ModelSpec
+from services.common.tokenizer import Tokenizer
+from services.gateway.output import TextOutput
+from services.gateway.protocol import ApiError, ParsedRequest, parse_chat, parse_completion
+from services.gateway.replies import LocalError, ReplyRouter
+from services.gateway.responses import (
+    BackendError,
+    Outcome,
+    StopEarly,
+    collect,
+    error_response,
+    json_response,
+    stream,
+)
+from services.gateway.watchdog import Watchdog
+from tracing import tracer
+
+log = structlog.get_logger()
+OFFLOOP_CHARS = 4096  # tokenize longer prompts in a thread (the Rust encoder drops the GIL)
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_dir: str | None = None
+    served_model_name: str = "tiny-llama"
+    block_size: int = 32
+    max_prompt_tokens: int = 8192
+    max_tokens_limit: int = 4096
+    max_body_bytes: int = 1 << 20
+    request_timeout_s: float = 120.0
+    dead_after_s: float = 2.0
+    max_model_len: int | None = None  # None: config.json's max_position_embeddings
+    default_max_tokens: int = 16  # completions; chat defaults to what the context allows
+    sweep_interval_s: float | None = None  # None: derived; 0: no sweeper (tests sweep by hand)
+    gateway_id: str = ""
+
+
+class Gateway:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        nc: NATS,
+        tokenizer: Tokenizer | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.tok = tokenizer or Tokenizer.from_dir(cfg.model_dir)
+        self.max_model_len = cfg.max_model_len or ModelSpec.from_dir(cfg.model_dir).max_model_len
+        self.gateway_id = cfg.gateway_id or uuid.uuid4().hex[:12]
+        self.watchdog = Watchdog(clock or WallClock(), cfg.dead_after_s, cfg.request_timeout_s)
+        self.router = ReplyRouter(nc, self.gateway_id, self.watchdog)
+        # Real-time backstop behind the watchdog (whose clock may be a test's).
+        self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
+        self._created = int(time.time())
+        self._bg: set[asyncio.Task] = set()
+        self.metrics: dict[str, int] = {}
+        self.app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_text),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+        self.port: int = cfg.port
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> "Gateway":
+        interval = self.cfg.sweep_interval_s
+        if interval is None:
+            interval = min(max(min(self.cfg.dead_after_s, self.cfg.request_timeout_s) / 4, 0.05), 1.0)
+        await self.router.start(interval)
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("gateway_started", host=self.cfg.host, port=self.port, gateway_id=self.gateway_id)
+        return self
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop listening, give in-flight requests ``grace_s`` to finish, fail the rest
+        with 503 (their backends get a CancelRequest), then shut down."""
+        if self._runner is not None:
+            for site in list(self._runner.sites):
+                await site.stop()
+            if not await self.router.wait_idle(grace_s):
+                log.warning("shutdown_failing_requests", in_flight=self.router.in_flight)
+                self.router.fail_all(503, "the gateway is shutting down")
+                await self.router.wait_idle(5.0)
+            await self._runner.cleanup()
+            self._runner = None
+        await self.router.close()
+        if self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.ensure_future(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.metrics[key] = self.metrics.get(key, 0) + n
+
+    # ---- small endpoints -----------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.cfg.served_model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "perigee",
+            "root": self.cfg.served_model_name,
+            "max_model_len": self.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.nc.is_connected
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "gateway_id": self.gateway_id,
+            "in_flight": self.router.in_flight,
+            "live_instances": len(self.watchdog.liveness.alive_instances()),
+        }
+        return json_response(body, 200 if ok else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        lines = [f"perigee_gateway_in_flight {self.router.in_flight}"]
+        for k, v in sorted(self.metrics.items()):
+            name, _, status = k.partition(":")
+            label = f'{{status="{status}"}}' if status else ""
+            lines.append(f"perigee_gateway_{name}{label} {v}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    # ---- generation ----------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.cfg.max_body_bytes
+        too_big = ApiError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in request.content.iter_any():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _tokenize(self, p: ParsedRequest) -> list[int]:
+        if p.prompt_ids is not None:
+            return p.prompt_ids
+        if p.chat:
+            text = self.tok.apply_chat_template(p.messages or [])
+            add_bos = False  # the template writes <s>
+        else:
+            text, add_bos = p.prompt_text or "", True
+        if len(text) <= OFFLOOP_CHARS:
+            return self.tok.encode(text, add_bos=add_bos)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.tok.encode, text, add_bos)
+
+    def _max_tokens(self, p: ParsedRequest, n: int) -> int:
+        cfg, where = self.cfg, "messages" if p.chat else "prompt"
+        if n > cfg.max_prompt_tokens:
+            raise ApiError(
+                400, f"the prompt has {n} tokens; this server accepts at most {cfg.max_prompt_tokens}",
+                param=where, code="context_length_exceeded",
+            )
+        mt = p.max_tokens
+        name = "max_completion_tokens" if p.chat else "max_tokens"
+        if mt is None:
+            mt = min(cfg.max_tokens_limit, self.max_model_len - n) if p.chat else cfg.default_max_tokens
+        if mt < 1 and p.max_tokens is not None:
+            raise ApiError(400, f"{name} must be at least 1", param=name)
+        if mt > cfg.max_tokens_limit:
+            raise ApiError(400, f"{name} is {mt}; this server allows at most {cfg.max_tokens_limit}", param=name)
+        if mt < 1 or n + mt > self.max_model_len:
+            raise ApiError(
+                400,
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"has {n} prompt tokens and asks for {max(mt, 1)} more",
+                param=where, code="context_length_exceeded",
+            )
+        return mt
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            data = await self._read_body(request)
+            p = (parse_chat if chat else parse_completion)(data, self.tok.vocab_size)
+            if p.model is not None and p.model != self.cfg.served_model_name:
+                raise ApiError(404, f"the model `{p.model}` does not exist", param="model", code="model_not_found")
+            ids = await self._tokenize(p)
+            max_tokens = self._max_tokens(p, len(ids))
+        except ApiError as e:
+            self._count(f"requests_total:{e.status}")
+            log.info("request_rejected", status=e.status, error=e.message, param=e.param)
+            return error_response(e)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        attrs = {
+            "gen_ai.operation.name": "chat" if chat else "text_completion",
+            "gen_ai.system": "perigee",
+            "gen_ai.request.model": self.cfg.served_model_name,
+            "gen_ai.request.max_tokens": max_tokens,
+            "gen_ai.request.temperature": p.temperature,
+            "gen_ai.request.top_p": p.top_p,
+            "gen_ai.response.id": rid,
+            "gen_ai.usage.input_tokens": len(ids),
+        }
+        with (
+            structlog.contextvars.bound_contextvars(request_id=rid),
+            tracer().start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes=attrs) as span,
+        ):
+            out = Outcome(prompt_tokens=len(ids))
+            try:
+                return await self._run(request, p, ids, max_tokens, rid, out, t0)
+            finally:
+                self._finish(span, out, t0)
+
+    async def _run(
+        self, request: web.Request, p: ParsedRequest, ids: list[int], max_tokens: int,
+        rid: str, out: Outcome, t0: float,
+    ) -> web.StreamResponse:
+        bs = self.cfg.block_size
+        gen = GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling=SamplingParams(
+                max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+            ),
+            block_size=bs,
+            block_hashes=block_hashes(ids, bs),
+            model=self.cfg.served_model_name,
+            arrival_ts=time.time(),
+            reply_subject=self.router.reply_subject(rid),
+        )
+        q = self.router.open(rid)
+        text = TextOutput(self.tok.detokenizer(), p.stop)
+        cancel_reason = ""  # set when the backend may still be working and must be told
+        try:
+            try:
+                await self.router.send(gen)
+            except Exception as e:  # noqa: BLE001 - NATS down or closing
+                raise ApiError(503, f"message bus unavailable: {e}", code="service_unavailable") from None
+            model = self.cfg.served_model_name
+
+            async def next_event() -> StreamEvent:
+                ev = await self._next(q, rid)
+                out.note(ev, t0)
+                return ev
+
+            if p.stream:
+                return await stream(request, next_event, p, rid, model, text, out, self._guard_s)
+            return await collect(next_event, p, rid, model, text, out)
+        except ApiError as e:
+            out.status, out.error = e.status, e.message
+            if isinstance(e, BackendError) and e.local:
+                cancel_reason = e.message
+            return error_response(e)
+        except StopEarly as e:
+            out.status = e.status
+            out.error = e.reason if e.status >= 400 else ""
+            if e.local:
+                cancel_reason = e.reason
+            return e.resp
+        except asyncio.CancelledError:
+            out.status, out.error = 499, "client disconnected"
+            cancel_reason = out.error
+            raise
+        finally:
+            self.router.close_request(rid)
+            if cancel_reason:
+                self._spawn(self.router.cancel(rid, cancel_reason))
+
+    async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
+        if not q.empty():
+            return q.get_nowait()
+        try:
+            async with asyncio.timeout(self._guard_s):
+                return await q.get()
+        except TimeoutError:
+            return LocalError(request_id=rid, code=504, message="no response from the serving backend")
+
+    def _finish(self, span: trace.Span, out: Outcome, t0: float) -> None:
+        span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
+        span.set_attribute("http.response.status_code", out.status)
+        if out.finish:
+            span.set_attribute("gen_ai.response.finish_reasons", [out.finish])
+        if out.cached_tokens:
+            span.set_attribute("perigee.cached_tokens", out.cached_tokens)
+        if out.decode:
+            span.set_attribute("perigee.prefill_instance", out.prefill)
+            span.set_attribute("perigee.decode_instance", out.decode)
+        if out.ttft_s is not None:
+            span.set_attribute("perigee.ttft_s", out.ttft_s)
+        if out.status >= 400:
+            span.set_status(Status(StatusCode.ERROR, out.error))
+        self._count(f"requests_total:{out.status}")
+        self._count("prompt_tokens_total", out.prompt_tokens)
+        self._count("completion_tokens_total", out.completion_tokens)
+        self._count("cached_tokens_total", out.cached_tokens)
+        log.info(
+            "request_done", status=out.status, finish_reason=out.finish or None,
+            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens, prefill=out.prefill or None, decode=out.decode or None,
+            ttft_ms=None if out.ttft_s is None else round(out.ttft_s * 1e3, 3),
+            e2e_ms=round((time.perf_counter() - t0) * 1e3, 3), error=out.error or None,
+        )

@@ -1,0 +1,134 @@
+"""Fails in-flight requests whose worker died or whose backend went quiet. Pure.
+
+A tracked request moves through three stages:
+
+    QUEUED   (published, nothing heard)    -> only the idle timeout applies
+    PREFILL  (Accepted, no token yet)      -> prefill and decode instance must be alive
+    DECODE   (first Tokens seen)           -> decode instance must be alive
+
+An instance is alive while it published a load report (or streamed tokens) within
+``dead_after_s`` (:class:`services.common.liveness.Liveness`). An instance named by
+Accepted that never reported is treated as first seen at that moment, so a worker
+that never reports is declared dead ``dead_after_s`` later rather than never. Before
+the first token the decode instance is checked too: it holds the request's KV slots
+and would produce the first token, so its death dooms the request as surely.
+
+Independently, a request with no event at all for ``request_timeout_s`` times out.
+:meth:`Watchdog.sweep` returns the verdicts and stops tracking those requests.
+"""
+
+from dataclasses import dataclass
+
+from bus_schemas.requests import ErrorCode
+from services.common.clock import Clock
+from services.common.liveness import Liveness
+
+
+@dataclass(slots=True)
+class _Tracked:
+    last_event: float
+    prefill: str = ""
+    decode: str = ""
+    decoding: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    request_id: str
+    code: ErrorCode
+    message: str
+
+
+class Watchdog:
+    def __init__(self, clock: Clock, dead_after_s: float = 2.0, request_timeout_s: float = 120.0) -> None:
+        self.clock = clock
+        self.dead_after_s = dead_after_s
+        self.request_timeout_s = request_timeout_s
+        self.liveness = Liveness(clock, dead_after_s)
+        self._reqs: dict[str, _Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    # ---- feeds ---------------------------------------------------------------------
+    def seen(self, instance: str) -> None:
+        """A load report (or any sign of life) from ``instance``."""
+        self.liveness.seen(instance)
+
+    def track(self, request_id: str) -> None:
+        self._reqs[request_id] = _Tracked(last_event=self.clock.now())
+
+    def untrack(self, request_id: str) -> None:
+        self._reqs.pop(request_id, None)
+
+    def accepted(self, request_id: str, prefill_instance: str, decode_instance: str) -> None:
+        r = self._reqs.get(request_id)
+        if r is None:
+            return
+        r.last_event = self.clock.now()
+        r.prefill, r.decode = prefill_instance, decode_instance
+        for inst in (prefill_instance, decode_instance):
+            if inst and not self.liveness.known(inst):
+                self.liveness.seen(inst)
+
+    def tokens(self, request_id: str) -> None:
+        r = self._reqs.get(request_id)
+        if r is None:
+            return
+        r.last_event = self.clock.now()
+        r.decoding = True
+        if r.decode:
+            self.liveness.seen(r.decode)
+
+    def event(self, request_id: str) -> None:
+        """Any other event for the request (it is not idle)."""
+        r = self._reqs.get(request_id)
+        if r is not None:
+            r.last_event = self.clock.now()
+
+    # ---- verdicts ------------------------------------------------------------------
+    def stage(self, request_id: str) -> str:
+        r = self._reqs.get(request_id)
+        if r is None:
+            return "untracked"
+        return "decode" if r.decoding else "prefill" if (r.prefill or r.decode) else "queued"
+
+    def _dead(self, r: _Tracked) -> tuple[str, str] | None:
+        if r.decoding:
+            suspects = (("decode", r.decode),)
+        else:
+            suspects = (("prefill", r.prefill), ("decode", r.decode))
+        for role, inst in suspects:
+            if inst and not self.liveness.alive(inst):
+                return role, inst
+        return None
+
+    def sweep(self) -> list[Verdict]:
+        now = self.clock.now()
+        out: list[Verdict] = []
+        for rid, r in self._reqs.items():
+            dead = self._dead(r)
+            if dead is not None:
+                role, inst = dead
+                out.append(
+                    Verdict(
+                        rid,
+                        ErrorCode.UNAVAILABLE,
+                        f"{role} instance {inst} stopped responding "
+                        f"(silent for more than {self.dead_after_s:g} s); request aborted",
+                    )
+                )
+            elif now - r.last_event > self.request_timeout_s:
+                out.append(
+                    Verdict(
+                        rid,
+                        ErrorCode.TIMEOUT,
+                        f"no response from the serving backend for {self.request_timeout_s:g} s",
+                    )
+                )
+        for v in out:
+            del self._reqs[v.request_id]
+        return out

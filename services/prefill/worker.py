@@ -1,0 +1,368 @@
+"""Prefill instance: turns a placed PrefillTask into KV on the decode node and a
+DecodeTask, one request at a time.
+
+Lifecycle of a request on this instance:
+
+    WaitingQueue   FIFO of PrefillTasks (:class:`~services.prefill.queue.PrefillQueue`)
+      -> Computing pull the remote prefix into prefill_tx slots (if placed so);
+                   engine.prefill reads the cached prefix KV from the slots and writes
+                   the suffix KV layer by layer; after each layer the node's store ships
+                   that layer of every block >= decode_tx.hit_blocks into decode_tx's
+                   slots, overlapping the later layers
+      -> Handoff   every ship acked -> DecodeTask(first_token) on decode_tasks(instance)
+
+A failure anywhere (or a cancel, or shutdown) sends Error to the client's reply
+subject and RequestFailed to the conductor, which rolls both transactions back.
+"""
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from opentelemetry import context as otel_context
+
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.control import TxHandle
+from bus_schemas.load import PrefillLoad, WorkerStats
+from bus_schemas.placement import DecodeTask, PrefillTask, RemotePrefix, RequestFailed
+from bus_schemas.requests import CancelRequest, Error, ErrorCode
+from services.common import bus
+from services.common.clock import Clock, WallClock
+from services.common.cost_model import CostModel
+from services.common.hashing import num_blocks
+from services.common.kv_layout import KVLayout
+from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
+from services.store.client import TransferError
+from tracing import tracer
+
+log = structlog.get_logger()
+
+REMEMBER_CANCELLED = 10_000
+
+
+class PrefillStore(Protocol):
+    """What this worker needs of services.store.client.StoreClient."""
+
+    def slot(self, i: int) -> memoryview: ...
+    async def ship_layer(
+        self, src: TxHandle, dst: TxHandle, layer: int, blocks: list[int], layer_bytes: int,
+        layer_offset: int,
+    ) -> None: ...
+    async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None: ...
+
+
+@dataclass
+class _Meta:
+    ctx: Any  # trace context of the consumer span that received the task
+    enqueued_ns: int
+
+
+def classify(exc: BaseException) -> tuple[ErrorCode, str]:
+    """(code, short client message) for a failed prefill."""
+    if isinstance(exc, BadTask):
+        return ErrorCode.INTERNAL, f"bad prefill task: {exc}"
+    if isinstance(exc, EngineDeadError):
+        return ErrorCode.UNAVAILABLE, "prefill engine is down"
+    if isinstance(exc, EngineError):
+        return ErrorCode.INTERNAL, f"prefill failed: {exc}"
+    if isinstance(exc, TransferError | TimeoutError | ConnectionError):
+        return ErrorCode.UNAVAILABLE, f"kv transfer failed: {exc}"
+    return ErrorCode.INTERNAL, "prefill failed: internal error"
+
+
+class PrefillWorker:
+    def __init__(
+        self,
+        nc: NATS,
+        store: PrefillStore,
+        engine: Engine,
+        *,
+        instance: str,
+        node: str,
+        layout: KVLayout,
+        cost: CostModel,
+        clock: Clock | None = None,
+        report_interval: float = 0.1,
+    ) -> None:
+        self.nc = nc
+        self.store = store
+        self.engine = engine
+        self.instance = instance
+        self.node = node
+        self.layout = layout
+        self.cost = cost
+        self.report_interval = report_interval
+        self.queue = PrefillQueue(cost, clock or WallClock(), layout.block_size)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("tasks_done", "tasks_failed", "tasks_cancelled", "computed_tokens",
+             "prefix_tokens_loaded", "remote_tokens_pulled"), 0,
+        )
+        self.dead = asyncio.Event()  # the engine died: the process should exit
+        self._subs = bus.Subscriptions(nc)
+        self._stats_sub: Any = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._current: asyncio.Task | None = None
+        self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle --
+    async def start(self) -> None:
+        await self._subs.serve(
+            subjects.prefill_tasks(self.instance), PrefillTask, self._on_task,
+            span_name="prefill.task",
+        )
+        await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
+        self._stats_sub = await self.nc.subscribe(
+            subjects.worker_stats("prefill", self.instance), cb=self._on_stats
+        )
+        self._tasks = [
+            asyncio.create_task(self._run(), name="prefill-run"),
+            asyncio.create_task(self._report_loop(), name="prefill-load-report"),
+        ]
+        await self.nc.flush()
+        log.info("prefill_started", instance=self.instance, node=self.node)
+
+    async def close(self) -> None:
+        """Fail what is queued or running (503) so no accepted request is lost, then stop."""
+        self._closing = True
+        for item in self.queue.waiting:
+            self.queue.remove(item.request_id)
+            await self._fail(item.task, ErrorCode.UNAVAILABLE, "prefill instance shutting down")
+        running = self.queue.running
+        if self._current is not None and running is not None:
+            self._stop_reason[running.request_id] = (
+                ErrorCode.UNAVAILABLE, "prefill instance shutting down",
+            )
+            self._current.cancel()
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=5)
+            except TimeoutError:
+                log.warning("prefill_close_timeout")
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._stats_sub is not None:
+            try:
+                await self._stats_sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone
+                pass
+        await self._subs.close()
+
+    # -- bus handlers --
+    async def _on_task(self, task: PrefillTask, msg: NatsMsg) -> None:
+        rid = task.request.request_id
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            if rid in self._cancelled:
+                await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_cancelled")
+                return
+            if self._closing:
+                await self._fail(task, ErrorCode.UNAVAILABLE, "prefill instance shutting down")
+                return
+            try:
+                self._validate(task)
+                self.queue.push(task, _Meta(otel_context.get_current(), time.time_ns()))
+            except BadTask as e:
+                log.warning("bad_prefill_task", error=str(e))
+                await self._fail(task, *classify(e))
+                return
+            log.debug("prefill_queued", queue_len=len(self.queue))
+            self._wake.set()
+
+    async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
+        rid = c.request_id
+        self._cancelled[rid] = None
+        while len(self._cancelled) > REMEMBER_CANCELLED:
+            self._cancelled.popitem(last=False)
+        item = self.queue.remove(rid)
+        if item is not None:
+            self._end_queue_span(item)
+            await self._fail(item.task, ErrorCode.CANCELLED, f"cancelled: {c.reason}",
+                             counter="tasks_cancelled")
+            return
+        running = self.queue.running
+        if running is not None and running.request_id == rid and self._current is not None:
+            self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
+            self._current.cancel()
+
+    async def _on_stats(self, msg: NatsMsg) -> None:
+        if msg.reply:
+            stats = WorkerStats(instance=self.instance, node=self.node, role="prefill",
+                                counters=dict(self.counters))
+            await self.nc.publish(msg.reply, encode(stats))
+
+    # -- the queue runner --
+    async def _run(self) -> None:
+        while True:
+            item = self.queue.pop()
+            if item is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._idle.clear()
+            rid = item.request_id
+            try:
+                self._end_queue_span(item)
+                self._current = asyncio.create_task(self._process(item), name=f"prefill:{rid}")
+                await asyncio.wait({self._current})
+                task, self._current = self._current, None
+                self.queue.done(rid)
+                with structlog.contextvars.bound_contextvars(request_id=rid):
+                    await self._settle(item, task)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug here must not stop the queue
+                log.exception("prefill_runner_error", request_id=rid)
+                self.queue.done(rid)
+            finally:
+                self._idle.set()
+
+    async def _settle(self, item: QueuedPrefill, task: asyncio.Task) -> None:
+        stop = self._stop_reason.pop(item.request_id, None)
+        if task.cancelled() or stop is not None:
+            code, message = stop or (ErrorCode.UNAVAILABLE, "prefill interrupted")
+            counter = "tasks_cancelled" if code == ErrorCode.CANCELLED else "tasks_failed"
+            await self._fail(item.task, code, message, counter=counter)
+            return
+        exc = task.exception()
+        if exc is None:
+            self.counters["tasks_done"] += 1
+            return
+        code, message = classify(exc)
+        log.warning("prefill_failed", error=f"{type(exc).__name__}: {exc}", code=int(code))
+        await self._fail(item.task, code, message)
+        if isinstance(exc, EngineDeadError):
+            self.dead.set()
+
+    async def _process(self, item: QueuedPrefill) -> None:
+        token = otel_context.attach(item.meta.ctx)
+        try:
+            with structlog.contextvars.bound_contextvars(request_id=item.request_id):
+                await self._prefill(item)
+        finally:
+            otel_context.detach(token)
+
+    async def _prefill(self, item: QueuedPrefill) -> None:
+        task, req = item.task, item.task.request
+        n, p, bs = item.prompt_tokens, item.prefix_tokens, self.layout.block_size
+        r = task.remote
+        if r is not None and r.num_blocks > 0:
+            with tracer().start_as_current_span(
+                "prefill.load_prefix",
+                attributes={"source_node": r.source_node, "blocks": r.num_blocks},
+            ):
+                await self.store.pull(task.prefill_tx, r)
+            pulled = min(n, (r.first_block + r.num_blocks) * bs) - min(n, r.first_block * bs)
+            self.counters["remote_tokens_pulled"] += pulled
+        slots = [self.store.slot(s) for s in task.prefill_tx.slots]
+        kv = SlotKV(self.layout, slots, n)
+        blocks = [b for b in range(len(slots)) if b >= task.decode_tx.hit_blocks]
+        ships: list[asyncio.Task] = []
+        ship_span: Any = None
+
+        async def on_layer(layer: int) -> None:
+            nonlocal ship_span
+            for s in ships:  # fail fast: a dead peer stops the compute too
+                if s.done() and not s.cancelled() and s.exception() is not None:
+                    raise s.exception()
+            if not blocks:
+                return
+            if ship_span is None:
+                ship_span = tracer().start_span(
+                    "prefill.ship", context=item.meta.ctx,
+                    attributes={"blocks": len(blocks), "decode_node": task.decode_tx.node},
+                )
+            start, end = self.layout.layer_span(layer)
+            ships.append(asyncio.create_task(self.store.ship_layer(
+                task.prefill_tx, task.decode_tx, layer, blocks, end - start, start,
+            )))
+
+        job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                         prefix_tokens=p, sampling=req.sampling, kv=kv, on_layer=on_layer)
+        try:
+            with tracer().start_as_current_span(
+                "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
+            ):
+                first = await self.engine.prefill(job)
+            if ships:
+                await asyncio.gather(*ships)
+        finally:
+            for s in ships:
+                s.cancel()
+            await asyncio.gather(*ships, return_exceptions=True)
+            if ship_span is not None:
+                ship_span.end()
+        self.counters["computed_tokens"] += n - p
+        self.counters["prefix_tokens_loaded"] += p
+        await bus.publish(self.nc, subjects.decode_tasks(task.decode_instance), DecodeTask(
+            request=req,
+            conductor_id=task.conductor_id,
+            prefill_instance=self.instance,
+            prefill_node=self.node,
+            prefill_tx_id=task.prefill_tx.tx_id,
+            decode_tx=task.decode_tx,
+            first_token=first,
+            cached_tokens=p,
+            prefill_done_ts=time.time(),
+        ))
+        log.debug("prefill_done", prefix_tokens=p, computed_tokens=n - p, first_token=first)
+
+    # -- helpers --
+    def _validate(self, task: PrefillTask) -> None:
+        req, bs = task.request, self.layout.block_size
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise BadTask("empty prompt")
+        if task.prefill_tx.node != self.node:
+            raise BadTask(f"prefill tx is on node {task.prefill_tx.node}, not {self.node}")
+        if req.block_size not in (0, bs):
+            raise BadTask(f"request block size {req.block_size}, instance uses {bs}")
+        for name, tx in (("prefill", task.prefill_tx), ("decode", task.decode_tx)):
+            if tx.block_bytes != self.layout.block_bytes:
+                raise BadTask(f"{name} tx blocks are {tx.block_bytes} bytes, "
+                              f"the model needs {self.layout.block_bytes}")
+            if len(tx.slots) != num_blocks(n, bs):
+                raise BadTask(f"{name} tx has {len(tx.slots)} slots for {n} tokens")
+
+    def _end_queue_span(self, item: QueuedPrefill) -> None:
+        span = tracer().start_span("prefill.queue", context=item.meta.ctx,
+                                   start_time=item.meta.enqueued_ns)
+        span.end()
+
+    async def _fail(self, task: PrefillTask, code: ErrorCode, message: str,
+                    counter: str = "tasks_failed") -> None:
+        req = task.request
+        self.counters[counter] += 1
+        try:
+            if req.reply_subject:
+                await bus.publish(self.nc, req.reply_subject,
+                                  Error(request_id=req.request_id, code=code, message=message))
+            await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), RequestFailed(
+                request_id=req.request_id, prefill_node=self.node,
+                prefill_tx_id=task.prefill_tx.tx_id, reason=message,
+            ))
+        except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
+            log.warning("fail_publish_failed", error=str(e))
+
+    async def _report_loop(self) -> None:
+        subject = subjects.load_report("prefill", self.instance)
+        while not self.dead.is_set():
+            qlen, qtokens, work = self.queue.load()
+            try:
+                await bus.publish(self.nc, subject, PrefillLoad(
+                    instance=self.instance, node=self.node, queue_len=qlen,
+                    queued_tokens=qtokens, queued_work_s=work, ts=time.time(),
+                ))
+            except Exception as e:  # noqa: BLE001 - keep reporting through reconnects
+                log.warning("load_report_failed", error=str(e))
+            await asyncio.sleep(self.report_interval)

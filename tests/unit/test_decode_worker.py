@@ -1,0 +1,161 @@
+"""DecodeWorker in-process on a real nats-server: DecodeTasks published directly."""
+
+import asyncio
+
+import pytest
+from conftest_fakestore import Rig, slot_kv, tokens_of, until_terminal, write_expected
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import Refused
+from bus_schemas.load import DecodeLoad
+from bus_schemas.placement import DecodeTask, FirstTokenNotice, RequestFailed
+from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+
+
+def decode_task(rig: Rig, prompt, *, max_tokens=8, write_kv=True, **sampling) -> DecodeTask:
+    """A DecodeTask whose prompt KV already sits in decode_tx's slots (prefill done)."""
+    t = rig.task(prompt, max_tokens=max_tokens, **sampling)
+    if write_kv:
+        write_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, len(prompt)), prompt, 0,
+                       len(prompt))
+    return DecodeTask(request=t.request, conductor_id=rig.cid, prefill_instance=rig.pi,
+                      prefill_node=rig.pn, prefill_tx_id=t.prefill_tx.tx_id,
+                      decode_tx=t.decode_tx, first_token=rig.reference(prompt, 1)[0],
+                      cached_tokens=5)
+
+
+async def send(rig: Rig, dt: DecodeTask) -> asyncio.Queue:
+    q = await rig.listen(dt)
+    await rig.tnc.publish(subjects.decode_tasks(rig.di), encode(dt))
+    return q
+
+
+async def cancel(rig: Rig, rid: str) -> None:
+    await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=rid)))
+
+
+@pytest.fixture
+async def rig(nats_url):
+    r = await Rig().start(nats_url)
+    yield r
+    await r.close()
+
+
+@pytest.fixture
+async def slow_rig(nats_url):
+    r = await Rig(speedup=1.0).start(nats_url)  # ~9 ms per decode step
+    yield r
+    await r.close()
+
+
+async def test_concurrent_requests_each_get_their_reference_tokens(rig):
+    prompts = [rig.prompt(20 + 13 * i, seed=i) for i in range(5)]
+    dts = [decode_task(rig, p, max_tokens=4 + i) for i, p in enumerate(prompts)]
+    queues = [await send(rig, dt) for dt in dts]
+    for i, (p, q) in enumerate(zip(prompts, queues, strict=True)):
+        events = await until_terminal(q)
+        assert tokens_of(events) == rig.reference(p, 4 + i)
+        assert events[-1] == Finished(request_id=dts[i].request.request_id,
+                                      finish_reason="length", prompt_tokens=len(p),
+                                      completion_tokens=4 + i, cached_tokens=5)
+    notices = [await asyncio.wait_for(rig.conductor.get(), 5) for _ in dts]
+    assert all(isinstance(n, FirstTokenNotice) for n in notices)
+    assert {n.prefill_tx_id for n in notices} == {dt.prefill_tx_id for dt in dts}
+    assert sorted(c.tx_id for c in rig.commits) == sorted(dt.decode_tx.tx_id for dt in dts)
+
+
+async def test_max_tokens_one_and_stop_token(rig):
+    p = rig.prompt(40, seed=20)
+    ref = rig.reference(p, 10)
+    events = await until_terminal(await send(rig, decode_task(rig, p, max_tokens=1)))
+    assert [type(e) for e in events] == [Tokens, Finished]
+    assert events[0].token_ids == [ref[0]] and events[1].completion_tokens == 1
+    k = next(i for i in range(1, 10) if ref[i] not in ref[:i])
+    dt = decode_task(rig, p, max_tokens=10, stop_token_ids=[ref[k]])
+    events = await until_terminal(await send(rig, dt))
+    assert tokens_of(events) == ref[: k + 1]
+    assert events[-1].finish_reason == "stop" and events[-1].completion_tokens == k + 1
+
+
+async def test_cancel_mid_stream_finishes_with_abort(slow_rig):
+    rig = slow_rig
+    dt = decode_task(rig, rig.prompt(30, seed=21), max_tokens=100_000)
+    q = await send(rig, dt)
+    events = []
+    while not (events and isinstance(events[-1], Tokens) and events[-1].index >= 1):
+        events.append(await asyncio.wait_for(q.get(), 5))
+    await cancel(rig, dt.request.request_id)
+    events += await until_terminal(q)
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "abort"
+    assert fin.completion_tokens == len(tokens_of(events)) >= 2
+    c = await rig.stats("decode", rig.di)
+    assert (c["tasks_aborted"], c["tasks_done"], c["tokens_generated"]) == (
+        1, 0, fin.completion_tokens)
+    assert rig.dengine.stats().batch_size == 0
+
+
+async def test_load_report_shows_the_running_batch(slow_rig):
+    rig = slow_rig
+    loads: asyncio.Queue = asyncio.Queue()
+
+    async def on_load(m):
+        await loads.put(decode(m.data, DecodeLoad))
+
+    await rig.tnc.subscribe(subjects.load_report("decode", rig.di), cb=on_load)
+    dt = decode_task(rig, rig.prompt(30, seed=22), max_tokens=100_000)
+    q = await send(rig, dt)
+    await asyncio.wait_for(q.get(), 5)
+    while (load := await asyncio.wait_for(loads.get(), 5)).batch_size != 1:
+        pass
+    assert (load.instance, load.node, load.max_batch) == (rig.di, rig.dn, 8)
+    assert load.kv_tokens > 30 and load.step_time_s == rig.cost.decode_step_time(1, load.kv_tokens)
+    await cancel(rig, dt.request.request_id)
+    assert (await until_terminal(q))[-1].finish_reason == "abort"
+
+
+async def test_kv_mismatch_fails_without_commit(rig):
+    dt = decode_task(rig, rig.prompt(50, seed=23), write_kv=False)
+    (err,) = await until_terminal(await send(rig, dt))
+    assert isinstance(err, Error) and err.code == ErrorCode.INTERNAL
+    assert err.message == "decode failed: kv mismatch: layer 0, token 0 of 50 loaded"
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == dt.prefill_tx_id
+    assert rig.commits == []
+    assert (await rig.stats("decode", rig.di))["tasks_failed"] == 1
+
+
+async def test_refused_commit_is_a_503(nats_url):
+    rig = await Rig(commit_reply=Refused(reason="unknown_tx", message="lease expired")).start(
+        nats_url)
+    try:
+        dt = decode_task(rig, rig.prompt(33, seed=24))
+        (err,) = await until_terminal(await send(rig, dt))
+        assert err.code == ErrorCode.UNAVAILABLE
+        assert err.message == "decode kv transaction lost: unknown_tx: lease expired"
+        assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+        assert rig.dengine.stats().batch_size + rig.dengine.stats().waiting == 0
+    finally:
+        await rig.close()
+
+
+async def test_cancel_before_the_task_arrives_drops_it(rig):
+    dt = decode_task(rig, rig.prompt(20, seed=25))
+    await cancel(rig, dt.request.request_id)
+    (err,) = await until_terminal(await send(rig, dt))
+    assert err.code == ErrorCode.CANCELLED
+    assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+
+
+async def test_shutdown_fails_running_requests_with_503(nats_url):
+    rig = await Rig(speedup=1.0).start(nats_url)
+    dt = decode_task(rig, rig.prompt(30, seed=26), max_tokens=100_000)
+    q = await send(rig, dt)
+    first = await asyncio.wait_for(q.get(), 5)
+    assert isinstance(first, Tokens)
+    await rig.decode.close()
+    events = await until_terminal(q)
+    assert isinstance(events[-1], Error) and events[-1].code == ErrorCode.UNAVAILABLE
+    assert events[-1].message == "decode instance shutting down"
+    await rig.close()

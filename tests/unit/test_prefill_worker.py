@@ -1,0 +1,190 @@
+"""PrefillWorker and DecodeWorker in-process on a real nats-server, with fake stores."""
+
+import asyncio
+
+import msgspec
+import pytest
+from conftest_fakestore import Rig, assert_expected, slot_kv, tokens_of, until_terminal
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.load import PrefillLoad
+from bus_schemas.placement import FirstTokenNotice, RequestFailed
+from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+
+
+@pytest.fixture
+async def rig(nats_url):
+    r = await Rig().start(nats_url)
+    yield r
+    await r.close()
+
+
+async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
+    prompt = rig.prompt(100, seed=1)  # 3 full blocks + a 4-token tail
+    t = rig.task(prompt, p_hit=1, d_hit=1, max_tokens=7)
+    events = await until_terminal(await rig.submit(t))
+
+    dt = await asyncio.wait_for(rig.decode_tasks.get(), 5)
+    ref = rig.reference(prompt, 7)
+    assert dt.request == t.request and dt.decode_tx == t.decode_tx
+    assert (dt.conductor_id, dt.prefill_instance, dt.prefill_node) == (rig.cid, rig.pi, rig.pn)
+    assert dt.prefill_tx_id == t.prefill_tx.tx_id
+    assert dt.first_token == ref[0] and dt.cached_tokens == 32 and dt.prefill_done_ts > 0
+
+    # every layer shipped, blocks the decode node already had skipped
+    assert rig.p.ships == [(layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)]
+    assert_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, 100), prompt)
+    assert_expected(slot_kv(rig.p, rig.layout, t.prefill_tx.slots, 100), prompt)
+
+    assert isinstance(events[0], Tokens) and events[0].token_ids == [ref[0]]
+    assert tokens_of(events) == ref
+    assert events[-1] == Finished(request_id=t.request.request_id, finish_reason="length",
+                                  prompt_tokens=100, completion_tokens=7, cached_tokens=32)
+    assert [(c.tx_id, c.request_id) for c in rig.commits] == [
+        (t.decode_tx.tx_id, t.request.request_id)]
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, FirstTokenNotice)
+    assert (ev.request_id, ev.prefill_node, ev.prefill_tx_id) == (
+        t.request.request_id, rig.pn, t.prefill_tx.tx_id)
+
+    pc = await rig.stats("prefill", rig.pi)
+    assert pc == {"tasks_done": 1, "tasks_failed": 0, "tasks_cancelled": 0,
+                  "computed_tokens": 68, "prefix_tokens_loaded": 32, "remote_tokens_pulled": 0}
+    dc = await rig.stats("decode", rig.di)
+    assert dc == {"tasks_done": 1, "tasks_failed": 0, "tasks_aborted": 0,
+                  "tokens_generated": 7, "kv_tokens_loaded": 100, "running": 0}
+
+
+async def test_remote_prefix_is_pulled_before_compute(rig):
+    prompt = rig.prompt(80, seed=2)
+    t = rig.task(prompt, p_hit=0, remote_blocks=2, max_tokens=3)
+    events = await until_terminal(await rig.submit(t))
+    assert tokens_of(events) == rig.reference(prompt, 3)
+    assert events[-1].cached_tokens == 64
+    assert rig.p.pulls == [t.remote]
+    assert rig.p.ships == [(layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)]
+    pc = await rig.stats("prefill", rig.pi)
+    assert (pc["remote_tokens_pulled"], pc["prefix_tokens_loaded"], pc["computed_tokens"]) == (
+        64, 64, 16)
+
+
+async def test_full_hit_on_both_nodes_ships_nothing(rig):
+    prompt = rig.prompt(64, seed=3)
+    t = rig.task(prompt, p_hit=2, d_hit=2, max_tokens=2)
+    events = await until_terminal(await rig.submit(t))
+    assert tokens_of(events) == rig.reference(prompt, 2)
+    assert rig.p.ships == []
+
+
+async def test_corrupt_prefix_fails_the_request_with_kv_mismatch(rig):
+    prompt = rig.prompt(70, seed=4)
+    t = rig.task(prompt, p_hit=2, write_prefix=False)
+    (err,) = await until_terminal(await rig.submit(t))
+    assert isinstance(err, Error) and err.code == ErrorCode.INTERNAL
+    assert "kv mismatch: layer 0, token 0" in err.message
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    assert ev.request_id == t.request.request_id and ev.prefill_node == rig.pn
+    assert rig.decode_tasks.empty()
+    assert (await rig.stats("prefill", rig.pi))["tasks_failed"] == 1
+
+
+async def test_dead_decode_store_is_a_503(rig):
+    prompt = rig.prompt(40, seed=5)
+    t = rig.task(prompt)
+    del rig.net[rig.dn]  # the decode node's store is gone
+    (err,) = await until_terminal(await rig.submit(t))
+    assert err.code == ErrorCode.UNAVAILABLE and err.message.startswith("kv transfer failed")
+    assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+
+
+async def test_bad_task_is_refused_before_queueing(rig):
+    prompt = rig.prompt(40, seed=6)
+    t = rig.task(prompt)
+    bad = msgspec.structs.replace(
+        t, prefill_tx=msgspec.structs.replace(t.prefill_tx, slots=[0]))
+    (err,) = await until_terminal(await rig.submit(bad))
+    assert err.code == ErrorCode.INTERNAL and err.message == (
+        "bad prefill task: prefill tx has 1 slots for 40 tokens")
+
+
+class Gate:
+    """A prefill sleep that blocks until the test opens it."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Queue()
+        self.open = asyncio.Event()
+
+    async def __call__(self, seconds: float) -> None:
+        await self.entered.put(seconds)
+        await self.open.wait()
+
+
+async def test_queue_is_fifo_reports_load_and_honours_cancel(nats_url):
+    gate = Gate()
+    rig = await Rig(speedup=1e6, prefill_sleep=gate).start(nats_url)
+    try:
+        loads: asyncio.Queue = asyncio.Queue()
+
+        async def on_load(m):
+            await loads.put(decode(m.data, PrefillLoad))
+
+        await rig.tnc.subscribe(subjects.load_report("prefill", rig.pi), cb=on_load)
+        a = rig.task(rig.prompt(50, seed=7), max_tokens=2)
+        b = rig.task(rig.prompt(60, seed=8), max_tokens=2)
+        c = rig.task(rig.prompt(70, seed=9), max_tokens=2)
+        qa, qb, qc = await rig.submit(a), await rig.submit(b), await rig.submit(c)
+        await asyncio.wait_for(gate.entered.get(), 5)  # a is computing, b and c wait
+        while True:
+            load = await asyncio.wait_for(loads.get(), 5)
+            if load.queue_len == 3:
+                break
+        assert load.queued_tokens == 180 and load.node == rig.pn
+        want = rig.cost.prefill_time(60) + rig.cost.prefill_time(70)
+        assert want <= load.queued_work_s <= want + rig.cost.prefill_time(50)
+
+        await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=b.request.request_id)))
+        (err,) = await until_terminal(qb)
+        assert err.code == ErrorCode.CANCELLED
+        await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=a.request.request_id)))
+        (err,) = await until_terminal(qa)
+        assert err.code == ErrorCode.CANCELLED
+        failed = {(await asyncio.wait_for(rig.conductor.get(), 5)).request_id for _ in range(2)}
+        assert failed == {a.request.request_id, b.request.request_id}
+
+        gate.open.set()
+        events = await until_terminal(qc)
+        assert tokens_of(events) == rig.reference(c.request.prompt_token_ids, 2)
+        pc = await rig.stats("prefill", rig.pi)
+        assert (pc["tasks_done"], pc["tasks_cancelled"], pc["computed_tokens"]) == (1, 2, 70)
+        # a task for a request cancelled before it arrived is dropped at once
+        await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id="late")))
+        late = rig.task(rig.prompt(10), rid="late")
+        (err,) = await until_terminal(await rig.submit(late))
+        assert err.code == ErrorCode.CANCELLED
+    finally:
+        await rig.close()
+
+
+async def test_shutdown_fails_queued_and_running_tasks(nats_url):
+    gate = Gate()
+    rig = await Rig(speedup=1e6, prefill_sleep=gate).start(nats_url)
+    loads: asyncio.Queue = asyncio.Queue()
+
+    async def on_load(m):
+        await loads.put(decode(m.data, PrefillLoad))
+
+    await rig.tnc.subscribe(subjects.load_report("prefill", rig.pi), cb=on_load)
+    a = rig.task(rig.prompt(50, seed=10))
+    b = rig.task(rig.prompt(60, seed=11))
+    qa, qb = await rig.submit(a), await rig.submit(b)
+    await asyncio.wait_for(gate.entered.get(), 5)
+    while (await asyncio.wait_for(loads.get(), 5)).queue_len != 2:
+        pass  # b is queued too
+    await rig.prefill.close()
+    for q in (qa, qb):
+        (err,) = await until_terminal(q)
+        assert err.code == ErrorCode.UNAVAILABLE and "shutting down" in err.message
+    await rig.close()
+
