@@ -1,0 +1,1 @@
+"""Admission: Early Rejection at the door (paper §4.3). Pure piece: policy.AdmissionPolicy."""

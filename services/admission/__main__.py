@@ -1,0 +1,67 @@
+"""python -m services.admission --nats URL --policy early ..."""
+
+import argparse
+import asyncio
+import sys
+
+from services.admission.policy import ADMISSION_POLICIES
+from services.admission.service import AdmissionConfig, AdmissionService
+from services.common import bus
+from services.common.logging import configure
+from tracing import setup_tracing, shutdown_tracing
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.admission", description=__doc__)
+    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per KV block (hashes)")
+    ap.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds")
+    ap.add_argument(
+        "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
+    )
+    ap.add_argument(
+        "--policy", choices=sorted(ADMISSION_POLICIES), default="early", help="admission policy"
+    )
+    ap.add_argument(
+        "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
+    )
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    if args.block_size <= 0:
+        ap.error("--block-size must be positive")
+    return args
+
+
+async def amain(args: argparse.Namespace) -> int:
+    log = configure("admission", args.log_level)
+    setup_tracing("admission")
+    stop = asyncio.Event()
+    bus.install_signal_handlers(stop)
+    nc = await bus.connect(args.nats, name="admission")
+    svc = AdmissionService(
+        nc,
+        AdmissionConfig(
+            block_size=args.block_size,
+            ttft_slo_s=args.ttft_slo,
+            tbt_slo_s=args.tbt_slo,
+            speedup=args.speedup,
+            policy=args.policy,
+            dead_after_s=args.dead_after,
+        ),
+    )
+    await svc.start()
+    await stop.wait()
+    log.info("admission_stopping")
+    await svc.stop()
+    await bus.drain(nc)
+    shutdown_tracing()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(amain(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Admission service: the first hop after the gateway.
+
+A request's lifecycle here (no queue is kept; each message is decided on arrival):
+
+    REQUESTS (queue group Q_ADMISSION)
+      -> VALIDATED   strict decode (malformed: Error 400 on the reply subject), reply
+                     subject = NATS reply or request.reply_subject (none: logged, dropped),
+                     non-empty prompt, block hashes filled (services.common.hashing) or
+                     checked, arrival_ts stamped
+      -> DECIDED     the admission policy over the latest load reports
+      -> FORWARDED   the filled request on SCHEDULE for the conductor
+       | REJECTED    Error 429 (retry_after_s) or 503 on the reply subject
+
+Load reports (load.prefill.*, load.decode.*) feed the policy and its liveness view.
+"""
+
+import json
+import time
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from opentelemetry import trace
+from structlog.contextvars import bound_contextvars
+
+from bus_schemas import subjects
+from bus_schemas.codec import BadMessage
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.requests import Error, ErrorCode, GenerateRequest
+from services.admission.policy import (
+    AdmissionPolicy,
+    AdmissionRequest,
+    Reject,
+    make_admission_policy,
+)
+from services.common import bus
+from services.common.clock import Clock, WallClock
+from services.common.cost_model import CostModel
+from services.common.hashing import block_hashes as compute_block_hashes
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    block_size: int = 32
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    speedup: float = 1.0
+    policy: str = "early"
+    dead_after_s: float = 2.0
+
+
+class AdmissionService:
+    def __init__(
+        self,
+        nc: NATS,
+        cfg: AdmissionConfig,
+        clock: Clock | None = None,
+        cost: CostModel | None = None,
+        policy: AdmissionPolicy | None = None,
+    ) -> None:
+        self.nc = nc
+        self.cfg = cfg
+        self.clock = clock or WallClock()
+        self.policy = policy or make_admission_policy(
+            cfg.policy,
+            self.clock,
+            cost or CostModel().with_speedup(cfg.speedup),
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            dead_after_s=cfg.dead_after_s,
+        )
+        self.subs = bus.Subscriptions(nc)
+
+    async def start(self) -> None:
+        s = self.subs
+        await s.serve(
+            subjects.LOAD_PREFILL_ALL,
+            PrefillLoad,
+            self._on_prefill_load,
+            span_name="admission.load",
+        )
+        await s.serve(
+            subjects.LOAD_DECODE_ALL, DecodeLoad, self._on_decode_load, span_name="admission.load"
+        )
+        await s.serve(
+            subjects.REQUESTS,
+            GenerateRequest,
+            self._on_request,
+            queue=subjects.Q_ADMISSION,
+            span_name="admission.request",
+            on_bad=self._on_bad,
+        )
+        await self.nc.flush()  # subscriptions are live on the server once start() returns
+        log.info("admission_started", policy=self.cfg.policy)
+
+    async def stop(self) -> None:
+        await self.subs.close()
+
+    async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
+        self.policy.observe_prefill(load)
+
+    async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
+        self.policy.observe_decode(load)
+
+    async def _on_bad(self, m: NatsMsg, err: BadMessage) -> None:
+        """Answer a malformed request in the stream protocol, so bus clients see an Error event."""
+        request_id, reply = _salvage(m.data)
+        reply = m.reply or reply
+        if not reply:
+            log.warning("bad_request_dropped", error=str(err))
+            return
+        await bus.publish(
+            self.nc,
+            reply,
+            Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
+        )
+
+    async def _on_request(self, req: GenerateRequest, m: NatsMsg) -> None:
+        reply = m.reply or req.reply_subject
+        with bound_contextvars(request_id=req.request_id):
+            if not reply:
+                log.warning("no_reply_subject_dropped")
+                return
+            span = trace.get_current_span()
+            span.set_attribute("request_id", req.request_id)
+            filled, problem = self.fill(req, reply)
+            if problem:
+                span.set_attribute("admission.decision", "bad_request")
+                await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, problem)
+                return
+            areq = AdmissionRequest(
+                request_id=req.request_id,
+                num_tokens=len(req.prompt_token_ids),
+                max_tokens=req.sampling.max_tokens,
+                ttft_slo_s=req.ttft_slo_s,
+                tbt_slo_s=req.tbt_slo_s,
+            )
+            decision = self.policy.decide(areq)
+            if isinstance(decision, Reject):
+                span.set_attribute("admission.decision", f"reject_{int(decision.code)}")
+                log.info("rejected", code=int(decision.code), reason=decision.reason)
+                await self._error(
+                    req.request_id, reply, decision.code, decision.reason, decision.retry_after_s
+                )
+                return
+            span.set_attribute("admission.decision", "accept")
+            self.policy.on_accepted(areq)
+            await bus.publish(self.nc, subjects.SCHEDULE, filled)
+
+    def fill(self, req: GenerateRequest, reply: str) -> tuple[GenerateRequest, str]:
+        """The request with reply subject, block size/hashes and arrival time filled in,
+        or a reason it is a bad request."""
+        if not req.prompt_token_ids:
+            return req, "empty prompt"
+        if req.block_size < 0:
+            return req, "block_size must be positive"
+        if req.sampling.max_tokens < 1:
+            return req, "max_tokens must be at least 1"
+        bs = req.block_size or self.cfg.block_size
+        hashes = req.block_hashes
+        full = len(req.prompt_token_ids) // bs
+        if hashes is None:
+            hashes = compute_block_hashes(req.prompt_token_ids, bs)
+        elif len(hashes) != full:
+            return (
+                req,
+                f"block_hashes has {len(hashes)} entries, the prompt has {full} full blocks of {bs}",
+            )
+        filled = msgspec.structs.replace(
+            req,
+            reply_subject=reply,
+            block_size=bs,
+            block_hashes=hashes,
+            arrival_ts=req.arrival_ts or time.time(),
+        )
+        return filled, ""
+
+    async def _error(
+        self,
+        request_id: str,
+        reply: str,
+        code: ErrorCode,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        await bus.publish(
+            self.nc,
+            reply,
+            Error(request_id=request_id, code=code, message=message, retry_after_s=retry_after_s),
+        )
+
+
+def _salvage(data: bytes) -> tuple[str, str]:
+    """(request_id, reply_subject) from a payload that failed strict decoding, if any."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return "", ""
+    if not isinstance(obj, dict):
+        return "", ""
+    rid, reply = obj.get("request_id"), obj.get("reply_subject")
+    return (rid if isinstance(rid, str) else ""), (reply if isinstance(reply, str) else "")

@@ -1,0 +1,88 @@
+"""python -m services.conductor --nats URL --id conductor-0 ..."""
+
+import argparse
+import asyncio
+import sys
+
+import structlog
+
+from services.common import bus
+from services.common.logging import configure
+from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
+from services.conductor.service import ConductorConfig, ConductorService
+from tracing import setup_tracing, shutdown_tracing
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m services.conductor", description=__doc__)
+    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    ap.add_argument("--id", default="conductor-0", help="conductor id (its events subject)")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per KV block")
+    ap.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds")
+    ap.add_argument(
+        "--balancing-threshold",
+        type=float,
+        default=DEFAULT_BALANCING_THRESHOLD,
+        help="pull a remote prefix when best/local prefix exceeds this (kvcache_balancing_threshold)",
+    )
+    ap.add_argument("--strategy", choices=STRATEGIES, default="global", help="placement strategy")
+    ap.add_argument(
+        "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
+    )
+    ap.add_argument(
+        "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
+    )
+    ap.add_argument(
+        "--lease", type=float, default=0.0, help="transaction lease, s (0: 2*ttft_slo+10)"
+    )
+    ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
+    ap.add_argument(
+        "--report-grace",
+        type=float,
+        default=0.05,
+        help="a load report must be this much newer than a dispatch to cover it, s",
+    )
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    if args.block_size <= 0:
+        ap.error("--block-size must be positive")
+    return args
+
+
+async def amain(args: argparse.Namespace) -> int:
+    log = configure("conductor", args.log_level)
+    setup_tracing("conductor")
+    stop = asyncio.Event()
+    bus.install_signal_handlers(stop)
+    nc = await bus.connect(args.nats, name=args.id)
+    cfg = ConductorConfig(
+        conductor_id=args.id,
+        block_size=args.block_size,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        balancing_threshold=args.balancing_threshold,
+        speedup=args.speedup,
+        dead_after_s=args.dead_after,
+        strategy=args.strategy,
+        lease_s=args.lease,
+        tx_timeout_s=args.tx_timeout,
+        report_grace_s=args.report_grace,
+    )
+    svc = ConductorService(nc, cfg)
+    await svc.start()
+    await stop.wait()
+    log.info("conductor_stopping")
+    await svc.stop()
+    await bus.drain(nc)
+    shutdown_tracing()
+    structlog.get_logger().info("conductor_stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return asyncio.run(amain(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

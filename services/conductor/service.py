@@ -1,0 +1,414 @@
+"""Conductor service: places each admitted request on a (prefill, decode) pair with the
+KVCache-centric policy (paper Algorithm 1) and drives the stores' transactions.
+
+A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
+
+    SCHEDULE (queue group Q_CONDUCTOR, one task per request)
+      -> PLACING      policy.place over the shadow index (shadow.py) and load reports
+      -> ALLOCATING   TxAllocate PREFILL on the prefill node, DECODE on the decode node,
+                      and SOURCE on the holder node when a remote prefix is pulled, in
+                      parallel; a Refused or silent store rolls back (TxAbort) what was
+                      granted and retries once without the failed instance/node, then
+                      answers Error 429 (capacity) or 503 (unavailable)
+      -> DISPATCHED   PrefillTask on prefill_tasks(instance); Accepted to the client
+      -> COMMITTED    FirstTokenNotice: TxCommit on the prefill store (and the SOURCE tx)
+       | ABORTED      RequestFailed: TxAbort on every transaction of the request
+       | EXPIRED      no news for the lease: stores roll back by lease; forgotten here
+
+Rejections from the policy go to the client as Error 429 (with retry_after_s) or 503.
+Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
+view follows KV events and store announces. Nothing here is durable: a restarted
+conductor rebuilds its view from the stores and commits by the ids in the notices.
+"""
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+from structlog.contextvars import bound_contextvars
+
+from bus_schemas import subjects
+from bus_schemas.codec import BadMessage
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.placement import (
+    ConductorEvent,
+    FirstTokenNotice,
+    PrefillTask,
+    RemotePrefix,
+    RequestFailed,
+)
+from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
+from services.common import bus
+from services.common.cost_model import CostModel
+from services.common.hashing import block_hashes as compute_block_hashes
+from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.shadow import ShadowView
+from services.conductor.transactions import Allocation, StoreTx
+from tracing import tracer
+
+log = structlog.get_logger()
+
+
+class UnixClock:
+    """Unix seconds: the time base of load reports' and notices' ``ts``."""
+
+    def now(self) -> float:
+        return time.time()
+
+
+@dataclass(frozen=True)
+class ConductorConfig:
+    conductor_id: str = "conductor-0"
+    block_size: int = 32
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    balancing_threshold: float = 2.0
+    speedup: float = 1.0
+    dead_after_s: float = 2.0
+    strategy: str = "global"
+    lease_s: float = 0.0  # 0: 2 * ttft_slo_s + 10
+    tx_timeout_s: float = 2.0
+    discover_window_s: float = 0.5
+    store_dead_after_s: float = 5.0
+    sweep_interval_s: float = 1.0
+    report_grace_s: float = 0.05  # see PlacementPolicy.report_grace_s
+
+    @property
+    def effective_lease_s(self) -> float:
+        return self.lease_s or 2 * self.ttft_slo_s + 10.0
+
+
+@dataclass
+class _Pending:
+    reply: str
+    prefill_node: str
+    prefill_tx: str
+    decode_node: str
+    decode_tx: str
+    source_node: str | None
+    source_tx: str | None
+    placed_at: float
+
+
+class ConductorService:
+    def __init__(
+        self, nc: NATS, cfg: ConductorConfig, clock=None, cost: CostModel | None = None
+    ) -> None:
+        self.nc = nc
+        self.cfg = cfg
+        self.clock = clock or UnixClock()
+        self.cost = cost or CostModel().with_speedup(cfg.speedup)
+        self.policy = PlacementPolicy(
+            self.clock,
+            self.cost,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            balancing_threshold=cfg.balancing_threshold,
+            strategy=cfg.strategy,
+            dead_after_s=cfg.dead_after_s,
+            report_grace_s=cfg.report_grace_s,
+        )
+        self.subs = bus.Subscriptions(nc)
+        self.shadow = ShadowView(
+            nc,
+            self.subs,
+            self.clock,
+            store_dead_after_s=cfg.store_dead_after_s,
+            request_timeout_s=cfg.tx_timeout_s,
+        )
+        self.tx = StoreTx(
+            nc, block_size=cfg.block_size, lease_s=cfg.effective_lease_s, timeout_s=cfg.tx_timeout_s
+        )
+        self.pending: dict[str, _Pending] = {}
+
+    async def start(self) -> None:
+        s = self.subs
+        await s.serve(
+            subjects.LOAD_PREFILL_ALL,
+            PrefillLoad,
+            self._on_prefill_load,
+            span_name="conductor.load",
+        )
+        await s.serve(
+            subjects.LOAD_DECODE_ALL, DecodeLoad, self._on_decode_load, span_name="conductor.load"
+        )
+        await s.serve(
+            subjects.conductor_events(self.cfg.conductor_id),
+            ConductorEvent,
+            self._on_event,
+            concurrent=True,
+            span_name="conductor.event",
+        )
+        await self.shadow.start(self.cfg.discover_window_s)  # discovery runs in the background
+        await s.serve(
+            subjects.SCHEDULE,
+            GenerateRequest,
+            self._on_schedule,
+            queue=subjects.Q_CONDUCTOR,
+            concurrent=True,
+            span_name="conductor.schedule",
+            on_bad=self._on_bad_request,
+        )
+        s.spawn(self._sweeper(), name="conductor:sweeper")
+        await self.nc.flush()  # subscriptions are live on the server once start() returns
+        log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)
+
+    async def stop(self) -> None:
+        await self.subs.close()
+
+    # ------------------------------------------------------------ loads
+
+    async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
+        self.policy.observe_prefill(load)
+
+    async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
+        self.policy.observe_decode(load)
+
+    # ------------------------------------------------------------ placement
+
+    async def _on_bad_request(self, m: NatsMsg, err: BadMessage) -> None:
+        request_id, reply = _salvage(m.data)
+        reply = reply or m.reply or ""
+        if reply:
+            await bus.publish(
+                self.nc,
+                reply,
+                Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
+            )
+
+    async def _on_schedule(self, req: GenerateRequest, m: NatsMsg) -> None:
+        reply = req.reply_subject or m.reply or ""
+        with bound_contextvars(request_id=req.request_id):
+            if not reply:
+                log.warning("no_reply_subject_dropped")
+                return
+            if not req.prompt_token_ids:
+                await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, "empty prompt")
+                return
+            try:
+                await self.schedule(req, reply)
+            except Exception as e:  # noqa: BLE001 - the client must hear about it
+                log.exception("placement_failed")
+                self.policy.release(req.request_id)
+                await self._error(
+                    req.request_id,
+                    reply,
+                    ErrorCode.INTERNAL,
+                    f"placement failed: {type(e).__name__}",
+                )
+
+    async def schedule(self, req: GenerateRequest, reply: str) -> None:
+        bs = self.cfg.block_size
+        if req.block_hashes is None or req.block_size not in (0, bs):
+            req = _with(req, block_hashes=compute_block_hashes(req.prompt_token_ids, bs))
+        req = _with(req, block_size=bs, reply_subject=reply)
+        preq = PlacementRequest.from_request(req, bs)
+        ex_p: set[str] = set()
+        ex_d: set[str] = set()
+        ex_s: set[str] = set()
+        with tracer().start_as_current_span("conductor.place") as span:
+            span.set_attribute("request_id", req.request_id)
+            span.set_attribute("prompt_tokens", preq.num_tokens)
+            span.set_attribute("strategy", self.cfg.strategy)
+            attempt = Allocation()
+            for round_ in range(2):
+                decision = self.policy.place(
+                    preq,
+                    self.shadow.match(preq.block_hashes),
+                    exclude_prefill=ex_p,
+                    exclude_decode=ex_d,
+                    exclude_sources=ex_s,
+                )
+                if (
+                    isinstance(decision, Rejection)
+                    and round_ > 0
+                    and decision.code == ErrorCode.UNAVAILABLE
+                ):
+                    break  # nothing left once the failed instance is excluded: report the failure
+                if isinstance(decision, Rejection):
+                    span.set_attribute("outcome", f"rejected_{int(decision.code)}")
+                    span.set_attribute("reason", decision.reason)
+                    log.info("rejected", code=int(decision.code), reason=decision.reason)
+                    await self._error(
+                        req.request_id,
+                        reply,
+                        decision.code,
+                        decision.reason,
+                        decision.retry_after_s,
+                    )
+                    return
+                span.set_attribute("attempt", round_ + 1)
+                attempt = await self.tx.allocate(req, decision)
+                if attempt.ok:
+                    await self._dispatch(req, reply, decision, attempt, span)
+                    return
+                self.policy.release(req.request_id)
+                await self.tx.abort_all(req.request_id, attempt, "placement rolled back")
+                log.info(
+                    "allocation_failed",
+                    attempt=round_ + 1,
+                    refused=attempt.refused,
+                    failed=attempt.failed,
+                )
+                if attempt.broke("prefill"):
+                    ex_p.add(decision.prefill_instance)
+                if attempt.broke("decode"):
+                    ex_d.add(decision.decode_instance)
+                if decision.remote and attempt.broke("source"):
+                    ex_s.add(decision.remote.node)
+            capacity = "capacity" in attempt.refused.values()
+            code = ErrorCode.REJECTED if capacity else ErrorCode.UNAVAILABLE
+            detail = "; ".join(
+                f"{k}: {v}" for k, v in {**attempt.refused, **attempt.failed}.items()
+            )
+            span.set_attribute("outcome", f"alloc_failed_{int(code)}")
+            await self._error(
+                req.request_id, reply, code, f"no store could take the request ({detail})", 1.0
+            )
+
+    async def _dispatch(
+        self, req: GenerateRequest, reply: str, p: Placement, att: Allocation, span
+    ) -> None:
+        bs = self.cfg.block_size
+        prefill_node, prefill_tx = att.handles["prefill"]
+        decode_node, decode_tx = att.handles["decode"]
+        hit = prefill_tx.hit_blocks
+        remote = None
+        source = att.handles.get("source")
+        if source is not None and p.remote is not None:
+            end = p.remote.first_block + p.remote.num_blocks
+            if hit < end:
+                remote = RemotePrefix(
+                    source_node=source[0],
+                    source_tx=source[1],
+                    first_block=hit,
+                    num_blocks=end - hit,
+                )
+            else:  # the prefill node already has it all: nothing to pull
+                await self.tx.abort(source[0], source[1].tx_id, req.request_id, "not needed")
+                source = None
+        prefix_blocks = remote.first_block + remote.num_blocks if remote else hit
+        task = PrefillTask(
+            request=req,
+            conductor_id=self.cfg.conductor_id,
+            prefill_instance=p.prefill_instance,
+            decode_instance=p.decode_instance,
+            prefill_tx=prefill_tx,
+            decode_tx=decode_tx,
+            remote=remote,
+            placed_ts=time.time(),
+            est_ttft_s=p.est_ttft_s,
+        )
+        self.pending[req.request_id] = _Pending(
+            reply=reply,
+            prefill_node=prefill_node,
+            prefill_tx=prefill_tx.tx_id,
+            decode_node=decode_node,
+            decode_tx=decode_tx.tx_id,
+            source_node=source[0] if source else None,
+            source_tx=source[1].tx_id if source else None,
+            placed_at=self.clock.now(),
+        )
+        for k, v in {
+            "outcome": "placed",
+            "prefill_instance": p.prefill_instance,
+            "decode_instance": p.decode_instance,
+            "prefix_tokens": prefix_blocks * bs,
+            "predicted_prefix_tokens": p.prefix_tokens,
+            "remote_source": remote.source_node if remote else "",
+            "remote_blocks": remote.num_blocks if remote else 0,
+            "est_ttft_s": p.est_ttft_s,
+            "est_queue_s": p.est_queue_s,
+            "est_transfer_s": p.est_transfer_s,
+            "est_tbt_s": p.est_tbt_s,
+        }.items():
+            span.set_attribute(k, v)
+        await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
+        await bus.publish(
+            self.nc,
+            reply,
+            Accepted(
+                request_id=req.request_id,
+                prefill_instance=p.prefill_instance,
+                decode_instance=p.decode_instance,
+                cached_tokens=min(prefix_blocks * bs, len(req.prompt_token_ids)),
+            ),
+        )
+        log.info(
+            "placed",
+            prefill=p.prefill_instance,
+            decode=p.decode_instance,
+            prefix_tokens=prefix_blocks * bs,
+            remote=remote.source_node if remote else None,
+            est_ttft_s=round(p.est_ttft_s, 6),
+        )
+
+    # ------------------------------------------------------------ commit / abort
+
+    async def _on_event(self, ev: ConductorEvent, _m: NatsMsg) -> None:
+        with bound_contextvars(request_id=ev.request_id):
+            p = self.pending.pop(ev.request_id, None)
+            # Unknown request (placed before a restart): the notice names the prefill tx.
+            prefill = (p.prefill_node if p else ev.prefill_node, ev.prefill_tx_id)
+            source = [(p.source_node, p.source_tx)] if p and p.source_node and p.source_tx else []
+            if isinstance(ev, FirstTokenNotice):
+                self.policy.prefill_done(ev.request_id, ev.ts)
+                await asyncio.gather(
+                    *(self.tx.commit(n, t, ev.request_id) for n, t in [prefill, *source])
+                )
+            elif isinstance(ev, RequestFailed):
+                self.policy.release(ev.request_id)
+                log.info("request_failed", reason=ev.reason)
+                decode = [(p.decode_node, p.decode_tx)] if p else []
+                await self.tx.abort_many([prefill, *decode, *source], ev.request_id, ev.reason)
+
+    async def _error(
+        self,
+        request_id: str,
+        reply: str,
+        code: ErrorCode,
+        message: str,
+        retry_after_s: float | None = None,
+    ) -> None:
+        await bus.publish(
+            self.nc,
+            reply,
+            Error(request_id=request_id, code=code, message=message, retry_after_s=retry_after_s),
+        )
+
+    # ------------------------------------------------------------ housekeeping
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sweep_interval_s)
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Forget requests whose lease ran out (the stores rolled them back) and dead stores."""
+        horizon = self.clock.now() - self.cfg.effective_lease_s - 5.0
+        for rid in [r for r, p in self.pending.items() if p.placed_at < horizon]:
+            del self.pending[rid]
+            self.policy.release(rid)
+            log.warning("pending_expired", request_id=rid)
+        self.shadow.sweep()
+
+
+def _with(req: GenerateRequest, **changes) -> GenerateRequest:
+    return msgspec.structs.replace(req, **changes)
+
+
+def _salvage(data: bytes) -> tuple[str, str]:
+    """(request_id, reply_subject) from a payload that failed strict decoding, if any."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return "", ""
+    if not isinstance(obj, dict):
+        return "", ""
+    rid, reply = obj.get("request_id"), obj.get("reply_subject")
+    return (rid if isinstance(rid, str) else ""), (reply if isinstance(reply, str) else "")

@@ -1,0 +1,191 @@
+"""The conductor's shadow view of every node's blocks (paper §5.3, stateless conductor).
+
+Lifecycle of a node in the view:
+
+    unseen --StoreInfo (STORE_DISCOVER reply or STORE_ANNOUNCE) or first KV batch-->
+    DUMPING (index buffers the node's batches; "dump" pages fetched over store_ctl)
+    --pages complete--> SYNCED (KV batches applied in sequence)
+    SYNCED --gap in seq / new epoch with seq > 1 / announce shows the view lagging
+        behind a seq it announced one period earlier--> DUMPING
+    any --store silent for store_dead_after_s--> REMOVED (a later sighting starts over)
+
+On start the service subscribes to KV events first, then (in the background) asks
+STORE_DISCOVER and dumps every node that answers, so nothing published in between is
+lost; announces catch a store that missed the discovery window.
+"""
+
+import asyncio
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+
+from bus_schemas import subjects
+from bus_schemas.codec import BadMessage, decode
+from bus_schemas.control import DumpPage, DumpRequest, StoreInfo
+from bus_schemas.kv_events import EventBatch
+from services.common import bus
+from services.common.clock import Clock
+from services.common.liveness import Liveness
+from services.conductor.prefix_index import PrefixIndex
+from tracing import inject
+
+log = structlog.get_logger()
+
+
+class ShadowView:
+    def __init__(
+        self,
+        nc: NATS,
+        subs: bus.Subscriptions,
+        clock: Clock,
+        *,
+        store_dead_after_s: float = 5.0,
+        request_timeout_s: float = 2.0,
+        dump_page_blocks: int = 20_000,
+    ) -> None:
+        self.nc = nc
+        self.subs = subs
+        self.index = PrefixIndex()
+        self.stores = Liveness(clock, store_dead_after_s)
+        self.request_timeout_s = request_timeout_s
+        self.dump_page_blocks = dump_page_blocks
+        self._dumping: set[str] = set()
+        self._announced: dict[str, tuple[int, int]] = {}
+        self.dumps_done = 0  # completed dumps, for tests and stats
+
+    async def start(self, discover_window_s: float = 0.5) -> None:
+        """Subscribe to KV events and announces, then discover the stores in the
+        background (placement works meanwhile, just without the cache view)."""
+        await self.subs.serve(
+            subjects.KV_EVENTS_ALL, EventBatch, self._on_batch, span_name="conductor.kv_events"
+        )
+        await self.subs.serve(
+            subjects.STORE_ANNOUNCE,
+            StoreInfo,
+            self._on_announce,
+            span_name="conductor.store_announce",
+        )
+        await self.nc.flush()
+        self.subs.spawn(self.discover(discover_window_s), name="conductor:discover")
+
+    # ------------------------------------------------------------ queries
+
+    def match(self, block_hashes: list[int] | tuple[int, ...]) -> dict[str, int]:
+        """Prefix length in blocks per node whose store is alive."""
+        return {n: v for n, v in self.index.match(block_hashes).items() if self.stores.alive(n)}
+
+    # ------------------------------------------------------------ inputs
+
+    async def discover(self, window_s: float) -> list[str]:
+        """Ask every store to identify itself and dump those that answer within ``window_s``."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        found: list[str] = []
+        try:
+            await self.nc.publish(subjects.STORE_DISCOVER, b"{}", reply=inbox, headers=inject())
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + window_s
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    m = await sub.next_msg(timeout=left)
+                except TimeoutError:
+                    break
+                if not m.data:
+                    continue  # the server's "no responders" status: no store is up yet
+                try:
+                    info = decode(m.data, StoreInfo)
+                except BadMessage as e:
+                    log.warning("bad_store_info", error=str(e))
+                    continue
+                found.append(info.node)
+                self.on_info(info)
+        finally:
+            await sub.unsubscribe()
+        log.info("stores_discovered", nodes=sorted(found))
+        return found
+
+    def on_info(self, info: StoreInfo) -> None:
+        self.stores.seen(info.node)
+        state = self.index.state(info.node)
+        prev = self._announced.get(info.node)
+        self._announced[info.node] = (info.epoch, info.seq)
+        if state is None or info.epoch > state[0]:
+            self.request_dump(info.node)
+        elif (
+            info.epoch == state[0]
+            and not self.index.resyncing(info.node)
+            and prev is not None
+            and prev[0] == info.epoch
+            and state[1] < prev[1]
+        ):
+            # One announce period later we still have not seen a batch the store had
+            # already published: it was lost (a trailing gap no later batch reveals).
+            self.request_dump(info.node)
+
+    async def _on_announce(self, info: StoreInfo, _m: NatsMsg) -> None:
+        self.on_info(info)
+
+    async def _on_batch(self, batch: EventBatch, _m: NatsMsg) -> None:
+        self.stores.seen(batch.node)
+        if self.index.apply(batch):
+            log.info("kv_events_gap", node=batch.node, epoch=batch.epoch, seq=batch.seq)
+            self.request_dump(batch.node)
+
+    # ------------------------------------------------------------ dumps
+
+    def request_dump(self, node: str) -> None:
+        if node in self._dumping:
+            return
+        self._dumping.add(node)
+        self.index.begin_resync(node)
+        self.subs.spawn(self._dump(node), name=f"dump:{node}")
+
+    async def _dump(self, node: str) -> None:
+        again = False
+        try:
+            first: DumpPage | None = None
+            hashes: list[int] = []
+            cursor = 0
+            while True:
+                page = await bus.request(
+                    self.nc,
+                    subjects.store_ctl(node, "dump"),
+                    DumpRequest(cursor=cursor, limit=self.dump_page_blocks),
+                    DumpPage,
+                    timeout=self.request_timeout_s,
+                )
+                if first is None:
+                    first = page
+                elif page.epoch != first.epoch:
+                    raise RuntimeError("store restarted during the dump")
+                hashes.extend(page.block_hashes)
+                if page.next_cursor is None:
+                    break
+                cursor = page.next_cursor
+            again = self.index.replace_node(node, first.epoch, first.seq, hashes)
+            self.dumps_done += 1
+            log.info(
+                "store_dumped", node=node, epoch=first.epoch, seq=first.seq, blocks=len(hashes)
+            )
+        except Exception as e:  # noqa: BLE001 - a dead or slow store must not stop the conductor
+            log.warning("store_dump_failed", node=node, error=f"{type(e).__name__}: {e}")
+            self.index.dump_failed(node)
+        finally:
+            self._dumping.discard(node)
+        if again:
+            self.request_dump(node)
+
+    # ------------------------------------------------------------ housekeeping
+
+    def sweep(self) -> list[str]:
+        """Drop nodes whose store went silent; returns them."""
+        gone = [
+            n for n in self.index.nodes() if not self.stores.alive(n) and n not in self._dumping
+        ]
+        for n in gone:
+            self.index.remove_node(n)
+            self.stores.forget(n)
+            self._announced.pop(n, None)
+            log.info("store_gone", node=n)
+        return gone

@@ -1,0 +1,123 @@
+"""The admission service in-process on a real nats-server: stream-protocol errors for bad
+input, 429/503 from early rejection, and forwarding with the fields filled in."""
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.requests import Error, ErrorCode, GenerateRequest, stream_event_decoder
+from services.admission.service import AdmissionConfig, AdmissionService
+from services.common.hashing import block_hashes
+
+PROMPT = list(range(1, 80))
+
+
+class Harness:
+    async def start(self, url: str, **cfg) -> "Harness":
+        self.nc = await nats.connect(url)
+        self.anc = await nats.connect(url)
+        self.svc = AdmissionService(self.anc, AdmissionConfig(**cfg))
+        await self.svc.start()
+        self.inbox = self.nc.new_inbox()
+        self.events = await self.nc.subscribe(self.inbox)
+        self.scheduled = await self.nc.subscribe(subjects.SCHEDULE)
+        return self
+
+    async def loads(self, prefill_work: float) -> None:
+        p = PrefillLoad(
+            instance="prefill-0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=prefill_work, ts=time.time()
+        )
+        d = DecodeLoad(
+            instance="decode-0", node="n1", batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0, ts=time.time()
+        )
+        await self.nc.publish(subjects.load_report("prefill", "prefill-0"), encode(p))
+        await self.nc.publish(subjects.load_report("decode", "decode-0"), encode(d))
+        pol = self.svc.policy
+
+        async def seen():
+            while not (pol.prefill.get("prefill-0") == p and pol.decode.get("decode-0") == d):
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(seen(), 5)
+
+    async def send(self, payload: bytes, reply: str | None = None) -> None:
+        await self.nc.publish(subjects.REQUESTS, payload, reply=self.inbox if reply is None else reply)
+
+    async def event(self):
+        m = await self.events.next_msg(timeout=5)
+        return stream_event_decoder().decode(m.data)
+
+    async def close(self) -> None:
+        await self.svc.stop()
+        await self.anc.close()
+        await self.nc.close()
+
+
+@pytest.fixture
+async def admission(nats_url):
+    h = await Harness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early")
+    yield h
+    await h.close()
+
+
+async def test_malformed_json_gets_a_400_error_event(admission):
+    await admission.send(b'{"request_id": "x", "prompt_token_ids": [1, 2')
+    err = await admission.event()
+    assert isinstance(err, Error) and err.code == ErrorCode.BAD_REQUEST and err.request_id == ""
+    # Well-formed JSON that breaks the schema: the request id is salvaged.
+    await admission.send(b'{"request_id": "r-bad", "prompt_token_ids": [1], "bogus": true}')
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("r-bad", ErrorCode.BAD_REQUEST) and "bogus" in err.message
+    # No NATS reply, but the struct names where events go.
+    await admission.send(b'{"request_id": "r-b2", "reply_subject": "%s"}' % admission.inbox.encode(), reply="")
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("r-b2", ErrorCode.BAD_REQUEST)
+
+
+async def test_empty_prompt_and_bad_hashes_are_400(admission):
+    await admission.send(encode(GenerateRequest(request_id="e", prompt_token_ids=[])))
+    err = await admission.event()
+    assert (err.request_id, err.code, err.message) == ("e", ErrorCode.BAD_REQUEST, "empty prompt")
+    await admission.send(encode(GenerateRequest(request_id="h", prompt_token_ids=PROMPT, block_hashes=[1])))
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("h", ErrorCode.BAD_REQUEST) and "block_hashes" in err.message
+
+
+async def test_no_live_instance_is_503(admission):
+    await admission.send(encode(GenerateRequest(request_id="u", prompt_token_ids=PROMPT)))
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("u", ErrorCode.UNAVAILABLE)
+
+
+async def test_overloaded_prefill_pool_is_429(admission):
+    await admission.loads(prefill_work=100.0)
+    await admission.send(encode(GenerateRequest(request_id="o", prompt_token_ids=PROMPT)))
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("o", ErrorCode.REJECTED)
+    assert err.retry_after_s == pytest.approx(70.0)
+    # Once the pool drains, requests pass; the rejected one was never forwarded.
+    await admission.loads(prefill_work=0.0)
+    await admission.send(encode(GenerateRequest(request_id="ok", prompt_token_ids=PROMPT)))
+    fwd = decode((await admission.scheduled.next_msg(timeout=5)).data, GenerateRequest)
+    assert fwd.request_id == "ok"
+
+
+async def test_accepted_request_is_forwarded_filled_in(admission):
+    await admission.loads(prefill_work=1.0)
+    await admission.send(encode(GenerateRequest(request_id="a", prompt_token_ids=PROMPT)))
+    m = await admission.scheduled.next_msg(timeout=5)
+    fwd = decode(m.data, GenerateRequest)
+    assert fwd.request_id == "a" and fwd.prompt_token_ids == PROMPT
+    assert fwd.reply_subject == admission.inbox
+    assert fwd.block_size == 32 and fwd.block_hashes == block_hashes(PROMPT, 32)
+    assert fwd.arrival_ts > 0
+    # A client-chosen block size and arrival time are kept.
+    req = GenerateRequest(request_id="b", prompt_token_ids=PROMPT, block_size=16, arrival_ts=5.0)
+    await admission.send(encode(req))
+    fwd = decode((await admission.scheduled.next_msg(timeout=5)).data, GenerateRequest)
+    assert (fwd.block_size, fwd.block_hashes, fwd.arrival_ts) == (16, block_hashes(PROMPT, 16), 5.0)

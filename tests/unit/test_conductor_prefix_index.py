@@ -1,0 +1,178 @@
+"""Shadow prefix index: exact match lengths, sequence gaps, epochs, removal."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from services.conductor.prefix_index import PrefixIndex
+
+E1, E2 = 1_000, 2_000
+
+
+def batch(node: str, seq: int, *events, epoch: int = E1) -> EventBatch:
+    return EventBatch(node=node, epoch=epoch, seq=seq, ts=0.0, events=list(events))
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes))
+
+
+def removed(*hashes: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes))
+
+
+def make_index() -> PrefixIndex:
+    idx = PrefixIndex()
+    assert idx.apply(batch("a", 1, stored(1, 2, 3, 4))) is False
+    assert idx.apply(batch("b", 1, stored(1, 2))) is False
+    assert idx.apply(batch("c", 1, stored(2, 3))) is False  # not a prefix: no block 1
+    return idx
+
+
+def test_match_lengths_per_node():
+    idx = make_index()
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.match([1, 2, 3, 4]) == {"a": 4, "b": 2}
+    assert idx.match([1, 2]) == {"a": 2, "b": 2}
+    assert idx.match([1, 9, 3]) == {"a": 1, "b": 1}
+    assert idx.match([2, 3]) == {"a": 2, "b": 1, "c": 2}
+    assert idx.match([7]) == {}
+    assert idx.match([]) == {}
+    assert idx.state("a") == (E1, 1)
+    assert idx.num_blocks() == 4
+
+
+def test_in_sequence_batches_and_duplicates():
+    idx = make_index()
+    assert idx.apply(batch("b", 2, stored(3))) is False
+    assert idx.match([1, 2, 3, 4]) == {"a": 4, "b": 3}
+    assert idx.apply(batch("b", 2, removed(3))) is False  # duplicate seq: ignored
+    assert idx.match([1, 2, 3]) == {"a": 3, "b": 3}
+    assert idx.state("b") == (E1, 2)
+
+
+def test_removal_and_clear():
+    idx = make_index()
+    assert idx.apply(batch("a", 2, removed(3))) is False
+    assert idx.match([1, 2, 3, 4]) == {"a": 2, "b": 2}
+    assert idx.apply(batch("b", 2, AllBlocksCleared())) is False
+    assert idx.match([1, 2, 3, 4]) == {"a": 2}
+    assert idx.blocks("b") == frozenset()
+    idx.remove_node("a")
+    assert idx.match([1, 2]) == {}
+    assert idx.match([2, 3]) == {"c": 2}
+    assert idx.num_blocks() == 2  # only c's blocks 2 and 3 remain
+    # A node added later reuses the freed bit without inheriting a's blocks.
+    assert idx.apply(batch("d", 1, stored(9))) is False
+    assert idx.match([1, 2]) == {}
+    assert idx.match([9]) == {"d": 1}
+
+
+def test_gap_asks_for_dump_once_and_dump_replays_newer_batches():
+    idx = make_index()
+    assert idx.apply(batch("b", 3, stored(3))) is True  # seq 2 lost
+    assert idx.resyncing("b")
+    assert idx.apply(batch("b", 4, stored(4))) is False  # already resyncing: no second dump
+    assert idx.match([1, 2, 3, 4]) == {"a": 4, "b": 4}  # best effort meanwhile
+    # The dump was taken at seq 3 (it contains the lost seq-2 removal of block 2).
+    assert idx.replace_node("b", E1, 3, [1, 3]) is False
+    assert not idx.resyncing("b")
+    assert idx.state("b") == (E1, 4)  # batch 4 replayed on top of the snapshot
+    assert idx.blocks("b") == frozenset({1, 3, 4})
+    assert idx.match([1, 2, 3, 4]) == {"a": 4, "b": 1}
+    assert idx.apply(batch("b", 5, stored(2))) is False
+    assert idx.match([1, 2, 3, 4]) == {"a": 4, "b": 4}
+
+
+def test_unknown_node_mid_stream_needs_dump():
+    idx = PrefixIndex()
+    assert idx.apply(batch("x", 7, stored(1))) is True
+    assert idx.match([1]) == {"x": 1}
+    assert idx.replace_node("x", E1, 8, [1, 2]) is False
+    assert idx.state("x") == (E1, 8)
+    assert idx.match([1, 2]) == {"x": 2}
+
+
+def test_gap_left_in_buffer_asks_again():
+    idx = make_index()
+    idx.begin_resync("a")
+    assert idx.apply(batch("a", 2, stored(5))) is False
+    assert idx.apply(batch("a", 4, stored(6))) is False
+    # The dump at seq 1 is followed by 2 and then 4: seq 3 is missing.
+    assert idx.replace_node("a", E1, 1, [1, 2, 3, 4]) is True
+    assert idx.resyncing("a")
+    assert idx.state("a") == (E1, 2)
+
+
+def test_dump_failed_makes_next_batch_ask_again():
+    idx = make_index()
+    assert idx.apply(batch("a", 3)) is True
+    idx.dump_failed("a")
+    assert not idx.resyncing("a")
+    assert idx.apply(batch("a", 4)) is True
+
+
+def test_new_epoch_clears_node():
+    idx = make_index()
+    # Restarted store, first batch of its new life: clear and apply, no dump needed.
+    assert idx.apply(batch("a", 1, stored(1), epoch=E2)) is False
+    assert idx.state("a") == (E2, 1)
+    assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
+    # A late batch from the old incarnation is ignored.
+    assert idx.apply(batch("a", 2, stored(2, 3, 4), epoch=E1)) is False
+    assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
+    # A newer epoch seen mid-stream: clear, and ask for a dump.
+    assert idx.apply(batch("b", 5, stored(8), epoch=E2)) is True
+    assert idx.blocks("b") == frozenset({8})
+    assert idx.replace_node("b", E2, 5, [1, 2, 8]) is False
+    assert idx.match([1, 2, 3]) == {"a": 1, "b": 2}
+
+
+def test_stale_dump_is_ignored():
+    idx = make_index()
+    assert idx.apply(batch("a", 1, stored(1), epoch=E2)) is False
+    assert idx.replace_node("a", E1, 9, [1, 2, 3]) is False
+    assert idx.state("a") == (E2, 1)
+    assert idx.blocks("a") == frozenset({1})
+
+
+def test_restart_during_dump_asks_again():
+    idx = make_index()
+    idx.begin_resync("a")
+    assert idx.apply(batch("a", 1, stored(7), epoch=E2)) is False
+    assert idx.replace_node("a", E1, 1, [1, 2]) is True  # the dump predates the restart
+    assert idx.resyncing("a")
+    assert idx.replace_node("a", E2, 1, [7]) is False
+    assert idx.blocks("a") == frozenset({7})
+
+
+def brute_match(held: dict[str, set[int]], hashes: list[int]) -> dict[str, int]:
+    out = {}
+    for node, blocks in held.items():
+        n = 0
+        while n < len(hashes) and hashes[n] in blocks:
+            n += 1
+        if n:
+            out[node] = n
+    return out
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from("abcd"), st.booleans(), st.lists(st.integers(0, 7), max_size=4)),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, query=st.lists(st.integers(0, 7), max_size=8))
+def test_match_agrees_with_brute_force(ops, query):
+    idx = PrefixIndex()
+    held: dict[str, set[int]] = {}
+    seq: dict[str, int] = {}
+    for node, add, hashes in ops:
+        seq[node] = seq.get(node, 0) + 1
+        ev = stored(*hashes) if add else removed(*hashes)
+        assert idx.apply(batch(node, seq[node], ev)) is False
+        s = held.setdefault(node, set())
+        s.update(hashes) if add else s.difference_update(hashes)
+    assert idx.match(query) == brute_match(held, query)

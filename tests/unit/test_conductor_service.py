@@ -1,0 +1,366 @@
+"""The conductor service in-process on a real nats-server, against fake stores (tiny NATS
+responders for tx.allocate/commit/abort, dump and discover) and hand-published load
+reports."""
+
+import asyncio
+import itertools
+import time
+
+import nats
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import (
+    DumpPage,
+    DumpRequest,
+    Refused,
+    StoreInfo,
+    TxAbort,
+    TxAllocate,
+    TxCommit,
+    TxDone,
+    TxHandle,
+    TxRole,
+)
+from bus_schemas.kv_events import BlockStored, EventBatch
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.placement import FirstTokenNotice, PrefillTask, RequestFailed
+from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest, stream_event_decoder
+from services.common.clock import ManualClock
+from services.common.hashing import block_hashes
+from services.conductor.service import ConductorConfig, ConductorService
+
+BS = 32
+PROMPT = list(range(1, 101))  # 3 full blocks and a 4-token tail
+HASHES = block_hashes(PROMPT, BS)
+CID = "conductor-t"
+EPOCH = 77
+_tx_ids = itertools.count(1)
+
+
+class FakeStore:
+    """Answers a node's store_ctl endpoints and STORE_DISCOVER; records what it got."""
+
+    def __init__(self, nc, node: str, held=(), refuse: dict[TxRole, str] | None = None) -> None:
+        self.nc = nc
+        self.node = node
+        self.held = list(held)
+        self.refuse = refuse or {}
+        self.seq = 0
+        self.allocs: asyncio.Queue[TxAllocate] = asyncio.Queue()
+        self.commits: asyncio.Queue[TxCommit] = asyncio.Queue()
+        self.aborts: asyncio.Queue[TxAbort] = asyncio.Queue()
+        self.dumps: asyncio.Queue[DumpRequest] = asyncio.Queue()
+        self.granted: list[TxHandle] = []
+
+    def info(self) -> StoreInfo:
+        return StoreInfo(
+            node=self.node,
+            epoch=EPOCH,
+            seq=self.seq,
+            data_addr="tcp://127.0.0.1:1",
+            shm_name="none",
+            block_size=BS,
+            block_bytes=1,
+            capacity_blocks=100,
+            used_blocks=len(self.held),
+        )
+
+    async def start(self) -> "FakeStore":
+        ctl = subjects.store_ctl
+
+        async def reply(m, obj):
+            await self.nc.publish(m.reply, encode(obj))
+
+        async def allocate(m):
+            a = decode(m.data, TxAllocate)
+            await self.allocs.put(a)
+            if a.role in self.refuse:
+                return await reply(m, Refused(reason=self.refuse[a.role], message="fake"))
+            hit = 0
+            while hit < len(a.block_hashes) and a.block_hashes[hit] in self.held:
+                hit += 1
+            if a.role == TxRole.SOURCE and hit < len(a.block_hashes):
+                return await reply(m, Refused(reason="missing", message="fake"))
+            nslots = len(a.block_hashes) if a.role == TxRole.SOURCE else -(-a.num_tokens // BS)
+            h = TxHandle(
+                tx_id=f"{self.node}-tx{next(_tx_ids)}",
+                node=self.node,
+                epoch=EPOCH,
+                slots=list(range(nslots)),
+                hit_blocks=hit,
+                shm_name="none",
+                data_addr="tcp://127.0.0.1:1",
+                block_bytes=1,
+            )
+            self.granted.append(h)
+            await reply(m, h)
+
+        async def commit(m):
+            c = decode(m.data, TxCommit)
+            await self.commits.put(c)
+            await reply(m, TxDone(tx_id=c.tx_id))
+
+        async def abort(m):
+            a = decode(m.data, TxAbort)
+            await self.aborts.put(a)
+            await reply(m, TxDone(tx_id=a.tx_id))
+
+        async def dump(m):
+            d = decode(m.data, DumpRequest)
+            await self.dumps.put(d)
+            # Two pages when there is more than one block, to exercise the cursor.
+            page = self.held[d.cursor : d.cursor + 1] if d.cursor == 0 else self.held[d.cursor :]
+            nxt = 1 if d.cursor == 0 and len(self.held) > 1 else None
+            await reply(m, DumpPage(node=self.node, epoch=EPOCH, seq=self.seq, block_hashes=page, next_cursor=nxt))
+
+        async def discover(m):
+            await reply(m, self.info())
+
+        for ep, cb in (("tx.allocate", allocate), ("tx.commit", commit), ("tx.abort", abort), ("dump", dump)):
+            await self.nc.subscribe(ctl(self.node, ep), cb=cb)
+        await self.nc.subscribe(subjects.STORE_DISCOVER, cb=discover)
+        return self
+
+
+async def wait_until(pred, timeout: float = 5.0) -> None:
+    async def loop():
+        while not pred():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def next_of(q: asyncio.Queue, timeout: float = 5.0):
+    return await asyncio.wait_for(q.get(), timeout)
+
+
+class Harness:
+    def __init__(self, nats_url: str) -> None:
+        self.url = nats_url
+
+    async def start(self, stores: list[FakeStore], prefills, decodes, clock=None, **cfg) -> "Harness":
+        self.nc = await nats.connect(self.url)
+        self.stores = {}
+        for s in stores:
+            s.nc = self.nc
+            self.stores[s.node] = await s.start()
+        await self.nc.flush()
+        self.cnc = await nats.connect(self.url)
+        conf = dict(conductor_id=CID, block_size=BS, discover_window_s=0.3, tx_timeout_s=1.0)
+        conf.update(cfg)
+        self.svc = ConductorService(self.cnc, ConductorConfig(**conf), clock=clock)
+        await self.svc.start()
+        await wait_until(lambda: self.svc.shadow.dumps_done >= len(stores))
+        self.tasks = await self.nc.subscribe("perigee.prefill.*.tasks")
+        self.inbox = self.nc.new_inbox()
+        self.events = await self.nc.subscribe(self.inbox)
+        self.prefills, self.decodes = prefills, decodes
+        await self.report()
+        await wait_until(
+            lambda: self.svc.policy.live_prefill() == sorted(i for i, _, _ in prefills)
+            and self.svc.policy.live_decode() == sorted(i for i, _ in decodes)
+        )
+        return self
+
+    async def report(self) -> None:
+        now = time.time()
+        for inst, node, work in self.prefills:
+            load = PrefillLoad(instance=inst, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=now)
+            await self.nc.publish(subjects.load_report("prefill", inst), encode(load))
+        for inst, node in self.decodes:
+            load = DecodeLoad(
+                instance=inst, node=node, batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0.0, ts=now
+            )
+            await self.nc.publish(subjects.load_report("decode", inst), encode(load))
+        await self.nc.flush()
+
+    async def schedule(self, rid: str = "r1") -> None:
+        req = GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, reply_subject=self.inbox)
+        await self.nc.publish(subjects.SCHEDULE, encode(req))
+
+    async def event(self):
+        m = await self.events.next_msg(timeout=5)
+        return stream_event_decoder().decode(m.data)
+
+    async def task(self) -> PrefillTask:
+        m = await self.tasks.next_msg(timeout=5)
+        return decode(m.data, PrefillTask)
+
+    async def close(self) -> None:
+        await self.svc.stop()
+        await self.cnc.close()
+        await self.nc.close()
+
+
+@pytest.fixture
+async def harness(nats_url):
+    h = Harness(nats_url)
+    yield h
+    await h.close()
+
+
+async def test_places_on_the_cached_node_and_commits_on_first_token(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    assert h.svc.shadow.index.match(HASHES) == {"np1": 2}  # rebuilt from the paged dump
+    await h.schedule("r1")
+    task = await h.task()
+    assert task.prefill_instance == "prefill-1" and task.decode_instance == "decode-0"
+    assert task.conductor_id == CID
+    assert task.prefill_tx.node == "np1" and task.prefill_tx.hit_blocks == 2
+    assert task.decode_tx.node == "nd0"
+    assert task.remote is None
+    assert task.request.block_hashes == HASHES and task.request.block_size == BS
+    assert task.request.reply_subject == h.inbox
+    acc = await h.event()
+    assert acc == Accepted(request_id="r1", prefill_instance="prefill-1", decode_instance="decode-0", cached_tokens=64)
+    pa = await next_of(h.stores["np1"].allocs)
+    assert (pa.role, pa.num_tokens, pa.block_hashes) == (TxRole.PREFILL, 100, HASHES)
+    assert (await next_of(h.stores["nd0"].allocs)).role == TxRole.DECODE
+    assert set(h.svc.pending) == {"r1"}
+
+    notice = FirstTokenNotice(request_id="r1", prefill_node="np1", prefill_tx_id=task.prefill_tx.tx_id, ts=time.time())
+    await h.nc.publish(subjects.conductor_events(CID), encode(notice))
+    assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id=task.prefill_tx.tx_id, request_id="r1")
+    await wait_until(lambda: not h.svc.pending)
+
+
+async def test_busy_holder_makes_another_node_pull_the_prefix(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 100.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    await h.schedule("r2")
+    task = await h.task()
+    assert task.prefill_instance == "prefill-0" and task.prefill_tx.hit_blocks == 0
+    assert task.remote is not None
+    assert (task.remote.source_node, task.remote.first_block, task.remote.num_blocks) == ("np1", 0, 3)
+    src = await next_of(h.stores["np1"].allocs)
+    assert (src.role, src.block_hashes, src.num_tokens) == (TxRole.SOURCE, HASHES, 96)
+    assert task.remote.source_tx.tx_id == h.stores["np1"].granted[0].tx_id
+    acc = await h.event()
+    assert isinstance(acc, Accepted) and acc.cached_tokens == 96
+
+    notice = FirstTokenNotice(request_id="r2", prefill_node="np0", prefill_tx_id=task.prefill_tx.tx_id, ts=time.time())
+    await h.nc.publish(subjects.conductor_events(CID), encode(notice))
+    assert (await next_of(h.stores["np0"].commits)).tx_id == task.prefill_tx.tx_id
+    assert (await next_of(h.stores["np1"].commits)).tx_id == task.remote.source_tx.tx_id
+
+
+async def test_refused_decode_store_rolls_back_and_retries_elsewhere(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0", refuse={TxRole.DECODE: "capacity"}), FakeStore(None, "nd1")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0"), ("decode-1", "nd1")],
+    )
+    await h.schedule("r3")
+    task = await h.task()
+    assert task.decode_instance == "decode-1" and task.decode_tx.node == "nd1"
+    first_prefill_tx = h.stores["np0"].granted[0].tx_id
+    abort = await next_of(h.stores["np0"].aborts)
+    assert (abort.tx_id, abort.request_id) == (first_prefill_tx, "r3")
+    assert task.prefill_tx.tx_id == h.stores["np0"].granted[1].tx_id
+    acc = await h.event()
+    assert isinstance(acc, Accepted) and acc.decode_instance == "decode-1"
+
+
+async def test_refused_with_no_alternative_is_an_error_to_the_client(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0", refuse={TxRole.DECODE: "capacity"})],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    await h.schedule("r4")
+    err = await h.event()
+    assert isinstance(err, Error)
+    assert err.request_id == "r4" and err.code == ErrorCode.REJECTED and "capacity" in err.message
+    abort = await next_of(h.stores["np0"].aborts)
+    assert abort.tx_id == h.stores["np0"].granted[0].tx_id
+    assert not h.svc.pending and h.svc.policy.dispatched() == []
+
+
+async def test_request_failed_aborts_every_transaction(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    await h.schedule("r5")
+    task = await h.task()
+    fail = RequestFailed(request_id="r5", prefill_node="np0", prefill_tx_id=task.prefill_tx.tx_id, reason="boom")
+    await h.nc.publish(subjects.conductor_events(CID), encode(fail))
+    assert (await next_of(h.stores["np0"].aborts)).tx_id == task.prefill_tx.tx_id
+    assert (await next_of(h.stores["nd0"].aborts)).tx_id == task.decode_tx.tx_id
+    await wait_until(lambda: not h.svc.pending and h.svc.policy.dispatched() == [])
+
+
+async def test_unmeetable_ttft_slo_is_429_before_any_allocation(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+        ttft_slo_s=0.0001,
+    )
+    await h.schedule("r6")
+    err = await h.event()
+    assert isinstance(err, Error) and err.code == ErrorCode.REJECTED and err.retry_after_s >= 1.0
+    assert h.stores["np0"].allocs.empty() and h.stores["nd0"].allocs.empty()
+
+
+async def test_no_instances_is_503_and_bad_payload_is_400(harness):
+    h = await harness.start([FakeStore(None, "np0")], prefills=[], decodes=[])
+    await h.schedule("r7")
+    err = await h.event()
+    assert isinstance(err, Error) and err.code == ErrorCode.UNAVAILABLE
+    await h.nc.publish(subjects.SCHEDULE, b'{"request_id": "r8", "reply_subject": "%s", "bogus": 1}' % h.inbox.encode())
+    err = await h.event()
+    assert isinstance(err, Error) and (err.request_id, err.code) == ("r8", ErrorCode.BAD_REQUEST)
+
+
+async def test_kv_event_gap_triggers_a_dump(harness):
+    store = FakeStore(None, "np0", held=HASHES[:1])
+    h = await harness.start([store, FakeStore(None, "nd0")], prefills=[("prefill-0", "np0", 0.0)], decodes=[])
+    while not store.dumps.empty():
+        store.dumps.get_nowait()
+    store.held = HASHES[:3]
+    store.seq = 5
+    batch = EventBatch(node="np0", epoch=EPOCH, seq=5, ts=time.time(), events=[BlockStored(block_hashes=HASHES[2:3])])
+    await h.nc.publish(subjects.kv_events("np0"), encode(batch))
+    assert (await next_of(store.dumps)).cursor == 0
+    await wait_until(lambda: h.svc.shadow.index.state("np0") == (EPOCH, 5))
+    assert h.svc.shadow.index.match(HASHES) == {"np0": 3}
+
+
+async def test_notice_for_a_request_placed_before_a_restart_still_commits(harness):
+    h = await harness.start([FakeStore(None, "np0")], prefills=[], decodes=[])
+    notice = FirstTokenNotice(request_id="old", prefill_node="np0", prefill_tx_id="np0-tx-old", ts=time.time())
+    await h.nc.publish(subjects.conductor_events(CID), encode(notice))
+    assert await next_of(h.stores["np0"].commits) == TxCommit(tx_id="np0-tx-old", request_id="old")
+
+
+async def test_sweep_forgets_expired_requests_and_silent_stores(harness):
+    clock = ManualClock(1000.0)
+    h = await harness.start(
+        [FakeStore(None, "np0", held=HASHES[:1]), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+        clock=clock,
+        lease_s=10.0,
+        store_dead_after_s=5.0,
+    )
+    await h.schedule("r9")
+    await h.task()
+    assert set(h.svc.pending) == {"r9"} and h.svc.policy.dispatched() == ["r9"]
+    clock.advance(14.0)
+    h.svc.sweep()
+    assert set(h.svc.pending) == {"r9"}  # within lease + 5 s of grace
+    clock.advance(2.0)
+    h.svc.sweep()
+    assert h.svc.pending == {} and h.svc.policy.dispatched() == []
+    assert h.svc.shadow.index.nodes() == []  # no announce for 16 s: both stores forgotten
