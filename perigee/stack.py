@@ -160,6 +160,18 @@ class Stack:
                     await asyncio.wait_for(ready.wait(), 0.5)
                 except TimeoutError:
                     pass
+            # Admission and conductor answer a malformed message with an error reply:
+            # a reply proves their subscription is live before the first request.
+            for subject in (subjects.REQUESTS, subjects.SCHEDULE):
+                while True:
+                    self._check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"nobody serves {subject}")
+                    try:
+                        await nc.request(subject, b"{}", timeout=0.5)
+                        break
+                    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                        await asyncio.sleep(0.05)
             while not await asyncio.to_thread(self._health):
                 self._check_alive()
                 if time.monotonic() > deadline:

@@ -1,0 +1,22 @@
+"""End-to-end fixtures: real nats-server and real service processes, started through
+perigee.stack (the code path of ``perigee up``). Each stack gets its own nats-server:
+two stacks on one bus would share queue groups."""
+
+import pytest
+
+from perigee.natsd import free_port
+from perigee.stack import Stack, StackConfig
+
+
+def make_stack(tmp_path_factory, name: str, **kw) -> Stack:
+    cfg = StackConfig(port=free_port(), log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")), **kw)
+    return Stack(cfg)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    """1 prefill + 1 decode, mock engine at 100x the paper's A800 speed."""
+    s = make_stack(tmp_path_factory, "main", prefill=1, decode=1, speedup="100")
+    s.start()
+    yield s
+    s.stop()

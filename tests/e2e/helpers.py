@@ -1,0 +1,53 @@
+import asyncio
+
+import nats
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.kv_events import BlockStored, EventBatch
+from bus_schemas.load import WorkerStats
+
+
+async def worker_stats(nats_url: str, role: str, instance: str) -> dict[str, int]:
+    nc = await nats.connect(nats_url)
+    try:
+        msg = await nc.request(subjects.worker_stats(role, instance), b"{}", timeout=5)
+        return decode(msg.data, WorkerStats).counters
+    finally:
+        await nc.close()
+
+
+class KVEventWatcher:
+    """Collects every block hash stored anywhere, so a test can wait for a commit."""
+
+    def __init__(self) -> None:
+        self.stored: set[int] = set()
+        self._changed = asyncio.Event()
+        self.nc = None
+
+    async def start(self, nats_url: str) -> "KVEventWatcher":
+        self.nc = await nats.connect(nats_url)
+
+        async def cb(m):
+            batch = decode(m.data, EventBatch)
+            for ev in batch.events:
+                if isinstance(ev, BlockStored):
+                    self.stored.update(ev.block_hashes)
+            self._changed.set()
+
+        await self.nc.subscribe(subjects.KV_EVENTS_ALL, cb=cb)
+        return self
+
+    async def wait_for(self, hashes, timeout: float = 20.0) -> None:
+        async def loop():
+            while not set(hashes) <= self.stored:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(loop(), timeout)
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+__all__ = ["worker_stats", "KVEventWatcher", "encode"]

@@ -1,0 +1,32 @@
+"""The README's bus-client example, run verbatim against a live stack."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_bus_example() -> str:
+    text = README.read_text()
+    section = text.split("## Talking to the bus directly", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_bus_client_runs_as_written(stack):
+    code = readme_bus_example()
+    assert "nats://127.0.0.1:4222" in code
+    code = code.replace("nats://127.0.0.1:4222", stack.nats_url)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    events = [ast.literal_eval(ln) for ln in out.stdout.strip().splitlines()]
+    assert events[0]["type"] == "accepted"
+    tokens = [t for e in events if e["type"] == "tokens" for t in e["token_ids"]]
+    assert len(tokens) == 8
+    assert events[-1]["type"] == "finished" and events[-1]["completion_tokens"] == 8
