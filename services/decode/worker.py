@@ -53,10 +53,6 @@ class BadTask(ValueError):
     """A DecodeTask this instance cannot serve as placed."""
 
 
-class TxLost(RuntimeError):
-    """The store refused to commit decode_tx (lease expired, store restarted)."""
-
-
 class _Stopped(Exception):
     """Cancelled or shut down before the request reached the running batch."""
 
@@ -69,8 +65,6 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.UNAVAILABLE, "decode engine is down"
     if isinstance(exc, EngineError):
         return ErrorCode.INTERNAL, f"decode failed: {exc}"
-    if isinstance(exc, TxLost):
-        return ErrorCode.UNAVAILABLE, f"decode kv transaction lost: {exc}"
     if isinstance(exc, bus.RemoteError | nats.errors.NoRespondersError | TimeoutError):
         return ErrorCode.UNAVAILABLE, "decode store unavailable"
     return ErrorCode.INTERNAL, "decode failed: internal error"
@@ -99,7 +93,7 @@ class DecodeWorker:
         self.commit_timeout = commit_timeout
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
-             "kv_tokens_loaded"), 0,
+             "kv_tokens_loaded", "commits_failed"), 0,
         )
         self.dead = asyncio.Event()  # the engine died: the process should exit
         self._subs = bus.Subscriptions(nc)
@@ -218,23 +212,15 @@ class DecodeWorker:
         if rid in self._stop_reason:  # cancelled while the KV was loading
             self.engine.abort(rid)
             raise _Stopped()
-        with tracer().start_as_current_span("decode.commit"):
-            reply = await bus.request(
-                self.nc, subjects.store_ctl(self.node, "tx.commit"),
-                TxCommit(tx_id=task.decode_tx.tx_id, request_id=rid), TxDoneReply,
-                timeout=self.commit_timeout,
-            )
-        if isinstance(reply, Refused):
-            raise TxLost(f"{reply.reason}: {reply.message}")
-        if rid in self._stop_reason:
-            self.engine.abort(rid)
-            raise _Stopped()
         await self._emit(req.reply_subject, Tokens(request_id=rid, token_ids=[task.first_token],
                                                    index=0))
         await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
             request_id=rid, prefill_node=task.prefill_node, prefill_tx_id=task.prefill_tx_id,
             ts=time.time(),
         ))
+        # The KV now lives in the engine, so the commit (which only makes the blocks
+        # cacheable on this node) runs beside generation rather than before the first token.
+        commit = asyncio.create_task(self._commit(task))
         self.counters["tokens_generated"] += 1
         index = 1
         with tracer().start_as_current_span("decode.generate") as span:
@@ -244,6 +230,7 @@ class DecodeWorker:
                 index += len(batch)
                 self.counters["tokens_generated"] += len(batch)
             span.set_attribute("completion_tokens", index)
+        await commit  # never raises; ordered before Finished so the node's cache is settled
         stop = self._stop_reason.get(rid)
         if stream.finish_reason == "abort" and stop is not None and stop[0] != ErrorCode.CANCELLED:
             raise _Stopped()  # shutting down: the client gets Error 503, not a short answer
@@ -252,6 +239,24 @@ class DecodeWorker:
             completion_tokens=index, cached_tokens=task.cached_tokens,
         ))
         self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
+
+    async def _commit(self, task: DecodeTask) -> None:
+        rid = task.request.request_id
+        try:
+            with tracer().start_as_current_span("decode.commit"):
+                reply = await bus.request(
+                    self.nc, subjects.store_ctl(self.node, "tx.commit"),
+                    TxCommit(tx_id=task.decode_tx.tx_id, request_id=rid), TxDoneReply,
+                    timeout=self.commit_timeout,
+                )
+        except Exception as e:  # noqa: BLE001 - the request itself is unaffected
+            reply = Refused(reason="unreachable", message=f"{type(e).__name__}: {e}")
+        if isinstance(reply, Refused):
+            # The store rolled the tx back (lease expired, store restarted): the blocks
+            # are not cached here, nothing else is lost.
+            self.counters["commits_failed"] += 1
+            log.warning("decode_commit_refused", request_id=rid, reason=reply.reason,
+                        detail=reply.message)
 
     # -- helpers --
     def _validate(self, task: DecodeTask) -> None:

@@ -269,6 +269,22 @@ class PrefillWorker:
         blocks = [b for b in range(len(slots)) if b >= task.decode_tx.hit_blocks]
         ships: list[asyncio.Task] = []
         ship_span: Any = None
+        ready: list[int] = []  # computed layers not yet handed to the store
+
+        async def pump() -> None:
+            # Layers are contiguous inside a block, so a run of finished layers ships as
+            # one span: while one ship is on the wire the next layers queue up behind it,
+            # and a link slower than compute gets fewer, larger transfers.
+            while ready:
+                first, last = ready[0], ready[0]
+                while len(ready) > last - first + 1 and ready[last - first + 1] == last + 1:
+                    last += 1
+                del ready[: last - first + 1]
+                start, _ = self.layout.layer_span(first)
+                _, end = self.layout.layer_span(last)
+                await self.store.ship_layer(
+                    task.prefill_tx, task.decode_tx, first, blocks, end - start, start,
+                )
 
         async def on_layer(layer: int) -> None:
             nonlocal ship_span
@@ -282,10 +298,9 @@ class PrefillWorker:
                     "prefill.ship", context=item.meta.ctx,
                     attributes={"blocks": len(blocks), "decode_node": task.decode_tx.node},
                 )
-            start, end = self.layout.layer_span(layer)
-            ships.append(asyncio.create_task(self.store.ship_layer(
-                task.prefill_tx, task.decode_tx, layer, blocks, end - start, start,
-            )))
+            ready.append(layer)
+            if not ships or ships[-1].done():
+                ships.append(asyncio.create_task(pump()))
 
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                          prefix_tokens=p, sampling=req.sampling, kv=kv, on_layer=on_layer)

@@ -126,16 +126,20 @@ async def test_kv_mismatch_fails_without_commit(rig):
     assert (await rig.stats("decode", rig.di))["tasks_failed"] == 1
 
 
-async def test_refused_commit_is_a_503(nats_url):
+async def test_refused_commit_does_not_fail_the_request(nats_url):
+    # The KV is in the engine before the commit: a store that rolled the tx back only
+    # loses the cache entry, so the client still gets its whole answer.
     rig = await Rig(commit_reply=Refused(reason="unknown_tx", message="lease expired")).start(
         nats_url)
     try:
-        dt = decode_task(rig, rig.prompt(33, seed=24))
-        (err,) = await until_terminal(await send(rig, dt))
-        assert err.code == ErrorCode.UNAVAILABLE
-        assert err.message == "decode kv transaction lost: unknown_tx: lease expired"
-        assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
-        assert rig.dengine.stats().batch_size + rig.dengine.stats().waiting == 0
+        p = rig.prompt(33, seed=24)
+        dt = decode_task(rig, p, max_tokens=5)
+        events = await until_terminal(await send(rig, dt))
+        assert tokens_of(events) == rig.reference(p, 5)
+        assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+        assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), FirstTokenNotice)
+        stats = await rig.stats("decode", rig.di)
+        assert stats["commits_failed"] == 1 and stats["tasks_done"] == 1
     finally:
         await rig.close()
 

@@ -53,7 +53,8 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
                   "computed_tokens": 68, "prefix_tokens_loaded": 32, "remote_tokens_pulled": 0}
     dc = await rig.stats("decode", rig.di)
     assert dc == {"tasks_done": 1, "tasks_failed": 0, "tasks_aborted": 0,
-                  "tokens_generated": 7, "kv_tokens_loaded": 100, "running": 0}
+                  "tokens_generated": 7, "kv_tokens_loaded": 100, "commits_failed": 0,
+                  "running": 0}
 
 
 async def test_remote_prefix_is_pulled_before_compute(rig):
