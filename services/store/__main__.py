@@ -1,0 +1,75 @@
+"""``python -m services.store --nats URL --node p0 ...``: run one node's KV store."""
+
+import argparse
+import asyncio
+import sys
+
+import structlog
+
+from services.common.bus import connect, drain, install_signal_handlers
+from services.common.logging import configure
+from services.store.server import StoreService
+from tracing import setup_tracing, shutdown_tracing
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m services.store", description=__doc__)
+    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    p.add_argument("--node", required=True, help="node id (store subjects, kv events)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    p.add_argument("--block-bytes", type=int, default=131072, help="bytes per block slot")
+    p.add_argument("--capacity-blocks", type=int, default=2048, help="slots in the arena")
+    p.add_argument("--host", default="127.0.0.1", help="address the data plane binds")
+    p.add_argument("--port", type=int, default=0, help="data plane port (0 = any free one)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host peers use to reach this store (default: --host)")
+    p.add_argument("--announce-interval", type=float, default=1.0, help="seconds between announces")
+    p.add_argument("--sweep-interval", type=float, default=0.25,
+                   help="seconds between lease-expiry sweeps")
+    p.add_argument("--peer-timeout", type=float, default=5.0,
+                   help="seconds a peer store may take to answer (plus size-based time)")
+    p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
+                   help="map the whole arena at start (commits its memory up front)")
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    if not args.node or any(c in args.node for c in ".*> \t"):
+        p.error(f"--node {args.node!r}: one NATS subject token (no '.', '*', '>' or spaces)")
+    for name in ("block_size", "block_bytes", "capacity_blocks"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+async def main(args: argparse.Namespace) -> int:
+    configure("store", args.log_level)
+    setup_tracing("store")
+    log = structlog.get_logger()
+    structlog.contextvars.bind_contextvars(node=args.node)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    nc = await connect(args.nats, name=f"store-{args.node}")
+    service = StoreService(
+        nc, node=args.node, block_size=args.block_size, block_bytes=args.block_bytes,
+        capacity_blocks=args.capacity_blocks, host=args.host, port=args.port,
+        advertise_host=args.advertise_host, announce_interval_s=args.announce_interval,
+        sweep_interval_s=args.sweep_interval, peer_timeout_s=args.peer_timeout,
+        prefault=args.prefault,
+    )
+    try:
+        await service.start()
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+    finally:
+        await service.stop()
+        await drain(nc)
+        shutdown_tracing()
+    if service.failed.is_set():
+        log.error("store_exiting_after_failure")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(parse_args())))

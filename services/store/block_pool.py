@@ -1,0 +1,393 @@
+"""A node's block metadata: which slot holds which block, who holds it, what goes next.
+
+Pure: no I/O, time from an injected :class:`~services.common.clock.Clock`. The store
+service and the simulator drive the same object.
+
+Lifecycle of a slot::
+
+    FREE --allocate--> TX-OWNED (new block of an open transaction; writable)
+    TX-OWNED --commit (full, hashed, not ephemeral, hash not cached yet)--> CACHED
+    TX-OWNED --commit (tail / ephemeral / duplicate) | abort | lease expiry--> FREE
+    CACHED, locked (refs > 0: a transaction's prefix hit, or a context-cache pin)
+    CACHED, unlocked --> in the LRU --evicted to make room--> FREE   (BlockRemoved)
+
+A transaction (``TxAllocate``):
+
+* PREFILL / DECODE: ``hit_blocks`` = longest prefix of ``block_hashes`` cached here;
+  those blocks are locked. Fresh slots are allocated for the remaining full blocks
+  and the partial tail, so ``len(slots) == ceil(num_tokens / block_size)``. Room is
+  made by evicting unlocked blocks, least recently used first; if that is not
+  enough the request is refused (``capacity``) and nothing changes.
+* SOURCE: every block in ``block_hashes`` must be cached (else ``missing``); they
+  are locked so another node can pull them. ``slots`` are theirs, nothing is
+  allocated.
+
+Commit caches the new full blocks under their hashes (unless retention is
+EPHEMERAL) and emits ``BlockStored``; a block whose hash was cached meanwhile by
+another transaction is a duplicate and its slot is freed, as is the tail slot.
+Locks are released last block first, so a chain's tail is evicted before its head
+(vLLM does the same). CONTEXT_CACHE pins the request's blocks for
+``context_ttl_s``: pinned blocks are locked until the pin expires.
+Abort frees the new slots and releases the locks; ``expire()`` aborts every
+transaction whose lease has run out and drops expired pins.
+"""
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from bus_schemas.control import Refused, TxAllocate, TxDone, TxRole
+from bus_schemas.kv_events import BlockRemoved, BlockStored, KVEvent
+from bus_schemas.requests import Retention
+from services.common.clock import Clock
+from services.common.hashing import num_blocks
+from services.store.eviction import LRUEviction
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """A granted transaction: ``slots[i]`` holds block ``i`` of the request."""
+
+    tx_id: str
+    slots: list[int]
+    hit_blocks: int
+
+
+@dataclass
+class _Tx:
+    tx_id: str
+    request_id: str
+    role: TxRole
+    retention: Retention
+    context_ttl_s: float
+    deadline: float
+    hashes: list[int]  # the request's full-block hashes
+    slots: list[int]
+    hit_blocks: int
+    writable: frozenset[int] = field(default_factory=frozenset)  # slots allocated by this tx
+    readable: frozenset[int] = field(default_factory=frozenset)  # every slot of this tx
+
+
+class BlockPool:
+    def __init__(
+        self,
+        capacity: int,
+        block_size: int,
+        clock: Clock,
+        id_prefix: str = "tx-",
+    ) -> None:
+        if capacity <= 0 or block_size <= 0:
+            raise ValueError("capacity and block_size must be positive")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.clock = clock
+        self.id_prefix = id_prefix
+        self._next_id = 1
+        self._free: deque[int] = deque(range(capacity))
+        self._cached: dict[int, int] = {}  # block hash -> slot
+        self._refs: dict[int, int] = {}  # block hash -> lock count (absent = 0)
+        self._lru: LRUEviction[int] = LRUEviction()
+        self._pins: dict[int, float] = {}  # block hash -> pinned until
+        self._pin_heap: list[tuple[float, int]] = []
+        self._txs: dict[str, _Tx] = {}
+        self._lease_heap: list[tuple[float, str]] = []
+        self._tx_owned = 0
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "tx_allocated", "tx_refused", "tx_committed", "tx_aborted", "tx_expired",
+                "hit_blocks", "new_blocks", "stored_blocks", "duplicate_blocks",
+                "evictions", "unpinned_blocks",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def evictable_blocks(self) -> int:
+        return len(self._lru)
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
+    def slot_of(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def lock_count(self, block_hash: int) -> int:
+        return self._refs.get(block_hash, 0)
+
+    def eviction_order(self) -> list[int]:
+        """Evictable block hashes, next victim first."""
+        return list(self._lru)
+
+    def prefix_hits(self, block_hashes: list[int]) -> int:
+        """How many leading blocks are cached here (no locking)."""
+        n = 0
+        for h in block_hashes:
+            if h not in self._cached:
+                break
+            n += 1
+        return n
+
+    def open_txs(self) -> list[str]:
+        return list(self._txs)
+
+    def tx_slots(self, tx_id: str) -> list[int] | None:
+        tx = self._txs.get(tx_id)
+        return None if tx is None else list(tx.slots)
+
+    def check_write(self, tx_id: str, slots: list[int]) -> str | None:
+        """Why ``slots`` may not be written for ``tx_id`` (None when they may)."""
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            return f"unknown or closed transaction {tx_id!r}"
+        bad = [s for s in slots if s not in tx.writable]
+        return f"slots {bad[:8]} are not new blocks of {tx_id}" if bad else None
+
+    def check_read(self, tx_id: str, slots: list[int]) -> str | None:
+        """Why ``slots`` may not be read for ``tx_id`` (None when they may)."""
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            return f"unknown or closed transaction {tx_id!r}"
+        bad = [s for s in slots if s not in tx.readable]
+        return f"slots {bad[:8]} do not belong to {tx_id}" if bad else None
+
+    def dump(self, cursor: int = 0, limit: int = 50_000) -> tuple[list[int], int | None]:
+        """Cached hashes ``>= cursor`` in ascending order, at most ``limit``; the cursor of
+        the next page (None on the last). Hash-keyed, so pages stay valid as blocks come
+        and go between calls."""
+        limit = max(1, limit)
+        rest = sorted(h for h in self._cached if h >= cursor)
+        page = rest[:limit]
+        return page, (page[-1] + 1 if len(rest) > limit else None)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "capacity_blocks": self.capacity,
+            "free_blocks": len(self._free),
+            "used_blocks": self.used_blocks,
+            "cached_blocks": len(self._cached),
+            "evictable_blocks": len(self._lru),
+            "locked_blocks": len(self._refs),
+            "pinned_blocks": len(self._pins),
+            "tx_owned_blocks": self._tx_owned,
+            "open_txs": len(self._txs),
+            **self.counters,
+        }
+
+    # ------------------------------------------------------------------ operations
+
+    def allocate(
+        self, req: TxAllocate, tx_id: str | None = None
+    ) -> tuple[Allocation | Refused, list[KVEvent]]:
+        """Open a transaction (see module doc); the events are the evictions it caused."""
+        bad = self._validate(req)
+        if bad is not None:
+            self.counters["tx_refused"] += 1
+            return Refused(reason="bad_request", message=bad), []
+        if tx_id is None:
+            tx_id = f"{self.id_prefix}{self._next_id}"
+            self._next_id += 1
+        elif tx_id in self._txs:
+            self.counters["tx_refused"] += 1
+            return Refused(reason="bad_request", message=f"transaction {tx_id!r} exists"), []
+        hashes = list(req.block_hashes)
+        if req.role == TxRole.SOURCE:
+            return self._allocate_source(req, tx_id, hashes), []
+
+        hit = self.prefix_hits(hashes)
+        total = num_blocks(req.num_tokens, self.block_size)
+        need = total - hit
+        for h in hashes[:hit]:
+            self._lock(h)
+        if need > len(self._free) + len(self._lru):
+            for h in reversed(hashes[:hit]):
+                self._unlock(h)
+            self.counters["tx_refused"] += 1
+            return Refused(
+                reason="capacity",
+                message=(
+                    f"need {need} free blocks, have {len(self._free)} free and "
+                    f"{len(self._lru)} evictable of {self.capacity}"
+                ),
+            ), []
+        evicted: list[int] = []
+        while len(self._free) < need:
+            h = self._lru.victim()
+            self._free.append(self._cached.pop(h))
+            evicted.append(h)
+        new = [self._free.popleft() for _ in range(need)]
+        self._tx_owned += need
+        slots = [self._cached[h] for h in hashes[:hit]] + new
+        self._open(req, tx_id, hashes, slots, hit, writable=frozenset(new))
+        self.counters["hit_blocks"] += hit
+        self.counters["new_blocks"] += need
+        self.counters["evictions"] += len(evicted)
+        events: list[KVEvent] = [BlockRemoved(block_hashes=evicted)] if evicted else []
+        return Allocation(tx_id=tx_id, slots=slots, hit_blocks=hit), events
+
+    def commit(self, tx_id: str, request_id: str = "") -> tuple[TxDone | Refused, list[KVEvent]]:
+        tx = self._txs.get(tx_id)
+        if tx is None:
+            return self._unknown(tx_id), []
+        if request_id and request_id != tx.request_id:
+            return Refused(
+                reason="bad_request",
+                message=f"{tx_id} belongs to request {tx.request_id!r}, not {request_id!r}",
+            ), []
+        del self._txs[tx_id]
+        stored: list[int] = []
+        if tx.role == TxRole.SOURCE:
+            self._rollback(tx)
+        else:
+            keep = tx.retention != Retention.EPHEMERAL
+            newly: set[int] = set()  # block indices this commit cached
+            for i in range(tx.hit_blocks, len(tx.slots)):
+                slot = tx.slots[i]
+                h = tx.hashes[i] if i < len(tx.hashes) else None
+                self._tx_owned -= 1
+                if h is not None and keep and h not in self._cached:
+                    self._cached[h] = slot
+                    stored.append(h)
+                    newly.add(i)
+                else:
+                    if h is not None and keep:
+                        self.counters["duplicate_blocks"] += 1
+                    self._free.append(slot)
+            if tx.retention == Retention.CONTEXT_CACHE and tx.context_ttl_s > 0:
+                until = self.clock.now() + tx.context_ttl_s
+                for h in tx.hashes:
+                    if h in self._cached:
+                        self._pin(h, until)
+            for i in reversed(range(len(tx.hashes))):
+                h = tx.hashes[i]
+                if i < tx.hit_blocks:
+                    self._unlock(h)
+                elif i in newly and h not in self._refs:
+                    self._lru.add(h)
+        self.counters["tx_committed"] += 1
+        self.counters["stored_blocks"] += len(stored)
+        events: list[KVEvent] = [BlockStored(block_hashes=stored)] if stored else []
+        return TxDone(tx_id=tx_id, stored_blocks=len(stored)), events
+
+    def abort(self, tx_id: str) -> tuple[TxDone | Refused, list[KVEvent]]:
+        tx = self._txs.pop(tx_id, None)
+        if tx is None:
+            return self._unknown(tx_id), []
+        self._rollback(tx)
+        self.counters["tx_aborted"] += 1
+        return TxDone(tx_id=tx_id), []
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Abort every transaction whose lease ended at or before ``now`` and drop expired
+        context-cache pins; returns the aborted transaction ids, oldest lease first."""
+        now = self.clock.now() if now is None else now
+        expired: list[str] = []
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            deadline, tx_id = heapq.heappop(self._lease_heap)
+            tx = self._txs.get(tx_id)
+            if tx is None or tx.deadline != deadline:
+                continue
+            del self._txs[tx_id]
+            self._rollback(tx)
+            self.counters["tx_expired"] += 1
+            expired.append(tx_id)
+        while self._pin_heap and self._pin_heap[0][0] <= now:
+            until, h = heapq.heappop(self._pin_heap)
+            if self._pins.get(h) != until:
+                continue
+            del self._pins[h]
+            self._unlock(h)
+            self.counters["unpinned_blocks"] += 1
+        return expired
+
+    # ------------------------------------------------------------------ internals
+
+    def _validate(self, req: TxAllocate) -> str | None:
+        if not (req.lease_s > 0 and math.isfinite(req.lease_s)):
+            return f"lease_s must be a positive number, got {req.lease_s}"
+        if req.role == TxRole.SOURCE:
+            return None
+        if req.num_tokens <= 0:
+            return f"num_tokens must be positive, got {req.num_tokens}"
+        full = req.num_tokens // self.block_size
+        if len(req.block_hashes) > full:
+            return (
+                f"{len(req.block_hashes)} block hashes for {req.num_tokens} tokens "
+                f"(at most {full} full blocks of {self.block_size})"
+            )
+        if not math.isfinite(req.context_ttl_s) or req.context_ttl_s < 0:
+            return f"context_ttl_s must be >= 0, got {req.context_ttl_s}"
+        return None
+
+    def _allocate_source(self, req: TxAllocate, tx_id: str, hashes: list[int]) -> Allocation | Refused:
+        for i, h in enumerate(hashes):
+            if h not in self._cached:
+                self.counters["tx_refused"] += 1
+                return Refused(reason="missing", message=f"block {i} ({h:#x}) is not on this node")
+        for h in hashes:
+            self._lock(h)
+        slots = [self._cached[h] for h in hashes]
+        self._open(req, tx_id, hashes, slots, len(hashes), writable=frozenset())
+        return Allocation(tx_id=tx_id, slots=slots, hit_blocks=len(hashes))
+
+    def _open(
+        self, req: TxAllocate, tx_id: str, hashes: list[int], slots: list[int], hit: int,
+        writable: frozenset[int],
+    ) -> None:
+        deadline = self.clock.now() + req.lease_s
+        self._txs[tx_id] = _Tx(
+            tx_id=tx_id, request_id=req.request_id, role=req.role, retention=req.retention,
+            context_ttl_s=req.context_ttl_s, deadline=deadline, hashes=hashes, slots=slots,
+            hit_blocks=hit, writable=writable, readable=frozenset(slots),
+        )
+        heapq.heappush(self._lease_heap, (deadline, tx_id))
+        self.counters["tx_allocated"] += 1
+
+    def _rollback(self, tx: _Tx) -> None:
+        for slot in tx.slots[tx.hit_blocks :]:
+            self._free.append(slot)
+            self._tx_owned -= 1
+        for h in reversed(tx.hashes[: tx.hit_blocks]):
+            self._unlock(h)
+
+    def _unknown(self, tx_id: str) -> Refused:
+        if not tx_id.startswith(self.id_prefix):
+            return Refused(reason="epoch", message=f"{tx_id!r} is not from this store's epoch")
+        return Refused(reason="unknown_tx", message=f"no open transaction {tx_id!r}")
+
+    def _lock(self, h: int) -> None:
+        n = self._refs.get(h, 0)
+        if n == 0:
+            self._lru.remove(h)
+        self._refs[h] = n + 1
+
+    def _unlock(self, h: int) -> None:
+        n = self._refs[h] - 1
+        if n:
+            self._refs[h] = n
+        else:
+            del self._refs[h]
+            self._lru.add(h)
+
+    def _pin(self, h: int, until: float) -> None:
+        old = self._pins.get(h)
+        if old is None:
+            self._lock(h)
+        elif old >= until:
+            return
+        self._pins[h] = until
+        heapq.heappush(self._pin_heap, (until, h))

@@ -1,0 +1,169 @@
+"""Request/reply over one ZeroMQ DEALER socket, many requests in flight at once.
+
+Used by a worker to talk to its node's store and by a store to talk to its peers.
+Lifecycle: ``Channel(ctx, addr)`` connects; ``request()`` sends, parks a future under
+the request id and waits (with a deadline) for the reader task to hand it the
+reply; ``close()`` (or a timeout, which usually means the peer is gone) fails every
+waiting request. ``PeerPool`` keeps at most ``max_peers`` channels, least recently
+used closed first.
+
+``ZMQ_IMMEDIATE`` keeps messages from queueing on a connection that is not up, so a
+request to a dead peer waits for the deadline instead of being delivered, stale, to
+whatever comes up at that address later.
+"""
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.store import wire
+
+log = structlog.get_logger()
+
+_ids = itertools.count(1)
+
+
+def next_id() -> int:
+    return next(_ids)
+
+
+class ChannelError(RuntimeError):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def tune(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDBUF, 4 << 20)
+    sock.setsockopt(zmq.RCVBUF, 4 << 20)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+
+
+class Channel:
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+        self.addr = addr
+        self.sock = ctx.socket(zmq.DEALER)
+        tune(self.sock)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.connect(addr)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._closed = False
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"channel:{addr}")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def request(
+        self, header: Any, payload: Sequence[Any] = (), timeout: float = 5.0
+    ) -> tuple[wire.Kind, Any, list[memoryview]]:
+        """Send one request and return its reply (kind OK or DATA); ERR raises
+        :class:`ChannelError` with the peer's code; no reply in ``timeout`` raises
+        ``ChannelError("timeout")`` and closes the channel."""
+        if self._closed:
+            raise ChannelError("closed", f"channel to {self.addr} is closed")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[header.id] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                await self.sock.send_multipart(wire.frames(header, payload), copy=False)
+                kind, reply, data = await fut
+        except TimeoutError:
+            self.close()
+            raise ChannelError(
+                "timeout", f"no reply from {self.addr} within {timeout:.1f}s (peer down?)"
+            ) from None
+        finally:
+            self._pending.pop(header.id, None)
+        if kind == wire.Kind.ERR:
+            raise ChannelError(reply.code, reply.message)
+        return kind, reply, data
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                parts = await self.sock.recv_multipart(copy=False)
+                try:
+                    kind, header, data = wire.parse(parts)
+                except wire.WireError as e:
+                    log.warning("bad_reply", addr=self.addr, error=str(e))
+                    continue
+                fut = self._pending.get(header.id)
+                if fut is not None and not fut.done():
+                    fut.set_result((kind, header, data))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            self._fail_all("closed", f"channel to {self.addr} closed")
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ChannelError(code, message))
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        self._fail_all("closed", f"channel to {self.addr} closed")
+        self.sock.close(linger=0)
+
+    async def aclose(self) -> None:
+        self.close()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+
+
+class PeerPool:
+    """One channel per peer address, at most ``max_peers``, least recently used evicted
+    (a channel with requests in flight is only evicted when every channel is busy)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, max_peers: int = 64) -> None:
+        self.ctx = ctx
+        self.max_peers = max(1, max_peers)
+        self._peers: OrderedDict[str, Channel] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, addr: str) -> Channel:
+        ch = self._peers.get(addr)
+        if ch is not None and not ch.closed:
+            self._peers.move_to_end(addr)
+            return ch
+        self._peers.pop(addr, None)
+        while len(self._peers) >= self.max_peers:
+            victim = next((a for a, c in self._peers.items() if c.in_flight == 0), None)
+            victim = victim or next(iter(self._peers))
+            self._peers.pop(victim).close()
+        ch = self._peers[addr] = Channel(self.ctx, addr)
+        return ch
+
+    async def request(
+        self, addr: str, header: Any, payload: Sequence[Any] = (), timeout: float = 5.0
+    ) -> tuple[wire.Kind, Any, list[memoryview]]:
+        return await self.get(addr).request(header, payload, timeout)
+
+    async def aclose(self) -> None:
+        peers, self._peers = list(self._peers.values()), OrderedDict()
+        for ch in peers:
+            await ch.aclose()

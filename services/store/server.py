@@ -1,0 +1,260 @@
+"""The store service of one node: a thin adapter around :class:`BlockPool` and the arena.
+
+Lifecycle::
+
+    start: create the shared-memory arena, bind the ZeroMQ ROUTER (data plane),
+           subscribe the control endpoints, announce StoreInfo
+    serve: NATS  perigee.store.<node>.tx.allocate  TxAllocate -> TxHandle | Refused
+                 perigee.store.<node>.tx.commit    TxCommit   -> TxDone | Refused
+                 perigee.store.<node>.tx.abort     TxAbort    -> TxDone | Refused
+                 perigee.store.<node>.dump         DumpRequest -> DumpPage
+                 perigee.store.<node>.info         (anything) -> StoreInfo
+                 perigee.store.discover            (anything) -> StoreInfo
+                 perigee.store.<node>.stats        (anything) -> WorkerStats(role="store")
+           tasks data-plane   ROUTER loop (SHIP/PULL from workers, WRITE/READ from peers)
+                 announce     StoreInfo on perigee.store.announce every announce interval
+                 lease-sweep  aborts transactions whose lease ran out, drops expired pins
+                 kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order
+    stop:  unsubscribe, cancel tasks, close sockets, close and unlink the arena
+
+Every pool operation that changes what the node holds yields KV events; they get the
+next sequence number (from 1, per epoch; epoch = start time in ns) in the same
+synchronous step, so a dump taken at ``seq`` is exactly the state after batch ``seq``.
+"""
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+import structlog
+import zmq.asyncio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg as NatsMsg
+
+from bus_schemas import subjects
+from bus_schemas.codec import encode
+from bus_schemas.control import (
+    DumpPage,
+    DumpRequest,
+    Refused,
+    StoreInfo,
+    TxAbort,
+    TxAllocate,
+    TxCommit,
+    TxDone,
+    TxHandle,
+)
+from bus_schemas.kv_events import EventBatch, KVEvent
+from bus_schemas.load import WorkerStats
+from services.common.bus import Subscriptions, publish
+from services.common.clock import Clock, WallClock
+from services.store.arena import Arena
+from services.store.block_pool import BlockPool
+from services.store.transfer import DataPlane
+
+log = structlog.get_logger()
+
+
+class StoreService:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        node: str,
+        block_size: int = 32,
+        block_bytes: int = 131072,
+        capacity_blocks: int = 2048,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        announce_interval_s: float = 1.0,
+        sweep_interval_s: float = 0.25,
+        peer_timeout_s: float = 5.0,
+        prefault: bool = True,
+        clock: Clock | None = None,
+    ) -> None:
+        self.nc = nc
+        self.node = node
+        self.block_size = block_size
+        self.block_bytes = block_bytes
+        self.capacity = capacity_blocks
+        self.host = host
+        self.port = port
+        self.advertise_host = advertise_host
+        self.announce_interval_s = announce_interval_s
+        self.sweep_interval_s = sweep_interval_s
+        self.peer_timeout_s = peer_timeout_s
+        self.clock = clock or WallClock()
+        self.prefault = prefault
+        self.epoch = time.time_ns()
+        self.seq = 0
+        self.pool = BlockPool(capacity_blocks, block_size, self.clock, id_prefix=f"{node}-{self.epoch}-")
+        self.arena: Arena | None = None
+        self.data: DataPlane | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._subs = Subscriptions(nc)
+        self._raw_subs: list[Any] = []
+        self._outbox: asyncio.Queue[EventBatch] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        # Set when a background task dies: the process should exit (and be restarted).
+        self.failed = asyncio.Event()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        self.arena = Arena.create(self.capacity, self.block_bytes)
+        if self.prefault:
+            self.arena.prefault()
+        self._ctx = zmq.asyncio.Context()
+        advertise = self.advertise_host
+        if advertise is None and self.host in ("0.0.0.0", "*"):
+            advertise = socket.gethostname()
+        self.data = DataPlane(
+            self._ctx, self.pool, self.arena, self.epoch, host=self.host, port=self.port,
+            advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
+        )
+        loop = asyncio.get_running_loop()
+        for name, coro in (
+            ("data-plane", self.data.run()),
+            ("kv-events", self._publish_events()),
+            ("lease-sweep", self._sweep()),
+            ("announce", self._announce()),
+        ):
+            self._tasks.append(loop.create_task(coro, name=f"store:{name}"))
+            self._tasks[-1].add_done_callback(self._task_died)
+        ctl = subjects.store_ctl
+        await self._subs.serve(ctl(self.node, "tx.allocate"), TxAllocate, self._allocate)
+        await self._subs.serve(ctl(self.node, "tx.commit"), TxCommit, self._commit)
+        await self._subs.serve(ctl(self.node, "tx.abort"), TxAbort, self._abort)
+        await self._subs.serve(ctl(self.node, "dump"), DumpRequest, self._dump)
+        for subject, reply in (
+            (ctl(self.node, "info"), self.info),
+            (subjects.STORE_DISCOVER, self.info),
+            (subjects.worker_stats("store", self.node), self.stats),
+        ):
+            self._raw_subs.append(await self.nc.subscribe(subject, cb=self._answer(reply)))
+        await self.nc.flush()
+        log.info(
+            "store_started", node=self.node, epoch=self.epoch, data_addr=self.data.data_addr,
+            shm=self.arena.name, capacity_blocks=self.capacity, block_bytes=self.block_bytes,
+        )
+
+    async def stop(self) -> None:
+        for s in self._raw_subs:
+            try:
+                await s.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may be gone
+                pass
+        await self._subs.close()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.data is not None:
+            await self.data.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena.unlink()
+        log.info("store_stopped", node=self.node)
+
+    # ---------------------------------------------------------------- views
+
+    def info(self) -> StoreInfo:
+        assert self.arena is not None and self.data is not None
+        return StoreInfo(
+            node=self.node, epoch=self.epoch, seq=self.seq, data_addr=self.data.data_addr,
+            shm_name=self.arena.name, block_size=self.block_size, block_bytes=self.block_bytes,
+            capacity_blocks=self.capacity, used_blocks=self.pool.used_blocks,
+            host=socket.gethostname(), ts=time.time(),
+        )
+
+    def stats(self) -> WorkerStats:
+        counters = {**self.pool.stats(), **(self.data.counters if self.data else {})}
+        counters["seq"] = self.seq
+        return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _allocate(self, req: TxAllocate, _m: NatsMsg) -> TxHandle | Refused:
+        with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+            result, events = self.pool.allocate(req)
+            self._emit(events)
+            if isinstance(result, Refused):
+                log.info("tx_refused", reason=result.reason, detail=result.message)
+                return result
+            assert self.arena is not None and self.data is not None
+            return TxHandle(
+                tx_id=result.tx_id, node=self.node, epoch=self.epoch, slots=result.slots,
+                hit_blocks=result.hit_blocks, shm_name=self.arena.name,
+                data_addr=self.data.data_addr, block_bytes=self.block_bytes,
+            )
+
+    async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
+        with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+            result, events = self.pool.commit(req.tx_id, req.request_id)
+            self._emit(events)
+            if isinstance(result, Refused):
+                log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)
+            return result
+
+    async def _abort(self, req: TxAbort, _m: NatsMsg) -> TxDone | Refused:
+        with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+            result, events = self.pool.abort(req.tx_id)
+            self._emit(events)
+            log.info("tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone))
+            return result
+
+    async def _dump(self, req: DumpRequest, _m: NatsMsg) -> DumpPage:
+        hashes, nxt = self.pool.dump(req.cursor, req.limit)
+        return DumpPage(node=self.node, epoch=self.epoch, seq=self.seq, block_hashes=hashes,
+                        next_cursor=nxt)
+
+    def _answer(self, make: Any):
+        async def cb(m: NatsMsg) -> None:
+            if m.reply:
+                try:
+                    await self.nc.publish(m.reply, encode(make()))
+                except Exception:  # noqa: BLE001 - keep serving
+                    log.exception("reply_failed", subject=m.subject)
+
+        return cb
+
+    # ---------------------------------------------------------------- tasks
+
+    def _emit(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        self.seq += 1
+        self._outbox.put_nowait(
+            EventBatch(node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events)
+        )
+
+    async def _publish_events(self) -> None:
+        subject = subjects.kv_events(self.node)
+        while True:
+            batch = await self._outbox.get()
+            try:
+                await publish(self.nc, subject, batch)
+            except Exception:  # noqa: BLE001 - consumers recover gaps with a dump
+                log.exception("kv_event_publish_failed", seq=batch.seq)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            for tx_id in self.pool.expire():
+                log.warning("tx_lease_expired", tx_id=tx_id)
+
+    async def _announce(self) -> None:
+        while True:
+            try:
+                await publish(self.nc, subjects.STORE_ANNOUNCE, self.info())
+            except Exception:  # noqa: BLE001 - try again next tick
+                log.exception("announce_failed")
+            await asyncio.sleep(self.announce_interval_s)
+
+    def _task_died(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("store_task_died", task=task.get_name(), error=repr(task.exception()))
+            self.failed.set()

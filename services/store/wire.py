@@ -1,0 +1,170 @@
+"""The store data plane's frames: ``[kind byte][msgpack header][raw payload frames...]``.
+
+Worker -> its node's store (DEALER -> ROUTER):
+    SHIP  send span [offset, offset+length) of my slots ``src_slots`` into the same span
+          of ``dst_slots`` on the store at ``dst_addr``; answered OK once that store acked.
+    PULL  fetch whole slots ``src_slots`` from the store at ``src_addr`` into my
+          ``dst_slots``; answered OK once written.
+Store -> store:
+    WRITE payload (len(slots) * length bytes, in slot order, split into any number of
+          frames) into span [offset, offset+length) of ``slots`` of transaction ``tx``.
+    READ  answer DATA with span [offset, offset+length) of ``slots`` of ``tx``.
+Replies: OK, DATA (OK + payload frames), ERR (stable ``code`` + message).
+
+Every request carries an ``id`` echoed in its reply, so many requests share one
+socket. Headers are msgpack maps (not arrays) so a malformed header still yields its
+``id`` for the error reply when possible. Appending fields with defaults keeps old
+peers compatible.
+"""
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+
+class Kind(IntEnum):
+    SHIP = 1
+    PULL = 2
+    WRITE = 3
+    READ = 4
+    OK = 16
+    ERR = 17
+    DATA = 18
+
+
+class WireError(ValueError):
+    """A frame that does not parse or does not fit; ``code`` is the stable reason."""
+
+    def __init__(self, message: str, code: str = "bad_frame", req_id: int = -1) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req_id = req_id
+
+
+class _Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: int
+
+
+class Ship(_Header):
+    src_tx: str
+    src_epoch: int
+    src_slots: list[int]
+    dst_addr: str
+    dst_tx: str
+    dst_epoch: int
+    dst_slots: list[int]
+    offset: int
+    length: int
+    layer: int = -1
+    trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
+
+
+class Pull(_Header):
+    dst_tx: str
+    dst_epoch: int
+    dst_slots: list[int]
+    src_addr: str
+    src_tx: str
+    src_epoch: int
+    src_slots: list[int]
+    trace: dict[str, str] = {}
+
+
+class Write(_Header):
+    tx: str
+    epoch: int
+    slots: list[int]
+    offset: int
+    length: int
+    trace: dict[str, str] = {}
+
+
+class Read(_Header):
+    tx: str
+    epoch: int
+    slots: list[int]
+    offset: int
+    length: int
+    trace: dict[str, str] = {}
+
+
+class Ok(_Header):
+    nbytes: int = 0
+
+
+class Err(_Header):
+    code: str
+    message: str
+
+
+HEADER_TYPES: dict[Kind, type[_Header]] = {
+    Kind.SHIP: Ship,
+    Kind.PULL: Pull,
+    Kind.WRITE: Write,
+    Kind.READ: Read,
+    Kind.OK: Ok,
+    Kind.DATA: Ok,
+    Kind.ERR: Err,
+}
+_KIND_OF: dict[type, Kind] = {Ship: Kind.SHIP, Pull: Kind.PULL, Write: Kind.WRITE, Read: Kind.READ,
+                              Ok: Kind.OK, Err: Kind.ERR}
+_KIND_BYTES = {k: bytes([k]) for k in Kind}
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {k: msgspec.msgpack.Decoder(t) for k, t in HEADER_TYPES.items()}
+_any = msgspec.msgpack.Decoder()
+
+
+def frames(header: _Header, payload: Sequence[Any] = (), kind: Kind | None = None) -> list[Any]:
+    """The frames of one message (prepend the peer identity on a ROUTER)."""
+    k = _KIND_OF[type(header)] if kind is None else kind
+    return [_KIND_BYTES[k], _encoder.encode(header), *payload]
+
+
+def parse(parts: Sequence[Any]) -> tuple[Kind, Any, list[memoryview]]:
+    """Split received frames (``zmq.Frame`` or bytes) into kind, typed header, payload."""
+    bufs = [p.buffer if hasattr(p, "buffer") else memoryview(p) for p in parts]
+    if len(bufs) < 2 or len(bufs[0]) != 1:
+        raise WireError(f"expected [kind][header][payload...], got {len(bufs)} frames")
+    try:
+        kind = Kind(bufs[0][0])
+    except ValueError:
+        raise WireError(f"unknown frame kind {bufs[0][0]}", req_id=_guess_id(bufs[1])) from None
+    try:
+        header = _decoders[kind].decode(bufs[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WireError(f"bad {kind.name} header: {e}", req_id=_guess_id(bufs[1])) from None
+    return kind, header, bufs[2:]
+
+
+def _guess_id(raw: memoryview) -> int:
+    try:
+        obj = _any.decode(raw)
+    except msgspec.DecodeError:
+        return -1
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, int) else -1
+
+
+def scatter(src: Sequence[memoryview], dst: Sequence[memoryview]) -> int:
+    """Copy the concatenation of ``src`` into the concatenation of ``dst`` (equal sizes);
+    one memcpy per overlapping piece, never per byte. Returns the byte count."""
+    total = sum(len(s) for s in src)
+    want = sum(len(d) for d in dst)
+    if total != want:
+        raise WireError(f"payload has {total} bytes, the slots take {want}")
+    si = so = 0
+    for d in dst:
+        n = len(d)
+        do = 0
+        while do < n:
+            s = src[si]
+            take = min(n - do, len(s) - so)
+            d[do : do + take] = s[so : so + take]
+            do += take
+            so += take
+            if so == len(s):
+                si += 1
+                so = 0
+    return total
