@@ -6,7 +6,7 @@ import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import bus
+from services.common import bus, runner
 from services.common.logging import configure
 from tracing import setup_tracing, shutdown_tracing
 
@@ -60,7 +60,7 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    return runner.run(amain(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import sys
 
 import structlog
 
-from services.common import bus
+from services.common import bus, runner
 from services.common.logging import configure
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
@@ -81,7 +81,7 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    return runner.run(amain(parse_args(argv)))
 
 
 if __name__ == "__main__":

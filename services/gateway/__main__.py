@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import sys
 
+from services.common import runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.gateway.server import Gateway, GatewayConfig
@@ -67,7 +68,7 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    return runner.run(amain(parse_args(argv)))
 
 
 if __name__ == "__main__":

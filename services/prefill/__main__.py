@@ -6,7 +6,7 @@ import sys
 
 import structlog
 
-from services.common import bus
+from services.common import bus, runner
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.logging import configure
@@ -82,7 +82,7 @@ async def amain(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return asyncio.run(amain(parse_args(argv)))
+    return runner.run(amain(parse_args(argv)))
 
 
 if __name__ == "__main__":

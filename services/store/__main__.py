@@ -6,6 +6,7 @@ import sys
 
 import structlog
 
+from services.common import runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.store.server import StoreService
@@ -72,4 +73,4 @@ async def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(parse_args())))
+    sys.exit(runner.run(main(parse_args())))
