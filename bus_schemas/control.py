@@ -12,6 +12,7 @@ lease is rolled back by the store itself, so a dead conductor leaks nothing.
 from enum import IntEnum
 
 from bus_schemas._base import Msg
+from bus_schemas.kv_events import EventBatch
 from bus_schemas.requests import Retention
 
 
@@ -111,3 +112,58 @@ class Replicate(Msg):
 class RoleSwitch(Msg):
     instance: str
     role: str  # "prefill" | "decode"
+
+
+# ---- appended for the tiered store (issue 4): wipe, event replay, objects, replicas ----
+
+
+class ClearRequest(Msg):
+    """Wipe a store: every block no open transaction holds goes, on every tier."""
+
+    reason: str = ""
+
+
+class ClearDone(Msg):
+    node: str
+    epoch: int
+    seq: int  # the batch that announced the wipe (AllBlocksCleared or BlockRemoved)
+    removed_blocks: int
+    kept_blocks: int  # still held by open transactions
+
+
+class ReplayRequest(Msg):
+    """Ask a store for its recent event batches with seq > ``after_seq``."""
+
+    after_seq: int = 0
+    limit: int = 1000
+
+
+class ReplayPage(Msg):
+    node: str
+    epoch: int
+    seq: int  # the store's latest seq
+    # False when batches after ``after_seq`` were already dropped from the replay
+    # buffer: the consumer must dump instead.
+    complete: bool
+    batches: list[EventBatch] = []
+
+
+class ObjectReplicate(Msg):
+    """Make ``dest_node`` hold a copy of object ``key`` taken from ``source_node``."""
+
+    key: str
+    source_node: str
+    dest_node: str
+
+
+class ObjectKey(Msg):
+    """obj.stat / obj.remove on one store."""
+
+    key: str
+
+
+class ObjectDone(Msg, tag="object_done"):
+    key: str
+    node: str
+    size: int = 0
+    present: bool = True

@@ -9,6 +9,9 @@ COMMANDS = {
     "up": ("perigee.up", "start nats-server and every service"),
     "bench": ("perigee.bench", "benchmarks: pipeline"),
     "replay": ("perigee.replay", "replay a Mooncake trace against an OpenAI endpoint"),
+    "breakdown": ("perigee.breakdown", "per-request latency breakdown from a spans file (Fig. 22)"),
+    "sim": ("perigee.sim.cli", "discrete-event simulator: replay a trace through the policies"),
+    "profile": ("perigee.profile", "measure prefill/decode times and fit the cost model"),
 }
 
 

@@ -9,6 +9,7 @@ is given.
 
 import asyncio
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -50,13 +51,29 @@ class StackConfig:
     store_capacity_blocks: int = 4096
     ttft_slo: float = 30.0
     tbt_slo: float = 0.1
-    admission_policy: str = "early"
+    admission_policy: str = "early"  # baseline | early | predict
+    # Conductors conductor-0..N-1 in one queue group against the same stores (§5.3);
+    # the child is named "conductor" when there is one, "conductor-<i>" otherwise.
+    conductors: int = 1
+    cost_model: str = ""  # fitted cost model JSON for admission and conductors
+    balancing_threshold: str = ""  # "": the conductor's default; a number or "adaptive"
+    pd_controller: bool = False  # conductor-0 runs the dynamic P/D ratio controller
+    switchable: bool = False  # workers obey RoleSwitch (--switchable)
+    decode_time: float = 5.0  # predict admission: uniform decode time t_d, s
     max_batch: int = 128
     dead_after: float = 2.0
     report_interval: float = 0.1
     log_dir: str = ".perigee/logs"
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
+    api_key: str = ""  # gateway API key(s), comma list (PERIGEE_API_KEY); "": open
+    metrics: bool = True  # each service serves /metrics on a free port (metrics-targets.json)
+    # --engine vllm: vLLM load format ("": auto if the model directory holds weights,
+    # else dummy), paged-cache blocks per engine (0: by role), and the conductor's
+    # transaction lease (0: its default, 2 * ttft_slo + 10 s).
+    load_format: str = ""
+    kv_blocks: int = 0
+    lease_s: float = 0.0
 
 
 @dataclass
@@ -64,6 +81,7 @@ class Child:
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class Stack:
@@ -73,6 +91,12 @@ class Stack:
         self.nats_url = cfg.nats_url or ""
         self.children: dict[str, Child] = {}
         self.url = f"http://{cfg.host}:{cfg.port}"
+        self.metrics_urls: dict[str, str] = {}  # child name -> its /metrics URL
+        log_dir = Path(cfg.log_dir)
+        self.spans_file = (cfg.extra_env.get("PERIGEE_SPANS_FILE")
+                           or os.environ.get("PERIGEE_SPANS_FILE")
+                           or str(log_dir / "spans.jsonl"))
+        self.metrics_targets_file = log_dir / "metrics-targets.json"
 
     # -- topology -----------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -94,27 +118,76 @@ class Stack:
                     "--engine", c.engine, "--model-dir", c.model_dir,
                     "--block-size", str(c.block_size), "--speedup", c.speedup,
                     "--report-interval", str(c.report_interval)]
-            if role == "decode":
-                args += ["--max-batch", str(c.max_batch)]
+            args += ["--max-batch", str(c.max_batch)]
+            if c.switchable:
+                args += ["--switchable"]
+            if c.admission_policy == "baseline":  # decode rejects after prefill
+                args += ["--tbt-gate-slo", str(c.tbt_slo)]
+            if c.engine == "vllm":
+                if c.load_format:
+                    args += ["--load-format", c.load_format]
+                if c.kv_blocks:
+                    args += ["--kv-blocks", str(c.kv_blocks)]
             out.append(Child(inst, args))
         slo = ["--ttft-slo", str(c.ttft_slo), "--tbt-slo", str(c.tbt_slo),
                "--speedup", c.speedup, "--dead-after", str(c.dead_after),
                "--block-size", str(c.block_size)]
-        out.append(Child("admission", ["services.admission", *self._common(), *slo,
-                                       "--policy", c.admission_policy]))
-        out.append(Child("conductor", ["services.conductor", *self._common(), *slo,
-                                       "--id", "conductor-0"]))
+        model = ["--cost-model", c.cost_model] if c.cost_model else []
+        adm = ["--decode-time", str(c.decode_time)] if c.admission_policy == "predict" else []
+        out.append(Child("admission", ["services.admission", *self._common(), *slo, *model,
+                                       "--policy", c.admission_policy, *adm]))
+        for i in range(c.conductors):
+            args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
+            if c.lease_s:
+                args += ["--lease", str(c.lease_s)]
+            if c.balancing_threshold:
+                args += ["--balancing-threshold", c.balancing_threshold]
+            if c.admission_policy == "baseline":
+                args += ["--tbt-check", "none"]
+            if c.pd_controller and i == 0:
+                args += ["--pd-controller"]
+            out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
         out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
             "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
             "--dead-after", str(c.dead_after)]))
         return out
 
+    def observability(self, children: list[Child]) -> list[Child]:
+        """Give each service a free /metrics port (the gateway serves it on its own) and
+        the gateway its API key; writes Prometheus file_sd targets to
+        ``<log_dir>/metrics-targets.json``."""
+        from perigee.natsd import free_port
+
+        c = self.cfg
+        targets = []
+        for child in children:
+            if child.name == "gateway":
+                if c.api_key:
+                    child.env["PERIGEE_API_KEY"] = c.api_key
+                addr = f"{c.host}:{c.port}"
+            elif c.metrics:
+                port = free_port()
+                child.argv += ["--metrics-port", str(port), "--metrics-host", c.host]
+                addr = f"{c.host}:{port}"
+            else:
+                continue
+            self.metrics_urls[child.name] = f"http://{addr}/metrics"
+            role = child.argv[0].removeprefix("services.")
+            targets.append({"targets": [addr], "labels": {"job": "perigee", "service": child.name,
+                                                          "role": role}})
+        if c.metrics:
+            self.metrics_targets_file.parent.mkdir(parents=True, exist_ok=True)
+            self.metrics_targets_file.write_text(json.dumps(targets, indent=2) + "\n")
+        return children
+
     # -- lifecycle ----------------------------------------------------------------
     def _spawn(self, child: Child) -> None:
         log_dir = Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.cfg.extra_env, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **self.cfg.extra_env, **child.env, "PYTHONPATH": str(ROOT)}
         env.setdefault("OTEL_SERVICE_NAME", child.name)
+        env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
+        env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv], cwd=ROOT, env=env,
@@ -123,12 +196,16 @@ class Stack:
             )
         self.children[child.name] = child
 
-    def start(self, timeout: float = 60.0) -> "Stack":
+    def start(self, timeout: float | None = None) -> "Stack":
+        """Start everything; ``timeout`` (default 60 s, 300 s for vLLM engines, which
+        import and warm up for ~20 s each on a small CPU machine) bounds the wait."""
+        if timeout is None:
+            timeout = 300.0 if self.cfg.engine == "vllm" else 60.0
         if not self.nats_url:
             self.nats = NatsServer().start()
             self.nats_url = self.nats.url
         try:
-            for child in self.plan():
+            for child in self.observability(self.plan()):
                 self._spawn(child)
             asyncio.run(self._wait_ready(timeout))
         except BaseException:

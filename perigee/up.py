@@ -15,22 +15,49 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--port", type=int, default=d.port, help="gateway HTTP port")
     p.add_argument("--prefill", type=int, default=d.prefill, help="prefill instances")
     p.add_argument("--decode", type=int, default=d.decode, help="decode instances")
-    p.add_argument("--engine", choices=["mock", "vllm"], default=d.engine)
-    p.add_argument("--model", "--model-dir", dest="model_dir", default=d.model_dir)
+    p.add_argument("--engine", choices=["mock", "vllm"], default="vllm",
+                   help="vllm (default): vLLM in each prefill/decode worker; mock: the "
+                        "paper's cost model with synthetic tokens")
+    p.add_argument("--model", "--model-dir", dest="model_dir", default=d.model_dir,
+                   help="model directory (config.json + tokenizer; vllm: safetensors weights, "
+                        "else dummy weights)")
+    p.add_argument("--load-format", default=d.load_format,
+                   help="vllm: auto | dummy (default: auto if the model directory holds weights)")
+    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks,
+                   help="vllm: paged-cache blocks per engine (0: by role)")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--speedup", default=d.speedup, help="mock engine speed-up (inf: no compute)")
     p.add_argument("--store-capacity-blocks", type=int, default=d.store_capacity_blocks)
     p.add_argument("--ttft-slo", type=float, default=d.ttft_slo)
     p.add_argument("--tbt-slo", type=float, default=d.tbt_slo)
-    p.add_argument("--admission", dest="admission_policy", default=d.admission_policy)
+    p.add_argument("--admission", dest="admission_policy", default=d.admission_policy,
+                   choices=["baseline", "early", "predict"])
+    p.add_argument("--conductors", type=int, default=d.conductors,
+                   help="conductor instances in one queue group (stateless, §5.3)")
+    p.add_argument("--cost-model", default=d.cost_model,
+                   help="fitted cost model JSON (perigee profile --json)")
+    p.add_argument("--balancing-threshold", default=d.balancing_threshold,
+                   help="kvcache_balancing_threshold: a number or 'adaptive'")
+    p.add_argument("--pd-controller", action="store_true",
+                   help="dynamic P/D ratio: conductor-0 switches roles (implies --switchable)")
+    p.add_argument("--switchable", action="store_true", help="workers obey RoleSwitch")
+    p.add_argument("--decode-time", type=float, default=d.decode_time,
+                   help="predict admission: uniform decode time t_d, s")
     p.add_argument("--log-dir", default=d.log_dir)
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--api-key", default=d.api_key,
+                   help="gateway API key(s), comma list: clients send Authorization: Bearer KEY")
     a = p.parse_args(argv)
     return StackConfig(
         nats_url=a.nats, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
-        engine=a.engine, model_dir=a.model_dir, block_size=a.block_size, speedup=a.speedup,
+        engine=a.engine, load_format=a.load_format, kv_blocks=a.kv_blocks,
+        model_dir=a.model_dir, block_size=a.block_size, speedup=a.speedup,
         store_capacity_blocks=a.store_capacity_blocks, ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
         admission_policy=a.admission_policy, log_dir=a.log_dir, log_level=a.log_level,
+        api_key=a.api_key,
+        conductors=a.conductors, cost_model=a.cost_model,
+        balancing_threshold=a.balancing_threshold, pd_controller=a.pd_controller,
+        switchable=a.switchable or a.pd_controller, decode_time=a.decode_time,
     )
 
 
@@ -46,6 +73,7 @@ def main(argv: list[str]) -> int:
     print(f"perigee: ready at {stack.url}  (NATS {stack.nats_url}; logs in {cfg.log_dir}/)\n"
           f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+          f"  spans: {stack.spans_file}   metrics targets: {stack.metrics_targets_file}\n"
           "perigee: Ctrl-C stops everything", flush=True)
     reported: set[str] = set()
     try:

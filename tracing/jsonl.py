@@ -1,7 +1,11 @@
 """A span exporter that appends one JSON object per finished span to a file.
 
 Several processes append to the same file; each line is written with one
-``write`` on a file opened in append mode, so lines do not interleave."""
+``write`` on a file opened in append mode, so lines do not interleave.
+
+A line: ``name, trace_id, span_id, parent_id, service, start_ns, end_ns, kind,
+attributes, status`` and, when the span has any, ``events`` (``name, ts_ns,
+attributes``). :mod:`perigee.breakdown` reads these files."""
 
 import json
 import os
@@ -15,7 +19,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 def span_to_dict(span: ReadableSpan) -> dict:
     ctx = span.get_span_context()
     parent = span.parent
-    return {
+    out = {
         "name": span.name,
         "trace_id": f"{ctx.trace_id:032x}",
         "span_id": f"{ctx.span_id:016x}",
@@ -23,9 +27,16 @@ def span_to_dict(span: ReadableSpan) -> dict:
         "service": span.resource.attributes.get("service.name"),
         "start_ns": span.start_time,
         "end_ns": span.end_time,
+        "kind": span.kind.name,
         "attributes": dict(span.attributes or {}),
         "status": span.status.status_code.name,
     }
+    if span.events:
+        out["events"] = [
+            {"name": e.name, "ts_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+            for e in span.events
+        ]
+    return out
 
 
 class JsonlSpanExporter(SpanExporter):

@@ -5,6 +5,10 @@ import sys
 
 BENCHES = {
     "pipeline": "perigee.bench.pipeline",
+    "reuse": "perigee.bench.reuse",
+    "transfer": "perigee.bench.transfer",
+    "store": "perigee.bench.store",
+    "conductor": "perigee.bench.conductor",
 }
 
 

@@ -6,7 +6,7 @@ import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import bus, runner
+from services.common import bus, metrics, runner
 from services.common.logging import configure
 from tracing import setup_tracing, shutdown_tracing
 
@@ -26,7 +26,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
     )
+    ap.add_argument(
+        "--cost-model",
+        default="",
+        help="fitted cost model JSON (perigee profile --json); default: the analytic model",
+    )
+    ap.add_argument(
+        "--decode-time",
+        type=float,
+        default=5.0,
+        help="predict: uniform decode time t_d of every request, s (paper §4.3.4)",
+    )
     ap.add_argument("--log-level", default="INFO")
+    metrics.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.block_size <= 0:
         ap.error("--block-size must be positive")
@@ -48,12 +60,17 @@ async def amain(args: argparse.Namespace) -> int:
             speedup=args.speedup,
             policy=args.policy,
             dead_after_s=args.dead_after,
+            cost_model=args.cost_model,
+            decode_time_s=args.decode_time,
         ),
     )
     await svc.start()
+    mserver = await metrics.start_from_args(args, "admission")
     await stop.wait()
     log.info("admission_stopping")
     await svc.stop()
+    if mserver is not None:
+        await mserver.close()
     await bus.drain(nc)
     shutdown_tracing()
     return 0

@@ -6,8 +6,11 @@ same classes.
 
 Modes (``make_admission_policy(name, ...)``):
 
-- ``baseline``: accept everything here (the conductor may still reject on its own
-  TTFT/TBT prediction, which is the paper's "reject after scheduling" behaviour).
+- ``baseline`` (§4.3.2's strawman): accept everything here; the conductor still rejects
+  a request whose predicted TTFT misses the SLO (Algorithm 1), and the decode instance
+  rejects it *after its prefill* when taking it on would break the TBT SLO
+  (:class:`DecodeSideCheck`, wired into the decode worker with ``--tbt-gate-slo``;
+  the conductor then places with ``--tbt-check none``). That prefill was wasted.
 - ``early`` (§4.3.2 Early Rejection): accept only if both pools are under their SLO
   load, judged from the latest reports of live instances::
 
@@ -18,13 +21,12 @@ Modes (``make_admission_policy(name, ...)``):
 
   A role with no live instance rejects with 503.
 
-A ``predict`` mode (§4.3.4, decode load predicted at prefill completion) subclasses
-:class:`EarlyRejectionPolicy` and overrides :meth:`decode_load` (and may use
-:meth:`on_accepted` to track what it let in).
+- ``predict`` (§4.3.4 Early Rejection based on Prediction, system level, uniform
+  decode time ``t_d``): :class:`PredictiveRejectionPolicy` (its docstring has the rule).
 """
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
@@ -172,14 +174,210 @@ class EarlyRejectionPolicy(AdmissionPolicy):
         return Accept(prefill_load=pl, decode_load=dl)
 
 
+@dataclass
+class _Admitted:
+    accepted_at: float
+    prefill_done_at: float  # predicted: joins the decode pool then
+    tokens: int  # context it brings to the decode pool
+    work_s: float  # predicted prefill work
+
+
+class PredictiveRejectionPolicy(EarlyRejectionPolicy):
+    """§4.3.4, system level: predict the decode load at the moment this request's prefill
+    completes, assuming every request decodes for a uniform ``t_d`` (``decode_time_s``).
+
+    Prefill side (as Early Rejection, plus what this policy admitted that no report has
+    shown yet): for each live prefill instance i,
+    ``wait_i = queued_work_s(i) + sum(work of admitted requests accepted after i's last
+    report, + report_grace_s) / #live prefill``; ``wait = min_i wait_i``; prefill load =
+    ``wait / TTFT_SLO``. The request's prefill completes at
+    ``t = now + wait + cost.prefill_time(n)`` (no prefix credit: admission has no cache
+    view).
+
+    Decode side, at ``t`` (horizon ``h = t - now``):
+
+    - admitted requests with predicted prefill completion ``f_r <= t < f_r + t_d`` are
+      in the decode pool at ``t`` (those finishing prefill by then join, those older
+      than ``t_d`` have left), with their prompt tokens;
+    - the reported residents (sum of batch + waiting over live decode instances) minus
+      the admitted ones already in decode (``f_r <= now < f_r + t_d``) are residents of
+      unknown age; with uniform ``t_d`` their ages are spread evenly, so a fraction
+      ``max(0, 1 - h / t_d)`` of them, and of their share of kv_tokens, is still there;
+    - this request joins (+1, +n tokens);
+    - spread evenly over the D live decode instances, the predicted TBT is
+      ``cost.decode_step_time(batch / D, tokens / D)``; as the step time is affine in
+      batch and context, that is also the mean TBT over the instances. decode load =
+      TBT / TBT_SLO.
+
+    Accept iff both loads are <= ``max_load``. :meth:`on_accepted` records the request
+    (accept time, predicted ``f``, tokens, work); entries leave after ``f + t_d``.
+    """
+
+    name = "predict"
+
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        *,
+        decode_time_s: float = 5.0,
+        report_grace_s: float = 0.0,
+        **kw,
+    ) -> None:
+        super().__init__(clock, cost, **kw)
+        if decode_time_s <= 0:
+            raise ValueError("decode_time_s (t_d) must be positive")
+        self.decode_time_s = decode_time_s
+        self.report_grace_s = report_grace_s
+        self.admitted: dict[str, _Admitted] = {}
+        self._seen_at: dict[str, float] = {}  # prefill instance -> when its report came
+
+    def observe_prefill(self, load: PrefillLoad) -> None:
+        super().observe_prefill(load)
+        self._seen_at[load.instance] = self.clock.now()
+
+    # ------------------------------------------------------------ predictions
+
+    def _gc(self, now: float) -> None:
+        td = self.decode_time_s
+        for rid in [r for r, a in self.admitted.items() if a.prefill_done_at + td <= now]:
+            del self.admitted[rid]
+
+    def prefill_wait(self) -> float | None:
+        """Predicted queueing before a new request's prefill starts (None: no instance)."""
+        live = self.live_prefill()
+        if not live:
+            return None
+        share = 1.0 / len(live)
+        best = None
+        for p in live:
+            seen = self._seen_at.get(p.instance, -float("inf"))
+            unseen = sum(
+                a.work_s for a in self.admitted.values() if a.accepted_at + self.report_grace_s > seen
+            )
+            w = p.queued_work_s + unseen * share
+            best = w if best is None else min(best, w)
+        return best
+
+    def prefill_done_at(self, req: AdmissionRequest) -> float | None:
+        wait = self.prefill_wait()
+        if wait is None:
+            return None
+        return self.clock.now() + wait + self.cost.prefill_time(req.num_tokens)
+
+    def predicted_decode(self, at: float, join_tokens: int | None) -> tuple[float, float]:
+        """(batch, context tokens) of the whole decode pool at time ``at``, plus one
+        request of ``join_tokens`` if not None."""
+        now = self.clock.now()
+        td = self.decode_time_s
+        live = self.live_decode()
+        reported = sum(d.batch_size + d.waiting for d in live)
+        kv = sum(d.kv_tokens for d in live)
+        in_now = sum(1 for a in self.admitted.values() if a.prefill_done_at <= now < a.prefill_done_at + td)
+        unknown = max(0, reported - in_now)
+        survive = max(0.0, 1.0 - (at - now) / td)
+        batch = unknown * survive
+        ctx = (kv * unknown / reported if reported else 0.0) * survive
+        for a in self.admitted.values():
+            if a.prefill_done_at <= at < a.prefill_done_at + td:
+                batch += 1
+                ctx += a.tokens
+        if join_tokens is not None:
+            batch += 1
+            ctx += join_tokens
+        return batch, ctx
+
+    def prefill_load(self, req: AdmissionRequest) -> float | None:
+        wait = self.prefill_wait()
+        return None if wait is None else _over(wait, self.ttft_slo(req))
+
+    def decode_load(self, req: AdmissionRequest) -> float | None:
+        live = self.live_decode()
+        at = self.prefill_done_at(req)
+        if not live or at is None:
+            return None
+        batch, ctx = self.predicted_decode(at, req.num_tokens)
+        n = len(live)
+        return _over(self.cost.decode_step_time(batch / n, ctx / n), self.tbt_slo(req))
+
+    def decide(self, req: AdmissionRequest) -> AdmissionDecision:
+        self._gc(self.clock.now())
+        return super().decide(req)
+
+    def on_accepted(self, req: AdmissionRequest) -> None:
+        at = self.prefill_done_at(req)
+        if at is None:
+            return
+        self.admitted[req.request_id] = _Admitted(
+            accepted_at=self.clock.now(),
+            prefill_done_at=at,
+            tokens=req.num_tokens,
+            work_s=self.cost.prefill_time(req.num_tokens),
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The request ended early (rejected downstream, cancelled)."""
+        self.admitted.pop(request_id, None)
+
+
+@dataclass
+class DecodeSideCheck:
+    """The baseline's rejection point: a decode instance about to take over a prefilled
+    request rejects it when its step time with the request would exceed the TBT SLO::
+
+        tbt = cost.decode_step_time(batch + waiting + 1, kv_tokens + n)
+        reject (429) iff tbt > tbt_slo * max_load
+
+    ``waiting`` counts requests already loading or queued on the instance (the
+    request itself excluded). Pure; the decode worker calls :meth:`check` per task.
+    """
+
+    cost: CostModel
+    tbt_slo_s: float
+    max_load: float = 1.0
+    rejected: int = field(default=0)
+
+    def check(
+        self,
+        batch_size: int,
+        waiting: int,
+        kv_tokens: int,
+        num_tokens: int,
+        tbt_slo_s: float | None = None,
+    ) -> Reject | None:
+        slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
+        tbt = self.cost.decode_step_time(batch_size + waiting + 1, kv_tokens + num_tokens)
+        if _over(tbt, slo) <= self.max_load:
+            return None
+        self.rejected += 1
+        return Reject(
+            ErrorCode.REJECTED,
+            f"decode instance over its TBT SLO after prefill (predicted {tbt:.4f}s > {slo:g}s)",
+            1.0,
+        )
+
+    def as_admit_hook(self):
+        """The DecodeWorker ``admit`` hook: (task, engine stats, tasks loading) -> reason."""
+
+        def admit(task, stats, loading: int) -> str | None:
+            req = task.request
+            r = self.check(stats.batch_size, stats.waiting + loading, stats.kv_tokens,
+                           len(req.prompt_token_ids), req.tbt_slo_s)
+            return None if r is None else r.reason
+
+        return admit
+
+
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     BaselinePolicy.name: BaselinePolicy,
     EarlyRejectionPolicy.name: EarlyRejectionPolicy,
+    PredictiveRejectionPolicy.name: PredictiveRejectionPolicy,
 }
 
 
 def make_admission_policy(name: str, clock: Clock, cost: CostModel, **kw) -> AdmissionPolicy:
-    """Build the policy registered as ``name`` (``baseline`` | ``early``; more later)."""
+    """Build the policy registered as ``name`` (``baseline`` | ``early`` | ``predict``).
+    ``predict`` takes ``decode_time_s`` (t_d) and ``report_grace_s`` besides the rest."""
     try:
         cls = ADMISSION_POLICIES[name]
     except KeyError:

@@ -35,8 +35,9 @@ from services.admission.policy import (
     Reject,
     make_admission_policy,
 )
-from services.common import bus
+from services.common import bus, metrics
 from services.common.clock import Clock, WallClock
+from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
 
@@ -51,6 +52,8 @@ class AdmissionConfig:
     speedup: float = 1.0
     policy: str = "early"
     dead_after_s: float = 2.0
+    cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
+    decode_time_s: float = 5.0  # predict: the uniform decode time t_d
 
 
 class AdmissionService:
@@ -65,13 +68,15 @@ class AdmissionService:
         self.nc = nc
         self.cfg = cfg
         self.clock = clock or WallClock()
+        extra = {"decode_time_s": cfg.decode_time_s} if cfg.policy == "predict" else {}
         self.policy = policy or make_admission_policy(
             cfg.policy,
             self.clock,
-            cost or CostModel().with_speedup(cfg.speedup),
+            cost or load_cost_model(cfg.cost_model, cfg.speedup),
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             dead_after_s=cfg.dead_after_s,
+            **extra,
         )
         self.subs = bus.Subscriptions(nc)
 
@@ -149,6 +154,7 @@ class AdmissionService:
                 return
             span.set_attribute("admission.decision", "accept")
             self.policy.on_accepted(areq)
+            metrics.ADMITTED.inc()
             await bus.publish(self.nc, subjects.SCHEDULE, filled)
 
     def fill(self, req: GenerateRequest, reply: str) -> tuple[GenerateRequest, str]:
@@ -187,6 +193,7 @@ class AdmissionService:
         message: str,
         retry_after_s: float | None = None,
     ) -> None:
+        metrics.count_rejection("admission", code, message)
         await bus.publish(
             self.nc,
             reply,

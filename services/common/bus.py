@@ -8,6 +8,7 @@ keeps running either way.
 """
 
 import asyncio
+import contextlib
 import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 from opentelemetry import trace
 
+from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
 from tracing import extract, inject, tracer
 
@@ -29,6 +31,18 @@ Handler = Callable[[Any, NatsMsg], Awaitable[Any]]
 BadHandler = Callable[[NatsMsg, BadMessage], Awaitable[None]]
 
 ERROR_HEADER = "Perigee-Error"
+
+# Periodic telemetry (load reports, KV events, store announces) is not traced: a
+# consumer span per message would be a new trace ten times a second per worker.
+UNTRACED_PREFIXES = (
+    subjects.NS + ".load.",
+    subjects.NS + ".kv.events.",
+    subjects.STORE_ANNOUNCE,
+)
+
+
+def traced_subject(subject: str) -> bool:
+    return not subject.startswith(UNTRACED_PREFIXES)
 
 
 async def connect(url: str, name: str) -> NATS:
@@ -114,15 +128,20 @@ class Subscriptions:
         concurrent: bool = False,
         span_name: str | None = None,
         on_bad: BadHandler | None = None,
+        traced: bool | None = None,
     ) -> None:
         """Subscribe ``handler`` to ``subject``.
 
         ``concurrent`` runs each message in its own task (for handlers that wait on
         other services); otherwise messages are handled in arrival order. ``on_bad``
         replaces the default ``Perigee-Error`` reply to a payload that does not decode
-        (e.g. to answer in the subject's own stream protocol).
+        (e.g. to answer in the subject's own stream protocol). Each message is handled
+        in a consumer span joined to the sender's trace, unless ``traced`` is False
+        (default: :func:`traced_subject`).
         """
         name = span_name or subject
+        if traced is None:
+            traced = traced_subject(subject)
 
         async def run(m: NatsMsg) -> None:
             try:
@@ -139,7 +158,12 @@ class Subscriptions:
                     await self.nc.publish(m.reply, data, headers=hdrs)
                 return
             ctx = extract(m.headers)
-            with tracer().start_as_current_span(name, context=ctx, kind=trace.SpanKind.CONSUMER):
+            span = (
+                tracer().start_as_current_span(name, context=ctx, kind=trace.SpanKind.CONSUMER)
+                if traced
+                else contextlib.nullcontext()
+            )
+            with span:
                 try:
                     out = await handler(obj, m)
                 except Exception as e:  # noqa: BLE001 - a handler bug must not kill the service

@@ -3,7 +3,14 @@ decide how long to sleep, by the conductor to estimate TTFT, and by the simulato
 
 flops(n) = l * (a*n^2*d + b*n*d^2); a prefix hit of p tokens saves flops(p).
 KV size of n tokens = n * l * (2*d/gqa) * s. Decode is memory-bound: one step reads
-the weights once plus every token of context in the batch.
+the weights once plus every token of context in the batch, plus a per-sequence cost
+(sampling, scheduling, attention launch) of ``decode_seq_s`` per running request::
+
+    step(batch, ctx) = (weight_bytes + kv_bytes(ctx)) / hbm_bw + batch * decode_seq_s
+
+``decode_seq_s`` defaults to 0 (the memory-bound model alone); a profile fitted by
+:mod:`services.common.cost_fit` measures it. Transfer time is the KV bytes plus the
+bytes already in flight on the link, over the NIC bandwidth.
 """
 
 import math
@@ -23,6 +30,8 @@ class CostModel:
     nic_bw: float = 800e9 / 8  # B_nic, bytes/s
     hbm_bw: float = 8 * 2.039e12  # A800 HBM2e, bytes/s
     weight_bytes: float = 70e9 * 2
+    # Per running sequence per decode step, seconds (0: purely memory-bound).
+    decode_seq_s: float = 0.0
     # Divides every time the model returns; math.inf means "no compute at all".
     speedup: float = 1.0
 
@@ -54,7 +63,12 @@ class CostModel:
         """KV of ``tokens`` over the node's link, behind ``inflight_bytes`` already queued."""
         return self._scale((self.kv_bytes(tokens) + inflight_bytes) / self.nic_bw)
 
-    def decode_step_time(self, batch_size: int, context_tokens: int) -> float:
+    def decode_step_time(self, batch_size: float, context_tokens: float) -> float:
+        """One decode step of ``batch_size`` sequences holding ``context_tokens`` in all
+        (fractional values are fine: predictions average over requests)."""
         if batch_size <= 0:
             return 0.0
-        return self._scale((self.weight_bytes + self.kv_bytes(context_tokens)) / self.hbm_bw)
+        t = (self.weight_bytes + self.kv_bytes(context_tokens)) / self.hbm_bw
+        if self.decode_seq_s:
+            t += batch_size * self.decode_seq_s
+        return self._scale(t)

@@ -6,11 +6,24 @@ import sys
 
 import structlog
 
-from services.common import bus, runner
+from services.common import bus, metrics, runner
 from services.common.logging import configure
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
 from tracing import setup_tracing, shutdown_tracing
+
+
+def _threshold(s: str) -> tuple[bool, float]:
+    """'2.5' -> fixed 2.5; 'adaptive' -> tuned from the default; 'adaptive:3' -> from 3."""
+    adaptive = s == "adaptive" or s.startswith("adaptive:")
+    value = s.partition(":")[2] if adaptive else s
+    try:
+        t = float(value) if value else DEFAULT_BALANCING_THRESHOLD
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'adaptive': {s!r}") from None
+    if not t > 0 or (adaptive and t < 1.0):
+        raise argparse.ArgumentTypeError("the threshold must be > 0 (adaptive: >= 1)")
+    return adaptive, t
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -22,10 +35,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds")
     ap.add_argument(
         "--balancing-threshold",
-        type=float,
-        default=DEFAULT_BALANCING_THRESHOLD,
-        help="pull a remote prefix when best/local prefix exceeds this (kvcache_balancing_threshold)",
+        type=_threshold,
+        default=str(DEFAULT_BALANCING_THRESHOLD),
+        help="pull a remote prefix when best/local prefix exceeds this "
+        "(kvcache_balancing_threshold); 'adaptive' or 'adaptive:START' tunes it online",
     )
+    ap.add_argument(
+        "--cost-model",
+        default="",
+        help="fitted cost model JSON (perigee profile --json); default: the analytic model",
+    )
+    ap.add_argument(
+        "--tbt-check",
+        choices=("placement", "none"),
+        default="placement",
+        help="reject on predicted TBT at placement, or not (baseline admission: decode rejects)",
+    )
+    ap.add_argument(
+        "--pd-controller",
+        action="store_true",
+        help="run the dynamic P/D ratio controller and publish RoleSwitch (one conductor only)",
+    )
+    ap.add_argument("--pd-interval", type=float, default=10.0, help="P/D controller period, s")
+    ap.add_argument("--pd-window", type=float, default=60.0, help="P/D load sample window, s")
+    ap.add_argument("--pd-cooldown", type=float, default=30.0, help="P/D hold after a change, s")
     ap.add_argument("--strategy", choices=STRATEGIES, default="global", help="placement strategy")
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
@@ -44,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a load report must be this much newer than a dispatch to cover it, s",
     )
     ap.add_argument("--log-level", default="INFO")
+    metrics.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.block_size <= 0:
         ap.error("--block-size must be positive")
@@ -61,7 +95,14 @@ async def amain(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo,
-        balancing_threshold=args.balancing_threshold,
+        balancing_threshold=args.balancing_threshold[1],
+        adaptive_threshold=args.balancing_threshold[0],
+        cost_model=args.cost_model,
+        tbt_check=args.tbt_check == "placement",
+        pd_controller=args.pd_controller,
+        pd_interval_s=args.pd_interval,
+        pd_window_s=args.pd_window,
+        pd_cooldown_s=args.pd_cooldown,
         speedup=args.speedup,
         dead_after_s=args.dead_after,
         strategy=args.strategy,
@@ -71,9 +112,12 @@ async def amain(args: argparse.Namespace) -> int:
     )
     svc = ConductorService(nc, cfg)
     await svc.start()
+    mserver = await metrics.start_from_args(args, "conductor", metrics.conductor_collector(svc))
     await stop.wait()
     log.info("conductor_stopping")
     await svc.stop()
+    if mserver is not None:
+        await mserver.close()
     await bus.drain(nc)
     shutdown_tracing()
     structlog.get_logger().info("conductor_stopped")

@@ -19,8 +19,24 @@ Per request and per live prefill instance ``i`` (on node ``node(i)``)::
 Decode: argmin over live decode instances of
 ``cost.decode_step_time(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n)``.
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
-role. Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware,
-never transfers), ``load`` (least queued work), ``random``.
+role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
+rejects at decode after the prefill: services.admission.policy.DecodeSideCheck).
+
+Hot-spot migration (§4.2, Algorithm 1 lines 20-21): a placement with ``remote`` set
+makes the chosen instance pull blocks [first_block, first_block + num_blocks) from the
+holder into *new* slots of its PREFILL transaction. Those slots are committed with the
+rest of the request's blocks after the first token, so the prefill node becomes a
+replica: its store announces the blocks (BlockStored) and the shadow index then
+matches the prefix on both nodes. Nothing else is needed to replicate a hot prefix;
+``stats["pulls"]`` and ``stats["pulled_blocks"]`` count the migrations started.
+
+Threshold: fixed (``balancing_threshold``) or tuned online by an
+:class:`~services.conductor.balancing.AdaptiveThreshold` (``adaptive``), which this
+policy feeds: every placement is recorded with its predicted TTFT, and
+:meth:`prefill_done` reports the observed one (placement -> first token).
+
+Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
+transfers), ``load`` (least queued work), ``random``.
 
 Dispatch accounting (so back-to-back placements spread before the next report):
 ``place`` records the request's work on its prefill instance, its tokens on its decode
@@ -51,6 +67,7 @@ from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
 from services.common.liveness import Liveness
+from services.conductor.balancing import AdaptiveThreshold
 
 STRATEGIES = ("global", "local", "load", "random")
 DEFAULT_BALANCING_THRESHOLD = 2.0
@@ -161,6 +178,10 @@ class PlacementPolicy:
     # report taken while the task was still on the wire would otherwise erase its work.
     report_grace_s: float = 0.0
     rng: random.Random = field(default_factory=lambda: random.Random(0))
+    # None: the fixed balancing_threshold; else tuned online from observed TTFTs.
+    adaptive: AdaptiveThreshold | None = None
+    # False: never reject on the predicted TBT here (the paper's baseline).
+    tbt_check: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -172,6 +193,14 @@ class PlacementPolicy:
         self._by_prefill: dict[str, dict[str, _Dispatch]] = {}
         self._by_decode: dict[str, dict[str, _Dispatch]] = {}
         self._by_source: dict[str, dict[str, _Dispatch]] = {}
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("placed", "pulls", "pulled_blocks", "rejected_ttft", "rejected_tbt", "unavailable"),
+            0,
+        )
+
+    def threshold(self) -> float:
+        """The kvcache_balancing_threshold in force now."""
+        return self.adaptive.threshold if self.adaptive is not None else self.balancing_threshold
 
     # ------------------------------------------------------------ observations
 
@@ -196,15 +225,20 @@ class PlacementPolicy:
     def prefill_done(self, request_id: str, ts: float | None = None) -> None:
         """The first token is out: the prefill work and the pull are over; the decode
         instance carries the request until a report at or after ``ts`` includes it."""
+        ts = self.clock.now() if ts is None else ts
+        if self.adaptive is not None:
+            self.adaptive.first_token(request_id, ts)
         d = self._dispatches.get(request_id)
         if d is None:
             return
         self._close_prefill(d, source_too=True)
         if d.request_id in self._dispatches:
-            d.decode_since = self.clock.now() if ts is None else ts
+            d.decode_since = ts
 
     def release(self, request_id: str) -> None:
         """Forget a dispatch entirely (rolled back, failed or finished)."""
+        if self.adaptive is not None:
+            self.adaptive.forget(request_id)
         d = self._dispatches.get(request_id)
         if d is None:
             return
@@ -255,11 +289,13 @@ class PlacementPolicy:
         ex_p, ex_d = set(exclude_prefill), set(exclude_decode)
         prefills = [i for i in self.live_prefill() if i not in ex_p]
         if not prefills:
+            self.stats["unavailable"] += 1
             return Rejection(
                 ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
             )
         decodes = [i for i in self.live_decode() if i not in ex_d]
         if not decodes:
+            self.stats["unavailable"] += 1
             return Rejection(
                 ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
             )
@@ -289,12 +325,14 @@ class PlacementPolicy:
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
         if chosen.ttft_s > ttft_slo:
+            self.stats["rejected_ttft"] += 1
             return Rejection(
                 ErrorCode.REJECTED,
                 f"predicted TTFT {chosen.ttft_s:.3f}s exceeds the {ttft_slo:g}s SLO",
                 max(self.min_retry_after_s, chosen.ttft_s - ttft_slo),
             )
-        if tbts[decode] > tbt_slo:
+        if self.tbt_check and tbts[decode] > tbt_slo:
+            self.stats["rejected_tbt"] += 1
             return Rejection(
                 ErrorCode.REJECTED,
                 f"predicted TBT {tbts[decode]:.4f}s exceeds the {tbt_slo:g}s SLO",
@@ -315,6 +353,12 @@ class PlacementPolicy:
             placed_at=self.clock.now(),
         )
         self._record(d)
+        self.stats["placed"] += 1
+        if remote is not None:
+            self.stats["pulls"] += 1
+            self.stats["pulled_blocks"] += remote.num_blocks
+        if self.adaptive is not None:
+            self.adaptive.record(req.request_id, remote is not None, chosen.ttft_s, d.placed_at)
         return Placement(
             request_id=req.request_id,
             prefill_instance=chosen.instance,
@@ -343,6 +387,7 @@ class PlacementPolicy:
         """Algorithm 1 lines 4-13 for every instance. Instances whose nodes hold the same
         prefix share one (prefix, transfer, prefill) evaluation."""
         inflight = self.inflight_bytes(best_node) if best_node is not None else 0.0
+        threshold = self.threshold()
         options: dict[int, tuple[int, RemoteSource | None, float, float]] = {}
         out = []
         for instance in prefills:
@@ -355,7 +400,7 @@ class PlacementPolicy:
                     self.strategy == "global"
                     and best_node is not None
                     and best_len > own_len
-                    and _ratio(best_len, own_len) > self.balancing_threshold
+                    and _ratio(best_len, own_len) > threshold
                 ):
                     prefix = best_len
                     remote = RemoteSource(best_node, own_len, best_len - own_len)

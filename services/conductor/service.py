@@ -18,7 +18,12 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
 Rejections from the policy go to the client as Error 429 (with retry_after_s) or 503.
 Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
 view follows KV events and store announces. Nothing here is durable: a restarted
-conductor rebuilds its view from the stores and commits by the ids in the notices.
+conductor rebuilds its view from the stores and commits by the ids in the notices, so
+several conductors can serve one queue group against the same stores (§5.3).
+
+Role switches and the dynamic P/D ratio controller (``pd_controller``): roles.py.
+With ``adaptive_threshold`` the policy tunes its kvcache_balancing_threshold from the
+first-token notices (services.conductor.balancing).
 """
 
 import asyncio
@@ -43,10 +48,14 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus
+from services.common import bus, metrics
+from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
+from services.conductor.balancing import AdaptiveThreshold
+from services.conductor.pd_ratio import PDRatioController
 from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
 from services.conductor.transactions import Allocation, StoreTx
 from tracing import tracer
@@ -77,6 +86,14 @@ class ConductorConfig:
     store_dead_after_s: float = 5.0
     sweep_interval_s: float = 1.0
     report_grace_s: float = 0.05  # see PlacementPolicy.report_grace_s
+    cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
+    adaptive_threshold: bool = False  # tune balancing_threshold online (from its value)
+    tbt_check: bool = True  # False: no TBT rejection at placement (baseline admission)
+    pd_controller: bool = False  # publish the dynamic P/D ratio's role switches
+    pd_interval_s: float = 10.0
+    pd_window_s: float = 60.0
+    pd_cooldown_s: float = 30.0
+    pd_min_samples: int = 10
 
     @property
     def effective_lease_s(self) -> float:
@@ -102,7 +119,20 @@ class ConductorService:
         self.nc = nc
         self.cfg = cfg
         self.clock = clock or UnixClock()
-        self.cost = cost or CostModel().with_speedup(cfg.speedup)
+        self.cost = cost or load_cost_model(cfg.cost_model, cfg.speedup)
+        adaptive = None
+        if cfg.adaptive_threshold:
+            adaptive = AdaptiveThreshold(
+                self.clock, initial=cfg.balancing_threshold, hi=max(16.0, cfg.balancing_threshold)
+            )
+        pd = None
+        if cfg.pd_controller:
+            pd = PDRatioController(
+                self.clock,
+                window_s=cfg.pd_window_s,
+                cooldown_s=cfg.pd_cooldown_s,
+                min_samples=cfg.pd_min_samples,
+            )
         self.policy = PlacementPolicy(
             self.clock,
             self.cost,
@@ -112,6 +142,16 @@ class ConductorService:
             strategy=cfg.strategy,
             dead_after_s=cfg.dead_after_s,
             report_grace_s=cfg.report_grace_s,
+            adaptive=adaptive,
+            tbt_check=cfg.tbt_check,
+        )
+        self.roles = RoleControl(
+            nc,
+            self.policy,
+            pd,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            interval_s=cfg.pd_interval_s,
         )
         self.subs = bus.Subscriptions(nc)
         self.shadow = ShadowView(
@@ -144,6 +184,7 @@ class ConductorService:
             concurrent=True,
             span_name="conductor.event",
         )
+        await self.roles.start(s)
         await self.shadow.start(self.cfg.discover_window_s)  # discovery runs in the background
         await s.serve(
             subjects.SCHEDULE,
@@ -165,9 +206,11 @@ class ConductorService:
 
     async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
         self.policy.observe_prefill(load)
+        self.roles.observe_prefill(load)
 
     async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
         self.policy.observe_decode(load)
+        self.roles.observe_decode(load)
 
     # ------------------------------------------------------------ placement
 
@@ -357,10 +400,15 @@ class ConductorService:
             prefill = (p.prefill_node if p else ev.prefill_node, ev.prefill_tx_id)
             source = [(p.source_node, p.source_tx)] if p and p.source_node and p.source_tx else []
             if isinstance(ev, FirstTokenNotice):
+                before = self.policy.threshold()
                 self.policy.prefill_done(ev.request_id, ev.ts)
+                if self.policy.threshold() != before:
+                    log.info("balancing_threshold", old=before, new=self.policy.threshold())
                 await asyncio.gather(
                     *(self.tx.commit(n, t, ev.request_id) for n, t in [prefill, *source])
                 )
+                if source:  # hot-spot migration: the prefill node now holds a replica
+                    log.info("replica_committed", node=prefill[0], source=source[0][0])
             elif isinstance(ev, RequestFailed):
                 self.policy.release(ev.request_id)
                 log.info("request_failed", reason=ev.reason)
@@ -375,6 +423,7 @@ class ConductorService:
         message: str,
         retry_after_s: float | None = None,
     ) -> None:
+        metrics.count_rejection("conductor", code, message)
         await bus.publish(
             self.nc,
             reply,

@@ -6,13 +6,14 @@ import sys
 
 import structlog
 
-from services.common import bus, runner
+from services.common import bus, metrics, runner
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.logging import configure
-from services.common.model_spec import ModelSpec
+from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.decode.worker import DecodeWorker
 from services.engine import ENGINE_KINDS, make_engine
+from services.engine.vllm import options as vllm_options
 from services.store.client import StoreClient, TransferError
 from tracing import setup_tracing, shutdown_tracing
 
@@ -28,12 +29,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speedup", type=float, default=1.0,
                    help="divide cost-model times by this (inf: no compute time)")
     p.add_argument("--max-batch", type=int, default=128, help="running batch size limit")
+    p.add_argument("--switchable", action="store_true",
+                   help="obey RoleSwitch on perigee.ctl.role: drain, then serve the other role "
+                        "with the same engine (dynamic P/D ratio)")
+    p.add_argument("--tbt-gate-slo", type=float, default=0.0,
+                   help="reject a prefilled request whose step time would exceed "
+                        "this TBT SLO, s (the paper's baseline admission; 0: off)")
     p.add_argument("--report-interval", type=float, default=0.1, help="seconds between load reports")
     p.add_argument("--commit-timeout", type=float, default=2.0,
                    help="seconds to wait for the store to commit decode_tx")
     p.add_argument("--store-timeout", type=float, default=30.0,
                    help="seconds to wait for the node's store at start")
     p.add_argument("--log-level", default="INFO")
+    vllm_options.add_arguments(p)
+    metrics.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -45,7 +54,10 @@ async def amain(args: argparse.Namespace) -> int:
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)
     try:
-        engine = make_engine(args.engine, spec, cost, max_batch=args.max_batch)
+        engine = make_engine(
+            args.engine, spec, cost, max_batch=args.max_batch, role="decode", layout=layout,
+            vllm=vllm_options.from_args(args, str(args.model_dir or DEFAULT_MODEL_DIR)),
+        )
     except NotImplementedError as e:
         log.error("engine_unavailable", engine=args.engine, error=str(e))
         return 2
@@ -67,9 +79,27 @@ async def amain(args: argparse.Namespace) -> int:
         await bus.drain(nc)
         return 2
     await engine.start()
+    roles = ("decode", "prefill") if getattr(args, "switchable", False) else ("decode",)
+    mserver = await metrics.start_from_args(args, roles, metrics.worker_collector())
+    if args.switchable:
+        from services.common.role_host import run_switchable
+
+        code = await run_switchable(nc, store, engine, "decode", args, layout, cost, stop)
+        await engine.stop()
+        if mserver is not None:
+            await mserver.close()
+        await store.close()
+        await bus.drain(nc)
+        shutdown_tracing()
+        return code
+    admit = None
+    if args.tbt_gate_slo > 0:
+        from services.admission.policy import DecodeSideCheck
+
+        admit = DecodeSideCheck(cost, args.tbt_gate_slo).as_admit_hook()
     worker = DecodeWorker(nc, store, engine, instance=args.instance, node=args.node,
                           layout=layout, report_interval=args.report_interval,
-                          commit_timeout=args.commit_timeout)
+                          commit_timeout=args.commit_timeout, admit=admit)
     await worker.start()
     dead = asyncio.ensure_future(worker.dead.wait())
     stopped = asyncio.ensure_future(stop.wait())
@@ -79,6 +109,8 @@ async def amain(args: argparse.Namespace) -> int:
     log.info("decode_stopping", engine_dead=worker.dead.is_set())
     await worker.close()
     await engine.stop()
+    if mserver is not None:
+        await mserver.close()
     await store.close()
     await bus.drain(nc)
     shutdown_tracing()

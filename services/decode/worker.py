@@ -14,11 +14,18 @@ Lifecycle of a request on this instance:
 CancelRequest aborts the request in the engine (Finished "abort"); a failure sends
 Error to the client and RequestFailed to the conductor; shutdown fails what is
 running with Error 503.
+
+Optional ``admit`` hook (the paper's baseline admission, ``--tbt-gate-slo``): asked per
+arriving task before its KV is loaded; a reason rejects it with Error 429 after its
+prefill was done (RequestFailed makes the conductor abort both transactions).
+Role switch (§5.1, ``--switchable``): :meth:`DecodeWorker.drain` stops the load reports
+and waits until every request here has finished and no task arrived for a while.
 """
 
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import nats.errors
@@ -32,10 +39,10 @@ from bus_schemas.control import Refused, TxCommit, TxDoneReply
 from bus_schemas.load import DecodeLoad, WorkerStats
 from bus_schemas.placement import DecodeTask, FirstTokenNotice, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
-from services.common import bus
+from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
-from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, SlotKV
+from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -82,6 +89,7 @@ class DecodeWorker:
         layout: KVLayout,
         report_interval: float = 0.1,
         commit_timeout: float = 2.0,
+        admit: Callable[[DecodeTask, EngineStats, int], str | None] | None = None,
     ) -> None:
         self.nc = nc
         self.store = store
@@ -95,6 +103,9 @@ class DecodeWorker:
             ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
              "kv_tokens_loaded", "commits_failed"), 0,
         )
+        self.admit = admit  # (task, engine stats, tasks loading) -> reason to reject
+        self.draining = False  # role switch: no load reports, finish what comes
+        self._last_task = time.monotonic()
         self.dead = asyncio.Event()  # the engine died: the process should exit
         self._subs = bus.Subscriptions(nc)
         self._stats_sub: Any = None
@@ -119,11 +130,13 @@ class DecodeWorker:
         )
         self._reporter = asyncio.create_task(self._report_loop(), name="decode-load-report")
         await self.nc.flush()
+        metrics.track_worker("decode", self)
         log.info("decode_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:
         """Fail every request still here with Error 503, then stop."""
         self._closing = True
+        metrics.untrack_worker("decode", self)
         for rid in list(self._active):
             self._stop_reason.setdefault(rid, (ErrorCode.UNAVAILABLE,
                                                "decode instance shutting down"))
@@ -142,9 +155,19 @@ class DecodeWorker:
                 pass
         await self._subs.close()
 
+    async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
+        """Before a role switch: stop reporting load, then wait until no request is
+        here and no task has arrived for ``quiet_s``."""
+        self.draining = True
+        while self._active or time.monotonic() - self._last_task < quiet_s:
+            if self.dead.is_set():
+                return
+            await asyncio.sleep(poll_s)
+
     # -- bus handlers --
     async def _on_task(self, task: DecodeTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
+        self._last_task = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=rid):
             if rid in self._cancelled:
                 await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_aborted")
@@ -155,6 +178,13 @@ class DecodeWorker:
             if rid in self._active:
                 log.warning("duplicate_decode_task")
                 return
+            if self.admit is not None:
+                why = self.admit(task, self.engine.stats(), self._loading)
+                if why:
+                    log.info("rejected_after_prefill", reason=why)
+                    self.counters.setdefault("tasks_rejected", 0)
+                    await self._fail(task, ErrorCode.REJECTED, why, counter="tasks_rejected")
+                    return
             self._active.add(rid)
             self._idle.clear()
             try:
@@ -188,8 +218,9 @@ class DecodeWorker:
     async def _on_stats(self, msg: NatsMsg) -> None:
         if msg.reply:
             # "running" is a gauge beside the monotonic counters: requests in flight now.
+            extra = getattr(self.engine, "counters_snapshot", dict)()  # vllm engine counters
             stats = WorkerStats(instance=self.instance, node=self.node, role="decode",
-                                counters={**self.counters, "running": len(self._active)})
+                                counters={**extra, **self.counters, "running": len(self._active)})
             await self.nc.publish(msg.reply, encode(stats))
 
     # -- one request --
@@ -212,12 +243,14 @@ class DecodeWorker:
         if rid in self._stop_reason:  # cancelled while the KV was loading
             self.engine.abort(rid)
             raise _Stopped()
-        await self._emit(req.reply_subject, Tokens(request_id=rid, token_ids=[task.first_token],
-                                                   index=0))
-        await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
-            request_id=rid, prefill_node=task.prefill_node, prefill_tx_id=task.prefill_tx_id,
-            ts=time.time(),
-        ))
+        with tracer().start_as_current_span("decode.first_token"):
+            await self._emit(req.reply_subject,
+                             Tokens(request_id=rid, token_ids=[task.first_token], index=0))
+            await bus.publish(
+                self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
+                    request_id=rid, prefill_node=task.prefill_node,
+                    prefill_tx_id=task.prefill_tx_id, ts=time.time(),
+                ))
         # The KV now lives in the engine, so the commit (which only makes the blocks
         # cacheable on this node) runs beside generation rather than before the first token.
         commit = asyncio.create_task(self._commit(task))
@@ -294,6 +327,9 @@ class DecodeWorker:
         while not self.dead.is_set():
             st = self.engine.stats()
             try:
+                if self.draining:
+                    await asyncio.sleep(self.report_interval)
+                    continue
                 await bus.publish(self.nc, subject, DecodeLoad(
                     instance=self.instance, node=self.node, batch_size=st.batch_size,
                     waiting=st.waiting + self._loading, max_batch=self.engine.max_batch,

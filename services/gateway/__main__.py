@@ -1,4 +1,9 @@
-"""``python -m services.gateway --nats URL --port 8000 --model-dir models/tiny-llama ...``"""
+"""``python -m services.gateway --nats URL --port 8000 --model-dir models/tiny-llama ...``
+
+Prometheus metrics are on the gateway's own port (``/metrics``). ``--api-key`` (repeat
+it, or a comma list; also ``PERIGEE_API_KEY``) makes every route but ``/health`` and
+``/metrics`` require ``Authorization: Bearer KEY``.
+"""
 
 import argparse
 import asyncio
@@ -7,6 +12,7 @@ import sys
 from services.common import runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
+from services.gateway.auth import ENV_VAR, parse_keys
 from services.gateway.server import Gateway, GatewayConfig
 from tracing import setup_tracing, shutdown_tracing
 
@@ -30,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shutdown-grace", type=float, default=5.0,
                     help="seconds in-flight requests get to finish on SIGTERM before a 503")
     ap.add_argument("--gateway-id", default="", help="default: random")
+    ap.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                    help=f"accept this Bearer key (repeatable, or a comma list; also ${ENV_VAR}); "
+                         "default: no authentication")
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -48,6 +57,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
         gateway_id=args.gateway_id,
+        api_keys=parse_keys(args.api_key),
     )
 
 
@@ -56,9 +66,11 @@ async def amain(args: argparse.Namespace) -> int:
     setup_tracing("gateway")
     stop = asyncio.Event()
     install_signal_handlers(stop)
+    cfg = config_from_args(args)
     nc = await connect(args.nats, name="gateway")
-    gw = Gateway(config_from_args(args), nc)
+    gw = Gateway(cfg, nc)
     await gw.start()
+    log.info("gateway_auth", api_keys=len(cfg.api_keys))
     await stop.wait()
     log.info("gateway_stopping", in_flight=gw.router.in_flight)
     await gw.close(args.shutdown_grace)

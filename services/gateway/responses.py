@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
@@ -52,13 +52,23 @@ class Outcome:
     decode: str = ""
     ttft_s: float | None = None
     error: str = ""
+    max_tokens: int = 0
+    # Inter-token latencies: (seconds per token, tokens) for each Tokens event after the
+    # first; a gap covering k tokens counts as k tokens of gap/k each.
+    itl: list[tuple[float, int]] = field(default_factory=list)
+    _last_token_t: float = 0.0
 
-    def note(self, ev: StreamEvent, t0: float) -> None:
+    def note(self, ev: StreamEvent, t0: float, now: float | None = None) -> None:
         if type(ev) is Accepted:
             self.prefill, self.decode = ev.prefill_instance, ev.decode_instance
             self.cached_tokens = ev.cached_tokens
-        elif type(ev) is Tokens and self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - t0
+        elif type(ev) is Tokens:
+            now = time.perf_counter() if now is None else now
+            if self.ttft_s is None:
+                self.ttft_s = now - t0
+            elif ev.token_ids:
+                self.itl.append(((now - self._last_token_t) / len(ev.token_ids), len(ev.token_ids)))
+            self._last_token_t = now
 
     def finished(self, ev: Finished, text: TextOutput) -> None:
         # prompt_tokens stays the gateway's own count (it tokenized the prompt)

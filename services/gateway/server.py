@@ -12,7 +12,10 @@ Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
               503, 500, 504); after it, an SSE error chunk ends the stream
     DONE      Finished -> usage, finish_reason; [DONE]
 Client disconnect, a watchdog verdict or a stop string publishes CancelRequest.
-Responses are built in :mod:`services.gateway.responses`.
+Responses are built in :mod:`services.gateway.responses`; spans, metrics and the log
+line in :mod:`services.gateway.telemetry`; API keys (``api_keys``) are checked by
+:mod:`services.gateway.auth` before any of this (401). ``/metrics`` is Prometheus
+(:mod:`services.common.metrics`), ``/health`` is always open.
 """
 
 import asyncio
@@ -24,13 +27,14 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from opentelemetry import trace
-from opentelemetry.trace import Status, StatusCode
 
-from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent
+from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
+from services.common import metrics
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
 from services.common.tokenizer import Tokenizer
+from services.gateway import auth, telemetry
 from services.gateway.output import TextOutput
 from services.gateway.protocol import ApiError, ParsedRequest, parse_chat, parse_completion
 from services.gateway.replies import LocalError, ReplyRouter
@@ -43,6 +47,7 @@ from services.gateway.responses import (
     json_response,
     stream,
 )
+from services.gateway.telemetry import request_attributes
 from services.gateway.watchdog import Watchdog
 from tracing import tracer
 
@@ -66,6 +71,7 @@ class GatewayConfig:
     default_max_tokens: int = 16  # completions; chat defaults to what the context allows
     sweep_interval_s: float | None = None  # None: derived; 0: no sweeper (tests sweep by hand)
     gateway_id: str = ""
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
 
 
 class Gateway:
@@ -87,15 +93,20 @@ class Gateway:
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
         self._bg: set[asyncio.Task] = set()
-        self.metrics: dict[str, int] = {}
-        self.app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+        metrics.setup("gateway", span_metrics=False)
+        metrics.IN_FLIGHT.set_function(lambda: self.router.in_flight)
+        model = cfg.served_model_name
+        self.app = web.Application(
+            client_max_size=cfg.max_body_bytes + 1,
+            middlewares=[auth.middleware(tuple(cfg.api_keys), lambda st: telemetry.rejected(model, st))],
+        )
         self.app.add_routes(
             [
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
-                web.get("/metrics", self.metrics_text),
+                web.get("/metrics", metrics.metrics_handler),
             ]
         )
         self._runner: web.AppRunner | None = None
@@ -136,9 +147,6 @@ class Gateway:
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
-    def _count(self, key: str, n: int = 1) -> None:
-        self.metrics[key] = self.metrics.get(key, 0) + n
-
     # ---- small endpoints -----------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         card = {
@@ -160,14 +168,6 @@ class Gateway:
             "live_instances": len(self.watchdog.liveness.alive_instances()),
         }
         return json_response(body, 200 if ok else 503)
-
-    async def metrics_text(self, request: web.Request) -> web.Response:
-        lines = [f"perigee_gateway_in_flight {self.router.in_flight}"]
-        for k, v in sorted(self.metrics.items()):
-            name, _, status = k.partition(":")
-            label = f'{{status="{status}"}}' if status else ""
-            lines.append(f"perigee_gateway_{name}{label} {v}")
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     # ---- generation ----------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -236,29 +236,24 @@ class Gateway:
             ids = await self._tokenize(p)
             max_tokens = self._max_tokens(p, len(ids))
         except ApiError as e:
-            self._count(f"requests_total:{e.status}")
+            telemetry.rejected(self.cfg.served_model_name, e.status)
             log.info("request_rejected", status=e.status, error=e.message, param=e.param)
             return error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        attrs = {
-            "gen_ai.operation.name": "chat" if chat else "text_completion",
-            "gen_ai.system": "perigee",
-            "gen_ai.request.model": self.cfg.served_model_name,
-            "gen_ai.request.max_tokens": max_tokens,
-            "gen_ai.request.temperature": p.temperature,
-            "gen_ai.request.top_p": p.top_p,
-            "gen_ai.response.id": rid,
-            "gen_ai.usage.input_tokens": len(ids),
-        }
+        attrs = request_attributes(
+            chat=chat, model=self.cfg.served_model_name, max_tokens=max_tokens,
+            temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop=p.stop,
+            request_id=rid, prompt_tokens=len(ids),
+        )
         with (
             structlog.contextvars.bound_contextvars(request_id=rid),
             tracer().start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes=attrs) as span,
         ):
-            out = Outcome(prompt_tokens=len(ids))
+            out = Outcome(prompt_tokens=len(ids), max_tokens=max_tokens)
             try:
                 return await self._run(request, p, ids, max_tokens, rid, out, t0)
             finally:
-                self._finish(span, out, t0)
+                telemetry.finish(span, out, t0, self.cfg.served_model_name)
 
     async def _run(
         self, request: web.Request, p: ParsedRequest, ids: list[int], max_tokens: int,
@@ -288,8 +283,12 @@ class Gateway:
                 raise ApiError(503, f"message bus unavailable: {e}", code="service_unavailable") from None
             model = self.cfg.served_model_name
 
+            span = trace.get_current_span()
+
             async def next_event() -> StreamEvent:
                 ev = await self._next(q, rid)
+                if out.ttft_s is None and isinstance(ev, Tokens):
+                    span.add_event("first_token")
                 out.note(ev, t0)
                 return ev
 
@@ -324,30 +323,3 @@ class Gateway:
                 return await q.get()
         except TimeoutError:
             return LocalError(request_id=rid, code=504, message="no response from the serving backend")
-
-    def _finish(self, span: trace.Span, out: Outcome, t0: float) -> None:
-        span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
-        span.set_attribute("http.response.status_code", out.status)
-        if out.finish:
-            span.set_attribute("gen_ai.response.finish_reasons", [out.finish])
-        if out.cached_tokens:
-            span.set_attribute("perigee.cached_tokens", out.cached_tokens)
-        if out.decode:
-            span.set_attribute("perigee.prefill_instance", out.prefill)
-            span.set_attribute("perigee.decode_instance", out.decode)
-        if out.ttft_s is not None:
-            span.set_attribute("perigee.ttft_s", out.ttft_s)
-        if out.status >= 400:
-            span.set_status(Status(StatusCode.ERROR, out.error))
-        self._count(f"requests_total:{out.status}")
-        self._count("prompt_tokens_total", out.prompt_tokens)
-        self._count("completion_tokens_total", out.completion_tokens)
-        self._count("cached_tokens_total", out.cached_tokens)
-        log.info(
-            "request_done", status=out.status, finish_reason=out.finish or None,
-            prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens, prefill=out.prefill or None, decode=out.decode or None,
-            ttft_ms=None if out.ttft_s is None else round(out.ttft_s * 1e3, 3),
-            e2e_ms=round((time.perf_counter() - t0) * 1e3, 3), error=out.error or None,
-        )

@@ -13,6 +13,10 @@ Lifecycle of a request on this instance:
 
 A failure anywhere (or a cancel, or shutdown) sends Error to the client's reply
 subject and RequestFailed to the conductor, which rolls both transactions back.
+
+Role switch (paper §5.1, ``--switchable``): :meth:`PrefillWorker.drain` stops the load
+reports (conductors forget the instance on the RoleSwitch and see no new report),
+serves what is queued and whatever still arrives, and returns once idle and quiet.
 """
 
 import asyncio
@@ -25,6 +29,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from bus_schemas import subjects
 from bus_schemas.codec import encode
@@ -32,7 +37,7 @@ from bus_schemas.control import TxHandle
 from bus_schemas.load import PrefillLoad, WorkerStats
 from bus_schemas.placement import DecodeTask, PrefillTask, RemotePrefix, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode
-from services.common import bus
+from services.common import bus, metrics
 from services.common.clock import Clock, WallClock
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
@@ -115,6 +120,8 @@ class PrefillWorker:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._closing = False
         self._tasks: list[asyncio.Task] = []
+        self.draining = False  # role switch: no load reports, finish what comes
+        self._last_task = time.monotonic()
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -131,11 +138,13 @@ class PrefillWorker:
             asyncio.create_task(self._report_loop(), name="prefill-load-report"),
         ]
         await self.nc.flush()
+        metrics.track_worker("prefill", self)
         log.info("prefill_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:
         """Fail what is queued or running (503) so no accepted request is lost, then stop."""
         self._closing = True
+        metrics.untrack_worker("prefill", self)
         for item in self.queue.waiting:
             self.queue.remove(item.request_id)
             await self._fail(item.task, ErrorCode.UNAVAILABLE, "prefill instance shutting down")
@@ -159,9 +168,20 @@ class PrefillWorker:
                 pass
         await self._subs.close()
 
+    async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
+        """Before a role switch: stop reporting load, then wait until nothing is queued
+        or running and no task has arrived for ``quiet_s`` (late placements still run)."""
+        self.draining = True
+        while not (len(self.queue) == 0 and self._idle.is_set()
+                   and time.monotonic() - self._last_task >= quiet_s):
+            if self.dead.is_set():
+                return
+            await asyncio.sleep(poll_s)
+
     # -- bus handlers --
     async def _on_task(self, task: PrefillTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
+        self._last_task = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=rid):
             if rid in self._cancelled:
                 await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_cancelled")
@@ -197,8 +217,11 @@ class PrefillWorker:
 
     async def _on_stats(self, msg: NatsMsg) -> None:
         if msg.reply:
+            # An engine may add its own counters (the vllm engine: tokens vLLM computed,
+            # KV loaded/saved by its connector).
+            extra = getattr(self.engine, "counters_snapshot", dict)()
             stats = WorkerStats(instance=self.instance, node=self.node, role="prefill",
-                                counters=dict(self.counters))
+                                counters={**extra, **self.counters})
             await self.nc.publish(msg.reply, encode(stats))
 
     # -- the queue runner --
@@ -282,9 +305,12 @@ class PrefillWorker:
                 del ready[: last - first + 1]
                 start, _ = self.layout.layer_span(first)
                 _, end = self.layout.layer_span(last)
-                await self.store.ship_layer(
-                    task.prefill_tx, task.decode_tx, first, blocks, end - start, start,
-                )
+                # The store's ship (and its write on the decode node) join prefill.ship:
+                # the client puts the current context in the ZeroMQ request header.
+                with trace.use_span(ship_span, end_on_exit=False):
+                    await self.store.ship_layer(
+                        task.prefill_tx, task.decode_tx, first, blocks, end - start, start,
+                    )
 
         async def on_layer(layer: int) -> None:
             nonlocal ship_span
@@ -374,6 +400,9 @@ class PrefillWorker:
         while not self.dead.is_set():
             qlen, qtokens, work = self.queue.load()
             try:
+                if self.draining:
+                    await asyncio.sleep(self.report_interval)
+                    continue
                 await bus.publish(self.nc, subject, PrefillLoad(
                     instance=self.instance, node=self.node, queue_len=qlen,
                     queued_tokens=qtokens, queued_work_s=work, ts=time.time(),

@@ -6,7 +6,7 @@ import sys
 
 import structlog
 
-from services.common import runner
+from services.common import metrics, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.store.server import StoreService
@@ -31,13 +31,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds a peer store may take to answer (plus size-based time)")
     p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
                    help="map the whole arena at start (commits its memory up front)")
+    p.add_argument("--ssd-dir", default=None,
+                   help="SSD tier: folder for block files and their index (kept across restarts)")
+    p.add_argument("--ssd-capacity-blocks", type=int, default=0,
+                   help="blocks the SSD tier holds (needs --ssd-dir; 0 = no SSD tier)")
+    p.add_argument("--vram-capacity-blocks", type=int, default=0,
+                   help="blocks kept in GPU memory (skipped with a log line without CUDA)")
+    p.add_argument("--replay-batches", type=int, default=1024,
+                   help="recent KV-event batches kept for the replay endpoint")
     p.add_argument("--log-level", default="INFO")
+    metrics.add_arguments(p)
     args = p.parse_args(argv)
     if not args.node or any(c in args.node for c in ".*> \t"):
         p.error(f"--node {args.node!r}: one NATS subject token (no '.', '*', '>' or spaces)")
-    for name in ("block_size", "block_bytes", "capacity_blocks"):
+    for name in ("block_size", "block_bytes", "capacity_blocks", "replay_batches"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("ssd_capacity_blocks", "vram_capacity_blocks"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.ssd_capacity_blocks and not args.ssd_dir:
+        p.error("--ssd-capacity-blocks needs --ssd-dir")
     return args
 
 
@@ -54,15 +68,21 @@ async def main(args: argparse.Namespace) -> int:
         capacity_blocks=args.capacity_blocks, host=args.host, port=args.port,
         advertise_host=args.advertise_host, announce_interval_s=args.announce_interval,
         sweep_interval_s=args.sweep_interval, peer_timeout_s=args.peer_timeout,
-        prefault=args.prefault,
+        prefault=args.prefault, ssd_dir=args.ssd_dir,
+        ssd_capacity_blocks=args.ssd_capacity_blocks,
+        vram_capacity_blocks=args.vram_capacity_blocks, replay_batches=args.replay_batches,
     )
+    mserver = None
     try:
         await service.start()
+        mserver = await metrics.start_from_args(args, "store", metrics.store_collector(service))
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for w in waiters:
             w.cancel()
     finally:
+        if mserver is not None:
+            await mserver.close()
         await service.stop()
         await drain(nc)
         shutdown_tracing()

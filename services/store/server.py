@@ -11,15 +11,25 @@ Lifecycle::
                  perigee.store.<node>.info         (anything) -> StoreInfo
                  perigee.store.discover            (anything) -> StoreInfo
                  perigee.store.<node>.stats        (anything) -> WorkerStats(role="store")
+                 perigee.store.<node>.clear        ClearRequest -> ClearDone (AllBlocksCleared)
+                 perigee.store.<node>.replay       ReplayRequest -> ReplayPage (recent batches)
+                 perigee.store.<node>.obj.stat     ObjectKey -> ObjectDone
+                 perigee.store.<node>.obj.remove   ObjectKey -> ObjectDone
+                 perigee.store.<node>.obj.replicate ObjectReplicate -> ObjectDone | Refused
+                 perigee.ctl.kv.replicate          Replicate (acted on by dest_node's store)
            tasks data-plane   ROUTER loop (SHIP/PULL from workers, WRITE/READ from peers)
                  announce     StoreInfo on perigee.store.announce every announce interval
                  lease-sweep  aborts transactions whose lease ran out, drops expired pins
                  kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order
+                 write-back   copies committed DRAM blocks to SSD (--ssd-dir), persists
+                              the SSD index; a restart reloads it (new epoch, BlockStored)
     stop:  unsubscribe, cancel tasks, close sockets, close and unlink the arena
 
 Every pool operation that changes what the node holds yields KV events; they get the
 next sequence number (from 1, per epoch; epoch = start time in ns) in the same
 synchronous step, so a dump taken at ``seq`` is exactly the state after batch ``seq``.
+Tier moves (promotions from SSD, demotions, offloads) the pool asks for are executed
+in that same step, before anything else touches the pool (:meth:`StoreService.apply`).
 """
 
 import asyncio
@@ -35,9 +45,17 @@ from nats.aio.msg import Msg as NatsMsg
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import (
+    ClearDone,
+    ClearRequest,
     DumpPage,
     DumpRequest,
+    ObjectDone,
+    ObjectKey,
+    ObjectReplicate,
     Refused,
+    ReplayPage,
+    ReplayRequest,
+    Replicate,
     StoreInfo,
     TxAbort,
     TxAllocate,
@@ -49,8 +67,10 @@ from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
 from services.common.bus import Subscriptions, publish
 from services.common.clock import Clock, WallClock
+from services.store import replication, tiering
 from services.store.arena import Arena
-from services.store.block_pool import BlockPool
+from services.store.object_service import ObjectService
+from services.store.tiers import TieredBlockPool
 from services.store.transfer import DataPlane
 
 log = structlog.get_logger()
@@ -73,6 +93,10 @@ class StoreService:
         peer_timeout_s: float = 5.0,
         prefault: bool = True,
         clock: Clock | None = None,
+        ssd_dir: str | None = None,
+        ssd_capacity_blocks: int = 0,
+        vram_capacity_blocks: int = 0,
+        replay_batches: int = 1024,
     ) -> None:
         self.nc = nc
         self.node = node
@@ -89,7 +113,18 @@ class StoreService:
         self.prefault = prefault
         self.epoch = time.time_ns()
         self.seq = 0
-        self.pool = BlockPool(capacity_blocks, block_size, self.clock, id_prefix=f"{node}-{self.epoch}-")
+        self.ssd_dir = ssd_dir
+        if ssd_dir is None:
+            ssd_capacity_blocks = 0
+        self.pool = TieredBlockPool(
+            capacity_blocks, block_size, self.clock, id_prefix=f"{node}-{self.epoch}-",
+            ssd_capacity=ssd_capacity_blocks,
+            vram_capacity=vram_capacity_blocks if tiering.vram_ok(vram_capacity_blocks) else 0,
+        )
+        self.vram_capacity_blocks = vram_capacity_blocks
+        self.tiers = tiering.Tiers(self)
+        self.objects = ObjectService(self)
+        self.replay = tiering.ReplayBuffer(replay_batches)
         self.arena: Arena | None = None
         self.data: DataPlane | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -99,6 +134,9 @@ class StoreService:
         self._tasks: list[asyncio.Task] = []
         # Set when a background task dies: the process should exit (and be restarted).
         self.failed = asyncio.Event()
+        # Set once every endpoint is subscribed: events (e.g. the SSD blocks a restart
+        # reloads) go out only when a consumer can already ask for a dump or replay.
+        self._serving = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -114,12 +152,15 @@ class StoreService:
             self._ctx, self.pool, self.arena, self.epoch, host=self.host, port=self.port,
             advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
         )
+        self.data.objects = self.objects
+        self.tiers.open()  # SSD files / GPU memory; reloads what a previous run left on SSD
         loop = asyncio.get_running_loop()
         for name, coro in (
             ("data-plane", self.data.run()),
             ("kv-events", self._publish_events()),
             ("lease-sweep", self._sweep()),
             ("announce", self._announce()),
+            ("write-back", self.tiers.run_writeback()),
         ):
             self._tasks.append(loop.create_task(coro, name=f"store:{name}"))
             self._tasks[-1].add_done_callback(self._task_died)
@@ -128,6 +169,13 @@ class StoreService:
         await self._subs.serve(ctl(self.node, "tx.commit"), TxCommit, self._commit)
         await self._subs.serve(ctl(self.node, "tx.abort"), TxAbort, self._abort)
         await self._subs.serve(ctl(self.node, "dump"), DumpRequest, self._dump)
+        await self._subs.serve(ctl(self.node, "clear"), ClearRequest, self._clear)
+        await self._subs.serve(ctl(self.node, "replay"), ReplayRequest, self._replay)
+        await self._subs.serve(ctl(self.node, "obj.stat"), ObjectKey, self._obj_stat)
+        await self._subs.serve(ctl(self.node, "obj.remove"), ObjectKey, self._obj_remove)
+        await self._subs.serve(ctl(self.node, "obj.replicate"), ObjectReplicate,
+                               self._obj_replicate, concurrent=True)
+        await self._subs.serve(subjects.CTL_REPLICATE, Replicate, self._replicate, concurrent=True)
         for subject, reply in (
             (ctl(self.node, "info"), self.info),
             (subjects.STORE_DISCOVER, self.info),
@@ -135,6 +183,7 @@ class StoreService:
         ):
             self._raw_subs.append(await self.nc.subscribe(subject, cb=self._answer(reply)))
         await self.nc.flush()
+        self._serving.set()
         log.info(
             "store_started", node=self.node, epoch=self.epoch, data_addr=self.data.data_addr,
             shm=self.arena.name, capacity_blocks=self.capacity, block_bytes=self.block_bytes,
@@ -152,6 +201,7 @@ class StoreService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.data is not None:
             await self.data.close()
+        self.tiers.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self.arena is not None:
@@ -180,7 +230,7 @@ class StoreService:
     async def _allocate(self, req: TxAllocate, _m: NatsMsg) -> TxHandle | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
             result, events = self.pool.allocate(req)
-            self._emit(events)
+            self.apply(events)
             if isinstance(result, Refused):
                 log.info("tx_refused", reason=result.reason, detail=result.message)
                 return result
@@ -194,7 +244,8 @@ class StoreService:
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
             result, events = self.pool.commit(req.tx_id, req.request_id)
-            self._emit(events)
+            self.apply(events)
+            self.tiers.wake()
             if isinstance(result, Refused):
                 log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)
             return result
@@ -202,7 +253,7 @@ class StoreService:
     async def _abort(self, req: TxAbort, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
             result, events = self.pool.abort(req.tx_id)
-            self._emit(events)
+            self.apply(events)
             log.info("tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone))
             return result
 
@@ -210,6 +261,33 @@ class StoreService:
         hashes, nxt = self.pool.dump(req.cursor, req.limit)
         return DumpPage(node=self.node, epoch=self.epoch, seq=self.seq, block_hashes=hashes,
                         next_cursor=nxt)
+
+    async def _clear(self, req: ClearRequest, _m: NatsMsg) -> ClearDone:
+        removed, events = self.pool.clear()
+        self.apply(events)
+        log.warning("store_cleared", removed=len(removed), reason=req.reason)
+        return ClearDone(node=self.node, epoch=self.epoch, seq=self.seq, removed_blocks=len(removed),
+                         kept_blocks=self.pool.cached_blocks)
+
+    async def _replay(self, req: ReplayRequest, _m: NatsMsg) -> ReplayPage:
+        batches, complete = self.replay.after(req.after_seq, req.limit)
+        return ReplayPage(node=self.node, epoch=self.epoch, seq=self.seq, complete=complete,
+                          batches=batches)
+
+    async def _obj_stat(self, req: ObjectKey, _m: NatsMsg) -> ObjectDone:
+        size = self.objects.stat(req.key)
+        return ObjectDone(key=req.key, node=self.node, size=size or 0, present=size is not None)
+
+    async def _obj_remove(self, req: ObjectKey, _m: NatsMsg) -> ObjectDone:
+        return ObjectDone(key=req.key, node=self.node, present=self.objects.remove(req.key))
+
+    async def _obj_replicate(self, req: ObjectReplicate, _m: NatsMsg) -> ObjectDone | Refused:
+        return await replication.copy_object(self, req)
+
+    async def _replicate(self, req: Replicate, _m: NatsMsg) -> Any:
+        if req.dest_node != self.node:
+            return None  # another store's job
+        return await replication.copy_blocks(self, req)
 
     def _answer(self, make: Any):
         async def cb(m: NatsMsg) -> None:
@@ -223,16 +301,22 @@ class StoreService:
 
     # ---------------------------------------------------------------- tasks
 
+    def apply(self, events: list[KVEvent]) -> None:
+        """Run the tier moves the last pool call asked for, then publish its events."""
+        self.tiers.run_moves()
+        self._emit(self.objects.kv_only(events) if events else events)
+
     def _emit(self, events: list[KVEvent]) -> None:
         if not events:
             return
         self.seq += 1
-        self._outbox.put_nowait(
-            EventBatch(node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events)
-        )
+        batch = EventBatch(node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events)
+        self.replay.add(batch)
+        self._outbox.put_nowait(batch)
 
     async def _publish_events(self) -> None:
         subject = subjects.kv_events(self.node)
+        await self._serving.wait()
         while True:
             batch = await self._outbox.get()
             try:

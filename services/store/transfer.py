@@ -77,6 +77,7 @@ class DataPlane:
             0,
         )
         self._tasks: set[asyncio.Task] = set()
+        self.objects: Any = None  # ObjectService: serves OBJ_PUT / OBJ_GET when set
 
     # ---------------------------------------------------------------- loop
 
@@ -99,6 +100,12 @@ class DataPlane:
                             out = self._write(header, payload)
                         else:
                             out = self._read(header)
+                    await self._reply(ident, *out)
+                elif kind in (wire.Kind.OBJ_PUT, wire.Kind.OBJ_GET) and self.objects is not None:
+                    if kind == wire.Kind.OBJ_PUT:
+                        out = self.objects.put(header, payload)
+                    else:
+                        out = self.objects.get(header)
                     await self._reply(ident, *out)
                 elif kind in (wire.Kind.SHIP, wire.Kind.PULL):
                     op = self._ship if kind == wire.Kind.SHIP else self._pull

@@ -29,6 +29,8 @@ class Kind(IntEnum):
     PULL = 2
     WRITE = 3
     READ = 4
+    OBJ_PUT = 5
+    OBJ_GET = 6
     OK = 16
     ERR = 17
     DATA = 18
@@ -168,3 +170,28 @@ def scatter(src: Sequence[memoryview], dst: Sequence[memoryview]) -> int:
                 si += 1
                 so = 0
     return total
+
+
+# ---- object API (appended): a client's put/get of a whole object on one store ----
+
+
+class ObjPut(_Header):
+    """Store ``size`` payload bytes under ``key`` (replacing an older value)."""
+
+    key: str
+    size: int
+    retention: int = 0
+
+
+class ObjGet(_Header):
+    """Answer DATA with the value of ``key`` (ERR ``missing`` when it is not here)."""
+
+    key: str
+
+
+HEADER_TYPES[Kind.OBJ_PUT] = ObjPut
+HEADER_TYPES[Kind.OBJ_GET] = ObjGet
+_KIND_OF[ObjPut] = Kind.OBJ_PUT
+_KIND_OF[ObjGet] = Kind.OBJ_GET
+_decoders[Kind.OBJ_PUT] = msgspec.msgpack.Decoder(ObjPut)
+_decoders[Kind.OBJ_GET] = msgspec.msgpack.Decoder(ObjGet)

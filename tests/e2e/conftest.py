@@ -9,6 +9,9 @@ from perigee.stack import Stack, StackConfig
 
 
 def make_stack(tmp_path_factory, name: str, **kw) -> Stack:
+    """A stack for one test module; the mock engine unless ``engine="vllm"`` is given
+    (``perigee up`` defaults to vllm, these tests rely on the mock's speed)."""
+    kw.setdefault("engine", "mock")
     cfg = StackConfig(port=free_port(), log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")), **kw)
     return Stack(cfg)
 
@@ -16,7 +19,7 @@ def make_stack(tmp_path_factory, name: str, **kw) -> Stack:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory):
     """1 prefill + 1 decode, mock engine at 100x the paper's A800 speed."""
-    s = make_stack(tmp_path_factory, "main", prefill=1, decode=1, speedup="100")
+    s = make_stack(tmp_path_factory, "main", engine="mock", prefill=1, decode=1, speedup="100")
     s.start()
     yield s
     s.stop()

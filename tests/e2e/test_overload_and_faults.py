@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 def tight_slo_stack(tmp_path_factory):
     # At the paper's A800 speed a 200-token prefill alone is predicted at ~9 ms: a
     # 1 ms TTFT SLO can never be met, so every request must be rejected up front.
-    s = make_stack(tmp_path_factory, "tight", speedup="1", ttft_slo=0.001)
+    s = make_stack(tmp_path_factory, "tight", engine="mock", speedup="1", ttft_slo=0.001)
     s.start()
     yield s
     s.stop()
@@ -38,7 +38,7 @@ async def test_unmeetable_slo_gets_429_and_no_prefill_work(tight_slo_stack):
 
 @pytest.fixture(scope="module")
 def two_decode_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "faults", prefill=1, decode=2, speedup="1")
+    s = make_stack(tmp_path_factory, "faults", engine="mock", prefill=1, decode=2, speedup="1")
     s.start()
     yield s
     s.stop()

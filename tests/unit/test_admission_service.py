@@ -11,7 +11,10 @@ from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest, stream_event_decoder
+from services.admission.policy import PredictiveRejectionPolicy
 from services.admission.service import AdmissionConfig, AdmissionService
+from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
+from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 
 PROMPT = list(range(1, 80))
@@ -121,3 +124,25 @@ async def test_accepted_request_is_forwarded_filled_in(admission):
     await admission.send(encode(req))
     fwd = decode((await admission.scheduled.next_msg(timeout=5)).data, GenerateRequest)
     assert (fwd.block_size, fwd.block_hashes, fwd.arrival_ts) == (16, block_hashes(PROMPT, 16), 5.0)
+
+
+async def test_predict_policy_tracks_what_it_forwards(nats_url):
+    h = await Harness().start(nats_url, block_size=32, policy="predict", decode_time_s=7.0)
+    try:
+        assert isinstance(h.svc.policy, PredictiveRejectionPolicy) and h.svc.policy.decode_time_s == 7.0
+        await h.loads(0.0)
+        req = GenerateRequest(request_id="p1", prompt_token_ids=PROMPT)
+        await h.send(encode(req))
+        fwd = decode((await h.scheduled.next_msg(timeout=5)).data, GenerateRequest)
+        assert fwd.request_id == "p1"
+        assert set(h.svc.policy.admitted) == {"p1"}
+    finally:
+        await h.close()
+
+
+def test_cost_model_option_loads_a_fitted_model(tmp_path):
+    path = tmp_path / "cm.json"
+    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
+                    for n in (256, 1024, 4096) for p in (0, n // 4, n // 2)]).save(path)
+    svc = AdmissionService(None, AdmissionConfig(cost_model=str(path), speedup=5.0))
+    assert isinstance(svc.policy.cost, FittedCostModel) and svc.policy.cost.speedup == 5.0

@@ -145,6 +145,15 @@ def test_rejects_when_tbt_slo_cannot_be_met():
     assert isinstance(pol.place(req(tbt_slo_s=1.0), {}), Placement)
 
 
+def test_without_the_tbt_check_placement_leaves_rejection_to_decode():
+    # The paper's baseline: the TBT SLO is checked by the decode instance after prefill.
+    slo = COST.decode_step_time(1, 0) * 0.9
+    pol = make_policy(tbt_slo_s=slo, tbt_check=False)
+    d = placed(pol.place(req(), {}))
+    assert d.est_tbt_s == COST.decode_step_time(1, N) and d.est_tbt_s > slo
+    assert pol.stats["rejected_tbt"] == 0 and pol.stats["placed"] == 1
+
+
 def test_no_instance_is_503():
     pol = PlacementPolicy(ManualClock(), COST)
     d = pol.place(req(), {})

@@ -15,6 +15,7 @@ from bus_schemas.control import (
     DumpPage,
     DumpRequest,
     Refused,
+    RoleSwitch,
     StoreInfo,
     TxAbort,
     TxAllocate,
@@ -28,6 +29,8 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.placement import FirstTokenNotice, PrefillTask, RequestFailed
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest, stream_event_decoder
 from services.common.clock import ManualClock
+from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
+from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 from services.conductor.service import ConductorConfig, ConductorService
 
@@ -364,3 +367,51 @@ async def test_sweep_forgets_expired_requests_and_silent_stores(harness):
     h.svc.sweep()
     assert h.svc.pending == {} and h.svc.policy.dispatched() == []
     assert h.svc.shadow.index.nodes() == []  # no announce for 16 s: both stores forgotten
+
+
+async def test_pd_controller_publishes_role_switches_and_the_old_role_is_forgotten(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0"), FakeStore(None, "nd1")],
+        prefills=[("prefill-0", "np0", 30.0)],  # load 1.0 against the 30 s TTFT SLO
+        decodes=[("decode-0", "nd0"), ("decode-1", "nd1")],  # idle: load 0
+        pd_controller=True,
+        pd_interval_s=3600.0,  # stepped by hand below
+        pd_min_samples=1,
+        pd_cooldown_s=0.0,
+    )
+    ctl = await h.nc.subscribe(subjects.CTL_ROLE)
+    await h.nc.flush()
+    out = await h.svc.roles.step()
+    # f_im = (0 + 1) / (1 + 1) = 0.5 < 1/1.5: one decode instance (the first by name) goes
+    assert out == [RoleSwitch(instance="decode-0", role="prefill")]
+    assert decode((await ctl.next_msg(timeout=5)).data, RoleSwitch) == out[0]
+    await wait_until(lambda: h.svc.policy.live_decode() == ["decode-1"])
+    assert h.svc.policy.live_prefill() == ["prefill-0"]
+    assert (await h.svc.roles.step()) == []  # its samples were dropped with the change
+
+
+async def test_role_switch_from_another_conductor_takes_the_instance_out_of_its_pool(harness):
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    await h.nc.publish(subjects.CTL_ROLE, encode(RoleSwitch(instance="prefill-0", role="decode")))
+    await wait_until(lambda: h.svc.policy.live_prefill() == [])
+    await h.schedule("r11")
+    err = await h.event()
+    assert isinstance(err, Error) and err.code == ErrorCode.UNAVAILABLE
+
+
+def test_config_selects_cost_model_adaptive_threshold_and_tbt_check(tmp_path):
+    samples = [PrefillSample(n, p, CostModel().prefill_time(n, p)) for n in (256, 1024, 4096) for p in (0, n // 2, n // 4)]
+    path = tmp_path / "cm.json"
+    fit_cost_model(samples).save(path)
+    cfg = ConductorConfig(cost_model=str(path), speedup=10.0, adaptive_threshold=True, balancing_threshold=3.0,
+                          tbt_check=False)
+    svc = ConductorService(None, cfg)
+    assert isinstance(svc.cost, FittedCostModel) and svc.cost.speedup == 10.0
+    assert svc.policy.adaptive is not None and svc.policy.threshold() == 3.0
+    assert svc.policy.tbt_check is False and svc.roles.pd is None
+    plain = ConductorService(None, ConductorConfig())
+    assert type(plain.cost) is CostModel and plain.policy.adaptive is None and plain.policy.threshold() == 2.0

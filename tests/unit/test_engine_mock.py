@@ -325,7 +325,5 @@ async def test_stop_fails_running_streams_and_later_calls():
 
 def test_make_engine():
     assert isinstance(make_engine("mock", SPEC, INF, max_batch=4), MockEngine)
-    with pytest.raises(NotImplementedError, match="vllm backend arrives with issue 3"):
-        make_engine("vllm", SPEC, INF)
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("tpu", SPEC, INF)

@@ -1,0 +1,213 @@
+"""``perigee bench store``: small-object put/get latency, perigee's store beside Mooncake's.
+
+perigee: a nats-server, one store process (``python -m services.store``) and this
+process as the client (:class:`~services.store.objects.ObjectClient`): every put and
+get is one request/reply on the store's ZeroMQ data plane, the value copied into /
+out of the store's shared-memory arena.
+
+Mooncake (same run, same sizes and counts, when a Python that imports ``mooncake``
+is found): ``mooncake_master`` (with its HTTP metadata server), one client process
+that mounts the memory segment (it holds the data, like our store process) and one
+client process with no segment that runs the timed put/get (data over Mooncake's TCP
+transport to the holder). Unavailable -> reported as such.
+
+Latencies are per operation, sequential (one in flight), after a warm-up; p50 / p99
+in microseconds. JSON: {"results": [{"system", "op", "size_bytes", "p50_us", "p99_us",
+"ops"}...]}.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from perigee.bench.stats import percentile
+from perigee.bench.transfer import find_mooncake_python
+from perigee.natsd import NatsServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+MOONCAKE_STORE = r"""
+import json, sys, time
+from mooncake.store import MooncakeDistributedStore
+role, meta, master = sys.argv[1], sys.argv[2], sys.argv[3]
+s = MooncakeDistributedStore()
+seg = (512 << 20) if role == "holder" else 0
+rc = s.setup("127.0.0.1", meta, seg, 64 << 20, "tcp", "", master)
+if rc != 0:
+    print(json.dumps({"error": "setup failed: %d" % rc}), flush=True); sys.exit(1)
+if role == "holder":
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.read()
+    sys.exit(0)
+sizes, n, warm = json.loads(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+out = {}
+for size in sizes:
+    v = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    put, get = [], []
+    for i in range(warm + n):
+        key = "k%d_%d" % (size, i)
+        t = time.perf_counter(); rc = s.put(key, v); dt_p = time.perf_counter() - t
+        if rc != 0:
+            print(json.dumps({"error": "put failed: %d" % rc}), flush=True); sys.exit(1)
+        t = time.perf_counter(); got = s.get(key); dt_g = time.perf_counter() - t
+        if got != v:
+            print(json.dumps({"error": "get returned %d bytes" % len(got)}), flush=True); sys.exit(1)
+        if i >= warm:
+            put.append(dt_p); get.append(dt_g)
+        s.remove(key)
+    out[str(size)] = {"put": put, "get": get}
+print(json.dumps({"results": out}), flush=True)
+"""
+
+
+async def perigee_latencies(sizes: list[int], n: int, warm: int) -> dict[int, dict[str, list[float]]]:
+    import nats
+
+    from services.store.objects import ObjectClient
+
+    out: dict[int, dict[str, list[float]]] = {}
+    with NatsServer() as srv, tempfile.TemporaryDirectory() as logs:
+        env = {**os.environ, "OTEL_TRACES_EXPORTER": "none"}
+        with open(os.path.join(logs, "store.log"), "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "services.store", "--nats", srv.url, "--node", "bench0",
+                 "--capacity-blocks", "1024", "--log-level", "WARNING"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            nc = await nats.connect(srv.url)
+            objs = await ObjectClient.connect(nc, ["bench0"], timeout=30)
+            for size in sizes:
+                v = bytes(range(256)) * (size // 256) + bytes(size % 256)
+                put, get = [], []
+                for i in range(warm + n):
+                    key = f"k{size}_{i}"
+                    t = time.perf_counter()
+                    await objs.put(key, v)
+                    dt_p = time.perf_counter() - t
+                    t = time.perf_counter()
+                    got = await objs.get(key)
+                    dt_g = time.perf_counter() - t
+                    if got != v:
+                        raise RuntimeError(f"get returned {len(got)} bytes, want {size}")
+                    if i >= warm:
+                        put.append(dt_p)
+                        get.append(dt_g)
+                    if i % 64 == 63:
+                        await objs.remove(key)
+                out[size] = {"put": put, "get": get}
+            await objs.close()
+            await nc.close()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return out
+
+
+def mooncake_latencies(py: str, sizes: list[int], n: int, warm: int
+                       ) -> tuple[dict[int, dict[str, list[float]]] | None, str]:
+    master_bin = shutil.which("mooncake_master", path=os.path.dirname(py))
+    if master_bin is None:
+        return None, f"no mooncake_master next to {py}"
+    rpc, http = free_port(), free_port()
+    meta, master = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen(
+            [master_bin, "-enable_http_metadata_server=true", f"-http_metadata_server_port={http}",
+             f"-rpc_port={rpc}", f"-metrics_port={free_port()}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        holder = subprocess.Popen([py, "-c", MOONCAKE_STORE, "holder", meta, master],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        procs.append(holder)
+        line = ""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and holder.poll() is None:
+            line = holder.stdout.readline() if holder.stdout else ""
+            if line.strip():
+                break
+        if '"ready"' not in line:
+            return None, f"mooncake holder did not start ({line.strip()[:200]})"
+        run = subprocess.run([py, "-c", MOONCAKE_STORE, "client", meta, master, json.dumps(sizes),
+                              str(n), str(warm)], capture_output=True, text=True, timeout=600)
+        last = (run.stdout.strip().splitlines() or ["{}"])[-1]
+        res = json.loads(last)
+        if "results" not in res:
+            return None, f"mooncake client failed: {res.get('error', run.stderr[-300:])}"
+        return {int(k): v for k, v in res["results"].items()}, ""
+    finally:
+        for p in reversed(procs):
+            if p.stdin:
+                p.stdin.close()
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+def rows(system: str, data: dict[int, dict[str, list[float]]]) -> list[dict]:
+    out = []
+    for size, ops in sorted(data.items()):
+        for op in ("put", "get"):
+            v = ops[op]
+            out.append({"system": system, "op": op, "size_bytes": size, "ops": len(v),
+                        "p50_us": round(percentile(v, 50) * 1e6, 1),
+                        "p99_us": round(percentile(v, 99) * 1e6, 1), "status": "ok"})
+    return out
+
+
+def render(report: dict) -> str:
+    lines = [f"{'system':<10}{'op':<5}{'size':>9}{'p50 us':>10}{'p99 us':>10}{'ops':>7}"]
+    for r in report["results"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['system']:<10}{r['op']:<5}{r['size_bytes']:>9}  unavailable: {r['reason']}")
+            continue
+        lines.append(f"{r['system']:<10}{r['op']:<5}{r['size_bytes']:>9}{r['p50_us']:>10.1f}"
+                     f"{r['p99_us']:>10.1f}{r['ops']:>7}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="perigee bench store", description=__doc__.split("\n")[0])
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--sizes", default="1024,4096,65536", help="object sizes in bytes")
+    p.add_argument("--ops", type=int, default=500, help="timed put+get pairs per size")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--mooncake-python", default=None)
+    p.add_argument("--no-mooncake", action="store_true")
+    args = p.parse_args(argv)
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    results = rows("perigee", asyncio.run(perigee_latencies(sizes, args.ops, args.warmup)))
+    py = None if args.no_mooncake else find_mooncake_python(args.mooncake_python)
+    if py is None:
+        mc, why = None, "skipped" if args.no_mooncake else "mooncake is not importable"
+    else:
+        mc, why = mooncake_latencies(py, sizes, args.ops, args.warmup)
+    if mc is None:
+        results += [{"system": "mooncake", "op": op, "size_bytes": s, "status": "unavailable",
+                     "reason": why} for s in sizes for op in ("put", "get")]
+    else:
+        results += rows("mooncake", mc)
+    report = {"results": results, "mooncake_python": py}
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

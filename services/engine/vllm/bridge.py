@@ -1,0 +1,124 @@
+"""What the vLLM engine tells its KV connector about each request (no vLLM import).
+
+The engine (:mod:`.engine`) and both connector instances (scheduler and worker role,
+:mod:`.connector`) live in one process: vLLM runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped by one engine thread. vLLM builds the
+connector itself from ``kv_connector_extra_config``, which must stay plain data, so
+the engine registers a :class:`Bridge` here under a random key and passes the key;
+the connector looks it up. Per request the engine adds a :class:`Plan` before it
+hands the request to vLLM, keyed by the perigee request id, which rides in
+``SamplingParams.extra_args["kv_transfer_params"]["perigee"]["key"]``.
+
+Lifecycle of a plan:
+
+    engine (event loop)  add(plan)          before vLLM sees the request
+    connector (sched.)   load planned       plan.consumed: never loaded twice
+    connector (worker)   load done          plan.on_loaded() (decode: slots released)
+                         layer saved        plan.on_layer(layer) (prefill: ship it)
+                         failure            plan.error (never raised inside vLLM)
+    engine (thread)      drop(key)          when vLLM reports the request finished
+"""
+
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Plan:
+    """KV of one request in the node store's slots.
+
+    ``slots[j]`` is the shared-memory slot of perigee block ``j`` (``hash_block_size``
+    tokens, every layer). Positions ``[0, load_tokens)`` are loaded from the slots
+    (vLLM caps it at prompt length - 1: something must be computed to sample).
+    If ``save_from`` is set, vLLM's KV of blocks ``save_from ..`` up to position
+    ``save_tokens`` is written into the slots as it is computed, and once the prompt
+    is complete ``on_layer(layer)`` runs after each layer's copy (in layer order).
+    """
+
+    key: str
+    slots: Sequence[memoryview]
+    load_tokens: int = 0
+    save_from: int | None = None
+    save_tokens: int = 0
+    # Engine thread -> event loop hooks; on_layer returns a future the connector waits
+    # on before the step ends (wait_for_save), or None.
+    on_layer: Callable[[int], Future | None] | None = None
+    on_loaded: Callable[[], None] | None = None
+    # Progress, written on the engine thread.
+    consumed: bool = False
+    loaded_tokens: int = 0
+    computed_prompt_tokens: int = 0
+    saved_blocks: set[int] = field(default_factory=set)
+    shipped_layers: int = 0
+    error: BaseException | None = None
+    # Worker-side cache: uint8 tensors over the slots (built on first use).
+    tensors: dict[int, Any] = field(default_factory=dict)
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+
+class Bridge:
+    """One engine's plans plus the store geometry the connector checks against."""
+
+    def __init__(self, block_bytes: int, hash_block_size: int) -> None:
+        if block_bytes <= 0 or hash_block_size <= 0:
+            raise ValueError("block_bytes and hash_block_size must be positive")
+        self.block_bytes = block_bytes
+        self.hash_block_size = hash_block_size
+        self.plans: dict[str, Plan] = {}
+        # Connector-side counters (engine thread writes, anyone reads).
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("kv_tokens_loaded", "kv_layer_blocks_loaded", "kv_layer_blocks_saved",
+             "kv_blocks_saved", "layers_shipped", "connector_errors"), 0,
+        )
+        self.layer_block_bytes = 0  # vLLM's bytes per block per layer, set by the worker
+
+    def add(self, plan: Plan) -> None:
+        if plan.key in self.plans:
+            raise ValueError(f"a plan for {plan.key} exists already")
+        self.plans[plan.key] = plan
+
+    def get(self, key: str | None) -> Plan | None:
+        return None if key is None else self.plans.get(key)
+
+    def drop(self, key: str) -> Plan | None:
+        return self.plans.pop(key, None)
+
+
+_REGISTRY: dict[str, Bridge] = {}
+_LOCK = threading.Lock()
+
+
+def register(bridge: Bridge) -> str:
+    key = uuid.uuid4().hex
+    with _LOCK:
+        _REGISTRY[key] = bridge
+    return key
+
+
+def unregister(key: str) -> None:
+    with _LOCK:
+        _REGISTRY.pop(key, None)
+
+
+def lookup(key: str | None) -> Bridge:
+    with _LOCK:
+        bridge = _REGISTRY.get(key or "")
+    if bridge is None:
+        raise ValueError(
+            "PerigeeConnector needs kv_connector_extra_config['registry_key'] of a Bridge "
+            "registered in this process (services.engine.vllm.bridge.register); vLLM must "
+            "run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+        )
+    return bridge
+
+
+def request_key(kv_transfer_params: dict | None) -> str | None:
+    p = (kv_transfer_params or {}).get("perigee")
+    return p.get("key") if isinstance(p, dict) else None

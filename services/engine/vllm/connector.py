@@ -1,0 +1,352 @@
+"""PerigeeConnector: vLLM's KV-connector (v1) API over the node store's shared memory.
+
+vLLM builds it from ``KVTransferConfig(kv_connector="PerigeeConnector",
+kv_connector_module_path="services.engine.vllm.connector", kv_role="kv_both",
+kv_connector_extra_config={"registry_key": ...})`` twice: role SCHEDULER (plans) and
+role WORKER (copies bytes). Both run in the perigee worker process, on the engine
+thread (vLLM in-process), and find the engine's :class:`~.bridge.Bridge` by the
+registry key. The request's :class:`~.bridge.Plan` says which store slots hold its KV;
+the conductor already chose them (prefill_tx / decode_tx), so nothing is looked up.
+
+Scheduler side, per request (sync loads: vLLM loads before the forward of the same step):
+  get_num_new_matched_tokens -> min(plan.load_tokens, prompt - 1) minus vLLM's own hit
+  update_state_after_alloc    -> (vLLM block id, perigee block, sub-block) per loaded block
+  build_connector_meta        -> this step's loads, saves of the blocks this step computes
+                                 (block >= plan.save_from), and "ship" once the prompt is
+                                 complete
+  request_finished            -> counters back as kv_transfer_params
+Worker side, per step:
+  start_load_kv       copy the block holding the load's end, all layers (see Copy.eager)
+  wait_for_layer_load copy that layer of the other loaded blocks into the paged cache
+  save_kv_layer       copy that layer of the saved blocks into the slots, then
+                      plan.on_layer(layer): the prefill worker ships it to the decode node
+                      while the next layers compute
+  wait_for_save       waits for those on_layer hand-offs; load done -> plan.on_loaded()
+
+Copies are whole pages (``kv[block_id]``: one block of one layer, vLLM's logical
+[heads, tokens, K|V] order), so CPU and CUDA layouts work alike; P and D must run the
+same attention backend. A perigee block of ``hash_block_size`` tokens holds
+``ratio = hash_block_size // block_size`` vLLM blocks, layer-major: layer ``l``,
+sub-block ``s`` at byte ``(l * ratio + s) * page_bytes`` -- the layer spans the
+prefill worker ships are contiguous. Hooks never raise into vLLM (that kills the
+engine): a failure is recorded on the plan and the engine fails the request.
+"""
+
+import re
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from services.engine.vllm.bridge import Plan, lookup, request_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = structlog.get_logger()
+
+# How long wait_for_save waits for the event loop to take a layer (the loop only
+# appends it to the ship queue; a stuck loop means the process is going down).
+HANDOFF_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Copy:
+    """One vLLM block <-> one sub-block span of perigee block ``block`` of plan ``key``."""
+
+    block_id: int
+    key: str
+    block: int
+    sub: int
+    # Load it in start_load_kv, before the forward: this block also receives KV that
+    # vLLM computes this step, and backends with forward_includes_kv_cache_update=False
+    # (CPU, flash-attn) write that KV *before* the attention op that calls
+    # wait_for_layer_load, so a later whole-page copy would clobber it.
+    eager: bool = False
+
+
+@dataclass
+class PerigeeMeta(KVConnectorMetadata):
+    loads: list[Copy] = field(default_factory=list)
+    saves: list[Copy] = field(default_factory=list)
+    ship: list[str] = field(default_factory=list)  # plans whose prompt completes this step
+    loaded: list[str] = field(default_factory=list)  # plans whose load runs this step
+
+
+@dataclass
+class _Req:
+    plan: Plan
+    num_prompt: int
+    block_ids: list[int] = field(default_factory=list)
+    load_range: tuple[int, int] | None = None
+    pending_load: list[Copy] = field(default_factory=list)
+    shipped: bool = False
+
+
+def layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name)
+    if m is None:
+        raise ValueError(f"cannot find a layer index in {name!r}")
+    return int(m.group(1))
+
+
+class PerigeeConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.bridge = lookup(extra.get("registry_key"))
+        self.bs = vllm_config.cache_config.block_size
+        self.hbs = self.bridge.hash_block_size
+        if self.hbs % self.bs:
+            raise ValueError(
+                f"vLLM block_size {self.bs} must divide perigee's hash block size "
+                f"{self.hbs} (--block-size); choose a vLLM block size that divides it"
+            )
+        self.ratio = self.hbs // self.bs
+        self._reqs: dict[str, _Req] = {}  # scheduler side, by vLLM request id
+        # worker side
+        self._kv: dict[str, torch.Tensor] = {}
+        self._layer_of: dict[str, int] = {}
+        self._lb = 0  # bytes of one vLLM block of one layer
+        self._loads: list[Copy] = []
+        self._layers_loaded: set[str] = set()
+        self._handoffs: list[tuple[str, Future]] = []
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def _state(self, request: "Request") -> _Req | None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            plan = self.bridge.get(request_key(request.kv_transfer_params))
+            if plan is None:
+                return None
+            st = _Req(plan=plan, num_prompt=len(request.prompt_token_ids or []))
+            self._reqs[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st_load = None
+        if st is not None and not st.plan.consumed and st.plan.error is None:
+            # vLLM must compute at least one token to sample from; a load may end
+            # mid-block (vLLM computes the rest of that block).
+            target = min(st.plan.load_tokens, request.num_tokens - 1)
+            if target > num_computed_tokens:
+                st_load = (num_computed_tokens, target)
+        if st is not None:
+            st.load_range = st_load
+        return (0 if st_load is None else st_load[1] - st_load[0]), False
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens == 0 or st.load_range is None:
+            return
+        start, end = st.load_range
+        if end - start != num_external_tokens:
+            raise AssertionError(f"load {st.load_range} vs {num_external_tokens} external tokens")
+        ids = blocks.get_block_ids()[0]  # every block of the request, index = block position
+        st.pending_load = [
+            Copy(ids[i], st.plan.key, *divmod(i, self.ratio), eager=(i == end // self.bs))
+            for i in range(start // self.bs, -(-end // self.bs))
+        ]
+        st.plan.consumed = True  # the slots may be gone once the request is running
+        st.plan.loaded_tokens += num_external_tokens
+        st.load_range = None
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = PerigeeMeta()
+        so = scheduler_output
+        for nr in so.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            self._take_loads(st, meta)
+            self._plan_saves(st, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id], meta)
+        cr = so.scheduled_cached_reqs
+        for i, rid in enumerate(cr.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            nb = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:  # preempted and back: block list replaced
+                st.block_ids = list(nb[0]) if nb else []
+            elif nb:
+                st.block_ids.extend(nb[0])
+            self._take_loads(st, meta)
+            self._plan_saves(st, cr.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0),
+                             meta)
+        return meta
+
+    def _take_loads(self, st: _Req, meta: PerigeeMeta) -> None:
+        if st.pending_load:
+            meta.loads += st.pending_load
+            meta.loaded.append(st.plan.key)
+            st.pending_load = []
+
+    def _plan_saves(self, st: _Req, before: int, scheduled: int, meta: PerigeeMeta) -> None:
+        plan, after = st.plan, before + scheduled
+        plan.computed_prompt_tokens += max(0, min(after, st.num_prompt) - before)
+        if plan.save_from is not None:
+            end = min(after, plan.save_tokens)
+            first = max(before // self.bs, plan.save_from * self.ratio)
+            for i in range(first, -(-end // self.bs)):
+                j, sub = divmod(i, self.ratio)
+                meta.saves.append(Copy(st.block_ids[i], plan.key, j, sub))
+                plan.saved_blocks.add(j)
+        if plan.on_layer is not None and not st.shipped and after >= plan.save_tokens:
+            st.shipped = True
+            meta.ship.append(plan.key)
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        p = st.plan
+        return False, {"perigee": {
+            "loaded_tokens": p.loaded_tokens,
+            "computed_prompt_tokens": p.computed_prompt_tokens,
+            "saved_blocks": len(p.saved_blocks),
+        }}
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = kv_caches
+        order = sorted(kv_caches, key=layer_index)
+        self._layer_of = {name: i for i, name in enumerate(order)}
+        page = next(iter(kv_caches.values()))[0]  # one block of one layer
+        self._lb = page.numel() * page.element_size()
+        need = len(order) * self.ratio * self._lb
+        if need != self.bridge.block_bytes:
+            raise ValueError(
+                f"vLLM holds {self._lb} bytes per block per layer ({len(order)} layers, "
+                f"{self.ratio} vLLM blocks per perigee block: {need} bytes per perigee "
+                f"block), but the store's blocks are {self.bridge.block_bytes} bytes; start "
+                f"the stores with --block-bytes {need}"
+            )
+        self.bridge.layer_block_bytes = self._lb
+
+    def _page(self, c: Copy, layer: int, like: torch.Tensor) -> torch.Tensor | None:
+        plan = self.bridge.get(c.key)
+        if plan is None:
+            return None
+        raw = plan.tensors.get(c.block)
+        if raw is None:
+            raw = plan.tensors[c.block] = torch.frombuffer(plan.slots[c.block], dtype=torch.uint8)
+        off = (layer * self.ratio + c.sub) * self._lb
+        return raw[off : off + self._lb].view(like.dtype).view(like.shape)
+
+    def _guard(self, key: str, err: BaseException) -> None:
+        self.bridge.counters["connector_errors"] += 1
+        plan = self.bridge.get(key)
+        if plan is not None:
+            plan.fail(err)
+        log.error("kv_connector_failed", key=key, error=f"{type(err).__name__}: {err}")
+
+    def _load(self, c: Copy, name: str) -> None:
+        try:
+            page = self._kv[name][c.block_id]
+            src = self._page(c, self._layer_of[name], page)
+            if src is not None:
+                page.copy_(src)
+                self.bridge.counters["kv_layer_blocks_loaded"] += 1
+        except Exception as e:  # noqa: BLE001 - never raise into vLLM
+            self._guard(c.key, e)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PerigeeMeta)
+        self._layers_loaded.clear()
+        self._loads = []
+        for c in meta.loads:
+            if c.eager:  # all layers now; see Copy.eager
+                for name in self._kv:
+                    self._load(c, name)
+            else:
+                self._loads.append(c)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loads or layer_name in self._layers_loaded:
+            return
+        self._layers_loaded.add(layer_name)
+        for c in self._loads:
+            self._load(c, layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PerigeeMeta)
+        layer = self._layer_of[layer_name]
+        for c in meta.saves:
+            try:
+                page = kv_layer[c.block_id]
+                dst = self._page(c, layer, page)
+                if dst is not None:
+                    dst.copy_(page)
+                    self.bridge.counters["kv_layer_blocks_saved"] += 1
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                self._guard(c.key, e)
+        for key in meta.ship:
+            plan = self.bridge.get(key)
+            if plan is None or plan.on_layer is None:
+                continue
+            try:
+                fut = plan.on_layer(layer)
+                plan.shipped_layers += 1
+                if fut is not None:
+                    self._handoffs.append((key, fut))
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                self._guard(key, e)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PerigeeMeta)
+        for name in self._kv:  # a layer vLLM did not announce (should not happen)
+            if self._loads and name not in self._layers_loaded:
+                self.wait_for_layer_load(name)
+        handoffs, self._handoffs = self._handoffs, []
+        if handoffs:
+            wait([f for _, f in handoffs], timeout=HANDOFF_TIMEOUT_S)
+        for key, fut in handoffs:
+            if not fut.done():
+                err: BaseException | None = TimeoutError("the event loop did not take the layer")
+            elif fut.cancelled():
+                err = RuntimeError("layer hand-off cancelled")
+            else:
+                err = fut.exception()
+            if err is not None:
+                self._guard(key, err)
+            else:
+                self.bridge.counters["layers_shipped"] += 1
+        self.bridge.counters["kv_blocks_saved"] += len({(c.key, c.block) for c in meta.saves})
+        for key in meta.loaded:
+            plan = self.bridge.get(key)
+            if plan is not None:
+                self.bridge.counters["kv_tokens_loaded"] += plan.loaded_tokens
+                if plan.on_loaded is not None:
+                    plan.on_loaded()
+        self._loads = []

@@ -1,0 +1,461 @@
+"""VllmEngine: vLLM in-process behind the :class:`~services.engine.base.Engine` interface.
+
+One ``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor "uni") is built and
+stepped by one dedicated thread; the event loop talks to it through a command queue
+and gets results back with ``call_soon_threadsafe``. vLLM's own prefix cache is off:
+the node store is the cache, and :class:`~.connector.PerigeeConnector` moves KV between
+the store's shared-memory slots and vLLM's paged cache.
+
+Request states (event-loop side, ``_active``):
+
+    prefill  add (max_tokens=1, plan: load prefix_tokens from the slots, save the rest,
+             on_layer after each layer) -> first token, or the error a layer hand-off
+             recorded; cancelled -> abort, and wait until the engine dropped it (its
+             slots are not written after prefill() returns)
+    decode   add (prompt + first token, plan: load every prompt position) -> "loaded"
+             (add_request returns: the slots are free) -> Tokens as each step makes them
+             -> finished (stop | length | abort)
+    warmup   one small request at start (the first forward is slow)
+
+Engine-thread loop: drain commands (block when vLLM is idle) -> ``step()`` -> post the
+outputs. A crash in the thread fails every request with :class:`EngineDeadError`.
+"""
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from bus_schemas.requests import SamplingParams
+from services.common.model_spec import ModelSpec
+from services.engine.base import (
+    DecodeJob,
+    Engine,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    PrefillJob,
+    RequestStream,
+)
+from services.engine.vllm.bridge import Bridge, Plan, register, unregister
+from services.engine.vllm.options import VllmOptions, prepare_env
+
+log = structlog.get_logger()
+
+WARMUP_ID = "perigee-warmup"
+START_TIMEOUT_S = 600.0
+ABORT_TIMEOUT_S = 60.0
+STEP_EMA = 0.2
+
+
+@dataclass
+class _Active:
+    kind: str  # "prefill" | "decode" | "warmup"
+    fut: asyncio.Future | None = None  # prefill: first token; warmup: tokens
+    stream: RequestStream | None = None
+    loaded: asyncio.Future | None = None  # decode: KV loaded, or the request is over
+    context: int = 0  # decode: prompt + generated tokens
+    aborting: bool = False
+    tokens: list[int] = field(default_factory=list)
+
+
+def _settle(fut: asyncio.Future | None, result: Any = None,
+            error: BaseException | None = None) -> None:
+    if fut is None or fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+class VllmEngine(Engine):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        options: VllmOptions,
+        *,
+        role: str,
+        hash_block_size: int,
+        block_bytes: int,
+        max_batch: int = 128,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, not {role!r}")
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        prepare_env()
+        self.spec = spec
+        self.opts = options
+        self.role = role
+        self.max_batch = max_batch
+        self.max_model_len = options.max_model_len or spec.max_model_len
+        self.vllm_block_size = options.vllm_block_size(hash_block_size)
+        if hash_block_size % self.vllm_block_size:
+            raise ValueError(
+                f"vLLM block size {self.vllm_block_size} must divide perigee's block size "
+                f"{hash_block_size}"
+            )
+        self.hash_block_size = hash_block_size
+        self.bridge = Bridge(block_bytes, hash_block_size)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("vllm_requests", "vllm_steps", "vllm_prompt_tokens_computed", "vllm_cached_tokens",
+             "vllm_tokens_generated"), 0,
+        )
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._active: dict[str, _Active] = {}
+        self._dead: EngineDeadError | None = None
+        self._step_ema = 0.0
+        self._key = ""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._main, args=(ready,), name="vllm-engine",
+                                        daemon=True)
+        self._thread.start()
+        await asyncio.wait_for(ready, START_TIMEOUT_S)
+        await self._warm_up()
+
+    async def stop(self) -> None:
+        self._kill(EngineDeadError("engine stopped"))
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._cmds.put(("stop",))
+            await asyncio.to_thread(thread.join, 30)
+
+    def counters_snapshot(self) -> dict[str, int]:
+        """vLLM-side and connector counters (worker stats merge them in)."""
+        return {**self.counters, **self.bridge.counters}
+
+    async def _warm_up(self) -> None:
+        fut = self._loop.create_future()
+        self._active[WARMUP_ID] = _Active("warmup", fut=fut)
+        prompt = [3 + (7 * i) % (self.spec.vocab_size - 3) for i in range(64)]
+        self._cmds.put(("add", WARMUP_ID, prompt, self._sampling(SamplingParams(), 2, None)))
+        t = time.perf_counter()
+        await asyncio.wait_for(fut, START_TIMEOUT_S)
+        log.info("vllm_ready", role=self.role, warmup_s=round(time.perf_counter() - t, 3),
+                 block_size=self.vllm_block_size, max_model_len=self.max_model_len,
+                 load_format=self.opts.resolved_load_format())
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._thread is None:
+            raise EngineDeadError("engine not started")
+
+    def _kill(self, err: EngineDeadError) -> None:
+        if self._dead is None:
+            self._dead = err
+        for a in self._active.values():
+            _settle(a.fut, error=err)
+            _settle(a.loaded, error=err)
+            if a.stream is not None:
+                a.stream.fail(err)
+        self._active.clear()
+
+    # ------------------------------------------------------------------ prefill
+
+    async def prefill(self, job: PrefillJob) -> int:
+        self._check_alive()
+        rid, prompt = job.request_id, list(job.prompt_token_ids)
+        n, p, hbs = len(prompt), job.prefix_tokens, self.hash_block_size
+        if n == 0:
+            raise EngineError("empty prompt")
+        if not 0 <= p <= n or (p % hbs and p != n):
+            raise EngineError(f"prefix_tokens {p} must be a multiple of {hbs} in [0, {n}]")
+        if n >= self.max_model_len:
+            raise EngineError(f"prompt of {n} tokens leaves no room in max_model_len "
+                              f"{self.max_model_len}")
+        slots = self._slots(job.kv, n)
+        if rid in self._active:
+            raise EngineError(f"request {rid} is already running")
+        loop = self._loop
+        on_layer: Callable[[int], Any] | None = None
+        if job.on_layer is not None:
+            hook = job.on_layer
+
+            def on_layer(layer: int) -> Any:  # engine thread
+                return asyncio.run_coroutine_threadsafe(hook(layer), loop)
+
+        plan = Plan(key=rid, slots=slots, load_tokens=p, save_from=p // hbs, save_tokens=n,
+                    on_layer=on_layer)
+        fut = loop.create_future()
+        self.bridge.add(plan)
+        self._active[rid] = _Active("prefill", fut=fut)
+        self._cmds.put(("add", rid, prompt, self._sampling(job.sampling, 1, rid)))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            await self._abort_and_wait(rid)
+            raise
+
+    async def _abort_and_wait(self, rid: str) -> None:
+        """Abort ``rid`` and return once the engine thread dropped it (no slot writes after)."""
+        if self._dead is not None or self._thread is None:
+            return
+        done = self._loop.create_future()
+        self._cmds.put(("abort", rid, done))
+        try:
+            await asyncio.wait_for(asyncio.shield(done), ABORT_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("vllm_abort_timeout", request_id=rid)
+
+    def _slots(self, kv: Any, n: int) -> list[memoryview]:
+        slots = getattr(kv, "slots", None)
+        if slots is None:
+            raise EngineError("the vllm engine needs the request's store slots (SlotKV)")
+        need = -(-n // self.hash_block_size)
+        if len(slots) < need:
+            raise EngineError(f"{len(slots)} slots for {n} tokens, need {need}")
+        for s in slots[:need]:
+            if len(s) < self.bridge.block_bytes:
+                raise EngineError(f"slot of {len(s)} bytes, blocks are {self.bridge.block_bytes}")
+        return list(slots[:need])
+
+    # ------------------------------------------------------------------ decode
+
+    async def add_request(self, job: DecodeJob) -> RequestStream:
+        self._check_alive()
+        rid, prompt = job.request_id, list(job.prompt_token_ids)
+        n, first = len(prompt), job.first_token
+        if n == 0:
+            raise EngineError("empty prompt")
+        if not 0 <= first < self.spec.vocab_size:
+            raise EngineError(f"first token {first} outside the vocabulary")
+        if rid in self._active:
+            raise EngineError(f"request {rid} is already decoding")
+        slots = self._slots(job.kv, n)
+        stream = RequestStream(rid)
+        reason = self._first_token_finish(job.sampling, first, n + 1)
+        if reason is not None:
+            stream.finish(reason)
+            return stream
+        loop = self._loop
+        loaded = loop.create_future()
+        a = _Active("decode", stream=stream, loaded=loaded, context=n + 1)
+
+        def on_loaded() -> None:  # engine thread
+            loop.call_soon_threadsafe(_settle, loaded)
+
+        self.bridge.add(Plan(key=rid, slots=slots, load_tokens=n, on_loaded=on_loaded))
+        self._active[rid] = a
+        self._cmds.put(("add", rid, [*prompt, first],
+                        self._sampling(job.sampling, job.sampling.max_tokens - 1, rid)))
+        try:
+            await loaded
+        except asyncio.CancelledError:
+            await self._abort_and_wait(rid)
+            raise
+        return stream
+
+    def _first_token_finish(self, s: SamplingParams, token: int, context: int) -> str | None:
+        if token in s.stop_token_ids or (not s.ignore_eos and token == self.spec.eos_token_id):
+            return "stop"
+        if s.max_tokens <= 1 or context >= self.max_model_len:
+            return "length"
+        return None
+
+    def abort(self, request_id: str) -> bool:
+        a = self._active.get(request_id)
+        if a is None or a.kind == "warmup":
+            return False
+        if not a.aborting and self._thread is not None:
+            a.aborting = True
+            self._cmds.put(("abort", request_id, None))
+        return True
+
+    def stats(self) -> EngineStats:
+        dec = [a for a in self._active.values() if a.kind == "decode"]
+        running = [a for a in dec if a.loaded is not None and a.loaded.done()]
+        batch = min(len(running), self.max_batch)
+        return EngineStats(batch_size=batch, waiting=len(dec) - batch,
+                           kv_tokens=sum(a.context for a in running), step_time_s=self._step_ema)
+
+    # ------------------------------------------------------------------ vLLM glue
+
+    def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import RequestOutputKind
+
+        stop = list(s.stop_token_ids)
+        if not s.ignore_eos and self.spec.eos_token_id is not None:
+            stop.append(self.spec.eos_token_id)
+        extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
+        return VllmSampling(
+            n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max_tokens,
+            stop_token_ids=stop, ignore_eos=True, detokenize=False,
+            output_kind=RequestOutputKind.DELTA, extra_args=extra,
+        )
+
+    def _engine_args(self) -> Any:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+
+        o = self.opts
+        per_seq = -(-self.max_model_len // self.vllm_block_size) + 1
+        if self.role == "prefill":
+            seqs, kv_blocks = 2, o.kv_blocks or 2 * per_seq
+            batched = o.max_num_batched_tokens or self.max_model_len
+        else:
+            seqs, kv_blocks = self.max_batch, o.kv_blocks or max(2 * per_seq, 1024)
+            batched = o.max_num_batched_tokens or 2048
+        return EngineArgs(
+            model=o.model_dir, skip_tokenizer_init=True, load_format=o.resolved_load_format(),
+            dtype=o.dtype or self.spec.dtype, block_size=self.vllm_block_size,
+            max_model_len=self.max_model_len, max_num_seqs=seqs,
+            max_num_batched_tokens=max(batched, seqs), enable_chunked_prefill=True,
+            num_gpu_blocks_override=kv_blocks, enable_prefix_caching=False,
+            enforce_eager=o.enforce_eager, seed=o.seed, distributed_executor_backend="uni",
+            disable_log_stats=True,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="PerigeeConnector",
+                kv_connector_module_path="services.engine.vllm.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"registry_key": self._key},
+            ),
+        )
+
+    def _post(self, fn: Callable, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: the process is exiting
+            pass
+
+    def _main(self, ready: asyncio.Future) -> None:
+        self._key = register(self.bridge)
+        try:
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            engine = LLMEngine.from_engine_args(self._engine_args())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            log.exception("vllm_start_failed")
+            unregister(self._key)
+            self._post(_settle, ready, None,
+                       EngineDeadError(f"vLLM failed to start: {type(e).__name__}: {e}"))
+            return
+        self._post(_settle, ready, None)
+        try:
+            self._serve(engine)
+        except BaseException as e:  # noqa: BLE001 - the engine is gone; say so
+            log.exception("vllm_engine_crashed")
+            self._post(self._kill, EngineDeadError(f"vLLM engine crashed: {type(e).__name__}: {e}"))
+        finally:
+            unregister(self._key)
+
+    def _serve(self, engine: Any) -> None:
+        from vllm.inputs import TokensPrompt
+
+        while True:
+            cmds = [] if engine.has_unfinished_requests() else [self._cmds.get()]
+            while True:
+                try:
+                    cmds.append(self._cmds.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    return
+                if cmd[0] == "add":
+                    _, rid, prompt, params = cmd
+                    try:
+                        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+                    except Exception as e:  # noqa: BLE001 - one bad request
+                        self.bridge.drop(rid)
+                        self._post(self._on_failed, rid, EngineError(f"vLLM refused it: {e}"))
+                else:  # abort
+                    _, rid, done = cmd
+                    engine.abort_request([rid])
+                    self.bridge.drop(rid)
+                    self._post(self._on_aborted, rid, done)
+            if engine.has_unfinished_requests():
+                t = time.perf_counter()
+                outs = engine.step()
+                self._after_step(engine, outs, time.perf_counter() - t)
+
+    def _after_step(self, engine: Any, outs: list, dt: float) -> None:
+        self.counters["vllm_steps"] += 1
+        if self.role == "decode":
+            self._step_ema = dt if not self._step_ema else (1 - STEP_EMA) * self._step_ema + STEP_EMA * dt
+        for out in outs:
+            rid = out.request_id
+            comp = out.outputs[0] if out.outputs else None
+            toks = list(comp.token_ids) if comp is not None else []
+            reason = comp.finish_reason if comp is not None else None
+            plan = self.bridge.get(rid)
+            err = plan.error if plan is not None else None
+            finished = out.finished
+            if err is not None and not finished:
+                engine.abort_request([rid])
+                finished = True
+            if finished:
+                self.bridge.drop(rid)
+                self.counters["vllm_requests"] += 1
+                self.counters["vllm_cached_tokens"] += out.num_cached_tokens or 0
+                if plan is not None:
+                    self.counters["vllm_prompt_tokens_computed"] += plan.computed_prompt_tokens
+            self.counters["vllm_tokens_generated"] += len(toks)
+            self._post(self._on_output, rid, toks, finished, reason, err)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def _on_output(self, rid: str, toks: list[int], finished: bool, reason: str | None,
+                   err: BaseException | None) -> None:
+        a = self._active.get(rid)
+        if a is None:
+            return
+        _settle(a.loaded)
+        if finished:
+            del self._active[rid]
+        if a.kind == "prefill":
+            if err is not None:
+                _settle(a.fut, error=err)
+            elif toks:
+                _settle(a.fut, toks[0])
+            elif finished:
+                _settle(a.fut, error=EngineError(f"prefill ended without a token ({reason})"))
+        elif a.kind == "decode":
+            for t in toks:
+                a.stream.push(t)
+            a.context += len(toks)
+            if err is not None:
+                a.stream.fail(EngineError(f"decode failed: {type(err).__name__}: {err}"))
+            elif finished:
+                a.stream.finish(reason if reason in ("stop", "length") else "abort")
+        else:
+            a.tokens += toks
+            if finished:
+                _settle(a.fut, a.tokens)
+
+    def _on_aborted(self, rid: str, done: asyncio.Future | None) -> None:
+        a = self._active.pop(rid, None)
+        if a is not None:
+            _settle(a.fut, error=EngineError("aborted"))
+            _settle(a.loaded)
+            if a.stream is not None:
+                a.stream.finish("abort")
+        _settle(done)
+
+    def _on_failed(self, rid: str, err: BaseException) -> None:
+        a = self._active.pop(rid, None)
+        if a is None:
+            return
+        _settle(a.fut, error=err)
+        if a.loaded is not None and not a.loaded.done():
+            _settle(a.loaded, error=err)
+        elif a.stream is not None:
+            a.stream.fail(err)

@@ -1,0 +1,160 @@
+"""Objects on one store (Mooncake Store's put/get): a key's value kept as pool blocks.
+
+Lifecycle of a key on a node::
+
+    OBJ_PUT key, bytes  -> blocks allocated (PREFILL tx on fresh hashes of key+version),
+                           bytes copied in, committed: cached like KV blocks (tiers,
+                           eviction, write-back); an older version's blocks are removed
+    OBJ_GET key         -> SOURCE tx over its blocks (promoted from SSD if need be),
+                           bytes sent, tx committed; a block evicted meanwhile makes the
+                           key ``missing`` (and forgets it)
+    obj.remove / obj.stat / obj.replicate over NATS (see server.py)
+
+The table (key -> size, block hashes) lives in memory: objects do not survive a
+restart even where their blocks do.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bus_schemas.control import Refused, TxAllocate, TxRole
+from bus_schemas.kv_events import BlockRemoved, BlockStored, KVEvent
+from bus_schemas.requests import Retention
+from services.store import wire
+
+if TYPE_CHECKING:
+    from services.store.server import StoreService
+
+
+def object_hashes(key: str, version: int, n: int) -> list[int]:
+    base = hashlib.blake2b(f"obj\0{key}\0{version}".encode(), digest_size=8).digest()
+    return [int.from_bytes(hashlib.blake2b(base + i.to_bytes(4, "big"), digest_size=8).digest(),
+                           "big") >> 1 for i in range(n)]
+
+
+@dataclass
+class _Meta:
+    size: int
+    hashes: list[int]
+
+
+class ObjectService:
+    def __init__(self, store: "StoreService") -> None:
+        self.store = store
+        self.table: dict[str, _Meta] = {}
+        self.block_hashes: set[int] = set()  # of every object: kept out of KV events
+        self._version = 0
+        self.counters = {"obj_puts": 0, "obj_gets": 0, "obj_misses": 0, "obj_bytes_in": 0,
+                         "obj_bytes_out": 0}
+
+    def _nblocks(self, size: int) -> int:
+        return max(1, -(-size // self.store.block_bytes))
+
+    def put(self, h: wire.ObjPut, payload: list[memoryview]) -> tuple[Any, list[Any]]:
+        s = self.store
+        got = sum(len(p) for p in payload)
+        if got != h.size or h.size < 0:
+            raise wire.WireError(f"payload has {got} bytes, header says {h.size}", "bad_request", h.id)
+        self._version += 1
+        n = self._nblocks(h.size)
+        hashes = object_hashes(h.key, self._version, n)
+        retention = Retention(h.retention) if h.retention in (0, 2) else Retention.DEFAULT
+        self.block_hashes.update(hashes)
+        slots, events = s.pool.put_blocks(hashes, retention)
+        s.apply(events)
+        if isinstance(slots, Refused):
+            self.block_hashes.difference_update(hashes)
+            raise wire.WireError(f"object {h.key!r} ({h.size} bytes): {slots.message}",
+                                 slots.reason, h.id)
+        wire.scatter(payload, _trim(s.arena.spans(slots, 0, s.block_bytes), h.size))
+        s.tiers.wake()
+        old = self.table.get(h.key)
+        self.table[h.key] = _Meta(h.size, hashes)
+        if old is not None:
+            self._drop(old)
+        self.counters["obj_puts"] += 1
+        self.counters["obj_bytes_in"] += h.size
+        return wire.Ok(id=h.id, nbytes=h.size), []
+
+    def get(self, h: wire.ObjGet) -> tuple[Any, list[Any]]:
+        data = self.read(h.key)
+        if data is None:
+            self.counters["obj_misses"] += 1
+            raise wire.WireError(f"object {h.key!r} is not on this node", "missing", h.id)
+        self.counters["obj_gets"] += 1
+        self.counters["obj_bytes_out"] += sum(len(d) for d in data)
+        return wire.Ok(id=h.id, nbytes=sum(len(d) for d in data)), list(data)
+
+    def read(self, key: str) -> list[memoryview] | None:
+        """The value's bytes as views, copied out before the SOURCE tx closes (None: missing)."""
+        s = self.store
+        meta = self.table.get(key)
+        if meta is None:
+            return None
+        slots = s.pool.dram_slots(meta.hashes)
+        if slots is not None:  # all in DRAM: copy out now, in this same step
+            return [memoryview(bytes(v)) for v in _trim(s.arena.spans(slots, 0, s.block_bytes),
+                                                         meta.size)]
+        req = TxAllocate(request_id=f"obj:{key}", role=TxRole.SOURCE, block_hashes=meta.hashes,
+                         num_tokens=0, lease_s=30.0)
+        result, events = s.pool.allocate(req)
+        s.apply(events)
+        if isinstance(result, Refused):
+            self.table.pop(key, None)
+            return None
+        try:
+            out = [memoryview(bytes(v)) for v in _trim(s.arena.spans(result.slots, 0, s.block_bytes),
+                                                        meta.size)]
+        finally:
+            _, events = s.pool.commit(result.tx_id)
+            s.apply(events)
+        return out
+
+    def stat(self, key: str) -> int | None:
+        meta = self.table.get(key)
+        if meta is None or s_missing(self.store, meta.hashes):
+            return None
+        return meta.size
+
+    def remove(self, key: str) -> bool:
+        meta = self.table.pop(key, None)
+        if meta is None:
+            return False
+        self._drop(meta)
+        return True
+
+    def _drop(self, meta: _Meta) -> None:
+        _, _, events = self.store.pool.remove(meta.hashes)
+        self.store.apply(events)
+        self.block_hashes.difference_update(meta.hashes)
+
+    def kv_only(self, events: list[KVEvent]) -> list[KVEvent]:
+        """``events`` without object blocks: KV-event consumers index prompts, not objects."""
+        if not self.block_hashes:
+            return events
+        out: list[KVEvent] = []
+        for ev in events:
+            if isinstance(ev, BlockStored | BlockRemoved):
+                keep = [h for h in ev.block_hashes if h not in self.block_hashes]
+                if isinstance(ev, BlockRemoved):
+                    self.block_hashes.difference_update(ev.block_hashes)
+                if keep:
+                    out.append(type(ev)(block_hashes=keep))
+            else:
+                out.append(ev)
+        return out
+
+
+def s_missing(store: "StoreService", hashes: list[int]) -> bool:
+    return not all(store.pool.is_cached(h) for h in hashes)
+
+
+def _trim(spans: list[memoryview], size: int) -> list[memoryview]:
+    out = []
+    for sp in spans:
+        if size <= 0:
+            break
+        out.append(sp[: min(len(sp), size)])
+        size -= len(out[-1])
+    return out

@@ -1,0 +1,101 @@
+"""Copies between stores, driven over NATS control subjects (the destination acts).
+
+* ``Replicate`` on perigee.ctl.kv.replicate (paper §4.2 hot-spot replication): the
+  store named ``dest_node`` opens a SOURCE tx on ``source_node`` (its blocks stay
+  locked), allocates the blocks here, pulls them over the data plane, commits here
+  (BlockStored) and releases the source. Blocks already here are skipped.
+* ``ObjectReplicate`` on perigee.store.<dest>.obj.replicate: the destination reads the
+  object from the source store's data plane (OBJ_GET) and stores it (as OBJ_PUT).
+"""
+
+from typing import TYPE_CHECKING
+
+import structlog
+
+from bus_schemas import subjects
+from bus_schemas.control import (
+    ObjectDone,
+    ObjectReplicate,
+    Refused,
+    Replicate,
+    TxAllocate,
+    TxCommit,
+    TxDone,
+    TxDoneReply,
+    TxHandle,
+    TxReply,
+    TxRole,
+)
+from services.common.bus import request
+from services.store import wire
+from services.store.channel import ChannelError, next_id
+from services.store.client import TransferError, fetch_info
+
+if TYPE_CHECKING:
+    from services.store.server import StoreService
+
+log = structlog.get_logger()
+
+
+async def copy_blocks(s: "StoreService", req: Replicate) -> TxDone | Refused:
+    want = [h for h in req.block_hashes if not s.pool.is_cached(h)]
+    if not want:
+        return TxDone(tx_id="", stored_blocks=0)
+    rid = f"replicate:{req.source_node}->{s.node}"
+    src = await request(s.nc, subjects.store_ctl(req.source_node, "tx.allocate"),
+                        TxAllocate(request_id=rid, role=TxRole.SOURCE, block_hashes=want,
+                                   num_tokens=0, lease_s=30.0), TxReply, timeout=5.0)
+    if not isinstance(src, TxHandle):
+        return src
+    try:
+        local, events = s.pool.allocate(TxAllocate(
+            request_id=rid, role=TxRole.PREFILL, block_hashes=want,
+            num_tokens=len(want) * s.block_size, lease_s=30.0))
+        s.apply(events)
+        if isinstance(local, Refused):
+            return local
+        assert s.data is not None
+        pull = wire.Pull(id=next_id(), dst_tx=local.tx_id, dst_epoch=s.epoch,
+                         dst_slots=local.slots[local.hit_blocks :], src_addr=src.data_addr,
+                         src_tx=src.tx_id, src_epoch=src.epoch,
+                         src_slots=src.slots[local.hit_blocks :])
+        try:
+            if pull.dst_slots:
+                await s.data._pull(pull)
+        except (wire.WireError, ChannelError) as e:
+            _, events = s.pool.abort(local.tx_id)
+            s.apply(events)
+            return Refused(reason="transfer", message=str(e))
+        done, events = s.pool.commit(local.tx_id)
+        s.apply(events)
+        s.tiers.wake()
+        return done
+    finally:
+        await request(s.nc, subjects.store_ctl(req.source_node, "tx.commit"),
+                      TxCommit(tx_id=src.tx_id, request_id=rid), TxDoneReply, timeout=5.0)
+
+
+async def copy_object(s: "StoreService", req: ObjectReplicate) -> ObjectDone | Refused:
+    if req.dest_node != s.node:
+        return Refused(reason="bad_request", message=f"this is {s.node}, not {req.dest_node}")
+    size = s.objects.stat(req.key)
+    if size is not None:
+        return ObjectDone(key=req.key, node=s.node, size=size)
+    try:
+        info = await fetch_info(s.nc, req.source_node, timeout=2.0)
+    except TransferError as e:
+        return Refused(reason="unreachable", message=e.message)
+    assert s.data is not None
+    try:
+        _, ok, data = await s.data.peers.request(info.data_addr, wire.ObjGet(id=next_id(), key=req.key),
+                                                 timeout=s.peer_timeout_s)
+    except ChannelError as e:
+        return Refused(reason="missing" if e.code == "missing" else "transfer", message=e.message)
+    n = sum(len(d) for d in data)
+    try:
+        s.objects.put(wire.ObjPut(id=0, key=req.key, size=n), data)
+    except wire.WireError as e:
+        return Refused(reason=e.code, message=str(e))
+    s.tiers.wake()
+    return ObjectDone(key=req.key, node=s.node, size=n)
+

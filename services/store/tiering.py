@@ -1,0 +1,149 @@
+"""The store service's side of tiers: byte stores, moves, write-back, the SSD index.
+
+Lifecycle (owned by :class:`~services.store.server.StoreService`)::
+
+    open        make the SSD store (--ssd-dir) and the GPU store (when CUDA is there;
+                skipped with a log line otherwise), reload the SSD index a previous run
+                left: those blocks are on the node again, announced as BlockStored in
+                the new epoch's first batch
+    run_moves   after every pool call, in the same step: promotions / demotions /
+                offloads, in order (an SSD read or write of a block is a page-cache copy)
+    write-back  task: pool.writebacks() -> copy DRAM -> SSD on a worker thread (the DRAM
+                copy is locked meanwhile) -> writeback_done -> index saved if changed
+    close       save the index, close files
+"""
+
+import asyncio
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+import structlog
+
+from bus_schemas.kv_events import EventBatch
+from services.store.tiers.backends import (
+    ArenaStore,
+    SsdStore,
+    TierStore,
+    VramStore,
+    execute,
+    vram_available,
+)
+from services.store.tiers.policy import Tier
+
+if TYPE_CHECKING:
+    from services.store.server import StoreService
+
+log = structlog.get_logger()
+WRITEBACK_BATCH = 32
+
+
+def vram_ok(capacity: int) -> bool:
+    if capacity <= 0:
+        return False
+    ok, why = vram_available()
+    if not ok:
+        log.info("vram_tier_skipped", reason=why)
+    return ok
+
+
+class ReplayBuffer:
+    """The last ``capacity`` event batches, for consumers that missed some."""
+
+    def __init__(self, capacity: int) -> None:
+        self.batches: deque[EventBatch] = deque(maxlen=max(1, capacity))
+
+    def add(self, batch: EventBatch) -> None:
+        self.batches.append(batch)
+
+    def after(self, seq: int, limit: int) -> tuple[list[EventBatch], bool]:
+        """Batches with seq > ``seq`` (at most ``limit``), and whether none was dropped."""
+        out = [b for b in self.batches if b.seq > seq][: max(1, limit)]
+        oldest = self.batches[0].seq if self.batches else None
+        complete = oldest is None or oldest <= seq + 1
+        return out, complete
+
+
+class Tiers:
+    def __init__(self, service: "StoreService") -> None:
+        self.s = service
+        self.stores: dict[Tier, TierStore] = {}
+        self.ssd: SsdStore | None = None
+        self._wake = asyncio.Event()
+        self._saved_at = 0.0
+
+    def open(self) -> None:
+        s = self.s
+        assert s.arena is not None
+        self.stores[Tier.DRAM] = ArenaStore(s.arena)
+        if s.pool.ssd is not None and s.ssd_dir:
+            self.ssd = SsdStore(s.ssd_dir, s.pool.ssd.capacity, s.block_bytes)
+            self.stores[Tier.SSD] = self.ssd
+            entries = self.ssd.load_index()
+            now_wall, now = time.time(), s.clock.now()
+            restored = [(h, slot, None if until is None else now + (until - now_wall))
+                        for h, slot, until in entries]
+            events = s.pool.restore(restored)
+            s.apply(events)
+            log.info("ssd_tier_open", dir=s.ssd_dir, capacity_blocks=s.pool.ssd.capacity,
+                     restored_blocks=len(s.pool.ssd))
+        if any(t.tier == Tier.VRAM for t in s.pool.lower):
+            self.stores[Tier.VRAM] = VramStore(s.vram_capacity_blocks, s.block_bytes)
+
+    def run_moves(self) -> None:
+        moves = self.s.pool.take_moves()
+        if moves:
+            execute(moves, self.stores, self.s.block_bytes)
+        if self.s.pool.ssd_dirty and self.ssd is not None and not self.s.pool.writeback:
+            self.save()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run_writeback(self) -> None:
+        pool = self.s.pool
+        if self.ssd is None:
+            return
+        while True:
+            await self._wake.wait()
+            moves, events = pool.writebacks(WRITEBACK_BATCH)
+            self.s.apply(events)
+            if not moves:
+                self._wake.clear()
+                if pool.ssd_dirty:
+                    self.save()
+                continue
+            results = await asyncio.to_thread(self._write, moves)
+            for m, ok in zip(moves, results, strict=True):
+                pool.writeback_done(m.block_hash, ok)
+            if time.monotonic() - self._saved_at > 0.5:
+                self.save()
+
+    def _write(self, moves) -> list[bool]:
+        out = []
+        for m in moves:
+            try:
+                execute([m], self.stores, self.s.block_bytes)
+                out.append(True)
+            except OSError as e:
+                log.warning("writeback_failed", block=m.block_hash, error=str(e))
+                out.append(False)
+        return out
+
+    def save(self) -> None:
+        if self.ssd is None:
+            return
+        now_wall, now = time.time(), self.s.clock.now()
+        entries = [(h, slot, None if until is None else now_wall + (until - now))
+                   for h, slot, until in self.s.pool.ssd_entries()]
+        try:
+            self.ssd.save_index(entries)
+            self.s.pool.ssd_dirty = False
+            self._saved_at = time.monotonic()
+        except OSError as e:
+            log.warning("ssd_index_save_failed", error=str(e))
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.save()
+            self.ssd.close()

@@ -1,0 +1,237 @@
+"""Same-host shared-memory backend: the initiator maps the target's segments and copies.
+
+A :class:`ShmReceiver` publishes a small descriptor (``/dev/shm/perigee-seg-<token>.json``:
+region id -> shared-memory name, base offset, size) and advertises ``shm://<token>``.
+A :class:`ShmSender` reads the descriptor once, maps each named segment (prefaulted),
+and serves a request with one memcpy on its copy thread: no socket, no kernel copy.
+Mapped segments are pooled per target (SIEVE, capped) like network endpoints.
+
+Only regions registered with a shared-memory ``name`` can be exposed this way.
+"""
+
+import json
+import mmap
+import os
+import queue
+import secrets
+import threading
+
+import numpy as np
+
+from services.store.transport.base import (
+    Availability,
+    Opcode,
+    Receiver,
+    Region,
+    Request,
+    Sender,
+    Ticket,
+    TransportError,
+    crc32,
+)
+from services.store.transport.sieve import SievePool
+
+SEG_DIR = "/dev/shm"
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def available() -> Availability:
+    if not os.path.isdir(SEG_DIR):
+        return Availability(False, f"{SEG_DIR} does not exist (no POSIX shared memory)")
+    return Availability(True)
+
+
+def _descriptor_path(token: str) -> str:
+    return os.path.join(SEG_DIR, f"perigee-seg-{token}.json")
+
+
+def map_segment(name: str, size: int) -> mmap.mmap:
+    """Map shared-memory segment ``name`` (at least ``size`` bytes) without registering it
+    with this process's resource tracker (which would unlink it at exit)."""
+    import _posixshmem
+
+    try:
+        fd = _posixshmem.shm_open("/" + name.lstrip("/"), os.O_RDWR, mode=0o600)
+    except FileNotFoundError:
+        raise TransportError("unreachable", f"no shared-memory segment {name!r}") from None
+    try:
+        if os.fstat(fd).st_size < size:
+            raise TransportError("refused", f"segment {name!r} is smaller than {size} bytes")
+        mm = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return mm
+
+
+def copy(dst: memoryview, src: memoryview) -> None:
+    """memcpy; numpy releases the GIL for it."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+class ShmReceiver(Receiver):
+    scheme = "shm"
+
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token or f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._regions: dict[int, Region] = {}
+        self._closed = False
+        self._publish()
+
+    @property
+    def address(self) -> str:
+        return f"shm://{self.token}"
+
+    def expose(self, region: Region) -> None:
+        if not region.name:
+            raise TransportError("bad_request", f"region {region.id} is not shared memory")
+        self._regions[region.id] = region
+        self._publish()
+
+    def withdraw(self, region_id: int) -> None:
+        self._regions.pop(region_id, None)
+        self._publish()
+
+    def _publish(self) -> None:
+        desc = {str(r.id): {"name": r.name, "offset": int(r.extra.get("offset", 0)),
+                            "size": len(r.buf)} for r in self._regions.values()}
+        path = _descriptor_path(self.token)
+        tmp = f"{path}.{secrets.token_hex(3)}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(desc, f)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.unlink(_descriptor_path(self.token))
+        except FileNotFoundError:
+            pass
+
+
+class _Mapping:
+    """A target's regions, mapped into this process."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.views: dict[int, memoryview] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self.load()
+
+    def load(self) -> None:
+        try:
+            with open(_descriptor_path(self.token)) as f:
+                desc = json.load(f)
+        except FileNotFoundError:
+            raise TransportError("unreachable", f"no shm target {self.token!r} on this host") from None
+        except (OSError, ValueError) as e:
+            raise TransportError("unreachable", f"shm target {self.token!r}: {e}") from None
+        for rid, d in desc.items():
+            if int(rid) in self.views:
+                continue
+            mm = self._maps.get(d["name"])
+            end = int(d["offset"]) + int(d["size"])
+            if mm is None or len(mm) < end:
+                mm = self._maps[d["name"]] = map_segment(d["name"], end)
+            self.views[int(rid)] = memoryview(mm)[int(d["offset"]) : end]
+
+    def region(self, rid: int) -> memoryview:
+        v = self.views.get(rid)
+        if v is None:
+            self.load()
+            v = self.views.get(rid)
+        if v is None:
+            raise TransportError("refused", f"shm target {self.token!r} has no region {rid}")
+        return v
+
+    def close(self) -> None:
+        for v in self.views.values():
+            v.release()
+        self.views.clear()
+        for mm in self._maps.values():
+            try:
+                mm.close()
+            except BufferError:
+                pass
+        self._maps.clear()
+
+
+class ShmSender(Sender):
+    scheme = "shm"
+
+    def __init__(self, max_targets: int = 64, copy_threads: int = 1,
+                 inline_below: int = 4 << 20) -> None:
+        self.inline_below = inline_below
+        self._lock = threading.Lock()
+        self._pool: SievePool[str, _Mapping] = SievePool(max_targets)
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"shm-copy-{i}", daemon=True)
+                         for i in range(max(1, copy_threads))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, req: Request) -> Ticket:
+        t = Ticket(req.length)
+        if self._closed:
+            t.fail(TransportError("closed", "sender is closed"))
+            return t
+        if req.length < self.inline_below:
+            self._copy(req, t)  # a thread hop costs more than a small memcpy
+        else:
+            self._q.put((req, t))
+        return t
+
+    def _mapping(self, target: str) -> _Mapping:
+        if not target.startswith("shm://"):
+            raise TransportError("bad_request", f"not a shm target: {target!r}")
+        token = target[len("shm://"):]
+        with self._lock:
+            m = self._pool.get(token)
+            if m is None:
+                m = _Mapping(token)
+                for _, old in self._pool.put(token, m):
+                    old.close()
+            return m
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            self._copy(*item)
+
+    def _copy(self, req: Request, t: Ticket) -> None:
+        try:
+            t.started()
+            remote = self._mapping(req.target).region(req.region)
+            n = req.length
+            if req.offset < 0 or req.offset + n > len(remote):
+                raise TransportError("refused", f"span {req.offset}+{n} outside region "
+                                     f"{req.region} of {len(remote)} bytes")
+            span = remote[req.offset : req.offset + n]
+            src, dst = (req.local, span) if req.opcode == Opcode.WRITE else (span, req.local)
+            copy(dst, src)
+            if req.checksum and crc32(src) != crc32(dst):
+                raise TransportError("checksum", f"copy to {req.target} region {req.region} "
+                                     "does not match its source")
+            t.slice_done(n)
+        except TransportError as e:
+            t.fail(e)
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the copy thread
+            t.fail(TransportError("internal", f"{type(e).__name__}: {e}"))
+
+    def close(self) -> None:
+        self._closed = True
+        for _ in self._threads:
+            self._q.put(None)
+        with self._lock:
+            for k in list(self._pool):
+                m = self._pool.remove(k)
+                if m is not None:
+                    m.close()

@@ -1,0 +1,53 @@
+"""TCP transfer frames: fixed little-endian headers, payload bytes follow raw.
+
+Request  (initiator -> target): op u8, flags u8, pad u16, region u32, seq u64,
+         offset u64, length u64, crc u32 (of the payload when FLAG_CRC)   = 36 bytes
+         WRITE: ``length`` payload bytes follow.
+Reply    (target -> initiator): status u8, pad u8*3, crc u32, seq u64, length u64 = 24 bytes
+         READ with status OK: ``length`` payload bytes follow.
+
+A stream carries requests one after the other and the target answers them in order,
+so the initiator matches replies first-in first-out (``seq`` is checked anyway).
+"""
+
+import socket
+import struct
+from enum import IntEnum
+
+REQ = struct.Struct("<BBHIQQQI")
+REP = struct.Struct("<BxxxIQQ")
+FLAG_CRC = 1
+HELLO = b"PRGT1\n"  # first bytes of a stream, so a stray client is told apart early
+
+
+class Status(IntEnum):
+    OK = 0
+    CHECKSUM = 1
+    REFUSED = 2
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (raises ConnectionError on EOF)."""
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed the stream")
+        got += k
+
+
+def discard(sock: socket.socket, n: int, scratch: memoryview) -> None:
+    while n > 0:
+        k = min(n, len(scratch))
+        recv_exact(sock, scratch[:k])
+        n -= k
+
+
+def tune(sock: socket.socket, bufsize: int = 4 << 20) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
+        except OSError:
+            pass

@@ -1,0 +1,174 @@
+"""Early Rejection based on Prediction (paper §4.3.4, system level, uniform t_d) and the
+baseline's decode-side check, on a ManualClock with exact expectations."""
+
+import pytest
+
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.requests import ErrorCode
+from services.admission.policy import (
+    Accept,
+    AdmissionRequest,
+    DecodeSideCheck,
+    EarlyRejectionPolicy,
+    PredictiveRejectionPolicy,
+    Reject,
+    make_admission_policy,
+)
+from services.common.clock import ManualClock
+from services.common.cost_model import CostModel
+
+COST = CostModel()
+N = 500
+TD = 10.0
+OWN = COST.prefill_time(N)
+
+
+def pload(instance: str, work: float) -> PrefillLoad:
+    return PrefillLoad(instance=instance, node="n-" + instance, queue_len=1, queued_tokens=0, queued_work_s=work, ts=0.0)
+
+
+def dload(instance: str, batch: int = 0, kv: int = 0, waiting: int = 0) -> DecodeLoad:
+    return DecodeLoad(instance=instance, node="n-" + instance, batch_size=batch, waiting=waiting, max_batch=64,
+                      kv_tokens=kv, step_time_s=0.0, ts=0.0)
+
+
+def req(rid: str = "r", n: int = N, **kw) -> AdmissionRequest:
+    return AdmissionRequest(request_id=rid, num_tokens=n, **kw)
+
+
+def predict(clock, **kw) -> PredictiveRejectionPolicy:
+    kw.setdefault("ttft_slo_s", 30.0)
+    kw.setdefault("tbt_slo_s", 0.1)
+    kw.setdefault("dead_after_s", 100.0)
+    return PredictiveRejectionPolicy(clock, COST, decode_time_s=TD, **kw)
+
+
+def cluster(pol) -> None:
+    pol.observe_prefill(pload("p0", 1.0))
+    pol.observe_prefill(pload("p1", 3.0))
+    pol.observe_decode(dload("d0", batch=4, kv=8000))
+    pol.observe_decode(dload("d1", batch=2, waiting=2, kv=4000))
+
+
+def test_decode_load_is_predicted_at_prefill_completion():
+    clock = ManualClock()
+    pol = predict(clock)
+    cluster(pol)
+    f = 1.0 + OWN  # least queue, then the request's own prefill
+    assert pol.prefill_done_at(req()) == f
+    s = 1.0 - f / TD  # share of the 8 residents of unknown age still decoding at f
+    want_tbt = COST.decode_step_time((8 * s + 1) / 2, (12000.0 * s + N) / 2)
+    assert pol.decide(req()) == Accept(prefill_load=1.0 / 30.0, decode_load=want_tbt / 0.1)
+
+
+def test_admitted_requests_join_at_their_prefill_completion_and_queue_prefill_work():
+    clock = ManualClock()
+    pol = predict(clock)
+    cluster(pol)
+    clock.set(0.5)  # accepted after the reports: no report covers them
+    fa = 0.5 + 1.0 + OWN
+    assert isinstance(pol.decide(req("a")), Accept)
+    pol.on_accepted(req("a"))
+    assert pol.admitted["a"].prefill_done_at == fa and pol.admitted["a"].work_s == OWN
+    # b waits behind a's work, shared over the two prefill instances
+    wait_b = min(1.0 + OWN * 0.5, 3.0 + OWN * 0.5)
+    fb = 0.5 + wait_b + OWN
+    assert pol.prefill_wait() == wait_b
+    assert pol.prefill_done_at(req("b")) == fb
+    s = 1.0 - (fb - 0.5) / TD
+    # at fb: 8 unknown-age residents (scaled), a (joined at fa <= fb), and b itself
+    assert pol.predicted_decode(fb, N) == (8 * s + 1 + 1, 12000.0 * s + N + N)
+    d = pol.decide(req("b"))
+    assert d == Accept(prefill_load=wait_b / 30.0,
+                       decode_load=COST.decode_step_time((8 * s + 2) / 2, (12000.0 * s + 2 * N) / 2) / 0.1)
+    # a fresh report from p0 covers a's work there (p1 has not reported since)
+    clock.set(0.6)
+    pol.observe_prefill(pload("p0", 1.0 + OWN))
+    assert pol.prefill_wait() == min(1.0 + OWN, 3.0 + OWN * 0.5)
+
+
+def test_requests_older_than_td_leave_and_already_decoding_ones_are_not_counted_twice():
+    clock = ManualClock()
+    pol = predict(clock)
+    cluster(pol)
+    clock.set(0.5)
+    pol.on_accepted(req("a"))
+    fa = pol.admitted["a"].prefill_done_at
+    clock.set(fa + 1.0)  # a is decoding now; the reports (8 residents) include it
+    pol.observe_prefill(pload("p0", 0.0))
+    pol.observe_prefill(pload("p1", 0.0))
+    now = clock.now()
+    fb = now + OWN
+    s = max(0.0, 1.0 - (fb - now) / TD)
+    # 8 reported - 1 admitted already in decode = 7 of unknown age, + a, + the newcomer
+    assert pol.predicted_decode(fb, N) == (7 * s + 1 + 1, 12000.0 * 7 / 8 * s + N + N)
+    # far enough ahead everything old has left, a included: only the newcomer remains
+    assert pol.predicted_decode(now + TD, N) == (1.0, float(N))
+    clock.set(fa + TD)
+    pol.decide(req("c"))
+    assert "a" not in pol.admitted  # forgotten once f + t_d has passed
+
+
+def test_prediction_accepts_what_early_rejection_refuses_when_decode_will_have_drained():
+    # Decode is over its TBT SLO right now, but the prefill queue is 8 s long: by the
+    # time this request reaches decode, 80% of today's residents (t_d = 10 s) are gone.
+    clock = ManualClock()
+    slo = 0.02
+    early = EarlyRejectionPolicy(clock, COST, ttft_slo_s=30.0, tbt_slo_s=slo)
+    pred = predict(clock, tbt_slo_s=slo)
+    for pol in (early, pred):
+        pol.observe_prefill(pload("p0", 8.0))
+        pol.observe_decode(dload("d0", batch=40, kv=800_000))
+    assert COST.decode_step_time(41, 800_000 + N) > slo
+    e = early.decide(req())
+    assert isinstance(e, Reject) and e.code == ErrorCode.REJECTED
+    s = 1.0 - (8.0 + OWN) / TD
+    p = pred.decide(req())
+    assert p == Accept(prefill_load=8.0 / 30.0, decode_load=COST.decode_step_time(40 * s + 1, 800_000.0 * s + N) / slo)
+    assert p.decode_load < 1.0
+
+
+def test_prediction_refuses_what_early_rejection_accepts_when_admitted_work_will_land():
+    # Decode is idle now, but 30 admitted requests finish their prefill before this one.
+    clock = ManualClock()
+    slo = 0.0087
+    early = EarlyRejectionPolicy(clock, COST, ttft_slo_s=300.0, tbt_slo_s=slo)
+    pred = predict(clock, ttft_slo_s=300.0, tbt_slo_s=slo)
+    for pol in (early, pred):
+        pol.observe_prefill(pload("p0", 0.0))
+        pol.observe_decode(dload("d0"))
+    clock.set(0.1)
+    for i in range(30):
+        pred.on_accepted(req(f"a{i}", n=4000))
+    assert isinstance(early.decide(req()), Accept)
+    d = pred.decide(req())
+    assert isinstance(d, Reject) and "decode pool overloaded" in d.reason
+
+
+def test_predict_needs_live_instances_and_a_positive_td():
+    pol = predict(ManualClock())
+    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live prefill instance", 1.0)
+    pol.observe_prefill(pload("p0", 0.0))
+    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live decode instance", 1.0)
+    with pytest.raises(ValueError):
+        PredictiveRejectionPolicy(ManualClock(), COST, decode_time_s=0.0)
+
+
+def test_selector_builds_predict_with_its_parameters():
+    pol = make_admission_policy("predict", ManualClock(), COST, decode_time_s=3.0, tbt_slo_s=0.05)
+    assert isinstance(pol, PredictiveRejectionPolicy)
+    assert (pol.decode_time_s, pol.tbt_slo_s) == (3.0, 0.05)
+    pol.on_accepted(req("x"))  # no instance: nothing to predict, nothing recorded
+    assert pol.admitted == {}
+    pol.forget("x")
+
+
+def test_decode_side_check_rejects_over_the_tbt_slo():
+    slo = COST.decode_step_time(3, 1000 + N)
+    gate = DecodeSideCheck(COST, tbt_slo_s=slo)
+    assert gate.check(batch_size=1, waiting=1, kv_tokens=1000, num_tokens=N) is None  # exactly at the SLO
+    r = gate.check(batch_size=1, waiting=1, kv_tokens=1001, num_tokens=N)
+    assert isinstance(r, Reject) and r.code == ErrorCode.REJECTED and r.retry_after_s == 1.0
+    assert "over its TBT SLO" in r.reason
+    assert gate.check(1, 1, 1001, N, tbt_slo_s=1.0) is None  # the request's own SLO
+    assert gate.rejected == 1

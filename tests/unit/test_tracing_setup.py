@@ -1,0 +1,114 @@
+"""tracing.setup: exporters chosen by OTEL_* variables; OTLP over http/protobuf really
+delivers spans (to a local receiver); the JSONL exporter keeps span events."""
+
+import http.server
+import json
+import threading
+
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+
+from tracing.jsonl import JsonlSpanExporter
+from tracing.setup import (
+    DEFAULT_SPANS_FILE,
+    TracingConfigError,
+    exporter_kinds,
+    make_exporter,
+    otlp_protocol,
+    span_processors,
+)
+
+
+def test_exporter_selection():
+    assert exporter_kinds({}) == ["jsonl"]
+    assert exporter_kinds({"OTEL_TRACES_EXPORTER": "otlp, jsonl"}) == ["otlp", "jsonl"]
+    j = make_exporter("jsonl", {})
+    assert isinstance(j, JsonlSpanExporter) and j.path == DEFAULT_SPANS_FILE
+    assert make_exporter("jsonl", {"PERIGEE_SPANS_FILE": "/tmp/x/s.jsonl"}).path == "/tmp/x/s.jsonl"
+    assert isinstance(make_exporter("console", {}), ConsoleSpanExporter)
+    assert make_exporter("none", {}) is None
+    assert span_processors({"OTEL_TRACES_EXPORTER": "none"}) == []
+    assert len(span_processors({"OTEL_TRACES_EXPORTER": "console,none"})) == 1
+    with pytest.raises(TracingConfigError):
+        make_exporter("zipkin", {})
+
+
+def test_otlp_protocol_defaults_to_http_protobuf():
+    assert otlp_protocol({}) == "http/protobuf"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    assert isinstance(make_exporter("otlp", {}), OTLPSpanExporter)
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    received: list[tuple[str, dict, bytes]] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.end_headers()
+        self.wfile.write(b"")
+
+    def log_message(self, *a):
+        pass
+
+
+def test_otlp_http_protobuf_exports_spans(monkeypatch):
+    srv = http.server.HTTPServer(("127.0.0.1", 0), _Receiver)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-tenant=perigee")
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+        monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+        exporter = make_exporter("otlp")
+        provider = TracerProvider(resource=Resource.create({"service.name": "unit-gw"}))
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        with provider.get_tracer("t").start_as_current_span(
+            "gateway.request", attributes={"gen_ai.system": "perigee"}
+        ) as span:
+            span.add_event("first_token")
+        provider.shutdown()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    [(path, headers, body)] = _Receiver.received
+    assert path == "/v1/traces"
+    assert headers["content-type"] == "application/x-protobuf"
+    assert headers["x-tenant"] == "perigee"
+    req = ExportTraceServiceRequest.FromString(body)
+    [rs] = req.resource_spans
+    svc = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
+    [ss] = rs.scope_spans
+    [s] = ss.spans
+    assert (svc, s.name, [e.name for e in s.events]) == ("unit-gw", "gateway.request", ["first_token"])
+    assert {a.key: a.value.string_value for a in s.attributes} == {"gen_ai.system": "perigee"}
+
+
+def test_jsonl_keeps_kind_and_events(tmp_path):
+    path = tmp_path / "d" / "spans.jsonl"
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
+    provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(path))))
+    tr = provider.get_tracer("t")
+    with tr.start_as_current_span("outer", attributes={"gen_ai.response.finish_reasons": ["stop"]}) as s:
+        s.add_event("first_token", {"n": 1})
+        with tr.start_as_current_span("inner"):
+            pass
+    provider.shutdown()
+    inner, outer = (json.loads(x) for x in path.read_text().splitlines())
+    assert (inner["name"], outer["name"]) == ("inner", "outer")
+    assert inner["parent_id"] == outer["span_id"] and inner["trace_id"] == outer["trace_id"]
+    assert outer["service"] == "svc" and outer["kind"] == "INTERNAL"
+    assert outer["attributes"] == {"gen_ai.response.finish_reasons": ["stop"]}
+    [ev] = outer["events"]
+    assert (ev["name"], ev["attributes"]) == ("first_token", {"n": 1})
+    assert outer["start_ns"] <= ev["ts_ns"] <= outer["end_ns"]
+    assert "events" not in inner

@@ -1,0 +1,158 @@
+"""TCP backend on loopback: bytes land exactly, broken streams are retried, failures end.
+
+Completion is awaited on tickets (threading events) with generous timeouts; nothing
+asserts on time.
+"""
+
+import os
+import socket
+
+import pytest
+
+from perigee.natsd import free_port
+from services.store.transport import Opcode, Poll, Region, Request
+from services.store.transport.tcp import TcpReceiver, TcpSender
+from services.store.transport.tcp.frames import HELLO, REP, REQ, Status, recv_exact
+
+WAIT = 30.0
+
+
+@pytest.fixture
+def rx():
+    r = TcpReceiver()
+    yield r
+    r.close()
+
+
+def expose(rx: TcpReceiver, n: int, rid: int = 1) -> bytearray:
+    buf = bytearray(n)
+    rx.expose(Region(id=rid, buf=memoryview(buf)))
+    return buf
+
+
+def test_write_and_read_sliced_over_four_streams(rx):
+    remote = expose(rx, 3 << 20)
+    tx = TcpSender(streams=4, min_slice=64 << 10, max_slice=256 << 10)
+    try:
+        data = os.urandom(2 << 20)
+        t = tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 1000))
+        assert t.wait(WAIT) == Poll.SUCCESS and t.transferred == len(data)
+        assert remote[1000 : 1000 + len(data)] == data
+        back = bytearray(1 << 20)
+        t = tx.submit(Request(Opcode.READ, memoryview(back), rx.address, 1, 1000, checksum=True))
+        assert t.wait(WAIT) == Poll.SUCCESS
+        assert back == data[: 1 << 20]
+        assert rx.counters["streams"] == 4 and rx.counters["writes"] == 8
+        assert tx.endpoints == [rx.address]
+    finally:
+        tx.close()
+
+
+def test_checksummed_write_lands_and_a_bad_checksum_is_rejected_untouched(rx):
+    remote = expose(rx, 64)
+    tx = TcpSender(streams=1)
+    try:
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"a" * 16), rx.address, 1, 0, checksum=True))
+        assert t.wait(WAIT) == Poll.SUCCESS and remote[:16] == b"a" * 16
+    finally:
+        tx.close()
+    host, port = rx.address[6:].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=WAIT) as s:
+        s.sendall(HELLO + REQ.pack(1, 1, 0, 1, 7, 0, 4, 12345) + b"zzzz")
+        hdr = memoryview(bytearray(REP.size))
+        recv_exact(s, hdr)
+        assert REP.unpack(hdr)[:3] == (Status.CHECKSUM, 0, 7)
+    assert remote[:16] == b"a" * 16 and rx.counters["checksum_mismatches"] == 1
+
+
+def test_refused_span_keeps_the_stream_in_step(rx):
+    remote = expose(rx, 8)
+    tx = TcpSender(streams=1)
+    try:
+        bad = tx.submit(Request(Opcode.WRITE, memoryview(b"x" * 6), rx.address, 1, 4))
+        good = tx.submit(Request(Opcode.WRITE, memoryview(b"y" * 4), rx.address, 1, 0))
+        assert bad.wait(WAIT) == Poll.FAILED and bad.error.code == "refused"
+        assert "outside region 1" in bad.error.message
+        assert good.wait(WAIT) == Poll.SUCCESS and remote == b"yyyy" + bytes(4)
+    finally:
+        tx.close()
+
+
+def test_dead_peer_is_unreachable():
+    tx = TcpSender(streams=3)
+    try:
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"x" * 1024), f"tcp://127.0.0.1:{free_port()}", 1, 0))
+        assert t.wait(WAIT) == Poll.FAILED
+        assert t.error.code == "unreachable" and "all 3 streams" in t.error.message
+    finally:
+        tx.close()
+
+
+class FlakyReceiver(TcpReceiver):
+    """Drops the first ``drop`` streams it accepts right after their hello."""
+
+    def __init__(self, drop: int) -> None:
+        self.drop = drop
+        super().__init__()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            kill = self.drop > 0
+            self.drop -= 1
+        if kill:
+            recv_exact(conn, memoryview(bytearray(len(HELLO))))
+            conn.close()
+            return
+        super()._serve(conn)
+
+
+def test_a_broken_stream_hands_its_slices_to_the_others():
+    rx = FlakyReceiver(drop=1)
+    remote = expose(rx, 1 << 20)
+    tx = TcpSender(streams=2, min_slice=64 << 10, max_slice=64 << 10)
+    try:
+        data = os.urandom(1 << 20)
+        t = tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 0))
+        assert t.wait(WAIT) == Poll.SUCCESS
+        assert remote == data
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_every_stream_broken_fails_the_request_then_a_new_attempt_reconnects():
+    rx = FlakyReceiver(drop=2)
+    remote = expose(rx, 4096)
+    tx = TcpSender(streams=2, min_slice=1024, max_slice=1024)
+    try:
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"q" * 4096), rx.address, 1, 0))
+        assert t.wait(WAIT) == Poll.FAILED and t.error.code == "broken"
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"r" * 4096), rx.address, 1, 0))
+        assert t.wait(WAIT) == Poll.SUCCESS and remote == b"r" * 4096
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_endpoint_pool_is_capped():
+    rxs = [TcpReceiver() for _ in range(3)]
+    tx = TcpSender(streams=1, max_endpoints=2)
+    try:
+        for r in rxs:
+            expose(r, 16)
+            assert tx.submit(Request(Opcode.WRITE, memoryview(b"1"), r.address, 1, 0)).wait(WAIT) == Poll.SUCCESS
+        assert tx.endpoints == [rxs[1].address, rxs[2].address]
+        assert tx.endpoint_evictions() == 1
+    finally:
+        tx.close()
+        for r in rxs:
+            r.close()
+
+
+def test_bad_target_and_closed_sender():
+    tx = TcpSender()
+    t = tx.submit(Request(Opcode.WRITE, memoryview(b"1"), "udp://x", 1, 0))
+    assert t.poll() == Poll.FAILED and t.error.code == "bad_request"
+    tx.close()
+    t = tx.submit(Request(Opcode.WRITE, memoryview(b"1"), "tcp://127.0.0.1:1", 1, 0))
+    assert t.poll() == Poll.FAILED and t.error.code == "closed"

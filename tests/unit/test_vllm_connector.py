@@ -1,0 +1,265 @@
+"""PerigeeConnector without an engine: the scheduler side's plans (what is loaded, saved
+and shipped each step) and the worker side's page copies between fake paged caches and
+bytearray "store slots", driven the way vLLM drives them."""
+
+import importlib.util
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from services.engine.vllm.bridge import Bridge, Plan, register, unregister  # noqa: E402
+from services.engine.vllm.connector import PerigeeConnector, PerigeeMeta  # noqa: E402
+
+LAYERS, HEADS, CONTENT = 4, 2, 128  # tiny-llama: 2 kv heads, K|V of head_dim 64
+HBS = 32
+
+
+def page_bytes(bs: int) -> int:
+    return HEADS * bs * CONTENT * 4
+
+
+@pytest.fixture
+def bridge():
+    b = Bridge(block_bytes=LAYERS * HBS * HEADS * CONTENT * 4, hash_block_size=HBS)
+    key = register(b)
+    b.registry_key = key
+    yield b
+    unregister(key)
+
+
+def connector(bridge: Bridge, role: KVConnectorRole, vllm_bs: int = 32) -> PerigeeConnector:
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"registry_key": bridge.registry_key}),
+        cache_config=SimpleNamespace(block_size=vllm_bs),
+    )
+    return PerigeeConnector(cfg, role, None)
+
+
+def request(rid: str, key: str, prompt_len: int, extra_tokens: int = 0):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(prompt_len)),
+                           num_tokens=prompt_len + extra_tokens,
+                           kv_transfer_params={"perigee": {"key": key}})
+
+
+def blocks(ids: list[int]):
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step_new(rid: str, ids: list[int], computed: int, scheduled: int):
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(ids,),
+                                            num_computed_tokens=computed)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={rid: scheduled},
+    )
+
+
+def step_cached(rid: str, new_ids: list[int], computed: int, scheduled: int):
+    return SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid], resumed_req_ids=set(),
+                                              new_block_ids=[(new_ids,)],
+                                              num_computed_tokens=[computed]),
+        num_scheduled_tokens={rid: scheduled},
+    )
+
+
+def plan(key: str, n_blocks: int, **kw) -> Plan:
+    return Plan(key=key, slots=[memoryview(bytearray(LAYERS * HBS * HEADS * CONTENT * 4))
+                                for _ in range(n_blocks)], **kw)
+
+
+def test_vllm_block_size_must_divide_the_hash_block_size(bridge):
+    with pytest.raises(ValueError, match="must divide"):
+        connector(bridge, KVConnectorRole.SCHEDULER, vllm_bs=24)
+
+
+def test_unknown_registry_key_is_a_clear_error():
+    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+                          cache_config=SimpleNamespace(block_size=32))
+    with pytest.raises(ValueError, match="registry_key"):
+        PerigeeConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def test_prefill_loads_the_prefix_saves_the_rest_and_ships_once(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("a", 4, load_tokens=64, save_from=2, save_tokens=100,
+                    on_layer=lambda layer: None))
+    req = request("a-x", "a", 100)
+    assert c.get_num_new_matched_tokens(req, 0) == (64, False)
+    c.update_state_after_alloc(req, blocks([10, 11, 12, 13]), 64)
+    meta = c.build_connector_meta(step_new("a-x", [10, 11, 12, 13], 64, 36))
+    assert [(x.block_id, x.block, x.sub, x.eager) for x in meta.loads] == [
+        (10, 0, 0, False), (11, 1, 0, False)]
+    assert [(x.block_id, x.block) for x in meta.saves] == [(12, 2), (13, 3)]
+    assert meta.ship == ["a"] and meta.loaded == ["a"]
+    # Loaded once: a later query (preemption, recompute) gets nothing from the slots.
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    done, params = c.request_finished(req, [])
+    assert done is False
+    assert params == {"perigee": {"loaded_tokens": 64, "computed_prompt_tokens": 36,
+                                  "saved_blocks": 2}}
+
+
+def test_full_hit_loads_all_but_the_last_token_eagerly_into_the_last_block(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("b", 4, load_tokens=128, save_from=4, save_tokens=128,
+                    on_layer=lambda layer: None))
+    req = request("b-x", "b", 128)
+    assert c.get_num_new_matched_tokens(req, 0) == (127, False)
+    c.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 127)
+    meta = c.build_connector_meta(step_new("b-x", [5, 6, 7, 8], 127, 1))
+    assert [(x.block_id, x.eager) for x in meta.loads] == [
+        (5, False), (6, False), (7, False), (8, True)]
+    assert meta.saves == [] and meta.ship == ["b"]
+
+
+def test_decode_loads_every_prompt_position_and_saves_nothing(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("d", 5, load_tokens=136))
+    req = request("d-x", "d", 137)  # prompt + the first token
+    assert c.get_num_new_matched_tokens(req, 0) == (136, False)
+    c.update_state_after_alloc(req, blocks([1, 2, 3, 4, 9]), 136)
+    meta = c.build_connector_meta(step_new("d-x", [1, 2, 3, 4, 9], 136, 1))
+    assert [(x.block_id, x.eager) for x in meta.loads][-1] == (9, True)  # the tail block
+    assert len(meta.loads) == 5 and meta.saves == [] and meta.ship == []
+
+
+def test_chunked_prefill_saves_each_chunk_and_ships_after_the_last(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("c", 4, load_tokens=0, save_from=0, save_tokens=100,
+                    on_layer=lambda layer: None))
+    req = request("c-x", "c", 100)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    m1 = c.build_connector_meta(step_new("c-x", [20, 21], 0, 64))
+    assert [x.block_id for x in m1.saves] == [20, 21] and m1.ship == []
+    m2 = c.build_connector_meta(step_cached("c-x", [22, 23], 64, 36))
+    assert [x.block_id for x in m2.saves] == [22, 23] and m2.ship == ["c"]
+
+
+def test_vllm_blocks_of_16_map_onto_sub_blocks_of_perigee_blocks(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER, vllm_bs=16)
+    bridge.add(plan("r", 3, load_tokens=64, save_from=2, save_tokens=80,
+                    on_layer=lambda layer: None))
+    req = request("r-x", "r", 80)
+    assert c.get_num_new_matched_tokens(req, 0) == (64, False)
+    ids = [30, 31, 32, 33, 34]
+    c.update_state_after_alloc(req, blocks(ids), 64)
+    meta = c.build_connector_meta(step_new("r-x", ids, 64, 16))
+    assert [(x.block_id, x.block, x.sub) for x in meta.loads] == [
+        (30, 0, 0), (31, 0, 1), (32, 1, 0), (33, 1, 1)]
+    assert [(x.block_id, x.block, x.sub) for x in meta.saves] == [(34, 2, 0)]
+
+
+# ---------------------------------------------------------------------- worker side
+
+def kv_caches(num_blocks: int = 16, bs: int = 32) -> dict[str, torch.Tensor]:
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, HEADS, bs, CONTENT)
+            for i in range(LAYERS)}
+
+
+def test_register_rejects_a_store_block_of_another_size():
+    b = Bridge(block_bytes=1234, hash_block_size=HBS)
+    key = register(b)
+    b.registry_key = key
+    try:
+        w = connector(b, KVConnectorRole.WORKER)
+        with pytest.raises(ValueError, match="--block-bytes 131072"):
+            w.register_kv_caches(kv_caches())
+    finally:
+        unregister(key)
+
+
+def run_step(w: PerigeeConnector, meta: PerigeeMeta, caches: dict[str, torch.Tensor]) -> None:
+    """The hook order of one vLLM forward (sync load step)."""
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in sorted(caches, key=lambda n: int(n.split(".")[2])):
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, caches[name], None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+
+
+def test_saved_pages_land_layer_major_in_the_slots_and_load_back(bridge):
+    from services.engine.vllm.connector import Copy
+
+    w = connector(bridge, KVConnectorRole.WORKER)
+    src = kv_caches()
+    w.register_kv_caches(src)
+    for i, t in enumerate(src.values()):
+        t[3].fill_(i + 1)  # block 3 of layer i holds i + 1
+    shipped: list[int] = []
+
+    def on_layer(layer: int) -> Future:
+        shipped.append(layer)
+        f: Future = Future()
+        f.set_result(None)
+        return f
+
+    p = plan("s", 1, save_from=0, save_tokens=32, on_layer=on_layer)
+    bridge.add(p)
+    run_step(w, PerigeeMeta(saves=[Copy(3, "s", 0, 0)], ship=["s"]), src)
+    assert shipped == [0, 1, 2, 3] and p.error is None
+    lb = page_bytes(32)
+    raw = torch.frombuffer(p.slots[0], dtype=torch.float32)
+    for layer in range(LAYERS):
+        span = raw[layer * lb // 4:(layer + 1) * lb // 4]
+        assert torch.all(span == layer + 1)
+    # Another engine loads them into block 7 of its cache, one layer at a time.
+    dst = kv_caches()
+    loaded: list[str] = []
+    w2 = connector(bridge, KVConnectorRole.WORKER)
+    w2.register_kv_caches(dst)
+    p.on_loaded = lambda: loaded.append("s")
+    run_step(w2, PerigeeMeta(loads=[Copy(7, "s", 0, 0)], loaded=["s"]), dst)
+    for i, t in enumerate(dst.values()):
+        assert torch.all(t[7] == i + 1) and torch.all(t[6] == 0)
+    assert loaded == ["s"]
+
+
+def test_eager_block_is_copied_before_the_layer_computes_into_it(bridge):
+    from services.engine.vllm.connector import Copy
+
+    w = connector(bridge, KVConnectorRole.WORKER)
+    caches = kv_caches()
+    w.register_kv_caches(caches)
+    p = plan("e", 1, load_tokens=20)
+    torch.frombuffer(p.slots[0], dtype=torch.float32).fill_(5.0)
+    bridge.add(p)
+    w.bind_connector_metadata(PerigeeMeta(loads=[Copy(2, "e", 0, 0, eager=True)], loaded=["e"]))
+    w.start_load_kv(None)
+    name = next(iter(caches))
+    assert torch.all(caches[name][2] == 5.0)  # every layer, before the forward
+    caches[name][2][:, 20:] = -1.0  # the forward writes the computed positions...
+    w.wait_for_layer_load(name)
+    assert torch.all(caches[name][2][:, 20:] == -1.0)  # ...and no later copy clobbers them
+    w.wait_for_save()
+
+
+def test_a_failed_hand_off_marks_the_plan_and_never_raises_into_vllm(bridge):
+    from services.engine.vllm.connector import Copy
+
+    w = connector(bridge, KVConnectorRole.WORKER)
+    caches = kv_caches()
+    w.register_kv_caches(caches)
+
+    def on_layer(layer: int) -> Future:
+        f: Future = Future()
+        f.set_exception(ConnectionError("decode node gone"))
+        return f
+
+    p = plan("f", 1, save_from=0, save_tokens=32, on_layer=on_layer)
+    bridge.add(p)
+    run_step(w, PerigeeMeta(saves=[Copy(1, "f", 0, 0)], ship=["f"]), caches)
+    assert isinstance(p.error, ConnectionError)
+    assert bridge.counters["connector_errors"] == 4
