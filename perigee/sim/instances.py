@@ -1,0 +1,278 @@
+"""Simulated prefill and decode instances, timed by the paper's cost model.
+
+Prefill instance (one GPU node, like ``services/prefill``)::
+
+    waiting (FIFO) --GPU free--> [pull remote prefix over the holder's link]
+        --> computing (chunks of ``chunk_tokens``: chunk [a, b) costs
+            cost.prefill_time(b, a)) --> GPU free; KV streams to the decode node layer
+            by layer, the last layer's share trailing the compute --> on_prefilled
+
+Decode instance (continuous batching, like the mock engine)::
+
+    waiting --step boundary, batch < max_batch--> running --output_tokens-1 steps--> done
+
+A step of batch B over total context C lasts ``cost.decode_step_time(B, C)``; every
+running request gains one token per step, so between two changes of the batch C grows
+by B per step and step times form an arithmetic series. The instance therefore
+schedules one event per *segment* (steps until the next request finishes), not per
+token; a request arriving mid-segment cuts it at the next step boundary. Step
+durations go to a per-instance log indexed by step number, from which a request's token
+gaps (and so its TBT) are read when it finishes.
+"""
+
+import math
+from collections import deque
+from collections.abc import Callable
+from heapq import heappop, heappush
+
+import numpy as np
+
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from perigee.sim.cluster import Link
+from perigee.sim.events import EventLoop
+from perigee.sim.request import SimRequest
+from services.common.cost_model import CostModel
+
+TBT_TOP_FRACTION = 0.10  # paper §7.1: TBT = mean of the longest 10% token gaps
+
+
+def chunked_prefill_time(cost: CostModel, n: int, prefix: int, chunk: int) -> float:
+    """GPU seconds to compute tokens [prefix, n) in chunks of ``chunk`` (0: one chunk)."""
+    if prefix >= n:
+        return 0.0
+    if chunk <= 0:
+        return cost.prefill_time(n, prefix)
+    total, a = 0.0, prefix
+    while a < n:
+        b = min(n, a + chunk)
+        total += cost.prefill_time(b, a)
+        a = b
+    return total
+
+
+class PrefillInstance:
+    def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel, link: Link,
+                 links: dict[str, Link], on_prefilled: Callable[[SimRequest, float], None],
+                 chunk_tokens: int = 0) -> None:
+        self.name, self.node = name, node
+        self.loop, self.cost, self.link, self.links = loop, cost, link, links
+        self.on_prefilled = on_prefilled
+        self.chunk_tokens = chunk_tokens
+        self.waiting: deque[SimRequest] = deque()
+        self.running: SimRequest | None = None
+        self.running_end = 0.0
+        self.queued_work = 0.0  # est_work_s of the waiting requests
+        self.queued_tokens = 0
+        self.gpu_s = 0.0
+        self.done = 0
+        self.draining = False  # a P/D switch waits for the queue to empty
+
+    def push(self, req: SimRequest) -> None:
+        n = req.num_tokens
+        computed_prefix = min(req.cached_tokens, n - 1)
+        req.compute_s = chunked_prefill_time(self.cost, n, computed_prefix, self.chunk_tokens)
+        req.est_work_s = req.compute_s + self.cost.transfer_time(req.pulled_tokens)
+        req.state = "QUEUED"
+        self.waiting.append(req)
+        self.queued_work += req.est_work_s
+        self.queued_tokens += n - computed_prefix
+        if self.running is None:
+            self._start()
+
+    def __len__(self) -> int:
+        return len(self.waiting) + (self.running is not None)
+
+    def _start(self) -> None:
+        if not self.waiting:
+            self.queued_work = 0.0  # drop float residue
+            return
+        req = self.waiting.popleft()
+        self.queued_work -= req.est_work_s
+        self.queued_tokens -= req.num_tokens - min(req.cached_tokens, req.num_tokens - 1)
+        now = self.loop.now()
+        req.state = "PREFILLING"
+        req.started = now
+        begin = now
+        if req.pulled_tokens:
+            begin = self.links[req.pull_source].transfer(req.pulled_tokens, now)
+        end = begin + req.compute_s
+        self.running, self.running_end = req, end
+        self.loop.at(end, self._done, req, begin)
+
+    def _done(self, req: SimRequest, compute_start: float) -> None:
+        now = self.loop.now()
+        self.running = None
+        self.gpu_s += req.compute_s
+        self.done += 1
+        req.prefill_end = now
+        req.state = "SHIPPING"
+        arrive = self.link.ship_overlapped(req.ship_tokens, compute_start, now, self.cost.layers)
+        self.on_prefilled(req, arrive)
+        self._start()
+
+    def load(self, now: float) -> PrefillLoad:
+        work, tokens = self.queued_work, self.queued_tokens
+        r = self.running
+        if r is not None:
+            work += max(0.0, self.running_end - now)
+            tokens += r.num_tokens - min(r.cached_tokens, r.num_tokens - 1)
+        return PrefillLoad(instance=self.name, node=self.node, queue_len=len(self),
+                           queued_tokens=tokens, queued_work_s=max(0.0, work), ts=now)
+
+
+class DecodeInstance:
+    def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel,
+                 on_finished: Callable[[SimRequest], None], max_batch: int = 128) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.name, self.node = name, node
+        self.loop, self.cost = loop, cost
+        self.on_finished = on_finished
+        self.max_batch = max_batch
+        self.waiting: deque[SimRequest] = deque()
+        self.running: dict[str, SimRequest] = {}
+        self._finish: list[tuple[int, int, SimRequest]] = []  # (finish step, index, req)
+        self.base = 0  # sum over running of (context at join - join step)
+        self.steps = 0  # step index at the current segment's start
+        self.t0 = 0.0  # time of the current segment's start (a step boundary)
+        self.seg = 0  # steps in the current segment (0: idle)
+        self.alpha = 0.0  # duration of the segment's first step
+        self.beta = 0.0  # growth of the step duration per step
+        self.gen = 0  # cancels stale segment-end events
+        self._log = np.zeros(1024)
+        self.tokens = 0
+        self.draining = False
+
+    # ------------------------------------------------------------ requests
+
+    def add(self, req: SimRequest) -> None:
+        """The request's KV has landed (its first token is out): queue it for a slot."""
+        req.state = "DECODING"
+        if req.output_tokens <= 1:
+            self._finished(req, [])
+            return
+        self.waiting.append(req)
+        if not self.running and self.seg == 0:
+            self.t0 = self.loop.now()
+            self._boundary()
+        elif len(self.running) < self.max_batch:
+            self._cut()
+
+    def __len__(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------ segments
+
+    def _elapsed(self, k: int) -> float:
+        return k * self.alpha + self.beta * k * (k - 1) / 2
+
+    def _steps_by(self, t: float) -> int:
+        """Steps of the current segment complete at time ``t``."""
+        d = t - self.t0
+        kmax = self.seg
+        if kmax == 0:
+            return 0
+        if self.alpha <= 0:
+            return kmax  # zero-time steps (speedup inf): all done at once
+        if d <= 0:
+            return 0
+        if self.beta <= 0:
+            k = int(d / self.alpha)
+        else:
+            b1 = self.alpha - self.beta / 2
+            k = int((-b1 + math.sqrt(b1 * b1 + 2 * self.beta * d)) / self.beta)
+        k = min(max(k, 0), kmax)
+        while k < kmax and self._elapsed(k + 1) <= d:
+            k += 1
+        while k > 0 and self._elapsed(k) > d:
+            k -= 1
+        return k
+
+    def _cut(self) -> None:
+        """A request arrived mid-segment with room in the batch: end the segment at the
+        next step boundary, where it joins."""
+        now = self.loop.now()
+        k = self._steps_by(now)
+        if self._elapsed(k) < now - self.t0:
+            k += 1  # the step in progress finishes first
+        k = min(k, self.seg)
+        if k == self.seg:
+            return  # the pending segment end is that boundary
+        self.seg = k
+        self.gen += 1
+        self.loop.at(self.t0 + self._elapsed(k), self._segment_end, self.gen)
+
+    def _segment_end(self, gen: int) -> None:
+        if gen != self.gen:
+            return
+        k = self.seg
+        if k:
+            end = self.steps + k
+            if end > len(self._log):
+                grown = np.zeros(max(end, 2 * len(self._log)))
+                grown[: self.steps] = self._log[: self.steps]
+                self._log = grown
+            self._log[self.steps:end] = self.alpha + self.beta * np.arange(k)
+            self.t0 += self._elapsed(k)
+            self.steps = end
+            self.tokens += k * len(self.running)
+        self._boundary()
+
+    def _boundary(self) -> None:
+        """At a step boundary: retire finished requests, admit waiting ones, plan the
+        next segment."""
+        s, now = self.steps, self.t0
+        fin = self._finish
+        while fin and fin[0][0] <= s:
+            _, _, req = heappop(fin)
+            del self.running[req.rid]
+            self.base -= req.num_tokens + 1 - req.join_step
+            self._finished(req, self._gaps(req))
+        while self.waiting and len(self.running) < self.max_batch:
+            req = self.waiting.popleft()
+            req.join_step, req.join_time = s, now
+            self.running[req.rid] = req
+            self.base += req.num_tokens + 1 - s
+            heappush(fin, (s + req.output_tokens - 1, req.index, req))
+        self.seg = 0
+        if not self.running:
+            return
+        b = len(self.running)
+        ctx = self.base + b * s
+        self.alpha = self.cost.decode_step_time(b, ctx)
+        self.beta = max(0.0, self.cost.decode_step_time(b, ctx + b) - self.alpha)
+        self.seg = fin[0][0] - s
+        self.gen += 1
+        self.loop.at(now + self._elapsed(self.seg), self._segment_end, self.gen)
+
+    def _gaps(self, req: SimRequest) -> np.ndarray:
+        j, n = req.join_step, req.output_tokens - 1
+        gaps = self._log[j: j + n].copy()
+        gaps[0] += req.join_time - req.first_token  # waiting for a slot, then the first step
+        return gaps
+
+    def _finished(self, req: SimRequest, gaps) -> None:
+        req.finished = self.loop.now()
+        req.tbt_s = top_mean(gaps, TBT_TOP_FRACTION) if len(gaps) else -1.0
+        req.state = "DONE"
+        self.on_finished(req)
+
+    # ------------------------------------------------------------ reports
+
+    def load(self, now: float) -> DecodeLoad:
+        b = len(self.running)
+        k = self._steps_by(now) if self.seg else 0
+        kv = self.base + b * (self.steps + k) if b else 0
+        return DecodeLoad(instance=self.name, node=self.node, batch_size=b,
+                          waiting=len(self.waiting), max_batch=self.max_batch, kv_tokens=kv,
+                          step_time_s=self.cost.decode_step_time(b, kv), ts=now)
+
+
+def top_mean(values, fraction: float) -> float:
+    """Mean of the largest ``ceil(fraction * len)`` values (at least one)."""
+    n = len(values)
+    m = max(1, math.ceil(fraction * n - 1e-9))
+    if m >= n:
+        return float(np.mean(values))
+    part = np.partition(np.asarray(values), n - m)[n - m:]
+    return float(part.mean())

@@ -1,0 +1,385 @@
+"""The simulator: a trace replayed through the live system's own policy objects.
+
+Per request (times from the cost model, decisions from the real classes)::
+
+    arrival --AdmissionPolicy.decide--> Reject ("admission")
+      --PlacementPolicy.place(PrefixIndex.match)--> Rejection ("conductor")
+      --TxAllocate on the stores (BlockPool)--> refused: retry once without the failed
+        instance/node, then reject ("conductor"), as services/conductor does
+      --> prefill instance FIFO --> [pull] compute --> KV streams to the decode node
+      --> baseline admission only: decode instance over its TBT SLO -> Reject ("decode"),
+          the prefill was wasted (paper §4.3.2)
+      --> first token: policy.prefill_done, TxCommit (events -> PrefixIndex)
+      --> continuous batching --> done: policy.release
+
+Load reports are snapshots of every instance taken right before each decision (at
+most every ``report_interval_s``) and fed to both policies, so they see what the live
+services would see with fresh reports. Everything reads one :class:`ManualClock`.
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from bus_schemas.control import Refused, TxRole
+from bus_schemas.requests import ErrorCode
+from perigee.sim.cluster import Cluster
+from perigee.sim.events import EventLoop
+from perigee.sim.instances import DecodeInstance, PrefillInstance
+from perigee.sim.request import SimRequest
+from perigee.trace import TRACE_BLOCK, PromptBuilder, TraceRequest
+from services.admission.policy import (
+    AdmissionPolicy,
+    AdmissionRequest,
+    DecodeSideCheck,
+    Reject,
+    make_admission_policy,
+)
+from services.common.cost_model import CostModel
+from services.conductor.balancing import AdaptiveThreshold
+from services.conductor.policy import (
+    DEFAULT_BALANCING_THRESHOLD,
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    Rejection,
+)
+
+
+@dataclass
+class SimConfig:
+    prefill: int = 8
+    decode: int = 8
+    policy: str = "global"  # random | load | local | global
+    admission: str = "early"  # baseline | early | predict (when registered)
+    cache_tokens_per_node: int = 3_000_000
+    decode_cache_tokens: int | None = None  # None: as prefill nodes; 0: decode nodes cache nothing
+    block_size: int = TRACE_BLOCK
+    speed: float = 1.0  # trace timestamps are divided by this
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    max_batch: int = 128
+    chunk_tokens: int = 0  # 0: a prompt's suffix in one chunk
+    balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
+    adaptive_threshold: bool = False  # tune it online (services.conductor.balancing)
+    output_tokens: int | None = None  # force every output length (paper §7.3.2 uses 1)
+    output_scale: float = 1.0  # as perigee replay
+    max_output: int = 1 << 30
+    report_interval_s: float = 0.0  # 0: fresh snapshots before every decision
+    sample_interval_s: float = 10.0  # load time series (plots, P/D controller)
+    pd_controller: bool = False  # resize the pools with the conductor's P/D controller
+    pd_kw: dict = field(default_factory=dict)  # PoolResizer options (interval_s, window_s...)
+    seed: int = 0
+    cost: CostModel = field(default_factory=CostModel)
+    admission_kw: dict = field(default_factory=dict)
+    placement_kw: dict = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        cfg: SimConfig,
+        *,
+        placement_cls: type[PlacementPolicy] = PlacementPolicy,
+        admission: Callable[..., AdmissionPolicy] | None = None,
+        progress: bool = False,
+    ) -> None:
+        import random
+
+        self.cfg = cfg
+        self.loop = EventLoop()
+        clock, cost = self.loop.clock, cfg.cost
+        self.cost = cost
+        self.cluster = Cluster(cost, clock, cfg.block_size)
+        baseline = cfg.admission == "baseline"
+        # The paper's baseline: no TBT check at placement, the decode instance rejects
+        # after the prefill (services/decode with --tbt-gate-slo).
+        self.decode_gate = DecodeSideCheck(cost, cfg.tbt_slo_s) if baseline else None
+        adaptive = None
+        if cfg.adaptive_threshold:
+            adaptive = AdaptiveThreshold(clock, initial=cfg.balancing_threshold,
+                                         hi=max(16.0, cfg.balancing_threshold))
+        self.placement = placement_cls(
+            clock, cost, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
+            balancing_threshold=cfg.balancing_threshold, strategy=cfg.policy,
+            rng=random.Random(cfg.seed), adaptive=adaptive,
+            **{"tbt_check": not baseline, **cfg.placement_kw},
+        )
+        make = admission or make_admission_policy
+        self.admission = make(cfg.admission, clock, cost, ttft_slo_s=cfg.ttft_slo_s,
+                              tbt_slo_s=cfg.tbt_slo_s, **cfg.admission_kw)
+        self.inbound: dict[str, int] = {}  # decode instance -> placed requests not landed yet
+        self.prefills: dict[str, PrefillInstance] = {}
+        self.decodes: dict[str, DecodeInstance] = {}
+        decode_cache = cfg.cache_tokens_per_node if cfg.decode_cache_tokens is None else cfg.decode_cache_tokens
+        for i in range(cfg.prefill + cfg.decode):
+            role = "prefill" if i < cfg.prefill else "decode"
+            node = self.cluster.add_node(
+                f"n{i:02d}", cfg.cache_tokens_per_node if role == "prefill" else decode_cache, role)
+            self.add_instance(role, node.name)
+        self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
+        self.by_id = {r.rid: r for r in self.requests}
+        self.terminal = 0
+        self._last_refresh = -1.0
+        self.hooks: list[Callable[[], None]] = []  # run after each refresh (P/D controller)
+        self.samples: list[dict] = []
+        self.resizer = None
+        if cfg.pd_controller:
+            from perigee.sim.pd import PoolResizer
+
+            self.resizer = PoolResizer(self, **cfg.pd_kw)
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(self.requests), unit="req", mininterval=0.5)
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------ setup
+
+    def _request(self, i: int, r: TraceRequest, base: float) -> SimRequest:
+        cfg, bs = self.cfg, self.cfg.block_size
+        n = r.input_length if bs == TRACE_BLOCK else PromptBuilder(bs).input_length(r)
+        n = max(1, n)
+        if cfg.output_tokens is not None:
+            out = cfg.output_tokens
+        else:
+            out = max(1, min(cfg.max_output, round(r.output_length * cfg.output_scale)))
+        return SimRequest(rid=f"r{i}", index=i, arrival=(r.timestamp_s - base) / cfg.speed,
+                          num_tokens=n, output_tokens=out, hashes=list(r.hash_ids[: n // bs]))
+
+    def add_instance(self, role: str, node: str) -> str:
+        links = {name: nd.link for name, nd in self.cluster.nodes.items()}
+        nd = self.cluster.nodes[node]
+        nd.role = role
+        if role == "prefill":
+            inst = PrefillInstance(f"P-{node}", node, self.loop, self.cost, nd.link, links,
+                                   self._prefilled, self.cfg.chunk_tokens)
+            self.prefills[inst.name] = inst
+        else:
+            inst = DecodeInstance(f"D-{node}", node, self.loop, self.cost, self._decoded,
+                                  self.cfg.max_batch)
+            self.decodes[inst.name] = inst
+        for other in self.prefills.values():
+            other.links = links
+        return inst.name
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> "Simulator":
+        t0 = time.perf_counter()
+        if self.requests:
+            self.loop.at(self.requests[0].arrival, self._arrive, 0)
+            if self.cfg.sample_interval_s > 0:
+                self.loop.at(self.requests[0].arrival, self._sample)
+            if self.resizer is not None:
+                self.resizer.start(self.requests[0].arrival)
+        self.loop.run()
+        self.wall_s = time.perf_counter() - t0
+        if self._bar is not None:
+            self._bar.close()
+        return self
+
+    def refresh(self, force: bool = False) -> None:
+        now = self.loop.now()
+        if not force and now - self._last_refresh < self.cfg.report_interval_s and self._last_refresh >= 0:
+            return
+        self._last_refresh = now
+        pol, adm = self.placement, self.admission
+        for inst in self.prefills.values():
+            if not inst.draining:
+                load = inst.load(now)
+                pol.observe_prefill(load)
+                adm.observe_prefill(load)
+        for inst in self.decodes.values():
+            if not inst.draining:
+                load = inst.load(now)
+                pol.observe_decode(load)
+                adm.observe_decode(load)
+        for hook in self.hooks:
+            hook()
+
+    def _sample(self) -> None:
+        """One point of the load time series (SLO-relative, as the paper's Fig. 6/8)."""
+        now, cfg = self.loop.now(), self.cfg
+        p = [i.load(now).queued_work_s / cfg.ttft_slo_s for i in self.prefills.values()]
+        d = [i.load(now).step_time_s / cfg.tbt_slo_s for i in self.decodes.values()]
+        self.samples.append({
+            "t": now, "prefill_load": sum(p) / len(p) if p else 0.0,
+            "decode_load": sum(d) / len(d) if d else 0.0,
+            "prefill": len(self.prefills), "decode": len(self.decodes),
+            "decoding": sum(len(i) for i in self.decodes.values()),
+            "done": self.terminal,
+        })
+        if self.terminal < len(self.requests):
+            self.loop.after(cfg.sample_interval_s, self._sample)
+
+    def _arrive(self, i: int) -> None:
+        if i + 1 < len(self.requests):
+            self.loop.at(self.requests[i + 1].arrival, self._arrive, i + 1)
+        req = self.requests[i]
+        self.refresh()
+        areq = AdmissionRequest(req.rid, req.num_tokens, max_tokens=req.output_tokens)
+        decision = self.admission.decide(areq)
+        if isinstance(decision, Reject):
+            self._reject(req, "admission", decision.reason)
+            return
+        self.admission.on_accepted(areq)
+        self._place(req)
+
+    def _place(self, req: SimRequest) -> None:
+        bs, cl = self.cfg.block_size, self.cluster
+        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), bs)
+        ex_p: set[str] = set()
+        ex_d: set[str] = set()
+        ex_s: set[str] = set()
+        refused = False
+        for round_ in range(2):
+            d = self.placement.place(preq, cl.index.match(req.hashes), exclude_prefill=ex_p,
+                                     exclude_decode=ex_d, exclude_sources=ex_s)
+            if isinstance(d, Rejection):
+                if round_ > 0 and d.code == ErrorCode.UNAVAILABLE:
+                    break
+                self._reject(req, "conductor", d.reason)
+                return
+            txs, broke = self._allocate(req, d)
+            if not broke:
+                self._dispatch(req, d, txs)
+                return
+            self.placement.release(req.rid)
+            for node, tx in txs.values():
+                cl.abort(node, tx)
+            refused = True
+            if "prefill" in broke:
+                ex_p.add(d.prefill_instance)
+            if "decode" in broke:
+                ex_d.add(d.decode_instance)
+            if "source" in broke and d.remote is not None:
+                ex_s.add(d.remote.node)
+        self._reject(req, "conductor", "store capacity" if refused else "unavailable")
+
+    def _allocate(self, req: SimRequest, p: Placement) -> tuple[dict, set[str]]:
+        cl, n, h = self.cluster, req.num_tokens, req.hashes
+        jobs = [("prefill", p.prefill_node, TxRole.PREFILL, h, n),
+                ("decode", p.decode_node, TxRole.DECODE, h, n)]
+        if p.remote is not None:
+            end = p.remote.first_block + p.remote.num_blocks
+            jobs.append(("source", p.remote.node, TxRole.SOURCE, h[:end], end * self.cfg.block_size))
+        txs: dict[str, tuple[str, object]] = {}
+        broke: set[str] = set()
+        for role, node, txrole, hashes, tokens in jobs:
+            res = cl.allocate(node, req.rid, txrole, hashes, tokens)
+            if isinstance(res, Refused):
+                broke.add(role)
+            else:
+                txs[role] = (node, res)
+        return txs, broke
+
+    def _dispatch(self, req: SimRequest, p: Placement, txs: dict) -> None:
+        bs, n = self.cfg.block_size, req.num_tokens
+        ptx = txs["prefill"][1]
+        hit = ptx.hit_blocks if ptx is not None else 0
+        prefix = hit
+        if p.remote is not None and "source" in txs:
+            end = p.remote.first_block + p.remote.num_blocks
+            if hit < end and ptx is not None:
+                req.pull_source = p.remote.node
+                req.pulled_tokens = min(n, end * bs) - min(n, hit * bs)
+                prefix = end
+            else:  # the prefill node already has it all: nothing to pull
+                node, tx = txs.pop("source")
+                self.cluster.abort(node, tx)
+        dtx = txs["decode"][1]
+        req.cached_tokens = min(prefix * bs, n)
+        req.ship_tokens = n - min(n, (dtx.hit_blocks if dtx is not None else 0) * bs)
+        req.txs = txs
+        req.prefill_instance, req.prefill_node = p.prefill_instance, p.prefill_node
+        req.decode_instance, req.decode_node = p.decode_instance, p.decode_node
+        self.inbound[p.decode_instance] = self.inbound.get(p.decode_instance, 0) + 1
+        self.prefills[p.prefill_instance].push(req)
+
+    def _prefilled(self, req: SimRequest, arrive: float) -> None:
+        self.loop.at(arrive, self._kv_landed, req)
+        inst = self.prefills.get(req.prefill_instance)
+        if self.resizer is not None and inst is not None:
+            self.resizer.maybe_done(inst)
+
+    def _kv_landed(self, req: SimRequest) -> None:
+        now = self.loop.now()
+        dec = self.decodes[req.decode_instance]
+        self.inbound[dec.name] -= 1
+        if self.decode_gate is not None:
+            load = dec.load(now)
+            no = self.decode_gate.check(load.batch_size, load.waiting, load.kv_tokens,
+                                        req.num_tokens)
+            if no is not None:
+                self.placement.release(req.rid)
+                for node, tx in req.txs.values():
+                    self.cluster.abort(node, tx)
+                req.txs = {}
+                self._reject(req, "decode", no.reason)
+                if self.resizer is not None:
+                    self.resizer.maybe_done(dec)
+                return
+        req.first_token = now
+        self.placement.prefill_done(req.rid, now)
+        for node, tx in req.txs.values():  # prefill + source at first token, decode on load
+            self.cluster.commit(node, tx)
+        req.txs = {}
+        dec.add(req)
+
+    def _decoded(self, req: SimRequest) -> None:
+        self.placement.release(req.rid)
+        self._terminal()
+        if self.resizer is not None:
+            self.resizer.maybe_done(self.decodes[req.decode_instance])
+
+    def _reject(self, req: SimRequest, stage: str, reason: str) -> None:
+        req.state = "REJECTED"
+        req.reject_stage, req.reject_reason = stage, reason
+        forget = getattr(self.admission, "forget", None)
+        if forget is not None and stage != "admission":
+            forget(req.rid)  # predictive admission stops counting it
+        self._terminal()
+
+    def _terminal(self) -> None:
+        self.terminal += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+
+def simulate(trace: Sequence[TraceRequest], cfg: SimConfig | None = None, *,
+             progress: bool = False, **overrides) -> dict:
+    """Run ``trace`` through the simulator and return the summary dict (see
+    :func:`perigee.sim.metrics.summarize`). ``overrides`` replace fields of ``cfg``."""
+    from perigee.sim.metrics import summarize
+
+    cfg = replace(cfg or SimConfig(), **overrides)
+    return summarize(Simulator(trace, cfg, progress=progress).run())
+
+
+def simulate_slice(
+    trace: Sequence[TraceRequest],
+    *,
+    speedup: float = 1.0,
+    block_size: int = TRACE_BLOCK,
+    prefill: int = 1,
+    decode: int = 1,
+    speed: float = 1.0,
+    cost: CostModel | None = None,
+    **kw,
+) -> dict:
+    """The simulator's side of a live-vs-simulated comparison (issue 5 item 9): replay
+    ``trace`` as ``perigee replay --speedup speed --block-tokens block_size`` would
+    against a stack of ``prefill`` + ``decode`` workers whose mock engines run
+    ``cost`` (default: the analytic LLaMA3-70B model) at ``speedup``. Each trace hash id
+    is one block of ``block_size`` tokens, prompt lengths scaled the way
+    :class:`perigee.trace.PromptBuilder` scales them. ``kw`` sets any other
+    :class:`SimConfig` field (cache_tokens_per_node, policy, admission, max_batch,
+    output_scale, max_output, report_interval_s, ...). Returns the summary dict
+    (``cache_hit_rate``, ``ttft_s`` {mean, p50, p90, p99}, ...)."""
+    base = cost or CostModel()
+    cfg = SimConfig(prefill=prefill, decode=decode, block_size=block_size, speed=speed,
+                    cost=base.with_speedup(speedup), **kw)
+    return simulate(trace, cfg)

@@ -1,0 +1,23 @@
+"""perigee bench conductor on a small index: the shape of its result."""
+
+from perigee.bench import BENCHES
+from perigee.bench.conductor import build_index, run
+
+
+def test_index_holds_every_block_on_one_to_three_nodes():
+    import random
+
+    index = build_index(instances=8, blocks=640, chain=32, rng=random.Random(0))
+    assert index.num_blocks() == 640
+    assert len(index.nodes()) <= 8
+    m = index.match(list(range(32)))  # chain 0 is held by exactly one node
+    assert len(m) == 1 and list(m.values()) == [32]
+    assert len(index.match(list(range(64, 96)))) == 3  # chain 2: three replicas
+
+
+def test_run_reports_placement_latency():
+    s = run(instances=8, decodes=2, blocks=6400, chain=32, placements=200, warmup=10)
+    assert set(s["placement_us"]) >= {"p50", "p99"}
+    assert (s["instances"], s["indexed_blocks"], s["placements"]) == (8, 6400, 200)
+    assert s["placed"] == 200
+    assert BENCHES["conductor"] == "perigee.bench.conductor"
