@@ -63,6 +63,16 @@ class CostModel:
         """KV of ``tokens`` over the node's link, behind ``inflight_bytes`` already queued."""
         return self._scale((self.kv_bytes(tokens) + inflight_bytes) / self.nic_bw)
 
+    def decode_tbt(self, batch_size: float, context_tokens: float, max_batch: int = 0) -> float:
+        """The token interval sequences see when ``batch_size`` of them (running and
+        waiting) share an instance that steps at most ``max_batch`` at a time: past the
+        cap they take turns, ``ceil(batch / max_batch)`` steps of the smaller batch per
+        token. Without the cap a queue behind a full batch would look free."""
+        if max_batch <= 0 or batch_size <= max_batch:
+            return self.decode_step_time(batch_size, context_tokens)
+        rounds = math.ceil(batch_size / max_batch)
+        return rounds * self.decode_step_time(batch_size / rounds, context_tokens / rounds)
+
     def decode_step_time(self, batch_size: float, context_tokens: float) -> float:
         """One decode step of ``batch_size`` sequences holding ``context_tokens`` in all
         (fractional values are fine: predictions average over requests)."""

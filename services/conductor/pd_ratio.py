@@ -110,7 +110,9 @@ class PDRatioController:
         self.observe("prefill", load.instance, load.queued_work_s / ttft_slo_s)
 
     def observe_decode(self, load: DecodeLoad, tbt_slo_s: float) -> None:
-        self.observe("decode", load.instance, load.step_time_s / tbt_slo_s)
+        # A backlog past max_batch is load too: those sequences take turns with the batch.
+        rounds = math.ceil((load.batch_size + load.waiting) / load.max_batch) if load.max_batch else 1
+        self.observe("decode", load.instance, load.step_time_s * max(rounds, 1) / tbt_slo_s)
 
     def forget(self, instance: str) -> None:
         """The instance left a pool (switched, died): its latest load no longer counts."""

@@ -17,7 +17,8 @@ Per request and per live prefill instance ``i`` (on node ``node(i)``)::
     TTFT(i)   = T_transfer + T_queue + T_prefill          -> choose argmin
 
 Decode: argmin over live decode instances of
-``cost.decode_step_time(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n)``.
+``cost.decode_tbt(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n, max_batch)``
+(past ``max_batch`` the sequences take turns, so a backlog counts as load).
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
 rejects at decode after the prefill: services.admission.policy.DecodeSideCheck).
@@ -267,7 +268,7 @@ class PlacementPolicy:
         pending = self._by_decode.get(instance, {})
         batch = load.batch_size + load.waiting + len(pending) + 1
         ctx = load.kv_tokens + sum(d.tokens for d in pending.values()) + num_tokens
-        return self.cost.decode_step_time(batch, ctx)
+        return self.cost.decode_tbt(batch, ctx, load.max_batch)
 
     def dispatched(self) -> list[str]:
         return sorted(self._dispatches)

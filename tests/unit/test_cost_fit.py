@@ -246,3 +246,12 @@ def test_profile_cli_in_process_writes_a_loadable_model(tmp_path):
     assert isinstance(m, FittedCostModel) and m.fitted_speedup == 1000.0
     assert m.meta["source"] == "in-process mock engine"
     assert len(json.loads(raw.read_text())["prefill"]) == 10  # (64, 16) and (64, 48) round onto others
+
+
+def test_decode_tbt_counts_a_backlog_past_max_batch():
+    from services.common.cost_model import CostModel
+
+    c = CostModel()
+    assert c.decode_tbt(100, 1000, max_batch=128) == c.decode_step_time(100, 1000)
+    assert c.decode_tbt(256, 2000, max_batch=128) == 2 * c.decode_step_time(128, 1000)
+    assert c.decode_tbt(300, 3000, max_batch=0) == c.decode_step_time(300, 3000)
