@@ -84,6 +84,8 @@ class StoreInfo(Msg):
     used_blocks: int
     host: str = ""
     ts: float = 0.0
+    # Plain-TCP endpoint for object put/get (tcp://host:port); "" when not served.
+    obj_addr: str = ""
 
 
 class DumpRequest(Msg):

@@ -8,12 +8,13 @@ raw-socket sink. This process then, for 1, 4, 16 and 64 MiB, in interleaved roun
     raw_socket  the ceiling: 4 plain sockets, ``sendall`` of a quarter each into
                 ``recv_into`` on the peer, acked per stream (what the engine also waits for)
     shm         TransferEngine("shm") WRITE into the peer's shared memory
-    memcpy      the ceiling: one numpy copy of the same size inside this process
+    memcpy      the ceiling: one numpy copy of the same size inside this process, from
+                the same source buffer the shm run copies (same cache state)
     mooncake    Mooncake's own transfer engine (TCP protocol, P2P handshake), target
                 and initiator in two processes, ``transfer_sync_write`` of the same sizes;
-                run with the Python that can import ``mooncake`` (this one, or
-                --mooncake-python / $PERIGEE_MOONCAKE_PYTHON / /work/mooncake-venv), else
-                reported "unavailable"
+                run with the Python that can import ``mooncake`` (--mooncake-python,
+                $PERIGEE_MOONCAKE_PYTHON, this one, <repo>/.venv-mooncake,
+                /work/mooncake-venv), else reported "unavailable"
 
 Each figure is the median over ``--repeats`` runs after a warm-up; gbps is GB/s
 (10^9 bytes per second). JSON: {"unit": "GB/s", "results": [{"backend", "size_bytes",
@@ -38,7 +39,10 @@ import numpy as np
 MIB = 1 << 20
 SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 RAW_HDR = struct.Struct("<QQ")
-DEFAULT_MOONCAKE_PYTHONS = ("/work/mooncake-venv/bin/python", ".venv-mooncake/bin/python")
+DEFAULT_MOONCAKE_PYTHONS = (
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-mooncake", "bin", "python"),
+    "/work/mooncake-venv/bin/python",
+)
 
 # Run under the Python that has ``mooncake`` (no perigee imports): target or initiator.
 MOONCAKE_TE = r"""
@@ -182,34 +186,51 @@ def find_mooncake_python(explicit: str | None) -> str | None:
     return None
 
 
-def run_mooncake(py: str, sizes: list[int], repeats: int) -> tuple[dict[int, list[float]] | None, str]:
-    target = subprocess.Popen([py, "-c", MOONCAKE_TE, "target", str(max(sizes))],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = target.stdout.readline() if target.stdout else ""
-        info = json.loads(line or "{}")
-        if "session" not in info:
-            return None, f"mooncake target did not start: {line.strip()[:200]}"
-        out = subprocess.run([py, "-c", MOONCAKE_TE, "init", str(max(sizes)), json.dumps(info),
-                              json.dumps(sizes), str(repeats)],
+class MooncakeTE:
+    """Mooncake's transfer engine: a target process for the whole run, an initiator
+    process per size (so its runs sit right after ours for that size)."""
+
+    def __init__(self, py: str, size: int) -> None:
+        self.py = py
+        self.target = subprocess.Popen([py, "-c", MOONCAKE_TE, "target", str(size)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=subprocess.DEVNULL, text=True)
+        line = self.target.stdout.readline() if self.target.stdout else ""
+        try:
+            self.info = json.loads(line or "{}")
+        except ValueError:
+            self.info = {}
+        self.size = size
+        self.error = "" if "session" in self.info else f"mooncake target did not start: {line.strip()[:200]}"
+
+    def run(self, n: int, repeats: int) -> tuple[list[float] | None, str]:
+        if self.error:
+            return None, self.error
+        out = subprocess.run([self.py, "-c", MOONCAKE_TE, "init", str(self.size),
+                              json.dumps(self.info), json.dumps([n]), str(repeats)],
                              capture_output=True, text=True, timeout=600)
         last = (out.stdout.strip().splitlines() or ["{}"])[-1]
-        res = json.loads(last)
+        try:
+            res = json.loads(last)
+        except ValueError:
+            res = {}
         if "results" not in res:
             return None, f"mooncake initiator failed: {res.get('error', out.stderr[-300:])}"
-        return {int(k): v for k, v in res["results"].items()}, ""
-    finally:
-        if target.stdin:
-            target.stdin.close()
+        return res["results"][str(n)], ""
+
+    def close(self) -> None:
+        if self.target.stdin:
+            self.target.stdin.close()
         try:
-            target.wait(timeout=10)
+            self.target.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            target.kill()
+            self.target.kill()
 
 
 def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
           skip_mooncake: bool) -> dict:
+    """Per size: warm-up, then ``repeats`` rounds of tcp, raw_socket, memcpy, shm back to
+    back (each round's ratios are kept: the paired ratios), then Mooncake's runs."""
     from services.store.transfer_api import TransferEngine, TransferRequest
     from services.store.transport import Opcode
 
@@ -218,6 +239,16 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
                              "--size", str(top)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     runs: dict[tuple[str, int], list[float]] = {}
+    if skip_mooncake:
+        mc_why = "skipped (--no-mooncake)"
+    elif mooncake_py is None:
+        mc_why = ("mooncake is not importable here; pip install "
+                  "mooncake-transfer-engine-non-cuda in a separate venv and pass "
+                  "--mooncake-python")
+    else:
+        mc_why = ""
+    mc = MooncakeTE(mooncake_py, top) if mooncake_py and not skip_mooncake else None
+    mc_runs: dict[int, list[float]] = {}
     try:
         info = json.loads(proc.stdout.readline() if proc.stdout else "{}")
         tcp = TransferEngine("tcp", serve=False, sender_opts={"streams": streams})
@@ -227,7 +258,7 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
         tcp_buf[:] = os.urandom(top)
         shm_buf[:] = tcp_buf
         raw = RawSockets(info["raw_port"], streams)
-        a = np.frombuffer(tcp_buf, dtype=np.uint8)
+        a = np.frombuffer(shm_buf, dtype=np.uint8)  # the same source bytes the shm run copies
         b = np.empty(top, dtype=np.uint8)
         b[:] = 1  # touch every page
 
@@ -254,35 +285,44 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
                     t0 = time.perf_counter()
                     f(n)
                     runs.setdefault((name, n), []).append(_gbps(n, time.perf_counter() - t0))
+            if mc is not None and not mc_why:
+                got, mc_why = mc.run(n, repeats)
+                if got is not None:
+                    mc_runs[n] = got
         raw.close()
         tcp.close()
         shm.close()
     finally:
+        if mc is not None:
+            mc.close()
         if proc.stdin:
             proc.stdin.close()
         proc.wait(timeout=30)
 
     results = [{"backend": k, "size_bytes": n, "gbps": round(statistics.median(v), 3),
                 "runs": [round(x, 3) for x in v], "status": "ok"} for (k, n), v in runs.items()]
-    if skip_mooncake:
-        mc, why = None, "skipped (--no-mooncake)"
-    elif mooncake_py is None:
-        mc, why = None, ("mooncake is not importable here; pip install "
-                         "mooncake-transfer-engine-non-cuda in a separate venv and pass "
-                         "--mooncake-python")
-    else:
-        mc, why = run_mooncake(mooncake_py, sizes, repeats)
     for n in sizes:
-        if mc is None:
+        v = mc_runs.get(n)
+        if v is None:
             results.append({"backend": "mooncake", "size_bytes": n, "gbps": None, "runs": [],
-                            "status": "unavailable", "reason": why})
+                            "status": "unavailable", "reason": mc_why or "no result"})
         else:
-            v = mc[n]
             results.append({"backend": "mooncake", "size_bytes": n,
                             "gbps": round(statistics.median(v), 3),
                             "runs": [round(x, 3) for x in v], "status": "ok"})
     return {"unit": "GB/s", "repeats": repeats, "streams": streams, "results": results,
-            "ratios": ratios(results, sizes)}
+            "ratios": ratios(results, sizes), "paired_ratios": paired(runs, sizes)}
+
+
+def paired(runs: dict[tuple[str, int], list[float]], sizes: list[int]) -> dict[str, dict[str, float]]:
+    """Median over rounds of each round's own ratio (the two runs were back to back, so a
+    load swing on a shared box moves both)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
+                             "shm_vs_memcpy": ("shm", "memcpy")}.items():
+        out[name] = {str(n): round(statistics.median(
+            a / b for a, b in zip(runs[(num, n)], runs[(den, n)], strict=True)), 3) for n in sizes}
+    return out
 
 
 def ratios(results: list[dict], sizes: list[int]) -> dict[str, dict[str, float | None]]:
@@ -314,6 +354,11 @@ def render(report: dict) -> str:
         fmt = [rr[k][str(n)] for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "tcp_vs_mooncake")]
         lines.append(f"{n // MIB:>4} MiB  " + "".join(cells) + "   "
                      + "  ".join(f"{x:>8.2f}" if x is not None else f"{'n/a':>8}" for x in fmt))
+    pr = report["paired_ratios"]
+    lines.append("paired (per-round) medians: tcp/raw " + ", ".join(
+        f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr["tcp_vs_raw_socket"].items())
+        + "; shm/memcpy " + ", ".join(
+        f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr["shm_vs_memcpy"].items()))
     mc = [r for r in report["results"] if r["backend"] == "mooncake" and r["status"] != "ok"]
     if mc:
         lines.append(f"mooncake: unavailable ({mc[0]['reason']})")
@@ -324,7 +369,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="perigee bench transfer", description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--sizes-mib", default="1,4,16,64", help="comma-separated sizes in MiB")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--streams", type=int, default=4, help="TCP streams (engine and raw sockets)")
     p.add_argument("--mooncake-python", default=None,
                    help="a Python that can import mooncake (default: search)")
@@ -338,7 +383,12 @@ def main(argv: list[str]) -> int:
     py = None if args.no_mooncake else find_mooncake_python(args.mooncake_python)
     report = bench(sizes, max(1, args.repeats), max(1, args.streams), py, args.no_mooncake)
     report["mooncake_python"] = py
+    from services.store.transport import backends
+
+    report["backends"] = {k: {"ok": v.ok, "reason": v.reason} for k, v in backends().items()}
     print(render(report))
+    if not report["backends"]["rdma"]["ok"]:
+        print(f"rdma: skipped ({report['backends']['rdma']['reason']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

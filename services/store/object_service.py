@@ -61,14 +61,14 @@ class ObjectService:
         hashes = object_hashes(h.key, self._version, n)
         retention = Retention(h.retention) if h.retention in (0, 2) else Retention.DEFAULT
         self.block_hashes.update(hashes)
-        slots, events = s.pool.put_blocks(hashes, retention)
+        # No write-back: the key table is not persisted, so SSD copies would outlive it.
+        slots, events = s.pool.put_blocks(hashes, retention, writeback=False)
         s.apply(events)
         if isinstance(slots, Refused):
             self.block_hashes.difference_update(hashes)
             raise wire.WireError(f"object {h.key!r} ({h.size} bytes): {slots.message}",
                                  slots.reason, h.id)
         wire.scatter(payload, _trim(s.arena.spans(slots, 0, s.block_bytes), h.size))
-        s.tiers.wake()
         old = self.table.get(h.key)
         self.table[h.key] = _Meta(h.size, hashes)
         if old is not None:
@@ -79,9 +79,9 @@ class ObjectService:
 
     def get(self, h: wire.ObjGet) -> tuple[Any, list[Any]]:
         data = self.read(h.key)
-        if data is None:
+        if data is None:  # a miss is an answer, not an error worth a log line
             self.counters["obj_misses"] += 1
-            raise wire.WireError(f"object {h.key!r} is not on this node", "missing", h.id)
+            return wire.Err(id=h.id, code="missing", message=f"object {h.key!r} is not on this node"), []
         self.counters["obj_gets"] += 1
         self.counters["obj_bytes_out"] += sum(len(d) for d in data)
         return wire.Ok(id=h.id, nbytes=sum(len(d) for d in data)), list(data)

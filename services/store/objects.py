@@ -8,11 +8,14 @@ change_replica), with replicas on distinct nodes.
     await objs.remove("key")
 
 Placement is :mod:`services.store.replicas` (rendezvous hashing over the live nodes):
-no master, every client agrees. Values travel over the stores' ZeroMQ data plane
-(one request, one reply); control (stat, remove, replicate) over NATS request/reply.
+no master, every client agrees. Values travel in one request and one reply over the
+store's plain-TCP object endpoint (``StoreInfo.obj_addr``; the ZeroMQ data plane when a
+request is already in flight on that link); control (stat, remove, replicate) over
+NATS request/reply.
 """
 
 import asyncio
+import socket
 
 import zmq.asyncio
 from nats.aio.client import Client as NATS
@@ -20,7 +23,7 @@ from nats.aio.client import Client as NATS
 from bus_schemas import subjects
 from bus_schemas.control import ObjectDone, ObjectKey, ObjectReplicate, Refused, StoreInfo
 from services.common.bus import request
-from services.store import replicas, wire
+from services.store import object_server, replicas, wire
 from services.store.channel import ChannelError, PeerPool, next_id
 from services.store.client import TransferError, fetch_info
 
@@ -32,12 +35,73 @@ class ObjectError(RuntimeError):
         self.message = message
 
 
+_KIND = {wire.ObjPut: wire.Kind.OBJ_PUT, wire.ObjGet: wire.Kind.OBJ_GET}
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class _TcpLink:
+    """One plain-TCP connection to a store's object endpoint, one request at a time,
+    awaited inline (busy -> the caller takes the multiplexed ZeroMQ channel). Any
+    failure closes it (a late reply must not be read as the next one's)."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.busy = False
+
+    async def request(self, header, payload, timeout: float):
+        self.busy = True
+        try:
+            async with asyncio.timeout(timeout):
+                if self.writer is None:
+                    host, port = _split(self.addr)
+                    self.reader, self.writer = await asyncio.open_connection(host, port)
+                    sock = self.writer.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                assert self.reader is not None
+                self.writer.write(object_server.encode(_KIND[type(header)], header, payload))
+                n = int.from_bytes(await self.reader.readexactly(4), "little")
+                frame = memoryview(await self.reader.readexactly(n))
+            kind, reply, data = object_server.decode(frame)
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, wire.WireError) as e:
+            self.close()
+            code = "timeout" if isinstance(e, TimeoutError) else "closed"
+            raise ChannelError(code, f"object request to {self.addr}: {e or type(e).__name__}") from None
+        finally:
+            self.busy = False
+        if kind == wire.Kind.ERR:
+            raise ChannelError(reply.code, reply.message)
+        return kind, reply, [data] if len(data) else []
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
 class ObjectClient:
     def __init__(self, nc: NATS, infos: dict[str, StoreInfo], timeout_s: float) -> None:
         self.nc = nc
         self.infos = infos
         self.timeout_s = timeout_s
-        self.peers = PeerPool(zmq.asyncio.Context.instance(), max_peers=max(8, len(infos)))
+        ctx = zmq.asyncio.Context.instance()
+        self.peers = PeerPool(ctx, max_peers=max(8, len(infos)))
+        self._links = {n: _TcpLink(i.obj_addr) for n, i in infos.items() if i.obj_addr}
+
+    async def _request(self, node: str, header, payload=()):
+        """Over the store's plain-TCP object endpoint when it has one and the link is free,
+        else over the ZeroMQ data plane (which multiplexes concurrent requests)."""
+        link = self._links.get(node)
+        if link is not None and not link.busy:
+            return await link.request(header, payload, self.timeout_s)
+        return await self.peers.request(self.infos[node].data_addr, header, payload,
+                                        timeout=self.timeout_s)
 
     @classmethod
     async def connect(cls, nc: NATS, nodes: list[str], *, timeout: float = 10.0,
@@ -67,7 +131,7 @@ class ObjectClient:
     async def _put(self, node: str, key: str, value: bytes | memoryview, retention: int) -> None:
         h = wire.ObjPut(id=next_id(), key=key, size=len(value), retention=retention)
         try:
-            await self.peers.request(self.infos[node].data_addr, h, [value], timeout=self.timeout_s)
+            await self._request(node, h, [value])
         except ChannelError as e:
             raise ObjectError(e.code, f"put {key!r} on {node}: {e.message}") from None
 
@@ -76,13 +140,11 @@ class ObjectClient:
         last = "no store"
         for node in self.placement(key):
             try:
-                _, _, data = await self.peers.request(
-                    self.infos[node].data_addr, wire.ObjGet(id=next_id(), key=key),
-                    timeout=self.timeout_s)
+                _, _, data = await self._request(node, wire.ObjGet(id=next_id(), key=key))
             except ChannelError as e:
                 last = f"{node}: {e.code}"
                 continue
-            return b"".join(bytes(d) for d in data) if len(data) != 1 else bytes(data[0])
+            return b"".join(bytes(d) for d in data)
         raise KeyError(f"object {key!r} not found ({last})")
 
     async def holders(self, key: str) -> set[str]:
@@ -119,7 +181,98 @@ class ObjectClient:
         return p.keep
 
     async def close(self) -> None:
+        for link in self._links.values():
+            link.close()
         await self.peers.aclose()
 
 
-__all__ = ["ObjectClient", "ObjectError", "TransferError"]
+
+
+class SyncObjectClient:
+    """Blocking put / get for callers without an event loop (the shape of Mooncake's
+    Python store API), over each store's plain-TCP object endpoint. Placement is the
+    same rendezvous ranking as :class:`ObjectClient`; remove and change_replica need
+    NATS and live there.
+
+        objs = SyncObjectClient({"p0": info.obj_addr, ...})   # or .of(async_client)
+        objs.put("key", b"value", replicas=2); objs.get("key"); objs.close()
+    """
+
+    def __init__(self, addrs: dict[str, str], timeout_s: float = 5.0) -> None:
+        self.addrs = dict(addrs)
+        self.timeout_s = timeout_s
+        self._socks: dict[str, socket.socket] = {}
+        self._hdr = memoryview(bytearray(4))
+
+    @classmethod
+    def of(cls, client: ObjectClient) -> "SyncObjectClient":
+        missing = [n for n, i in client.infos.items() if not i.obj_addr]
+        if missing:
+            raise ObjectError("bad_request", f"stores {missing} serve no object endpoint")
+        return cls({n: i.obj_addr for n, i in client.infos.items()}, client.timeout_s)
+
+    def placement(self, key: str) -> list[str]:
+        return replicas.rank(key, list(self.addrs))
+
+    def _sock(self, node: str) -> socket.socket:
+        s = self._socks.get(node)
+        if s is None:
+            s = socket.create_connection(_split(self.addrs[node]), timeout=self.timeout_s)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._socks[node] = s
+        return s
+
+    def _request(self, node: str, header, payload=()) -> memoryview:
+        try:
+            s = self._sock(node)
+            s.sendall(object_server.encode(_KIND[type(header)], header, payload))
+            _recv_into(s, self._hdr)
+            frame = memoryview(bytearray(int.from_bytes(self._hdr, "little")))
+            _recv_into(s, frame)
+            kind, reply, data = object_server.decode(frame)
+        except (OSError, ConnectionError, wire.WireError) as e:
+            bad = self._socks.pop(node, None)
+            if bad is not None:
+                bad.close()
+            code = "timeout" if isinstance(e, TimeoutError) else "closed"
+            raise ObjectError(code, f"object request to {node}: {e}") from None
+        if kind == wire.Kind.ERR:
+            raise ObjectError(reply.code, reply.message)
+        return data
+
+    def put(self, key: str, value: bytes | memoryview, replicas: int = 1, retention: int = 0) -> list[str]:
+        if not 1 <= replicas <= len(self.addrs):
+            raise ObjectError("bad_request", f"replicas must be 1..{len(self.addrs)}, got {replicas}")
+        nodes = self.placement(key)[:replicas]
+        for n in nodes:
+            self._request(n, wire.ObjPut(id=next_id(), key=key, size=len(value), retention=retention),
+                          [value])
+        return nodes
+
+    def get(self, key: str) -> bytes:
+        last = "no store"
+        for node in self.placement(key):
+            try:
+                data = self._request(node, wire.ObjGet(id=next_id(), key=key))
+            except ObjectError as e:
+                last = f"{node}: {e.code}"
+                continue
+            return bytes(data)
+        raise KeyError(f"object {key!r} not found ({last})")
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close()
+        self._socks.clear()
+
+
+def _recv_into(s: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = s.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("store closed the connection")
+        got += n
+
+
+__all__ = ["ObjectClient", "ObjectError", "SyncObjectClient", "TransferError"]

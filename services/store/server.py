@@ -17,6 +17,7 @@ Lifecycle::
                  perigee.store.<node>.obj.remove   ObjectKey -> ObjectDone
                  perigee.store.<node>.obj.replicate ObjectReplicate -> ObjectDone | Refused
                  perigee.ctl.kv.replicate          Replicate (acted on by dest_node's store)
+           TCP   object put/get on StoreInfo.obj_addr (services.store.object_server)
            tasks data-plane   ROUTER loop (SHIP/PULL from workers, WRITE/READ from peers)
                  announce     StoreInfo on perigee.store.announce every announce interval
                  lease-sweep  aborts transactions whose lease ran out, drops expired pins
@@ -69,6 +70,7 @@ from services.common.bus import Subscriptions, publish
 from services.common.clock import Clock, WallClock
 from services.store import replication, tiering
 from services.store.arena import Arena
+from services.store.object_server import ObjectServer
 from services.store.object_service import ObjectService
 from services.store.tiers import TieredBlockPool
 from services.store.transfer import DataPlane
@@ -124,6 +126,7 @@ class StoreService:
         self.vram_capacity_blocks = vram_capacity_blocks
         self.tiers = tiering.Tiers(self)
         self.objects = ObjectService(self)
+        self.obj_server: ObjectServer | None = None
         self.replay = tiering.ReplayBuffer(replay_batches)
         self.arena: Arena | None = None
         self.data: DataPlane | None = None
@@ -153,6 +156,8 @@ class StoreService:
             advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
         )
         self.data.objects = self.objects
+        self.obj_server = ObjectServer(self.objects)
+        await self.obj_server.start(self.host, advertise)
         self.tiers.open()  # SSD files / GPU memory; reloads what a previous run left on SSD
         loop = asyncio.get_running_loop()
         for name, coro in (
@@ -201,6 +206,8 @@ class StoreService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.data is not None:
             await self.data.close()
+        if self.obj_server is not None:
+            await self.obj_server.close()
         self.tiers.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
@@ -218,10 +225,12 @@ class StoreService:
             shm_name=self.arena.name, block_size=self.block_size, block_bytes=self.block_bytes,
             capacity_blocks=self.capacity, used_blocks=self.pool.used_blocks,
             host=socket.gethostname(), ts=time.time(),
+            obj_addr=self.obj_server.addr if self.obj_server is not None else "",
         )
 
     def stats(self) -> WorkerStats:
-        counters = {**self.pool.stats(), **(self.data.counters if self.data else {})}
+        counters = {**self.pool.stats(), **(self.data.counters if self.data else {}),
+                    **self.objects.counters}
         counters["seq"] = self.seq
         return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
 
@@ -259,6 +268,8 @@ class StoreService:
 
     async def _dump(self, req: DumpRequest, _m: NatsMsg) -> DumpPage:
         hashes, nxt = self.pool.dump(req.cursor, req.limit)
+        if self.objects.block_hashes:  # objects are not KV: kept out of dumps as of events
+            hashes = [h for h in hashes if h not in self.objects.block_hashes]
         return DumpPage(node=self.node, epoch=self.epoch, seq=self.seq, block_hashes=hashes,
                         next_cursor=nxt)
 

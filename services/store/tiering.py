@@ -94,8 +94,8 @@ class Tiers:
         moves = self.s.pool.take_moves()
         if moves:
             execute(moves, self.stores, self.s.block_bytes)
-        if self.s.pool.ssd_dirty and self.ssd is not None and not self.s.pool.writeback:
-            self.save()
+        if self.s.pool.ssd_dirty and self.ssd is not None:
+            self.wake()  # the write-back task saves the index (off this step)
 
     def wake(self) -> None:
         self._wake.set()

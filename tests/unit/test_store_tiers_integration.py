@@ -37,7 +37,7 @@ from bus_schemas.load import WorkerStats
 from bus_schemas.requests import Retention
 from services.common.bus import request
 from services.store.client import StoreClient, fetch_info
-from services.store.objects import ObjectClient
+from services.store.objects import ObjectClient, SyncObjectClient
 
 ROOT = Path(__file__).resolve().parents[2]
 BS, BB = 4, 16 * 1024
@@ -168,6 +168,12 @@ async def test_objects_replicas_and_block_replication(nats_url):
             assert await objs.remove("k1") == keep
             with pytest.raises(KeyError):
                 await objs.get("k1")
+            sync = SyncObjectClient.of(objs)  # blocking client, same placement
+            assert sync.put("k2", value, replicas=2) == objs.placement("k2")[:2]
+            assert sync.get("k2") == value and await objs.get("k2") == value
+            with pytest.raises(KeyError):
+                sync.get("k3")
+            sync.close()
             await objs.close()
 
             client = await StoreClient.connect(nc, "oa", timeout=30)

@@ -156,3 +156,25 @@ def test_bad_target_and_closed_sender():
     tx.close()
     t = tx.submit(Request(Opcode.WRITE, memoryview(b"1"), "tcp://127.0.0.1:1", 1, 0))
     assert t.poll() == Poll.FAILED and t.error.code == "closed"
+
+
+async def test_engine_batch_to_a_dead_peer_ends_failed_and_frees():
+    from services.store.transfer_api import TransferEngine, TransferRequest
+
+    a, b = TransferEngine("tcp"), TransferEngine("tcp")
+    try:
+        src = a.register_local_memory(bytearray(b"z" * 4096))
+        dst_buf = bytearray(4096)
+        dst = b.register_local_memory(dst_buf)
+        bid = a.allocate_batch_id(2)
+        a.submit_transfer(bid, [
+            TransferRequest(Opcode.WRITE, src, 0, 4096, b.segment, dst, 0, checksum=True),
+            TransferRequest(Opcode.WRITE, src, 0, 4096, f"tcp://127.0.0.1:{free_port()}", dst, 0),
+        ])
+        statuses = await a.wait_batch(bid, timeout=WAIT)
+        assert [s.state for s in statuses] == [Poll.SUCCESS, Poll.FAILED]
+        assert statuses[1].code == "unreachable" and dst_buf == b"z" * 4096
+        assert a.free_batch_id(bid) == 0 and a.open_batches == 0
+    finally:
+        a.close()
+        b.close()

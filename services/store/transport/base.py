@@ -83,66 +83,87 @@ def crc32(buf: memoryview | bytes) -> int:
 
 
 class Ticket:
-    """Completion of one request, shared between the submitter and the worker threads."""
+    """Completion of one request, shared between the submitter and the worker threads.
+
+    Cheap to make: the waitable event only exists once someone waits on an unfinished
+    ticket (most small transfers have finished by then)."""
+
+    __slots__ = ("length", "_lock", "_finished", "_event", "_left", "state", "transferred",
+                 "error", "_callbacks")
 
     def __init__(self, length: int, slices: int = 1) -> None:
         self.length = length
         self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._finished = False
+        self._event: threading.Event | None = None
         self._left = max(1, slices)
         self.state = Poll.PENDING
         self.transferred = 0
         self.error: TransportError | None = None
-        self._callbacks: list[Callable[[Ticket], None]] = []
+        self._callbacks: list[Callable[[Ticket], None]] | None = None
 
     def poll(self) -> Poll:
         return self.state
 
     def started(self) -> None:
-        with self._lock:
-            if self.state == Poll.PENDING:
-                self.state = Poll.TRANSFERRING
+        if self.state == Poll.PENDING:
+            with self._lock:
+                if self.state == Poll.PENDING:
+                    self.state = Poll.TRANSFERRING
 
     def slice_done(self, nbytes: int) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._finished:
                 return
             self.transferred += nbytes
             self._left -= 1
             if self._left > 0:
                 return
             self.state = Poll.SUCCESS
+            self._finished = True
         self._finish()
 
     def fail(self, error: TransportError) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._finished:
                 return
             self.state = Poll.FAILED
             self.error = error
+            self._finished = True
         self._finish()
 
     def _finish(self) -> None:
-        self._done.set()
-        for cb in self._callbacks:
+        with self._lock:
+            ev, cbs = self._event, self._callbacks
+        if ev is not None:
+            ev.set()
+        for cb in cbs or ():
             cb(self)
 
     def on_done(self, cb: Callable[["Ticket"], None]) -> None:
         """Call ``cb(ticket)`` once the ticket ends (at once if it already has); ``cb``
         runs on whichever thread ended it."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(cb)
                 return
         cb(self)
 
     def wait(self, timeout: float | None = None) -> Poll:
-        self._done.wait(timeout)
+        with self._lock:
+            if self._finished:
+                return self.state
+            if self._event is None:
+                self._event = threading.Event()
+            ev = self._event
+        ev.wait(timeout)
         return self.state
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._finished
 
 
 @dataclass

@@ -8,7 +8,7 @@ most ``max_bytes`` a slice, and slices are dealt round robin starting at ``start
 
 from dataclasses import dataclass
 
-MIN_SLICE = 64 * 1024
+MIN_SLICE = 512 * 1024  # below this a slice costs more in hand-offs than parallel streams win
 MAX_SLICE = 4 << 20
 
 

@@ -3,7 +3,11 @@
 A :class:`ShmReceiver` publishes a small descriptor (``/dev/shm/perigee-seg-<token>.json``:
 region id -> shared-memory name, base offset, size) and advertises ``shm://<token>``.
 A :class:`ShmSender` reads the descriptor once, maps each named segment (prefaulted),
-and serves a request with one memcpy on its copy thread: no socket, no kernel copy.
+and serves a request with one memcpy: no socket, no kernel copy. The copy runs on the
+submitting thread (the ticket has ended when ``submit`` returns): handing it to a
+thread costs a wake-up that, on a busy host, takes longer than copying megabytes;
+requests of ``inline_below`` bytes or more go to the copy thread instead, for callers
+that must not block.
 Mapped segments are pooled per target (SIEVE, capped) like network endpoints.
 
 Only regions registered with a shared-memory ``name`` can be exposed this way.
@@ -165,7 +169,7 @@ class ShmSender(Sender):
     scheme = "shm"
 
     def __init__(self, max_targets: int = 64, copy_threads: int = 1,
-                 inline_below: int = 4 << 20) -> None:
+                 inline_below: int = 1 << 62) -> None:
         self.inline_below = inline_below
         self._lock = threading.Lock()
         self._pool: SievePool[str, _Mapping] = SievePool(max_targets)

@@ -4,8 +4,9 @@ Lifecycle::
 
     submit(req) -> Ticket            request sliced (slicing.plan) over the endpoint's streams
       endpoint = pool[target]        made on demand: ``streams`` TCP connections, each with
-                                     a send thread (headers + WRITE payload) and a reply
-                                     thread (acks + READ payload, first-in first-out)
+                                     one thread that sends what is queued (headers + WRITE
+                                     payload) and reads replies (acks + READ payload, first
+                                     in first out) while nothing is
       slice -> stream queue -> in flight -> acked (Ticket.slice_done) | failed
     a stream that breaks (reset, EOF, timeout, connect refused) hands every queued and
     in-flight slice to another live stream of the endpoint; a slice that has failed on
@@ -19,7 +20,6 @@ caller's memory, READ payloads arrive with ``recv_into`` the caller's memory.
 
 import socket
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,9 +87,7 @@ class _Stream:
         self._queue: deque[_Slice] = deque()
         self._inflight: deque[_Slice] = deque()
         self._seq = 0
-        self._sent_ts = 0.0
-        self._ready = threading.Event()
-        threading.Thread(target=self._send_loop, name=f"tcp-send-{index}", daemon=True).start()
+        threading.Thread(target=self._run, name=f"tcp-stream-{index}", daemon=True).start()
 
     @property
     def load(self) -> int:
@@ -103,9 +101,11 @@ class _Stream:
             self._cv.notify()
         return True
 
-    # -------------------------------------------------------------- threads
+    # -------------------------------------------------------------- thread
 
-    def _send_loop(self) -> None:
+    def _run(self) -> None:
+        """One thread per stream: send whatever is queued, then read replies while
+        nothing is (a thread per direction would cost a context switch per slice)."""
         try:
             sock = socket.create_connection(self.ep.addr, timeout=self.ep.connect_timeout_s)
             frames.tune(sock)
@@ -116,73 +116,65 @@ class _Stream:
             return
         self.sock = sock
         self.connected = True
-        threading.Thread(target=self._reply_loop, name=f"tcp-reply-{self.index}", daemon=True).start()
-        try:
-            while True:
-                with self._cv:
-                    while not self._queue and not self.broken:
-                        self._cv.wait()
-                    if self.broken:
-                        return
-                    s = self._queue.popleft()
-                    self._seq += 1
-                    s.seq = self._seq
-                    if not self._inflight:
-                        self._sent_ts = time.monotonic()
-                    self._inflight.append(s)
-                s.ticket.started()
-                flags = FLAG_CRC if s.checksum else 0
-                if s.opcode == Opcode.WRITE:
-                    crc = crc32(s.view) if s.checksum else 0
-                    hdr = REQ.pack(1, flags, 0, s.region, s.seq, s.offset, len(s.view), crc)
-                    _sendmsg_all(sock, [hdr, s.view])
-                else:
-                    sock.sendall(REQ.pack(0, flags, 0, s.region, s.seq, s.offset, len(s.view), 0))
-        except (OSError, ValueError) as e:
-            self._break(f"stream to {self.ep.target} broke: {e}")
-
-    def _reply_loop(self) -> None:
-        sock = self.sock
-        assert sock is not None
         hdr = memoryview(bytearray(REP.size))
         try:
             while True:
-                try:
-                    frames.recv_exact(sock, hdr)
-                except TimeoutError:
-                    with self._cv:
-                        idle = not self._inflight
-                    if idle and not self.broken:
-                        continue
-                    raise
-                status, crc, seq, length = REP.unpack(hdr)
                 with self._cv:
-                    s = self._inflight[0] if self._inflight else None
-                if s is None or s.seq != seq:
-                    raise ConnectionError(f"reply {seq} out of step")
-                if status == Status.OK:
-                    if s.opcode == Opcode.READ:
-                        frames.recv_exact(sock, s.view)
-                        if s.checksum and crc32(s.view) != crc:
-                            self._pop(s)
-                            s.ticket.fail(TransportError(
-                                "checksum", f"READ from {self.ep.target} region {s.region} "
-                                f"offset {s.offset}: checksum mismatch"))
-                            continue
-                    self._pop(s)
-                    s.ticket.slice_done(len(s.view))
-                elif status == Status.CHECKSUM:
-                    self._pop(s)
-                    s.ticket.fail(TransportError(
-                        "checksum", f"{self.ep.target} rejected WRITE to region {s.region} "
-                        f"offset {s.offset}: checksum mismatch"))
+                    while not self._queue and not self._inflight and not self.broken:
+                        self._cv.wait()
+                    if self.broken:
+                        return
+                    s = self._queue.popleft() if self._queue else None
+                    if s is not None:
+                        self._seq += 1
+                        s.seq = self._seq
+                        self._inflight.append(s)
+                if s is not None:
+                    self._send(sock, s)
                 else:
-                    msg = memoryview(bytearray(length))
-                    frames.recv_exact(sock, msg)
-                    self._pop(s)
-                    s.ticket.fail(TransportError("refused", f"{self.ep.target}: {bytes(msg).decode(errors='replace')}"))
+                    self._reply(sock, hdr)
         except (OSError, ConnectionError, ValueError) as e:
             self._break(f"stream to {self.ep.target} broke: {e}")
+
+    def _send(self, sock: socket.socket, s: _Slice) -> None:
+        s.ticket.started()
+        flags = FLAG_CRC if s.checksum else 0
+        if s.opcode == Opcode.WRITE:
+            crc = crc32(s.view) if s.checksum else 0
+            hdr = REQ.pack(1, flags, 0, s.region, s.seq, s.offset, len(s.view), crc)
+            _sendmsg_all(sock, [hdr, s.view])
+        else:
+            sock.sendall(REQ.pack(0, flags, 0, s.region, s.seq, s.offset, len(s.view), 0))
+
+    def _reply(self, sock: socket.socket, hdr: memoryview) -> None:
+        frames.recv_exact(sock, hdr)
+        status, crc, seq, length = REP.unpack(hdr)
+        with self._cv:
+            s = self._inflight[0] if self._inflight else None
+        if s is None or s.seq != seq:
+            raise ConnectionError(f"reply {seq} out of step")
+        if status == Status.OK:
+            if s.opcode == Opcode.READ:
+                frames.recv_exact(sock, s.view)
+                if s.checksum and crc32(s.view) != crc:
+                    self._pop(s)
+                    s.ticket.fail(TransportError(
+                        "checksum", f"READ from {self.ep.target} region {s.region} "
+                        f"offset {s.offset}: checksum mismatch"))
+                    return
+            self._pop(s)
+            s.ticket.slice_done(len(s.view))
+        elif status == Status.CHECKSUM:
+            self._pop(s)
+            s.ticket.fail(TransportError(
+                "checksum", f"{self.ep.target} rejected WRITE to region {s.region} "
+                f"offset {s.offset}: checksum mismatch"))
+        else:
+            msg = memoryview(bytearray(length))
+            frames.recv_exact(sock, msg)
+            self._pop(s)
+            s.ticket.fail(TransportError("refused", f"{self.ep.target}: "
+                                         f"{bytes(msg).decode(errors='replace')}"))
 
     def _pop(self, s: _Slice) -> None:
         with self._cv:
