@@ -193,12 +193,7 @@ class AdmissionService:
         message: str,
         retry_after_s: float | None = None,
     ) -> None:
-        metrics.count_rejection("admission", code, message)
-        await bus.publish(
-            self.nc,
-            reply,
-            Error(request_id=request_id, code=code, message=message, retry_after_s=retry_after_s),
-        )
+        await bus.send_error(self.nc, "admission", request_id, reply, code, message, retry_after_s)
 
 
 def _salvage(data: bytes) -> tuple[str, str]:

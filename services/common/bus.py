@@ -22,6 +22,8 @@ from opentelemetry import trace
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
+from bus_schemas.requests import Error, ErrorCode
+from services.common import metrics
 from tracing import extract, inject, tracer
 
 log = structlog.get_logger()
@@ -95,6 +97,21 @@ class RemoteError(RuntimeError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
         self.kind = kind
+
+
+async def send_error(
+    nc: NATS,
+    service: str,
+    request_id: str,
+    reply: str,
+    code: int,
+    message: str,
+    retry_after_s: float | None = None,
+) -> None:
+    """Fail a request on its stream subject (and count it by reason)."""
+    metrics.count_rejection(service, code, message)
+    await publish(nc, reply, Error(request_id=request_id, code=ErrorCode(code), message=message,
+                                   retry_after_s=retry_after_s))
 
 
 class Subscriptions:

@@ -48,7 +48,7 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus, metrics
+from services.common import bus
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
@@ -423,12 +423,7 @@ class ConductorService:
         message: str,
         retry_after_s: float | None = None,
     ) -> None:
-        metrics.count_rejection("conductor", code, message)
-        await bus.publish(
-            self.nc,
-            reply,
-            Error(request_id=request_id, code=code, message=message, retry_after_s=retry_after_s),
-        )
+        await bus.send_error(self.nc, "conductor", request_id, reply, code, message, retry_after_s)
 
     # ------------------------------------------------------------ housekeeping
 
