@@ -298,6 +298,7 @@ class PrefillWorker:
             # Layers are contiguous inside a block, so a run of finished layers ships as
             # one span: while one ship is on the wire the next layers queue up behind it,
             # and a link slower than compute gets fewer, larger transfers.
+            await asyncio.sleep(0)  # let layers that finish in the same tick join this run
             while ready:
                 first, last = ready[0], ready[0]
                 while len(ready) > last - first + 1 and ready[last - first + 1] == last + 1:

@@ -43,7 +43,8 @@ class FakeStore:
         self.node = node
         self.block_bytes = block_bytes
         self.mem = bytearray(capacity * block_bytes)
-        self.ships: list[tuple[int, tuple[int, ...]]] = []  # (layer, blocks)
+        self.ships: list[tuple[int, tuple[int, ...]]] = []  # (first layer, blocks) per ship
+        self.spans: list[tuple[int, int, tuple[int, ...]]] = []  # (offset, bytes, blocks)
         self.pulls: list[RemotePrefix] = []
         net[node] = self
 
@@ -62,6 +63,7 @@ class FakeStore:
         for b in blocks:
             peer.slot(dst.slots[b])[span] = self.slot(src.slots[b])[span]
         self.ships.append((layer, tuple(blocks)))
+        self.spans.append((layer_offset, layer_bytes, tuple(blocks)))
 
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None:
         assert dst.node == self.node
@@ -244,3 +246,12 @@ def tokens_of(events: list) -> list[int]:
             assert ev.index == len(toks), "Tokens indices must be contiguous"
             toks.extend(ev.token_ids)
     return toks
+
+
+def shipped_layers(store: "FakeStore", layer_bytes: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Every (layer, blocks) the ships covered, in order: finished layers may travel
+    together in one span, but each must go exactly once."""
+    out = []
+    for offset, length, blocks in store.spans:
+        out += [(layer, blocks) for layer in range(offset // layer_bytes, (offset + length) // layer_bytes)]
+    return out

@@ -4,7 +4,14 @@ import asyncio
 
 import msgspec
 import pytest
-from conftest_fakestore import Rig, assert_expected, slot_kv, tokens_of, until_terminal
+from conftest_fakestore import (
+    Rig,
+    assert_expected,
+    shipped_layers,
+    slot_kv,
+    tokens_of,
+    until_terminal,
+)
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -33,7 +40,8 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert dt.first_token == ref[0] and dt.cached_tokens == 32 and dt.prefill_done_ts > 0
 
     # every layer shipped, blocks the decode node already had skipped
-    assert rig.p.ships == [(layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)]
+    assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
+        (layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)]
     assert_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, 100), prompt)
     assert_expected(slot_kv(rig.p, rig.layout, t.prefill_tx.slots, 100), prompt)
 
@@ -64,7 +72,8 @@ async def test_remote_prefix_is_pulled_before_compute(rig):
     assert tokens_of(events) == rig.reference(prompt, 3)
     assert events[-1].cached_tokens == 64
     assert rig.p.pulls == [t.remote]
-    assert rig.p.ships == [(layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)]
+    assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
+        (layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)]
     pc = await rig.stats("prefill", rig.pi)
     assert (pc["remote_tokens_pulled"], pc["prefix_tokens_loaded"], pc["computed_tokens"]) == (
         64, 64, 16)
