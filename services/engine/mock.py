@@ -15,6 +15,7 @@ every step still yields to the event loop.
 """
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class MockEngine(Engine):
         *,
         max_batch: int = 128,
         sleep: SleepFn | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -69,6 +71,13 @@ class MockEngine(Engine):
         self.cost = cost
         self.max_batch = max_batch
         self._sleep = sleep or asyncio.sleep
+        # Pacing is by deadline: the cost model's time includes the mock's own numpy work,
+        # so a prefill takes cost.prefill_time of wall time, not that plus the bookkeeping.
+        # A test that injects ``sleep`` alone gets virtual time that moves only by what
+        # was slept, so the requested durations stay exact.
+        self._virtual = clock is None and sleep is not None
+        self._vt = 0.0
+        self._now = clock or ((lambda: self._vt) if self._virtual else time.monotonic)
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
         self._by_id: dict[str, _Req] = {}
@@ -107,8 +116,15 @@ class MockEngine(Engine):
     async def _pause(self, seconds: float) -> None:
         if seconds > 0:
             await self._sleep(seconds)
+            if self._virtual:
+                self._vt += seconds
         else:
             await asyncio.sleep(0)
+
+    async def _pace(self, nominal: float, deadline: float) -> None:
+        """Sleep until ``deadline`` (``nominal`` seconds after its start, as the cost
+        model says); under virtual time exactly ``nominal``."""
+        await self._pause(nominal if self._virtual else deadline - self._now())
 
     # -- prefill --
     async def prefill(self, job: PrefillJob) -> int:
@@ -126,12 +142,13 @@ class MockEngine(Engine):
         hashes = synth.prefix_hashes(prompt)
         per_layer = self.cost.prefill_time(n, p) / self.spec.num_layers
         big = n * job.kv.layout.row * 2 >= THREAD_ELEMENTS
+        start = self._now()
         for layer in range(self.spec.num_layers):
             if big:
                 await asyncio.to_thread(self._prefill_layer, job.kv, hashes, layer, p)
             else:
                 self._prefill_layer(job.kv, hashes, layer, p)
-            await self._pause(per_layer)
+            await self._pace(per_layer, start + (layer + 1) * per_layer)
             self._check_alive()
             if job.on_layer is not None:
                 await job.on_layer(layer)
@@ -223,18 +240,25 @@ class MockEngine(Engine):
         )
 
     async def _decode_loop(self) -> None:
+        last_deadline: float | None = None
         try:
             while True:
                 while self._waiting and len(self._running) < self.max_batch:
                     self._running.append(self._waiting.popleft())
                 if not self._running:
+                    last_deadline = None
                     self._wake.clear()
                     await self._wake.wait()
                     continue
                 batch = list(self._running)
-                await self._pause(
-                    self.cost.decode_step_time(len(batch), sum(r.context for r in batch))
-                )
+                step = self.cost.decode_step_time(len(batch), sum(r.context for r in batch))
+                # Back-to-back steps are paced from the previous deadline, so the token
+                # bookkeeping between them is inside the step time, not added to it.
+                t0 = self._now()
+                if last_deadline is not None and t0 - last_deadline < step:
+                    t0 = last_deadline
+                last_deadline = t0 + step
+                await self._pace(step, last_deadline)
                 self.steps += 1
                 for req in batch:
                     if self._by_id.get(req.job.request_id) is not req:

@@ -166,7 +166,9 @@ async def stream(
             buf = w.role() if p.chat else b""
         if isinstance(ev, Tokens):
             delta = text.push(ev.token_ids, ev.index)
-            if delta:
+            # The first token always gets a chunk, even when its bytes do not yet make
+            # a whole character: clients time TTFT by the first chunk.
+            if delta or ev.index == 0:
                 buf += w.text(delta)
             if text.stopped:
                 out.finish, out.completion_tokens = "stop", text.completion_tokens

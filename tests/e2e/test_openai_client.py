@@ -92,7 +92,7 @@ async def test_usage_reports_cached_prefix_tokens(stack):
 
 @pytest.fixture(scope="module")
 def keyed_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "keyed", prefill=1, decode=1, speedup="100",
+    s = make_stack(tmp_path_factory, "keyed", engine="mock", prefill=1, decode=1, speedup="100",
                    api_key="sk-perigee-1,sk-perigee-2")
     s.start()
     yield s

@@ -43,7 +43,7 @@ NODES = ("p0", "p1", "d0", "d1")
 def two_conductor_stack(tmp_path_factory):
     # 32 blocks per store, 10-block prompts: a node can hold about three requests in
     # flight, so a burst of 24 must see TxAllocate refused (capacity) somewhere.
-    s = make_stack(tmp_path_factory, "two-conductors", prefill=2, decode=2, conductors=2,
+    s = make_stack(tmp_path_factory, "two-conductors", engine="mock", prefill=2, decode=2, conductors=2,
                    speedup="1", store_capacity_blocks=32)
     s.start()
     yield s
@@ -166,7 +166,7 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
 
 @pytest.fixture(scope="module")
 def switchable_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "switchable", prefill=2, decode=1, speedup="100",
+    s = make_stack(tmp_path_factory, "switchable", engine="mock", prefill=2, decode=1, speedup="100",
                    switchable=True)
     s.start()
     yield s

@@ -12,6 +12,7 @@ decode worker, so it stays last.
 import asyncio
 import importlib.util
 import signal
+import time
 import uuid
 
 import aiohttp
@@ -21,9 +22,12 @@ import pytest
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
+from bus_schemas.load import PrefillLoad
 from bus_schemas.requests import (
     Accepted,
+    CancelRequest,
     Error,
+    ErrorCode,
     Finished,
     GenerateRequest,
     SamplingParams,
@@ -43,6 +47,7 @@ pytestmark = [
 ]
 
 BS = 32
+PREFILLS = ("prefill-0", "prefill-1")
 MAX_TOKENS = 8
 LEASE_S = 20.0
 
@@ -67,7 +72,7 @@ SHARED = [1, *_ids(1023)]  # 32 blocks
 REUSE = {"reuse1": SHARED + _ids(150), "reuse2": SHARED + _ids(200)}  # 84 % shared
 SHARED_X = [1, *_ids(1023)]
 CROSS = {"cross1": SHARED_X + _ids(100), "cross2": SHARED_X + _ids(120)}
-LOAD_A = [1, *_ids(4095)]  # keeps prefill A busy while cross2 is placed
+LOAD_A = SHARED_X + _ids(3072)  # keeps prefill A busy while cross2 is placed
 
 REFERENCE_SET = {**PROMPTS, **BATCH, **REUSE, **CROSS}
 
@@ -111,11 +116,11 @@ class Run:
 
 
 async def generate(nc, prompt: list[int], max_tokens: int = MAX_TOKENS,
-                   accepted: asyncio.Event | None = None) -> Run:
+                   accepted: asyncio.Event | None = None, rid: str | None = None) -> Run:
     """One request on the bus (no HTTP): every StreamEvent until finished or error."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
+    req = GenerateRequest(request_id=rid or uuid.uuid4().hex, prompt_token_ids=prompt,
                           sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     run = Run()
@@ -164,6 +169,8 @@ async def test_pd_output_equals_monolithic_vllm(vllm_env):
     finally:
         await watcher.close()
         await nc.close()
+    # The random checkpoint's output depends on the prompt (dummy weights' would not).
+    assert len({tuple(v) for v in expected.values()}) == len(expected)
     for name, run in got.items():
         assert run.error is None, (name, run.error)
         assert run.tokens == expected[name], name
@@ -174,6 +181,32 @@ async def test_pd_output_equals_monolithic_vllm(vllm_env):
     assert got["full_hit"].finished.cached_tokens == 128
 
 
+async def wait_idle(nc, instance: str) -> None:
+    """Until ``instance`` reports an empty queue, taken after this call: the conductor
+    then sees it idle too (a report from while it computed would say it is busy)."""
+    since = time.time()
+    idle = asyncio.Event()
+
+    async def cb(msg) -> None:
+        load = decode(msg.data, PrefillLoad)
+        if load.queue_len == 0 and load.ts > since:
+            idle.set()
+
+    sub = await nc.subscribe(subjects.load_report("prefill", instance), cb=cb)
+    try:
+        await asyncio.wait_for(idle.wait(), 30)
+    finally:
+        await sub.unsubscribe()
+
+
+async def prefill_stats(s) -> dict[str, dict[str, int]]:
+    return {i: await stats(s, "prefill", i) for i in PREFILLS}
+
+
+def total_delta(after: dict, before: dict, key: str) -> int:
+    return sum(delta(after[i], before[i], key) for i in PREFILLS)
+
+
 async def test_prefix_reuse_loads_shared_blocks_and_computes_only_the_suffix(vllm_env):
     s, expected = vllm_env
     nc = await nats.connect(s.nats_url)
@@ -181,11 +214,11 @@ async def test_prefix_reuse_loads_shared_blocks_and_computes_only_the_suffix(vll
     try:
         r1 = await generate(nc, REUSE["reuse1"])
         await watcher.wait_for(block_hashes(SHARED, BS), timeout=60)
-        inst = r1.accepted.prefill_instance
-        p_before = await stats(s, "prefill", inst)
+        await wait_idle(nc, r1.accepted.prefill_instance)
+        p_before = await prefill_stats(s)
         d_before = await stats(s, "decode", "decode-0")
         r2 = await generate(nc, REUSE["reuse2"])
-        p_after = await stats(s, "prefill", r2.accepted.prefill_instance)
+        p_after = await prefill_stats(s)
         d_after = await stats(s, "decode", "decode-0")
     finally:
         await watcher.close()
@@ -193,17 +226,18 @@ async def test_prefix_reuse_loads_shared_blocks_and_computes_only_the_suffix(vll
     assert r1.error is None and r2.error is None, (r1.error, r2.error)
     assert r1.tokens == expected["reuse1"] and r2.tokens == expected["reuse2"]
     n2, shared = len(REUSE["reuse2"]), len(SHARED)
-    assert r2.accepted.prefill_instance == inst  # the blocks are local there
     assert r2.accepted.cached_tokens == shared
     assert r2.finished.cached_tokens == shared
-    # Prefill: the connector loaded the shared blocks, vLLM computed only the suffix.
-    assert delta(p_after, p_before, "kv_tokens_loaded") == shared
-    assert delta(p_after, p_before, "vllm_prompt_tokens_computed") == n2 - shared
-    assert delta(p_after, p_before, "computed_tokens") == n2 - shared
-    assert delta(p_after, p_before, "kv_blocks_saved") == -(-(n2 - shared) // BS)
-    assert delta(p_after, p_before, "layers_shipped") == 4
+    # Prefill (whichever instance ran it; only this request ran between the snapshots):
+    # the connector loaded the shared blocks, vLLM computed only the suffix.
+    assert total_delta(p_after, p_before, "connector_tokens_loaded") == shared
+    assert total_delta(p_after, p_before, "vllm_prompt_tokens_computed") == n2 - shared
+    assert total_delta(p_after, p_before, "computed_tokens") == n2 - shared
+    assert total_delta(p_after, p_before, "connector_blocks_saved") == -(-(n2 - shared) // BS)
+    assert total_delta(p_after, p_before, "connector_layers_shipped") == 4
     # Decode: every prompt position came from its store; vLLM computed the first token's.
-    assert delta(d_after, d_before, "kv_tokens_loaded") == n2
+    assert delta(d_after, d_before, "connector_tokens_loaded") == n2
+    assert delta(d_after, d_before, "kv_tokens_loaded") == n2  # the worker's own count
     assert delta(d_after, d_before, "vllm_prompt_tokens_computed") == 1
 
 
@@ -215,10 +249,11 @@ async def test_prefix_computed_on_one_instance_is_pulled_by_the_other(vllm_env):
         r1 = await generate(nc, CROSS["cross1"])
         await watcher.wait_for(block_hashes(SHARED_X, BS), timeout=60)
         a = r1.accepted.prefill_instance
-        b = next(i for i in ("prefill-0", "prefill-1") if i != a)
+        b = next(i for i in PREFILLS if i != a)
+        await wait_idle(nc, a)
         b_before = await stats(s, "prefill", b)
-        # Load A: with both idle and nothing cached the conductor breaks the tie by
-        # name; a 4k prefill queued on A then outweighs pulling 1k tokens to B.
+        # Load A: a 4k prompt on the same prefix goes to A (its blocks are local), and
+        # while A computes it the queued work there outweighs pulling 1k tokens to B.
         placed = asyncio.Event()
         load = asyncio.create_task(generate(nc, LOAD_A, max_tokens=1, accepted=placed))
         await asyncio.wait_for(placed.wait(), 60)
@@ -228,16 +263,39 @@ async def test_prefix_computed_on_one_instance_is_pulled_by_the_other(vllm_env):
     finally:
         await watcher.close()
         await nc.close()
-    assert loaded.error is None and loaded.accepted.prefill_instance == a, (
-        "the load went to the other instance", loaded.accepted, a)
+    assert loaded.error is None and loaded.accepted.prefill_instance == a, (loaded.accepted, a)
     assert r2.error is None, r2.error
     assert r2.accepted.prefill_instance == b
     assert r2.tokens == expected["cross2"]
     shared, n2 = len(SHARED_X), len(CROSS["cross2"])
     assert r2.accepted.cached_tokens == shared
     assert delta(b_after, b_before, "remote_tokens_pulled") == shared
-    assert delta(b_after, b_before, "kv_tokens_loaded") == shared
+    assert delta(b_after, b_before, "connector_tokens_loaded") == shared
     assert delta(b_after, b_before, "vllm_prompt_tokens_computed") == n2 - shared
+
+
+async def test_cancel_during_prefill_stops_the_request_and_frees_its_slots(vllm_env):
+    s, expected = vllm_env
+    nc = await nats.connect(s.nats_url)
+    rid = uuid.uuid4().hex
+    try:
+        placed = asyncio.Event()
+        task = asyncio.create_task(generate(nc, [1, *_ids(4095)], max_tokens=64,
+                                            accepted=placed, rid=rid))
+        await asyncio.wait_for(placed.wait(), 60)
+        await nc.publish(subjects.CANCEL, encode(CancelRequest(request_id=rid, reason="test")))
+        run = await asyncio.wait_for(task, 120)
+        # Usually the prefill is still computing (Error "cancelled"); if it won the race
+        # the decode worker aborts the request instead.
+        if run.error is not None:
+            assert run.error.code == ErrorCode.CANCELLED, run.error
+        else:
+            assert run.finished.finish_reason == "abort", run.finished
+        await asyncio.wait_for(_no_open_transactions(s, ["p0", "p1", "d0"]), LEASE_S + 60)
+        after = await generate(nc, PROMPTS["short"])  # the engines serve on
+    finally:
+        await nc.close()
+    assert after.error is None and after.tokens == expected["short"]
 
 
 async def _no_open_transactions(s, nodes: list[str]) -> dict[str, dict]:

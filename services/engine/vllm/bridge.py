@@ -74,8 +74,9 @@ class Bridge:
         self.plans: dict[str, Plan] = {}
         # Connector-side counters (engine thread writes, anyone reads).
         self.counters: dict[str, int] = dict.fromkeys(
-            ("kv_tokens_loaded", "kv_layer_blocks_loaded", "kv_layer_blocks_saved",
-             "kv_blocks_saved", "layers_shipped", "connector_errors"), 0,
+            ("connector_tokens_loaded", "connector_layer_blocks_loaded",
+             "connector_layer_blocks_saved", "connector_blocks_saved", "connector_layers_shipped",
+             "connector_errors"), 0,
         )
         self.layer_block_bytes = 0  # vLLM's bytes per block per layer, set by the worker
 

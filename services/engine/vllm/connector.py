@@ -273,7 +273,7 @@ class PerigeeConnector(KVConnectorBase_V1):
             src = self._page(c, self._layer_of[name], page)
             if src is not None:
                 page.copy_(src)
-                self.bridge.counters["kv_layer_blocks_loaded"] += 1
+                self.bridge.counters["connector_layer_blocks_loaded"] += 1
         except Exception as e:  # noqa: BLE001 - never raise into vLLM
             self._guard(c.key, e)
 
@@ -307,7 +307,7 @@ class PerigeeConnector(KVConnectorBase_V1):
                 dst = self._page(c, layer, page)
                 if dst is not None:
                     dst.copy_(page)
-                    self.bridge.counters["kv_layer_blocks_saved"] += 1
+                    self.bridge.counters["connector_layer_blocks_saved"] += 1
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
         for key in meta.ship:
@@ -341,12 +341,12 @@ class PerigeeConnector(KVConnectorBase_V1):
             if err is not None:
                 self._guard(key, err)
             else:
-                self.bridge.counters["layers_shipped"] += 1
-        self.bridge.counters["kv_blocks_saved"] += len({(c.key, c.block) for c in meta.saves})
+                self.bridge.counters["connector_layers_shipped"] += 1
+        self.bridge.counters["connector_blocks_saved"] += len({(c.key, c.block) for c in meta.saves})
         for key in meta.loaded:
             plan = self.bridge.get(key)
             if plan is not None:
-                self.bridge.counters["kv_tokens_loaded"] += plan.loaded_tokens
+                self.bridge.counters["connector_tokens_loaded"] += plan.loaded_tokens
                 if plan.on_loaded is not None:
                     plan.on_loaded()
         self._loads = []

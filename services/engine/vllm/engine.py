@@ -42,6 +42,7 @@ from services.engine.base import (
     PrefillJob,
     RequestStream,
 )
+from services.engine.vllm.args import engine_args, sampling_params
 from services.engine.vllm.bridge import Bridge, Plan, register, unregister
 from services.engine.vllm.options import VllmOptions, prepare_env
 
@@ -127,8 +128,15 @@ class VllmEngine(Engine):
         self._thread = threading.Thread(target=self._main, args=(ready,), name="vllm-engine",
                                         daemon=True)
         self._thread.start()
-        await asyncio.wait_for(ready, START_TIMEOUT_S)
-        await self._warm_up()
+        try:
+            await asyncio.wait_for(ready, START_TIMEOUT_S)
+            await self._warm_up()
+        except EngineDeadError as e:
+            self._dead = e
+            raise
+        except TimeoutError as e:
+            self._dead = EngineDeadError(f"vLLM did not start in {START_TIMEOUT_S:g} s")
+            raise self._dead from e
 
     async def stop(self) -> None:
         self._kill(EngineDeadError("engine stopped"))
@@ -263,6 +271,9 @@ class VllmEngine(Engine):
             raise
         return stream
 
+    def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
+        return sampling_params(s, max_tokens, key, self.spec.eos_token_id)
+
     def _first_token_finish(self, s: SamplingParams, token: int, context: int) -> str | None:
         if token in s.stop_token_ids or (not s.ignore_eos and token == self.spec.eos_token_id):
             return "stop"
@@ -286,49 +297,7 @@ class VllmEngine(Engine):
         return EngineStats(batch_size=batch, waiting=len(dec) - batch,
                            kv_tokens=sum(a.context for a in running), step_time_s=self._step_ema)
 
-    # ------------------------------------------------------------------ vLLM glue
-
-    def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
-        from vllm import SamplingParams as VllmSampling
-        from vllm.sampling_params import RequestOutputKind
-
-        stop = list(s.stop_token_ids)
-        if not s.ignore_eos and self.spec.eos_token_id is not None:
-            stop.append(self.spec.eos_token_id)
-        extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
-        return VllmSampling(
-            n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max_tokens,
-            stop_token_ids=stop, ignore_eos=True, detokenize=False,
-            output_kind=RequestOutputKind.DELTA, extra_args=extra,
-        )
-
-    def _engine_args(self) -> Any:
-        from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import EngineArgs
-
-        o = self.opts
-        per_seq = -(-self.max_model_len // self.vllm_block_size) + 1
-        if self.role == "prefill":
-            seqs, kv_blocks = 2, o.kv_blocks or 2 * per_seq
-            batched = o.max_num_batched_tokens or self.max_model_len
-        else:
-            seqs, kv_blocks = self.max_batch, o.kv_blocks or max(2 * per_seq, 1024)
-            batched = o.max_num_batched_tokens or 2048
-        return EngineArgs(
-            model=o.model_dir, skip_tokenizer_init=True, load_format=o.resolved_load_format(),
-            dtype=o.dtype or self.spec.dtype, block_size=self.vllm_block_size,
-            max_model_len=self.max_model_len, max_num_seqs=seqs,
-            max_num_batched_tokens=max(batched, seqs), enable_chunked_prefill=True,
-            num_gpu_blocks_override=kv_blocks, enable_prefix_caching=False,
-            enforce_eager=o.enforce_eager, seed=o.seed, distributed_executor_backend="uni",
-            disable_log_stats=True,
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="PerigeeConnector",
-                kv_connector_module_path="services.engine.vllm.connector",
-                kv_role="kv_both",
-                kv_connector_extra_config={"registry_key": self._key},
-            ),
-        )
+    # ------------------------------------------------------------------ engine thread
 
     def _post(self, fn: Callable, *args: Any) -> None:
         try:
@@ -341,7 +310,11 @@ class VllmEngine(Engine):
         try:
             from vllm.v1.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine.from_engine_args(self._engine_args())
+            engine = LLMEngine.from_engine_args(engine_args(
+                self.opts, role=self.role, dtype=self.opts.dtype or self.spec.dtype,
+                block_size=self.vllm_block_size, max_model_len=self.max_model_len,
+                max_batch=self.max_batch, registry_key=self._key,
+            ))
         except BaseException as e:  # noqa: BLE001 - reported to start()
             log.exception("vllm_start_failed")
             unregister(self._key)
@@ -356,6 +329,19 @@ class VllmEngine(Engine):
             self._post(self._kill, EngineDeadError(f"vLLM engine crashed: {type(e).__name__}: {e}"))
         finally:
             unregister(self._key)
+            self._shutdown(engine)
+
+    @staticmethod
+    def _shutdown(engine: Any) -> None:
+        """Release vLLM's engine core and process group here: left to interpreter exit,
+        their teardown takes seconds."""
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            engine.engine_core.shutdown()
+            cleanup_dist_env_and_memory()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            log.warning("vllm_shutdown_failed", exc_info=True)
 
     def _serve(self, engine: Any) -> None:
         from vllm.inputs import TokensPrompt
@@ -390,7 +376,8 @@ class VllmEngine(Engine):
     def _after_step(self, engine: Any, outs: list, dt: float) -> None:
         self.counters["vllm_steps"] += 1
         if self.role == "decode":
-            self._step_ema = dt if not self._step_ema else (1 - STEP_EMA) * self._step_ema + STEP_EMA * dt
+            ema = self._step_ema
+            self._step_ema = dt if not ema else (1 - STEP_EMA) * ema + STEP_EMA * dt
         for out in outs:
             rid = out.request_id
             comp = out.outputs[0] if out.outputs else None
@@ -404,11 +391,13 @@ class VllmEngine(Engine):
                 finished = True
             if finished:
                 self.bridge.drop(rid)
-                self.counters["vllm_requests"] += 1
-                self.counters["vllm_cached_tokens"] += out.num_cached_tokens or 0
-                if plan is not None:
+            if rid != WARMUP_ID:  # the warm-up is not counted
+                self.counters["vllm_tokens_generated"] += len(toks)
+                if finished:
+                    self.counters["vllm_requests"] += 1
+                    self.counters["vllm_cached_tokens"] += out.num_cached_tokens or 0
+                if finished and plan is not None:
                     self.counters["vllm_prompt_tokens_computed"] += plan.computed_prompt_tokens
-            self.counters["vllm_tokens_generated"] += len(toks)
             self._post(self._on_output, rid, toks, finished, reason, err)
 
     # ------------------------------------------------------------------ event-loop side

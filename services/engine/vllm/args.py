@@ -1,0 +1,56 @@
+"""perigee settings -> vLLM's EngineArgs and SamplingParams (imports vLLM when called)."""
+
+from typing import Any
+
+from bus_schemas.requests import SamplingParams
+from services.engine.vllm.options import VllmOptions
+
+
+def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_model_len: int,
+                max_batch: int, registry_key: str) -> Any:
+    """In-process engine ("uni" executor), the PerigeeConnector, vLLM's prefix cache off
+    (the node store is the cache). Prefill: 2 sequences, a whole prompt per step;
+    decode: ``max_batch`` sequences, chunked prefill for recomputation after preemption."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    per_seq = -(-max_model_len // block_size) + 1
+    if role == "prefill":
+        seqs, kv_blocks = 2, o.kv_blocks or 2 * per_seq
+        batched = o.max_num_batched_tokens or max_model_len
+    else:
+        seqs, kv_blocks = max_batch, o.kv_blocks or max(2 * per_seq, 1024)
+        batched = o.max_num_batched_tokens or 2048
+    return EngineArgs(
+        model=o.model_dir, skip_tokenizer_init=True, load_format=o.resolved_load_format(),
+        dtype=dtype, block_size=block_size, max_model_len=max_model_len, max_num_seqs=seqs,
+        max_num_batched_tokens=max(batched, seqs), enable_chunked_prefill=True,
+        num_gpu_blocks_override=kv_blocks, enable_prefix_caching=False,
+        enforce_eager=o.enforce_eager, seed=o.seed, distributed_executor_backend="uni",
+        disable_log_stats=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="PerigeeConnector",
+            kv_connector_module_path="services.engine.vllm.connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"registry_key": registry_key},
+        ),
+    )
+
+
+def sampling_params(s: SamplingParams, max_tokens: int, key: str | None,
+                    eos_token_id: int | None) -> Any:
+    """Greedy when temperature is 0; tokens come back as deltas. The tokenizer is not
+    loaded (prompts are token ids), so EOS is a stop token id unless ``ignore_eos``.
+    ``key`` names the request's plan for the connector."""
+    from vllm import SamplingParams as VllmSampling
+    from vllm.sampling_params import RequestOutputKind
+
+    stop = list(s.stop_token_ids)
+    if not s.ignore_eos and eos_token_id is not None:
+        stop.append(eos_token_id)
+    extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
+    return VllmSampling(
+        n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max_tokens,
+        stop_token_ids=stop, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.DELTA, extra_args=extra,
+    )
