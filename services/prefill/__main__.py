@@ -1,117 +1,23 @@
 """``python -m services.prefill``: one prefill instance bound to its node's store."""
 
 import argparse
-import asyncio
 import sys
 
-import structlog
-
-from services.common import bus, metrics, runner
-from services.common.cost_model import CostModel
-from services.common.kv_layout import KVLayout
-from services.common.logging import configure
-from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
-from services.engine import ENGINE_KINDS, make_engine
-from services.engine.vllm import options as vllm_options
+from services.common import runner, worker_main
 from services.prefill.worker import PrefillWorker
-from services.store.client import StoreClient, TransferError
-from tracing import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.prefill", description=__doc__)
-    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
-    p.add_argument("--instance", default="prefill-0", help="instance id (subjects, load reports)")
-    p.add_argument("--node", default="p0", help="node whose store this instance uses")
-    p.add_argument("--engine", default="mock", choices=ENGINE_KINDS)
-    p.add_argument("--model-dir", default=None, help="model directory with config.json")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per KV block")
-    p.add_argument("--speedup", type=float, default=1.0,
-                   help="divide cost-model times by this (inf: no compute time)")
-    p.add_argument("--report-interval", type=float, default=0.1, help="seconds between load reports")
-    p.add_argument("--max-batch", type=int, default=128,
-                   help="decode batch limit, should this instance switch to decode")
-    p.add_argument("--switchable", action="store_true",
-                   help="obey RoleSwitch on perigee.ctl.role: drain, then serve the other role "
-                        "with the same engine (dynamic P/D ratio)")
-    p.add_argument("--tbt-gate-slo", type=float, default=0.0,
-                   help="as decode: reject a prefilled request whose step time would exceed "
-                        "this TBT SLO, s (the paper's baseline admission; 0: off)")
-    p.add_argument("--store-timeout", type=float, default=30.0,
-                   help="seconds to wait for the node's store at start")
-    p.add_argument("--log-level", default="INFO")
-    vllm_options.add_arguments(p)
-    metrics.add_arguments(p)
-    return p.parse_args(argv)
+    return worker_main.parser("prefill", "p0", __doc__).parse_args(argv)
 
 
-async def amain(args: argparse.Namespace) -> int:
-    log = configure("prefill", args.log_level)
-    structlog.contextvars.bind_contextvars(instance=args.instance)
-    setup_tracing("prefill")
-    spec = ModelSpec.from_dir(args.model_dir)
-    layout = KVLayout(spec, args.block_size)
-    cost = CostModel.llama3_70b_a800(speedup=args.speedup)
-    try:
-        engine = make_engine(
-            args.engine, spec, cost, max_batch=args.max_batch, role="prefill", layout=layout,
-            vllm=vllm_options.from_args(args, str(args.model_dir or DEFAULT_MODEL_DIR)),
-        )
-    except NotImplementedError as e:
-        log.error("engine_unavailable", engine=args.engine, error=str(e))
-        return 2
-    stop = asyncio.Event()
-    bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name=f"prefill-{args.instance}")
-    try:
-        store = await StoreClient.connect(nc, args.node, timeout=args.store_timeout)
-    except TransferError as e:
-        log.error("store_unreachable", node=args.node, error=str(e))
-        await bus.drain(nc)
-        return 1
-    info = store.info
-    if info.block_size != args.block_size or info.block_bytes != layout.block_bytes:
-        log.error("store_layout_mismatch", store_block_size=info.block_size,
-                  store_block_bytes=info.block_bytes, block_size=args.block_size,
-                  block_bytes=layout.block_bytes)
-        await store.close()
-        await bus.drain(nc)
-        return 2
-    await engine.start()
-    roles = ("prefill", "decode") if getattr(args, "switchable", False) else ("prefill",)
-    mserver = await metrics.start_from_args(args, roles, metrics.worker_collector())
-    if args.switchable:
-        from services.common.role_host import run_switchable
-
-        code = await run_switchable(nc, store, engine, "prefill", args, layout, cost, stop)
-        await engine.stop()
-        if mserver is not None:
-            await mserver.close()
-        await store.close()
-        await bus.drain(nc)
-        shutdown_tracing()
-        return code
-    worker = PrefillWorker(nc, store, engine, instance=args.instance, node=args.node,
-                           layout=layout, cost=cost, report_interval=args.report_interval)
-    await worker.start()
-    dead = asyncio.ensure_future(worker.dead.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({dead, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    dead.cancel()
-    stopped.cancel()
-    log.info("prefill_stopping", engine_dead=worker.dead.is_set())
-    await worker.close()
-    await engine.stop()
-    if mserver is not None:
-        await mserver.close()
-    await store.close()
-    await bus.drain(nc)
-    shutdown_tracing()
-    return 1 if worker.dead.is_set() else 0
+def make_worker(args, nc, store, engine, layout, cost) -> PrefillWorker:
+    return PrefillWorker(nc, store, engine, instance=args.instance, node=args.node,
+                         layout=layout, cost=cost, report_interval=args.report_interval)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return runner.run(amain(parse_args(argv)))
+    return runner.run(worker_main.run("prefill", parse_args(argv), make_worker))
 
 
 if __name__ == "__main__":
