@@ -19,6 +19,7 @@ import nats
 from perigee.bench.stats import summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
+from services.common.bus import sync
 
 
 async def nats_rtt(url: str, n: int) -> list[float]:
@@ -29,7 +30,7 @@ async def nats_rtt(url: str, n: int) -> list[float]:
         await m.respond(m.data)
 
     await server.subscribe("bench.echo", cb=echo)
-    await server.flush()
+    await sync(server)
     out = []
     for _ in range(n):
         t0 = time.perf_counter()

@@ -81,7 +81,8 @@ class Channel:
         self._pending[header.id] = fut
         try:
             async with asyncio.timeout(timeout):
-                await self.sock.send_multipart(wire.frames(header, payload), copy=False)
+                out = wire.frames(header, payload)
+                await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
                 kind, reply, data = await fut
         except TimeoutError:
             self.close()

@@ -125,7 +125,8 @@ class DataPlane:
                 await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
 
     async def _reply(self, ident: bytes, header: Any, payload: list[Any] | None = None) -> None:
-        await self.sock.send_multipart([ident, *wire.frames(header, payload or ())], copy=False)
+        out = [ident, *wire.frames(header, payload or ())]
+        await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
 
     async def _serve_op(self, ident: bytes, op: Callable, header: Any) -> None:
         name = "store.ship" if isinstance(header, wire.Ship) else "store.pull"

@@ -124,6 +124,17 @@ def frames(header: _Header, payload: Sequence[Any] = (), kind: Kind | None = Non
     return [_KIND_BYTES[k], _encoder.encode(header), *payload]
 
 
+# pyzmq hands a zero-copy frame's release to a garbage-collector thread: for messages
+# below a few MiB that costs far more (hundreds of us, GIL hand-offs) than copying.
+ZERO_COPY_MIN_BYTES = 4 << 20
+
+
+def zero_copy(frames_: Sequence[Any]) -> bool:
+    """Whether a message is big enough to be worth sending without a copy."""
+    return sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames_) \
+        >= ZERO_COPY_MIN_BYTES
+
+
 def parse(parts: Sequence[Any]) -> tuple[Kind, Any, list[memoryview]]:
     """Split received frames (``zmq.Frame`` or bytes) into kind, typed header, payload."""
     bufs = [p.buffer if hasattr(p, "buffer") else memoryview(p) for p in parts]
