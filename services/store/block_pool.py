@@ -239,16 +239,23 @@ class BlockPool:
         events: list[KVEvent] = [BlockRemoved(block_hashes=evicted)] if evicted else []
         return Allocation(tx_id=tx_id, slots=slots, hit_blocks=hit), events
 
-    def commit(self, tx_id: str, request_id: str = "") -> tuple[TxDone | Refused, list[KVEvent]]:
+    def _take_tx(self, tx_id: str, request_id: str) -> "_Tx | Refused":
+        """Remove and return an open transaction, or say why it cannot be closed."""
         tx = self._txs.get(tx_id)
         if tx is None:
-            return self._unknown(tx_id), []
+            return self._unknown(tx_id)
         if request_id and request_id != tx.request_id:
             return Refused(
                 reason="bad_request",
                 message=f"{tx_id} belongs to request {tx.request_id!r}, not {request_id!r}",
-            ), []
+            )
         del self._txs[tx_id]
+        return tx
+
+    def commit(self, tx_id: str, request_id: str = "") -> tuple[TxDone | Refused, list[KVEvent]]:
+        tx = self._take_tx(tx_id, request_id)
+        if isinstance(tx, Refused):
+            return tx, []
         stored: list[int] = []
         if tx.role == TxRole.SOURCE:
             self._rollback(tx)

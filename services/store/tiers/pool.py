@@ -185,15 +185,9 @@ class TieredBlockPool(PoolUpkeep, BlockPool):
         return Allocation(tx_id=tx_id, slots=slots, hit_blocks=hit), events
 
     def commit(self, tx_id: str, request_id: str = "") -> tuple[TxDone | Refused, list[KVEvent]]:
-        tx = self._txs.get(tx_id)
-        if tx is None:
-            return self._unknown(tx_id), []
-        if request_id and request_id != tx.request_id:
-            return Refused(
-                reason="bad_request",
-                message=f"{tx_id} belongs to request {tx.request_id!r}, not {request_id!r}",
-            ), []
-        del self._txs[tx_id]
+        tx = self._take_tx(tx_id, request_id)
+        if isinstance(tx, Refused):
+            return tx, []
         stored: list[int] = []
         if tx.role == TxRole.SOURCE:
             self._rollback(tx)
