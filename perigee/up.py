@@ -70,8 +70,10 @@ def main(argv: list[str]) -> int:
     print(f"perigee: starting {cfg.prefill} prefill + {cfg.decode} decode ({cfg.engine} engine)...",
           flush=True)
     stack.start()
+    key = (cfg.api_key or "").split(",")[0].strip()
+    auth = f"-H 'Authorization: Bearer {key}' " if key else ""
     print(f"perigee: ready at {stack.url}  (NATS {stack.nats_url}; logs in {cfg.log_dir}/)\n"
-          f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "
+          f"  curl {stack.url}/v1/completions {auth}-H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
           f"  spans: {stack.spans_file}   metrics targets: {stack.metrics_targets_file}\n"
           "perigee: Ctrl-C stops everything", flush=True)
