@@ -194,16 +194,9 @@ class BlockPool:
         self, req: TxAllocate, tx_id: str | None = None
     ) -> tuple[Allocation | Refused, list[KVEvent]]:
         """Open a transaction (see module doc); the events are the evictions it caused."""
-        bad = self._validate(req)
-        if bad is not None:
-            self.counters["tx_refused"] += 1
-            return Refused(reason="bad_request", message=bad), []
-        if tx_id is None:
-            tx_id = f"{self.id_prefix}{self._next_id}"
-            self._next_id += 1
-        elif tx_id in self._txs:
-            self.counters["tx_refused"] += 1
-            return Refused(reason="bad_request", message=f"transaction {tx_id!r} exists"), []
+        tx_id = self._new_tx_id(req, tx_id)
+        if isinstance(tx_id, Refused):
+            return tx_id, []
         hashes = list(req.block_hashes)
         if req.role == TxRole.SOURCE:
             return self._allocate_source(req, tx_id, hashes), []
@@ -238,6 +231,19 @@ class BlockPool:
         self.counters["evictions"] += len(evicted)
         events: list[KVEvent] = [BlockRemoved(block_hashes=evicted)] if evicted else []
         return Allocation(tx_id=tx_id, slots=slots, hit_blocks=hit), events
+
+    def _new_tx_id(self, req: TxAllocate, tx_id: str | None) -> "str | Refused":
+        """The id of a transaction about to open, or why the request is refused."""
+        bad = self._validate(req)
+        if bad is None and tx_id is not None and tx_id in self._txs:
+            bad = f"transaction {tx_id!r} exists"
+        if bad is not None:
+            self.counters["tx_refused"] += 1
+            return Refused(reason="bad_request", message=bad)
+        if tx_id is None:
+            tx_id = f"{self.id_prefix}{self._next_id}"
+            self._next_id += 1
+        return tx_id
 
     def _take_tx(self, tx_id: str, request_id: str) -> "_Tx | Refused":
         """Remove and return an open transaction, or say why it cannot be closed."""

@@ -122,16 +122,9 @@ class TieredBlockPool(PoolUpkeep, BlockPool):
     def allocate(
         self, req: TxAllocate, tx_id: str | None = None
     ) -> tuple[Allocation | Refused, list[KVEvent]]:
-        bad = self._validate(req)
-        if bad is not None:
-            self.counters["tx_refused"] += 1
-            return Refused(reason="bad_request", message=bad), []
-        if tx_id is None:
-            tx_id = f"{self.id_prefix}{self._next_id}"
-            self._next_id += 1
-        elif tx_id in self._txs:
-            self.counters["tx_refused"] += 1
-            return Refused(reason="bad_request", message=f"transaction {tx_id!r} exists"), []
+        tx_id = self._new_tx_id(req, tx_id)
+        if isinstance(tx_id, Refused):
+            return tx_id, []
         hashes = list(req.block_hashes)
         if req.role == TxRole.SOURCE:
             for i, h in enumerate(hashes):
