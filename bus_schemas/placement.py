@@ -3,9 +3,12 @@
 A PrefillTask names both transactions: the prefill node's (prefix blocks locked,
 new blocks allocated) and the decode node's (a slot for every block the request
 has). Prefill writes new KV into its node's slots layer by layer and has its store
-ship each layer into the decode node's slots; then it hands a DecodeTask with the
-first token to the decode instance. Decode emits the first token and sends
-FirstTokenNotice to the conductor, which commits the prefill transaction.
+ship each layer into the decode node's slots. The first token goes to the client as
+soon as prefill has computed it (``stream_first_token``), while the KV is still on
+the wire, as the paper's TTFT (queue + prefill) assumes; once every layer is acked,
+prefill hands a DecodeTask with that token to the decode instance and sends
+FirstTokenNotice to the conductor, which commits the prefill transaction (its slots
+are no longer read). Decode streams from the second token on.
 """
 
 from bus_schemas._base import Msg
@@ -33,6 +36,9 @@ class PrefillTask(Msg):
     placed_ts: float = 0.0
     # Conductor's own estimate, for the latency breakdown and the simulator's cross-check.
     est_ttft_s: float = 0.0
+    # False: the decode instance emits the first token once the KV has landed (the
+    # paper's baseline admission, which may still reject the request at decode).
+    stream_first_token: bool = True
 
 
 class DecodeTask(Msg):
@@ -45,6 +51,7 @@ class DecodeTask(Msg):
     first_token: int
     cached_tokens: int
     prefill_done_ts: float = 0.0
+    first_token_sent: bool = False  # prefill already streamed it to the client (index 0)
 
 
 class FirstTokenNotice(Msg, tag="first_token"):

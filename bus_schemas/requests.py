@@ -67,6 +67,9 @@ class Tokens(Msg, tag="tokens"):
     request_id: str
     token_ids: list[int]
     index: int  # position of token_ids[0] among the generated tokens
+    # Sent by the prefill instance (the first token, ahead of the KV handoff): the
+    # request is not on its decode instance yet.
+    from_prefill: bool = False
 
 
 class Finished(Msg, tag="finished"):

@@ -14,6 +14,11 @@ along its critical path. The boundaries come from these spans::
     T6 gateway.request "first_token" event (else start + perigee.ttft_s)
     T7 gateway.request end
 
+When prefill streams the first token itself (the default), it reaches the client
+before the KV has landed on the decode node: the order is then T0 T1 T2 T3 T6 T4 T5
+T7, ``first_token`` = T6 - T3 and ``transfer`` = T4 - T6 (after the first token).
+TTFT is T6 - T0 either way.
+
     queue           T1 - T0   admission, conductor placement, store transactions,
                               the prefill queue, the bus hops between them
     prefix_load     T2 - T1   remote prefix pulled store to store (a local hit is read
@@ -60,6 +65,7 @@ class Request:
     cached_tokens: int
     output_tokens: int
     stages_ns: dict[str, int]
+    ttft_ns: int = 0  # request start -> first token (the stages before it, in time order)
     kv_ship_ns: int = 0
     services: list[str] = field(default_factory=list)
     start_ns: int = 0
@@ -67,10 +73,6 @@ class Request:
     @property
     def hit(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def ttft_ns(self) -> int:
-        return sum(self.stages_ns[s] for s in STAGES[:-1])
 
     @property
     def e2e_ns(self) -> int:
@@ -132,11 +134,18 @@ def breakdown(spans: list[dict]) -> Request | None:
         ttft = a.get("perigee.ttft_s")
         first_token = root["start_ns"] + round(ttft * 1e9) if ttft is not None else load_kv["end_ns"]
     t1 = min(compute["start_ns"], pull["start_ns"]) if pull else compute["start_ns"]
-    points = [root["start_ns"], t1, pull["end_ns"] if pull else t1, compute["end_ns"],
-              load_kv["start_ns"], load_kv["end_ns"], first_token, root["end_ns"]]
+    early = first_token < load_kv["start_ns"]  # streamed by prefill, ahead of the handoff
+    order = ([*STAGES[:3], "first_token", "transfer", "decode_load", "decode"] if early
+             else list(STAGES))
+    points = [root["start_ns"], t1, pull["end_ns"] if pull else t1, compute["end_ns"]]
+    points += ([first_token, load_kv["start_ns"], load_kv["end_ns"]] if early
+               else [load_kv["start_ns"], load_kv["end_ns"], first_token])
+    points.append(root["end_ns"])
     for i in range(1, len(points)):
         points[i] = max(points[i], points[i - 1])
-    stages = {s: points[i + 1] - points[i] for i, s in enumerate(STAGES)}
+    stages = {s: points[i + 1] - points[i] for i, s in enumerate(order)}
+    stages = {s: stages[s] for s in STAGES}
+    ttft = points[order.index("first_token") + 1] - points[0]
     ship = _first(spans, "prefill.ship")
     return Request(
         trace_id=root["trace_id"],
@@ -146,6 +155,7 @@ def breakdown(spans: list[dict]) -> Request | None:
         cached_tokens=int(a.get("perigee.cached_tokens", 0)),
         output_tokens=int(a.get("gen_ai.usage.output_tokens", 0)),
         stages_ns=stages,
+        ttft_ns=ttft,
         kv_ship_ns=ship["end_ns"] - ship["start_ns"] if ship else 0,
         services=sorted({s.get("service") or "" for s in spans} - {""}),
         start_ns=root["start_ns"],

@@ -115,5 +115,13 @@ def shutdown_tracing() -> None:
         _provider.shutdown()
 
 
+_tracers: dict[str, trace.Tracer] = {}
+
+
 def tracer(name: str = "perigee") -> trace.Tracer:
-    return trace.get_tracer(name)
+    # get_tracer builds a new Tracer per call (tens of microseconds, several per hop).
+    # Caching is safe: before setup it is a proxy that follows the provider once set.
+    t = _tracers.get(name)
+    if t is None:
+        t = _tracers[name] = trace.get_tracer(name)
+    return t

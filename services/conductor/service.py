@@ -346,6 +346,9 @@ class ConductorService:
             remote=remote,
             placed_ts=time.time(),
             est_ttft_s=p.est_ttft_s,
+            # The baseline (no TBT check here) may still reject at decode, after prefill:
+            # then the first token must wait for decode to take the request.
+            stream_first_token=self.cfg.tbt_check,
         )
         self.pending[req.request_id] = _Pending(
             reply=reply,

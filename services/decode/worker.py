@@ -5,9 +5,10 @@ Lifecycle of a request on this instance:
 
     TransferQueue  a DecodeTask arrives once every layer has landed in decode_tx's
                    slots on this node's store (prefill awaited the acks); the engine
-                   loads the prompt KV from the slots (the mock verifies it), then
-                   decode_tx is committed on the store (the KV now lives in the
-                   engine) and the first token goes out with FirstTokenNotice
+                   loads the prompt KV from the slots (the mock verifies it); the
+                   first token went to the client from prefill already
+                   (``first_token_sent``), else it goes out now; then decode_tx is
+                   committed on the store beside generation (the KV lives in the engine)
       -> WaitingQueue  inside the engine, until the running batch has room (max_batch)
       -> RunningBatch  continuous batching: Tokens as they come, then Finished
 
@@ -35,9 +36,9 @@ from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
 from bus_schemas.codec import encode
-from bus_schemas.control import Refused, TxCommit, TxDoneReply
+from bus_schemas.control import Refused, TxAbort, TxCommit, TxDoneReply
 from bus_schemas.load import DecodeLoad, WorkerStats
-from bus_schemas.placement import DecodeTask, FirstTokenNotice, RequestFailed
+from bus_schemas.placement import DecodeTask, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
@@ -243,14 +244,10 @@ class DecodeWorker:
         if rid in self._stop_reason:  # cancelled while the KV was loading
             self.engine.abort(rid)
             raise _Stopped()
-        with tracer().start_as_current_span("decode.first_token"):
-            await self._emit(req.reply_subject,
-                             Tokens(request_id=rid, token_ids=[task.first_token], index=0))
-            await bus.publish(
-                self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
-                    request_id=rid, prefill_node=task.prefill_node,
-                    prefill_tx_id=task.prefill_tx_id, ts=time.time(),
-                ))
+        if not task.first_token_sent:
+            with tracer().start_as_current_span("decode.first_token"):
+                await self._emit(req.reply_subject,
+                                 Tokens(request_id=rid, token_ids=[task.first_token], index=0))
         # The KV now lives in the engine, so the commit (which only makes the blocks
         # cacheable on this node) runs beside generation rather than before the first token.
         commit = asyncio.create_task(self._commit(task))
@@ -319,6 +316,12 @@ class DecodeWorker:
                 request_id=req.request_id, prefill_node=task.prefill_node,
                 prefill_tx_id=task.prefill_tx_id, reason=message,
             ))
+            # The conductor may have settled this request already (the prefill side
+            # commits as soon as the KV is handed over), so release the decode slots
+            # here too; a second abort is refused harmlessly.
+            await self.nc.publish(subjects.store_ctl(self.node, "tx.abort"), encode(TxAbort(
+                tx_id=task.decode_tx.tx_id, request_id=req.request_id, reason=message,
+            )))
         except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
             log.warning("fail_publish_failed", error=str(e))
 

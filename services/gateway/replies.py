@@ -146,7 +146,7 @@ class ReplyRouter:
             return
         wd = self.watchdog
         if type(ev) is Tokens:
-            wd.tokens(rid)
+            wd.tokens(rid, ev.from_prefill)
         elif type(ev) is Accepted:
             wd.accepted(rid, ev.prefill_instance, ev.decode_instance)
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard

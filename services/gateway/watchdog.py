@@ -3,8 +3,12 @@
 A tracked request moves through three stages:
 
     QUEUED   (published, nothing heard)    -> only the idle timeout applies
-    PREFILL  (Accepted, no token yet)      -> prefill and decode instance must be alive
-    DECODE   (first Tokens seen)           -> decode instance must be alive
+    PREFILL  (Accepted, no token from the  -> prefill and decode instance must be alive
+              decode instance yet)
+    DECODE   (Tokens from decode seen)     -> decode instance must be alive
+
+The first token streamed by prefill (``Tokens.from_prefill``) keeps the request in
+PREFILL: prefill still has to ship its KV and hand it over.
 
 An instance is alive while it published a load report (or streamed tokens) within
 ``dead_after_s`` (:class:`services.common.liveness.Liveness`). An instance named by
@@ -74,11 +78,15 @@ class Watchdog:
             if inst and not self.liveness.known(inst):
                 self.liveness.seen(inst)
 
-    def tokens(self, request_id: str) -> None:
+    def tokens(self, request_id: str, from_prefill: bool = False) -> None:
         r = self._reqs.get(request_id)
         if r is None:
             return
         r.last_event = self.clock.now()
+        if from_prefill:
+            if r.prefill:
+                self.liveness.seen(r.prefill)
+            return
         r.decoding = True
         if r.decode:
             self.liveness.seen(r.decode)

@@ -9,7 +9,12 @@ Lifecycle of a request on this instance:
                    the suffix KV layer by layer; after each layer the node's store ships
                    that layer of every block >= decode_tx.hit_blocks into decode_tx's
                    slots, overlapping the later layers
+                   the first token goes to the client as soon as it is computed
+                   (``stream_first_token``), while the last layers are still on the wire
       -> Handoff   every ship acked -> DecodeTask(first_token) on decode_tasks(instance)
+                   and FirstTokenNotice to the conductor (commit: the slots are free).
+                   The instance computes the next request meanwhile: a handoff only
+                   waits on the network, so it runs beside the queue (``_handoffs``).
 
 A failure anywhere (or a cancel, or shutdown) sends Error to the client's reply
 subject and RequestFailed to the conductor, which rolls both transactions back.
@@ -35,8 +40,14 @@ from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import TxHandle
 from bus_schemas.load import PrefillLoad, WorkerStats
-from bus_schemas.placement import DecodeTask, PrefillTask, RemotePrefix, RequestFailed
-from bus_schemas.requests import CancelRequest, Error, ErrorCode
+from bus_schemas.placement import (
+    DecodeTask,
+    FirstTokenNotice,
+    PrefillTask,
+    RemotePrefix,
+    RequestFailed,
+)
+from bus_schemas.requests import CancelRequest, Error, ErrorCode, Tokens
 from services.common import bus, metrics
 from services.common.clock import Clock, WallClock
 from services.common.cost_model import CostModel
@@ -61,6 +72,21 @@ class PrefillStore(Protocol):
         layer_offset: int,
     ) -> None: ...
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None: ...
+
+
+@dataclass
+class _Computed:
+    """A prefill whose compute is over; its layer ships may still be on the wire."""
+
+    first: int
+    first_ts: float
+    ships: list[asyncio.Task]
+    ship_span: Any = None
+
+    async def stop(self) -> None:
+        for s in self.ships:
+            s.cancel()
+        await asyncio.gather(*self.ships, return_exceptions=True)
 
 
 @dataclass
@@ -116,6 +142,8 @@ class PrefillWorker:
         self._idle = asyncio.Event()
         self._idle.set()
         self._current: asyncio.Task | None = None
+        self._handoffs: dict[str, asyncio.Task] = {}  # computed, KV still shipping
+        self._finishing: set[asyncio.Task] = set()  # their supervisors (settle when done)
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._closing = False
@@ -158,6 +186,11 @@ class PrefillWorker:
                 await asyncio.wait_for(self._idle.wait(), timeout=5)
             except TimeoutError:
                 log.warning("prefill_close_timeout")
+        for rid, t in list(self._handoffs.items()):
+            self._stop_reason[rid] = (ErrorCode.UNAVAILABLE, "prefill instance shutting down")
+            t.cancel()
+        if self._finishing:
+            await asyncio.wait(set(self._finishing), timeout=5)
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -172,7 +205,7 @@ class PrefillWorker:
         """Before a role switch: stop reporting load, then wait until nothing is queued
         or running and no task has arrived for ``quiet_s`` (late placements still run)."""
         self.draining = True
-        while not (len(self.queue) == 0 and self._idle.is_set()
+        while not (len(self.queue) == 0 and self._idle.is_set() and not self._handoffs
                    and time.monotonic() - self._last_task >= quiet_s):
             if self.dead.is_set():
                 return
@@ -214,6 +247,9 @@ class PrefillWorker:
         if running is not None and running.request_id == rid and self._current is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
             self._current.cancel()
+        elif (handoff := self._handoffs.get(rid)) is not None:
+            self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
+            handoff.cancel()
 
     async def _on_stats(self, msg: NatsMsg) -> None:
         if msg.reply:
@@ -240,6 +276,17 @@ class PrefillWorker:
                 await asyncio.wait({self._current})
                 task, self._current = self._current, None
                 self.queue.done(rid)
+                if not task.cancelled() and task.exception() is None:
+                    done = task.result()
+                    if rid not in self._stop_reason:
+                        sup = asyncio.create_task(self._finish(item, done),
+                                                  name=f"prefill-handoff:{rid}")
+                        self._finishing.add(sup)
+                        sup.add_done_callback(self._finishing.discard)
+                        continue
+                    await done.stop()  # cancelled as compute ended: no handoff
+                    if done.ship_span is not None:
+                        done.ship_span.end()
                 with structlog.contextvars.bound_contextvars(request_id=rid):
                     await self._settle(item, task)
             except asyncio.CancelledError:
@@ -267,15 +314,39 @@ class PrefillWorker:
         if isinstance(exc, EngineDeadError):
             self.dead.set()
 
-    async def _process(self, item: QueuedPrefill) -> None:
+    async def _process(self, item: QueuedPrefill) -> "_Computed":
         token = otel_context.attach(item.meta.ctx)
         try:
             with structlog.contextvars.bound_contextvars(request_id=item.request_id):
-                await self._prefill(item)
+                return await self._prefill(item)
         finally:
             otel_context.detach(token)
 
-    async def _prefill(self, item: QueuedPrefill) -> None:
+    async def _finish(self, item: QueuedPrefill, done: "_Computed") -> None:
+        """Supervise one handoff: wait for it (or its cancellation), then settle."""
+        rid = item.request_id
+
+        async def handoff() -> None:
+            token = otel_context.attach(item.meta.ctx)
+            try:
+                with structlog.contextvars.bound_contextvars(request_id=rid):
+                    await self._handoff(item, done)
+            finally:
+                otel_context.detach(token)
+
+        task = asyncio.create_task(handoff(), name=f"prefill-ship:{rid}")
+        self._handoffs[rid] = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._handoffs.pop(rid, None)
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                await self._settle(item, task)
+            except Exception:  # noqa: BLE001 - a bug here must not go unnoticed
+                log.exception("prefill_settle_error")
+
+    async def _prefill(self, item: QueuedPrefill) -> "_Computed":
         task, req = item.task, item.task.request
         n, p, bs = item.prompt_tokens, item.prefix_tokens, self.layout.block_size
         r = task.remote
@@ -331,21 +402,40 @@ class PrefillWorker:
 
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                          prefix_tokens=p, sampling=req.sampling, kv=kv, on_layer=on_layer)
+        done = _Computed(first=0, first_ts=0.0, ships=ships)
         try:
             with tracer().start_as_current_span(
                 "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
-                first = await self.engine.prefill(job)
-            if ships:
-                await asyncio.gather(*ships)
-        finally:
-            for s in ships:
-                s.cancel()
-            await asyncio.gather(*ships, return_exceptions=True)
+                done.first = await self.engine.prefill(job)
+            done.first_ts = time.time()
+            done.ship_span = ship_span
+            if task.stream_first_token and req.reply_subject:
+                # The client need not wait for the KV to land on the decode node.
+                with tracer().start_as_current_span("prefill.first_token"):
+                    await bus.publish(self.nc, req.reply_subject, Tokens(
+                        request_id=req.request_id, token_ids=[done.first], index=0,
+                        from_prefill=True,
+                    ))
+        except BaseException:
+            await done.stop()
             if ship_span is not None:
                 ship_span.end()
+            raise
         self.counters["computed_tokens"] += n - p
         self.counters["prefix_tokens_loaded"] += p
+        return done
+
+    async def _handoff(self, item: QueuedPrefill, done: "_Computed") -> None:
+        task, req, p = item.task, item.task.request, item.prefix_tokens
+        first, first_ts = done.first, done.first_ts
+        try:
+            if done.ships:
+                await asyncio.gather(*done.ships)
+        finally:
+            await done.stop()
+            if done.ship_span is not None:
+                done.ship_span.end()
         await bus.publish(self.nc, subjects.decode_tasks(task.decode_instance), DecodeTask(
             request=req,
             conductor_id=task.conductor_id,
@@ -356,8 +446,15 @@ class PrefillWorker:
             first_token=first,
             cached_tokens=p,
             prefill_done_ts=time.time(),
+            first_token_sent=task.stream_first_token,
         ))
-        log.debug("prefill_done", prefix_tokens=p, computed_tokens=n - p, first_token=first)
+        # Every layer is acked, so the prefill-side slots are no longer read: commit.
+        await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
+            request_id=req.request_id, prefill_node=self.node,
+            prefill_tx_id=task.prefill_tx.tx_id, ts=first_ts,
+        ))
+        log.debug("prefill_done", prefix_tokens=p, computed_tokens=item.prompt_tokens - p,
+                  first_token=first)
 
     # -- helpers --
     def _validate(self, task: PrefillTask) -> None:

@@ -22,7 +22,7 @@ PREAMBLE = " ".join(f"Rule {i}: traces follow the request across services." for 
 SERVICES = ["admission", "conductor", "decode-0", "gateway", "prefill-0", "store-d0", "store-p0"]
 STAGE_SPANS = ["gateway.request", "admission.request", "conductor.schedule", "conductor.place",
                "prefill.task", "prefill.queue", "prefill.compute", "prefill.ship", "store.ship",
-               "store.write", "decode.task", "decode.load_kv", "decode.first_token",
+               "store.write", "prefill.first_token", "decode.task", "decode.load_kv",
                "decode.generate"]
 
 

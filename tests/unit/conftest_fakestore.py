@@ -46,6 +46,7 @@ class FakeStore:
         self.ships: list[tuple[int, tuple[int, ...]]] = []  # (first layer, blocks) per ship
         self.spans: list[tuple[int, int, tuple[int, ...]]] = []  # (offset, bytes, blocks)
         self.pulls: list[RemotePrefix] = []
+        self.gate: asyncio.Event | None = None  # set: ships wait until it is set
         net[node] = self
 
     def slot(self, i: int) -> memoryview:
@@ -56,6 +57,8 @@ class FakeStore:
                          layer_bytes: int, layer_offset: int) -> None:
         assert src.node == self.node
         await asyncio.sleep(0)
+        if self.gate is not None:
+            await self.gate.wait()
         peer = self.net.get(dst.node)
         if peer is None:
             raise TransferError("peer_closed", f"store {dst.node} unreachable")
@@ -239,11 +242,13 @@ async def until_terminal(q: asyncio.Queue, timeout: float = 10.0) -> list:
             return out
 
 
-def tokens_of(events: list) -> list[int]:
+def tokens_of(events: list, start: int = 0) -> list[int]:
+    """The generated tokens in ``events``, whose first Tokens has index ``start``
+    (a decode stream after prefill streamed the first token starts at 1)."""
     toks: list[int] = []
     for ev in events:
         if isinstance(ev, Tokens):
-            assert ev.index == len(toks), "Tokens indices must be contiguous"
+            assert ev.index == start + len(toks), "Tokens indices must be contiguous"
             toks.extend(ev.token_ids)
     return toks
 

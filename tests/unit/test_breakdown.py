@@ -129,3 +129,18 @@ def test_cli_with_no_request_fails(tmp_path):
     f = tmp_path / "spans.jsonl"
     write(f, [span("e" * 32, "conductor.load", 0, 1)])
     assert bd.main([str(f)]) == 1
+
+
+def test_first_token_streamed_by_prefill_ends_ttft_before_the_handoff(tmp_path):
+    # The first token reaches the gateway 1 ms after compute, 2 ms before decode loads.
+    spans = request_trace("c" * 32, 1000, first_token_event=False)
+    root = spans[0]
+    root["events"] = [{"name": "first_token", "ts_ns": (1000 + 7 + 40 + 1) * MS,
+                       "attributes": {}}]
+    f = tmp_path / "spans.jsonl"
+    write(f, spans)
+    [r] = bd.requests_from(bd.read_spans(f))
+    assert r.ttft_ns == 48 * MS
+    assert r.stages_ns == stages(queue=7, prefill_compute=40, first_token=1, transfer=2,
+                                 decode_load=2, decode=51)
+    assert r.e2e_ns == 103 * MS

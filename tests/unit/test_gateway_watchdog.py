@@ -83,3 +83,24 @@ def test_idle_timeout_and_untrack():
     wd.tokens("q")  # events for an untracked request are ignored
     wd.accepted("q", "p", "d")
     assert wd.stage("q") == "untracked"
+
+
+def test_first_token_from_prefill_keeps_watching_prefill():
+    # Prefill streamed the first token but still has to ship the KV and hand it over.
+    wd, clock = make()
+    wd.seen("p0")
+    wd.seen("d0")
+    wd.track("r1")
+    wd.accepted("r1", "p0", "d0")
+    wd.tokens("r1", from_prefill=True)
+    assert wd.stage("r1") == "prefill"
+    clock.advance(1.5)
+    wd.seen("d0")
+    clock.advance(1.0)  # p0 silent 2.5 s
+    [v] = wd.sweep()
+    assert "prefill instance p0" in v.message
+    wd.track("r2")
+    wd.accepted("r2", "p0", "d0")
+    wd.tokens("r2", from_prefill=True)
+    wd.tokens("r2")  # decode's tokens: from now on only decode matters
+    assert wd.stage("r2") == "decode"

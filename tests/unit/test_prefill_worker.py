@@ -45,7 +45,10 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, 100), prompt)
     assert_expected(slot_kv(rig.p, rig.layout, t.prefill_tx.slots, 100), prompt)
 
+    # the first token came straight from prefill, the rest from decode
     assert isinstance(events[0], Tokens) and events[0].token_ids == [ref[0]]
+    assert events[0].from_prefill and events[0].index == 0 and dt.first_token_sent
+    assert not any(e.from_prefill for e in events[1:] if isinstance(e, Tokens))
     assert tokens_of(events) == ref
     assert events[-1] == Finished(request_id=t.request.request_id, finish_reason="length",
                                   prompt_tokens=100, completion_tokens=7, cached_tokens=32)
@@ -63,6 +66,19 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert dc == {"tasks_done": 1, "tasks_failed": 0, "tasks_aborted": 0,
                   "tokens_generated": 7, "kv_tokens_loaded": 100, "commits_failed": 0,
                   "running": 0}
+
+
+async def test_first_token_waits_for_decode_when_prefill_may_not_stream_it(rig):
+    # The baseline admission may still reject at decode: decode emits the first token.
+    prompt = rig.prompt(50, seed=7)
+    t = msgspec.structs.replace(rig.task(prompt, max_tokens=3), stream_first_token=False)
+    events = await until_terminal(await rig.submit(t))
+    dt = await asyncio.wait_for(rig.decode_tasks.get(), 5)
+    assert not dt.first_token_sent
+    toks = [e for e in events if isinstance(e, Tokens)]
+    assert toks[0].index == 0 and not any(e.from_prefill for e in toks)
+    assert tokens_of(events) == rig.reference(prompt, 3)
+    assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), FirstTokenNotice)
 
 
 async def test_remote_prefix_is_pulled_before_compute(rig):
@@ -198,3 +214,40 @@ async def test_shutdown_fails_queued_and_running_tasks(nats_url):
         assert err.code == ErrorCode.UNAVAILABLE and "shutting down" in err.message
     await rig.close()
 
+
+
+async def test_next_request_computes_while_the_previous_kv_is_shipping(rig):
+    # The link is stalled: request a's KV cannot leave, yet b is computed and streams
+    # its first token; a is handed to decode only once its ships are through.
+    rig.p.gate = asyncio.Event()
+    pa, pb = rig.prompt(40, seed=8), rig.prompt(45, seed=9)
+    ta, tb = rig.task(pa, max_tokens=2), rig.task(pb, max_tokens=2)
+    qa, qb = await rig.submit(ta), await rig.submit(tb)
+    first_a, first_b = await asyncio.wait_for(qa.get(), 5), await asyncio.wait_for(qb.get(), 5)
+    assert (first_a.from_prefill, first_a.token_ids) == (True, rig.reference(pa, 1))
+    assert (first_b.from_prefill, first_b.token_ids) == (True, rig.reference(pb, 1))
+    assert rig.decode_tasks.empty() and rig.p.ships == []
+    assert (await rig.stats("prefill", rig.pi))["tasks_done"] == 0
+    rig.p.gate.set()
+    assert tokens_of([first_a, *await until_terminal(qa)]) == rig.reference(pa, 2)
+    assert tokens_of([first_b, *await until_terminal(qb)]) == rig.reference(pb, 2)
+    handed = {(await asyncio.wait_for(rig.decode_tasks.get(), 5)).request.request_id
+              for _ in range(2)}
+    assert handed == {ta.request.request_id, tb.request.request_id}
+    assert (await rig.stats("prefill", rig.pi))["tasks_done"] == 2
+
+
+async def test_cancel_while_shipping_stops_the_handoff(rig):
+    rig.p.gate = asyncio.Event()
+    t = rig.task(rig.prompt(40, seed=10), max_tokens=2)
+    q = await rig.submit(t)
+    first = await asyncio.wait_for(q.get(), 5)
+    assert first.from_prefill
+    await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=t.request.request_id)))
+    (err,) = await until_terminal(q)
+    assert err.code == ErrorCode.CANCELLED
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    rig.p.gate.set()
+    assert rig.decode_tasks.empty() and rig.p.ships == []
+    assert (await rig.stats("prefill", rig.pi))["tasks_cancelled"] == 1
