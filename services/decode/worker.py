@@ -25,7 +25,6 @@ and waits until every request here has finished and no task arrived for a while.
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,18 +36,17 @@ from nats.aio.msg import Msg as NatsMsg
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.control import Refused, TxAbort, TxCommit, TxDoneReply
-from bus_schemas.load import DecodeLoad, WorkerStats
+from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
+from services.common.worker_base import WorkerBase
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from tracing import tracer
 
 log = structlog.get_logger()
-
-REMEMBER_CANCELLED = 10_000
 
 
 class DecodeStore(Protocol):
@@ -78,7 +76,10 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     return ErrorCode.INTERNAL, "decode failed: internal error"
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
+    role = "decode"
+    cancelled_counter = "tasks_aborted"
+
     def __init__(
         self,
         nc: NATS,
@@ -92,32 +93,22 @@ class DecodeWorker:
         commit_timeout: float = 2.0,
         admit: Callable[[DecodeTask, EngineStats, int], str | None] | None = None,
     ) -> None:
-        self.nc = nc
+        super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
         self.store = store
         self.engine = engine
-        self.instance = instance
-        self.node = node
         self.layout = layout
-        self.report_interval = report_interval
         self.commit_timeout = commit_timeout
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
              "kv_tokens_loaded", "commits_failed"), 0,
         )
         self.admit = admit  # (task, engine stats, tasks loading) -> reason to reject
-        self.draining = False  # role switch: no load reports, finish what comes
-        self._last_task = time.monotonic()
-        self.dead = asyncio.Event()  # the engine died: the process should exit
         self._subs = bus.Subscriptions(nc)
-        self._stats_sub: Any = None
         self._active: set[str] = set()
         self._loading = 0  # requests in the TransferQueue (KV being loaded)
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._closing = False
-        self._reporter: asyncio.Task | None = None
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -126,10 +117,7 @@ class DecodeWorker:
             concurrent=True, span_name="decode.task",
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
-        self._stats_sub = await self.nc.subscribe(
-            subjects.worker_stats("decode", self.instance), cb=self._on_stats
-        )
-        self._reporter = asyncio.create_task(self._report_loop(), name="decode-load-report")
+        await self._start_common()
         await self.nc.flush()
         metrics.track_worker("decode", self)
         log.info("decode_started", instance=self.instance, node=self.node)
@@ -146,14 +134,7 @@ class DecodeWorker:
             await asyncio.wait_for(self._idle.wait(), timeout=5)
         except TimeoutError:
             log.warning("decode_close_timeout", active=len(self._active))
-        if self._reporter is not None:
-            self._reporter.cancel()
-            await asyncio.gather(self._reporter, return_exceptions=True)
-        if self._stats_sub is not None:
-            try:
-                await self._stats_sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone
-                pass
+        await self._close_common()
         await self._subs.close()
 
     async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
@@ -168,13 +149,8 @@ class DecodeWorker:
     # -- bus handlers --
     async def _on_task(self, task: DecodeTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
-        self._last_task = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if rid in self._cancelled:
-                await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_aborted")
-                return
-            if self._closing:
-                await self._fail(task, ErrorCode.UNAVAILABLE, "decode instance shutting down")
+            if not await self.admit_task(task, rid):
                 return
             if rid in self._active:
                 log.warning("duplicate_decode_task")
@@ -209,20 +185,14 @@ class DecodeWorker:
 
     async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
         rid = c.request_id
-        self._cancelled[rid] = None
-        while len(self._cancelled) > REMEMBER_CANCELLED:
-            self._cancelled.popitem(last=False)
+        self.remember_cancel(rid)
         if rid in self._active:
             self._stop_reason.setdefault(rid, (ErrorCode.CANCELLED, f"cancelled: {c.reason}"))
             self.engine.abort(rid)
 
-    async def _on_stats(self, msg: NatsMsg) -> None:
-        if msg.reply:
-            # "running" is a gauge beside the monotonic counters: requests in flight now.
-            extra = getattr(self.engine, "counters_snapshot", dict)()  # vllm engine counters
-            stats = WorkerStats(instance=self.instance, node=self.node, role="decode",
-                                counters={**extra, **self.counters, "running": len(self._active)})
-            await self.nc.publish(msg.reply, encode(stats))
+    def stats_counters(self) -> dict[str, int]:
+        # "running" is a gauge beside the monotonic counters: requests in flight now.
+        return {**super().stats_counters(), "running": len(self._active)}
 
     # -- one request --
     async def _serve(self, task: DecodeTask) -> None:
@@ -325,19 +295,10 @@ class DecodeWorker:
         except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
             log.warning("fail_publish_failed", error=str(e))
 
-    async def _report_loop(self) -> None:
-        subject = subjects.load_report("decode", self.instance)
-        while not self.dead.is_set():
-            st = self.engine.stats()
-            try:
-                if self.draining:
-                    await asyncio.sleep(self.report_interval)
-                    continue
-                await bus.publish(self.nc, subject, DecodeLoad(
-                    instance=self.instance, node=self.node, batch_size=st.batch_size,
-                    waiting=st.waiting + self._loading, max_batch=self.engine.max_batch,
-                    kv_tokens=st.kv_tokens, step_time_s=st.step_time_s, ts=time.time(),
-                ))
-            except Exception as e:  # noqa: BLE001 - keep reporting through reconnects
-                log.warning("load_report_failed", error=str(e))
-            await asyncio.sleep(self.report_interval)
+    def load_report(self) -> DecodeLoad:
+        st = self.engine.stats()
+        return DecodeLoad(
+            instance=self.instance, node=self.node, batch_size=st.batch_size,
+            waiting=st.waiting + self._loading, max_batch=self.engine.max_batch,
+            kv_tokens=st.kv_tokens, step_time_s=st.step_time_s, ts=time.time(),
+        )

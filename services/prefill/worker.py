@@ -26,7 +26,6 @@ serves what is queued and whatever still arrives, and returns once idle and quie
 
 import asyncio
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,9 +36,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from bus_schemas import subjects
-from bus_schemas.codec import encode
 from bus_schemas.control import TxHandle
-from bus_schemas.load import PrefillLoad, WorkerStats
+from bus_schemas.load import PrefillLoad
 from bus_schemas.placement import (
     DecodeTask,
     FirstTokenNotice,
@@ -53,14 +51,13 @@ from services.common.clock import Clock, WallClock
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
+from services.common.worker_base import WorkerBase
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.store.client import TransferError
 from tracing import tracer
 
 log = structlog.get_logger()
-
-REMEMBER_CANCELLED = 10_000
 
 
 class PrefillStore(Protocol):
@@ -108,7 +105,9 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     return ErrorCode.INTERNAL, "prefill failed: internal error"
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
     def __init__(
         self,
         nc: NATS,
@@ -122,22 +121,17 @@ class PrefillWorker:
         clock: Clock | None = None,
         report_interval: float = 0.1,
     ) -> None:
-        self.nc = nc
+        super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
         self.store = store
         self.engine = engine
-        self.instance = instance
-        self.node = node
         self.layout = layout
         self.cost = cost
-        self.report_interval = report_interval
         self.queue = PrefillQueue(cost, clock or WallClock(), layout.block_size)
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_cancelled", "computed_tokens",
              "prefix_tokens_loaded", "remote_tokens_pulled"), 0,
         )
-        self.dead = asyncio.Event()  # the engine died: the process should exit
         self._subs = bus.Subscriptions(nc)
-        self._stats_sub: Any = None
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -145,11 +139,7 @@ class PrefillWorker:
         self._handoffs: dict[str, asyncio.Task] = {}  # computed, KV still shipping
         self._finishing: set[asyncio.Task] = set()  # their supervisors (settle when done)
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._closing = False
-        self._tasks: list[asyncio.Task] = []
-        self.draining = False  # role switch: no load reports, finish what comes
-        self._last_task = time.monotonic()
+        self._runner: asyncio.Task | None = None
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -158,13 +148,8 @@ class PrefillWorker:
             span_name="prefill.task",
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
-        self._stats_sub = await self.nc.subscribe(
-            subjects.worker_stats("prefill", self.instance), cb=self._on_stats
-        )
-        self._tasks = [
-            asyncio.create_task(self._run(), name="prefill-run"),
-            asyncio.create_task(self._report_loop(), name="prefill-load-report"),
-        ]
+        await self._start_common()
+        self._runner = asyncio.create_task(self._run(), name="prefill-run")
         await self.nc.flush()
         metrics.track_worker("prefill", self)
         log.info("prefill_started", instance=self.instance, node=self.node)
@@ -191,14 +176,10 @@ class PrefillWorker:
             t.cancel()
         if self._finishing:
             await asyncio.wait(set(self._finishing), timeout=5)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._stats_sub is not None:
-            try:
-                await self._stats_sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection may be gone
-                pass
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+        await self._close_common()
         await self._subs.close()
 
     async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
@@ -214,13 +195,8 @@ class PrefillWorker:
     # -- bus handlers --
     async def _on_task(self, task: PrefillTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
-        self._last_task = time.monotonic()
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if rid in self._cancelled:
-                await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter="tasks_cancelled")
-                return
-            if self._closing:
-                await self._fail(task, ErrorCode.UNAVAILABLE, "prefill instance shutting down")
+            if not await self.admit_task(task, rid):
                 return
             try:
                 self._validate(task)
@@ -234,9 +210,7 @@ class PrefillWorker:
 
     async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
         rid = c.request_id
-        self._cancelled[rid] = None
-        while len(self._cancelled) > REMEMBER_CANCELLED:
-            self._cancelled.popitem(last=False)
+        self.remember_cancel(rid)
         item = self.queue.remove(rid)
         if item is not None:
             self._end_queue_span(item)
@@ -250,15 +224,6 @@ class PrefillWorker:
         elif (handoff := self._handoffs.get(rid)) is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
             handoff.cancel()
-
-    async def _on_stats(self, msg: NatsMsg) -> None:
-        if msg.reply:
-            # An engine may add its own counters (the vllm engine: tokens vLLM computed,
-            # KV loaded/saved by its connector).
-            extra = getattr(self.engine, "counters_snapshot", dict)()
-            stats = WorkerStats(instance=self.instance, node=self.node, role="prefill",
-                                counters={**extra, **self.counters})
-            await self.nc.publish(msg.reply, encode(stats))
 
     # -- the queue runner --
     async def _run(self) -> None:
@@ -493,18 +458,7 @@ class PrefillWorker:
         except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
             log.warning("fail_publish_failed", error=str(e))
 
-    async def _report_loop(self) -> None:
-        subject = subjects.load_report("prefill", self.instance)
-        while not self.dead.is_set():
-            qlen, qtokens, work = self.queue.load()
-            try:
-                if self.draining:
-                    await asyncio.sleep(self.report_interval)
-                    continue
-                await bus.publish(self.nc, subject, PrefillLoad(
-                    instance=self.instance, node=self.node, queue_len=qlen,
-                    queued_tokens=qtokens, queued_work_s=work, ts=time.time(),
-                ))
-            except Exception as e:  # noqa: BLE001 - keep reporting through reconnects
-                log.warning("load_report_failed", error=str(e))
-            await asyncio.sleep(self.report_interval)
+    def load_report(self) -> PrefillLoad:
+        qlen, qtokens, work = self.queue.load()
+        return PrefillLoad(instance=self.instance, node=self.node, queue_len=qlen,
+                           queued_tokens=qtokens, queued_work_s=work, ts=time.time())
