@@ -6,7 +6,11 @@ raw-socket sink. This process then, for 1, 4, 16 and 64 MiB, in interleaved roun
 
     tcp         TransferEngine("tcp") WRITE into the peer (4 streams, sliced)
     raw_socket  the ceiling: 4 plain sockets, ``sendall`` of a quarter each into
-                ``recv_into`` on the peer, acked per stream (what the engine also waits for)
+                ``recv_into`` on the peer, acked per stream (what the engine also waits for),
+                one persistent sending thread per socket
+    raw_socket_1thread  the same 4 sockets' work done by the calling thread alone: it
+                sends the 4 quarters one after the other, then reads the 4 acks (no
+                hand-off between threads; faster up to a few MiB on a 2-core host)
     shm         TransferEngine("shm") WRITE into the peer's shared memory
     memcpy      the ceiling: one numpy copy of the same size inside this process, from
                 the same source buffer the shm run copies (same cache state)
@@ -125,6 +129,34 @@ def peer(size: int) -> int:
 
 
 # ---------------------------------------------------------------------- initiator side
+
+
+class RawInline:
+    """Plain sockets without threads: the caller sends each part, then reads the acks."""
+
+    def __init__(self, port: int, streams: int) -> None:
+        from services.store.transport.tcp.frames import tune
+
+        self.socks = []
+        for _ in range(streams):
+            s = socket.create_connection(("127.0.0.1", port))
+            tune(s)
+            self.socks.append(s)
+
+    def write(self, src: memoryview) -> None:
+        part = -(-len(src) // len(self.socks))
+        used = []
+        for s, o in zip(self.socks, range(0, len(src), part), strict=False):
+            view = src[o : o + part]
+            s.sendall(RAW_HDR.pack(o, len(view)))
+            s.sendall(view)
+            used.append(s)
+        if not all(s.recv(1) == b"\x01" for s in used):
+            raise RuntimeError("raw socket transfer failed")
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
 
 
 class RawSockets:
@@ -258,6 +290,7 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
         tcp_buf[:] = os.urandom(top)
         shm_buf[:] = tcp_buf
         raw = RawSockets(info["raw_port"], streams)
+        raw1 = RawInline(info["raw_port"], streams)
         a = np.frombuffer(shm_buf, dtype=np.uint8)  # the same source bytes the shm run copies
         b = np.empty(top, dtype=np.uint8)
         b[:] = 1  # touch every page
@@ -273,10 +306,14 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
         def t_raw(n: int) -> None:
             raw.write(tcp_buf[:n])
 
+        def t_raw1(n: int) -> None:
+            raw1.write(tcp_buf[:n])
+
         def t_memcpy(n: int) -> None:
             np.copyto(b[:n], a[:n])
 
-        fns = {"raw_socket": t_raw, "tcp": t_tcp, "memcpy": t_memcpy, "shm": t_shm}
+        fns = {"raw_socket": t_raw, "tcp": t_tcp, "raw_socket_1thread": t_raw1, "memcpy": t_memcpy,
+               "shm": t_shm}
         for n in sizes:
             for f in fns.values():
                 f(n)  # warm-up: connections, mappings, page tables
@@ -290,6 +327,7 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
                 if got is not None:
                     mc_runs[n] = got
         raw.close()
+        raw1.close()
         tcp.close()
         shm.close()
     finally:
@@ -319,6 +357,7 @@ def paired(runs: dict[tuple[str, int], list[float]], sizes: list[int]) -> dict[s
     load swing on a shared box moves both)."""
     out: dict[str, dict[str, float]] = {}
     for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
+                             "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
                              "shm_vs_memcpy": ("shm", "memcpy")}.items():
         out[name] = {str(n): round(statistics.median(
             a / b for a, b in zip(runs[(num, n)], runs[(den, n)], strict=True)), 3) for n in sizes}
@@ -329,8 +368,12 @@ def ratios(results: list[dict], sizes: list[int]) -> dict[str, dict[str, float |
     g = {(r["backend"], r["size_bytes"]): r["gbps"] for r in results}
     out: dict[str, dict[str, float | None]] = {}
     for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
+                             "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
                              "shm_vs_memcpy": ("shm", "memcpy"),
-                             "tcp_vs_mooncake": ("tcp", "mooncake")}.items():
+                             "tcp_vs_mooncake": ("tcp", "mooncake"),
+                             "raw_socket_vs_mooncake": ("raw_socket", "mooncake"),
+                             "raw_socket_1thread_vs_mooncake": ("raw_socket_1thread", "mooncake"),
+                             }.items():
         out[name] = {}
         for n in sizes:
             a, b = g.get((num, n)), g.get((den, n))
@@ -340,25 +383,27 @@ def ratios(results: list[dict], sizes: list[int]) -> dict[str, dict[str, float |
 
 def render(report: dict) -> str:
     sizes = sorted({r["size_bytes"] for r in report["results"]})
-    names = ["tcp", "raw_socket", "shm", "memcpy", "mooncake"]
+    names = ["tcp", "raw_socket", "raw_1thread", "shm", "memcpy", "mooncake"]
+    backend = {"raw_1thread": "raw_socket_1thread"}
     g = {(r["backend"], r["size_bytes"]): r for r in report["results"]}
     lines = [f"median GB/s over {report['repeats']} runs (same host, cross-process)",
              "size      " + "".join(f"{n:>12}" for n in names)
-             + "   tcp/raw  shm/memcpy  tcp/mooncake"]
+             + "   tcp/raw  tcp/raw1  shm/memcpy  tcp/mooncake"]
     for n in sizes:
         cells = []
         for name in names:
-            r = g.get((name, n))
+            r = g.get((backend.get(name, name), n))
             cells.append(f"{r['gbps']:>12.3f}" if r and r["gbps"] is not None else f"{'n/a':>12}")
         rr = report["ratios"]
-        fmt = [rr[k][str(n)] for k in ("tcp_vs_raw_socket", "shm_vs_memcpy", "tcp_vs_mooncake")]
+        fmt = [rr[k][str(n)] for k in ("tcp_vs_raw_socket", "tcp_vs_raw_socket_1thread",
+                                       "shm_vs_memcpy", "tcp_vs_mooncake")]
         lines.append(f"{n // MIB:>4} MiB  " + "".join(cells) + "   "
                      + "  ".join(f"{x:>8.2f}" if x is not None else f"{'n/a':>8}" for x in fmt))
     pr = report["paired_ratios"]
-    lines.append("paired (per-round) medians: tcp/raw " + ", ".join(
-        f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr["tcp_vs_raw_socket"].items())
-        + "; shm/memcpy " + ", ".join(
-        f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr["shm_vs_memcpy"].items()))
+    for key, label in (("tcp_vs_raw_socket", "tcp/raw"), ("tcp_vs_raw_socket_1thread", "tcp/raw1"),
+                       ("shm_vs_memcpy", "shm/memcpy")):
+        lines.append(f"paired (per-round) medians {label}: " + ", ".join(
+            f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr[key].items()))
     mc = [r for r in report["results"] if r["backend"] == "mooncake" and r["status"] != "ok"]
     if mc:
         lines.append(f"mooncake: unavailable ({mc[0]['reason']})")

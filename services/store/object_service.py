@@ -10,8 +10,11 @@ Lifecycle of a key on a node::
                            key ``missing`` (and forgets it)
     obj.remove / obj.stat / obj.replicate over NATS (see server.py)
 
-The table (key -> size, block hashes) lives in memory: objects do not survive a
-restart even where their blocks do.
+The table (key -> size, block hashes) lives in memory; with an SSD tier, object
+blocks are written back like KV blocks and the SSD index carries the keys whose
+blocks are all on SSD (``persistable``), so a restarted store gets them back
+(``restore``). Block hashes come from (key, version), versions counting from the
+store's epoch (start time in ns), so a new put never collides with a restored one.
 """
 
 import hashlib
@@ -44,7 +47,8 @@ class ObjectService:
         self.store = store
         self.table: dict[str, _Meta] = {}
         self.block_hashes: set[int] = set()  # of every object: kept out of KV events
-        self._version = 0
+        self._version = store.epoch
+        self._doomed: set[int] = set()  # blocks of dropped keys, busy when dropped
         self.counters = {"obj_puts": 0, "obj_gets": 0, "obj_misses": 0, "obj_bytes_in": 0,
                          "obj_bytes_out": 0}
 
@@ -56,19 +60,21 @@ class ObjectService:
         got = sum(len(p) for p in payload)
         if got != h.size or h.size < 0:
             raise wire.WireError(f"payload has {got} bytes, header says {h.size}", "bad_request", h.id)
+        self.reap()
         self._version += 1
         n = self._nblocks(h.size)
         hashes = object_hashes(h.key, self._version, n)
         retention = Retention(h.retention) if h.retention in (0, 2) else Retention.DEFAULT
         self.block_hashes.update(hashes)
-        # No write-back: the key table is not persisted, so SSD copies would outlive it.
-        slots, events = s.pool.put_blocks(hashes, retention, writeback=False)
+        slots, events = s.pool.put_blocks(hashes, retention)
         s.apply(events)
         if isinstance(slots, Refused):
             self.block_hashes.difference_update(hashes)
             raise wire.WireError(f"object {h.key!r} ({h.size} bytes): {slots.message}",
                                  slots.reason, h.id)
         wire.scatter(payload, _trim(s.arena.spans(slots, 0, s.block_bytes), h.size))
+        if s.pool.writeback:
+            s.tiers.wake()  # write the blocks back (the index then carries the key)
         old = self.table.get(h.key)
         self.table[h.key] = _Meta(h.size, hashes)
         if old is not None:
@@ -125,9 +131,41 @@ class ObjectService:
         return True
 
     def _drop(self, meta: _Meta) -> None:
-        _, _, events = self.store.pool.remove(meta.hashes)
+        """Remove a key's blocks; one being written back (busy) stays an object block and
+        goes at the next ``reap``."""
+        removed, busy, events = self.store.pool.remove(meta.hashes)
         self.store.apply(events)
-        self.block_hashes.difference_update(meta.hashes)
+        self.block_hashes.difference_update(h for h in meta.hashes if h not in busy)
+        self._doomed.update(busy)
+
+    def reap(self) -> None:
+        """Remove blocks of dropped keys that were busy then (after write-backs end)."""
+        if not self._doomed:
+            return
+        removed, busy, events = self.store.pool.remove(sorted(self._doomed))
+        self._doomed = set(busy)
+        self.store.apply(events)
+        self.block_hashes.difference_update(removed)
+
+    def persistable(self, on_ssd: set[int]) -> list[tuple[str, int, list[int]]]:
+        """(key, size, hashes) of the objects whose blocks are all in ``on_ssd``."""
+        return [(k, m.size, m.hashes) for k, m in self.table.items()
+                if all(h in on_ssd for h in m.hashes)]
+
+    def restore(self, objects: list[tuple[str, int, list[int]]], object_blocks: set[int]) -> list[int]:
+        """Take back the objects a previous run saved whose blocks are all on the node
+        again (call before publishing the restored blocks' events: object blocks are
+        kept out of them); returns the other object blocks on the node (of objects that
+        did not come back whole), for the caller to drop."""
+        pool = self.store.pool
+        self.block_hashes.update(h for h in object_blocks if pool.on_node(h))
+        kept: set[int] = set()
+        for key, size, hashes in objects:
+            if hashes and len(hashes) == self._nblocks(size) and all(pool.on_node(h) for h in hashes):
+                self.table[key] = _Meta(size, list(hashes))
+                self.block_hashes.update(hashes)
+                kept.update(hashes)
+        return sorted(h for h in object_blocks if h not in kept and pool.on_node(h))
 
     def kv_only(self, events: list[KVEvent]) -> list[KVEvent]:
         """``events`` without object blocks: KV-event consumers index prompts, not objects."""

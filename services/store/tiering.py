@@ -5,12 +5,14 @@ Lifecycle (owned by :class:`~services.store.server.StoreService`)::
     open        make the SSD store (--ssd-dir) and the GPU store (when CUDA is there;
                 skipped with a log line otherwise), reload the SSD index a previous run
                 left: those blocks are on the node again, announced as BlockStored in
-                the new epoch's first batch
+                the new epoch's first batch (objects' blocks are not KV: their keys are
+                back in the object table instead; blocks of an object that did not
+                come back whole are dropped)
     run_moves   after every pool call, in the same step: promotions / demotions /
                 offloads, in order (an SSD read or write of a block is a page-cache copy)
     write-back  task: pool.writebacks() -> copy DRAM -> SSD on a worker thread (the DRAM
                 copy is locked meanwhile) -> writeback_done -> index saved if changed
-    close       save the index, close files
+    close       save the index (with the objects whose blocks are all on SSD), close files
 """
 
 import asyncio
@@ -79,14 +81,19 @@ class Tiers:
         if s.pool.ssd is not None and s.ssd_dir:
             self.ssd = SsdStore(s.ssd_dir, s.pool.ssd.capacity, s.block_bytes)
             self.stores[Tier.SSD] = self.ssd
-            entries = self.ssd.load_index()
+            state = self.ssd.load_state()
             now_wall, now = time.time(), s.clock.now()
             restored = [(h, slot, None if until is None else now + (until - now_wall))
-                        for h, slot, until in entries]
+                        for h, slot, until in state.entries]
             events = s.pool.restore(restored)
-            s.apply(events)
+            orphans = s.objects.restore(state.objects, state.object_blocks)
+            s.apply(events)  # after objects.restore: object blocks are kept out of KV events
+            if orphans:
+                _, _, events = s.pool.remove(orphans)
+                s.apply(events)
             log.info("ssd_tier_open", dir=s.ssd_dir, capacity_blocks=s.pool.ssd.capacity,
-                     restored_blocks=len(s.pool.ssd))
+                     restored_blocks=len(s.pool.ssd), restored_objects=len(s.objects.table),
+                     dropped_object_blocks=len(orphans))
         if any(t.tier == Tier.VRAM for t in s.pool.lower):
             self.stores[Tier.VRAM] = VramStore(s.vram_capacity_blocks, s.block_bytes)
 
@@ -116,6 +123,7 @@ class Tiers:
             results = await asyncio.to_thread(self._write, moves)
             for m, ok in zip(moves, results, strict=True):
                 pool.writeback_done(m.block_hash, ok)
+            self.s.objects.reap()
             if time.monotonic() - self._saved_at > 0.5:
                 self.save()
 
@@ -136,8 +144,11 @@ class Tiers:
         now_wall, now = time.time(), self.s.clock.now()
         entries = [(h, slot, None if until is None else now_wall + (until - now))
                    for h, slot, until in self.s.pool.ssd_entries()]
+        on_ssd = {h for h, _, _ in entries}
+        objects = self.s.objects
         try:
-            self.ssd.save_index(entries)
+            self.ssd.save_index(entries, objects.persistable(on_ssd),
+                                on_ssd & objects.block_hashes)
             self.s.pool.ssd_dirty = False
             self._saved_at = time.monotonic()
         except OSError as e:

@@ -3,7 +3,7 @@
     engine = TransferEngine("tcp")                     # serves this process's segment
     rid = engine.register_local_memory(buf)            # registerLocalMemory
     bid = engine.allocate_batch_id(8)                  # allocateBatchID
-    engine.submit_transfer(bid, [TransferRequest(...)])  # submitTransfer (returns at once)
+    engine.submit_transfer(bid, [TransferRequest(...)])  # submitTransfer (see below)
     engine.get_transfer_status(bid, 0)                 # getTransferStatus -> TransferStatus
     await engine.wait_batch(bid)                       # (helper) until every entry ended
     engine.free_batch_id(bid)                          # freeBatchID
@@ -138,8 +138,11 @@ class TransferEngine:
         return bid
 
     def submit_transfer(self, batch_id: int, entries: list[TransferRequest]) -> int:
-        """Start every entry (asynchronously); returns 0. Nothing is started when an entry
-        is invalid (unknown region, span outside it, batch full)."""
+        """Start every entry; returns 0 without waiting for any ack. Over TCP a request
+        of up to 4 MiB is written by this thread (it returns once the kernel holds the
+        bytes, ~0.1 ms per MiB here: an event loop that cannot spare that submits from
+        a worker thread); larger ones go to the stream threads. Nothing is started when
+        an entry is invalid (unknown region, span outside it, batch full)."""
         with self._lock:
             batch = self._batch(batch_id)
             if len(batch.tickets) + len(entries) > batch.size:
@@ -253,8 +256,9 @@ class TransferEngine:
 
 
 def _status(t: Ticket) -> TransferStatus:
+    state = t.poll()  # polling also asks a lazy backend to finish the work (Ticket.kicker)
     e = t.error
-    return TransferStatus(state=t.state, transferred_bytes=t.transferred,
+    return TransferStatus(state=state, transferred_bytes=t.transferred,
                           code=e.code if e else "", error=e.message if e else "")
 
 

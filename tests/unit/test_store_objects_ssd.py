@@ -13,6 +13,7 @@ from services.store.object_service import object_hashes
 from services.store.tiering import ReplayBuffer
 from services.store.tiers import Move, Tier, TieredBlockPool
 from services.store.tiers.backends import MemoryStore, SsdStore, execute
+from services.store.transport.base import crc32
 
 
 def test_rendezvous_rank_is_stable_and_replicas_are_distinct():
@@ -118,3 +119,44 @@ def test_kv_events_leave_object_blocks_out():
     assert out == [BlockStored(block_hashes=[3]), BlockRemoved(block_hashes=[4])]
     assert svc.block_hashes == {1}
 
+
+
+def test_ssd_index_carries_the_objects_whose_blocks_it_holds(tmp_path):
+    import msgspec
+
+    ssd = SsdStore(str(tmp_path), capacity=4, block_bytes=8)
+    for slot, b in ((0, b"aaaaaaaa"), (1, b"bbbbbbbb"), (2, b"cccccccc")):
+        ssd.write(slot, memoryview(b))
+    ssd.save_index([(100, 0, None), (101, 1, None), (200, 2, None)],
+                   objects=[("k", 12, [100, 101]), ("half", 5, [200, 999])],
+                   object_blocks={100, 101, 200, 999})
+    ssd.close()
+    again = SsdStore(str(tmp_path), capacity=4, block_bytes=8)
+    state = again.load_state()
+    assert state.entries == [(100, 0, None), (101, 1, None), (200, 2, None)]
+    assert state.objects == [("k", 12, [100, 101])]  # "half" has a block the index lacks
+    assert state.object_blocks == {100, 101, 200}
+    # an index written before objects were persisted still loads (no objects)
+    old = {"block_bytes": 8, "capacity": 4, "saved_at": 1.0, "entries": [[100, 0, crc32(b"aaaaaaaa"), None]]}
+    (tmp_path / "index.msgpack").write_bytes(msgspec.msgpack.encode(old))
+    state = again.load_state()
+    assert (state.entries, state.objects, state.object_blocks) == ([(100, 0, None)], [], set())
+    again.close()
+
+
+def test_object_service_restores_whole_objects_and_names_the_orphan_blocks():
+    from types import SimpleNamespace
+
+    from services.store.object_service import ObjectService
+
+    pool = TieredBlockPool(4, 1, ManualClock(), "t-", ssd_capacity=8)
+    assert pool.restore([(h, i, None) for i, h in enumerate([1, 2, 3, 7])]) == [
+        BlockStored(block_hashes=[1, 2, 3, 7])]
+    store = SimpleNamespace(epoch=5, block_bytes=8, pool=pool, apply=lambda _events: None)
+    svc = ObjectService(store)
+    orphans = svc.restore([("whole", 16, [1, 2]), ("torn", 16, [3, 4]), ("bad size", 99, [7])],
+                          object_blocks={1, 2, 3, 4, 7})
+    assert {k: (m.size, m.hashes) for k, m in svc.table.items()} == {"whole": (16, [1, 2])}
+    assert orphans == [3, 7]  # on the node, but their objects did not come back whole
+    assert svc.block_hashes == {1, 2, 3, 7}  # 4 is not on the node: forgotten
+    assert svc.persistable({1, 2, 3}) == [("whole", 16, [1, 2])] and svc.persistable({1}) == []

@@ -142,6 +142,50 @@ async def test_ssd_tier_survives_a_restart_and_promotes_on_hit(nats_url):
             assert stop(proc) == 0
 
 
+async def test_objects_on_ssd_survive_a_restart_and_stay_out_of_kv_events(nats_url):
+    with tempfile.TemporaryDirectory() as tmp:
+        ssd = os.path.join(tmp, "ssd")
+        args = ("--ssd-dir", ssd, "--ssd-capacity-blocks", "16")
+        proc = start(nats_url, "os1", tmp, *args)
+        nc = await nats.connect(nats_url)
+        try:
+            client = await StoreClient.connect(nc, "os1", timeout=30)
+            objs = await ObjectClient.connect(nc, ["os1"])
+            a, b = os.urandom(BB * 2 + 7), b"small value"
+            await objs.put("a", a)
+            await objs.put("gone", b"removed before the restart")
+            assert await objs.remove("gone") == ["os1"]
+            await objs.put("b", b)
+            h = await alloc(nc, "os1", [91])  # one KV block beside the objects
+            client.slot(h.slots[0])[:] = b"k" * BB
+            await commit(nc, "os1", h)
+            await until(lambda: _ge(nc, "os1", "ssd_blocks", 5), "a, b and the KV block on SSD")
+            await objs.close()
+            await client.close()
+            assert stop(proc) == 0
+
+            events = await nc.subscribe(subjects.kv_events("os1"))
+            proc = start(nats_url, "os1", tmp, *args)
+            batch = decode((await events.next_msg(timeout=30)).data, EventBatch)
+            assert (batch.seq, batch.events) == (1, [BlockStored(block_hashes=[91])])
+            page = await request(nc, subjects.store_ctl("os1", "dump"), DumpRequest(), DumpPage)
+            assert page.block_hashes == [91]  # object blocks are not KV
+            objs = await ObjectClient.connect(nc, ["os1"])
+            assert await objs.get("a") == a and await objs.get("b") == b  # promoted from SSD
+            with pytest.raises(KeyError):
+                await objs.get("gone")
+            assert await objs.holders("b") == {"os1"}
+            await objs.put("b", b"b after the restart")  # a new version, no clash
+            assert await objs.get("b") == b"b after the restart"
+            assert await objs.remove("a") == ["os1"]
+            st = await counters(nc, "os1")
+            assert (st["ssd_blocks"], st["obj_gets"], st["obj_misses"]) == (2, 3, 1)
+            await objs.close()
+        finally:
+            await nc.close()
+            assert stop(proc) == 0
+
+
 async def _ge(nc, node, key, n):
     return (await counters(nc, node)).get(key, 0) >= n
 

@@ -32,7 +32,7 @@ def expose(rx: TcpReceiver, n: int, rid: int = 1) -> bytearray:
 
 def test_write_and_read_sliced_over_four_streams(rx):
     remote = expose(rx, 3 << 20)
-    tx = TcpSender(streams=4, min_slice=64 << 10, max_slice=256 << 10)
+    tx = TcpSender(streams=4, min_slice=64 << 10, max_slice=256 << 10, inline_max=0)
     try:
         data = os.urandom(2 << 20)
         t = tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 1000))
@@ -178,3 +178,167 @@ async def test_engine_batch_to_a_dead_peer_ends_failed_and_frees():
     finally:
         a.close()
         b.close()
+
+
+# ------------------------------------------------------------- inline sends, lazy replies
+
+
+def connected(tx: TcpSender, rx: TcpReceiver) -> None:
+    """Open every stream of the endpoint: the first request to a target is queued to the
+    streams' threads (they connect), one slice per stream; once it ended all are up."""
+    data = memoryview(bytes(tx.streams * tx.inline_slice))
+    assert tx.submit(Request(Opcode.WRITE, data, rx.address, 1, 0)).wait(WAIT) == Poll.SUCCESS
+
+
+def record_readers(monkeypatch) -> list[int]:
+    """Thread ids that read each reply."""
+    import threading
+
+    from services.store.transport.tcp.stream import Stream
+
+    who: list[int] = []
+    orig = Stream._reply
+
+    def spy(self, sock, hdr):
+        orig(self, sock, hdr)
+        who.append(threading.get_ident())
+
+    monkeypatch.setattr(Stream, "_reply", spy)
+    return who
+
+
+def test_small_request_is_sent_inline_and_its_replies_read_by_the_waiter(rx, monkeypatch):
+    import threading
+
+    remote = expose(rx, 4 << 20)
+    tx = TcpSender(streams=4, inline_max=4 << 20, inline_slice=256 << 10)
+    try:
+        connected(tx, rx)
+        who = record_readers(monkeypatch)
+        writes = rx.counters["writes"]
+        data = os.urandom((1 << 20) + 5)
+        t = tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 7))
+        assert t.wait(WAIT) == Poll.SUCCESS and t.transferred == len(data)
+        assert remote[7 : 7 + len(data)] == data
+        assert rx.counters["writes"] - writes == 5  # 4 slices of 256 KiB and 5 bytes
+        assert who == [threading.get_ident()] * 5
+        back = bytearray(len(data))
+        t = tx.submit(Request(Opcode.READ, memoryview(back), rx.address, 1, 7, checksum=True))
+        assert t.wait(WAIT) == Poll.SUCCESS and back == data
+        assert who == [threading.get_ident()] * 10
+    finally:
+        tx.close()
+
+
+def test_an_inline_request_observed_by_callback_is_finished_by_the_stream_thread(rx, monkeypatch):
+    import threading
+
+    remote = expose(rx, 1 << 20)
+    tx = TcpSender(streams=2)
+    try:
+        connected(tx, rx)
+        who = record_readers(monkeypatch)
+        done = threading.Event()
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"c" * 4096), rx.address, 1, 0))
+        t.on_done(lambda _t: done.set())
+        assert done.wait(WAIT) and t.poll() == Poll.SUCCESS and remote[:4096] == b"c" * 4096
+        assert len(who) == 1 and who[0] != threading.get_ident()
+    finally:
+        tx.close()
+
+
+def test_an_unobserved_reply_is_read_by_the_next_waiter_on_the_stream(rx):
+    remote = expose(rx, 1 << 20)
+    tx = TcpSender(streams=1)
+    try:
+        connected(tx, rx)
+        first = tx.submit(Request(Opcode.WRITE, memoryview(b"a" * 8), rx.address, 1, 0))
+        second = tx.submit(Request(Opcode.WRITE, memoryview(b"b" * 8), rx.address, 1, 8))
+        assert not first.ended  # nobody looked: its reply waits in the socket
+        assert second.wait(WAIT) == Poll.SUCCESS
+        assert first.ended and first.state == Poll.SUCCESS  # replies come in order
+        assert remote[:16] == b"a" * 8 + b"b" * 8
+    finally:
+        tx.close()
+
+
+class GatedReceiver(TcpReceiver):
+    """Reads each request's header and payload, then answers only once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        super().__init__()
+
+    def _serve(self, conn: socket.socket) -> None:
+        recv_exact(conn, memoryview(bytearray(len(HELLO))))
+        hdr = memoryview(bytearray(REQ.size))
+        try:
+            while True:
+                recv_exact(conn, hdr)
+                _, _, _, _, seq, _, length, _ = REQ.unpack(hdr)
+                recv_exact(conn, memoryview(bytearray(length)))
+                if not self.gate.wait(WAIT):
+                    return
+                conn.sendall(REP.pack(Status.OK, 0, seq, length))
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            conn.close()
+
+
+def test_a_wait_shorter_than_the_reply_returns_unfinished_and_a_later_wait_ends_it():
+    rx = GatedReceiver()
+    tx = TcpSender(streams=1)
+    try:
+        rx.gate.set()
+        connected(tx, rx)
+        rx.gate.clear()
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"g" * 64), rx.address, 1, 0))
+        assert t.wait(0.05) == Poll.TRANSFERRING and not t.ended
+        rx.gate.set()
+        assert t.wait(WAIT) == Poll.SUCCESS
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_peer_that_never_replies_breaks_the_stream_after_the_io_timeout():
+    rx = GatedReceiver()
+    tx = TcpSender(streams=1, io_timeout_s=0.2)
+    try:
+        rx.gate.set()
+        connected(tx, rx)
+        rx.gate.clear()
+        t = tx.submit(Request(Opcode.WRITE, memoryview(b"s" * 64), rx.address, 1, 0))
+        assert t.wait(WAIT) == Poll.FAILED
+        assert t.error.code == "broken" and "timed out" in t.error.message
+    finally:
+        rx.gate.set()
+        tx.close()
+        rx.close()
+
+
+def test_unobserved_reads_beyond_the_peer_buffers_do_not_stall_later_writes(rx):
+    """40 MiB of READ replies nobody waits for, then 24 MiB of WRITEs on the same stream:
+    without the stream's thread draining the READ payloads the peer would stop reading
+    requests and the WRITEs would block in ``submit``."""
+    remote = expose(rx, 4 << 20)
+    tx = TcpSender(streams=1)
+    try:
+        connected(tx, rx)
+        remote[:] = os.urandom(4 << 20)
+        orig = bytes(remote)
+        backs = [bytearray(1 << 20) for _ in range(40)]
+        reads = [tx.submit(Request(Opcode.READ, memoryview(b), rx.address, 1, (i % 4) << 20))
+                 for i, b in enumerate(backs)]
+        data = os.urandom(4 << 20)
+        writes = [tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 0))
+                  for _ in range(6)]
+        assert [t.wait(WAIT) for t in writes] == [Poll.SUCCESS] * 6
+        assert [t.wait(WAIT) for t in reads] == [Poll.SUCCESS] * 40
+        assert all(b == orig[(i % 4) << 20 : ((i % 4) + 1) << 20] for i, b in enumerate(backs))
+        assert remote == data
+    finally:
+        tx.close()

@@ -5,15 +5,20 @@ Each store answers ``read_into(slot, dst)`` and ``write(slot, src)`` for whole b
 
 SSD layout under ``--ssd-dir``: ``blocks.bin`` (slot ``i`` at ``i * block_bytes``,
 sparse) and ``index.msgpack``: which hash is in which slot, the block's CRC32 and,
-for a pinned context-cache block, until when (wall clock) it stays pinned. The
-index is rewritten atomically (temp file + rename) after write-backs; a block whose
-bytes do not match its CRC at load time is dropped, so an index that is older than
-the data (a crash between the two) loses blocks, never serves wrong ones.
+for a pinned context-cache block, until when (wall clock) it stays pinned; and the
+objects whose blocks are all on SSD (key, size, block hashes) with the set of SSD
+blocks that belong to objects, so that the object table and the blocks it names are
+saved in one atomic step. The index is rewritten atomically (temp file + rename)
+after write-backs; a block whose bytes do not match its CRC at load time is dropped,
+so an index that is older than the data (a crash between the two) loses blocks,
+never serves wrong ones.
 """
 
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -102,11 +107,29 @@ class _Entry(msgspec.Struct, array_like=True):
     pinned_until: float | None = None  # wall clock (time.time())
 
 
+class _Object(msgspec.Struct, array_like=True):
+    key: str
+    size: int
+    hashes: list[int]
+
+
 class _Index(msgspec.Struct):
     block_bytes: int
     capacity: int
     saved_at: float
     entries: list[_Entry]
+    objects: list[_Object] = []  # (fields added later default, so older indexes load)
+    object_blocks: list[int] = []
+
+
+@dataclass
+class SsdState:
+    """What a previous run left: blocks (hash, slot, pinned until) whose bytes still
+    match, the objects it saved (key, size, hashes) and which blocks were objects'."""
+
+    entries: list[tuple[int, int, float | None]] = field(default_factory=list)
+    objects: list[tuple[str, int, list[int]]] = field(default_factory=list)
+    object_blocks: set[int] = field(default_factory=set)
 
 
 class SsdStore(TierStore):
@@ -137,10 +160,19 @@ class SsdStore(TierStore):
             view, off = view[n:], off + n
         self.crcs[slot] = crc32(src)
 
-    def save_index(self, entries: list[tuple[int, int, float | None]]) -> None:
-        """Persist (hash, slot, pinned until as wall clock or None) for clean blocks."""
-        idx = _Index(block_bytes=self.bb, capacity=self.capacity, saved_at=time.time(), entries=[
-            _Entry(h, s, self.crcs.get(s, 0), until) for h, s, until in entries if s in self.crcs])
+    def save_index(self, entries: list[tuple[int, int, float | None]],
+                   objects: Iterable[tuple[str, int, list[int]]] = (),
+                   object_blocks: Iterable[int] = ()) -> None:
+        """Persist (hash, slot, pinned until as wall clock or None) for clean blocks, and
+        the objects (key, size, hashes) whose blocks are among them."""
+        kept = [_Entry(h, s, self.crcs.get(s, 0), until) for h, s, until in entries
+                if s in self.crcs]
+        on = {e.block_hash for e in kept}
+        idx = _Index(block_bytes=self.bb, capacity=self.capacity, saved_at=time.time(),
+                     entries=kept,
+                     objects=[_Object(k, n, list(hs)) for k, n, hs in objects
+                              if all(h in on for h in hs)],
+                     object_blocks=sorted(h for h in object_blocks if h in on))
         tmp = self.index_path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(msgspec.msgpack.encode(idx))
@@ -148,17 +180,22 @@ class SsdStore(TierStore):
 
     def load_index(self) -> list[tuple[int, int, float | None]]:
         """The blocks a previous run left whose bytes still match their CRC."""
+        return self.load_state().entries
+
+    def load_state(self) -> SsdState:
+        """The blocks a previous run left whose bytes still match their CRC, and its
+        objects (the caller keeps those whose blocks all came back)."""
         try:
             with open(self.index_path, "rb") as f:
                 idx = msgspec.msgpack.decode(f.read(), type=_Index)
         except FileNotFoundError:
-            return []
+            return SsdState()
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("ssd_index_unreadable", path=self.index_path, error=str(e))
-            return []
+            return SsdState()
         if idx.block_bytes != self.bb:
             log.warning("ssd_index_mismatch", have=idx.block_bytes, want=self.bb)
-            return []
+            return SsdState()
         out = []
         buf = memoryview(bytearray(self.bb))
         dropped = 0
@@ -174,7 +211,8 @@ class SsdStore(TierStore):
             out.append((e.block_hash, e.slot, e.pinned_until))
         if dropped:
             log.warning("ssd_blocks_dropped", count=dropped, reason="crc or slot mismatch")
-        return out
+        return SsdState(out, [(o.key, o.size, list(o.hashes)) for o in idx.objects],
+                        set(idx.object_blocks))
 
     def wipe(self) -> None:
         self.crcs.clear()

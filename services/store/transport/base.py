@@ -23,6 +23,7 @@ Backends live in one subpackage each (tcp/, shm/, rdma/, fake/); every backend's
 """
 
 import threading
+import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -86,10 +87,16 @@ class Ticket:
     """Completion of one request, shared between the submitter and the worker threads.
 
     Cheap to make: the waitable event only exists once someone waits on an unfinished
-    ticket (most small transfers have finished by then)."""
+    ticket (most small transfers have finished by then).
+
+    A backend may leave part of the work to whoever looks at the ticket: ``driver``
+    (``driver(deadline)``, monotonic or None) is run by ``wait`` on the waiting thread
+    to make progress there (TCP reads its replies), and ``kicker()`` is run once by any
+    other look (``poll``, ``done``, ``on_done``) to have the backend's threads do it.
+    Read ``state`` through ``poll()`` for that reason."""
 
     __slots__ = ("length", "_lock", "_finished", "_event", "_left", "state", "transferred",
-                 "error", "_callbacks")
+                 "error", "_callbacks", "driver", "kicker")
 
     def __init__(self, length: int, slices: int = 1) -> None:
         self.length = length
@@ -101,9 +108,23 @@ class Ticket:
         self.transferred = 0
         self.error: TransportError | None = None
         self._callbacks: list[Callable[[Ticket], None]] | None = None
+        self.driver: Callable[[float | None], None] | None = None
+        self.kicker: Callable[[], None] | None = None
+
+    def kick(self) -> None:
+        k = self.kicker
+        if k is not None and not self._finished:
+            self.kicker = None
+            k()
 
     def poll(self) -> Poll:
+        self.kick()
         return self.state
+
+    @property
+    def ended(self) -> bool:
+        """Whether the ticket ended, without kicking (for backends' own bookkeeping)."""
+        return self._finished
 
     def started(self) -> None:
         if self.state == Poll.PENDING:
@@ -148,21 +169,38 @@ class Ticket:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(cb)
-                return
-        cb(self)
+                waiting = True
+            else:
+                waiting = False
+        if waiting:
+            self.kick()
+        else:
+            cb(self)
 
     def wait(self, timeout: float | None = None) -> Poll:
+        if self._finished:
+            return self.state
+        drive = self.driver
+        if drive is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            drive(deadline)
+            if self._finished:
+                return self.state
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
         with self._lock:
             if self._finished:
                 return self.state
             if self._event is None:
                 self._event = threading.Event()
             ev = self._event
+        self.kick()
         ev.wait(timeout)
         return self.state
 
     @property
     def done(self) -> bool:
+        self.kick()
         return self._finished
 
 

@@ -51,3 +51,15 @@ def tune(sock: socket.socket, bufsize: int = 4 << 20) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, bufsize)
         except OSError:
             pass
+
+
+def set_io_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Blocking socket whose every send/recv gives up after ``seconds`` without progress
+    (``BlockingIOError``), enforced by the kernel (SO_SNDTIMEO / SO_RCVTIMEO): Python's
+    own socket timeout would add a poll() before every send and recv."""
+    sock.settimeout(None)
+    if not seconds:
+        return
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
