@@ -8,7 +8,7 @@ for small models while keeping the sharing structure.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -67,3 +67,32 @@ class PromptBuilder:
         n = self.input_length(req)
         parts = [self.block(h) for h in req.hash_ids]
         return np.concatenate(parts)[:n].tolist() if parts else [self.first_token] * n
+
+
+def spread_ties(reqs: list[TraceRequest]) -> list[TraceRequest]:
+    """The same requests with ties in ``timestamp_s`` spread evenly over their step.
+
+    Mooncake's traces stamp arrivals in steps (3 s in the conversation trace: every
+    request of a step has the same timestamp), so the order in which one step's
+    requests reach a live stack is down to task scheduling, run to run. Here the k
+    requests stamped T arrive at ``T + i * (T' - T) / k`` (i = 0..k-1, in file order),
+    T' the next distinct timestamp (the last step gets the median step); the mean rate
+    is unchanged and the order is well defined for a live replay and a simulation alike.
+    """
+    if not reqs:
+        return []
+    stamps = sorted({r.timestamp_s for r in reqs})
+    steps = sorted(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    last_step = steps[len(steps) // 2] if steps else 0.0
+    after = dict(zip(stamps, [*stamps[1:], stamps[-1] + last_step], strict=True))
+    out: list[TraceRequest] = []
+    i = 0
+    while i < len(reqs):
+        t = reqs[i].timestamp_s
+        j = i
+        while j < len(reqs) and reqs[j].timestamp_s == t:
+            j += 1
+        gap = (after[t] - t) / (j - i)
+        out += [replace(r, timestamp_s=t + k * gap) for k, r in enumerate(reqs[i:j])]
+        i = j
+    return out

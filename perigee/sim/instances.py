@@ -4,8 +4,14 @@ Prefill instance (one GPU node, like ``services/prefill``)::
 
     waiting (FIFO) --GPU free--> [pull remote prefix over the holder's link]
         --> computing (chunks of ``chunk_tokens``: chunk [a, b) costs
-            cost.prefill_time(b, a)) --> GPU free; KV streams to the decode node layer
-            by layer, the last layer's share trailing the compute --> on_prefilled
+            cost.prefill_time(b, a)) --> on_prefilled; KV streams to the decode node
+            layer by layer, the last layer's share trailing the compute
+        --> handing over for ``handoff_s`` (0: none) --> free: on_free, next task
+
+``handoff_s`` is the live worker's time between its compute's end and taking the next
+task (the last layers' acks, the DecodeTask and FirstTokenNotice publishes); meanwhile
+the request still counts in the instance's load (queue_len, no remaining work), as
+``services.prefill.queue.PrefillQueue`` reports it.
 
 Decode instance (continuous batching, like the mock engine)::
 
@@ -53,11 +59,14 @@ def chunked_prefill_time(cost: CostModel, n: int, prefix: int, chunk: int) -> fl
 class PrefillInstance:
     def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel, link: Link,
                  links: dict[str, Link], on_prefilled: Callable[[SimRequest, float], None],
-                 chunk_tokens: int = 0) -> None:
+                 chunk_tokens: int = 0, *, handoff_s: float = 0.0,
+                 on_free: Callable[["PrefillInstance"], None] | None = None) -> None:
         self.name, self.node = name, node
         self.loop, self.cost, self.link, self.links = loop, cost, link, links
         self.on_prefilled = on_prefilled
+        self.on_free = on_free
         self.chunk_tokens = chunk_tokens
+        self.handoff_s = handoff_s
         self.waiting: deque[SimRequest] = deque()
         self.running: SimRequest | None = None
         self.running_end = 0.0
@@ -101,13 +110,23 @@ class PrefillInstance:
 
     def _done(self, req: SimRequest, compute_start: float) -> None:
         now = self.loop.now()
-        self.running = None
         self.gpu_s += req.compute_s
         self.done += 1
         req.prefill_end = now
         req.state = "SHIPPING"
         arrive = self.link.ship_overlapped(req.ship_tokens, compute_start, now, self.cost.layers)
-        self.on_prefilled(req, arrive)
+        if self.handoff_s > 0:
+            self.on_prefilled(req, arrive)
+            self.loop.after(self.handoff_s, self._free)
+        else:
+            self.running = None
+            self.on_prefilled(req, arrive)
+            self._free()
+
+    def _free(self) -> None:
+        self.running = None
+        if self.on_free is not None:
+            self.on_free(self)
         self._start()
 
     def load(self, now: float) -> PrefillLoad:
@@ -146,7 +165,7 @@ class DecodeInstance:
     # ------------------------------------------------------------ requests
 
     def add(self, req: SimRequest) -> None:
-        """The request's KV has landed (its first token is out): queue it for a slot."""
+        """The request's KV has landed (its first token is out already): queue it for a slot."""
         req.state = "DECODING"
         if req.output_tokens <= 1:
             self._finished(req, [])

@@ -1,6 +1,8 @@
 """The paper's §7.1 metrics over a finished simulation.
 
-- TTFT: arrival -> first token (the KV has landed on the decode instance).
+- TTFT: arrival -> first token at the client: computed by the prefill instance and
+  streamed while the KV moves to decode (baseline admission: once decode took the
+  request), plus ``first_token_hop_s``.
 - TBT: per request, the mean of the longest 10% of its token gaps.
 - Effective request capacity: the share of *all* requests that completed with TTFT and
   TBT under their thresholds (a rejected request is not effective).

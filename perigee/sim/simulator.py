@@ -2,19 +2,34 @@
 
 Per request (times from the cost model, decisions from the real classes)::
 
-    arrival --AdmissionPolicy.decide--> Reject ("admission")
+    arrival --dispatch_s--> AdmissionPolicy.decide --> Reject ("admission")
       --PlacementPolicy.place(PrefixIndex.match)--> Rejection ("conductor")
       --TxAllocate on the stores (BlockPool)--> refused: retry once without the failed
         instance/node, then reject ("conductor"), as services/conductor does
-      --> prefill instance FIFO --> [pull] compute --> KV streams to the decode node
+      --> prefill instance FIFO --> [pull] compute
+      --> first token: out to the client at once (+ first_token_hop_s), while the KV
+          streams to the decode node (``PrefillTask.stream_first_token``)
+      --> KV landed: FirstTokenNotice (policy.prefill_done at the compute's end, TxCommit
+          of the prefill and source transactions, events -> PrefixIndex)
       --> baseline admission only: decode instance over its TBT SLO -> Reject ("decode"),
-          the prefill was wasted (paper §4.3.2)
-      --> first token: policy.prefill_done, TxCommit (events -> PrefixIndex)
+          the prefill was wasted (paper §4.3.2); else the first token goes out now
       --> continuous batching --> done: policy.release
 
-Load reports are snapshots of every instance taken right before each decision (at
-most every ``report_interval_s``) and fed to both policies, so they see what the live
-services would see with fresh reports. Everything reads one :class:`ManualClock`.
+Load reports: with ``report_interval_s == 0`` both policies get an exact snapshot of
+every instance right before each decision. With ``report_interval_s > 0`` every
+instance reports on its own timer, as the live workers do (``--report-interval``): the
+first report at the first arrival, then every ``report_interval_s`` from a phase drawn
+per instance (seeded), so decisions see reports up to one interval old and the
+policies' dispatch accounting (``PlacementPolicy.report_grace_s``) bridges the gap.
+
+Control-plane latency of the live stack (zero by default, the paper's model):
+``dispatch_s`` from arrival to the placed request sitting in its prefill queue (HTTP,
+gateway, admission, conductor, TxAllocate round trip: bus hops), ``first_token_hop_s``
+from the first token's computation to the client, and ``prefill_handoff_s``, the
+prefill instance's busy time after each compute (the worker publishes the first token
+and turns around to its next task; the KV acks and the handoff run beside that task).
+:func:`simulate_slice` sets them to what the live stack measures (``LIVE_*``).
+Everything reads one :class:`ManualClock`.
 """
 
 import time
@@ -45,6 +60,23 @@ from services.conductor.policy import (
     Rejection,
 )
 
+# What the live stack (perigee.stack, mock engine, one host) adds to the cost model,
+# measured by scripts/measure_live_overheads.py in the configuration of
+# tests/e2e/test_live_vs_sim.py on the 2-core development machine: medians over 3 runs
+# of 80 requests (per-run medians in parentheses, ms):
+#   dispatch: client -> gateway 1.4 (1.39-1.56) + gateway -> prefill queue 8.3
+#             (6.7-9.0: admission, conductor placement, TxAllocate round trip, hops)
+#   first-token hop: the mock's pacing overrun 0.9 (0.92-0.97) + compute end -> client
+#             2.3 (2.19-2.42)
+#   prefill handoff: overrun 0.9 + compute end -> next task's compute start 1.0
+#             (0.98-2.03: the first token's publish, the runner's turnaround and the
+#             event-loop share of the previous requests' ships and handoffs)
+# Each has a long tail on a loaded machine (p90 up to 45 ms); the simulator takes the
+# median as a constant.
+LIVE_DISPATCH_S = 0.010
+LIVE_FIRST_TOKEN_HOP_S = 0.003
+LIVE_PREFILL_HANDOFF_S = 0.002
+
 
 @dataclass
 class SimConfig:
@@ -65,7 +97,10 @@ class SimConfig:
     output_tokens: int | None = None  # force every output length (paper §7.3.2 uses 1)
     output_scale: float = 1.0  # as perigee replay
     max_output: int = 1 << 30
-    report_interval_s: float = 0.0  # 0: fresh snapshots before every decision
+    report_interval_s: float = 0.0  # 0: fresh snapshots before every decision; else timers
+    dispatch_s: float = 0.0  # arrival -> placed and queued on its prefill instance
+    first_token_hop_s: float = 0.0  # first token computed -> the client has it
+    prefill_handoff_s: float = 0.0  # a prefill instance's busy time after each compute
     sample_interval_s: float = 10.0  # load time series (plots, P/D controller)
     pd_controller: bool = False  # resize the pools with the conductor's P/D controller
     pd_kw: dict = field(default_factory=dict)  # PoolResizer options (interval_s, window_s...)
@@ -110,6 +145,7 @@ class Simulator:
         self.admission = make(cfg.admission, clock, cost, ttft_slo_s=cfg.ttft_slo_s,
                               tbt_slo_s=cfg.tbt_slo_s, **cfg.admission_kw)
         self.inbound: dict[str, int] = {}  # decode instance -> placed requests not landed yet
+        self._started = False
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
         decode_cache = cfg.cache_tokens_per_node if cfg.decode_cache_tokens is None else cfg.decode_cache_tokens
@@ -121,7 +157,7 @@ class Simulator:
         self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
         self.by_id = {r.rid: r for r in self.requests}
         self.terminal = 0
-        self._last_refresh = -1.0
+        self._phase = random.Random(f"reports-{cfg.seed}")  # report timer phases
         self.hooks: list[Callable[[], None]] = []  # run after each refresh (P/D controller)
         self.samples: list[dict] = []
         self.resizer = None
@@ -155,7 +191,8 @@ class Simulator:
         nd.role = role
         if role == "prefill":
             inst = PrefillInstance(f"P-{node}", node, self.loop, self.cost, nd.link, links,
-                                   self._prefilled, self.cfg.chunk_tokens)
+                                   self._prefilled, self.cfg.chunk_tokens,
+                                   handoff_s=self.cfg.prefill_handoff_s, on_free=self._prefill_free)
             self.prefills[inst.name] = inst
         else:
             inst = DecodeInstance(f"D-{node}", node, self.loop, self.cost, self._decoded,
@@ -163,18 +200,25 @@ class Simulator:
             self.decodes[inst.name] = inst
         for other in self.prefills.values():
             other.links = links
+        if self._started and self.cfg.report_interval_s > 0:  # a role switch mid-run
+            self.loop.at(self.loop.now(), self._report, inst)
         return inst.name
 
     # ------------------------------------------------------------ run
 
     def run(self) -> "Simulator":
         t0 = time.perf_counter()
+        self._started = True
         if self.requests:
-            self.loop.at(self.requests[0].arrival, self._arrive, 0)
+            start = self.requests[0].arrival
+            if self.cfg.report_interval_s > 0:
+                for inst in [*self.prefills.values(), *self.decodes.values()]:
+                    self.loop.at(start, self._report, inst)
+            self.loop.at(start, self._arrive, 0)
             if self.cfg.sample_interval_s > 0:
-                self.loop.at(self.requests[0].arrival, self._sample)
+                self.loop.at(start, self._sample)
             if self.resizer is not None:
-                self.resizer.start(self.requests[0].arrival)
+                self.resizer.start(start)
         self.loop.run()
         self.wall_s = time.perf_counter() - t0
         if self._bar is not None:
@@ -182,23 +226,40 @@ class Simulator:
         return self
 
     def refresh(self, force: bool = False) -> None:
-        now = self.loop.now()
-        if not force and now - self._last_refresh < self.cfg.report_interval_s and self._last_refresh >= 0:
+        """Exact snapshots of every instance to both policies: before each decision when
+        ``report_interval_s == 0``; otherwise only when ``force``d (reports come from
+        the instances' own timers, :meth:`_report`)."""
+        if self.cfg.report_interval_s > 0 and not force:
             return
-        self._last_refresh = now
-        pol, adm = self.placement, self.admission
-        for inst in self.prefills.values():
+        now = self.loop.now()
+        for inst in [*self.prefills.values(), *self.decodes.values()]:
             if not inst.draining:
-                load = inst.load(now)
-                pol.observe_prefill(load)
-                adm.observe_prefill(load)
-        for inst in self.decodes.values():
-            if not inst.draining:
-                load = inst.load(now)
-                pol.observe_decode(load)
-                adm.observe_decode(load)
+                self._observe(inst, now)
         for hook in self.hooks:
             hook()
+
+    def _observe(self, inst: PrefillInstance | DecodeInstance, now: float) -> None:
+        load = inst.load(now)
+        if isinstance(inst, PrefillInstance):
+            self.placement.observe_prefill(load)
+            self.admission.observe_prefill(load)
+        else:
+            self.placement.observe_decode(load)
+            self.admission.observe_decode(load)
+
+    def _report(self, inst: PrefillInstance | DecodeInstance, first: bool = True) -> None:
+        """One load report of ``inst`` (its timer, like a live worker's report loop). A
+        draining instance stays silent; a removed one (role switched) stops."""
+        if (self.prefills.get(inst.name) is not inst and self.decodes.get(inst.name) is not inst) \
+                or self.terminal >= len(self.requests):
+            return
+        if not inst.draining:
+            self._observe(inst, self.loop.now())
+            for hook in self.hooks:
+                hook()
+        interval = self.cfg.report_interval_s
+        self.loop.after(self._phase.uniform(0.0, interval) if first else interval,
+                        self._report, inst, False)
 
     def _sample(self) -> None:
         """One point of the load time series (SLO-relative, as the paper's Fig. 6/8)."""
@@ -219,6 +280,12 @@ class Simulator:
         if i + 1 < len(self.requests):
             self.loop.at(self.requests[i + 1].arrival, self._arrive, i + 1)
         req = self.requests[i]
+        if self.cfg.dispatch_s > 0:
+            self.loop.after(self.cfg.dispatch_s, self._admit, req)
+        else:
+            self._admit(req)
+
+    def _admit(self, req: SimRequest) -> None:
         self.refresh()
         areq = AdmissionRequest(req.rid, req.num_tokens, max_tokens=req.output_tokens)
         decision = self.admission.decide(areq)
@@ -300,33 +367,42 @@ class Simulator:
         self.prefills[p.prefill_instance].push(req)
 
     def _prefilled(self, req: SimRequest, arrive: float) -> None:
+        if self.decode_gate is None:  # streamed by the prefill instance, KV still on the wire
+            req.first_token = req.prefill_end + self.cfg.first_token_hop_s
         self.loop.at(arrive, self._kv_landed, req)
-        inst = self.prefills.get(req.prefill_instance)
-        if self.resizer is not None and inst is not None:
+
+    def _prefill_free(self, inst: PrefillInstance) -> None:
+        if self.resizer is not None and self.prefills.get(inst.name) is inst:
             self.resizer.maybe_done(inst)
 
     def _kv_landed(self, req: SimRequest) -> None:
+        """Every layer is on the decode node: the prefill instance hands the request
+        over and sends FirstTokenNotice (stamped at the compute's end); the conductor
+        commits the prefill and source transactions, the decode node commits its own
+        when it has loaded the KV."""
         now = self.loop.now()
         dec = self.decodes[req.decode_instance]
         self.inbound[dec.name] -= 1
+        self.placement.prefill_done(req.rid, req.prefill_end)
+        decode_tx = req.txs.pop("decode", None)
+        for node, tx in req.txs.values():
+            self.cluster.commit(node, tx)
+        req.txs = {}
         if self.decode_gate is not None:
             load = dec.load(now)
             no = self.decode_gate.check(load.batch_size, load.waiting, load.kv_tokens,
-                                        req.num_tokens)
+                                        req.num_tokens, max_batch=load.max_batch)
             if no is not None:
                 self.placement.release(req.rid)
-                for node, tx in req.txs.values():
-                    self.cluster.abort(node, tx)
-                req.txs = {}
+                if decode_tx is not None:
+                    self.cluster.abort(*decode_tx)
                 self._reject(req, "decode", no.reason)
                 if self.resizer is not None:
                     self.resizer.maybe_done(dec)
                 return
-        req.first_token = now
-        self.placement.prefill_done(req.rid, now)
-        for node, tx in req.txs.values():  # prefill + source at first token, decode on load
-            self.cluster.commit(node, tx)
-        req.txs = {}
+            req.first_token = now + self.cfg.first_token_hop_s
+        if decode_tx is not None:
+            self.cluster.commit(*decode_tx)
         dec.add(req)
 
     def _decoded(self, req: SimRequest) -> None:
@@ -372,14 +448,31 @@ def simulate_slice(
 ) -> dict:
     """The simulator's side of a live-vs-simulated comparison (issue 5 item 9): replay
     ``trace`` as ``perigee replay --speedup speed --block-tokens block_size`` would
-    against a stack of ``prefill`` + ``decode`` workers whose mock engines run
-    ``cost`` (default: the analytic LLaMA3-70B model) at ``speedup``. Each trace hash id
-    is one block of ``block_size`` tokens, prompt lengths scaled the way
-    :class:`perigee.trace.PromptBuilder` scales them. ``kw`` sets any other
-    :class:`SimConfig` field (cache_tokens_per_node, policy, admission, max_batch,
-    output_scale, max_output, report_interval_s, ...). Returns the summary dict
+    against a ``perigee.stack`` of ``prefill`` + ``decode`` workers whose mock engines
+    run ``cost`` (default: the analytic LLaMA3-70B model) at ``speedup``. Each trace hash
+    id is one block of ``block_size`` tokens, prompt lengths scaled the way
+    :class:`perigee.trace.PromptBuilder` scales them.
+
+    What the live stack does beyond the cost model is modelled with its defaults:
+    workers report load every ``StackConfig.report_interval`` (0.1 s) on their own
+    timers, the conductor keeps a dispatch until a report ``report_grace_s`` (its
+    ``ConductorConfig`` default) newer covers it, and the control plane's latencies
+    are :data:`LIVE_DISPATCH_S`, :data:`LIVE_FIRST_TOKEN_HOP_S` and
+    :data:`LIVE_PREFILL_HANDOFF_S`. ``kw`` sets any :class:`SimConfig` field
+    (cache_tokens_per_node, policy, admission, max_batch, output_scale, max_output,
+    report_interval_s, dispatch_s, ...), these included. Returns the summary dict
     (``cache_hit_rate``, ``ttft_s`` {mean, p50, p90, p99}, ...)."""
+    from perigee.stack import StackConfig
+    from services.conductor.service import ConductorConfig
+
     base = cost or CostModel()
+    live = {
+        "report_interval_s": StackConfig.report_interval,
+        "dispatch_s": LIVE_DISPATCH_S,
+        "first_token_hop_s": LIVE_FIRST_TOKEN_HOP_S,
+        "prefill_handoff_s": LIVE_PREFILL_HANDOFF_S,
+    }
+    placement_kw = {"report_grace_s": ConductorConfig.report_grace_s, **kw.pop("placement_kw", {})}
     cfg = SimConfig(prefill=prefill, decode=decode, block_size=block_size, speed=speed,
-                    cost=base.with_speedup(speedup), **kw)
+                    cost=base.with_speedup(speedup), placement_kw=placement_kw, **{**live, **kw})
     return simulate(trace, cfg)

@@ -25,11 +25,14 @@ Modes (``make_admission_policy(name, ...)``):
   decode time ``t_d``): :class:`PredictiveRejectionPolicy` (its docstring has the rule).
 """
 
+import heapq
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
+from services.admission.time_index import TimeIndex
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.liveness import Liveness
@@ -204,13 +207,20 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
       unknown age; with uniform ``t_d`` their ages are spread evenly, so a fraction
       ``max(0, 1 - h / t_d)`` of them, and of their share of kv_tokens, is still there;
     - this request joins (+1, +n tokens);
-    - spread evenly over the D live decode instances, the predicted TBT is
-      ``cost.decode_step_time(batch / D, tokens / D)``; as the step time is affine in
-      batch and context, that is also the mean TBT over the instances. decode load =
-      TBT / TBT_SLO.
+    - spread evenly over the D live decode instances, each sees
+      ``cost.decode_tbt(batch / D, tokens / D, max_batch)`` (past its ``max_batch`` the
+      sequences take turns, as placement and Early Rejection count them); decode load =
+      the mean of that over the instances / TBT_SLO.
 
     Accept iff both loads are <= ``max_load``. :meth:`on_accepted` records the request
     (accept time, predicted ``f``, tokens, work); entries leave after ``f + t_d``.
+
+    Cost per decision: O(live instances + log T), not O(admitted): each prefill
+    instance keeps the running sum of the admitted work its last report has not seen
+    (reset from the requests of the last ``report_grace_s`` on each report, adjusted
+    as requests come and go); two :class:`TimeIndex` count the admitted requests (and
+    their tokens) that have joined the decode pool (``f <= x``) and left it
+    (``f + t_d <= x``) by any time x; a heap on ``f + t_d`` expires them.
     """
 
     name = "predict"
@@ -231,17 +241,67 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         self.report_grace_s = report_grace_s
         self.admitted: dict[str, _Admitted] = {}
         self._seen_at: dict[str, float] = {}  # prefill instance -> when its report came
+        self._unseen: dict[str, float] = {}  # prefill instance -> admitted work not reported
+        self._recent: deque[tuple[float, str, _Admitted]] = deque()  # accepted within grace
+        self._expiry: list[tuple[float, int, str, _Admitted]] = []  # heap on f + t_d
+        self._seq = 0
+        origin = clock.now()
+        self._joined = TimeIndex(origin)  # admitted by f
+        self._left = TimeIndex(origin)  # admitted by f + t_d
 
     def observe_prefill(self, load: PrefillLoad) -> None:
         super().observe_prefill(load)
-        self._seen_at[load.instance] = self.clock.now()
+        now = self.clock.now()
+        self._seen_at[load.instance] = now
+        grace, recent = self.report_grace_s, self._recent
+        while recent and recent[0][0] + grace <= now:  # seen by this and every later report
+            recent.popleft()
+        unseen = 0.0
+        for accepted_at, rid, a in reversed(recent):
+            if accepted_at + grace <= now:
+                break
+            if self.admitted.get(rid) is a:
+                unseen += a.work_s
+        self._unseen[load.instance] = unseen
 
-    # ------------------------------------------------------------ predictions
+    # ------------------------------------------------------------ bookkeeping
+
+    def _add(self, rid: str, a: _Admitted) -> None:
+        self._drop(rid)
+        self.admitted[rid] = a
+        grace = self.report_grace_s
+        for inst, seen in self._seen_at.items():
+            if a.accepted_at + grace > seen:
+                self._unseen[inst] += a.work_s
+        recent = self._recent
+        while recent and recent[0][0] + grace <= a.accepted_at:  # every report from now on saw it
+            recent.popleft()
+        recent.append((a.accepted_at, rid, a))
+        self._joined.add(rid, a.prefill_done_at, a.tokens)
+        leave = a.prefill_done_at + self.decode_time_s
+        self._left.add(rid, leave, a.tokens)
+        self._seq += 1
+        heapq.heappush(self._expiry, (leave, self._seq, rid, a))
+
+    def _drop(self, rid: str) -> None:
+        a = self.admitted.pop(rid, None)
+        if a is None:
+            return
+        grace = self.report_grace_s
+        for inst, seen in self._seen_at.items():
+            if a.accepted_at + grace > seen:
+                self._unseen[inst] -= a.work_s
+        self._joined.remove(rid)
+        self._left.remove(rid)
 
     def _gc(self, now: float) -> None:
-        td = self.decode_time_s
-        for rid in [r for r, a in self.admitted.items() if a.prefill_done_at + td <= now]:
-            del self.admitted[rid]
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, _, rid, a = heapq.heappop(heap)
+            if self.admitted.get(rid) is a:
+                self._drop(rid)
+
+    # ------------------------------------------------------------ predictions
 
     def prefill_wait(self) -> float | None:
         """Predicted queueing before a new request's prefill starts (None: no instance)."""
@@ -249,21 +309,19 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         if not live:
             return None
         share = 1.0 / len(live)
-        best = None
-        for p in live:
-            seen = self._seen_at.get(p.instance, -float("inf"))
-            unseen = sum(
-                a.work_s for a in self.admitted.values() if a.accepted_at + self.report_grace_s > seen
-            )
-            w = p.queued_work_s + unseen * share
-            best = w if best is None else min(best, w)
-        return best
+        return min(p.queued_work_s + self._unseen.get(p.instance, 0.0) * share for p in live)
 
     def prefill_done_at(self, req: AdmissionRequest) -> float | None:
         wait = self.prefill_wait()
         if wait is None:
             return None
         return self.clock.now() + wait + self.cost.prefill_time(req.num_tokens)
+
+    def _in_decode(self, at: float) -> tuple[int, int]:
+        """(requests, tokens) of the admitted with ``f <= at < f + t_d``."""
+        joined, joined_tokens = self._joined.upto(at)
+        left, left_tokens = self._left.upto(at)
+        return joined - left, joined_tokens - left_tokens
 
     def predicted_decode(self, at: float, join_tokens: int | None) -> tuple[float, float]:
         """(batch, context tokens) of the whole decode pool at time ``at``, plus one
@@ -273,15 +331,14 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         live = self.live_decode()
         reported = sum(d.batch_size + d.waiting for d in live)
         kv = sum(d.kv_tokens for d in live)
-        in_now = sum(1 for a in self.admitted.values() if a.prefill_done_at <= now < a.prefill_done_at + td)
+        in_now, _ = self._in_decode(now)
         unknown = max(0, reported - in_now)
         survive = max(0.0, 1.0 - (at - now) / td)
         batch = unknown * survive
         ctx = (kv * unknown / reported if reported else 0.0) * survive
-        for a in self.admitted.values():
-            if a.prefill_done_at <= at < a.prefill_done_at + td:
-                batch += 1
-                ctx += a.tokens
+        count, tokens = self._in_decode(at)
+        batch += count
+        ctx += tokens
         if join_tokens is not None:
             batch += 1
             ctx += join_tokens
@@ -298,7 +355,10 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             return None
         batch, ctx = self.predicted_decode(at, req.num_tokens)
         n = len(live)
-        return _over(self.cost.decode_step_time(batch / n, ctx / n), self.tbt_slo(req))
+        caps = {d.max_batch for d in live}
+        tbts = {m: self.cost.decode_tbt(batch / n, ctx / n, m) for m in caps}
+        tbt = tbts.popitem()[1] if len(caps) == 1 else sum(tbts[d.max_batch] for d in live) / n
+        return _over(tbt, self.tbt_slo(req))
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         self._gc(self.clock.now())
@@ -308,33 +368,36 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         at = self.prefill_done_at(req)
         if at is None:
             return
-        self.admitted[req.request_id] = _Admitted(
+        self._add(req.request_id, _Admitted(
             accepted_at=self.clock.now(),
             prefill_done_at=at,
             tokens=req.num_tokens,
             work_s=self.cost.prefill_time(req.num_tokens),
-        )
+        ))
 
     def forget(self, request_id: str) -> None:
         """The request ended early (rejected downstream, cancelled)."""
-        self.admitted.pop(request_id, None)
+        self._drop(request_id)
 
 
 @dataclass
 class DecodeSideCheck:
     """The baseline's rejection point: a decode instance about to take over a prefilled
-    request rejects it when its step time with the request would exceed the TBT SLO::
+    request rejects it when its TBT with the request would exceed the TBT SLO::
 
-        tbt = cost.decode_step_time(batch + waiting + 1, kv_tokens + n)
+        tbt = cost.decode_tbt(batch + waiting + 1, kv_tokens + n, max_batch)
         reject (429) iff tbt > tbt_slo * max_load
 
     ``waiting`` counts requests already loading or queued on the instance (the
-    request itself excluded). Pure; the decode worker calls :meth:`check` per task.
+    request itself excluded); past ``max_batch`` (0: no cap) the sequences take turns,
+    as placement and Early Rejection count them. Pure; the decode worker calls
+    :meth:`check` per task.
     """
 
     cost: CostModel
     tbt_slo_s: float
     max_load: float = 1.0
+    max_batch: int = 0  # the instance's running-batch cap (0: none)
     rejected: int = field(default=0)
 
     def check(
@@ -344,9 +407,11 @@ class DecodeSideCheck:
         kv_tokens: int,
         num_tokens: int,
         tbt_slo_s: float | None = None,
+        max_batch: int | None = None,
     ) -> Reject | None:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
-        tbt = self.cost.decode_step_time(batch_size + waiting + 1, kv_tokens + num_tokens)
+        cap = self.max_batch if max_batch is None else max_batch
+        tbt = self.cost.decode_tbt(batch_size + waiting + 1, kv_tokens + num_tokens, cap)
         if _over(tbt, slo) <= self.max_load:
             return None
         self.rejected += 1
@@ -362,7 +427,8 @@ class DecodeSideCheck:
         def admit(task, stats, loading: int) -> str | None:
             req = task.request
             r = self.check(stats.batch_size, stats.waiting + loading, stats.kv_tokens,
-                           len(req.prompt_token_ids), req.tbt_slo_s)
+                           len(req.prompt_token_ids), req.tbt_slo_s,
+                           getattr(stats, "max_batch", None))
             return None if r is None else r.reason
 
         return admit

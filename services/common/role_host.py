@@ -127,7 +127,8 @@ async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLay
     if getattr(args, "tbt_gate_slo", 0.0) > 0:
         from services.admission.policy import DecodeSideCheck
 
-        admit = DecodeSideCheck(cost, args.tbt_gate_slo).as_admit_hook()
+        admit = DecodeSideCheck(cost, args.tbt_gate_slo,
+                                max_batch=getattr(args, "max_batch", 0)).as_admit_hook()
     settings = WorkerSettings(
         instance=args.instance, node=args.node, layout=layout, cost=cost,
         report_interval=args.report_interval,

@@ -19,7 +19,8 @@ def make_worker(args, nc, store, engine, layout, cost) -> DecodeWorker:
     if args.tbt_gate_slo > 0:
         from services.admission.policy import DecodeSideCheck
 
-        admit = DecodeSideCheck(cost, args.tbt_gate_slo).as_admit_hook()
+        admit = DecodeSideCheck(cost, args.tbt_gate_slo,
+                                max_batch=getattr(args, "max_batch", 0)).as_admit_hook()
     return DecodeWorker(nc, store, engine, instance=args.instance, node=args.node,
                         layout=layout, report_interval=args.report_interval,
                         commit_timeout=args.commit_timeout, admit=admit)

@@ -2,6 +2,8 @@
 baseline's decode-side check, on a ManualClock with exact expectations."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
@@ -172,3 +174,122 @@ def test_decode_side_check_rejects_over_the_tbt_slo():
     assert "over its TBT SLO" in r.reason
     assert gate.check(1, 1, 1001, N, tbt_slo_s=1.0) is None  # the request's own SLO
     assert gate.rejected == 1
+
+
+def test_report_grace_keeps_recent_admissions_unseen_and_forget_takes_them_back():
+    clock = ManualClock()
+    pol = predict(clock, report_grace_s=0.5)
+    pol.observe_prefill(pload("p0", 0.0))
+    pol.observe_prefill(pload("p1", 0.0))
+    pol.observe_decode(dload("d0"))
+    clock.set(1.0)
+    pol.on_accepted(req("a", n=1000))
+    clock.set(1.2)
+    pol.on_accepted(req("b", n=2000))
+    wa, wb = COST.prefill_time(1000), COST.prefill_time(2000)
+    assert pol.prefill_wait() == (wa + wb) * 0.5  # neither reported: shared over two
+    clock.set(1.6)  # p0 reports: a (1.0 + 0.5 <= 1.6) is in it, b (1.7 > 1.6) maybe not
+    pol.observe_prefill(pload("p0", 0.25))
+    assert pol._unseen == {"p0": wb, "p1": wa + wb}
+    assert pol.prefill_wait() == min(0.25 + wb * 0.5, (wa + wb) * 0.5)
+    pol.forget("b")  # running sums: wa + wb - wb, exact to an ulp
+    assert pol._unseen == {"p0": 0.0, "p1": pytest.approx(wa, rel=1e-12)}
+    pol.forget("b")  # twice: nothing
+    clock.set(1.8)
+    pol.observe_prefill(pload("p1", 0.0))  # a is past its grace: covered
+    assert pol._unseen == {"p0": 0.0, "p1": 0.0}
+    assert list(pol.admitted) == ["a"]
+
+
+def test_decode_prediction_counts_turns_past_max_batch():
+    # 10 admitted requests land together with the newcomer on one instance capped at 4:
+    # 11 sequences take turns in 3 rounds of 11/3
+    clock = ManualClock()
+    pol = predict(clock)
+    pol.observe_prefill(pload("p0", 0.0))
+    pol.observe_decode(DecodeLoad(instance="d0", node="n-d0", batch_size=0, waiting=0,
+                                  max_batch=4, kv_tokens=0, step_time_s=0.0, ts=0.0))
+    for i in range(10):
+        pol.on_accepted(req(f"a{i}", n=100))
+    f = pol.prefill_done_at(req(n=100))
+    assert pol.predicted_decode(f, 100) == (11.0, 1100.0)
+    want = COST.decode_tbt(11.0, 1100.0, 4)
+    assert want == 3 * COST.decode_step_time(11 / 3, 1100 / 3) > COST.decode_step_time(11, 1100)
+    assert pol.decode_load(req(n=100)) == want / 0.1
+
+
+def test_decode_side_check_counts_turns_past_max_batch():
+    slo = COST.decode_tbt(9, 9000 + N, 4)
+    gate = DecodeSideCheck(COST, tbt_slo_s=slo, max_batch=4)
+    assert gate.check(batch_size=4, waiting=4, kv_tokens=9000, num_tokens=N) is None  # at the SLO
+    assert isinstance(gate.check(4, 4, 9001, N), Reject)
+    # the plain step time of 9 sequences would have let it through
+    assert COST.decode_step_time(9, 9001 + N) < slo
+    assert gate.check(4, 4, 9001, N, max_batch=0) is None  # uncapped, per call
+
+
+class _Stats:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Task:
+    class request:  # noqa: N801 - stands in for a DecodeTask's request
+        prompt_token_ids = [0] * N
+        tbt_slo_s = None
+
+
+def test_decode_side_hook_uses_the_engines_max_batch_when_it_reports_one():
+    slo = COST.decode_tbt(9, 9001 + N, 4) - 1e-9  # only the capped estimate exceeds it
+    admit = DecodeSideCheck(COST, tbt_slo_s=slo).as_admit_hook()
+    no_cap = _Stats(batch_size=4, waiting=3, kv_tokens=9001)
+    assert admit(_Task, no_cap, 1) is None
+    capped = _Stats(batch_size=4, waiting=3, kv_tokens=9001, max_batch=4)
+    assert "over its TBT SLO" in admit(_Task, capped, 1)
+
+
+# Brute force: the pre-running-sums formulas over ``admitted`` (O(admitted x instances)).
+def _ref_wait(pol):
+    live = pol.live_prefill()
+    share = 1.0 / len(live)
+    return min(p.queued_work_s + sum(a.work_s for a in pol.admitted.values()
+                                     if a.accepted_at + pol.report_grace_s > pol._seen_at[p.instance])
+               * share for p in live)
+
+
+def _ref_in_decode(pol, at):
+    td = pol.decode_time_s
+    inside = [a for a in pol.admitted.values() if a.prefill_done_at <= at < a.prefill_done_at + td]
+    return len(inside), sum(a.tokens for a in inside)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("accept"), st.integers(0, 12), st.integers(1, 4000)),
+    st.tuples(st.just("report"), st.sampled_from(["p0", "p1", "p2"]), st.floats(0, 5)),
+    st.tuples(st.just("forget"), st.integers(0, 12), st.just(0)),
+    st.tuples(st.just("tick"), st.floats(0, 3), st.just(0)),
+    st.tuples(st.just("decide"), st.integers(1, 4000), st.just(0)),
+), max_size=40), st.sampled_from([0.0, 0.05, 1.0]))
+def test_running_sums_match_the_brute_force(ops, grace):
+    clock = ManualClock(1000.0)
+    pol = PredictiveRejectionPolicy(clock, COST, decode_time_s=2.0, report_grace_s=grace,
+                                    dead_after_s=1e9)
+    for p in ("p0", "p1", "p2"):
+        pol.observe_prefill(pload(p, 0.0))
+    pol.observe_decode(dload("d0", batch=3, kv=3000))
+    for op, x, y in ops:
+        if op == "accept":
+            pol.on_accepted(req(f"r{x}", n=y))
+        elif op == "report":
+            pol.observe_prefill(pload(x, y))
+        elif op == "forget":
+            pol.forget(f"r{x}")
+        elif op == "tick":
+            clock.set(clock.now() + x)
+        else:
+            pol.decide(req("new", n=x))
+        assert pol.prefill_wait() == pytest.approx(_ref_wait(pol), rel=1e-9, abs=1e-12)
+        now = clock.now()
+        for at in (now, now + 0.5, now + 2.0, now + 7.0):
+            assert pol._in_decode(at) == _ref_in_decode(pol, at)

@@ -211,3 +211,22 @@ def test_segments_match_per_step_batching(arrivals, max_batch):
         expect = top_mean(gaps, 0.1) if gaps else -1.0
         assert r.tbt_s == pytest.approx(expect, rel=1e-9, abs=1e-9)
     assert dec.tokens == sum(max(0, out - 1) for _, _, out in arrivals)
+
+
+def test_prefill_handoff_holds_the_instance_after_each_compute():
+    loop = EventLoop()
+    out, freed = [], []
+    link = Link(TOY)
+    p = PrefillInstance("P", "n0", loop, TOY, link, {"n0": link},
+                        lambda r, t: out.append((r.rid, t)), handoff_s=0.25,
+                        on_free=lambda inst: freed.append(loop.now()))
+    a, b = req(0, 20, 1), req(1, 40, 1)
+    loop.at(0.0, p.push, a)
+    loop.at(0.0, p.push, b)
+    loop.run(until=1.1)  # a computed at 1.0, handing over until 1.25
+    load = p.load(1.1)
+    assert (load.queue_len, load.queued_tokens, load.queued_work_s) == (2, 60, 2.0)
+    loop.run()
+    assert out == [("r0", 1.0), ("r1", 3.25)]
+    assert (a.prefill_end, b.started, b.prefill_end) == (1.0, 1.25, 3.25)
+    assert freed == [1.25, 3.5] and p.running is None

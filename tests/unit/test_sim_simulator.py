@@ -175,3 +175,76 @@ def test_pd_controller_moves_an_idle_decode_node_to_prefill():
     sim.refresh(force=True)
     assert sim.placement.live_decode() == ["D-n03"]
     assert sim.placement.live_prefill() == ["P-n00", "P-n01", "P-n02"]
+
+
+# TOY with a 10 bytes/s NIC: a 20-token prompt's KV (20 bytes, one layer) trails its
+# 1 s prefill by 2 s.
+SLOW_NIC = replace(TOY, nic_bw=10.0)
+
+
+def test_first_token_streams_from_prefill_while_the_kv_is_on_the_wire():
+    sim = run([tr(0.0, 20, 2)], cost=SLOW_NIC, first_token_hop_s=0.1)
+    r = sim.requests[0]
+    assert (r.prefill_end, r.first_token, r.ttft_s) == (1.0, 1.1, 1.1)
+    # the KV lands at 3.0; one decode step of context 21: the only gap includes the wait
+    assert r.join_time == 3.0 and r.finished == pytest.approx(3.021)
+    assert r.tbt_s == pytest.approx(3.021 - 1.1)
+
+
+def test_baseline_first_token_waits_for_decode_to_take_the_request():
+    sim = run([tr(0.0, 20, 2)], cost=SLOW_NIC, admission="baseline", first_token_hop_s=0.1)
+    r = sim.requests[0]
+    assert r.state == "DONE" and r.ttft_s == pytest.approx(3.1)
+
+
+def test_dispatch_and_handoff_delay_the_prefill_queue():
+    sim = run([tr(0.0, 20, 1), tr(0.0, 40, 1)], cost=TOY, dispatch_s=0.5,
+              prefill_handoff_s=0.25, first_token_hop_s=0.1)
+    r0, r1 = sim.requests
+    assert (r0.started, r0.prefill_end, r0.ttft_s) == (0.5, 1.5, 1.6)
+    # r1 waits for r0's compute and handoff (1.75), then computes 2 s
+    assert (r1.started, r1.prefill_end) == (1.75, 3.75)
+    assert r1.ttft_s == pytest.approx(3.85)
+
+
+def test_baseline_rejection_at_decode_keeps_the_prefill_nodes_blocks():
+    # decode step with 522 tokens of context is 0.522 s > the 0.1 s TBT SLO
+    sim = run([tr(0.0, B + 10, 2, (1, 2))], cost=TOY, admission="baseline")
+    r = sim.requests[0]
+    assert (r.state, r.reject_stage) == ("REJECTED", "decode")
+    # FirstTokenNotice (sent by prefill once the KV landed) committed the prefill tx; the
+    # decode node aborted its own
+    assert sim.cluster.index.match([1]) == {"n00": 1}
+    assert sim.placement.dispatched() == []
+
+
+class ReportSpy(PlacementPolicy):
+    reports: list[tuple[str, float]] = []
+    seen: list[dict[str, float]] = []
+
+    def observe_prefill(self, load):
+        ReportSpy.reports.append((load.instance, load.ts))
+        super().observe_prefill(load)
+
+    def place(self, req, matches, **kw):
+        ReportSpy.seen.append({i: p.ts for i, p in self._prefill.items()})
+        return super().place(req, matches, **kw)
+
+
+def test_load_reports_come_on_timers_and_decisions_see_the_last_one():
+    ReportSpy.reports, ReportSpy.seen = [], []
+    trace = [tr(0.0, 20, 1), tr(2.5, 20, 1), tr(5.0, 20, 1)]
+    sim = Simulator(trace, SimConfig(prefill=2, decode=1, cost=TOY, report_interval_s=1.0),
+                    placement_cls=ReportSpy).run()
+    assert all(r.state == "DONE" for r in sim.requests)
+    for inst in ("P-n00", "P-n01"):
+        times = [t for i, t in ReportSpy.reports if i == inst]
+        assert times[0] == 0.0 and 0.0 <= times[1] <= 1.0  # at the first arrival, then a phase
+        assert [b - a for a, b in zip(times[1:], times[2:], strict=False)] == pytest.approx(
+            [1.0] * (len(times) - 2))
+        assert times[-1] <= sim.requests[-1].finished  # the timers stop when all is done
+    # a decision sees each instance's latest report, at most one interval old
+    for at, seen in zip((0.0, 2.5, 5.0), ReportSpy.seen, strict=True):
+        for inst, ts in seen.items():
+            assert ts == max(t for i, t in ReportSpy.reports if i == inst and t <= at)
+            assert at - 1.0 < ts <= at

@@ -1,5 +1,5 @@
 from perigee.replay import Outcome, summarize
-from perigee.trace import PromptBuilder, TraceRequest, load_trace
+from perigee.trace import PromptBuilder, TraceRequest, load_trace, spread_ties
 
 
 def test_same_hash_id_same_tokens_last_block_cut():
@@ -26,3 +26,16 @@ def test_tbt_is_mean_of_longest_tenth_and_goodput():
     assert s["completed"] == 1 and s["rejected"] == 1
     assert s["goodput"]["requests"] == 1
     assert s["cached_token_ratio"] == 0.4
+
+
+def test_spread_ties_spreads_each_step_evenly_in_file_order():
+    reqs = [TraceRequest(t, n, 1, ()) for t, n in
+            [(0.0, 1), (0.0, 2), (0.0, 3), (0.0, 4), (3.0, 5), (6.0, 6), (6.0, 7), (12.0, 8)]]
+    out = spread_ties(reqs)
+    # steps 3, 3, 6: the last one (12.0) alone; 6.0's pair spans [6, 12)
+    assert [r.timestamp_s for r in out] == [0.0, 0.75, 1.5, 2.25, 3.0, 6.0, 9.0, 12.0]
+    assert [r.input_length for r in out] == list(range(1, 9))
+    tail = spread_ties([TraceRequest(0.0, 1, 1, ()), TraceRequest(3.0, 1, 1, ()),
+                        TraceRequest(3.0, 1, 1, ())])
+    assert [r.timestamp_s for r in tail] == [0.0, 3.0, 4.5]  # the last step: the median one
+    assert spread_ties([]) == []
