@@ -98,6 +98,11 @@ class AdmissionPolicy(ABC):
         self.decode[load.instance] = load
         self._liveness.seen("decode:" + load.instance)
 
+    def forget_instance(self, role: str, instance: str) -> None:
+        """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
+        (self.prefill if role == "prefill" else self.decode).pop(instance, None)
+        self._liveness.forget(f"{role}:{instance}")
+
     @abstractmethod
     def decide(self, req: AdmissionRequest) -> AdmissionDecision: ...
 
@@ -263,6 +268,12 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             if self.admitted.get(rid) is a:
                 unseen += a.work_s
         self._unseen[load.instance] = unseen
+
+    def forget_instance(self, role: str, instance: str) -> None:
+        super().forget_instance(role, instance)
+        if role == "prefill":
+            self._seen_at.pop(instance, None)
+            self._unseen.pop(instance, None)
 
     # ------------------------------------------------------------ bookkeeping
 

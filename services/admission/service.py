@@ -11,7 +11,9 @@ A request's lifecycle here (no queue is kept; each message is decided on arrival
       -> FORWARDED   the filled request on SCHEDULE for the conductor
        | REJECTED    Error 429 (retry_after_s) or 503 on the reply subject
 
-Load reports (load.prefill.*, load.decode.*) feed the policy and its liveness view.
+Load reports (load.prefill.*, load.decode.*) feed the policy and its liveness view; a
+RoleSwitch (perigee.ctl.role) drops the switched instance's report in its old role at
+once, so its last load there does not count until the liveness window runs out.
 """
 
 import json
@@ -27,6 +29,7 @@ from structlog.contextvars import bound_contextvars
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage
+from bus_schemas.control import RoleSwitch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest
 from services.admission.policy import (
@@ -91,6 +94,8 @@ class AdmissionService:
         await s.serve(
             subjects.LOAD_DECODE_ALL, DecodeLoad, self._on_decode_load, span_name="admission.load"
         )
+        await s.serve(subjects.CTL_ROLE, RoleSwitch, self._on_role_switch,
+                      span_name="admission.role_switch")
         await s.serve(
             subjects.REQUESTS,
             GenerateRequest,
@@ -110,6 +115,13 @@ class AdmissionService:
 
     async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
         self.policy.observe_decode(load)
+
+    async def _on_role_switch(self, rs: RoleSwitch, _m: NatsMsg) -> None:
+        if rs.role not in ("prefill", "decode"):
+            log.warning("bad_role_switch", instance=rs.instance, role=rs.role)
+            return
+        self.policy.forget_instance("decode" if rs.role == "prefill" else "prefill", rs.instance)
+        log.info("role_switch_seen", instance=rs.instance, role=rs.role)
 
     async def _on_bad(self, m: NatsMsg, err: BadMessage) -> None:
         """Answer a malformed request in the stream protocol, so bus clients see an Error event."""

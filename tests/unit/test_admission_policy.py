@@ -126,3 +126,19 @@ def test_selector():
     assert isinstance(make_admission_policy("baseline", clock, COST), BaselinePolicy)
     with pytest.raises(ValueError, match="unknown admission policy"):
         make_admission_policy("psychic", clock, COST)
+
+
+def test_role_switch_drops_the_old_role_report_at_once():
+    # x was the light prefill instance; once it switches to decode its last prefill
+    # report must not keep the prefill pool looking free (it is alive for 2 s more).
+    pol = early()
+    pol.observe_prefill(pload("p0", 45.0))
+    pol.observe_prefill(pload("x", 3.0))
+    pol.observe_decode(dload("d0"))
+    assert isinstance(pol.decide(req()), Accept)
+    pol.forget_instance("prefill", "x")
+    d = pol.decide(req())
+    assert isinstance(d, Reject) and d.code == ErrorCode.REJECTED and "prefill" in d.reason
+    assert [p.instance for p in pol.live_prefill()] == ["p0"]
+    pol.observe_decode(dload("x"))  # reports in its new role count as usual
+    assert [d.instance for d in pol.live_decode()] == ["d0", "x"]

@@ -293,3 +293,21 @@ def test_running_sums_match_the_brute_force(ops, grace):
         now = clock.now()
         for at in (now, now + 0.5, now + 2.0, now + 7.0):
             assert pol._in_decode(at) == _ref_in_decode(pol, at)
+
+
+def test_role_switch_forgets_the_instance_and_its_unseen_work():
+    clock = ManualClock()
+    pol = predict(clock)
+    cluster(pol)
+    clock.advance(0.01)
+    pol.on_accepted(req("a"))  # after both prefill reports: unseen by them
+    share = pol.admitted["a"].work_s / 2
+    assert pol.prefill_wait() == pytest.approx(1.0 + share)
+    pol.forget_instance("prefill", "p0")  # p0 became a decode instance
+    assert [p.instance for p in pol.live_prefill()] == ["p1"]
+    assert pol.prefill_wait() == pytest.approx(3.0 + 2 * share)
+    pol.on_accepted(req("b"))  # bookkeeping goes on without p0
+    assert pol.prefill_wait() == pytest.approx(3.0 + 2 * share + pol.admitted["b"].work_s)
+    clock.advance(1.0)
+    pol.observe_prefill(pload("p1", 0.5))  # a fresh report has seen both
+    assert pol.prefill_wait() == pytest.approx(0.5)

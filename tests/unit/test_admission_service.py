@@ -146,3 +146,22 @@ def test_cost_model_option_loads_a_fitted_model(tmp_path):
                     for n in (256, 1024, 4096) for p in (0, n // 4, n // 2)]).save(path)
     svc = AdmissionService(None, AdmissionConfig(cost_model=str(path), speedup=5.0))
     assert isinstance(svc.policy.cost, FittedCostModel) and svc.policy.cost.speedup == 5.0
+
+
+async def test_role_switch_on_the_bus_drops_the_instance_old_role(nats_url):
+    from bus_schemas.control import RoleSwitch
+
+    h = await Harness().start(nats_url)
+    try:
+        await h.loads(prefill_work=0.0)
+        await h.nc.publish(subjects.CTL_ROLE, encode(RoleSwitch(instance="prefill-0", role="decode")))
+        await h.nc.flush()
+
+        async def gone():
+            while "prefill-0" in h.svc.policy.prefill:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(gone(), 5)
+        assert "decode-0" in h.svc.policy.decode
+    finally:
+        await h.close()
