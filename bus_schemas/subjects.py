@@ -42,7 +42,8 @@ def decode_tasks(instance: str) -> str:
 
 
 def conductor_events(conductor_id: str) -> str:
-    """Where decode tells the placing conductor that the first token went out."""
+    """Where workers tell the placing conductor that a request's prefill is handed over
+    (FirstTokenNotice, from prefill) or that the request failed (RequestFailed)."""
     return f"{NS}.conductor.{conductor_id}.events"
 
 

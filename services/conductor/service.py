@@ -11,7 +11,8 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
                       granted and retries once without the failed instance/node, then
                       answers Error 429 (capacity) or 503 (unavailable)
       -> DISPATCHED   PrefillTask on prefill_tasks(instance); Accepted to the client
-      -> COMMITTED    FirstTokenNotice: TxCommit on the prefill store (and the SOURCE tx)
+      -> COMMITTED    FirstTokenNotice (prefill, once its KV is on the decode node):
+                      TxCommit on the prefill store (and the SOURCE tx)
        | ABORTED      RequestFailed: TxAbort on every transaction of the request
        | EXPIRED      no news for the lease: stores roll back by lease; forgotten here
 
