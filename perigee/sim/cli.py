@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speedup", type=float, default=1.0, help="cost-model speedup ('inf': none)")
     p.add_argument("--pd-controller", action="store_true",
                    help="resize the pools with the conductor's P/D ratio controller")
+    p.add_argument("--report-interval", type=float, default=0.0,
+                   help="seconds between each instance's load reports, as the live workers "
+                        "(--report-interval); 0: the policies see exact snapshots")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from perigee.sim.metrics import format_summary, summarize
     from perigee.sim.simulator import SimConfig, Simulator
     from services.common.cost_fit import load_cost_model
+    from services.conductor.service import ConductorConfig
 
     trace = load_trace(a.trace, a.limit)
     if not trace:
@@ -80,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         balancing_threshold=a.balancing_threshold, output_tokens=a.output_tokens,
         seed=a.seed, cost=load_cost_model(a.cost_model, a.speedup),
         pd_controller=a.pd_controller, adaptive_threshold=a.adaptive_threshold,
+        report_interval_s=a.report_interval,
+        # stale reports: the conductor's grace bridges dispatches the reports cannot show yet
+        placement_kw=({"report_grace_s": ConductorConfig.report_grace_s}
+                      if a.report_interval > 0 else {}),
         admission_kw=({"decode_time_s": a.predict_decode_time}
                       if a.admission == "predict" and a.predict_decode_time else {}),
     )

@@ -59,7 +59,7 @@ class PoolResizer:
         inst = pool[instance]
         inst.draining = True
         sim.placement.forget_instance(from_role, instance)
-        getattr(sim.admission, from_role).pop(instance, None)
+        sim.admission.forget_instance(from_role, instance)
         self.switches.append((sim.loop.now(), inst.node, from_role,
                               "decode" if from_role == "prefill" else "prefill"))
         self.maybe_done(inst)

@@ -248,3 +248,25 @@ def test_load_reports_come_on_timers_and_decisions_see_the_last_one():
         for inst, ts in seen.items():
             assert ts == max(t for i, t in ReportSpy.reports if i == inst and t <= at)
             assert at - 1.0 < ts <= at
+
+
+def test_cli_report_interval_gives_the_policies_stale_views(tmp_path, monkeypatch):
+    import json
+
+    from perigee.sim import cli
+    from perigee.sim import simulator as sim_mod
+
+    seen = {}
+
+    class Spy(sim_mod.Simulator):
+        def __init__(self, trace, cfg, **kw):
+            seen["cfg"] = cfg
+            super().__init__(trace, cfg, **kw)
+
+    monkeypatch.setattr(sim_mod, "Simulator", Spy)
+    out = tmp_path / "s.json"
+    assert cli.main(["--limit", "30", "--prefill", "2", "--decode", "1", "--report-interval",
+                     "0.1", "--no-progress", "--json", str(out)]) == 0
+    cfg = seen["cfg"]
+    assert cfg.report_interval_s == 0.1 and cfg.placement_kw == {"report_grace_s": 0.05}
+    assert json.loads(out.read_text())["completed"] == 30
