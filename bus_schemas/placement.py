@@ -58,7 +58,8 @@ class FirstTokenNotice(Msg, tag="first_token"):
     request_id: str
     prefill_node: str
     prefill_tx_id: str
-    ts: float
+    ts: float  # the first token was computed (unix seconds)
+    handoff_ts: float = 0.0  # the DecodeTask went out (0: same as ts)
 
 
 class RequestFailed(Msg, tag="failed"):

@@ -9,8 +9,9 @@ Per request (times from the cost model, decisions from the real classes)::
       --> prefill instance FIFO --> [pull] compute
       --> first token: out to the client at once (+ first_token_hop_s), while the KV
           streams to the decode node (``PrefillTask.stream_first_token``)
-      --> KV landed: FirstTokenNotice (policy.prefill_done at the compute's end, TxCommit
-          of the prefill and source transactions, events -> PrefixIndex)
+      --> KV landed: FirstTokenNotice (policy.prefill_done: first token at the compute's
+          end, handed to decode now; TxCommit of the prefill and source transactions,
+          events -> PrefixIndex)
       --> baseline admission only: decode instance over its TBT SLO -> Reject ("decode"),
           the prefill was wasted (paper §4.3.2); else the first token goes out now
       --> continuous batching --> done: policy.release
@@ -377,13 +378,13 @@ class Simulator:
 
     def _kv_landed(self, req: SimRequest) -> None:
         """Every layer is on the decode node: the prefill instance hands the request
-        over and sends FirstTokenNotice (stamped at the compute's end); the conductor
-        commits the prefill and source transactions, the decode node commits its own
-        when it has loaded the KV."""
+        over and sends FirstTokenNotice (first token at the compute's end, handoff now);
+        the conductor commits the prefill and source transactions, the decode node
+        commits its own when it has loaded the KV."""
         now = self.loop.now()
         dec = self.decodes[req.decode_instance]
         self.inbound[dec.name] -= 1
-        self.placement.prefill_done(req.rid, req.prefill_end)
+        self.placement.prefill_done(req.rid, req.prefill_end, handoff_ts=now)
         decode_tx = req.txs.pop("decode", None)
         for node, tx in req.txs.values():
             self.cluster.commit(node, tx)

@@ -44,8 +44,8 @@ Dispatch accounting (so back-to-back placements spread before the next report):
 instance and its transfer bytes on the source node. The prefill part is dropped by a
 PrefillLoad whose ``ts`` is at least ``report_grace_s`` after the placement (the report
 includes it; 0 in a simulator, tens of ms on a real bus) or by
-:meth:`prefill_done`; the decode part by a DecodeLoad at or after the first token
-(:meth:`prefill_done`'s ``ts``); everything by :meth:`release`. The clock and report
+:meth:`prefill_done`; the decode part by a DecodeLoad at or after the handoff to
+decode (:meth:`prefill_done`'s ``handoff_ts``); everything by :meth:`release`. The clock and report
 ``ts`` must share a time base (unix seconds in the service, sim time in the simulator).
 
 Why ``balancing_threshold = 2.0``: in the cost model a pulled token costs
@@ -223,9 +223,13 @@ class PlacementPolicy:
         (self._prefill if role == "prefill" else self._decode).pop(instance, None)
         self._liveness.forget(f"{role}:{instance}")
 
-    def prefill_done(self, request_id: str, ts: float | None = None) -> None:
-        """The first token is out: the prefill work and the pull are over; the decode
-        instance carries the request until a report at or after ``ts`` includes it."""
+    def prefill_done(
+        self, request_id: str, ts: float | None = None, handoff_ts: float | None = None
+    ) -> None:
+        """The first token is out (at ``ts``) and the request handed to its decode
+        instance (at ``handoff_ts``, default ``ts``): the prefill work and the pull are
+        over; the decode instance carries the request until a report at or after the
+        handoff includes it."""
         ts = self.clock.now() if ts is None else ts
         if self.adaptive is not None:
             self.adaptive.first_token(request_id, ts)
@@ -234,7 +238,7 @@ class PlacementPolicy:
             return
         self._close_prefill(d, source_too=True)
         if d.request_id in self._dispatches:
-            d.decode_since = ts
+            d.decode_since = ts if handoff_ts is None else max(ts, handoff_ts)
 
     def release(self, request_id: str) -> None:
         """Forget a dispatch entirely (rolled back, failed or finished)."""

@@ -405,7 +405,7 @@ class ConductorService:
             source = [(p.source_node, p.source_tx)] if p and p.source_node and p.source_tx else []
             if isinstance(ev, FirstTokenNotice):
                 before = self.policy.threshold()
-                self.policy.prefill_done(ev.request_id, ev.ts)
+                self.policy.prefill_done(ev.request_id, ev.ts, ev.handoff_ts or None)
                 if self.policy.threshold() != before:
                     log.info("balancing_threshold", old=before, new=self.policy.threshold())
                 await asyncio.gather(

@@ -416,7 +416,7 @@ class PrefillWorker(WorkerBase):
         # Every layer is acked, so the prefill-side slots are no longer read: commit.
         await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
             request_id=req.request_id, prefill_node=self.node,
-            prefill_tx_id=task.prefill_tx.tx_id, ts=first_ts,
+            prefill_tx_id=task.prefill_tx.tx_id, ts=first_ts, handoff_ts=time.time(),
         ))
         log.debug("prefill_done", prefix_tokens=p, computed_tokens=item.prompt_tokens - p,
                   first_token=first)

@@ -304,3 +304,16 @@ def test_report_grace_keeps_work_a_report_may_not_have_seen():
     assert pol.queue_s("p0") == COST.prefill_time(N, 0)
     pol.observe_prefill(pload("p0", "n0", work=0.3, ts=10.05))
     assert pol.queue_s("p0") == 0.3
+
+
+def test_decode_share_lasts_until_a_report_after_the_handoff():
+    # The first token left prefill at 12.0, the KV reached decode at 12.4: a decode
+    # report from 12.2 cannot include the request yet.
+    clock = ManualClock(10.0)
+    pol = make_policy(clock)
+    placed(pol.place(req("a"), {}))
+    pol.prefill_done("a", ts=12.0, handoff_ts=12.4)
+    pol.observe_decode(dload("d0", "m0", ts=12.2))
+    assert pol.dispatched() == ["a"]
+    pol.observe_decode(dload("d0", "m0", batch=1, kv=N + 1, ts=12.4))
+    assert pol.dispatched() == []
