@@ -194,13 +194,16 @@ class StoreService:
             shm=self.arena.name, capacity_blocks=self.capacity, block_bytes=self.block_bytes,
         )
 
-    async def stop(self) -> None:
+    async def stop(self, flush_s: float = 5.0) -> None:
         for s in self._raw_subs:
             try:
                 await s.unsubscribe()
             except Exception:  # noqa: BLE001 - connection may be gone
                 pass
         await self._subs.close()
+        if not await self.tiers.flush(flush_s):
+            log.warning("writeback_not_flushed", node=self.node,
+                        pending=self.pool.writeback_pending())
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -72,6 +72,7 @@ class Tiers:
         self.stores: dict[Tier, TierStore] = {}
         self.ssd: SsdStore | None = None
         self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # the write-back task found nothing it could start
         self._saved_at = 0.0
 
     def open(self) -> None:
@@ -119,6 +120,7 @@ class Tiers:
                 self._wake.clear()
                 if pool.ssd_dirty:
                     self.save()
+                self._idle.set()
                 continue
             results = await asyncio.to_thread(self._write, moves)
             for m, ok in zip(moves, results, strict=True):
@@ -126,6 +128,21 @@ class Tiers:
             self.s.objects.reap()
             if time.monotonic() - self._saved_at > 0.5:
                 self.save()
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Before a graceful stop: let the write-back task empty its queue (an SSD tier
+        should survive a restart with what DRAM held), for at most ``timeout_s``.
+        True when nothing is left to write."""
+        pool = self.s.pool
+        if self.ssd is None or not pool.writeback_pending():
+            return True
+        self._idle.clear()
+        self.wake()
+        try:  # idle again: everything written, or nothing more fits on the SSD tier
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        return pool.writeback_pending() == 0
 
     def _write(self, moves) -> list[bool]:
         out = []

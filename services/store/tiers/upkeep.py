@@ -93,6 +93,10 @@ class PoolUpkeep(_Base):
             moves.append(Move(h, Tier.DRAM, self._cached[h], Tier.SSD, s))
         return moves, ([BlockRemoved(block_hashes=removed)] if removed else [])
 
+    def writeback_pending(self) -> int:
+        """Write-backs queued or on their way to the SSD."""
+        return len(self._wb_queue) + len(self._wb_inflight)
+
     def writeback_done(self, h: int, ok: bool) -> None:
         ssd = self.ssd
         if h not in self._wb_inflight or ssd is None:
