@@ -43,6 +43,9 @@ class TxHandle(Msg, tag="handle"):
     shm_name: str
     data_addr: str  # ZeroMQ endpoint of the node's store
     block_bytes: int
+    # Unix seconds at which the store rolls the transaction back if it is still open
+    # (0: not said); a worker that cannot use the slots by then must give up.
+    expires_at: float = 0.0
 
 
 class Refused(Msg, tag="refused"):

@@ -48,6 +48,10 @@ from tracing import tracer
 
 log = structlog.get_logger()
 
+# Give up on a KV load this long before the store's lease ends (its sweep runs every
+# 0.25 s, an engine already copying needs a moment, clocks of two hosts may differ).
+LEASE_MARGIN_S = 2.0
+
 
 class DecodeStore(Protocol):
     """What this worker needs of services.store.client.StoreClient."""
@@ -59,6 +63,10 @@ class BadTask(ValueError):
     """A DecodeTask this instance cannot serve as placed."""
 
 
+class LeaseExpired(Exception):
+    """The KV slots' transaction would be rolled back before the engine loaded them."""
+
+
 class _Stopped(Exception):
     """Cancelled or shut down before the request reached the running batch."""
 
@@ -67,6 +75,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     """(code, short client message) for a failed decode."""
     if isinstance(exc, BadTask):
         return ErrorCode.INTERNAL, f"bad decode task: {exc}"
+    if isinstance(exc, LeaseExpired):
+        return ErrorCode.UNAVAILABLE, str(exc)
     if isinstance(exc, EngineDeadError):
         return ErrorCode.UNAVAILABLE, "decode engine is down"
     if isinstance(exc, EngineError):
@@ -203,11 +213,12 @@ class DecodeWorker(WorkerBase):
         try:
             with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
                 slots = [self.store.slot(s) for s in task.decode_tx.slots]
-                stream = await self.engine.add_request(DecodeJob(
+                load = self.engine.add_request(DecodeJob(
                     request_id=rid, prompt_token_ids=req.prompt_token_ids,
                     first_token=task.first_token, sampling=req.sampling,
                     kv=SlotKV(self.layout, slots, n),
                 ))
+                stream = await self._before_lease_ends(load, task)
         finally:
             self._loading -= 1
         self.counters["kv_tokens_loaded"] += n
@@ -239,6 +250,25 @@ class DecodeWorker(WorkerBase):
             completion_tokens=index, cached_tokens=task.cached_tokens,
         ))
         self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
+
+    async def _before_lease_ends(self, load: Any, task: DecodeTask) -> Any:
+        """``load`` (the engine taking the KV from the slots), unless the store's lease on
+        them runs out first: an engine that schedules the load later would read slots
+        the store has handed to someone else, so the request fails instead."""
+        expires = task.decode_tx.expires_at
+        if not expires:
+            return await load
+        left = expires - time.time() - LEASE_MARGIN_S
+        try:
+            if left <= 0:
+                load.close()
+                raise TimeoutError
+            return await asyncio.wait_for(load, left)
+        except TimeoutError:
+            self.engine.abort(task.request.request_id)
+            raise LeaseExpired(
+                "the decode engine did not take the KV before the store's lease on it ran out"
+            ) from None
 
     async def _commit(self, task: DecodeTask) -> None:
         rid = task.request.request_id

@@ -251,6 +251,7 @@ class StoreService:
                 tx_id=result.tx_id, node=self.node, epoch=self.epoch, slots=result.slots,
                 hit_blocks=result.hit_blocks, shm_name=self.arena.name,
                 data_addr=self.data.data_addr, block_bytes=self.block_bytes,
+                expires_at=time.time() + req.lease_s,
             )
 
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:

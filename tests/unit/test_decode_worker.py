@@ -1,6 +1,7 @@
 """DecodeWorker in-process on a real nats-server: DecodeTasks published directly."""
 
 import asyncio
+import time
 
 import msgspec
 import pytest
@@ -166,3 +167,22 @@ async def test_shutdown_fails_running_requests_with_503(nats_url):
     assert isinstance(events[-1], Error) and events[-1].code == ErrorCode.UNAVAILABLE
     assert events[-1].message == "decode instance shutting down"
     await rig.close()
+
+
+async def test_kv_the_store_is_about_to_take_back_is_not_loaded(rig):
+    # The store rolls the decode tx back in 1 s, inside the worker's margin: loading the
+    # slots now could read blocks handed to another request, so the request fails.
+    dt = decode_task(rig, rig.prompt(30, seed=27))
+    soon = msgspec.structs.replace(dt.decode_tx, expires_at=time.time() + 1.0)
+    (err,) = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=soon)))
+    assert err.code == ErrorCode.UNAVAILABLE
+    assert err.message == ("the decode engine did not take the KV before the store's lease "
+                           "on it ran out")
+    assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+    assert rig.commits == [] and rig.dengine.stats().batch_size == 0
+    # A lease with time left is no obstacle.
+    dt2 = decode_task(rig, rig.prompt(30, seed=28))
+    later = msgspec.structs.replace(dt2.decode_tx, expires_at=time.time() + 600.0)
+    dt2 = msgspec.structs.replace(dt2, decode_tx=later)
+    events = await until_terminal(await send(rig, dt2))
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
