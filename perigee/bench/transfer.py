@@ -131,17 +131,23 @@ def peer(size: int) -> int:
 # ---------------------------------------------------------------------- initiator side
 
 
+def _connect(port: int, streams: int) -> list[socket.socket]:
+    """``streams`` plain loopback connections, tuned as the engine tunes its own."""
+    from services.store.transport.tcp.frames import tune
+
+    socks = []
+    for _ in range(streams):
+        s = socket.create_connection(("127.0.0.1", port))
+        tune(s)
+        socks.append(s)
+    return socks
+
+
 class RawInline:
     """Plain sockets without threads: the caller sends each part, then reads the acks."""
 
     def __init__(self, port: int, streams: int) -> None:
-        from services.store.transport.tcp.frames import tune
-
-        self.socks = []
-        for _ in range(streams):
-            s = socket.create_connection(("127.0.0.1", port))
-            tune(s)
-            self.socks.append(s)
+        self.socks = _connect(port, streams)
 
     def write(self, src: memoryview) -> None:
         part = -(-len(src) // len(self.socks))
@@ -163,13 +169,7 @@ class RawSockets:
     """The ceiling: ``streams`` plain connections, one persistent thread each."""
 
     def __init__(self, port: int, streams: int) -> None:
-        from services.store.transport.tcp.frames import tune
-
-        self.socks = []
-        for _ in range(streams):
-            s = socket.create_connection(("127.0.0.1", port))
-            tune(s)
-            self.socks.append(s)
+        self.socks = _connect(port, streams)
         self.jobs: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in self.socks]
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         for s, q in zip(self.socks, self.jobs, strict=True):
