@@ -279,27 +279,23 @@ class PrefillWorker(WorkerBase):
         if isinstance(exc, EngineDeadError):
             self.dead.set()
 
-    async def _process(self, item: QueuedPrefill) -> "_Computed":
+    async def _in_request(self, item: QueuedPrefill, work: Any) -> Any:
+        """Await ``work`` in the request's trace context, its id bound for the logs."""
         token = otel_context.attach(item.meta.ctx)
         try:
             with structlog.contextvars.bound_contextvars(request_id=item.request_id):
-                return await self._prefill(item)
+                return await work
         finally:
             otel_context.detach(token)
+
+    async def _process(self, item: QueuedPrefill) -> "_Computed":
+        return await self._in_request(item, self._prefill(item))
 
     async def _finish(self, item: QueuedPrefill, done: "_Computed") -> None:
         """Supervise one handoff: wait for it (or its cancellation), then settle."""
         rid = item.request_id
-
-        async def handoff() -> None:
-            token = otel_context.attach(item.meta.ctx)
-            try:
-                with structlog.contextvars.bound_contextvars(request_id=rid):
-                    await self._handoff(item, done)
-            finally:
-                otel_context.detach(token)
-
-        task = asyncio.create_task(handoff(), name=f"prefill-ship:{rid}")
+        task = asyncio.create_task(self._in_request(item, self._handoff(item, done)),
+                                   name=f"prefill-ship:{rid}")
         self._handoffs[rid] = task
         try:
             await asyncio.wait({task})
