@@ -251,3 +251,16 @@ async def test_cancel_while_shipping_stops_the_handoff(rig):
     rig.p.gate.set()
     assert rig.decode_tasks.empty() and rig.p.ships == []
     assert (await rig.stats("prefill", rig.pi))["tasks_cancelled"] == 1
+
+
+async def test_shutdown_fails_a_request_whose_kv_is_still_shipping(rig):
+    rig.p.gate = asyncio.Event()  # never opened: the handoff cannot finish
+    t = rig.task(rig.prompt(40, seed=11), max_tokens=2)
+    q = await rig.submit(t)
+    assert (await asyncio.wait_for(q.get(), 5)).from_prefill
+    await rig.prefill.close()
+    (err,) = await until_terminal(q)
+    assert (err.code, err.message) == (ErrorCode.UNAVAILABLE, "prefill instance shutting down")
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    assert rig.decode_tasks.empty()
