@@ -1,6 +1,6 @@
 """Optional API keys: ``Authorization: Bearer KEY``, as OpenAI and vLLM take them.
 
-With no key configured everything is open. With keys, every route but ``/health`` and
+With no key configured everything is open. With keys, every route but ``/health``, ``/ready`` and
 ``/metrics`` needs one of them, else 401 with OpenAI's error body
 (``{"error": {"message", "type": "invalid_request_error", "param": null,
 "code": "invalid_api_key"}}``) and ``WWW-Authenticate: Bearer``.
@@ -15,7 +15,7 @@ from aiohttp import web
 from services.gateway.protocol import ApiError
 from services.gateway.responses import error_response
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ENV_VAR = "PERIGEE_API_KEY"
 
 MISSING = ("You didn't provide an API key. You need to provide your API key in an "

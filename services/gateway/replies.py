@@ -57,6 +57,7 @@ class ReplyRouter:
         self._idle = asyncio.Event()
         self._idle.set()
         self.bad_events = 0
+        self.roles: dict[str, str] = {}  # instance -> role, from its load reports
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply))
@@ -158,6 +159,12 @@ class ReplyRouter:
         parts = msg.subject.split(".", 3)
         if len(parts) == 4 and parts[3]:
             self.watchdog.seen(parts[3])
+            self.roles[parts[3]] = parts[2]
+
+    def live_roles(self) -> set[str]:
+        """The roles ("prefill", "decode") with at least one instance reporting now."""
+        alive = self.watchdog.liveness.alive_instances()
+        return {self.roles[i] for i in alive if i in self.roles}
 
     # ---- watchdog ------------------------------------------------------------------
     def sweep(self) -> int:

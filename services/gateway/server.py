@@ -106,6 +106,7 @@ class Gateway:
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
+                web.get("/ready", self.ready),
                 web.get("/metrics", metrics.metrics_handler),
             ]
         )
@@ -167,6 +168,16 @@ class Gateway:
             "in_flight": self.router.in_flight,
             "live_instances": len(self.watchdog.liveness.alive_instances()),
         }
+        return json_response(body, 200 if ok else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness (``/health`` is liveness): 200 once a prefill and a decode instance
+        report load, so a load balancer sends no request that could only get a 503."""
+        live = self.router.live_roles()
+        missing = [r for r in ("prefill", "decode") if r not in live]
+        ok = self.nc.is_connected and not missing
+        body = {"ready": ok, "gateway_id": self.gateway_id,
+                "missing": missing if self.nc.is_connected else ["bus"]}
         return json_response(body, 200 if ok else 503)
 
     # ---- generation ----------------------------------------------------------------

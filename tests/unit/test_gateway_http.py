@@ -511,3 +511,17 @@ def test_cli_args():
     )
     assert (cfg.max_prompt_tokens, cfg.max_tokens_limit, cfg.max_body_bytes) == (8192, 4096, 1048576)
     assert (cfg.request_timeout_s, cfg.dead_after_s) == (120.0, 2.0)
+
+
+async def test_ready_only_while_a_prefill_and_a_decode_instance_report(env):
+    async with env.http.get(env.base + "/ready") as r:
+        assert r.status == 503 and (await r.json())["missing"] == ["prefill", "decode"]
+    await env.backend.load()
+    await until(lambda: env.gw.router.live_roles() == {"prefill", "decode"})
+    async with env.http.get(env.base + "/ready") as r:
+        assert r.status == 200 and (await r.json())["missing"] == []
+    env.clock.advance(2.5)  # both silent for longer than dead_after_s
+    async with env.http.get(env.base + "/ready") as r:
+        assert r.status == 503 and (await r.json())["missing"] == ["prefill", "decode"]
+    async with env.http.get(env.base + "/health") as r:
+        assert r.status == 200  # alive all the same
