@@ -19,7 +19,8 @@ from nats.aio.msg import Msg as NatsMsg
 from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.load import WorkerStats
-from bus_schemas.requests import ErrorCode
+from bus_schemas.placement import RequestFailed
+from bus_schemas.requests import Error, ErrorCode, GenerateRequest
 from services.common import bus
 
 log = structlog.get_logger()
@@ -53,6 +54,27 @@ class WorkerBase:
     async def _fail(self, task: Any, code: ErrorCode, message: str,
                     counter: str = "tasks_failed") -> None:
         raise NotImplementedError
+
+    async def _report_failure(
+        self, req: GenerateRequest, conductor_id: str, prefill_node: str, prefill_tx_id: str,
+        code: ErrorCode, message: str, counter: str, also: tuple[tuple[str, Any], ...] = (),
+    ) -> None:
+        """Error to the client, RequestFailed to the placing conductor (it rolls the
+        transactions back), then ``also``'s (subject, message) pairs; counted under
+        ``counter``. Publishing may fail while shutting down: logged, not raised."""
+        self.counters[counter] += 1
+        try:
+            if req.reply_subject:
+                await bus.publish(self.nc, req.reply_subject,
+                                  Error(request_id=req.request_id, code=code, message=message))
+            await bus.publish(self.nc, subjects.conductor_events(conductor_id), RequestFailed(
+                request_id=req.request_id, prefill_node=prefill_node,
+                prefill_tx_id=prefill_tx_id, reason=message,
+            ))
+            for subject, msg in also:
+                await self.nc.publish(subject, encode(msg))
+        except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
+            log.warning("fail_publish_failed", error=str(e))
 
     def stats_counters(self) -> dict[str, int]:
         # An engine may add its own counters (the vllm engine: tokens vLLM computed,

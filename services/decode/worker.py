@@ -34,11 +34,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
-from bus_schemas.codec import encode
 from bus_schemas.control import Refused, TxAbort, TxCommit, TxDoneReply
 from bus_schemas.load import DecodeLoad
-from bus_schemas.placement import DecodeTask, RequestFailed
-from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from bus_schemas.placement import DecodeTask
+from bus_schemas.requests import CancelRequest, ErrorCode, Finished, Tokens
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
@@ -308,22 +307,13 @@ class DecodeWorker(WorkerBase):
     async def _fail(self, task: DecodeTask, code: ErrorCode, message: str,
                     counter: str = "tasks_failed") -> None:
         req = task.request
-        self.counters[counter] += 1
-        try:
-            await self._emit(req.reply_subject,
-                             Error(request_id=req.request_id, code=code, message=message))
-            await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), RequestFailed(
-                request_id=req.request_id, prefill_node=task.prefill_node,
-                prefill_tx_id=task.prefill_tx_id, reason=message,
-            ))
-            # The conductor may have settled this request already (the prefill side
-            # commits as soon as the KV is handed over), so release the decode slots
-            # here too; a second abort is refused harmlessly.
-            await self.nc.publish(subjects.store_ctl(self.node, "tx.abort"), encode(TxAbort(
-                tx_id=task.decode_tx.tx_id, request_id=req.request_id, reason=message,
-            )))
-        except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
-            log.warning("fail_publish_failed", error=str(e))
+        # The conductor may have settled this request already (the prefill side commits
+        # as soon as the KV is handed over), so release the decode slots here too; a
+        # second abort is refused harmlessly.
+        abort = TxAbort(tx_id=task.decode_tx.tx_id, request_id=req.request_id, reason=message)
+        await self._report_failure(req, task.conductor_id, task.prefill_node,
+                                   task.prefill_tx_id, code, message, counter,
+                                   also=((subjects.store_ctl(self.node, "tx.abort"), abort),))
 
     def load_report(self) -> DecodeLoad:
         st = self.engine.stats()

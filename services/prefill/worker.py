@@ -43,9 +43,8 @@ from bus_schemas.placement import (
     FirstTokenNotice,
     PrefillTask,
     RemotePrefix,
-    RequestFailed,
 )
-from bus_schemas.requests import CancelRequest, Error, ErrorCode, Tokens
+from bus_schemas.requests import CancelRequest, ErrorCode, Tokens
 from services.common import bus, metrics
 from services.common.clock import Clock, WallClock
 from services.common.cost_model import CostModel
@@ -78,12 +77,17 @@ class _Computed:
     first: int
     first_ts: float
     ships: list[asyncio.Task]
-    ship_span: Any = None
+    ship_span: Any = None  # prefill.ship, opened with the first layer to ship
 
     async def stop(self) -> None:
+        """Cancel what is still on the wire (nothing, once every ship is acked) and
+        close the ship span."""
         for s in self.ships:
             s.cancel()
         await asyncio.gather(*self.ships, return_exceptions=True)
+        if self.ship_span is not None:
+            self.ship_span.end()
+            self.ship_span = None
 
 
 @dataclass
@@ -250,8 +254,6 @@ class PrefillWorker(WorkerBase):
                         sup.add_done_callback(self._finishing.discard)
                         continue
                     await done.stop()  # cancelled as compute ended: no handoff
-                    if done.ship_span is not None:
-                        done.ship_span.end()
                 with structlog.contextvars.bound_contextvars(request_id=rid):
                     await self._settle(item, task)
             except asyncio.CancelledError:
@@ -323,7 +325,7 @@ class PrefillWorker(WorkerBase):
         kv = SlotKV(self.layout, slots, n)
         blocks = [b for b in range(len(slots)) if b >= task.decode_tx.hit_blocks]
         ships: list[asyncio.Task] = []
-        ship_span: Any = None
+        done = _Computed(first=0, first_ts=0.0, ships=ships)
         ready: list[int] = []  # computed layers not yet handed to the store
 
         async def pump() -> None:
@@ -340,20 +342,19 @@ class PrefillWorker(WorkerBase):
                 _, end = self.layout.layer_span(last)
                 # The store's ship (and its write on the decode node) join prefill.ship:
                 # the client puts the current context in the ZeroMQ request header.
-                with trace.use_span(ship_span, end_on_exit=False):
+                with trace.use_span(done.ship_span, end_on_exit=False):
                     await self.store.ship_layer(
                         task.prefill_tx, task.decode_tx, first, blocks, end - start, start,
                     )
 
         async def on_layer(layer: int) -> None:
-            nonlocal ship_span
             for s in ships:  # fail fast: a dead peer stops the compute too
                 if s.done() and not s.cancelled() and s.exception() is not None:
                     raise s.exception()
             if not blocks:
                 return
-            if ship_span is None:
-                ship_span = tracer().start_span(
+            if done.ship_span is None:
+                done.ship_span = tracer().start_span(
                     "prefill.ship", context=item.meta.ctx,
                     attributes={"blocks": len(blocks), "decode_node": task.decode_tx.node},
                 )
@@ -363,14 +364,12 @@ class PrefillWorker(WorkerBase):
 
         job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                          prefix_tokens=p, sampling=req.sampling, kv=kv, on_layer=on_layer)
-        done = _Computed(first=0, first_ts=0.0, ships=ships)
         try:
             with tracer().start_as_current_span(
                 "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
                 done.first = await self.engine.prefill(job)
             done.first_ts = time.time()
-            done.ship_span = ship_span
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
                 with tracer().start_as_current_span("prefill.first_token"):
@@ -380,8 +379,6 @@ class PrefillWorker(WorkerBase):
                     ))
         except BaseException:
             await done.stop()
-            if ship_span is not None:
-                ship_span.end()
             raise
         self.counters["computed_tokens"] += n - p
         self.counters["prefix_tokens_loaded"] += p
@@ -395,8 +392,6 @@ class PrefillWorker(WorkerBase):
                 await asyncio.gather(*done.ships)
         finally:
             await done.stop()
-            if done.ship_span is not None:
-                done.ship_span.end()
         await bus.publish(self.nc, subjects.decode_tasks(task.decode_instance), DecodeTask(
             request=req,
             conductor_id=task.conductor_id,
@@ -441,18 +436,8 @@ class PrefillWorker(WorkerBase):
 
     async def _fail(self, task: PrefillTask, code: ErrorCode, message: str,
                     counter: str = "tasks_failed") -> None:
-        req = task.request
-        self.counters[counter] += 1
-        try:
-            if req.reply_subject:
-                await bus.publish(self.nc, req.reply_subject,
-                                  Error(request_id=req.request_id, code=code, message=message))
-            await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), RequestFailed(
-                request_id=req.request_id, prefill_node=self.node,
-                prefill_tx_id=task.prefill_tx.tx_id, reason=message,
-            ))
-        except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
-            log.warning("fail_publish_failed", error=str(e))
+        await self._report_failure(task.request, task.conductor_id, self.node,
+                                   task.prefill_tx.tx_id, code, message, counter)
 
     def load_report(self) -> PrefillLoad:
         qlen, qtokens, work = self.queue.load()
