@@ -118,6 +118,10 @@ class RoleSwitch(Msg):
     instance: str
     role: str  # "prefill" | "decode"
 
+    def previous_role(self) -> str | None:
+        """The role the instance leaves (None: ``role`` is not a role)."""
+        return {"prefill": "decode", "decode": "prefill"}.get(self.role)
+
 
 # ---- appended for the tiered store (issue 4): wipe, event replay, objects, replicas ----
 

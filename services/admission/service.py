@@ -117,10 +117,11 @@ class AdmissionService:
         self.policy.observe_decode(load)
 
     async def _on_role_switch(self, rs: RoleSwitch, _m: NatsMsg) -> None:
-        if rs.role not in ("prefill", "decode"):
+        old = rs.previous_role()
+        if old is None:
             log.warning("bad_role_switch", instance=rs.instance, role=rs.role)
             return
-        self.policy.forget_instance("decode" if rs.role == "prefill" else "prefill", rs.instance)
+        self.policy.forget_instance(old, rs.instance)
         log.info("role_switch_seen", instance=rs.instance, role=rs.role)
 
     async def _on_bad(self, m: NatsMsg, err: BadMessage) -> None:

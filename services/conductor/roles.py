@@ -58,10 +58,10 @@ class RoleControl:
             self.pd.observe_decode(load, self.tbt_slo_s)
 
     async def on_role_switch(self, rs: RoleSwitch, _m: NatsMsg | None = None) -> None:
-        if rs.role not in ("prefill", "decode"):
+        old = rs.previous_role()
+        if old is None:
             log.warning("bad_role_switch", instance=rs.instance, role=rs.role)
             return
-        old = "decode" if rs.role == "prefill" else "prefill"
         self.policy.forget_instance(old, rs.instance)
         if self.pd is not None:
             self.pd.forget(rs.instance)
