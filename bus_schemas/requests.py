@@ -6,6 +6,7 @@ subject as a :data:`StreamEvent`: ``accepted``, then ``tokens`` (one or more),
 then exactly one of ``finished`` or ``error``.
 """
 
+import math
 from enum import IntEnum
 
 import msgspec
@@ -28,13 +29,49 @@ class ErrorCode(IntEnum):
     TIMEOUT = 504
 
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class SamplingParams(Msg):
+    """How to sample; :meth:`problem` holds the bounds (vLLM's ``SamplingParams`` and its
+    OpenAI server's), checked by the gateway, admission and the engine wrapper alike."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def problem(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first value out of bounds, None when all are in.
+
+        JSON integers are unbounded and msgspec keeps them so; the engine packs them
+        into int32/int64 tensors and a torch generator, where an overflow raised inside
+        a step would take the whole engine down (a seed of 2**70 did)."""
+        if not 1 <= self.max_tokens <= INT32_MAX:
+            return "max_tokens", f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}"
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            return "temperature", f"temperature must be in [0, 2], got {self.temperature}"
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails too
+            return "top_p", f"top_p must be in (0, 1], got {self.top_p}"
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            return "seed", f"seed must be a 64-bit signed integer, got {self.seed}"
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:
+            return "stop_token_ids", f"stop token id {bad} is out of range"
+        if not -1 <= self.top_k <= INT32_MAX:
+            return "top_k", f"top_k must be -1 or 0 (off), or in [1, {INT32_MAX}], got {self.top_k}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return "min_p", f"min_p must be in [0, 1], got {self.min_p}"
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            return "repetition_penalty", (
+                f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}")
+        return None
 
 
 class GenerateRequest(Msg):

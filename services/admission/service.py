@@ -177,8 +177,9 @@ class AdmissionService:
             return req, "empty prompt"
         if req.block_size < 0:
             return req, "block_size must be positive"
-        if req.sampling.max_tokens < 1:
-            return req, "max_tokens must be at least 1"
+        bad = req.sampling.problem()
+        if bad is not None:
+            return req, bad[1]
         bs = req.block_size or self.cfg.block_size
         hashes = req.block_hashes
         full = len(req.prompt_token_ids) // bs

@@ -1,16 +1,24 @@
 """OpenAI request bodies in, OpenAI response bodies out: pure functions, no I/O.
 
-Request bodies decode with msgspec into typed structs that ignore unknown fields, as
-OpenAI does; a wrong type or a malformed body raises :class:`ApiError` (HTTP 400 with
-OpenAI's ``{"error": {message, type, param, code}}``). Extensions: ``ignore_eos`` and
-``stop_token_ids`` (vLLM's names).
+Request bodies decode with msgspec into typed structs; a wrong type or a malformed body
+raises :class:`ApiError` (HTTP 400 with OpenAI's ``{"error": {message, type, param,
+code}}``). Every field vLLM's OpenAI server knows is either served, within the bounds
+vLLM enforces (:meth:`bus_schemas.requests.SamplingParams.problem`, shared with
+admission and the engine), or refused with a 400 naming it when set to anything but
+its neutral value (:data:`UNSUPPORTED`): a client asking for logprobs or tools is told,
+not silently ignored. Fields neither knows are ignored, as vLLM does. Served
+extensions (vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``.
 """
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from bus_schemas.requests import SamplingParams
 
 # ---------------------------------------------------------------------------- errors
 
@@ -59,6 +67,73 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = False
 
 
+# Known fields this server does not serve, each with its neutral values: any other value
+# is a 400 naming the field. (No logprobs, tools, structured output, beam search,
+# penalties on generated tokens: the decode engine sees the first token, which prefill
+# made, as prompt, so presence/frequency penalties would miss it.)
+def _unset(v: Any) -> bool:
+    return v is None
+
+
+def _off(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _on(v: Any) -> bool:
+    return v is None or v is True
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, list | dict | str) and not v)
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _one(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 1)
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+def _no_tool(v: Any) -> bool:
+    return v is None or v in ("none", "auto")
+
+
+Neutral = Callable[[Any], bool]
+UNSUPPORTED: dict[str, Neutral] = {
+    "logprobs": _off, "top_logprobs": _zero, "prompt_logprobs": _unset,
+    "logprob_token_ids": _empty, "logit_bias": _empty, "echo": _off, "best_of": _one,
+    "suffix": _empty, "use_beam_search": _off, "length_penalty": _one, "min_tokens": _zero,
+    "include_stop_str_in_output": _off, "skip_special_tokens": _on,
+    "spaces_between_special_tokens": _on, "truncate_prompt_tokens": _unset,
+    "truncation_side": _unset, "allowed_token_ids": _unset, "bad_words": _empty,
+    "prompt_embeds": _unset, "response_format": _text_format, "structured_outputs": _unset,
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset, "guided_decoding_backend": _unset,
+    "guided_whitespace_pattern": _unset, "priority": _zero, "logits_processors": _empty,
+    "vllm_xargs": _empty, "kv_transfer_params": _unset, "ec_transfer_params": _unset,
+    "repetition_detection": _unset, "thinking_token_budget": _unset, "watermarking": _off,
+    "return_tokens_as_token_ids": _off, "return_token_ids": _off,
+    "return_token_offsets": _off, "cache_salt": _unset, "stream_interval": _one,
+}
+UNSUPPORTED_COMPLETION: dict[str, Neutral] = {**UNSUPPORTED, "add_special_tokens": _on}
+UNSUPPORTED_CHAT: dict[str, Neutral] = {
+    **UNSUPPORTED, "add_special_tokens": _off, "tools": _empty, "tool_choice": _no_tool,
+    "functions": _empty, "function_call": _no_tool, "add_generation_prompt": _on,
+    "continue_final_message": _off, "documents": _empty, "chat_template": _unset,
+    "chat_template_kwargs": _empty, "mm_processor_kwargs": _empty,
+    "media_io_kwargs": _empty, "audio": _unset, "modalities": lambda v: v in (None, ["text"]),
+    "prediction": _unset,
+}
+MAX_STOP_STRINGS = 32  # each is searched on every token at the gateway
+MAX_STOP_TOKEN_IDS = 256  # they ride on every bus message of the request
+PENALTY_RANGE = 2.0  # presence/frequency: vLLM's [-2, 2]
+
+
 class _Common(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
@@ -70,13 +145,20 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int | None = 1
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     # extensions
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
-class CompletionBody(_Common, kw_only=True):
-    prompt: str | list[Any]
+def _with_unsupported(name: str, base: type, names: dict[str, Neutral]) -> type:
+    """``base`` plus each name in ``names`` as an ``Any`` field: decoded whatever its type,
+    then checked against its neutral values."""
+    return msgspec.defstruct(name, [(n, Any, None) for n in names], bases=(base,), kw_only=True)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -89,10 +171,17 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     content: str | list[ContentPart] | None = None
 
 
-class ChatBody(_Common, kw_only=True):
+class _Completion(_Common, kw_only=True):
+    prompt: str | list[Any]
+
+
+class _Chat(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
 
+
+CompletionBody = _with_unsupported("CompletionBody", _Completion, UNSUPPORTED_COMPLETION)
+ChatBody = _with_unsupported("ChatBody", _Chat, UNSUPPORTED_CHAT)
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -118,8 +207,24 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     stream: bool = False
     include_usage: bool = False
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """What goes on the bus; :class:`ApiError` (400) when a value is out of bounds."""
+        s = SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+        )
+        bad = s.problem()
+        if bad is not None:
+            name = "max_completion_tokens" if bad[0] == "max_tokens" and self.chat else bad[0]
+            raise ApiError(400, bad[1], param=name)
+        return s
 
 
 def _decode(data: bytes, decoder: msgspec.json.Decoder) -> Any:
@@ -133,26 +238,59 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
 
-def _common(body: _Common, parsed: ParsedRequest, vocab_size: int) -> None:
+def _unsupported(body: Any, names: dict[str, Neutral]) -> None:
+    for name, neutral in names.items():
+        if not neutral(getattr(body, name)):
+            raise ApiError(
+                400, f"`{name}` is not supported by this server: leave it out or send null",
+                param=name, code="unsupported_parameter",
+            )
+
+
+def _penalty(name: str, v: float | None) -> None:
+    if v is None:
+        return
+    if not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+        raise ApiError(400, f"{name} must be in [-2, 2], got {v}", param=name)
+    if v != 0:
+        raise ApiError(400, f"{name} other than 0 is not supported by this server", param=name,
+                       code="unsupported_parameter")
+
+
+def _common(body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[str, Neutral]) -> None:
+    _unsupported(body, names)
     if body.n is not None and body.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
+    _penalty("presence_penalty", body.presence_penalty)
+    _penalty("frequency_penalty", body.frequency_penalty)
     if body.temperature is not None:
-        if not 0.0 <= body.temperature <= 2.0:
-            raise ApiError(400, "temperature must be between 0 and 2", param="temperature")
         parsed.temperature = body.temperature
     if body.top_p is not None:
-        if not 0.0 < body.top_p <= 1.0:
-            raise ApiError(400, "top_p must be in (0, 1]", param="top_p")
         parsed.top_p = body.top_p
-    parsed.seed = body.seed
+    if body.top_k is not None:
+        parsed.top_k = body.top_k
+    if body.min_p is not None:
+        parsed.min_p = body.min_p
+    if body.repetition_penalty is not None:
+        parsed.repetition_penalty = body.repetition_penalty
+    parsed.seed = None if body.seed == -1 else body.seed  # vLLM: -1 is "no seed"
     if body.stop is not None:
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
-        parsed.stop = [s for s in stops if s]
-    for t in body.stop_token_ids or ():
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+        if not all(stops):
+            raise ApiError(400, "stop cannot contain an empty string", param="stop")
+        parsed.stop = list(stops)
+    ids = body.stop_token_ids or ()
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed",
+                       param="stop_token_ids")
+    for t in ids:
         if not 0 <= t < vocab_size:
             raise ApiError(400, f"stop token id {t} is out of range", param="stop_token_ids")
-    parsed.stop_token_ids = list(body.stop_token_ids or ())
+    parsed.stop_token_ids = list(ids)
     parsed.ignore_eos = bool(body.ignore_eos)
+    parsed.sampling(1)  # the bounds of every sampling value (max_tokens: the server's)
     parsed.stream = bool(body.stream)
     if body.stream_options is not None:
         if not parsed.stream:
@@ -167,11 +305,13 @@ def _is_ids(x: Any) -> bool:
 def parse_completion(data: bytes, vocab_size: int) -> ParsedRequest:
     body: CompletionBody = _decode(data, _completion_decoder)
     parsed = ParsedRequest(chat=False, model=body.model, max_tokens=body.max_tokens)
-    _common(body, parsed, vocab_size)
+    _common(body, parsed, vocab_size, UNSUPPORTED_COMPLETION)
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not _is_ids(prompt):
         prompt = prompt[0]  # ["text"] or [[1, 2, 3]]
     if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
         parsed.prompt_text = prompt
     elif _is_ids(prompt) and prompt:
         bad = next((i for i in prompt if not 0 <= i < vocab_size), None)
@@ -192,7 +332,7 @@ def parse_chat(data: bytes, vocab_size: int) -> ParsedRequest:
     body: ChatBody = _decode(data, _chat_decoder)
     mx = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     parsed = ParsedRequest(chat=True, model=body.model, max_tokens=mx)
-    _common(body, parsed, vocab_size)
+    _common(body, parsed, vocab_size, UNSUPPORTED_CHAT)
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
     msgs = []

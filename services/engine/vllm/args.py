@@ -38,10 +38,11 @@ def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_m
 
 
 def sampling_params(s: SamplingParams, max_tokens: int, key: str | None,
-                    eos_token_id: int | None) -> Any:
+                    eos_token_id: int | None, vocab_size: int) -> Any:
     """Greedy when temperature is 0; tokens come back as deltas. The tokenizer is not
     loaded (prompts are token ids), so EOS is a stop token id unless ``ignore_eos``.
-    ``key`` names the request's plan for the connector."""
+    ``key`` names the request's plan for the connector. A ``top_k`` above the
+    vocabulary keeps every token, as the vocabulary size does."""
     from vllm import SamplingParams as VllmSampling
     from vllm.sampling_params import RequestOutputKind
 
@@ -51,6 +52,7 @@ def sampling_params(s: SamplingParams, max_tokens: int, key: str | None,
     extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
     return VllmSampling(
         n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max_tokens,
+        top_k=min(s.top_k, vocab_size), min_p=s.min_p, repetition_penalty=s.repetition_penalty,
         stop_token_ids=stop, ignore_eos=True, detokenize=False,
         output_kind=RequestOutputKind.DELTA, extra_args=extra,
     )

@@ -192,6 +192,7 @@ class VllmEngine(Engine):
         slots = self._slots(job.kv, n)
         if rid in self._active:
             raise EngineError(f"request {rid} is already running")
+        params = self._request_params(prompt, job.sampling, 1, rid)
         loop = self._loop
         on_layer: Callable[[int], Any] | None = None
         if job.on_layer is not None:
@@ -205,7 +206,7 @@ class VllmEngine(Engine):
         fut = loop.create_future()
         self.bridge.add(plan)
         self._active[rid] = _Active("prefill", fut=fut)
-        self._cmds.put(("add", rid, prompt, self._sampling(job.sampling, 1, rid)))
+        self._cmds.put(("add", rid, prompt, params))
         try:
             return await fut
         except asyncio.CancelledError:
@@ -248,6 +249,7 @@ class VllmEngine(Engine):
         if rid in self._active:
             raise EngineError(f"request {rid} is already decoding")
         slots = self._slots(job.kv, n)
+        params = self._request_params(prompt, job.sampling, max(job.sampling.max_tokens - 1, 1), rid)
         stream = RequestStream(rid)
         reason = self._first_token_finish(job.sampling, first, n + 1)
         if reason is not None:
@@ -262,8 +264,7 @@ class VllmEngine(Engine):
 
         self.bridge.add(Plan(key=rid, slots=slots, load_tokens=n, on_loaded=on_loaded))
         self._active[rid] = a
-        self._cmds.put(("add", rid, [*prompt, first],
-                        self._sampling(job.sampling, job.sampling.max_tokens - 1, rid)))
+        self._cmds.put(("add", rid, [*prompt, first], params))
         try:
             await loaded
         except asyncio.CancelledError:
@@ -272,7 +273,25 @@ class VllmEngine(Engine):
         return stream
 
     def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
-        return sampling_params(s, max_tokens, key, self.spec.eos_token_id)
+        return sampling_params(s, max_tokens, key, self.spec.eos_token_id, self.spec.vocab_size)
+
+    def _request_params(self, prompt: list[int], s: SamplingParams, max_tokens: int,
+                        key: str) -> Any:
+        """vLLM's SamplingParams for one request, or :class:`EngineError`: a value that
+        would fail inside ``step()`` (a token id off the embedding table, a seed beyond
+        64 bits) takes the whole engine down, so nothing reaches it unchecked, whoever
+        sent the task."""
+        v = self.spec.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < v), None)
+        if bad is not None:
+            raise EngineError(f"prompt token id {bad} is outside the vocabulary [0, {v})")
+        problem = s.problem()
+        if problem is not None:
+            raise EngineError(f"bad sampling parameters: {problem[1]}")
+        try:
+            return self._sampling(s, max_tokens, key)
+        except Exception as e:  # noqa: BLE001 - vLLM's own checks: this request only
+            raise EngineError(f"vLLM refused the sampling parameters: {e}") from None
 
     def _first_token_finish(self, s: SamplingParams, token: int, context: int) -> str | None:
         if token in s.stop_token_ids or (not s.ignore_eos and token == self.spec.eos_token_id):
