@@ -133,6 +133,11 @@ REQUEST_ERRORS = Counter(P + "request_errors", "Requests answered with an HTTP e
                          [*M, "status"], registry=None)
 IN_FLIGHT = Gauge(P + "gateway_requests_in_flight", "Requests the gateway is serving now.",
                   registry=None)
+MAX_INFLIGHT = Gauge(P + "gateway_max_requests_in_flight",
+                     "The gateway's cap on requests served at once (--max-inflight).", registry=None)
+INFLIGHT_REJECTIONS = Counter(P + "gateway_requests_over_inflight_cap",
+                              "Requests the gateway answered 429 because it was at its cap.",
+                              registry=None)
 
 # ------------------------------------------------------------------ admission / conductor
 REJECTIONS = Counter(P + "requests_rejected",
@@ -183,7 +188,7 @@ SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
 GROUPS: dict[str, list[Any]] = {
     "gateway": [TTFT, ITL, TPOT, E2E, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
                 REQUEST_MAX_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
-                REQUEST_ERRORS, IN_FLIGHT],
+                REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
     "admission": [REJECTIONS, ADMITTED],
     "conductor": [REJECTIONS, SCHEDULING_TIME],
     "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME],

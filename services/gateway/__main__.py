@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: config.json")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--max-inflight", type=int, default=GatewayConfig.max_inflight,
+                    help="generation requests served at once; the next gets 429 + Retry-After")
     ap.add_argument("--request-timeout", type=float, default=120.0,
                     help="seconds without any event before a request fails with 504")
     ap.add_argument("--dead-after", type=float, default=2.0,
@@ -54,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_tokens_limit=args.max_tokens_limit,
         max_model_len=args.max_model_len,
         max_body_bytes=args.max_body_bytes,
+        max_inflight=args.max_inflight,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
         gateway_id=args.gateway_id,

@@ -2,8 +2,9 @@
 
 Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
 
+    ADMIT     at most --max-inflight requests at once, the rest   (429 + Retry-After)
     READ      body, at most --max-body-bytes                    (413)
-    PARSE     OpenAI body -> ParsedRequest, model name           (400 / 404)
+    PARSE     OpenAI body -> ParsedRequest, model name, sampling bounds (400 / 404)
     TOKENIZE  prompt -> ids (off the event loop when long); limits (400)
     PUBLISH   GenerateRequest on perigee.requests, reply = perigee.gw.<gateway>.<rid>;
               the reply queue is open before the publish
@@ -53,6 +54,7 @@ from tracing import tracer
 
 log = structlog.get_logger()
 OFFLOOP_CHARS = 4096  # tokenize longer prompts in a thread (the Rust encoder drops the GIL)
+LISTEN_BACKLOG = 4096  # a burst of clients connecting at once waits in the kernel, not in SYN retries
 
 
 @dataclass
@@ -72,6 +74,9 @@ class GatewayConfig:
     sweep_interval_s: float | None = None  # None: derived; 0: no sweeper (tests sweep by hand)
     gateway_id: str = ""
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # Generation requests handled at once (body read to last byte); the next gets 429.
+    # Each holds a socket, a reply queue and its detokenizer: this bounds the memory.
+    max_inflight: int = 1024
 
 
 class Gateway:
@@ -93,8 +98,12 @@ class Gateway:
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
         self._bg: set[asyncio.Task] = set()
+        if cfg.max_inflight < 1:
+            raise ValueError("max_inflight must be at least 1")
+        self.inflight = 0  # generation requests between arrival and their response's end
         metrics.setup("gateway", span_metrics=False)
-        metrics.IN_FLIGHT.set_function(lambda: self.router.in_flight)
+        metrics.IN_FLIGHT.set_function(lambda: self.inflight)
+        metrics.MAX_INFLIGHT.set(cfg.max_inflight)
         model = cfg.served_model_name
         self.app = web.Application(
             client_max_size=cfg.max_body_bytes + 1,
@@ -121,7 +130,7 @@ class Gateway:
         await self.router.start(interval)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=LISTEN_BACKLOG)
         await site.start()
         self.port = self._runner.addresses[0][1]
         log.info("gateway_started", host=self.cfg.host, port=self.port, gateway_id=self.gateway_id)
@@ -238,6 +247,20 @@ class Gateway:
         return mt
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.inflight >= self.cfg.max_inflight:
+            metrics.INFLIGHT_REJECTIONS.inc()
+            telemetry.rejected(self.cfg.served_model_name, 429)
+            return error_response(ApiError(
+                429, f"the gateway is serving its limit of {self.cfg.max_inflight} requests; "
+                "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"},
+            ))
+        self.inflight += 1
+        try:
+            return await self._admitted(request, chat)
+        finally:
+            self.inflight -= 1
+
+    async def _admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
         try:
             data = await self._read_body(request)
@@ -246,6 +269,7 @@ class Gateway:
                 raise ApiError(404, f"the model `{p.model}` does not exist", param="model", code="model_not_found")
             ids = await self._tokenize(p)
             max_tokens = self._max_tokens(p, len(ids))
+            sampling = p.sampling(max_tokens)
         except ApiError as e:
             telemetry.rejected(self.cfg.served_model_name, e.status)
             log.info("request_rejected", status=e.status, error=e.message, param=e.param)
@@ -262,22 +286,19 @@ class Gateway:
         ):
             out = Outcome(prompt_tokens=len(ids), max_tokens=max_tokens)
             try:
-                return await self._run(request, p, ids, max_tokens, rid, out, t0)
+                return await self._run(request, p, ids, sampling, rid, out, t0)
             finally:
                 telemetry.finish(span, out, t0, self.cfg.served_model_name)
 
     async def _run(
-        self, request: web.Request, p: ParsedRequest, ids: list[int], max_tokens: int,
+        self, request: web.Request, p: ParsedRequest, ids: list[int], sampling: SamplingParams,
         rid: str, out: Outcome, t0: float,
     ) -> web.StreamResponse:
         bs = self.cfg.block_size
         gen = GenerateRequest(
             request_id=rid,
             prompt_token_ids=ids,
-            sampling=SamplingParams(
-                max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
-                stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-            ),
+            sampling=sampling,
             block_size=bs,
             block_hashes=block_hashes(ids, bs),
             model=self.cfg.served_model_name,
