@@ -23,7 +23,8 @@ prefill                num_requests_waiting, num_requests_running, prefill_queue
                        prefix_cache_queries, prefix_cache_hits, prefix_cache_remote_hits
                        (tokens); prefill_<counter>; request_queue_time_seconds,
                        request_prefix_load_time_seconds, request_prefill_time_seconds,
-                       kv_transfer_time_seconds (spans)
+                       kv_transfer_time_seconds (spans);
+                       prefill_time_predicted_over_measured (calibration)
 decode                 num_requests_running, num_requests_waiting, decode_kv_tokens,
                        decode_step_time_seconds; decode_<counter>;
                        request_decode_load_time_seconds, request_decode_time_seconds
@@ -170,6 +171,14 @@ DECODE_TIME = _stage("request_decode_time_seconds",
 STORE_TRANSFER_TIME = _stage("store_transfer_time_seconds",
                              "Data-plane operations of a store (spans store.*).", ["op"])
 
+# Online calibration (services.common.calibrator): the instance's fit at the start of a
+# prefill's compute over the compute's measured time; 1.0 is a perfect prediction.
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.11, 1.25, 1.5, 2.0, 4.0)
+PREFILL_PREDICTED_OVER_MEASURED = Histogram(
+    P + "prefill_time_predicted_over_measured",
+    "Prefill compute time predicted by the instance's own online fit over the measured time.",
+    buckets=RATIO_BUCKETS, registry=None)
+
 # span name -> (histogram, labels)
 SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
     "conductor.place": (SCHEDULING_TIME, {}),
@@ -191,7 +200,8 @@ GROUPS: dict[str, list[Any]] = {
                 REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
     "admission": [REJECTIONS, ADMITTED],
     "conductor": [REJECTIONS, SCHEDULING_TIME],
-    "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME],
+    "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
+                PREFILL_PREDICTED_OVER_MEASURED],
     "decode": [DECODE_LOAD_TIME, DECODE_TIME],
     "store": [STORE_TRANSFER_TIME],
 }

@@ -43,6 +43,7 @@ class WorkerSettings:
     layout: KVLayout
     cost: CostModel
     report_interval: float = 0.1
+    calibrator: object = None  # the instance's Calibrator, kept across role switches
     commit_timeout: float = 2.0
     admit: Callable | None = None  # DecodeWorker's admit hook (baseline TBT gate)
     drain_quiet_s: float = 0.5
@@ -96,6 +97,7 @@ class RoleHost:
         try:
             while True:
                 self.worker = make_worker(self.role, self.nc, self.store, self.engine, self.settings)
+                self.worker.calibrator = self.settings.calibrator
                 await self.worker.start()
                 self.serving.set()
                 log.info("role_serving", role=self.role, switches=self.switches)
@@ -121,7 +123,7 @@ class RoleHost:
 
 
 async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLayout,
-                         cost: CostModel, stop: asyncio.Event) -> int:
+                         cost: CostModel, stop: asyncio.Event, calibrator: object = None) -> int:
     """The ``--switchable`` path of the prefill and decode entry points."""
     admit = None
     if getattr(args, "tbt_gate_slo", 0.0) > 0:
@@ -134,6 +136,7 @@ async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLay
         report_interval=args.report_interval,
         commit_timeout=getattr(args, "commit_timeout", 2.0), admit=admit,
     )
+    settings.calibrator = calibrator
     return await RoleHost(nc, store, engine, role, settings).run(stop)
 
 

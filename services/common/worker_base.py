@@ -31,6 +31,9 @@ REMEMBER_CANCELLED = 10_000
 class WorkerBase:
     role = ""  # "prefill" | "decode"
     cancelled_counter = "tasks_cancelled"  # counts tasks dropped because of a cancel
+    # The instance's services.common.calibrator.Calibrator (set by whoever runs the
+    # worker): load reports then carry its fit and fresh measurements.
+    calibrator: Any = None
 
     def __init__(self, nc: NATS, *, instance: str, node: str, report_interval: float) -> None:
         self.nc = nc
@@ -127,7 +130,10 @@ class WorkerBase:
         while not self.dead.is_set():
             if not self.draining:
                 try:
-                    await bus.publish(self.nc, subject, self.load_report())
+                    report = self.load_report()
+                    if self.calibrator is not None:
+                        report = self.calibrator.annotate(report)
+                    await bus.publish(self.nc, subject, report)
                 except Exception as e:  # noqa: BLE001 - keep reporting through reconnects
                     log.warning("load_report_failed", error=str(e))
             await asyncio.sleep(self.report_interval)

@@ -10,10 +10,12 @@ from typing import Any
 import structlog
 
 from services.common import bus, metrics
+from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
+from services.common.warmup import calibrate
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
 from services.store.client import StoreClient, TransferError
@@ -36,6 +38,12 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--speedup", type=float, default=1.0,
                    help="divide cost-model times by this (inf: no compute time)")
     p.add_argument("--report-interval", type=float, default=0.1, help="seconds between load reports")
+    p.add_argument("--engine-speedup", type=float, default=0.0,
+                   help="mock engine: run at this speedup instead of --speedup (a machine "
+                        "slower or faster than the services assume; 0: --speedup)")
+    p.add_argument("--calibration-warmup", type=int, default=-1,
+                   help="prefills (and decode requests) the calibration warm-up runs before "
+                        "the first load report (-1: 6, or 3 when a fit is kept on disk)")
     p.add_argument("--max-batch", type=int, default=128,
                    help="decode running batch limit (a prefill instance uses it if switched)")
     p.add_argument("--switchable", action="store_true",
@@ -61,9 +69,13 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
     spec = ModelSpec.from_dir(args.model_dir)
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)
+    engine_speedup = args.engine_speedup or args.speedup
+    calib = calibration.for_worker(args.engine, args.model_dir or DEFAULT_MODEL_DIR, spec.name,
+                                   cost, engine_speedup)
     try:
         engine = make_engine(
-            args.engine, spec, cost, max_batch=args.max_batch, role=role, layout=layout,
+            args.engine, spec, cost.with_speedup(engine_speedup), max_batch=args.max_batch,
+            role=role, layout=layout,
             vllm=vllm_options.from_args(args, str(args.model_dir or DEFAULT_MODEL_DIR)),
         )
     except NotImplementedError as e:
@@ -88,13 +100,24 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
         return 2
     await engine.start()
     roles = (role, OTHER[role]) if args.switchable else (role,)
+    engine.on_decode_step = calib.decode_step
     mserver = await metrics.start_from_args(args, roles, metrics.worker_collector())
     try:
+        warm = args.calibration_warmup
+        if warm < 0:
+            warm = 3 if calib.fit.prior is not cost else 6
+        # Before the first load report, so the gateway's /ready waits for it.
+        if not await calibrate(engine, layout, calib, roles, warm, stop):
+            return 0
+        calib.save()
+        cost = calib.model()
         if args.switchable:
             from services.common.role_host import run_switchable
 
-            return await run_switchable(nc, store, engine, role, args, layout, cost, stop)
+            return await run_switchable(nc, store, engine, role, args, layout, cost, stop,
+                                        calibrator=calib)
         worker = make_worker(args, nc, store, engine, layout, cost)
+        worker.calibrator = calib
         await worker.start()
         dead = asyncio.ensure_future(worker.dead.wait())
         stopped = asyncio.ensure_future(stop.wait())
@@ -105,6 +128,7 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
         await worker.close()
         return 1 if worker.dead.is_set() else 0
     finally:
+        calib.save()
         await engine.stop()
         if mserver is not None:
             await mserver.close()

@@ -204,6 +204,9 @@ class Engine(ABC):
 
     spec: ModelSpec
     max_batch: int
+    # Called (on the event loop) after every decode step with (running batch size,
+    # context tokens of the batch, seconds the step took): online calibration.
+    on_decode_step: Callable[[int, int, float], None] | None = None
 
     @abstractmethod
     async def start(self) -> None:

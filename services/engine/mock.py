@@ -251,7 +251,8 @@ class MockEngine(Engine):
                     await self._wake.wait()
                     continue
                 batch = list(self._running)
-                step = self.cost.decode_step_time(len(batch), sum(r.context for r in batch))
+                context = sum(r.context for r in batch)
+                step = self.cost.decode_step_time(len(batch), context)
                 # Back-to-back steps are paced from the previous deadline, so the token
                 # bookkeeping between them is inside the step time, not added to it.
                 t0 = self._now()
@@ -260,6 +261,8 @@ class MockEngine(Engine):
                 last_deadline = t0 + step
                 await self._pace(step, last_deadline)
                 self.steps += 1
+                if self.on_decode_step is not None:
+                    self.on_decode_step(len(batch), context, self._now() - t0)
                 for req in batch:
                     if self._by_id.get(req.job.request_id) is not req:
                         continue  # aborted during the step

@@ -94,6 +94,14 @@ class PrefillQueue:
         self._waiting[rid] = item
         return item
 
+    def reprice(self, cost: CostModel) -> None:
+        """Price queued work with ``cost`` from now on, what is already queued included
+        (the instance's calibration moved)."""
+        self.cost = cost
+        items = list(self._waiting.values()) + ([self.running] if self.running else [])
+        for i in items:
+            i.work_s = cost.prefill_time(i.prompt_tokens, i.prefix_tokens)
+
     def pop(self) -> QueuedPrefill | None:
         """Start the oldest waiting task (only when none is running)."""
         if self.running is not None or not self._waiting:

@@ -368,7 +368,7 @@ class PrefillWorker(WorkerBase):
             with tracer().start_as_current_span(
                 "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
-                done.first = await self.engine.prefill(job)
+                done.first = await self._compute(job, n, p)
             done.first_ts = time.time()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
@@ -413,6 +413,19 @@ class PrefillWorker(WorkerBase):
                   first_token=first)
 
     # -- helpers --
+    async def _compute(self, job: PrefillJob, n: int, p: int) -> int:
+        """``engine.prefill``, measured for this instance's calibration: the fit before
+        the compute is the prediction, the queue is repriced with the fit after it."""
+        calib = self.calibrator
+        if calib is None:
+            return await self.engine.prefill(job)
+        predicted = calib.model().prefill_time(n, p)
+        t0 = time.perf_counter()
+        first = await self.engine.prefill(job)
+        calib.prefill(n, p, time.perf_counter() - t0, predicted)
+        self.queue.reprice(calib.model())
+        return first
+
     def _validate(self, task: PrefillTask) -> None:
         req, bs = task.request, self.layout.block_size
         n = len(req.prompt_token_ids)

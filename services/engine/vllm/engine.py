@@ -394,6 +394,8 @@ class VllmEngine(Engine):
 
     def _after_step(self, engine: Any, outs: list, dt: float) -> None:
         self.counters["vllm_steps"] += 1
+        if self.on_decode_step is not None:
+            self._post(self._on_step, dt)  # before the outputs: the batch as it stepped
         if self.role == "decode":
             ema = self._step_ema
             self._step_ema = dt if not ema else (1 - STEP_EMA) * ema + STEP_EMA * dt
@@ -448,6 +450,12 @@ class VllmEngine(Engine):
             a.tokens += toks
             if finished:
                 _settle(a.fut, a.tokens)
+
+    def _on_step(self, dt: float) -> None:
+        running = [a for a in self._active.values()
+                   if a.kind == "decode" and a.loaded is not None and a.loaded.done()]
+        if running and self.on_decode_step is not None:
+            self.on_decode_step(len(running), sum(a.context for a in running), dt)
 
     def _on_aborted(self, rid: str, done: asyncio.Future | None) -> None:
         a = self._active.pop(rid, None)
