@@ -2,7 +2,10 @@
 
 Pure: an injected :class:`Clock` and :class:`CostModel`, no I/O. The admission service
 feeds load reports and asks :meth:`AdmissionPolicy.decide`; the simulator drives the
-same classes.
+same classes. ``cost(i)`` below is instance i's own fitted model from the
+:class:`~services.common.calibration.CalibrationBook` (the fit its load reports carry;
+the prior ``cost`` until then, or always with a fixed book: ``--cost-model``), and a
+prefill instance's ``queued_work_s`` is already in its own measured seconds.
 
 Modes (``make_admission_policy(name, ...)``):
 
@@ -16,7 +19,7 @@ Modes (``make_admission_policy(name, ...)``):
 
       prefill load = min over live prefill i of  queued_work_s(i) / TTFT_SLO
       decode load  = min over live decode d of
-                     cost.decode_tbt(batch(d) + waiting(d) + 1, kv_tokens(d) + n, max_batch(d)) / TBT_SLO
+                     cost(d).decode_tbt(batch(d) + waiting(d) + 1, kv_tokens(d) + n, max_batch(d)) / TBT_SLO
       accept  iff  max(prefill load, decode load) <= max_load     (default 1.0)
 
   A role with no live instance rejects with 503.
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
 from services.admission.time_index import TimeIndex
+from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.liveness import Liveness
@@ -79,9 +83,11 @@ class AdmissionPolicy(ABC):
         dead_after_s: float = 2.0,
         max_load: float = 1.0,
         min_retry_after_s: float = 1.0,
+        book: CalibrationBook | None = None,
     ) -> None:
         self.clock = clock
         self.cost = cost
+        self.book = book if book is not None else CalibrationBook(cost)
         self.ttft_slo_s = ttft_slo_s
         self.tbt_slo_s = tbt_slo_s
         self.max_load = max_load
@@ -93,10 +99,12 @@ class AdmissionPolicy(ABC):
     def observe_prefill(self, load: PrefillLoad) -> None:
         self.prefill[load.instance] = load
         self._liveness.seen("prefill:" + load.instance)
+        self.book.observe_fit(load.instance, load.fit)
 
     def observe_decode(self, load: DecodeLoad) -> None:
         self.decode[load.instance] = load
         self._liveness.seen("decode:" + load.instance)
+        self.book.observe_fit(load.instance, load.fit)
 
     def forget_instance(self, role: str, instance: str) -> None:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
@@ -136,7 +144,7 @@ class AdmissionPolicy(ABC):
         slo = self.tbt_slo(req)
         return min(
             _over(
-                self.cost.decode_tbt(
+                self.book.cost(d.instance).decode_tbt(
                     d.batch_size + d.waiting + 1, d.kv_tokens + req.num_tokens, d.max_batch
                 ),
                 slo,
@@ -199,8 +207,8 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
     ``wait_i = queued_work_s(i) + sum(work of admitted requests accepted after i's last
     report, + report_grace_s) / #live prefill``; ``wait = min_i wait_i``; prefill load =
     ``wait / TTFT_SLO``. The request's prefill completes at
-    ``t = now + wait + cost.prefill_time(n)`` (no prefix credit: admission has no cache
-    view).
+    ``t = now + min_i (wait_i + cost(i).prefill_time(n))`` (no prefix credit: admission
+    has no cache view), and that instance's ``cost(i).prefill_time(n)`` is its work.
 
     Decode side, at ``t`` (horizon ``h = t - now``):
 
@@ -213,7 +221,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
       ``max(0, 1 - h / t_d)`` of them, and of their share of kv_tokens, is still there;
     - this request joins (+1, +n tokens);
     - spread evenly over the D live decode instances, each sees
-      ``cost.decode_tbt(batch / D, tokens / D, max_batch)`` (past its ``max_batch`` the
+      ``cost(d).decode_tbt(batch / D, tokens / D, max_batch)`` (past its ``max_batch`` the
       sequences take turns, as placement and Early Rejection count them); decode load =
       the mean of that over the instances / TBT_SLO.
 
@@ -322,11 +330,24 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         share = 1.0 / len(live)
         return min(p.queued_work_s + self._unseen.get(p.instance, 0.0) * share for p in live)
 
-    def prefill_done_at(self, req: AdmissionRequest) -> float | None:
-        wait = self.prefill_wait()
-        if wait is None:
+    def _prefill_plan(self, req: AdmissionRequest) -> tuple[float, float] | None:
+        """(queueing, prefill work) on the live prefill instance that would finish the
+        request first, each instance at its own cost (None: no instance)."""
+        live = self.live_prefill()
+        if not live:
             return None
-        return self.clock.now() + wait + self.cost.prefill_time(req.num_tokens)
+        share = 1.0 / len(live)
+        return min(
+            ((p.queued_work_s + self._unseen.get(p.instance, 0.0) * share,
+              self.book.cost(p.instance).prefill_time(req.num_tokens)) for p in live),
+            key=lambda plan: plan[0] + plan[1],
+        )
+
+    def prefill_done_at(self, req: AdmissionRequest) -> float | None:
+        plan = self._prefill_plan(req)
+        if plan is None:
+            return None
+        return self.clock.now() + plan[0] + plan[1]
 
     def _in_decode(self, at: float) -> tuple[int, int]:
         """(requests, tokens) of the admitted with ``f <= at < f + t_d``."""
@@ -366,9 +387,8 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             return None
         batch, ctx = self.predicted_decode(at, req.num_tokens)
         n = len(live)
-        caps = {d.max_batch for d in live}
-        tbts = {m: self.cost.decode_tbt(batch / n, ctx / n, m) for m in caps}
-        tbt = tbts.popitem()[1] if len(caps) == 1 else sum(tbts[d.max_batch] for d in live) / n
+        tbt = sum(self.book.cost(d.instance).decode_tbt(batch / n, ctx / n, d.max_batch)
+                  for d in live) / n
         return _over(tbt, self.tbt_slo(req))
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
@@ -376,14 +396,15 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         return super().decide(req)
 
     def on_accepted(self, req: AdmissionRequest) -> None:
-        at = self.prefill_done_at(req)
-        if at is None:
+        plan = self._prefill_plan(req)
+        if plan is None:
             return
+        now = self.clock.now()
         self._add(req.request_id, _Admitted(
-            accepted_at=self.clock.now(),
-            prefill_done_at=at,
+            accepted_at=now,
+            prefill_done_at=now + plan[0] + plan[1],
             tokens=req.num_tokens,
-            work_s=self.cost.prefill_time(req.num_tokens),
+            work_s=plan[1],
         ))
 
     def forget(self, request_id: str) -> None:

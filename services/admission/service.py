@@ -39,6 +39,7 @@ from services.admission.policy import (
     make_admission_policy,
 )
 from services.common import bus, metrics
+from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
@@ -72,10 +73,13 @@ class AdmissionService:
         self.cfg = cfg
         self.clock = clock or WallClock()
         extra = {"decode_time_s": cfg.decode_time_s} if cfg.policy == "predict" else {}
+        cost = cost or load_cost_model(cfg.cost_model, cfg.speedup)
         self.policy = policy or make_admission_policy(
             cfg.policy,
             self.clock,
-            cost or load_cost_model(cfg.cost_model, cfg.speedup),
+            cost,
+            # Each instance's own fit, from its load reports; a hand-given model is fixed.
+            book=CalibrationBook(cost, fixed=bool(cfg.cost_model)),
             ttft_slo_s=cfg.ttft_slo_s,
             tbt_slo_s=cfg.tbt_slo_s,
             dead_after_s=cfg.dead_after_s,

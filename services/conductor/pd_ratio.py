@@ -3,8 +3,11 @@ loads and moves capacity towards the heavier side. Pure: an injected :class:`Clo
 I/O. Live, the conductor (``--pd-controller``) turns its switches into RoleSwitch
 messages; the simulator resizes its pools by the deltas.
 
-Loads are in SLO units (§4.3.1): a prefill instance's ``queued_work_s / TTFT_SLO``, a
-decode instance's ``step_time_s / TBT_SLO``. Each :meth:`PDRatioController.plan`::
+Loads are in SLO units (§4.3.1): a prefill instance's ``queued_work_s / TTFT_SLO`` (in
+the instance's own measured seconds), a decode instance's TBT over ``TBT_SLO``: with
+a ``book``, the instance's own fitted ``decode_tbt(batch + waiting, kv_tokens,
+max_batch)`` once it reported a decode fit, else the ``step_time_s`` it reports. Each
+:meth:`PDRatioController.plan`::
 
     L_p, L_d = trimmed means of the samples of the last window_s (drop the top and
                bottom ``trim`` = 10% of each role's samples)
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
+from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 
 ROLES = ("prefill", "decode")
@@ -87,6 +91,7 @@ class PDRatioController:
     cooldown_s: float = 30.0
     min_samples: int = 10
     history: list[tuple[float, PDPlan]] = field(default_factory=list)
+    book: CalibrationBook | None = None  # per-instance fitted models (the conductor's)
 
     def __post_init__(self) -> None:
         if not (0 < self.low <= 1 <= self.high):
@@ -111,6 +116,11 @@ class PDRatioController:
 
     def observe_decode(self, load: DecodeLoad, tbt_slo_s: float) -> None:
         # A backlog past max_batch is load too: those sequences take turns with the batch.
+        if self.book is not None and self.book.calibrated(load.instance, "decode"):
+            tbt = self.book.cost(load.instance).decode_tbt(
+                load.batch_size + load.waiting, load.kv_tokens, load.max_batch)
+            self.observe("decode", load.instance, tbt / tbt_slo_s)
+            return
         rounds = math.ceil((load.batch_size + load.waiting) / load.max_batch) if load.max_batch else 1
         self.observe("decode", load.instance, load.step_time_s * max(rounds, 1) / tbt_slo_s)
 

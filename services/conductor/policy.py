@@ -3,6 +3,11 @@
 Pure: an injected :class:`Clock` and :class:`CostModel`, no I/O. The conductor
 service and the simulator drive the same :class:`PlacementPolicy`.
 
+Times are per instance: ``cost(i)`` is instance i's own fitted model from the
+:class:`~services.common.calibration.CalibrationBook` (fed from the fits the load
+reports carry), the prior ``cost`` until i reported one or when the book is fixed
+(a hand-given ``--cost-model``). Transfer times and KV sizes stay ``cost``'s.
+
 Per request and per live prefill instance ``i`` (on node ``node(i)``)::
 
     own    = prefix match of node(i) in blocks          (shadow index)
@@ -13,11 +18,11 @@ Per request and per live prefill instance ``i`` (on node ``node(i)``)::
         prefix = own;   T_transfer = 0
     T_queue   = queued_work_s of i's latest PrefillLoad + work this policy dispatched to i
                 that no report has covered yet
-    T_prefill = cost.prefill_time(n, min(prefix * B, n - 1))   (the last token is always computed)
+    T_prefill = cost(i).prefill_time(n, min(prefix * B, n - 1))   (the last token is always computed)
     TTFT(i)   = T_transfer + T_queue + T_prefill          -> choose argmin
 
 Decode: argmin over live decode instances of
-``cost.decode_tbt(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n, max_batch)``
+``cost(d).decode_tbt(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n, max_batch)``
 (past ``max_batch`` the sequences take turns, so a backlog counts as load).
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
@@ -64,6 +69,7 @@ from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode, GenerateRequest
+from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
@@ -183,10 +189,14 @@ class PlacementPolicy:
     adaptive: AdaptiveThreshold | None = None
     # False: never reject on the predicted TBT here (the paper's baseline).
     tbt_check: bool = True
+    # Per-instance fitted models (None: a book of this policy's own, fed by the reports).
+    book: CalibrationBook | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, not {self.strategy!r}")
+        if self.book is None:
+            self.book = CalibrationBook(self.cost)
         self._liveness = Liveness(self.clock, self.dead_after_s)
         self._prefill: dict[str, PrefillLoad] = {}
         self._decode: dict[str, DecodeLoad] = {}
@@ -207,6 +217,7 @@ class PlacementPolicy:
 
     def observe_prefill(self, load: PrefillLoad) -> None:
         self._prefill[load.instance] = load
+        self.book.observe_fit(load.instance, load.fit)
         self._liveness.seen("prefill:" + load.instance)
         for d in list(self._by_prefill.get(load.instance, {}).values()):
             if d.placed_at + self.report_grace_s <= load.ts:
@@ -214,6 +225,7 @@ class PlacementPolicy:
 
     def observe_decode(self, load: DecodeLoad) -> None:
         self._decode[load.instance] = load
+        self.book.observe_fit(load.instance, load.fit)
         self._liveness.seen("decode:" + load.instance)
         for d in list(self._by_decode.get(load.instance, {}).values()):
             if d.decode_since is not None and d.decode_since <= load.ts:
@@ -272,7 +284,7 @@ class PlacementPolicy:
         pending = self._by_decode.get(instance, {})
         batch = load.batch_size + load.waiting + len(pending) + 1
         ctx = load.kv_tokens + sum(d.tokens for d in pending.values()) + num_tokens
-        return self.cost.decode_tbt(batch, ctx, load.max_batch)
+        return self.book.cost(instance).decode_tbt(batch, ctx, load.max_batch)
 
     def dispatched(self) -> list[str]:
         return sorted(self._dispatches)
@@ -390,10 +402,11 @@ class PlacementPolicy:
         best_node: str | None,
     ) -> list[_Candidate]:
         """Algorithm 1 lines 4-13 for every instance. Instances whose nodes hold the same
-        prefix share one (prefix, transfer, prefill) evaluation."""
+        prefix share one (prefix, transfer) evaluation; the prefill time is each
+        instance's own."""
         inflight = self.inflight_bytes(best_node) if best_node is not None else 0.0
         threshold = self.threshold()
-        options: dict[int, tuple[int, RemoteSource | None, float, float]] = {}
+        options: dict[int, tuple[int, RemoteSource | None, float]] = {}
         out = []
         for instance in prefills:
             node = self._prefill[instance].node
@@ -412,9 +425,11 @@ class PlacementPolicy:
                     transfer_s = self.cost.transfer_time(
                         (best_len - own_len) * req.block_size, inflight
                     )
-                prefill_s = self.cost.prefill_time(req.num_tokens, _computed_prefix(req, prefix))
-                opt = options[own_len] = (prefix, remote, transfer_s, prefill_s)
-            prefix, remote, transfer_s, prefill_s = opt
+                opt = options[own_len] = (prefix, remote, transfer_s)
+            prefix, remote, transfer_s = opt
+            prefill_s = self.book.cost(instance).prefill_time(
+                req.num_tokens, _computed_prefix(req, prefix)
+            )
             out.append(
                 _Candidate(
                     instance=instance,

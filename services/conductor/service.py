@@ -50,6 +50,7 @@ from bus_schemas.placement import (
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
 from services.common import bus
+from services.common.calibration import CalibrationBook
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
@@ -121,6 +122,8 @@ class ConductorService:
         self.cfg = cfg
         self.clock = clock or UnixClock()
         self.cost = cost or load_cost_model(cfg.cost_model, cfg.speedup)
+        # Each instance's own fit, from its load reports; a hand-given model is fixed.
+        self.book = CalibrationBook(self.cost, fixed=bool(cfg.cost_model))
         adaptive = None
         if cfg.adaptive_threshold:
             adaptive = AdaptiveThreshold(
@@ -133,6 +136,7 @@ class ConductorService:
                 window_s=cfg.pd_window_s,
                 cooldown_s=cfg.pd_cooldown_s,
                 min_samples=cfg.pd_min_samples,
+                book=self.book,
             )
         self.policy = PlacementPolicy(
             self.clock,
@@ -145,6 +149,7 @@ class ConductorService:
             report_grace_s=cfg.report_grace_s,
             adaptive=adaptive,
             tbt_check=cfg.tbt_check,
+            book=self.book,
         )
         self.roles = RoleControl(
             nc,
