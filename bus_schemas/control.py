@@ -1,5 +1,5 @@
 """Store control over NATS request/reply (paper §5.3): TxAllocate / TxCommit / TxAbort,
-discovery, dumps, replication and role switches.
+lease renewal (:class:`TxRenew`), discovery, dumps, replication and role switches.
 
 The node's store is the authority on its blocks. A conductor asks it to lock the
 prefix blocks a request will reuse and to allocate slots for the rest
@@ -73,6 +73,22 @@ class TxDone(Msg, tag="done"):
 
 
 TxDoneReply = TxDone | Refused
+
+
+class TxRenew(Msg):
+    """Extend the leases of open transactions on one node: whoever holds a live
+    request's slots (the prefill worker from compute start, the decode worker until
+    its engine has the KV) renews them, so a request never fails because it waited."""
+
+    tx_ids: list[str]
+    lease_s: float
+    request_id: str = ""  # for the logs; one renewal may cover several requests
+
+
+class TxRenewed(Msg):
+    expires_at: float  # unix seconds, the new end of every lease named in ``renewed``
+    renewed: list[str]
+    unknown: list[str]  # not open here (committed, aborted, expired, or another epoch)
 
 
 class StoreInfo(Msg):

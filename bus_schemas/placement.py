@@ -1,14 +1,18 @@
 """Conductor -> prefill -> decode: the tasks that carry a placed request.
 
-A PrefillTask names both transactions: the prefill node's (prefix blocks locked,
-new blocks allocated) and the decode node's (a slot for every block the request
-has). Prefill writes new KV into its node's slots layer by layer and has its store
-ship each layer into the decode node's slots. The first token goes to the client as
+A PrefillTask names where the request runs (prefill and decode instance and node)
+and the prefix the conductor expects to reuse, but holds no store slots: a queued
+request reserves nothing. When its compute starts, the prefill instance opens the
+transactions itself (services.prefill.reserve): PREFILL on its node (the cached
+prefix locked, the rest allocated), DECODE on the decode node, SOURCE on the holder
+of a remote prefix (:class:`PrefixSource`), and renews their leases while it works.
+Prefill writes new KV into its node's slots layer by layer and has its store ship
+each layer into the decode node's slots. The first token goes to the client as
 soon as prefill has computed it (``stream_first_token``), while the KV is still on
 the wire, as the paper's TTFT (queue + prefill) assumes; once every layer is acked,
-prefill hands a DecodeTask with that token to the decode instance and sends
-FirstTokenNotice to the conductor, which commits the prefill transaction (its slots
-are no longer read). Decode streams from the second token on.
+prefill hands a DecodeTask (with the decode transaction) to the decode instance and
+sends FirstTokenNotice to the conductor, which commits the prefill and source
+transactions (their slots are no longer read). Decode streams from the second token on.
 """
 
 from bus_schemas._base import Msg
@@ -25,14 +29,27 @@ class RemotePrefix(Msg):
     num_blocks: int
 
 
+class PrefixSource(Msg):
+    """Where the conductor saw a longer prefix than the prefill node holds: the prefill
+    instance locks ``[0, first_block + num_blocks)`` there (SOURCE) and pulls what its
+    own node lacks."""
+
+    node: str
+    first_block: int
+    num_blocks: int
+
+
 class PrefillTask(Msg):
     request: GenerateRequest
     conductor_id: str
     prefill_instance: str
     decode_instance: str
-    prefill_tx: TxHandle
-    decode_tx: TxHandle
-    remote: RemotePrefix | None = None
+    prefill_node: str
+    decode_node: str
+    # Leading blocks the conductor expects on this node (its shadow index; the store's
+    # TxAllocate has the last word), for the queue's work estimate.
+    expected_hit_blocks: int = 0
+    source: PrefixSource | None = None
     placed_ts: float = 0.0
     # Conductor's own estimate, for the latency breakdown and the simulator's cross-check.
     est_ttft_s: float = 0.0
@@ -60,6 +77,8 @@ class FirstTokenNotice(Msg, tag="first_token"):
     prefill_tx_id: str
     ts: float  # the first token was computed (unix seconds)
     handoff_ts: float = 0.0  # the DecodeTask went out (0: same as ts)
+    source_node: str = ""  # a SOURCE transaction to commit too (hot-spot migration)
+    source_tx_id: str = ""
 
 
 class RequestFailed(Msg, tag="failed"):

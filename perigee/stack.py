@@ -69,11 +69,14 @@ class StackConfig:
     api_key: str = ""  # gateway API key(s), comma list (PERIGEE_API_KEY); "": open
     metrics: bool = True  # each service serves /metrics on a free port (metrics-targets.json)
     # --engine vllm: vLLM load format ("": auto if the model directory holds weights,
-    # else dummy), paged-cache blocks per engine (0: by role), and the conductor's
-    # transaction lease (0: its default, 2 * ttft_slo + 10 s).
+    # else dummy), paged-cache blocks per engine (0: by role); and the workers'
+    # store-transaction lease (0: their default; renewed while a request lives).
     load_format: str = ""
     kv_blocks: int = 0
     lease_s: float = 0.0
+    # Longest request (prompt + output), tokens: the gateway's limit and what each store
+    # must hold (0: the model's max_position_embeddings).
+    max_model_len: int = 0
 
 
 @dataclass
@@ -119,6 +122,10 @@ class Stack:
                     "--block-size", str(c.block_size), "--speedup", c.speedup,
                     "--report-interval", str(c.report_interval)]
             args += ["--max-batch", str(c.max_batch)]
+            if c.lease_s:
+                args += ["--lease", str(c.lease_s)]
+            if c.max_model_len:
+                args += ["--max-model-len", str(c.max_model_len)]
             if c.switchable:
                 args += ["--switchable"]
             if c.admission_policy == "baseline":  # decode rejects after prefill
@@ -138,8 +145,6 @@ class Stack:
                                        "--policy", c.admission_policy, *adm]))
         for i in range(c.conductors):
             args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
-            if c.lease_s:
-                args += ["--lease", str(c.lease_s)]
             if c.balancing_threshold:
                 args += ["--balancing-threshold", c.balancing_threshold]
             if c.admission_policy == "baseline":
@@ -149,7 +154,8 @@ class Stack:
             out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
         out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
             "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
-            "--dead-after", str(c.dead_after)]))
+            "--dead-after", str(c.dead_after)]
+            + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])))
         return out
 
     def observability(self, children: list[Child]) -> list[Child]:

@@ -20,6 +20,7 @@ ones are ignored. The instance id does not change with the role.
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -47,6 +48,8 @@ class WorkerSettings:
     commit_timeout: float = 2.0
     admit: Callable | None = None  # DecodeWorker's admit hook (baseline TBT gate)
     drain_quiet_s: float = 0.5
+    lease_s: float = 10.0  # store transactions this worker holds (renewed)
+    reserver: Any = None  # PrefillWorker's reservations (None: the stores' endpoints)
 
 
 def make_worker(role: str, nc: NATS, store, engine, s: WorkerSettings):
@@ -54,13 +57,15 @@ def make_worker(role: str, nc: NATS, store, engine, s: WorkerSettings):
         from services.prefill.worker import PrefillWorker
 
         return PrefillWorker(nc, store, engine, instance=s.instance, node=s.node,
-                             layout=s.layout, cost=s.cost, report_interval=s.report_interval)
+                             layout=s.layout, cost=s.cost, report_interval=s.report_interval,
+                             lease_s=s.lease_s, reserver=s.reserver)
     if role == "decode":
         from services.decode.worker import DecodeWorker
 
         return DecodeWorker(nc, store, engine, instance=s.instance, node=s.node,
                             layout=s.layout, report_interval=s.report_interval,
-                            commit_timeout=s.commit_timeout, admit=s.admit)
+                            commit_timeout=s.commit_timeout, admit=s.admit,
+                            lease_s=s.lease_s)
     raise ValueError(f"role must be one of {ROLES}, not {role!r}")
 
 
@@ -135,6 +140,7 @@ async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLay
         instance=args.instance, node=args.node, layout=layout, cost=cost,
         report_interval=args.report_interval,
         commit_timeout=getattr(args, "commit_timeout", 2.0), admit=admit,
+        lease_s=args.lease,
     )
     settings.calibrator = calibrator
     return await RoleHost(nc, store, engine, role, settings).run(stop)

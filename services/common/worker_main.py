@@ -12,6 +12,7 @@ import structlog
 from services.common import bus, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
+from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
@@ -54,10 +55,24 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
                         "this TBT SLO, s (the paper's baseline admission; 0: off)")
     p.add_argument("--store-timeout", type=float, default=30.0,
                    help="seconds to wait for the node's store at start")
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="lease of the store transactions this worker holds, s; renewed "
+                        "every third of it while the request lives")
     p.add_argument("--log-level", default="INFO")
     vllm_options.add_arguments(p)
     metrics.add_arguments(p)
     return p
+
+
+def store_too_small(capacity_blocks: int, max_model_len: int, block_size: int) -> str:
+    """Why a store of ``capacity_blocks`` cannot hold one maximum-length request ("" when
+    it can): such a store would refuse that request after it was accepted."""
+    need = num_blocks(max_model_len, block_size)
+    if capacity_blocks >= need:
+        return ""
+    return (f"the store has {capacity_blocks} blocks of {block_size} tokens but one "
+            f"request of max_model_len {max_model_len} tokens needs {need}: start the store "
+            f"with --capacity-blocks {need} or more")
 
 
 async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -> int:
@@ -95,6 +110,12 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
         log.error("store_layout_mismatch", store_block_size=info.block_size,
                   store_block_bytes=info.block_bytes, block_size=args.block_size,
                   block_bytes=layout.block_bytes)
+        await store.close()
+        await bus.drain(nc)
+        return 2
+    max_len = args.max_model_len or spec.max_model_len
+    if (short := store_too_small(info.capacity_blocks, max_len, args.block_size)):
+        log.error("store_too_small", node=args.node, detail=short)
         await store.close()
         await bus.drain(nc)
         return 2

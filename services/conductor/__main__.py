@@ -66,9 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
     )
-    ap.add_argument(
-        "--lease", type=float, default=0.0, help="transaction lease, s (0: 2*ttft_slo+10)"
-    )
     ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
     ap.add_argument(
         "--report-grace",
@@ -106,7 +103,6 @@ async def amain(args: argparse.Namespace) -> int:
         speedup=args.speedup,
         dead_after_s=args.dead_after,
         strategy=args.strategy,
-        lease_s=args.lease,
         tx_timeout_s=args.tx_timeout,
         report_grace_s=args.report_grace,
     )

@@ -5,16 +5,15 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
 
     SCHEDULE (queue group Q_CONDUCTOR, one task per request)
       -> PLACING      policy.place over the shadow index (shadow.py) and load reports
-      -> ALLOCATING   TxAllocate PREFILL on the prefill node, DECODE on the decode node,
-                      and SOURCE on the holder node when a remote prefix is pulled, in
-                      parallel; a Refused or silent store rolls back (TxAbort) what was
-                      granted and retries once without the failed instance/node, then
-                      answers Error 429 (capacity) or 503 (unavailable)
-      -> DISPATCHED   PrefillTask on prefill_tasks(instance); Accepted to the client
+      -> DISPATCHED   PrefillTask on prefill_tasks(instance) naming both instances and
+                      the expected prefix; Accepted to the client. No store slot is
+                      reserved yet: the prefill instance opens the transactions when
+                      its compute starts and renews their leases (services.prefill.reserve)
       -> COMMITTED    FirstTokenNotice (prefill, once its KV is on the decode node):
-                      TxCommit on the prefill store (and the SOURCE tx)
-       | ABORTED      RequestFailed: TxAbort on every transaction of the request
-       | EXPIRED      no news for the lease: stores roll back by lease; forgotten here
+                      TxCommit on the prefill store (and the SOURCE tx it names)
+       | ABORTED      RequestFailed: the worker aborted its transactions; TxAbort again
+                      on the named prefill tx (harmless when already gone)
+       | FORGOTTEN    no notice for ``forget_after_s``: dropped from the policy's books
 
 Rejections from the policy go to the client as Error 429 (with retry_after_s) or 503.
 Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
@@ -45,7 +44,7 @@ from bus_schemas.placement import (
     ConductorEvent,
     FirstTokenNotice,
     PrefillTask,
-    RemotePrefix,
+    PrefixSource,
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
@@ -54,12 +53,12 @@ from services.common.calibration import CalibrationBook
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
+from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.pd_ratio import PDRatioController
 from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
 from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
-from services.conductor.transactions import Allocation, StoreTx
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -82,7 +81,6 @@ class ConductorConfig:
     speedup: float = 1.0
     dead_after_s: float = 2.0
     strategy: str = "global"
-    lease_s: float = 0.0  # 0: 2 * ttft_slo_s + 10
     tx_timeout_s: float = 2.0
     discover_window_s: float = 0.5
     store_dead_after_s: float = 5.0
@@ -98,20 +96,10 @@ class ConductorConfig:
     pd_min_samples: int = 10
 
     @property
-    def effective_lease_s(self) -> float:
-        return self.lease_s or 2 * self.ttft_slo_s + 10.0
-
-
-@dataclass
-class _Pending:
-    reply: str
-    prefill_node: str
-    prefill_tx: str
-    decode_node: str
-    decode_tx: str
-    source_node: str | None
-    source_tx: str | None
-    placed_at: float
+    def forget_after_s(self) -> float:
+        """A placed request no worker has settled by then is dropped from the books
+        (its prefill instance died, or the notice was lost)."""
+        return 4 * self.ttft_slo_s + 30.0
 
 
 class ConductorService:
@@ -167,10 +155,8 @@ class ConductorService:
             store_dead_after_s=cfg.store_dead_after_s,
             request_timeout_s=cfg.tx_timeout_s,
         )
-        self.tx = StoreTx(
-            nc, block_size=cfg.block_size, lease_s=cfg.effective_lease_s, timeout_s=cfg.tx_timeout_s
-        )
-        self.pending: dict[str, _Pending] = {}
+        self.tx = StoreTx(nc, timeout_s=cfg.tx_timeout_s)
+        self.pending: dict[str, float] = {}  # request id -> placed at, until a notice settles it
 
     async def start(self) -> None:
         s = self.subs
@@ -257,123 +243,51 @@ class ConductorService:
             req = _with(req, block_hashes=compute_block_hashes(req.prompt_token_ids, bs))
         req = _with(req, block_size=bs, reply_subject=reply)
         preq = PlacementRequest.from_request(req, bs)
-        ex_p: set[str] = set()
-        ex_d: set[str] = set()
-        ex_s: set[str] = set()
         with tracer().start_as_current_span("conductor.place") as span:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
-            attempt = Allocation()
-            for round_ in range(2):
-                decision = self.policy.place(
-                    preq,
-                    self.shadow.match(preq.block_hashes),
-                    exclude_prefill=ex_p,
-                    exclude_decode=ex_d,
-                    exclude_sources=ex_s,
+            decision = self.policy.place(preq, self.shadow.match(preq.block_hashes))
+            if isinstance(decision, Rejection):
+                span.set_attribute("outcome", f"rejected_{int(decision.code)}")
+                span.set_attribute("reason", decision.reason)
+                log.info("rejected", code=int(decision.code), reason=decision.reason)
+                await self._error(
+                    req.request_id, reply, decision.code, decision.reason, decision.retry_after_s
                 )
-                if (
-                    isinstance(decision, Rejection)
-                    and round_ > 0
-                    and decision.code == ErrorCode.UNAVAILABLE
-                ):
-                    break  # nothing left once the failed instance is excluded: report the failure
-                if isinstance(decision, Rejection):
-                    span.set_attribute("outcome", f"rejected_{int(decision.code)}")
-                    span.set_attribute("reason", decision.reason)
-                    log.info("rejected", code=int(decision.code), reason=decision.reason)
-                    await self._error(
-                        req.request_id,
-                        reply,
-                        decision.code,
-                        decision.reason,
-                        decision.retry_after_s,
-                    )
-                    return
-                span.set_attribute("attempt", round_ + 1)
-                attempt = await self.tx.allocate(req, decision)
-                if attempt.ok:
-                    await self._dispatch(req, reply, decision, attempt, span)
-                    return
-                self.policy.release(req.request_id)
-                await self.tx.abort_all(req.request_id, attempt, "placement rolled back")
-                log.info(
-                    "allocation_failed",
-                    attempt=round_ + 1,
-                    refused=attempt.refused,
-                    failed=attempt.failed,
-                )
-                if attempt.broke("prefill"):
-                    ex_p.add(decision.prefill_instance)
-                if attempt.broke("decode"):
-                    ex_d.add(decision.decode_instance)
-                if decision.remote and attempt.broke("source"):
-                    ex_s.add(decision.remote.node)
-            capacity = "capacity" in attempt.refused.values()
-            code = ErrorCode.REJECTED if capacity else ErrorCode.UNAVAILABLE
-            detail = "; ".join(
-                f"{k}: {v}" for k, v in {**attempt.refused, **attempt.failed}.items()
-            )
-            span.set_attribute("outcome", f"alloc_failed_{int(code)}")
-            await self._error(
-                req.request_id, reply, code, f"no store could take the request ({detail})", 1.0
-            )
+                return
+            await self._dispatch(req, reply, decision, span)
 
-    async def _dispatch(
-        self, req: GenerateRequest, reply: str, p: Placement, att: Allocation, span
-    ) -> None:
+    async def _dispatch(self, req: GenerateRequest, reply: str, p: Placement, span) -> None:
+        """Hand the placement to the prefill instance; it reserves the store slots when
+        its compute starts, so nothing is held while the request waits in its queue."""
         bs = self.cfg.block_size
-        prefill_node, prefill_tx = att.handles["prefill"]
-        decode_node, decode_tx = att.handles["decode"]
-        hit = prefill_tx.hit_blocks
-        remote = None
-        source = att.handles.get("source")
-        if source is not None and p.remote is not None:
-            end = p.remote.first_block + p.remote.num_blocks
-            if hit < end:
-                remote = RemotePrefix(
-                    source_node=source[0],
-                    source_tx=source[1],
-                    first_block=hit,
-                    num_blocks=end - hit,
-                )
-            else:  # the prefill node already has it all: nothing to pull
-                await self.tx.abort(source[0], source[1].tx_id, req.request_id, "not needed")
-                source = None
-        prefix_blocks = remote.first_block + remote.num_blocks if remote else hit
+        r = p.remote
         task = PrefillTask(
             request=req,
             conductor_id=self.cfg.conductor_id,
             prefill_instance=p.prefill_instance,
             decode_instance=p.decode_instance,
-            prefill_tx=prefill_tx,
-            decode_tx=decode_tx,
-            remote=remote,
+            prefill_node=p.prefill_node,
+            decode_node=p.decode_node,
+            expected_hit_blocks=r.first_block if r else p.prefix_blocks,
+            source=PrefixSource(node=r.node, first_block=r.first_block, num_blocks=r.num_blocks)
+            if r
+            else None,
             placed_ts=time.time(),
             est_ttft_s=p.est_ttft_s,
             # The baseline (no TBT check here) may still reject at decode, after prefill:
             # then the first token must wait for decode to take the request.
             stream_first_token=self.cfg.tbt_check,
         )
-        self.pending[req.request_id] = _Pending(
-            reply=reply,
-            prefill_node=prefill_node,
-            prefill_tx=prefill_tx.tx_id,
-            decode_node=decode_node,
-            decode_tx=decode_tx.tx_id,
-            source_node=source[0] if source else None,
-            source_tx=source[1].tx_id if source else None,
-            placed_at=self.clock.now(),
-        )
+        self.pending[req.request_id] = self.clock.now()
         for k, v in {
             "outcome": "placed",
             "prefill_instance": p.prefill_instance,
             "decode_instance": p.decode_instance,
-            "prefix_tokens": prefix_blocks * bs,
             "predicted_prefix_tokens": p.prefix_tokens,
-            "remote_source": remote.source_node if remote else "",
-            "remote_blocks": remote.num_blocks if remote else 0,
+            "remote_source": r.node if r else "",
+            "remote_blocks": r.num_blocks if r else 0,
             "est_ttft_s": p.est_ttft_s,
             "est_queue_s": p.est_queue_s,
             "est_transfer_s": p.est_transfer_s,
@@ -388,27 +302,29 @@ class ConductorService:
                 request_id=req.request_id,
                 prefill_instance=p.prefill_instance,
                 decode_instance=p.decode_instance,
-                cached_tokens=min(prefix_blocks * bs, len(req.prompt_token_ids)),
+                cached_tokens=min(p.prefix_blocks * bs, len(req.prompt_token_ids)),
             ),
         )
         log.info(
             "placed",
             prefill=p.prefill_instance,
             decode=p.decode_instance,
-            prefix_tokens=prefix_blocks * bs,
-            remote=remote.source_node if remote else None,
+            prefix_tokens=p.prefix_tokens,
+            remote=r.node if r else None,
             est_ttft_s=round(p.est_ttft_s, 6),
         )
 
     # ------------------------------------------------------------ commit / abort
 
     async def _on_event(self, ev: ConductorEvent, _m: NatsMsg) -> None:
+        """Settle by the ids in the notice (a conductor restarted since the placement
+        can do it too); the worker that opened the transactions aborts its own on failure,
+        this abort only covers a worker that could not."""
         with bound_contextvars(request_id=ev.request_id):
-            p = self.pending.pop(ev.request_id, None)
-            # Unknown request (placed before a restart): the notice names the prefill tx.
-            prefill = (p.prefill_node if p else ev.prefill_node, ev.prefill_tx_id)
-            source = [(p.source_node, p.source_tx)] if p and p.source_node and p.source_tx else []
+            self.pending.pop(ev.request_id, None)
+            prefill = (ev.prefill_node, ev.prefill_tx_id)
             if isinstance(ev, FirstTokenNotice):
+                source = [(ev.source_node, ev.source_tx_id)] if ev.source_tx_id else []
                 before = self.policy.threshold()
                 self.policy.prefill_done(ev.request_id, ev.ts, ev.handoff_ts or None)
                 if self.policy.threshold() != before:
@@ -421,8 +337,8 @@ class ConductorService:
             elif isinstance(ev, RequestFailed):
                 self.policy.release(ev.request_id)
                 log.info("request_failed", reason=ev.reason)
-                decode = [(p.decode_node, p.decode_tx)] if p else []
-                await self.tx.abort_many([prefill, *decode, *source], ev.request_id, ev.reason)
+                if ev.prefill_tx_id:
+                    await self.tx.abort(*prefill, ev.request_id, ev.reason)
 
     async def _error(
         self,
@@ -442,9 +358,9 @@ class ConductorService:
             self.sweep()
 
     def sweep(self) -> None:
-        """Forget requests whose lease ran out (the stores rolled them back) and dead stores."""
-        horizon = self.clock.now() - self.cfg.effective_lease_s - 5.0
-        for rid in [r for r, p in self.pending.items() if p.placed_at < horizon]:
+        """Forget requests no worker settled (its instance died) and dead stores."""
+        horizon = self.clock.now() - self.cfg.forget_after_s
+        for rid in [r for r, placed_at in self.pending.items() if placed_at < horizon]:
             del self.pending[rid]
             self.policy.release(rid)
             log.warning("pending_expired", request_id=rid)

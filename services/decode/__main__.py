@@ -23,7 +23,7 @@ def make_worker(args, nc, store, engine, layout, cost) -> DecodeWorker:
                                 max_batch=getattr(args, "max_batch", 0)).as_admit_hook()
     return DecodeWorker(nc, store, engine, instance=args.instance, node=args.node,
                         layout=layout, report_interval=args.report_interval,
-                        commit_timeout=args.commit_timeout, admit=admit)
+                        commit_timeout=args.commit_timeout, admit=admit, lease_s=args.lease)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,9 @@ and streams its tokens.
 Lifecycle of a request on this instance:
 
     TransferQueue  a DecodeTask arrives once every layer has landed in decode_tx's
-                   slots on this node's store (prefill awaited the acks); the engine
+                   slots on this node's store (prefill awaited the acks); from here
+                   this worker renews decode_tx's lease until the engine has the KV,
+                   so a request waiting for a batch slot keeps its slots; the engine
                    loads the prompt KV from the slots (the mock verifies it); the
                    first token went to the client from prefill already
                    (``first_token_sent``), else it goes out now; then decode_tx is
@@ -41,6 +43,7 @@ from bus_schemas.requests import CancelRequest, ErrorCode, Finished, Tokens
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
+from services.common.store_tx import LeaseKeeper, StoreTx
 from services.common.worker_base import WorkerBase
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from tracing import tracer
@@ -49,6 +52,8 @@ log = structlog.get_logger()
 
 # Give up on a KV load this long before the store's lease ends (its sweep runs every
 # 0.25 s, an engine already copying needs a moment, clocks of two hosts may differ).
+# Renewals keep the end ahead while the store answers; this only fires once it has not
+# answered for most of a lease, or no longer knows the transaction.
 LEASE_MARGIN_S = 2.0
 
 
@@ -101,12 +106,14 @@ class DecodeWorker(WorkerBase):
         report_interval: float = 0.1,
         commit_timeout: float = 2.0,
         admit: Callable[[DecodeTask, EngineStats, int], str | None] | None = None,
+        lease_s: float = 10.0,
     ) -> None:
         super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
         self.store = store
         self.engine = engine
         self.layout = layout
         self.commit_timeout = commit_timeout
+        self.leases = LeaseKeeper(StoreTx(nc, timeout_s=commit_timeout), lease_s)
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
              "kv_tokens_loaded", "commits_failed"), 0,
@@ -144,6 +151,7 @@ class DecodeWorker(WorkerBase):
         except TimeoutError:
             log.warning("decode_close_timeout", active=len(self._active))
         await self._close_common()
+        await self.leases.close()
         await self._subs.close()
 
     async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
@@ -251,23 +259,30 @@ class DecodeWorker(WorkerBase):
         self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
 
     async def _before_lease_ends(self, load: Any, task: DecodeTask) -> Any:
-        """``load`` (the engine taking the KV from the slots), unless the store's lease on
-        them runs out first: an engine that schedules the load later would read slots
-        the store has handed to someone else, so the request fails instead."""
-        expires = task.decode_tx.expires_at
-        if not expires:
-            return await load
-        left = expires - time.time() - LEASE_MARGIN_S
+        """``load`` (the engine taking the KV from the slots) while this worker renews the
+        slots' lease. Should the lease end anyway (the store stopped answering, or lost
+        the transaction in a restart), an engine that loads later would read slots the
+        store may have handed to someone else, so the request fails instead."""
+        tx = task.decode_tx
+        key = (tx.node, tx.tx_id)
+        self.leases.hold(task.request.request_id, tx.node, tx)
+        fut = asyncio.ensure_future(load)
         try:
-            if left <= 0:
-                load.close()
-                raise TimeoutError
-            return await asyncio.wait_for(load, left)
-        except TimeoutError:
-            self.engine.abort(task.request.request_id)
-            raise LeaseExpired(
-                "the decode engine did not take the KV before the store's lease on it ran out"
-            ) from None
+            # The handle's expiry dates from prefill's reservation: renew before judging.
+            await self.leases.renew_now(only=key)
+            while True:
+                left = self.leases.expires_at(*key) - time.time() - LEASE_MARGIN_S
+                if left <= 0:
+                    break
+                done, _ = await asyncio.wait({fut}, timeout=min(left, self.leases.lease_s / 3))
+                if done:
+                    return fut.result()
+        finally:
+            self.leases.drop(*key)
+            if not fut.done():
+                fut.cancel()
+        self.engine.abort(task.request.request_id)
+        raise LeaseExpired("the store no longer holds the request's KV for the decode engine")
 
     async def _commit(self, task: DecodeTask) -> None:
         rid = task.request.request_id

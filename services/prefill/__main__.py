@@ -13,7 +13,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_worker(args, nc, store, engine, layout, cost) -> PrefillWorker:
     return PrefillWorker(nc, store, engine, instance=args.instance, node=args.node,
-                         layout=layout, cost=cost, report_interval=args.report_interval)
+                         layout=layout, cost=cost, report_interval=args.report_interval,
+                         lease_s=args.lease)
 
 
 def main(argv: list[str] | None = None) -> int:

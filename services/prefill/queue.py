@@ -2,6 +2,7 @@
 time from an injected clock, so the simulator can drive the same queue.
 
     waiting (FIFO) --pop()--> running (one at a time) --done()--> gone
+                              (start_with(): the prefix the store reservation found)
           \\--remove() (cancelled, shutting down)
 """
 
@@ -19,17 +20,18 @@ class BadTask(ValueError):
 
 
 def prefix_blocks(task: PrefillTask) -> int:
-    """Leading blocks whose KV will be on this node before compute: the local hit,
-    extended by the remote blocks pulled right after it."""
-    hit = task.prefill_tx.hit_blocks
-    r = task.remote
-    if r is None or r.num_blocks <= 0:
+    """Leading blocks the conductor expects on this node before compute: the local hit,
+    extended by the remote blocks to pull (the reservation at compute start has the
+    last word: :meth:`PrefillQueue.start_with`)."""
+    hit = task.expected_hit_blocks
+    s = task.source
+    if s is None or s.num_blocks <= 0:
         return hit
-    if r.first_block > hit:
+    if s.first_block > hit:
         raise BadTask(
-            f"remote prefix starts at block {r.first_block} but only {hit} blocks are local"
+            f"remote prefix starts at block {s.first_block} but only {hit} blocks are local"
         )
-    return max(hit, r.first_block + r.num_blocks)
+    return max(hit, s.first_block + s.num_blocks)
 
 
 def prefix_tokens(task: PrefillTask, block_size: int) -> int:
@@ -110,6 +112,13 @@ class PrefillQueue:
         item.started_at = self.clock.now()
         self.running = item
         return item
+
+    def start_with(self, item: QueuedPrefill, prefix_blocks: int) -> None:
+        """The running ``item``'s store reservation found ``prefix_blocks`` on this node
+        (the expectation may have been off): its remaining work follows the real prefix."""
+        n = item.prompt_tokens
+        item.prefix_tokens = min(n, prefix_blocks * self.block_size)
+        item.work_s = self.cost.prefill_time(n, item.prefix_tokens)
 
     def done(self, request_id: str) -> None:
         if self.running is not None and self.running.request_id == request_id:

@@ -3,7 +3,12 @@ DecodeTask, one request at a time.
 
 Lifecycle of a request on this instance:
 
-    WaitingQueue   FIFO of PrefillTasks (:class:`~services.prefill.queue.PrefillQueue`)
+    WaitingQueue   FIFO of PrefillTasks (:class:`~services.prefill.queue.PrefillQueue`);
+                   a waiting request holds no store slot
+      -> Reserving open the transactions (services.prefill.reserve): PREFILL here,
+                   DECODE on the decode node, SOURCE on a remote prefix's holder; a
+                   store short of room is asked again until it has some; the leases
+                   are renewed from here on until the handoff
       -> Computing pull the remote prefix into prefill_tx slots (if placed so);
                    engine.prefill reads the cached prefix KV from the slots and writes
                    the suffix KV layer by layer; after each layer the node's store ships
@@ -11,13 +16,14 @@ Lifecycle of a request on this instance:
                    slots, overlapping the later layers
                    the first token goes to the client as soon as it is computed
                    (``stream_first_token``), while the last layers are still on the wire
-      -> Handoff   every ship acked -> DecodeTask(first_token) on decode_tasks(instance)
-                   and FirstTokenNotice to the conductor (commit: the slots are free).
+      -> Handoff   every ship acked -> DecodeTask(first_token, decode_tx) on
+                   decode_tasks(instance) and FirstTokenNotice to the conductor (it
+                   commits the prefill and source transactions: the slots are free).
                    The instance computes the next request meanwhile: a handoff only
                    waits on the network, so it runs beside the queue (``_handoffs``).
 
-A failure anywhere (or a cancel, or shutdown) sends Error to the client's reply
-subject and RequestFailed to the conductor, which rolls both transactions back.
+A failure anywhere (or a cancel, or shutdown) aborts what was reserved and sends
+Error to the client's reply subject and RequestFailed to the conductor.
 
 Role switch (paper §5.1, ``--switchable``): :meth:`PrefillWorker.drain` stops the load
 reports (conductors forget the instance on the RoleSwitch and see no new report),
@@ -50,9 +56,11 @@ from services.common.clock import Clock, WallClock
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
+from services.common.store_tx import StoreTx
 from services.common.worker_base import WorkerBase
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
+from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
 from services.store.client import TransferError
 from tracing import tracer
 
@@ -94,6 +102,7 @@ class _Computed:
 class _Meta:
     ctx: Any  # trace context of the consumer span that received the task
     enqueued_ns: int
+    reservation: Reservation | None = None  # once the compute has started
 
 
 def classify(exc: BaseException) -> tuple[ErrorCode, str]:
@@ -104,6 +113,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.UNAVAILABLE, "prefill engine is down"
     if isinstance(exc, EngineError):
         return ErrorCode.INTERNAL, f"prefill failed: {exc}"
+    if isinstance(exc, ReserveError):
+        return ErrorCode.UNAVAILABLE, f"kv reservation failed: {exc}"
     if isinstance(exc, TransferError | TimeoutError | ConnectionError):
         return ErrorCode.UNAVAILABLE, f"kv transfer failed: {exc}"
     return ErrorCode.INTERNAL, "prefill failed: internal error"
@@ -124,10 +135,13 @@ class PrefillWorker(WorkerBase):
         cost: CostModel,
         clock: Clock | None = None,
         report_interval: float = 0.1,
+        lease_s: float = 10.0,
+        reserver: Reserver | None = None,
     ) -> None:
         super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
         self.store = store
         self.engine = engine
+        self.reserver = reserver or StoreReserver(StoreTx(nc), lease_s=lease_s)
         self.layout = layout
         self.cost = cost
         self.queue = PrefillQueue(cost, clock or WallClock(), layout.block_size)
@@ -184,6 +198,7 @@ class PrefillWorker(WorkerBase):
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
         await self._close_common()
+        await self.reserver.close()
         await self._subs.close()
 
     async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
@@ -266,10 +281,11 @@ class PrefillWorker(WorkerBase):
 
     async def _settle(self, item: QueuedPrefill, task: asyncio.Task) -> None:
         stop = self._stop_reason.pop(item.request_id, None)
+        res = item.meta.reservation
         if task.cancelled() or stop is not None:
             code, message = stop or (ErrorCode.UNAVAILABLE, "prefill interrupted")
             counter = "tasks_cancelled" if code == ErrorCode.CANCELLED else "tasks_failed"
-            await self._fail(item.task, code, message, counter=counter)
+            await self._fail(item.task, code, message, counter=counter, reservation=res)
             return
         exc = task.exception()
         if exc is None:
@@ -277,7 +293,7 @@ class PrefillWorker(WorkerBase):
             return
         code, message = classify(exc)
         log.warning("prefill_failed", error=f"{type(exc).__name__}: {exc}", code=int(code))
-        await self._fail(item.task, code, message)
+        await self._fail(item.task, code, message, reservation=res)
         if isinstance(exc, EngineDeadError):
             self.dead.set()
 
@@ -309,21 +325,31 @@ class PrefillWorker(WorkerBase):
             except Exception:  # noqa: BLE001 - a bug here must not go unnoticed
                 log.exception("prefill_settle_error")
 
+    async def _reserve(self, item: QueuedPrefill) -> Reservation:
+        """Open the request's transactions now that its compute starts."""
+        with tracer().start_as_current_span("prefill.reserve"):
+            res = await self.reserver.reserve(item.task)
+        item.meta.reservation = res
+        self._check_reservation(item.task, res)
+        self.queue.start_with(item, res.prefix_blocks)
+        return res
+
     async def _prefill(self, item: QueuedPrefill) -> "_Computed":
         task, req = item.task, item.task.request
+        res = await self._reserve(item)
         n, p, bs = item.prompt_tokens, item.prefix_tokens, self.layout.block_size
-        r = task.remote
+        r = res.remote
         if r is not None and r.num_blocks > 0:
             with tracer().start_as_current_span(
                 "prefill.load_prefix",
                 attributes={"source_node": r.source_node, "blocks": r.num_blocks},
             ):
-                await self.store.pull(task.prefill_tx, r)
+                await self.store.pull(res.prefill_tx, r)
             pulled = min(n, (r.first_block + r.num_blocks) * bs) - min(n, r.first_block * bs)
             self.counters["remote_tokens_pulled"] += pulled
-        slots = [self.store.slot(s) for s in task.prefill_tx.slots]
+        slots = [self.store.slot(s) for s in res.prefill_tx.slots]
         kv = SlotKV(self.layout, slots, n)
-        blocks = [b for b in range(len(slots)) if b >= task.decode_tx.hit_blocks]
+        blocks = [b for b in range(len(slots)) if b >= res.decode_tx.hit_blocks]
         ships: list[asyncio.Task] = []
         done = _Computed(first=0, first_ts=0.0, ships=ships)
         ready: list[int] = []  # computed layers not yet handed to the store
@@ -344,7 +370,7 @@ class PrefillWorker(WorkerBase):
                 # the client puts the current context in the ZeroMQ request header.
                 with trace.use_span(done.ship_span, end_on_exit=False):
                     await self.store.ship_layer(
-                        task.prefill_tx, task.decode_tx, first, blocks, end - start, start,
+                        res.prefill_tx, res.decode_tx, first, blocks, end - start, start,
                     )
 
         async def on_layer(layer: int) -> None:
@@ -356,7 +382,7 @@ class PrefillWorker(WorkerBase):
             if done.ship_span is None:
                 done.ship_span = tracer().start_span(
                     "prefill.ship", context=item.meta.ctx,
-                    attributes={"blocks": len(blocks), "decode_node": task.decode_tx.node},
+                    attributes={"blocks": len(blocks), "decode_node": res.decode_tx.node},
                 )
             ready.append(layer)
             if not ships or ships[-1].done():
@@ -386,6 +412,8 @@ class PrefillWorker(WorkerBase):
 
     async def _handoff(self, item: QueuedPrefill, done: "_Computed") -> None:
         task, req, p = item.task, item.task.request, item.prefix_tokens
+        res = item.meta.reservation
+        assert res is not None  # _prefill reserved before computing
         first, first_ts = done.first, done.first_ts
         try:
             if done.ships:
@@ -397,18 +425,22 @@ class PrefillWorker(WorkerBase):
             conductor_id=task.conductor_id,
             prefill_instance=self.instance,
             prefill_node=self.node,
-            prefill_tx_id=task.prefill_tx.tx_id,
-            decode_tx=task.decode_tx,
+            prefill_tx_id=res.prefill_tx.tx_id,
+            decode_tx=res.decode_tx,
             first_token=first,
             cached_tokens=p,
             prefill_done_ts=time.time(),
             first_token_sent=task.stream_first_token,
         ))
         # Every layer is acked, so the prefill-side slots are no longer read: commit.
+        src = res.remote
         await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
             request_id=req.request_id, prefill_node=self.node,
-            prefill_tx_id=task.prefill_tx.tx_id, ts=first_ts, handoff_ts=time.time(),
+            prefill_tx_id=res.prefill_tx.tx_id, ts=first_ts, handoff_ts=time.time(),
+            source_node=src.source_node if src else "",
+            source_tx_id=src.source_tx.tx_id if src else "",
         ))
+        await self.reserver.hand_off(task, res)
         log.debug("prefill_done", prefix_tokens=p, computed_tokens=item.prompt_tokens - p,
                   first_token=first)
 
@@ -428,14 +460,22 @@ class PrefillWorker(WorkerBase):
 
     def _validate(self, task: PrefillTask) -> None:
         req, bs = task.request, self.layout.block_size
-        n = len(req.prompt_token_ids)
-        if n == 0:
+        if not req.prompt_token_ids:
             raise BadTask("empty prompt")
-        if task.prefill_tx.node != self.node:
-            raise BadTask(f"prefill tx is on node {task.prefill_tx.node}, not {self.node}")
+        if task.prefill_node != self.node:
+            raise BadTask(f"placed for node {task.prefill_node}, this instance is on {self.node}")
         if req.block_size not in (0, bs):
             raise BadTask(f"request block size {req.block_size}, instance uses {bs}")
-        for name, tx in (("prefill", task.prefill_tx), ("decode", task.decode_tx)):
+
+    def _check_reservation(self, task: PrefillTask, res: Reservation) -> None:
+        n, bs = len(task.request.prompt_token_ids), self.layout.block_size
+        if res.prefill_tx.node != self.node:
+            raise BadTask(f"prefill tx is on node {res.prefill_tx.node}, not {self.node}")
+        r = res.remote
+        if r is not None and r.first_block > res.prefill_tx.hit_blocks:
+            raise BadTask(f"remote prefix starts at block {r.first_block} but only "
+                          f"{res.prefill_tx.hit_blocks} blocks are local")
+        for name, tx in (("prefill", res.prefill_tx), ("decode", res.decode_tx)):
             if tx.block_bytes != self.layout.block_bytes:
                 raise BadTask(f"{name} tx blocks are {tx.block_bytes} bytes, "
                               f"the model needs {self.layout.block_bytes}")
@@ -448,9 +488,16 @@ class PrefillWorker(WorkerBase):
         span.end()
 
     async def _fail(self, task: PrefillTask, code: ErrorCode, message: str,
-                    counter: str = "tasks_failed") -> None:
-        await self._report_failure(task.request, task.conductor_id, self.node,
-                                   task.prefill_tx.tx_id, code, message, counter)
+                    counter: str = "tasks_failed", reservation: Reservation | None = None,
+                    ) -> None:
+        if reservation is not None:
+            try:
+                await self.reserver.release(task, reservation, message)
+            except Exception as e:  # noqa: BLE001 - the leases end the slots anyway
+                log.warning("release_failed", error=f"{type(e).__name__}: {e}")
+        await self._report_failure(
+            task.request, task.conductor_id, self.node,
+            reservation.prefill_tx.tx_id if reservation else "", code, message, counter)
 
     def load_report(self) -> PrefillLoad:
         qlen, qtokens, work = self.queue.load()

@@ -304,6 +304,18 @@ class BlockPool:
         self.counters["tx_aborted"] += 1
         return TxDone(tx_id=tx_id), []
 
+    def renew(self, tx_id: str, lease_s: float) -> bool:
+        """Move ``tx_id``'s lease end to now + ``lease_s`` (never earlier than it was);
+        False when no such transaction is open."""
+        tx = self._txs.get(tx_id)
+        if tx is None or not (lease_s > 0 and math.isfinite(lease_s)):
+            return False
+        deadline = self.clock.now() + lease_s
+        if deadline > tx.deadline:
+            tx.deadline = deadline
+            heapq.heappush(self._lease_heap, (deadline, tx_id))
+        return True
+
     def expire(self, now: float | None = None) -> list[str]:
         """Abort every transaction whose lease ended at or before ``now`` and drop expired
         context-cache pins; returns the aborted transaction ids, oldest lease first."""

@@ -7,6 +7,7 @@ Lifecycle::
     serve: NATS  perigee.store.<node>.tx.allocate  TxAllocate -> TxHandle | Refused
                  perigee.store.<node>.tx.commit    TxCommit   -> TxDone | Refused
                  perigee.store.<node>.tx.abort     TxAbort    -> TxDone | Refused
+                 perigee.store.<node>.tx.renew     TxRenew    -> TxRenewed (lease holders)
                  perigee.store.<node>.dump         DumpRequest -> DumpPage
                  perigee.store.<node>.info         (anything) -> StoreInfo
                  perigee.store.discover            (anything) -> StoreInfo
@@ -63,6 +64,8 @@ from bus_schemas.control import (
     TxCommit,
     TxDone,
     TxHandle,
+    TxRenew,
+    TxRenewed,
 )
 from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
@@ -173,6 +176,7 @@ class StoreService:
         await self._subs.serve(ctl(self.node, "tx.allocate"), TxAllocate, self._allocate)
         await self._subs.serve(ctl(self.node, "tx.commit"), TxCommit, self._commit)
         await self._subs.serve(ctl(self.node, "tx.abort"), TxAbort, self._abort)
+        await self._subs.serve(ctl(self.node, "tx.renew"), TxRenew, self._renew)
         await self._subs.serve(ctl(self.node, "dump"), DumpRequest, self._dump)
         await self._subs.serve(ctl(self.node, "clear"), ClearRequest, self._clear)
         await self._subs.serve(ctl(self.node, "replay"), ReplayRequest, self._replay)
@@ -269,6 +273,13 @@ class StoreService:
             self.apply(events)
             log.info("tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone))
             return result
+
+    async def _renew(self, req: TxRenew, _m: NatsMsg) -> TxRenewed:
+        renewed = [t for t in req.tx_ids if self.pool.renew(t, req.lease_s)]
+        unknown = [t for t in req.tx_ids if t not in set(renewed)]
+        if unknown:
+            log.info("tx_renew_unknown", request_id=req.request_id, tx_ids=unknown)
+        return TxRenewed(expires_at=time.time() + req.lease_s, renewed=renewed, unknown=unknown)
 
     async def _dump(self, req: DumpRequest, _m: NatsMsg) -> DumpPage:
         hashes, nxt = self.pool.dump(req.cursor, req.limit)

@@ -1,7 +1,7 @@
 """Stateless conductor (paper §5.3): two conductors in one queue group place a burst of
 requests with shared prefixes against the same stores at once. The stores are the only
-authority, so: every request completes (429s from a refused TxAllocate are retried by
-the client), no block is double-allocated, every transaction is closed by commit or
+authority, so: every request completes (stores short of room make the prefill
+instances wait, never fail an accepted request), no block is double-allocated, every transaction is closed by commit or
 rollback (none left to the lease), locks drop back to zero, and a conductor view built
 afterwards from the nodes matches what they hold."""
 
@@ -41,10 +41,11 @@ NODES = ("p0", "p1", "d0", "d1")
 
 @pytest.fixture(scope="module")
 def two_conductor_stack(tmp_path_factory):
-    # 32 blocks per store, 10-block prompts: a node can hold about three requests in
-    # flight, so a burst of 24 must see TxAllocate refused (capacity) somewhere.
+    # 16 blocks per store, 10-block prompts: a node holds one request's slots and part
+    # of another's, so in a burst of 24 the stores are often short of room (TxAllocate
+    # refused with "capacity") and the prefill instances wait for running work to end.
     s = make_stack(tmp_path_factory, "two-conductors", engine="mock", prefill=2, decode=2, conductors=2,
-                   speedup="1", store_capacity_blocks=32)
+                   speedup="1", store_capacity_blocks=16, max_model_len=512)
     s.start()
     yield s
     s.stop()
@@ -130,10 +131,10 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
         assert set(placed_by) == {"conductor-0", "conductor-1"}
 
         stats = await idle_stats(s.nats_url)
-        # TxAllocate was refused somewhere and the conductor rolled the placement back
+        # stores were short of room, and that never failed an accepted request (the
+        # prefill instances waited for running work to free slots)
         assert sum(st["tx_refused"] for st in stats.values()) > 0, stats
-        assert sum(st["tx_aborted"] for st in stats.values()) > 0, stats
-        assert any("capacity" in e for e in log["errors"]), log["errors"][:5]
+        assert not [e for e in log["errors"] if "capacity" in e or "reservation" in e], log
         for node, st in stats.items():
             # every transaction closed by commit or rollback, none left to the lease
             assert st["tx_allocated"] == st["tx_committed"] + st["tx_aborted"], (node, st)

@@ -4,6 +4,7 @@ TxHandle builders and a writer of the mock engine's expected KV."""
 
 import asyncio
 import math
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -13,9 +14,15 @@ import numpy as np
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
-from bus_schemas.control import TxCommit, TxDone, TxHandle
+from bus_schemas.control import TxCommit, TxDone, TxHandle, TxRenew, TxRenewed
 from bus_schemas.load import WorkerStats
-from bus_schemas.placement import ConductorEvent, DecodeTask, PrefillTask, RemotePrefix
+from bus_schemas.placement import (
+    ConductorEvent,
+    DecodeTask,
+    PrefillTask,
+    PrefixSource,
+    RemotePrefix,
+)
 from bus_schemas.requests import (
     Error,
     Finished,
@@ -29,6 +36,7 @@ from services.common.kv_layout import KVLayout
 from services.common.model_spec import ModelSpec
 from services.decode.worker import DecodeWorker
 from services.engine import SlotKV, make_engine, synth
+from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
 from services.store.client import TransferError
 
@@ -104,6 +112,31 @@ def assert_expected(kv: SlotKV, tokens: Sequence[int]) -> None:
         np.testing.assert_array_equal(kv.read(layer, 0, len(tokens)), want)
 
 
+class FakeReserver:
+    """Hands the prefill worker the reservation the test prepared for each request
+    (:meth:`Rig.task`), and records what the worker did with it."""
+
+    def __init__(self) -> None:
+        self.planned: dict[str, Reservation] = {}
+        self.reserved: list[str] = []
+        self.handed_off: list[str] = []
+        self.released: list[tuple[str, str]] = []  # (request id, reason)
+
+    async def reserve(self, task: PrefillTask) -> Reservation:
+        rid = task.request.request_id
+        self.reserved.append(rid)
+        return self.planned[rid]
+
+    async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
+        self.handed_off.append(task.request.request_id)
+
+    async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None:
+        self.released.append((task.request.request_id, reason))
+
+    async def close(self) -> None:
+        pass
+
+
 # -- an in-process prefill + decode pair on a real nats-server ----------------------
 
 class Rig:
@@ -130,6 +163,9 @@ class Rig:
         self.max_batch = max_batch
         self.commit_reply = commit_reply  # None: TxDone
         self.commits: list[TxCommit] = []
+        self.reserver = FakeReserver()
+        self.renewals: list[TxRenew] = []
+        self.renew_known = True  # False: the decode store answers that it lost the tx
         self.conductor: asyncio.Queue = asyncio.Queue()
         self.decode_tasks: asyncio.Queue = asyncio.Queue()
 
@@ -140,7 +176,8 @@ class Rig:
         self.dengine = make_engine("mock", self.spec, self.cost, max_batch=self.max_batch)
         await self.dengine.start()
         self.prefill = PrefillWorker(self.nc, self.p, self.pengine, instance=self.pi, node=self.pn,
-                                     layout=self.layout, cost=self.cost, report_interval=0.05)
+                                     layout=self.layout, cost=self.cost, report_interval=0.05,
+                                     reserver=self.reserver)
         self.decode = DecodeWorker(self.nc, self.d, self.dengine, instance=self.di, node=self.dn,
                                    layout=self.layout, report_interval=0.05)
 
@@ -150,6 +187,14 @@ class Rig:
             reply = self.commit_reply or TxDone(tx_id=c.tx_id, stored_blocks=0)
             await self.tnc.publish(m.reply, encode(reply))
 
+        async def on_renew(m):
+            r = decode(m.data, TxRenew)
+            self.renewals.append(r)
+            ok = self.renew_known
+            await self.tnc.publish(m.reply, encode(TxRenewed(
+                expires_at=time.time() + r.lease_s, renewed=r.tx_ids if ok else [],
+                unknown=[] if ok else r.tx_ids)))
+
         async def on_conductor(m):
             await self.conductor.put(decode(m.data, ConductorEvent))
 
@@ -157,6 +202,7 @@ class Rig:
             await self.decode_tasks.put(decode(m.data, DecodeTask))
 
         await self.tnc.subscribe(subjects.store_ctl(self.dn, "tx.commit"), cb=on_commit)
+        await self.tnc.subscribe(subjects.store_ctl(self.dn, "tx.renew"), cb=on_renew)
         await self.tnc.subscribe(subjects.conductor_events(self.cid), cb=on_conductor)
         await self.tnc.subscribe(subjects.decode_tasks(self.di), cb=on_decode_task)
         await self.tnc.flush()
@@ -187,8 +233,9 @@ class Rig:
     def task(self, prompt: Sequence[int], *, p_hit: int = 0, d_hit: int = 0,
              remote_blocks: int = 0, max_tokens: int = 8, write_prefix: bool = True,
              rid: str | None = None, **sampling: Any) -> PrefillTask:
-        """A PrefillTask as a conductor would place it; cached blocks already hold the
-        right KV on their nodes (unless ``write_prefix`` is False)."""
+        """A PrefillTask as a conductor would place it, and the reservation its prefill
+        will get (:meth:`res`); cached blocks already hold the right KV on their nodes
+        (unless ``write_prefix`` is False)."""
         n, bs, bb = len(prompt), self.bs, self.layout.block_bytes
         nb = -(-n // bs)
         rid = rid or f"req-{uuid.uuid4().hex[:8]}"
@@ -209,8 +256,16 @@ class Rig:
         req = GenerateRequest(request_id=rid, prompt_token_ids=list(prompt),
                               sampling=SamplingParams(max_tokens=max_tokens, **sampling),
                               block_size=bs, reply_subject=f"test.reply.{rid}")
+        self.reserver.planned[rid] = Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
+        source = PrefixSource(node=self.rn, first_block=p_hit, num_blocks=remote_blocks) \
+            if remote_blocks else None
         return PrefillTask(request=req, conductor_id=self.cid, prefill_instance=self.pi,
-                           decode_instance=self.di, prefill_tx=ptx, decode_tx=dtx, remote=remote)
+                           decode_instance=self.di, prefill_node=self.pn, decode_node=self.dn,
+                           expected_hit_blocks=p_hit, source=source)
+
+    def res(self, t: PrefillTask) -> Reservation:
+        """The reservation ``t``'s prefill gets when its compute starts."""
+        return self.reserver.planned[t.request.request_id]
 
     async def listen(self, t: PrefillTask) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()

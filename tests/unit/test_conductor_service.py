@@ -26,7 +26,7 @@ from bus_schemas.control import (
 )
 from bus_schemas.kv_events import BlockStored, EventBatch
 from bus_schemas.load import DecodeLoad, PrefillLoad
-from bus_schemas.placement import FirstTokenNotice, PrefillTask, RequestFailed
+from bus_schemas.placement import FirstTokenNotice, PrefillTask, PrefixSource, RequestFailed
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest, stream_event_decoder
 from services.common.clock import ManualClock
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
@@ -204,7 +204,7 @@ async def harness(nats_url):
     await h.close()
 
 
-async def test_places_on_the_cached_node_and_commits_on_first_token(harness):
+async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_token(harness):
     h = await harness.start(
         [FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]), FakeStore(None, "nd0")],
         prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
@@ -215,21 +215,20 @@ async def test_places_on_the_cached_node_and_commits_on_first_token(harness):
     task = await h.task()
     assert task.prefill_instance == "prefill-1" and task.decode_instance == "decode-0"
     assert task.conductor_id == CID
-    assert task.prefill_tx.node == "np1" and task.prefill_tx.hit_blocks == 2
-    assert task.decode_tx.node == "nd0"
-    assert task.remote is None
+    assert (task.prefill_node, task.decode_node, task.expected_hit_blocks) == ("np1", "nd0", 2)
+    assert task.source is None
     assert task.request.block_hashes == HASHES and task.request.block_size == BS
     assert task.request.reply_subject == h.inbox
     acc = await h.event()
     assert acc == Accepted(request_id="r1", prefill_instance="prefill-1", decode_instance="decode-0", cached_tokens=64)
-    pa = await next_of(h.stores["np1"].allocs)
-    assert (pa.role, pa.num_tokens, pa.block_hashes) == (TxRole.PREFILL, 100, HASHES)
-    assert (await next_of(h.stores["nd0"].allocs)).role == TxRole.DECODE
+    # A placed request waits in its prefill queue holding no store slot: the prefill
+    # instance reserves when its compute starts.
+    assert all(s.allocs.empty() for s in h.stores.values())
     assert set(h.svc.pending) == {"r1"}
 
-    notice = FirstTokenNotice(request_id="r1", prefill_node="np1", prefill_tx_id=task.prefill_tx.tx_id, ts=time.time())
+    notice = FirstTokenNotice(request_id="r1", prefill_node="np1", prefill_tx_id="np1-tx-a", ts=time.time())
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
-    assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id=task.prefill_tx.tx_id, request_id="r1")
+    assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id="np1-tx-a", request_id="r1")
     await wait_until(lambda: not h.svc.pending)
 
 
@@ -241,65 +240,31 @@ async def test_busy_holder_makes_another_node_pull_the_prefix(harness):
     )
     await h.schedule("r2")
     task = await h.task()
-    assert task.prefill_instance == "prefill-0" and task.prefill_tx.hit_blocks == 0
-    assert task.remote is not None
-    assert (task.remote.source_node, task.remote.first_block, task.remote.num_blocks) == ("np1", 0, 3)
-    src = await next_of(h.stores["np1"].allocs)
-    assert (src.role, src.block_hashes, src.num_tokens) == (TxRole.SOURCE, HASHES, 96)
-    assert task.remote.source_tx.tx_id == h.stores["np1"].granted[0].tx_id
+    assert task.prefill_instance == "prefill-0" and task.expected_hit_blocks == 0
+    assert task.source == PrefixSource(node="np1", first_block=0, num_blocks=3)
     acc = await h.event()
     assert isinstance(acc, Accepted) and acc.cached_tokens == 96
+    assert all(s.allocs.empty() for s in h.stores.values())
 
-    notice = FirstTokenNotice(request_id="r2", prefill_node="np0", prefill_tx_id=task.prefill_tx.tx_id, ts=time.time())
+    notice = FirstTokenNotice(request_id="r2", prefill_node="np0", prefill_tx_id="np0-tx-b", ts=time.time(),
+                              source_node="np1", source_tx_id="np1-tx-c")
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
-    assert (await next_of(h.stores["np0"].commits)).tx_id == task.prefill_tx.tx_id
-    assert (await next_of(h.stores["np1"].commits)).tx_id == task.remote.source_tx.tx_id
+    assert (await next_of(h.stores["np0"].commits)).tx_id == "np0-tx-b"
+    assert (await next_of(h.stores["np1"].commits)).tx_id == "np1-tx-c"
 
 
-async def test_refused_decode_store_rolls_back_and_retries_elsewhere(harness):
-    h = await harness.start(
-        [FakeStore(None, "np0"), FakeStore(None, "nd0", refuse={TxRole.DECODE: "capacity"}), FakeStore(None, "nd1")],
-        prefills=[("prefill-0", "np0", 0.0)],
-        decodes=[("decode-0", "nd0"), ("decode-1", "nd1")],
-    )
-    await h.schedule("r3")
-    task = await h.task()
-    assert task.decode_instance == "decode-1" and task.decode_tx.node == "nd1"
-    first_prefill_tx = h.stores["np0"].granted[0].tx_id
-    abort = await next_of(h.stores["np0"].aborts)
-    assert (abort.tx_id, abort.request_id) == (first_prefill_tx, "r3")
-    assert task.prefill_tx.tx_id == h.stores["np0"].granted[1].tx_id
-    acc = await h.event()
-    assert isinstance(acc, Accepted) and acc.decode_instance == "decode-1"
-
-
-async def test_refused_with_no_alternative_is_an_error_to_the_client(harness):
-    h = await harness.start(
-        [FakeStore(None, "np0"), FakeStore(None, "nd0", refuse={TxRole.DECODE: "capacity"})],
-        prefills=[("prefill-0", "np0", 0.0)],
-        decodes=[("decode-0", "nd0")],
-    )
-    await h.schedule("r4")
-    err = await h.event()
-    assert isinstance(err, Error)
-    assert err.request_id == "r4" and err.code == ErrorCode.REJECTED and "capacity" in err.message
-    abort = await next_of(h.stores["np0"].aborts)
-    assert abort.tx_id == h.stores["np0"].granted[0].tx_id
-    assert not h.svc.pending and h.svc.policy.dispatched() == []
-
-
-async def test_request_failed_aborts_every_transaction(harness):
+async def test_request_failed_releases_the_request_and_aborts_the_named_tx(harness):
     h = await harness.start(
         [FakeStore(None, "np0"), FakeStore(None, "nd0")],
         prefills=[("prefill-0", "np0", 0.0)],
         decodes=[("decode-0", "nd0")],
     )
     await h.schedule("r5")
-    task = await h.task()
-    fail = RequestFailed(request_id="r5", prefill_node="np0", prefill_tx_id=task.prefill_tx.tx_id, reason="boom")
+    await h.task()
+    assert h.svc.policy.dispatched() == ["r5"]
+    fail = RequestFailed(request_id="r5", prefill_node="np0", prefill_tx_id="np0-tx-d", reason="boom")
     await h.nc.publish(subjects.conductor_events(CID), encode(fail))
-    assert (await next_of(h.stores["np0"].aborts)).tx_id == task.prefill_tx.tx_id
-    assert (await next_of(h.stores["nd0"].aborts)).tx_id == task.decode_tx.tx_id
+    assert (await next_of(h.stores["np0"].aborts)).tx_id == "np0-tx-d"
     await wait_until(lambda: not h.svc.pending and h.svc.policy.dispatched() == [])
 
 
@@ -354,19 +319,20 @@ async def test_sweep_forgets_expired_requests_and_silent_stores(harness):
         prefills=[("prefill-0", "np0", 0.0)],
         decodes=[("decode-0", "nd0")],
         clock=clock,
-        lease_s=10.0,
+        ttft_slo_s=10.0,
         store_dead_after_s=5.0,
     )
     await h.schedule("r9")
     await h.task()
     assert set(h.svc.pending) == {"r9"} and h.svc.policy.dispatched() == ["r9"]
-    clock.advance(14.0)
+    assert h.svc.cfg.forget_after_s == 70.0  # 4 TTFT SLOs + 30 s
+    clock.advance(69.0)
     h.svc.sweep()
-    assert set(h.svc.pending) == {"r9"}  # within lease + 5 s of grace
+    assert set(h.svc.pending) == {"r9"}
+    assert h.svc.shadow.index.nodes() == []  # no announce for 69 s: both stores forgotten
     clock.advance(2.0)
     h.svc.sweep()
     assert h.svc.pending == {} and h.svc.policy.dispatched() == []
-    assert h.svc.shadow.index.nodes() == []  # no announce for 16 s: both stores forgotten
 
 
 async def test_pd_controller_publishes_role_switches_and_the_old_role_is_forgotten(harness):

@@ -19,11 +19,11 @@ def decode_task(rig: Rig, prompt, *, max_tokens=8, write_kv=True, **sampling) ->
     """A DecodeTask whose prompt KV already sits in decode_tx's slots (prefill done)."""
     t = rig.task(prompt, max_tokens=max_tokens, **sampling)
     if write_kv:
-        write_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, len(prompt)), prompt, 0,
+        write_expected(slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, len(prompt)), prompt, 0,
                        len(prompt))
     return DecodeTask(request=t.request, conductor_id=rig.cid, prefill_instance=rig.pi,
-                      prefill_node=rig.pn, prefill_tx_id=t.prefill_tx.tx_id,
-                      decode_tx=t.decode_tx, first_token=rig.reference(prompt, 1)[0],
+                      prefill_node=rig.pn, prefill_tx_id=rig.res(t).prefill_tx.tx_id,
+                      decode_tx=rig.res(t).decode_tx, first_token=rig.reference(prompt, 1)[0],
                       cached_tokens=5)
 
 
@@ -169,20 +169,26 @@ async def test_shutdown_fails_running_requests_with_503(nats_url):
     await rig.close()
 
 
-async def test_kv_the_store_is_about_to_take_back_is_not_loaded(rig):
-    # The store rolls the decode tx back in 1 s, inside the worker's margin: loading the
-    # slots now could read blocks handed to another request, so the request fails.
+async def test_kv_the_store_no_longer_holds_is_not_loaded(rig):
+    # The store answers the renewal that it lost the decode tx (a restart) and the
+    # handle's lease ends inside the worker's margin: loading the slots now could read
+    # blocks handed to another request, so the request fails.
+    rig.renew_known = False
     dt = decode_task(rig, rig.prompt(30, seed=27))
     soon = msgspec.structs.replace(dt.decode_tx, expires_at=time.time() + 1.0)
     (err,) = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=soon)))
     assert err.code == ErrorCode.UNAVAILABLE
-    assert err.message == ("the decode engine did not take the KV before the store's lease "
-                           "on it ran out")
+    assert err.message == "the store no longer holds the request's KV for the decode engine"
     assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
     assert rig.commits == [] and rig.dengine.stats().batch_size == 0
-    # A lease with time left is no obstacle.
-    dt2 = decode_task(rig, rig.prompt(30, seed=28))
-    later = msgspec.structs.replace(dt2.decode_tx, expires_at=time.time() + 600.0)
-    dt2 = msgspec.structs.replace(dt2, decode_tx=later)
-    events = await until_terminal(await send(rig, dt2))
+
+
+async def test_a_renewed_lease_keeps_the_kv_however_old_the_handle(rig):
+    # The same handle, but the store renews: the request is served.
+    dt = decode_task(rig, rig.prompt(30, seed=28))
+    soon = msgspec.structs.replace(dt.decode_tx, expires_at=time.time() + 1.0)
+    events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=soon)))
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+    assert [r.tx_ids for r in rig.renewals] == [[dt.decode_tx.tx_id]]
+
+

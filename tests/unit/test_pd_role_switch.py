@@ -7,7 +7,7 @@ import uuid
 
 import nats
 import pytest
-from conftest_fakestore import FakeNet, FakeStore, handle
+from conftest_fakestore import FakeNet, FakeReserver, FakeStore, handle
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -20,6 +20,7 @@ from services.common.model_spec import ModelSpec
 from services.common.role_host import RoleHost, WorkerSettings, make_worker
 from services.decode.worker import DecodeWorker
 from services.engine import make_engine
+from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
 
 
@@ -51,13 +52,15 @@ async def host(nats_url):
     FakeStore(net, dn, 16, layout.block_bytes)
     nc = await nats.connect(nats_url)
     tnc = await nats.connect(nats_url)
+    reserver = FakeReserver()
     settings = WorkerSettings(instance=f"sw-{sfx}", node=pn, layout=layout, cost=cost,
-                              report_interval=0.02, drain_quiet_s=0.1)
+                              report_interval=0.02, drain_quiet_s=0.1, reserver=reserver)
     h = RoleHost(nc, store, engine, "prefill", settings)
     stop = asyncio.Event()
     run = asyncio.create_task(h.run(stop))
     await asyncio.wait_for(h.serving.wait(), 5)
-    h.t = dict(tnc=tnc, gate=gate, layout=layout, pn=pn, dn=dn, stop=stop, run=run, sfx=sfx)
+    h.t = dict(tnc=tnc, gate=gate, layout=layout, pn=pn, dn=dn, stop=stop, run=run, sfx=sfx,
+               reserver=reserver)
     yield h
     stop.set()
     await asyncio.wait_for(run, 10)
@@ -73,9 +76,10 @@ def prefill_task(h, n: int = 70) -> PrefillTask:
     req = GenerateRequest(request_id=rid, prompt_token_ids=[5 + i % 50 for i in range(n)],
                           sampling=SamplingParams(max_tokens=2), block_size=32,
                           reply_subject=f"test.reply.{rid}")
+    t["reserver"].planned[rid] = Reservation(prefill_tx=handle(t["pn"], range(nb), 0, bb),
+                                             decode_tx=handle(t["dn"], range(nb), 0, bb))
     return PrefillTask(request=req, conductor_id=f"c-{t['sfx']}", prefill_instance=h.settings.instance,
-                       decode_instance=f"dec-{t['sfx']}", prefill_tx=handle(t["pn"], range(nb), 0, bb),
-                       decode_tx=handle(t["dn"], range(nb), 0, bb))
+                       decode_instance=f"dec-{t['sfx']}", prefill_node=t["pn"], decode_node=t["dn"])
 
 
 async def test_switch_drains_the_running_prefill_then_serves_decode(host):

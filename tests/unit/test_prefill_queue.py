@@ -1,7 +1,6 @@
 import pytest
-from conftest_fakestore import handle
 
-from bus_schemas.placement import PrefillTask, RemotePrefix
+from bus_schemas.placement import PrefillTask, PrefixSource
 from bus_schemas.requests import GenerateRequest
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
@@ -12,18 +11,11 @@ COST = CostModel()
 
 
 def task(rid: str, n: int, hit: int = 0, remote: tuple[int, int] | None = None) -> PrefillTask:
-    nb = -(-n // 32)
-    rp = None
-    if remote is not None:
-        first, count = remote
-        rp = RemotePrefix(source_node="r0", source_tx=handle("r0", list(range(first + count)),
-                                                             first + count, BB),
-                          first_block=first, num_blocks=count)
+    src = PrefixSource(node="r0", first_block=remote[0], num_blocks=remote[1]) if remote else None
     return PrefillTask(
         request=GenerateRequest(request_id=rid, prompt_token_ids=[7] * n),
         conductor_id="c", prefill_instance="p", decode_instance="d",
-        prefill_tx=handle("p0", range(nb), hit, BB), decode_tx=handle("d0", range(nb), 0, BB),
-        remote=rp,
+        prefill_node="p0", decode_node="d0", expected_hit_blocks=hit, source=src,
     )
 
 

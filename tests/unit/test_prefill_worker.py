@@ -1,6 +1,7 @@
 """PrefillWorker and DecodeWorker in-process on a real nats-server, with fake stores."""
 
 import asyncio
+import dataclasses
 
 import msgspec
 import pytest
@@ -34,16 +35,16 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
 
     dt = await asyncio.wait_for(rig.decode_tasks.get(), 5)
     ref = rig.reference(prompt, 7)
-    assert dt.request == t.request and dt.decode_tx == t.decode_tx
+    assert dt.request == t.request and dt.decode_tx == rig.res(t).decode_tx
     assert (dt.conductor_id, dt.prefill_instance, dt.prefill_node) == (rig.cid, rig.pi, rig.pn)
-    assert dt.prefill_tx_id == t.prefill_tx.tx_id
+    assert dt.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     assert dt.first_token == ref[0] and dt.cached_tokens == 32 and dt.prefill_done_ts > 0
 
     # every layer shipped, blocks the decode node already had skipped
     assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
         (layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)]
-    assert_expected(slot_kv(rig.d, rig.layout, t.decode_tx.slots, 100), prompt)
-    assert_expected(slot_kv(rig.p, rig.layout, t.prefill_tx.slots, 100), prompt)
+    assert_expected(slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, 100), prompt)
+    assert_expected(slot_kv(rig.p, rig.layout, rig.res(t).prefill_tx.slots, 100), prompt)
 
     # the first token came straight from prefill, the rest from decode
     assert isinstance(events[0], Tokens) and events[0].token_ids == [ref[0]]
@@ -53,11 +54,11 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert events[-1] == Finished(request_id=t.request.request_id, finish_reason="length",
                                   prompt_tokens=100, completion_tokens=7, cached_tokens=32)
     assert [(c.tx_id, c.request_id) for c in rig.commits] == [
-        (t.decode_tx.tx_id, t.request.request_id)]
+        (rig.res(t).decode_tx.tx_id, t.request.request_id)]
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
     assert isinstance(ev, FirstTokenNotice)
     assert (ev.request_id, ev.prefill_node, ev.prefill_tx_id) == (
-        t.request.request_id, rig.pn, t.prefill_tx.tx_id)
+        t.request.request_id, rig.pn, rig.res(t).prefill_tx.tx_id)
 
     pc = await rig.stats("prefill", rig.pi)
     assert pc == {"tasks_done": 1, "tasks_failed": 0, "tasks_cancelled": 0,
@@ -87,7 +88,7 @@ async def test_remote_prefix_is_pulled_before_compute(rig):
     events = await until_terminal(await rig.submit(t))
     assert tokens_of(events) == rig.reference(prompt, 3)
     assert events[-1].cached_tokens == 64
-    assert rig.p.pulls == [t.remote]
+    assert rig.p.pulls == [rig.res(t).remote]
     assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
         (layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)]
     pc = await rig.stats("prefill", rig.pi)
@@ -110,7 +111,7 @@ async def test_corrupt_prefix_fails_the_request_with_kv_mismatch(rig):
     assert isinstance(err, Error) and err.code == ErrorCode.INTERNAL
     assert "kv mismatch: layer 0, token 0" in err.message
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
-    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     assert ev.request_id == t.request.request_id and ev.prefill_node == rig.pn
     assert rig.decode_tasks.empty()
     assert (await rig.stats("prefill", rig.pi))["tasks_failed"] == 1
@@ -126,13 +127,44 @@ async def test_dead_decode_store_is_a_503(rig):
 
 
 async def test_bad_task_is_refused_before_queueing(rig):
-    prompt = rig.prompt(40, seed=6)
-    t = rig.task(prompt)
-    bad = msgspec.structs.replace(
-        t, prefill_tx=msgspec.structs.replace(t.prefill_tx, slots=[0]))
+    t = rig.task(rig.prompt(40, seed=6))
+    bad = msgspec.structs.replace(t, prefill_node="elsewhere")
     (err,) = await until_terminal(await rig.submit(bad))
     assert err.code == ErrorCode.INTERNAL and err.message == (
+        f"bad prefill task: placed for node elsewhere, this instance is on {rig.pn}")
+    assert rig.reserver.reserved == []  # nothing was reserved for it
+
+
+async def test_reservation_that_does_not_fit_is_released(rig):
+    t = rig.task(rig.prompt(40, seed=6))
+    rid = t.request.request_id
+    res = rig.res(t)
+    rig.reserver.planned[rid] = dataclasses.replace(
+        res, prefill_tx=msgspec.structs.replace(res.prefill_tx, slots=[0]))
+    (err,) = await until_terminal(await rig.submit(t))
+    assert err.code == ErrorCode.INTERNAL and err.message == (
         "bad prefill task: prefill tx has 1 slots for 40 tokens")
+    assert rig.reserver.released == [(rid, err.message)] and rig.reserver.handed_off == []
+
+
+async def test_queued_requests_hold_no_reservation_until_their_compute_starts(nats_url):
+    gate = Gate()
+    rig = await Rig(speedup=1e6, prefill_sleep=gate).start(nats_url)
+    try:
+        a = rig.task(rig.prompt(50, seed=40), max_tokens=2)
+        b = rig.task(rig.prompt(60, seed=41), max_tokens=2)
+        qa, qb = await rig.submit(a), await rig.submit(b)
+        await asyncio.wait_for(gate.entered.get(), 5)  # a computes, b waits in the queue
+        while len(rig.prefill.queue) < 2:  # b's task is still on the bus
+            await asyncio.sleep(0.01)
+        assert rig.reserver.reserved == [a.request.request_id]
+        gate.open.set()
+        await until_terminal(qa)
+        await until_terminal(qb)
+        assert rig.reserver.reserved == [a.request.request_id, b.request.request_id]
+        assert rig.reserver.handed_off == rig.reserver.reserved
+    finally:
+        await rig.close()
 
 
 class Gate:
@@ -247,7 +279,7 @@ async def test_cancel_while_shipping_stops_the_handoff(rig):
     (err,) = await until_terminal(q)
     assert err.code == ErrorCode.CANCELLED
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
-    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     rig.p.gate.set()
     assert rig.decode_tasks.empty() and rig.p.ships == []
     assert (await rig.stats("prefill", rig.pi))["tasks_cancelled"] == 1
@@ -262,5 +294,5 @@ async def test_shutdown_fails_a_request_whose_kv_is_still_shipping(rig):
     (err,) = await until_terminal(q)
     assert (err.code, err.message) == (ErrorCode.UNAVAILABLE, "prefill instance shutting down")
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
-    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == t.prefill_tx.tx_id
+    assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     assert rig.decode_tasks.empty()

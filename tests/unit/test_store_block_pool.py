@@ -141,6 +141,23 @@ def test_lease_expiry_aborts_with_manual_clock():
     assert pool.expire(now=100.0) == []
 
 
+def test_renewal_moves_the_lease_end_and_only_for_open_transactions():
+    clock = ManualClock()
+    pool = make_pool(clock=clock)
+    a = alloc(pool, [11, 12], 8, lease_s=5.0)
+    clock.advance(4.0)
+    assert pool.renew(a.tx_id, 5.0)  # now ends at 9.0
+    assert not pool.renew(a.tx_id, 1.0) or pool.expire(now=8.9) == []  # never moved earlier
+    clock.advance(4.9)
+    assert pool.expire() == [] and pool.counters["tx_expired"] == 0
+    clock.advance(0.1)
+    assert pool.expire() == [a.tx_id]
+    assert not pool.renew(a.tx_id, 5.0)  # gone: nothing to renew
+    assert not pool.renew("t-unknown", 5.0)
+    b = alloc(pool, [21], 4, lease_s=5.0)
+    assert not pool.renew(b.tx_id, 0.0) and not pool.renew(b.tx_id, float("inf"))
+
+
 def test_source_role_locks_existing_blocks_and_allocates_nothing():
     pool = make_pool()
     committed(pool, [11, 12], 8)

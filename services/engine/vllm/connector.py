@@ -6,7 +6,7 @@ kv_connector_extra_config={"registry_key": ...})`` twice: role SCHEDULER (plans)
 role WORKER (copies bytes). Both run in the perigee worker process, on the engine
 thread (vLLM in-process), and find the engine's :class:`~.bridge.Bridge` by the
 registry key. The request's :class:`~.bridge.Plan` says which store slots hold its KV;
-the conductor already chose them (prefill_tx / decode_tx), so nothing is looked up.
+the prefill instance reserved them when its compute started (prefill_tx / decode_tx), so nothing is looked up.
 
 Scheduler side, per request (sync loads: vLLM loads before the forward of the same step):
   get_num_new_matched_tokens -> min(plan.load_tokens, prompt - 1) minus vLLM's own hit

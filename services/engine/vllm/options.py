@@ -79,7 +79,8 @@ def add_arguments(p: Any) -> None:
     g.add_argument("--vllm-block-size", type=int, default=0,
                    help="vLLM block size; must divide --block-size (0: 32 if it does)")
     g.add_argument("--max-model-len", type=int, default=0,
-                   help="vLLM max_model_len (0: the model's max_position_embeddings)")
+                   help="longest request served, tokens; the node's store must hold one "
+                        "(0: the model's max_position_embeddings)")
     g.add_argument("--vllm-seed", type=int, default=0, help="vLLM sampling seed")
 
 

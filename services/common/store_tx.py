@@ -1,0 +1,187 @@
+"""The client side of the stores' transactions (paper §5.3, Fig. 9), for whoever holds
+a request's slots: the prefill worker opens them when its compute starts, the decode
+worker holds the decode side until its engine has the KV, the conductor commits and
+aborts by the ids in the workers' notices.
+
+One reservation opens up to three transactions, all in parallel: PREFILL on the
+prefill node (lock the cached prefix, allocate the rest), DECODE on the decode node (a
+slot for every block), SOURCE on the holder of a remote prefix (lock only). Their
+leases are short and renewed by :class:`LeaseKeeper` while the holder works, so a
+dead holder leaks nothing for long and a live one never loses its slots by waiting.
+Store requests never raise here: a timeout or missing store is an error string.
+"""
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from bus_schemas import subjects
+from bus_schemas.control import (
+    Refused,
+    TxAbort,
+    TxAllocate,
+    TxCommit,
+    TxDone,
+    TxDoneReply,
+    TxHandle,
+    TxRenew,
+    TxRenewed,
+    TxReply,
+)
+from services.common import bus
+
+log = structlog.get_logger()
+
+
+@dataclass
+class Allocation:
+    """Outcome of one round of TxAllocate, by role ("prefill", "decode", "source")."""
+
+    handles: dict[str, tuple[str, TxHandle]] = field(default_factory=dict)  # role -> (node, handle)
+    refused: dict[str, str] = field(default_factory=dict)  # role -> Refused.reason
+    failed: dict[str, str] = field(default_factory=dict)  # role -> error (timeout, no store)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused and not self.failed
+
+    def broke(self, role: str) -> bool:
+        return role in self.refused or role in self.failed
+
+
+class StoreTx:
+    def __init__(self, nc: NATS, *, timeout_s: float = 2.0) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+
+    async def allocate(self, jobs: dict[str, tuple[str, TxAllocate]]) -> Allocation:
+        """Send every role's TxAllocate to its node at once; what each answered."""
+        replies = await asyncio.gather(
+            *(self._request(node, "tx.allocate", msg, TxReply) for node, msg in jobs.values())
+        )
+        out = Allocation()
+        for (role, (node, _)), rep in zip(jobs.items(), replies, strict=True):
+            if isinstance(rep, TxHandle):
+                out.handles[role] = (node, rep)
+            elif isinstance(rep, Refused):
+                out.refused[role] = rep.reason
+            else:
+                out.failed[role] = str(rep)
+        return out
+
+    async def commit(self, node: str, tx_id: str, request_id: str) -> bool:
+        rep = await self._request(
+            node, "tx.commit", TxCommit(tx_id=tx_id, request_id=request_id), TxDoneReply
+        )
+        if not isinstance(rep, TxDone):
+            log.warning("commit_failed", node=node, tx_id=tx_id, reply=str(rep))
+            return False
+        return True
+
+    async def abort(self, node: str, tx_id: str, request_id: str, reason: str) -> bool:
+        msg = TxAbort(tx_id=tx_id, request_id=request_id, reason=reason)
+        return isinstance(await self._request(node, "tx.abort", msg, TxDoneReply), TxDone)
+
+    async def abort_many(self, txs: list[tuple[str, str]], request_id: str, reason: str) -> None:
+        """Abort (node, tx_id) pairs in parallel."""
+        await asyncio.gather(*(self.abort(node, tx, request_id, reason) for node, tx in txs))
+
+    async def abort_all(self, request_id: str, alloc: Allocation, reason: str) -> None:
+        await self.abort_many(
+            [(node, h.tx_id) for node, h in alloc.handles.values()], request_id, reason
+        )
+
+    async def renew(self, node: str, tx_ids: list[str], lease_s: float) -> TxRenewed | None:
+        """None when the store did not answer (the leases stand as they were)."""
+        rep = await self._request(node, "tx.renew", TxRenew(tx_ids=tx_ids, lease_s=lease_s),
+                                  TxRenewed)
+        return rep if isinstance(rep, TxRenewed) else None
+
+    async def _request(self, node: str, ep: str, msg: Any, reply_type: Any) -> Any:
+        try:
+            return await bus.request(
+                self.nc, subjects.store_ctl(node, ep), msg, reply_type, timeout=self.timeout_s
+            )
+        except Exception as e:  # noqa: BLE001 - timeouts, no responders, bad replies
+            log.warning(
+                "store_request_failed", node=node, endpoint=ep, error=f"{type(e).__name__}: {e}"
+            )
+            return f"{node} {ep}: {type(e).__name__}"
+
+
+class LeaseKeeper:
+    """Renews the leases of the transactions a worker holds, one TxRenew per node every
+    ``lease_s / 3``. ``expires_at`` tells how long the slots are certainly ours; a
+    transaction the store no longer knows is reported ``lost``."""
+
+    def __init__(self, tx: StoreTx, lease_s: float) -> None:
+        self.tx = tx
+        self.lease_s = lease_s
+        self._held: dict[tuple[str, str], str] = {}  # (node, tx_id) -> request id
+        self._expires: dict[tuple[str, str], float] = {}
+        self.lost: set[tuple[str, str]] = set()
+        self._task: asyncio.Task | None = None
+
+    def hold(self, request_id: str, node: str, handle: TxHandle) -> None:
+        key = (node, handle.tx_id)
+        self._held[key] = request_id
+        self._expires[key] = handle.expires_at or time.time() + self.lease_s
+        self._ensure_running()
+
+    def drop(self, node: str, tx_id: str) -> None:
+        self._held.pop((node, tx_id), None)
+        self._expires.pop((node, tx_id), None)
+        self.lost.discard((node, tx_id))
+
+    def expires_at(self, node: str, tx_id: str) -> float:
+        """Unix seconds until which the store keeps the slots (0: not held or lost)."""
+        return self._expires.get((node, tx_id), 0.0)
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    async def renew_now(self, only: tuple[str, str] | None = None) -> None:
+        """Renew every held lease now (or just ``only``, a (node, tx_id) held here)."""
+        keys = list(self._held) if only is None else [only] if only in self._held else []
+        by_node: dict[str, list[str]] = defaultdict(list)
+        for node, tx_id in keys:
+            by_node[node].append(tx_id)
+        replies = await asyncio.gather(
+            *(self.tx.renew(node, ids, self.lease_s) for node, ids in by_node.items())
+        )
+        for (node, _), rep in zip(by_node.items(), replies, strict=True):
+            if rep is None:
+                continue  # unreachable this round: the old leases stand, try again
+            for t in rep.renewed:
+                if (node, t) in self._held:
+                    self._expires[(node, t)] = rep.expires_at
+            for t in rep.unknown:
+                if (node, t) in self._held:
+                    log.warning("lease_lost", node=node, tx_id=t,
+                                request_id=self._held[(node, t)])
+                    self.lost.add((node, t))
+                    self._expires[(node, t)] = 0.0
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+
+    async def _run(self) -> None:
+        while self._held:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                await self.renew_now()
+            except Exception:  # noqa: BLE001 - a bug here must not stop the renewals
+                log.exception("lease_renew_error")

@@ -1,0 +1,171 @@
+"""The prefill instance's store reservations: opened when a request's compute starts,
+never while it waits in the queue, and kept alive by lease renewal until they are
+handed on.
+
+    reserve    TxAllocate PREFILL (own node), DECODE (decode node) and SOURCE (the
+               holder of a remote prefix), in parallel. A store short of room (every
+               slot held by running work) is asked again, every ``retry_s``, keeping
+               what was granted, for up to ``wait_s``: an accepted request waits for
+               room rather than fail. A store that does not answer fails the request.
+    hold       every granted transaction is renewed by the LeaseKeeper
+    hand_off   the decode transaction goes to the decode instance in the DecodeTask,
+               the prefill and source ones to the conductor's commit: renewals stop
+    release    on failure: TxAbort on everything reserved
+"""
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from bus_schemas.control import TxAllocate, TxHandle, TxRole
+from bus_schemas.placement import PrefillTask, RemotePrefix
+from services.common.store_tx import Allocation, LeaseKeeper, StoreTx
+
+log = structlog.get_logger()
+
+
+class ReserveError(Exception):
+    """The request's slots could not be had: ``reason`` is "capacity" (still no room
+    after waiting) or "unavailable" (a store did not answer or refused otherwise)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Reservation:
+    prefill_tx: TxHandle
+    decode_tx: TxHandle
+    remote: RemotePrefix | None = None  # what to pull, under a SOURCE transaction
+
+    @property
+    def prefix_blocks(self) -> int:
+        """Leading blocks whose KV is on the prefill node before compute: the local hit,
+        extended by the pulled ones."""
+        r = self.remote
+        return max(self.prefill_tx.hit_blocks, r.first_block + r.num_blocks if r else 0)
+
+    def txs(self) -> list[tuple[str, str]]:
+        out = [(self.prefill_tx.node, self.prefill_tx.tx_id),
+               (self.decode_tx.node, self.decode_tx.tx_id)]
+        if self.remote is not None:
+            out.append((self.remote.source_node, self.remote.source_tx.tx_id))
+        return out
+
+
+class Reserver(Protocol):
+    async def reserve(self, task: PrefillTask) -> Reservation: ...
+    async def hand_off(self, task: PrefillTask, r: Reservation) -> None: ...
+    async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+def source_plan(task: PrefillTask, hit: int) -> tuple[int, int] | None:
+    """(first_block, num_blocks) to pull, given the prefill node's real hit: the pull
+    starts where the local prefix ends; None when the node already has it all."""
+    s = task.source
+    if s is None:
+        return None
+    end = s.first_block + s.num_blocks
+    return (hit, end - hit) if hit < end else None
+
+
+class StoreReserver:
+    """:class:`Reserver` over the stores' NATS control endpoints."""
+
+    def __init__(self, tx: StoreTx, *, lease_s: float, wait_s: float = 60.0,
+                 retry_s: float = 0.05) -> None:
+        self.tx = tx
+        self.leases = LeaseKeeper(tx, lease_s)
+        self.lease_s = lease_s
+        self.wait_s = wait_s
+        self.retry_s = retry_s
+
+    def _jobs(self, task: PrefillTask, roles: set[str]) -> dict[str, tuple[str, TxAllocate]]:
+        req = task.request
+        hashes = req.block_hashes or []
+        n = len(req.prompt_token_ids)
+        common = dict(request_id=req.request_id, retention=req.retention,
+                      context_ttl_s=req.context_ttl_s, lease_s=self.lease_s)
+        jobs: dict[str, tuple[str, TxAllocate]] = {}
+        if "prefill" in roles:
+            jobs["prefill"] = (task.prefill_node, TxAllocate(
+                role=TxRole.PREFILL, block_hashes=hashes, num_tokens=n, **common))
+        if "decode" in roles:
+            jobs["decode"] = (task.decode_node, TxAllocate(
+                role=TxRole.DECODE, block_hashes=hashes, num_tokens=n, **common))
+        if "source" in roles and task.source is not None:
+            # Lock the holder's whole prefix: where the pull starts is known only once
+            # the prefill node has answered with its own hit.
+            end = task.source.first_block + task.source.num_blocks
+            bs = req.block_size
+            jobs["source"] = (task.source.node, TxAllocate(
+                role=TxRole.SOURCE, block_hashes=hashes[:end],
+                num_tokens=min(n, end * bs), **common))
+        return jobs
+
+    async def reserve(self, task: PrefillTask) -> Reservation:
+        rid = task.request.request_id
+        want = {"prefill", "decode"} | ({"source"} if task.source is not None else set())
+        got = Allocation()
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.wait_s
+        waited = False
+        try:
+            while True:
+                att = await self.tx.allocate(self._jobs(task, want - set(got.handles)))
+                for role, (node, h) in att.handles.items():
+                    got.handles[role] = (node, h)
+                    self.leases.hold(rid, node, h)
+                if att.failed or any(r != "capacity" for r in att.refused.values()):
+                    detail = "; ".join(f"{k}: {v}" for k, v in {**att.refused, **att.failed}.items())
+                    raise ReserveError("unavailable", f"store unavailable ({detail})")
+                if not att.refused:
+                    break
+                if loop.time() >= give_up:
+                    raise ReserveError("capacity", "no room in the store for the request's "
+                                       f"KV after {self.wait_s:.0f} s "
+                                       f"({', '.join(sorted(att.refused))})")
+                if not waited:
+                    log.info("reserve_waiting_for_room", refused=sorted(att.refused))
+                    waited = True
+                await asyncio.sleep(self.retry_s)
+        except BaseException:
+            await self._abort(got, rid, "reservation failed")
+            raise
+        return await self._finish(task, got)
+
+    async def _finish(self, task: PrefillTask, got: Allocation) -> Reservation:
+        rid = task.request.request_id
+        ptx, dtx = got.handles["prefill"][1], got.handles["decode"][1]
+        remote = None
+        if "source" in got.handles:
+            node, stx = got.handles["source"]
+            plan = source_plan(task, ptx.hit_blocks)
+            if plan is None:  # the prefill node already has it all: nothing to pull
+                self.leases.drop(node, stx.tx_id)
+                await self.tx.abort(node, stx.tx_id, rid, "not needed")
+            else:
+                remote = RemotePrefix(source_node=node, source_tx=stx, first_block=plan[0],
+                                      num_blocks=plan[1])
+        return Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
+
+    async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
+        for node, tx_id in r.txs():
+            self.leases.drop(node, tx_id)
+
+    async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None:
+        for node, tx_id in r.txs():
+            self.leases.drop(node, tx_id)
+        await self.tx.abort_many(r.txs(), task.request.request_id, reason)
+
+    async def _abort(self, got: Allocation, rid: str, reason: str) -> None:
+        for node, h in got.handles.values():
+            self.leases.drop(node, h.tx_id)
+        await self.tx.abort_all(rid, got, reason)
+
+    async def close(self) -> None:
+        await self.leases.close()
