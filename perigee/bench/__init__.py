@@ -9,6 +9,7 @@ BENCHES = {
     "transfer": "perigee.bench.transfer",
     "store": "perigee.bench.store",
     "conductor": "perigee.bench.conductor",
+    "calibration": "perigee.bench.calibration",
 }
 
 
