@@ -10,10 +10,17 @@ Lifecycle of a request's queue:
     close(rid) -> queue and watchdog entry removed
 
 No per-request subscription: ``perigee.gw.<gateway>.>`` is subscribed once at start.
+
+The sweep judges liveness from load reports, which reach the gateway through its own
+NATS connection. When that input lags (a gateway busy with a thousand streams reads
+its socket late), every instance looks silent at once. So each sweep publishes
+an echo to ``perigee.gw.<gateway>`` and only gives death verdicts while the echoes come
+back within half of ``dead_after_s`` (or 2.5 sweep intervals, if longer).
 """
 
 import asyncio
 import contextlib
+import time
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -58,15 +65,24 @@ class ReplyRouter:
         self._idle.set()
         self.bad_events = 0
         self.roles: dict[str, str] = {}  # instance -> role, from its load reports
+        # Not matched by the replies wildcard (``>`` needs one more token).
+        self._echo_subject = self._prefix.rstrip(".")
+        self._echo_rx = time.monotonic()  # when the last echo came back
+        self._echo_lag = 0.0  # how late it came back
+        self.stale_sweeps = 0
+        self._sweep_interval = 0.0
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply))
         self._subs.append(await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_load))
+        self._subs.append(await self.nc.subscribe(self._echo_subject, cb=self._on_echo))
         # nats-py writes flush()'s PING straight to the socket, ahead of a SUB still in
         # its pending buffer: only the second PONG proves the server has the SUBs.
         await self.nc.flush()
         await self.nc.flush()
         if sweep_interval_s:
+            self._sweep_interval = sweep_interval_s
+            self._echo_rx = time.monotonic()
             self._sweeper = asyncio.create_task(self._sweep_loop(sweep_interval_s), name="gateway.sweep")
 
     async def close(self) -> None:
@@ -161,15 +177,29 @@ class ReplyRouter:
             self.watchdog.seen(parts[3])
             self.roles[parts[3]] = parts[2]
 
+    async def _on_echo(self, msg: NatsMsg) -> None:
+        now = time.monotonic()
+        try:
+            self._echo_lag = now - float(msg.data)
+        except ValueError:
+            return
+        self._echo_rx = now
+
+    def input_fresh(self, now: float | None = None) -> bool:
+        """Whether this gateway reads the bus promptly (its last echo came back in time)."""
+        now = time.monotonic() if now is None else now
+        limit = max(self.watchdog.dead_after_s / 2, 2.5 * self._sweep_interval)
+        return now - self._echo_rx <= limit and self._echo_lag <= limit
+
     def live_roles(self) -> set[str]:
         """The roles ("prefill", "decode") with at least one instance reporting now."""
         alive = self.watchdog.liveness.alive_instances()
         return {self.roles[i] for i in alive if i in self.roles}
 
     # ---- watchdog ------------------------------------------------------------------
-    def sweep(self) -> int:
+    def sweep(self, judge_liveness: bool = True) -> int:
         """Run the watchdog once; returns how many requests it failed."""
-        verdicts = self.watchdog.sweep()
+        verdicts = self.watchdog.sweep(judge_liveness)
         for v in verdicts:
             q = self._queues.get(v.request_id)
             if q is not None:
@@ -180,6 +210,13 @@ class ReplyRouter:
         while True:
             await asyncio.sleep(interval)
             try:
-                self.sweep()
+                fresh = self.input_fresh()
+                if not fresh:
+                    self.stale_sweeps += 1
+                    log.warning("gateway_input_lagging", echo_lag_s=round(self._echo_lag, 3),
+                                since_echo_s=round(time.monotonic() - self._echo_rx, 3))
+                self.sweep(judge_liveness=fresh)
+                with contextlib.suppress(Exception):  # NATS closing: the next round retries
+                    await self.nc.publish(self._echo_subject, repr(time.monotonic()).encode())
             except Exception:  # noqa: BLE001 - the sweeper must survive anything
                 log.exception("sweep_failed")

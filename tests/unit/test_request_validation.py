@@ -225,3 +225,42 @@ def test_vllm_engine_fails_the_request_not_itself():
         with pytest.raises(EngineError, match=words):
             eng._request_params(prompt, s, 1, "k")
     assert eng._dead is None
+
+
+# ------------------------------------------------------------------ the gateway's own lag
+
+
+def test_a_stale_sweep_gives_no_death_verdicts_but_still_times_out():
+    from services.common.clock import ManualClock
+    from services.gateway.watchdog import Watchdog
+
+    clock = ManualClock()
+    wd = Watchdog(clock, dead_after_s=2.0, request_timeout_s=10.0)
+    wd.track("a")
+    wd.accepted("a", "p0", "d0")
+    wd.seen("p0")
+    wd.seen("d0")
+    clock.advance(3.0)  # every instance silent: the gateway may be the one lagging
+    assert wd.sweep(judge_liveness=False) == []
+    clock.advance(8.0)
+    assert [v.code for v in wd.sweep(judge_liveness=False)] == [504]
+    wd.track("b")
+    wd.accepted("b", "p0", "d0")
+    assert [v.message.split()[:3] for v in wd.sweep()] == [["prefill", "instance", "p0"]]
+
+
+async def test_router_input_is_fresh_only_while_its_echoes_come_back(env):  # noqa: F811
+    import time
+
+    router = env.gw.router
+    now = time.monotonic()
+    router._echo_rx, router._echo_lag = now, 0.01
+    assert router.input_fresh(now + 0.9)
+    assert not router.input_fresh(now + 1.1)  # dead_after 2 s: half of it passed
+    router._echo_lag = 1.5
+    assert not router.input_fresh(now)
+    # A live echo loop (the env's sweeper is off): published and read back on the bus.
+    router._echo_lag = 5.0
+    await env.gw.nc.publish(router._echo_subject, repr(time.monotonic()).encode())
+    await until(lambda: router._echo_lag < 5.0)
+    assert router.input_fresh()
