@@ -50,14 +50,19 @@ async def _prefill(engine: Engine, layout: KVLayout, calib: Calibrator | None, r
     return first
 
 
-async def warm_prefill(engine: Engine, layout: KVLayout, calib: Calibrator, count: int) -> None:
-    """``count`` prefills of mixed lengths, then one that reuses half of the longest's KV."""
+async def warm_prefill(engine: Engine, layout: KVLayout, calib: Calibrator, count: int,
+                       budget_s: float = 10.0) -> None:
+    """``count`` prefills of mixed lengths, then one that reuses half of the longest's KV;
+    no new prompt starts after ``budget_s`` (a very slow engine calibrates on fewer)."""
     vocab, cap, bs = engine.spec.vocab_size, max_prompt(engine), layout.block_size
-    lengths = sorted({min(n, cap) for n in LENGTHS[:count]}, key=LENGTHS.index)
+    lengths = list(dict.fromkeys(min(n, cap) for n in LENGTHS[:count]))
     if not lengths or cap < 2 * bs:
         return
+    t0 = time.perf_counter()
     kept: tuple[list[int], list[memoryview]] | None = None
     for k, n in enumerate(lengths):
+        if kept is not None and time.perf_counter() - t0 > budget_s:
+            return
         prompt, slots = _prompt(k, n, vocab), _slots(layout, n)
         await _prefill(engine, layout, calib, f"perigee-calibrate-{k}", prompt, 0, slots)
         if kept is None or n > len(kept[0]):
