@@ -1,13 +1,13 @@
 """python -m services.admission --nats URL --policy early ..."""
 
 import argparse
-import asyncio
 import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.common import bus, metrics, runner
 from services.common.logging import configure
+from services.common.shutdown import StopEvent
 from tracing import setup_tracing, shutdown_tracing
 
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def amain(args: argparse.Namespace) -> int:
     log = configure("admission", args.log_level)
     setup_tracing("admission")
-    stop = asyncio.Event()
+    stop = StopEvent()
     bus.install_signal_handlers(stop)
     nc = await bus.connect(args.nats, name="admission")
     svc = AdmissionService(

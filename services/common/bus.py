@@ -9,7 +9,6 @@ keeps running either way.
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from opentelemetry import trace
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.requests import Error, ErrorCode
-from services.common import metrics
+from services.common import metrics, shutdown
 from tracing import extract, inject, tracer
 
 log = structlog.get_logger()
@@ -213,17 +212,36 @@ class Subscriptions:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+def install_signal_handlers(stop: asyncio.Event, bound_s: float = shutdown.BOUND_S) -> None:
+    """SIGTERM/SIGINT set ``stop`` (or cancel start-up), bounded: see
+    :mod:`services.common.shutdown`."""
+    shutdown.install(stop, bound_s)
 
 
-async def drain(nc: NATS) -> None:
-    try:
-        await asyncio.wait_for(nc.drain(), timeout=5)
-    except Exception:  # noqa: BLE001 - shutting down anyway
-        await nc.close()
+DRAIN_S = 2.0
+
+
+async def drain(nc: NATS, timeout: float = DRAIN_S) -> None:
+    """Drain the connection if the bus is there, else close it; never longer than
+    about ``timeout``. nats.py's own drain is not bounded on a dead bus: it swallows
+    the cancellation from a timeout and then waits for a flush (10 s)."""
+    if nc.is_closed:
+        return
+    if nc.is_connected and await _within(nc.drain(), timeout):
+        return
+    if not nc.is_closed:
+        await _within(nc.close(), 1.0)
+
+
+async def _within(coro, timeout: float) -> bool:
+    """Run ``coro`` for at most ``timeout``; past that it is cancelled and left behind
+    (not awaited: it may not end). True when it finished without an error."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        task.cancel()
+        log.warning("nats_close_timed_out", timeout_s=timeout)
+        return False
+    if task.cancelled() or task.exception() is not None:
+        return False
+    return True

@@ -2,11 +2,18 @@
 
 uvloop roughly halves the per-message cost of the asyncio machinery that every bus
 hop pays (socket readiness, callbacks, task switches); the plain loop stays the
-fallback where uvloop is not installed."""
+fallback where uvloop is not installed.
+
+A run that a signal stopped (:mod:`services.common.shutdown`) exits 0 right after the
+main coroutine returns, or is cancelled during start-up, without the loop's own
+clean-up: that would wait, unbounded, for tasks that ignore cancellation (a NATS
+drain on a dead bus) and for executor threads."""
 
 import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from services.common import shutdown
 
 T = TypeVar("T")
 
@@ -14,6 +21,17 @@ T = TypeVar("T")
 def run(main: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
+
+        factory = uvloop.new_event_loop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        try:
+            result = runner.run(main)
+        except asyncio.CancelledError:
+            if not shutdown.requested():
+                raise
+            shutdown.exit_now(0)
+        if shutdown.requested():
+            shutdown.exit_now(result if isinstance(result, int) else 0)
+    return result

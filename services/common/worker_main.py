@@ -16,6 +16,7 @@ from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
+from services.common.shutdown import StopEvent
 from services.common.warmup import calibrate
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
@@ -96,7 +97,7 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
     except NotImplementedError as e:
         log.error("engine_unavailable", engine=args.engine, error=str(e))
         return 2
-    stop = asyncio.Event()
+    stop = StopEvent()
     bus.install_signal_handlers(stop)
     nc = await bus.connect(args.nats, name=f"{role}-{args.instance}")
     try:

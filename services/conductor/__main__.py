@@ -1,13 +1,13 @@
 """python -m services.conductor --nats URL --id conductor-0 ..."""
 
 import argparse
-import asyncio
 import sys
 
 import structlog
 
 from services.common import bus, metrics, runner
 from services.common.logging import configure
+from services.common.shutdown import StopEvent
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
 from tracing import setup_tracing, shutdown_tracing
@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def amain(args: argparse.Namespace) -> int:
     log = configure("conductor", args.log_level)
     setup_tracing("conductor")
-    stop = asyncio.Event()
+    stop = StopEvent()
     bus.install_signal_handlers(stop)
     nc = await bus.connect(args.nats, name=args.id)
     cfg = ConductorConfig(

@@ -6,12 +6,12 @@ it, or a comma list; also ``PERIGEE_API_KEY``) makes every route but ``/health``
 """
 
 import argparse
-import asyncio
 import sys
 
 from services.common import runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
+from services.common.shutdown import StopEvent
 from services.gateway.auth import ENV_VAR, parse_keys
 from services.gateway.server import Gateway, GatewayConfig
 from tracing import setup_tracing, shutdown_tracing
@@ -67,8 +67,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 async def amain(args: argparse.Namespace) -> int:
     log = configure("gateway", args.log_level)
     setup_tracing("gateway")
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
+    stop = StopEvent()
+    # In-flight requests get the grace, then a 503 and a few seconds to say so.
+    install_signal_handlers(stop, bound_s=args.shutdown_grace + 3.0)
     cfg = config_from_args(args)
     nc = await connect(args.nats, name="gateway")
     gw = Gateway(cfg, nc)

@@ -9,6 +9,7 @@ import structlog
 from services.common import metrics, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
+from services.common.shutdown import StopEvent
 from services.store.server import StoreService
 from tracing import setup_tracing, shutdown_tracing
 
@@ -60,7 +61,7 @@ async def main(args: argparse.Namespace) -> int:
     setup_tracing("store")
     log = structlog.get_logger()
     structlog.contextvars.bind_contextvars(node=args.node)
-    stop = asyncio.Event()
+    stop = StopEvent()
     install_signal_handlers(stop)
     nc = await connect(args.nats, name=f"store-{args.node}")
     service = StoreService(
