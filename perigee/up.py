@@ -1,10 +1,25 @@
-"""``perigee up``: nats-server plus every service, until Ctrl-C."""
+"""``perigee up``: nats-server plus every service, until Ctrl-C.
+
+How it stops. A terminal's Ctrl-C sends SIGINT to its whole foreground process group.
+Only ``perigee up`` is in that group: every service and nats-server runs in a session
+of its own, so none of them acts on the terminal's signal by itself (a bus that died
+first left the services draining against nothing). ``perigee up`` alone orders the
+stop, on SIGINT or SIGTERM, during start-up as well as while serving: SIGTERM to the
+gateway, then the conductors and admission, the workers, the stores, each tier bounded
+(:meth:`perigee.stack.Stack.stop`), nats-server last; it exits 0. A second signal
+SIGKILLs everything at once. If ``perigee up`` itself is killed, the kernel sends each
+child SIGTERM (``PR_SET_PDEATHSIG``, :mod:`perigee.procs`), and every service exits on
+SIGTERM within a few seconds whatever its bus is doing (:mod:`services.common.shutdown`).
+"""
 
 import argparse
+import os
 import signal
+import sys
 import threading
+import time
 
-from perigee.stack import Stack, StackConfig
+from perigee.stack import Stack, StackConfig, StartAborted
 
 
 def parse(argv: list[str]) -> StackConfig:
@@ -64,12 +79,30 @@ def parse(argv: list[str]) -> StackConfig:
 def main(argv: list[str]) -> int:
     cfg = parse(argv)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stopping_since = [0.0]
     stack = Stack(cfg)
+
+    def on_signal(signum: int, _frame) -> None:
+        if stop.is_set():  # the second one: nothing waits any longer
+            stack.kill_all()
+            os.write(2, b"perigee: killed everything\n")
+            os._exit(0)
+        stopping_since[0] = time.monotonic()
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     print(f"perigee: starting {cfg.prefill} prefill + {cfg.decode} decode ({cfg.engine} engine)...",
           flush=True)
-    stack.start()
+    try:
+        stack.start(abort=stop)
+    except StartAborted:  # start() has stopped what it had started
+        print(f"perigee: stopped during start-up in {time.monotonic() - stopping_since[0]:.1f} s",
+              flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as e:  # start() stopped what it had started
+        print(f"perigee: start failed: {e}", file=sys.stderr, flush=True)
+        return 1
     key = (cfg.api_key or "").split(",")[0].strip()
     auth = f"-H 'Authorization: Bearer {key}' " if key else ""
     print(f"perigee: ready at {stack.url}  (NATS {stack.nats_url}; logs in {cfg.log_dir}/)\n"
@@ -87,6 +120,8 @@ def main(argv: list[str]) -> int:
                     print(f"perigee: {c.name} exited with {c.proc.returncode}; see "
                           f"{cfg.log_dir}/{c.name}.log", flush=True)
     finally:
-        print("perigee: stopping...", flush=True)
+        since = stopping_since[0] or time.monotonic()
+        print("perigee: stopping (again to kill everything now)...", flush=True)
         stack.stop()
+        print(f"perigee: stopped in {time.monotonic() - since:.1f} s", flush=True)
     return 0
