@@ -31,7 +31,18 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    expected_tokens: int = 0  # max_tokens asked (ignore_eos: every one is owed)
+    tokens_seen: int = 0  # stream chunks that carried text
     error: str = ""
+
+    @property
+    def cut(self) -> bool:
+        """Accepted (HTTP 200) but the stream broke off: an error event, no [DONE], or
+        fewer tokens than asked for."""
+        if self.status != 200:
+            return False
+        got = self.completion_tokens or self.tokens_seen
+        return not self.ok or (self.expected_tokens > 0 and got < self.expected_tokens)
 
     @property
     def tbt_s(self) -> float:
@@ -47,7 +58,7 @@ async def send(http, url: str, model: str, prompt: list[int], max_tokens: int,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     last = None
-    out = Outcome(ok=False)
+    out = Outcome(ok=False, expected_tokens=max_tokens)
     try:
         async with http.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers) as r:
             out.status = r.status
@@ -73,6 +84,7 @@ async def send(http, url: str, model: str, prompt: list[int], max_tokens: int,
                     else:
                         out.gaps.append(now - last)
                     last = now
+                    out.tokens_seen += 1
                 usage = obj.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens", 0)
@@ -110,7 +122,7 @@ async def replay(reqs: list[TraceRequest], url: str, *, speedup: float, builder:
 
 
 def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: float) -> dict:
-    done = [o for o in outs if o.ok]
+    done = [o for o in outs if o.ok and not o.cut]
     ttfts = [o.ttft_s for o in done]
     tbts = [o.tbt_s for o in done]
     good = [o for o in done if o.ttft_s <= ttft_slo and o.tbt_s <= tbt_slo]
@@ -124,7 +136,8 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: floa
         "requests": len(outs),
         "completed": len(done),
         "rejected": sum(1 for o in outs if o.status == 429),
-        "failed": sum(1 for o in outs if not o.ok and o.status != 429),
+        "failed": sum(1 for o in outs if o.status not in (200, 429)),
+        "cut": sum(1 for o in outs if o.cut),
         "ttft_s": pct(ttfts),
         "tbt_s": pct(tbts),
         "goodput": {"ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo, "requests": len(good),
@@ -160,7 +173,7 @@ def main(argv: list[str]) -> int:
                                     api_key=a.api_key, progress=not a.no_progress))
     s = summarize(outs, wall, a.ttft_slo, a.tbt_slo)
     print(f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']}  "
-          f"failed {s['failed']}  wall {s['wall_s']:.1f}s")
+          f"failed {s['failed']}  cut {s['cut']}  wall {s['wall_s']:.1f}s")
     print(f"TTFT p50 {s['ttft_s']['p50']:.4f}s p99 {s['ttft_s']['p99']:.4f}s   "
           f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s")
     print(f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%})  "

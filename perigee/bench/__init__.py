@@ -10,6 +10,7 @@ BENCHES = {
     "store": "perigee.bench.store",
     "conductor": "perigee.bench.conductor",
     "calibration": "perigee.bench.calibration",
+    "slo": "perigee.bench.slo",
 }
 
 
