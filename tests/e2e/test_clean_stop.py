@@ -154,6 +154,8 @@ def test_ctrl_c_during_start_up_stops_everything(up):
 def test_stop_while_serving_drains_every_service(up, how):
     procs = _whole_stack(up)
     _wait_for(up.ready, "/ready answers 200")
+    # The gateway's /ready can be 200 a moment before perigee up has seen it.
+    _wait_for(lambda: "perigee: ready at" in up.output(), "perigee up says it is ready")
     assert up.complete()["choices"][0]["text"] is not None
     if how == "ctrl-c":
         os.killpg(up.proc.pid, signal.SIGINT)
@@ -161,7 +163,7 @@ def test_stop_while_serving_drains_every_service(up, how):
         os.kill(up.proc.pid, signal.SIGTERM)
     rc = up.wait()
     _assert_clean(up, rc, procs)
-    assert "stopped in" in up.output()
+    assert "perigee: stopped in" in up.output()
     # Each service took the signal and stopped itself, nats-server still up behind it.
     for name, text in up.service_logs().items():
         assert '"stop_requested"' in text, f"{name}.log:\n{text[-2000:]}"
@@ -171,7 +173,7 @@ def test_stop_while_serving_drains_every_service(up, how):
 
 def test_sigkilled_perigee_up_leaves_no_orphans(up):
     procs = _whole_stack(up)
-    _wait_for(up.ready, "/ready answers 200")
+    _wait_for(lambda: "perigee: ready at" in up.output(), "perigee up says it is ready")
     os.kill(up.proc.pid, signal.SIGKILL)
     assert up.proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL
     _wait_for(lambda: not _alive(procs), "every child of a SIGKILLed perigee up gone")
