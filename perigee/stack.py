@@ -55,6 +55,27 @@ class StartAborted(Exception):
     """:meth:`Stack.start` gave up because its ``abort`` event was set."""
 
 
+# SLOs for vLLM on a CPU machine with the default model (a small model on a couple of
+# cores: a 2k-token prompt prefills in about a second while another engine decodes);
+# elsewhere the paper's (30 s TTFT, 100 ms TBT, for LLaMA3-70B on A800s). README "SLOs".
+CPU_TTFT_SLO_S = 5.0
+CPU_TBT_SLO_S = 0.25
+
+
+def gpu_present() -> bool:
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def default_slos(engine: str) -> tuple[float, float]:
+    """(TTFT, TBT) SLOs, s, for a stack of ``engine`` on this machine."""
+    if engine == "vllm" and not gpu_present():
+        return CPU_TTFT_SLO_S, CPU_TBT_SLO_S
+    return StackConfig.ttft_slo, StackConfig.tbt_slo
+
+
 @dataclass
 class StackConfig:
     nats_url: str | None = None
@@ -124,6 +145,17 @@ class Stack:
     def _common(self) -> list[str]:
         return ["--nats", self.nats_url, "--log-level", self.cfg.log_level]
 
+    def _engine_env(self, engines: int) -> dict[str, str]:
+        """vLLM on CPU: each engine gets its share of the cores as OpenMP threads. Left
+        at every core each, two engines on two cores oversubscribe them and spin against
+        each other (measured: decode TBT p90 0.97 s shared, 0.11 s with one thread each;
+        BENCHMARKS.md, bench slo). An OMP_NUM_THREADS the user set wins."""
+        if self.cfg.engine != "vllm" or "OMP_NUM_THREADS" in {**os.environ, **self.cfg.extra_env}:
+            return {}
+        if gpu_present():
+            return {}
+        return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, engines)))}
+
     def plan(self) -> list[Child]:
         c = self.cfg
         spec = ModelSpec.from_dir(c.model_dir)
@@ -154,7 +186,7 @@ class Stack:
                     args += ["--load-format", c.load_format]
                 if c.kv_blocks:
                     args += ["--kv-blocks", str(c.kv_blocks)]
-            out.append(Child(inst, args))
+            out.append(Child(inst, args, env=self._engine_env(len(workers))))
         slo = ["--ttft-slo", str(c.ttft_slo), "--tbt-slo", str(c.tbt_slo),
                "--speedup", c.speedup, "--dead-after", str(c.dead_after),
                "--block-size", str(c.block_size)]

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from perigee.stack import Stack, StackConfig, StartAborted
+from perigee.stack import Stack, StackConfig, StartAborted, default_slos
 
 
 def parse(argv: list[str]) -> StackConfig:
@@ -43,8 +43,10 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--speedup", default=d.speedup, help="mock engine speed-up (inf: no compute)")
     p.add_argument("--store-capacity-blocks", type=int, default=d.store_capacity_blocks)
-    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo)
-    p.add_argument("--tbt-slo", type=float, default=d.tbt_slo)
+    p.add_argument("--ttft-slo", type=float, default=None,
+                   help="TTFT SLO, s (default: 5 for vLLM on a CPU machine, else 30)")
+    p.add_argument("--tbt-slo", type=float, default=None,
+                   help="TBT SLO, s (default: 0.25 for vLLM on a CPU machine, else 0.1)")
     p.add_argument("--admission", dest="admission_policy", default=d.admission_policy,
                    choices=["baseline", "early", "predict"])
     p.add_argument("--conductors", type=int, default=d.conductors,
@@ -63,11 +65,14 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--api-key", default=d.api_key,
                    help="gateway API key(s), comma list: clients send Authorization: Bearer KEY")
     a = p.parse_args(argv)
+    slos = default_slos(a.engine)
     return StackConfig(
         nats_url=a.nats, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         engine=a.engine, load_format=a.load_format, kv_blocks=a.kv_blocks,
         model_dir=a.model_dir, block_size=a.block_size, speedup=a.speedup,
-        store_capacity_blocks=a.store_capacity_blocks, ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
+        store_capacity_blocks=a.store_capacity_blocks,
+        ttft_slo=slos[0] if a.ttft_slo is None else a.ttft_slo,
+        tbt_slo=slos[1] if a.tbt_slo is None else a.tbt_slo,
         admission_policy=a.admission_policy, log_dir=a.log_dir, log_level=a.log_level,
         api_key=a.api_key,
         conductors=a.conductors, cost_model=a.cost_model,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from perigee.natsd import free_port
 from perigee.replay import Outcome, replay, summarize
-from perigee.stack import Stack, StackConfig
+from perigee.stack import Stack, StackConfig, default_slos
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, load_trace, spread_ties
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.engine.vllm import options as vllm_options
@@ -158,8 +158,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-model-len", type=int, default=0)
-    p.add_argument("--ttft-slo", type=float, default=d.ttft_slo)
-    p.add_argument("--tbt-slo", type=float, default=d.tbt_slo)
+    p.add_argument("--ttft-slo", type=float, default=None,
+                   help="TTFT SLO, s (default: perigee up's for vLLM on this machine)")
+    p.add_argument("--tbt-slo", type=float, default=None, help="TBT SLO, s (likewise)")
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="plain vLLM's KV cache, GiB")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--systems", default="perigee,vllm", help="which to run, comma list")
@@ -168,6 +169,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--log-dir", default=".perigee/bench-slo")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    slos = default_slos("vllm")
+    a.ttft_slo = slos[0] if a.ttft_slo is None else a.ttft_slo
+    a.tbt_slo = slos[1] if a.tbt_slo is None else a.tbt_slo
     spec = ModelSpec.from_dir(a.model)
     name = spec.name
     reqs = spread_ties(load_trace(a.trace, a.limit))

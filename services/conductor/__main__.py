@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fitted cost model JSON (perigee profile --json); default: the analytic model",
     )
     ap.add_argument(
+        "--no-ttft-feedback",
+        action="store_true",
+        help="predict TTFT from the fitted costs alone (no observed/predicted correction)",
+    )
+    ap.add_argument(
         "--tbt-check",
         choices=("placement", "none"),
         default="placement",
@@ -96,6 +101,7 @@ async def amain(args: argparse.Namespace) -> int:
         adaptive_threshold=args.balancing_threshold[0],
         cost_model=args.cost_model,
         tbt_check=args.tbt_check == "placement",
+        ttft_feedback=not args.no_ttft_feedback,
         pd_controller=args.pd_controller,
         pd_interval_s=args.pd_interval,
         pd_window_s=args.pd_window,

@@ -151,6 +151,7 @@ class _Dispatch:
     work_s: float
     tokens: int
     placed_at: float
+    est_ttft_s: float = 0.0  # as placed, before the TTFT feedback's factor
     prefill_open: bool = True
     decode_since: float | None = None  # first-token time; None: not yet
 
@@ -165,10 +166,41 @@ class _Candidate:
     queue_s: float
     transfer_s: float
     prefill_s: float
+    factor: float = 1.0  # the instance's observed/predicted TTFT (TtftFeedback)
+
+    @property
+    def raw_ttft_s(self) -> float:
+        return self.transfer_s + self.queue_s + self.prefill_s
 
     @property
     def ttft_s(self) -> float:
-        return self.transfer_s + self.queue_s + self.prefill_s
+        return self.factor * self.raw_ttft_s
+
+
+@dataclass
+class TtftFeedback:
+    """Per prefill instance, how far observed TTFT (placement to first token) runs
+    from the predicted one: an exponential average of observed / predicted over the
+    requests it served. The fitted compute model misses what only shows while serving
+    (the engines' contention for cores, the request's bus hops, the handoff of the
+    one before), and a queue estimate compounds the miss; the factor scales the
+    instance's predictions so that what is accepted meets the SLO."""
+
+    alpha: float = 0.2
+    lo: float = 0.5
+    hi: float = 8.0
+    min_predicted_s: float = 0.02  # shorter predictions are mostly noise
+    factors: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, instance: str, predicted_s: float, observed_s: float) -> None:
+        if predicted_s < self.min_predicted_s or observed_s <= 0:
+            return
+        r = min(self.hi, max(self.lo, observed_s / predicted_s))
+        f = self.factors.get(instance)
+        self.factors[instance] = r if f is None else f + self.alpha * (r - f)
+
+    def factor(self, instance: str) -> float:
+        return self.factors.get(instance, 1.0)
 
 
 @dataclass
@@ -191,6 +223,9 @@ class PlacementPolicy:
     tbt_check: bool = True
     # Per-instance fitted models (None: a book of this policy's own, fed by the reports).
     book: CalibrationBook | None = None
+    # Scale each instance's TTFT predictions by its observed/predicted ratio (None: off,
+    # as in the simulator, whose instances run exactly the cost model).
+    feedback: TtftFeedback | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -248,6 +283,8 @@ class PlacementPolicy:
         d = self._dispatches.get(request_id)
         if d is None:
             return
+        if self.feedback is not None:
+            self.feedback.observe(d.prefill_instance, d.est_ttft_s, ts - d.placed_at)
         self._close_prefill(d, source_too=True)
         if d.request_id in self._dispatches:
             d.decode_since = ts if handoff_ts is None else max(ts, handoff_ts)
@@ -368,6 +405,7 @@ class PlacementPolicy:
             work_s=chosen.transfer_s + chosen.prefill_s,
             tokens=req.num_tokens,
             placed_at=self.clock.now(),
+            est_ttft_s=chosen.raw_ttft_s,
         )
         self._record(d)
         self.stats["placed"] += 1
@@ -440,6 +478,7 @@ class PlacementPolicy:
                     queue_s=self.queue_s(instance),
                     transfer_s=transfer_s,
                     prefill_s=prefill_s,
+                    factor=self.feedback.factor(instance) if self.feedback else 1.0,
                 )
             )
         return out

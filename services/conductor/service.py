@@ -56,7 +56,13 @@ from services.common.hashing import block_hashes as compute_block_hashes
 from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.pd_ratio import PDRatioController
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    Rejection,
+    TtftFeedback,
+)
 from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
 from tracing import tracer
@@ -88,6 +94,7 @@ class ConductorConfig:
     report_grace_s: float = 0.05  # see PlacementPolicy.report_grace_s
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     adaptive_threshold: bool = False  # tune balancing_threshold online (from its value)
+    ttft_feedback: bool = True  # scale TTFT predictions by each instance's observed ratio
     tbt_check: bool = True  # False: no TBT rejection at placement (baseline admission)
     pd_controller: bool = False  # publish the dynamic P/D ratio's role switches
     pd_interval_s: float = 10.0
@@ -138,6 +145,7 @@ class ConductorService:
             adaptive=adaptive,
             tbt_check=cfg.tbt_check,
             book=self.book,
+            feedback=TtftFeedback() if cfg.ttft_feedback else None,
         )
         self.roles = RoleControl(
             nc,

@@ -15,6 +15,7 @@ from services.conductor.policy import (
     PlacementRequest,
     Rejection,
     RemoteSource,
+    TtftFeedback,
 )
 
 BS = 32
@@ -317,3 +318,36 @@ def test_decode_share_lasts_until_a_report_after_the_handoff():
     assert pol.dispatched() == ["a"]
     pol.observe_decode(dload("d0", "m0", batch=1, kv=N + 1, ts=12.4))
     assert pol.dispatched() == []
+
+
+def test_ttft_feedback_averages_observed_over_predicted_per_instance():
+    fb = TtftFeedback(alpha=0.5, lo=0.5, hi=8.0, min_predicted_s=0.02)
+    assert fb.factor("p0") == 1.0
+    fb.observe("p0", 1.0, 3.0)  # first observation: taken as is
+    assert fb.factor("p0") == 3.0
+    fb.observe("p0", 2.0, 2.0)  # ratio 1: halfway back
+    assert fb.factor("p0") == 2.0
+    fb.observe("p0", 0.01, 5.0)  # below min_predicted_s: ignored
+    fb.observe("p0", 1.0, 100.0)  # clipped to hi
+    assert fb.factor("p0") == 5.0
+    assert fb.factor("p1") == 1.0
+
+
+def test_ttft_feedback_makes_a_slow_instance_reject_what_its_fit_would_accept():
+    clock = ManualClock(100.0)
+    fb = TtftFeedback(alpha=1.0)
+    pol = make_policy(clock, prefills=(("p0", "n0", 4.0),), feedback=fb, ttft_slo_s=10.0)
+    first = placed(pol.place(req("a"), {}))
+    predicted = first.est_ttft_s
+    assert 4.0 < predicted < 10.0  # the fitted costs alone accept it
+    clock.advance(3 * predicted)  # ...but its first token came three times later
+    pol.prefill_done("a", clock.now())
+    assert fb.factor("p0") == pytest.approx(3.0)
+    pol.observe_prefill(pload("p0", "n0", 4.0, ts=clock.now()))
+    pol.observe_decode(dload("d0", "m0", ts=clock.now()))
+    d = pol.place(req("b"), {})
+    assert isinstance(d, Rejection) and d.code == ErrorCode.REJECTED
+    assert "exceeds the 10s SLO" in d.reason
+    # without feedback the same state is accepted
+    plain = make_policy(ManualClock(0.0), prefills=(("p0", "n0", 4.0),), ttft_slo_s=10.0)
+    assert isinstance(plain.place(req("b"), {}), Placement)
