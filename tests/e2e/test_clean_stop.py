@@ -121,6 +121,15 @@ def _whole_stack(up: Up) -> list[psutil.Process]:
     return procs
 
 
+def _more(up: Up, procs: list[psutil.Process]) -> list[psutil.Process]:
+    """``procs`` and what the services started since (e.g. the stores' shared-memory
+    resource trackers): grandchildren must go too."""
+    pids = {p.pid for p in procs}
+    more = procs + [p for p in up.descendants() if p.pid not in pids]
+    up.known = more
+    return more
+
+
 @pytest.fixture
 def up(tmp_path):
     u = Up(tmp_path)
@@ -157,6 +166,7 @@ def test_stop_while_serving_drains_every_service(up, how):
     # The gateway's /ready can be 200 a moment before perigee up has seen it.
     _wait_for(lambda: "perigee: ready at" in up.output(), "perigee up says it is ready")
     assert up.complete()["choices"][0]["text"] is not None
+    procs = _more(up, procs)
     if how == "ctrl-c":
         os.killpg(up.proc.pid, signal.SIGINT)
     else:
@@ -174,6 +184,7 @@ def test_stop_while_serving_drains_every_service(up, how):
 def test_sigkilled_perigee_up_leaves_no_orphans(up):
     procs = _whole_stack(up)
     _wait_for(lambda: "perigee: ready at" in up.output(), "perigee up says it is ready")
+    procs = _more(up, procs)
     os.kill(up.proc.pid, signal.SIGKILL)
     assert up.proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL
     _wait_for(lambda: not _alive(procs), "every child of a SIGKILLed perigee up gone")
