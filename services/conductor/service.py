@@ -145,7 +145,8 @@ class ConductorService:
             adaptive=adaptive,
             tbt_check=cfg.tbt_check,
             book=self.book,
-            feedback=TtftFeedback() if cfg.ttft_feedback else None,
+            # A hand-given cost model is taken as it is: no per-instance correction.
+            feedback=TtftFeedback() if cfg.ttft_feedback and not cfg.cost_model else None,
         )
         self.roles = RoleControl(
             nc,

@@ -34,6 +34,8 @@ from bus_schemas.requests import (
     StreamEvent,
     Tokens,
 )
+from services.common.cost_fit import PrefillSample, fit_cost_model
+from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 from services.common.model_spec import DEFAULT_MODEL_DIR
 from tests.e2e.conftest import make_stack
@@ -94,10 +96,16 @@ def vllm_env(random_model, tmp_path_factory):
         "model_dir": random_model, "prefix_caching": False, "max_model_len": 8192,
         "requests": [{"prompt": REFERENCE_SET[k], "max_tokens": MAX_TOKENS} for k in names],
     }, tmp_path_factory.mktemp("reference")).start()
-    # speedup 0.1: the cost model predicts 10x the A800 times, closer to this CPU and
-    # large enough that a queued 4k prefill outweighs any transfer (cross-instance test).
+    # One hand-given cost model for both prefill instances (the analytic one; speedup
+    # 0.1: 10x the A800 times, closer to this CPU and large enough that a queued 4k
+    # prefill outweighs any transfer): placement then depends on the caches and the
+    # queues alone, not on which instance happened to measure faster (cross-instance test).
+    cost_model = tmp_path_factory.mktemp("cost") / "analytic.json"
+    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
+                    for n in (256, 1024, 4096, 8192) for p in (0, n // 4, n // 2)]).save(cost_model)
     s = make_stack(tmp_path_factory, "vllm", engine="vllm", prefill=2, decode=1,
-                   model_dir=random_model, speedup="0.1", tbt_slo=1.0, lease_s=LEASE_S)
+                   model_dir=random_model, speedup="0.1", tbt_slo=1.0, lease_s=LEASE_S,
+                   cost_model=str(cost_model))
     try:
         s.start()
         expected = dict(zip(names, (r["tokens"] for r in ref.result()["results"]), strict=True))
