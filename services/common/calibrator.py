@@ -14,10 +14,13 @@ to a temporary file and renamed.
 
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +39,50 @@ MAX_REPORTED_STEPS = 32  # decode steps per load report (the latest)
 MAX_REPORTED_PREFILLS = 64
 
 
+# A refit costs about a millisecond of the worker's event loop; at tens of requests (or
+# hundreds of decode steps) a second it is done at most this often, except while the
+# fit is young (the warm-up and the first requests move it most).
+REFIT_INTERVAL_S = 0.5
+YOUNG_SAMPLES = 32
+
+
 class Calibrator:
-    def __init__(self, fit: OnlineFit, *, path: Path | None = None) -> None:
+    def __init__(self, fit: OnlineFit, *, path: Path | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fit = fit
         self.path = path
+        self._clock = clock
+        self._fitted_at = -math.inf
+        self._fitted_on = (-1, -1)  # (prefill, decode) samples behind the cached fit
+        self._model: CostModel | None = None
+        self._cost_fit: CostFit | None = None
         self._prefills: deque[tuple[int, int, float]] = deque(maxlen=MAX_REPORTED_PREFILLS)
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=MAX_REPORTED_STEPS)
         self._from_disk = isinstance(fit.prior, FittedCostModel)
 
     def model(self) -> CostModel:
-        return self.fit.model()
+        self._refresh()
+        assert self._model is not None
+        return self._model
+
+    def _refresh(self) -> None:
+        f = self.fit
+        seen = (f.prefill_samples, f.decode_samples)
+        if self._model is not None and seen == self._fitted_on:
+            return
+        now = self._clock()
+        young = min(n for n in seen if n > 0) <= YOUNG_SAMPLES if any(seen) else True
+        if self._model is not None and not young and now - self._fitted_at < REFIT_INTERVAL_S:
+            return
+        self._model = f.model()
+        has_p = f.prefill_samples > 0 or self._from_disk
+        has_d = f.decode_samples > 0 or self._from_disk
+        self._cost_fit = CostFit(
+            prefill=list(f.prefill_coef()) if has_p else None,
+            decode=list(f.decode_coef()) if has_d else None,
+            prefill_samples=f.prefill_samples, decode_samples=f.decode_samples,
+        )
+        self._fitted_at, self._fitted_on = now, seen
 
     # -- measurements (the worker's prefill, the engine's decode steps) --
     def prefill(self, n: int, p: int, seconds: float, predicted: float | None = None) -> None:
@@ -62,14 +99,9 @@ class Calibrator:
 
     # -- reports --
     def cost_fit(self) -> CostFit:
-        f = self.fit
-        has_p = f.prefill_samples > 0 or self._from_disk
-        has_d = f.decode_samples > 0 or self._from_disk
-        return CostFit(
-            prefill=list(f.prefill_coef()) if has_p else None,
-            decode=list(f.decode_coef()) if has_d else None,
-            prefill_samples=f.prefill_samples, decode_samples=f.decode_samples,
-        )
+        self._refresh()
+        assert self._cost_fit is not None
+        return self._cost_fit
 
     def annotate(self, report: Any) -> Any:
         """``report`` (PrefillLoad / DecodeLoad) with the fit and the measurements

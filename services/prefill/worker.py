@@ -394,7 +394,7 @@ class PrefillWorker(WorkerBase):
             with tracer().start_as_current_span(
                 "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
-                done.first = await self._compute(job, n, p)
+                done.first, learn = await self._compute(job, n, p)
             done.first_ts = time.time()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
@@ -403,6 +403,8 @@ class PrefillWorker(WorkerBase):
                         request_id=req.request_id, token_ids=[done.first], index=0,
                         from_prefill=True,
                     ))
+            if learn is not None:  # after the first token: a refit is not on its path
+                learn()
         except BaseException:
             await done.stop()
             raise
@@ -445,18 +447,23 @@ class PrefillWorker(WorkerBase):
                   first_token=first)
 
     # -- helpers --
-    async def _compute(self, job: PrefillJob, n: int, p: int) -> int:
-        """``engine.prefill``, measured for this instance's calibration: the fit before
-        the compute is the prediction, the queue is repriced with the fit after it."""
+    async def _compute(self, job: PrefillJob, n: int, p: int) -> tuple[int, Any]:
+        """``engine.prefill``, measured for this instance's calibration: (first token,
+        what to learn once the first token is out: the fit before the compute is the
+        prediction; the queue is repriced with the fit after it)."""
         calib = self.calibrator
         if calib is None:
-            return await self.engine.prefill(job)
+            return await self.engine.prefill(job), None
         predicted = calib.model().prefill_time(n, p)
         t0 = time.perf_counter()
         first = await self.engine.prefill(job)
-        calib.prefill(n, p, time.perf_counter() - t0, predicted)
-        self.queue.reprice(calib.model())
-        return first
+        seconds = time.perf_counter() - t0
+
+        def learn() -> None:
+            calib.prefill(n, p, seconds, predicted)
+            self.queue.reprice(calib.model())
+
+        return first, learn
 
     def _validate(self, task: PrefillTask) -> None:
         req, bs = task.request, self.layout.block_size

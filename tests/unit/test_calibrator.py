@@ -71,3 +71,18 @@ def test_fit_kept_on_disk_is_the_next_prior(tmp_path, monkeypatch):
     # another engine speed is another machine: its own file
     other = calibration.for_worker("mock", DEFAULT_MODEL_DIR, SPEC.name, prior, 2.0)
     assert other.path != first.path and other.fit.prior is prior
+
+
+def test_a_mature_fit_is_refitted_at_most_every_interval():
+    now = [0.0]
+    c = Calibrator(OnlineFit(CostModel()), clock=lambda: now[0])
+    for i in range(calibration.YOUNG_SAMPLES):  # young: every sample refits at once
+        c.prefill(1000, 0, 1.0)
+        assert c.model().prefill_time(1000, 0) == pytest.approx(1.0, rel=0.05)
+    for _ in range(20):  # the machine got 3x slower, but the fit is mature
+        c.prefill(1000, 0, 3.0)
+    assert c.model().prefill_time(1000, 0) == pytest.approx(1.0, rel=0.05)
+    assert c.cost_fit().prefill_samples == calibration.YOUNG_SAMPLES
+    now[0] += calibration.REFIT_INTERVAL_S
+    assert c.model().prefill_time(1000, 0) > 1.2  # refitted: it moves toward the slowdown
+    assert c.cost_fit().prefill_samples == calibration.YOUNG_SAMPLES + 20
