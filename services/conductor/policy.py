@@ -186,7 +186,11 @@ class TtftFeedback:
     one before), and a queue estimate compounds the miss; the factor scales the
     instance's predictions so that what is accepted meets the SLO."""
 
-    alpha: float = 0.2
+    # Up fast, down slowly: a first token arrives only after the requests placed
+    # meanwhile, so a factor that lags a slowdown has already over-admitted; one that
+    # lags a speed-up only rejects a little early for a while.
+    alpha_up: float = 0.5
+    alpha_down: float = 0.1
     lo: float = 0.5
     hi: float = 8.0
     min_predicted_s: float = 0.02  # shorter predictions are mostly noise
@@ -197,7 +201,10 @@ class TtftFeedback:
             return
         r = min(self.hi, max(self.lo, observed_s / predicted_s))
         f = self.factors.get(instance)
-        self.factors[instance] = r if f is None else f + self.alpha * (r - f)
+        if f is None:
+            self.factors[instance] = r
+        else:
+            self.factors[instance] = f + (self.alpha_up if r > f else self.alpha_down) * (r - f)
 
     def factor(self, instance: str) -> float:
         return self.factors.get(instance, 1.0)

@@ -321,21 +321,21 @@ def test_decode_share_lasts_until_a_report_after_the_handoff():
 
 
 def test_ttft_feedback_averages_observed_over_predicted_per_instance():
-    fb = TtftFeedback(alpha=0.5, lo=0.5, hi=8.0, min_predicted_s=0.02)
+    fb = TtftFeedback(alpha_up=0.5, alpha_down=0.25, lo=0.5, hi=8.0, min_predicted_s=0.02)
     assert fb.factor("p0") == 1.0
     fb.observe("p0", 1.0, 3.0)  # first observation: taken as is
     assert fb.factor("p0") == 3.0
-    fb.observe("p0", 2.0, 2.0)  # ratio 1: halfway back
-    assert fb.factor("p0") == 2.0
+    fb.observe("p0", 2.0, 2.0)  # ratio 1: a quarter of the way back (down is slow)
+    assert fb.factor("p0") == 2.5
     fb.observe("p0", 0.01, 5.0)  # below min_predicted_s: ignored
-    fb.observe("p0", 1.0, 100.0)  # clipped to hi
-    assert fb.factor("p0") == 5.0
+    fb.observe("p0", 1.0, 100.0)  # clipped to hi, half of the way up (up is fast)
+    assert fb.factor("p0") == 5.25
     assert fb.factor("p1") == 1.0
 
 
 def test_ttft_feedback_makes_a_slow_instance_reject_what_its_fit_would_accept():
     clock = ManualClock(100.0)
-    fb = TtftFeedback(alpha=1.0)
+    fb = TtftFeedback(alpha_up=1.0)
     pol = make_policy(clock, prefills=(("p0", "n0", 4.0),), feedback=fb, ttft_slo_s=10.0)
     first = placed(pol.place(req("a"), {}))
     predicted = first.est_ttft_s
