@@ -190,7 +190,7 @@ class TtftFeedback:
     # meanwhile, so a factor that lags a slowdown has already over-admitted; one that
     # lags a speed-up only rejects a little early for a while.
     alpha_up: float = 0.5
-    alpha_down: float = 0.1
+    alpha_down: float = 0.05
     lo: float = 0.5
     hi: float = 8.0
     min_predicted_s: float = 0.02  # shorter predictions are mostly noise
