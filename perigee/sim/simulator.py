@@ -298,7 +298,8 @@ class Simulator:
 
     def _place(self, req: SimRequest) -> None:
         bs, cl = self.cfg.block_size, self.cluster
-        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), bs)
+        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), bs,
+                                arrival_ts=req.arrival)
         ex_p: set[str] = set()
         ex_d: set[str] = set()
         ex_s: set[str] = set()

@@ -88,6 +88,10 @@ class PlacementRequest:
     block_size: int
     ttft_slo_s: float | None = None  # None: the policy's default
     tbt_slo_s: float | None = None
+    # When the request reached the gateway (the policy clock's time base; 0: unknown):
+    # the TTFT SLO is the client's, so what the request already spent in the gateway,
+    # admission and the bus counts against it.
+    arrival_ts: float = 0.0
 
     @classmethod
     def from_request(cls, req: GenerateRequest, block_size: int) -> "PlacementRequest":
@@ -101,6 +105,7 @@ class PlacementRequest:
             block_size=block_size,
             ttft_slo_s=req.ttft_slo_s,
             tbt_slo_s=req.tbt_slo_s,
+            arrival_ts=req.arrival_ts,
         )
 
 
@@ -385,12 +390,15 @@ class PlacementPolicy:
 
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
-        if chosen.ttft_s > ttft_slo:
+        # Clamped: a gateway clock ahead of this one must not make time run backwards.
+        waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
+        if waited + chosen.ttft_s > ttft_slo:
             self.stats["rejected_ttft"] += 1
+            late = f" after {waited:.3f}s before placement" if waited >= 0.001 else ""
             return Rejection(
                 ErrorCode.REJECTED,
-                f"predicted TTFT {chosen.ttft_s:.3f}s exceeds the {ttft_slo:g}s SLO",
-                max(self.min_retry_after_s, chosen.ttft_s - ttft_slo),
+                f"predicted TTFT {chosen.ttft_s:.3f}s{late} exceeds the {ttft_slo:g}s SLO",
+                max(self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo),
             )
         if self.tbt_check and tbts[decode] > tbt_slo:
             self.stats["rejected_tbt"] += 1

@@ -351,3 +351,19 @@ def test_ttft_feedback_makes_a_slow_instance_reject_what_its_fit_would_accept():
     # without feedback the same state is accepted
     plain = make_policy(ManualClock(0.0), prefills=(("p0", "n0", 4.0),), ttft_slo_s=10.0)
     assert isinstance(plain.place(req("b"), {}), Placement)
+
+
+def test_time_spent_before_placement_counts_against_the_ttft_slo():
+    clock = ManualClock(100.0)
+    pol = make_policy(clock, prefills=(("p0", "n0", 3.0),), ttft_slo_s=5.0)
+    fresh = placed(pol.place(req("a", arrival_ts=99.5), {}))
+    assert 3.0 < fresh.est_ttft_s < 4.5  # 0.5 s waited + the estimate: within 5 s
+    pol.release("a")
+    late = pol.place(req("b", arrival_ts=98.0), {})  # 2 s in the gateway and on the bus
+    assert isinstance(late, Rejection) and late.code == ErrorCode.REJECTED
+    assert "after 2.000s before placement" in late.reason
+    assert late.retry_after_s == max(1.0, 2.0 + fresh.est_ttft_s - 5.0)
+    pol.release("b")
+    assert isinstance(pol.place(req("c", arrival_ts=0.0), {}), Placement)  # unknown: not counted
+    pol.release("c")
+    assert isinstance(pol.place(req("d", arrival_ts=200.0), {}), Placement)  # clock skew: clamped
