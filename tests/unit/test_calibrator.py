@@ -76,7 +76,7 @@ def test_fit_kept_on_disk_is_the_next_prior(tmp_path, monkeypatch):
 def test_a_mature_fit_is_refitted_at_most_every_interval():
     now = [0.0]
     c = Calibrator(OnlineFit(CostModel()), clock=lambda: now[0])
-    for i in range(calibration.YOUNG_SAMPLES):  # young: every sample refits at once
+    for _ in range(calibration.YOUNG_SAMPLES):  # young: every sample refits at once
         c.prefill(1000, 0, 1.0)
         assert c.model().prefill_time(1000, 0) == pytest.approx(1.0, rel=0.05)
     for _ in range(20):  # the machine got 3x slower, but the fit is mature
