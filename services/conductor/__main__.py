@@ -46,6 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fitted cost model JSON (perigee profile --json); default: the analytic model",
     )
     ap.add_argument(
+        "--ttft-margin",
+        type=float,
+        default=0.9,
+        help="share of the TTFT SLO placements plan to fill (the rest absorbs the spread "
+        "of actual TTFT around the prediction)",
+    )
+    ap.add_argument(
         "--no-ttft-feedback",
         action="store_true",
         help="predict TTFT from the fitted costs alone (no observed/predicted correction)",
@@ -102,6 +109,7 @@ async def amain(args: argparse.Namespace) -> int:
         cost_model=args.cost_model,
         tbt_check=args.tbt_check == "placement",
         ttft_feedback=not args.no_ttft_feedback,
+        ttft_margin=args.ttft_margin,
         pd_controller=args.pd_controller,
         pd_interval_s=args.pd_interval,
         pd_window_s=args.pd_window,

@@ -367,3 +367,14 @@ def test_time_spent_before_placement_counts_against_the_ttft_slo():
     assert isinstance(pol.place(req("c", arrival_ts=0.0), {}), Placement)  # unknown: not counted
     pol.release("c")
     assert isinstance(pol.place(req("d", arrival_ts=200.0), {}), Placement)  # clock skew: clamped
+
+
+def test_ttft_margin_plans_placements_below_the_slo():
+    clock = ManualClock(0.0)
+    full = make_policy(clock, prefills=(("p0", "n0", 4.6),), ttft_slo_s=5.0)
+    est = placed(full.place(req("a"), {})).est_ttft_s
+    assert 4.5 < est < 5.0
+    tight = make_policy(ManualClock(0.0), prefills=(("p0", "n0", 4.6),), ttft_slo_s=5.0,
+                        ttft_margin=0.9)
+    d = tight.place(req("a"), {})
+    assert isinstance(d, Rejection) and "(planned to 90%)" in d.reason
