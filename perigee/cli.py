@@ -8,6 +8,7 @@ import sys
 COMMANDS = {
     "up": ("perigee.up", "start nats-server and every service"),
     "multihost": ("perigee.multihost", "the stack over N hosts in network namespaces (root)"),
+    "model": ("perigee.models", "prepare the default model (or convert a .gguf) once"),
     "bench": ("perigee.bench", "benchmarks: pipeline, reuse, transfer, store, conductor, calibration, slo"),
     "replay": ("perigee.replay", "replay a Mooncake trace against an OpenAI endpoint"),
     "breakdown": ("perigee.breakdown", "per-request latency breakdown from a spans file (Fig. 22)"),

@@ -84,7 +84,8 @@ class StackConfig:
     prefill: int = 1
     decode: int = 1
     engine: str = "mock"
-    model_dir: str = str(DEFAULT_MODEL_DIR)
+    model_dir: str = str(DEFAULT_MODEL_DIR)  # perigee up: the real model (perigee.models)
+    served_model_name: str = ""  # the gateway's name for it ("": the directory's name)
     block_size: int = 32
     speedup: str = "1.0"
     store_capacity_blocks: int = 4096
@@ -206,7 +207,8 @@ class Stack:
         out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
             "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
             "--dead-after", str(c.dead_after)]
-            + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])))
+            + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
+            + (["--served-model-name", c.served_model_name] if c.served_model_name else [])))
         return out
 
     def observability(self, children: list[Child]) -> list[Child]:

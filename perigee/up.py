@@ -19,7 +19,15 @@ import sys
 import threading
 import time
 
+from perigee import models
+from perigee.models import DEFAULT_MODEL_NAME, TINY_NAME
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
+from services.common.model_spec import ModelSpec
+
+# Shared memory per node store when --store-capacity-blocks is not given: 4096 blocks of
+# the tiny model (512 MiB); 1,456 of SmolLM2-135M's 1.47 MB blocks (46k tokens). Stores
+# prefault their arena, so three of them at 6 GiB each would not fit a 24 GiB machine.
+STORE_BUDGET_BYTES = 2 << 30
 
 
 def parse(argv: list[str]) -> StackConfig:
@@ -33,16 +41,20 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--engine", choices=["mock", "vllm"], default="vllm",
                    help="vllm (default): vLLM in each prefill/decode worker; mock: the "
                         "paper's cost model with synthetic tokens")
-    p.add_argument("--model", "--model-dir", dest="model_dir", default=d.model_dir,
-                   help="model directory (config.json + tokenizer; vllm: safetensors weights, "
-                        "else dummy weights)")
+    p.add_argument("--model", "--model-dir", dest="model_dir", default=None,
+                   help=f"default: {DEFAULT_MODEL_NAME} (prepared by make install; "
+                        f"{TINY_NAME} with --engine mock); an "
+                        "HF-format folder (config.json + tokenizer; vllm: safetensors weights, "
+                        f"else dummy weights), a .gguf file (converted once), or {TINY_NAME}")
     p.add_argument("--load-format", default=d.load_format,
                    help="vllm: auto | dummy (default: auto if the model directory holds weights)")
     p.add_argument("--kv-blocks", type=int, default=d.kv_blocks,
                    help="vllm: paged-cache blocks per engine (0: by role)")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--speedup", default=d.speedup, help="mock engine speed-up (inf: no compute)")
-    p.add_argument("--store-capacity-blocks", type=int, default=d.store_capacity_blocks)
+    p.add_argument("--store-capacity-blocks", type=int, default=None,
+                   help=f"KV blocks per node store (default: {d.store_capacity_blocks}, at "
+                        f"most {STORE_BUDGET_BYTES >> 30} GiB of shared memory per store)")
     p.add_argument("--ttft-slo", type=float, default=None,
                    help="TTFT SLO, s (default: 5 for vLLM on a CPU machine, else 30)")
     p.add_argument("--tbt-slo", type=float, default=None,
@@ -65,12 +77,21 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--api-key", default=d.api_key,
                    help="gateway API key(s), comma list: clients send Authorization: Bearer KEY")
     a = p.parse_args(argv)
+    try:
+        # The mock engine's tokens are synthetic: real weights would serve nothing there.
+        model = models.resolve(a.model_dir or (TINY_NAME if a.engine == "mock" else None))
+    except models.ModelNotReady as e:
+        p.exit(2, f"perigee up: {e}\n")
+    capacity = a.store_capacity_blocks
+    if capacity is None:  # a real model's blocks are large: bound each store's memory
+        block = ModelSpec.from_dir(model.path).block_bytes(a.block_size)
+        capacity = max(1, min(d.store_capacity_blocks, STORE_BUDGET_BYTES // block))
     slos = default_slos(a.engine)
     return StackConfig(
         nats_url=a.nats, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         engine=a.engine, load_format=a.load_format, kv_blocks=a.kv_blocks,
-        model_dir=a.model_dir, block_size=a.block_size, speedup=a.speedup,
-        store_capacity_blocks=a.store_capacity_blocks,
+        model_dir=str(model.path), served_model_name=model.name, block_size=a.block_size,
+        speedup=a.speedup, store_capacity_blocks=capacity,
         ttft_slo=slos[0] if a.ttft_slo is None else a.ttft_slo,
         tbt_slo=slos[1] if a.tbt_slo is None else a.tbt_slo,
         admission_policy=a.admission_policy, log_dir=a.log_dir, log_level=a.log_level,
@@ -97,8 +118,8 @@ def main(argv: list[str]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    print(f"perigee: starting {cfg.prefill} prefill + {cfg.decode} decode ({cfg.engine} engine)...",
-          flush=True)
+    print(f"perigee: starting {cfg.prefill} prefill + {cfg.decode} decode ({cfg.engine} engine, "
+          f"model {cfg.served_model_name} from {cfg.model_dir})...", flush=True)
     try:
         stack.start(abort=stop)
     except StartAborted:  # start() has stopped what it had started
@@ -111,8 +132,9 @@ def main(argv: list[str]) -> int:
     key = (cfg.api_key or "").split(",")[0].strip()
     auth = f"-H 'Authorization: Bearer {key}' " if key else ""
     print(f"perigee: ready at {stack.url}  (NATS {stack.nats_url}; logs in {cfg.log_dir}/)\n"
-          f"  curl {stack.url}/v1/completions {auth}-H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+          f"  curl {stack.url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"What is the capital of France?\"}}], \"temperature\": 0}}'\n"
           f"  spans: {stack.spans_file}   metrics targets: {stack.metrics_targets_file}\n"
           "perigee: Ctrl-C stops everything", flush=True)
     reported: set[str] = set()

@@ -1,7 +1,8 @@
 """What the serving path needs to know about a model: the shape of its KV cache.
 
-Read from a HuggingFace LLaMA-style ``config.json``; the store and transfer path
-size blocks from it, the mock engine emits KV of exactly this size.
+Read from a HuggingFace LLaMA-style ``config.json`` (and ``generation_config.json``'s
+EOS ids); the store and transfer path size blocks from it, the mock engine emits KV of
+exactly this size.
 """
 
 import json
@@ -24,7 +25,10 @@ class ModelSpec:
     vocab_size: int
     max_model_len: int
     dtype: str = "float32"
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the engines stop on it unless ignore_eos
+    # Every end-of-sequence id the model declares (config.json, generation_config.json):
+    # a chat model may end a turn on any of them.
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def elem_bytes(self) -> int:
@@ -49,9 +53,7 @@ class ModelSpec:
     def from_config(cls, cfg: dict, name: str = "", dtype: str | None = None) -> "ModelSpec":
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        eos = cfg.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos_ids = _ids(cfg.get("eos_token_id"))
         return cls(
             name=name or cfg.get("_name_or_path") or "perigee-model",
             num_layers=int(cfg["num_hidden_layers"]),
@@ -62,11 +64,23 @@ class ModelSpec:
             vocab_size=int(cfg["vocab_size"]),
             max_model_len=int(cfg.get("max_position_embeddings", 4096)),
             dtype=dtype or str(cfg.get("torch_dtype", "float32")),
-            eos_token_id=eos,
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            eos_token_ids=tuple(eos_ids),
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path | None = None, dtype: str | None = None) -> "ModelSpec":
         path = Path(model_dir) if model_dir else DEFAULT_MODEL_DIR
         cfg = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        if gen_path.exists():  # its EOS ids join config.json's, which come first
+            extra = _ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+            ids = _ids(cfg.get("eos_token_id"))
+            cfg = {**cfg, "eos_token_id": ids + [i for i in extra if i not in ids]}
         return cls.from_config(cfg, name=path.name, dtype=dtype)
+
+
+def _ids(v: int | list[int] | None) -> list[int]:
+    if v is None:
+        return []
+    return [int(i) for i in v] if isinstance(v, list) else [int(v)]

@@ -9,14 +9,18 @@ complete and the text streamed equals the text decoded at once; it never emits h
 character. Invalid byte sequences become U+FFFD, exactly as ``bytes.decode(errors=
 "replace")`` (and HF's ``decode``) would.
 
-Chat prompts render with :func:`render_chat`, the Python twin of :data:`CHAT_TEMPLATE`
-(the Jinja template shipped in ``tokenizer_config.json``). A model directory with a
-different template is rendered with ``jinja2`` when it is installed.
+Chat prompts follow the model's own chat template: ``chat_template`` in
+``tokenizer_config.json``, or ``chat_template.jinja`` beside it (where transformers 5's
+``save_pretrained`` writes it), rendered in jinja2's ``ImmutableSandboxedEnvironment``
+(a template is data from a model folder, not code to trust) with the globals
+transformers gives it. The tiny model's :data:`CHAT_TEMPLATE` renders through
+:func:`render_chat`, its Python twin, without jinja2.
 """
 
 import codecs
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -99,6 +103,10 @@ class Tokenizer:
         cfg = dict(config or {})
         self.bos_token = _token_str(cfg.get("bos_token")) or "<s>"
         self.eos_token = _token_str(cfg.get("eos_token")) or "</s>"
+        # Every special token by name, as transformers passes them to a chat template.
+        self._template_tokens = {k: _token_str(v) for k, v in cfg.items()
+                                 if k.endswith("_token") and _token_str(v) is not None}
+        self._template_tokens.update(bos_token=self.bos_token, eos_token=self.eos_token)
         self.chat_template: str = cfg.get("chat_template") or CHAT_TEMPLATE
         vocab = hf.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
@@ -124,6 +132,9 @@ class Tokenizer:
         path = Path(model_dir) if model_dir else DEFAULT_MODEL_DIR
         cfg_path = path / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        jinja_path = path / "chat_template.jinja"
+        if not cfg.get("chat_template") and jinja_path.exists():
+            cfg["chat_template"] = jinja_path.read_text(encoding="utf-8")
         return cls(HFTokenizer.from_file(str(path / "tokenizer.json")), cfg)
 
     # ---- encoding ------------------------------------------------------------------
@@ -134,7 +145,7 @@ class Tokenizer:
 
     def encode_bytes(self, data: bytes, add_bos: bool = True) -> list[int]:
         """Any bytes, valid UTF-8 or not: invalid bytes become their byte tokens."""
-        ids = [self.bos_id] if add_bos else []
+        ids = self.encode("", add_bos=True) if add_bos else []  # BOS if the model adds one
         i = 0
         while i < len(data):
             try:
@@ -172,17 +183,11 @@ class Tokenizer:
         if self.chat_template == CHAT_TEMPLATE:
             return render_chat(messages, add_generation_prompt, self.bos_token, self.eos_token)
         if self._jinja is None:
-            try:
-                from jinja2.sandbox import ImmutableSandboxedEnvironment
-            except ImportError:  # pragma: no cover - depends on the environment
-                raise ValueError("this model's chat template needs jinja2 installed") from None
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            self._jinja = env.from_string(self.chat_template)
+            self._jinja = compile_chat_template(self.chat_template)
         return self._jinja.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
+            **self._template_tokens,
         )
 
     def encode_chat(
@@ -190,6 +195,33 @@ class Tokenizer:
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes ``<s>`` itself."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+
+
+def compile_chat_template(source: str) -> Any:
+    """A chat template in jinja2's immutable sandbox, set up as transformers does
+    (``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_exception``,
+    ``strftime_now``, a ``tojson`` that keeps non-ASCII text), so a model's template
+    renders here as it does there. A template that raises fails the request with 400."""
+    try:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 comes with vLLM and transformers
+        raise ValueError("this model's chat template needs jinja2 installed") from None
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"the chat template refused the messages: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
 
 
 def _token_str(tok: Any) -> str | None:

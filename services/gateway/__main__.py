@@ -7,10 +7,12 @@ it, or a comma list; also ``PERIGEE_API_KEY``) makes every route but ``/health``
 
 import argparse
 import sys
+from pathlib import Path
 
 from services.common import runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
+from services.common.model_spec import DEFAULT_MODEL_DIR
 from services.common.shutdown import StopEvent
 from services.gateway.auth import ENV_VAR, parse_keys
 from services.gateway.server import Gateway, GatewayConfig
@@ -23,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--model-dir", default=None, help="tokenizer + config.json (default models/tiny-llama)")
-    ap.add_argument("--served-model-name", default="tiny-llama")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model's name in the API (default: the model directory's name)")
     ap.add_argument("--block-size", type=int, default=32, help="tokens per hashed KV block")
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
@@ -50,7 +53,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         model_dir=args.model_dir,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name or Path(args.model_dir or DEFAULT_MODEL_DIR).name,
         block_size=args.block_size,
         max_prompt_tokens=args.max_prompt_tokens,
         max_tokens_limit=args.max_tokens_limit,

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
@@ -90,7 +91,12 @@ class Gateway:
         self.cfg = cfg
         self.nc = nc
         self.tok = tokenizer or Tokenizer.from_dir(cfg.model_dir)
-        self.max_model_len = cfg.max_model_len or ModelSpec.from_dir(cfg.model_dir).max_model_len
+        spec = ModelSpec.from_dir(cfg.model_dir)
+        self.max_model_len = cfg.max_model_len or spec.max_model_len
+        # The engines stop on config.json's EOS; a chat model may declare more (the
+        # tokenizer's, generation_config.json's): those ride as stop token ids.
+        eos = [*spec.eos_token_ids, *([self.tok.eos_id] if self.tok.eos_id is not None else [])]
+        self.extra_eos = tuple(dict.fromkeys(i for i in eos if i != spec.eos_token_id))
         self.gateway_id = cfg.gateway_id or uuid.uuid4().hex[:12]
         self.watchdog = Watchdog(clock or WallClock(), cfg.dead_after_s, cfg.request_timeout_s)
         self.router = ReplyRouter(nc, self.gateway_id, self.watchdog)
@@ -213,8 +219,12 @@ class Gateway:
         if p.prompt_ids is not None:
             return p.prompt_ids
         if p.chat:
-            text = self.tok.apply_chat_template(p.messages or [])
-            add_bos = False  # the template writes <s>
+            try:
+                text = self.tok.apply_chat_template(p.messages or [])
+            except Exception as e:  # noqa: BLE001 - the model's template refused the messages
+                raise ApiError(400, f"the chat template cannot render these messages: {e}",
+                               param="messages") from None
+            add_bos = False  # the template writes its own BOS, if the model has one
         else:
             text, add_bos = p.prompt_text or "", True
         if len(text) <= OFFLOOP_CHARS:
@@ -246,6 +256,12 @@ class Gateway:
             )
         return mt
 
+    def _stop_on_eos(self, s: SamplingParams) -> SamplingParams:
+        if s.ignore_eos or not self.extra_eos:
+            return s
+        extra = [i for i in self.extra_eos if i not in s.stop_token_ids]
+        return msgspec.structs.replace(s, stop_token_ids=[*s.stop_token_ids, *extra])
+
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         if self.inflight >= self.cfg.max_inflight:
             metrics.INFLIGHT_REJECTIONS.inc()
@@ -269,7 +285,7 @@ class Gateway:
                 raise ApiError(404, f"the model `{p.model}` does not exist", param="model", code="model_not_found")
             ids = await self._tokenize(p)
             max_tokens = self._max_tokens(p, len(ids))
-            sampling = p.sampling(max_tokens)
+            sampling = self._stop_on_eos(p.sampling(max_tokens))
         except ApiError as e:
             telemetry.rejected(self.cfg.served_model_name, e.status)
             log.info("request_rejected", status=e.status, error=e.message, param=e.param)
