@@ -1,0 +1,378 @@
+"""deploy/k8s: the Kustomize base and its cpu/gpu overlays, rendered with the real
+``kubectl kustomize``, every object validated against the Kubernetes schemas
+(kubernetes-validate, offline), and the things that matter checked on the rendered
+objects: NATS clustering and JetStream volumes (the config also passes the real
+``nats-server -t``), probes, GPUs, shared memory, Secrets, resources, scaling, and every
+perigee container's command line parsed by that service's own argparse parser, so a
+manifest cannot drift from the code."""
+
+import base64
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bus_schemas import subjects
+from perigee.natsd import nats_server_binary
+from services.common.model_spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+TREES = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+K8S_VERSION = "1.32.0"  # the kubectl on these machines (client v1.32)
+PARSERS = {m: f"{m}.__main__" for m in (
+    "services.gateway", "services.admission", "services.conductor",
+    "services.prefill", "services.decode", "services.store")}
+# Stand-ins for what the kubelet fills in (downward API).
+FIELD_REFS = {"metadata.name": "perigee-prefill-0", "status.podIP": "10.0.0.7"}
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                reason="kubectl is not installed (kubectl kustomize renders deploy/k8s)")
+
+
+def render(tree: Path) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(tree)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: render(tree) for name, tree in TREES.items()}
+
+
+def objs(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workloads(docs: list[dict]) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def containers(docs: list[dict]):
+    for w in workloads(docs):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            yield w, c
+
+
+def perigee_containers(docs: list[dict]):
+    for w, c in containers(docs):
+        if c["image"].split(":")[0] == "perigee":
+            yield w, c
+
+
+def by_name(docs: list[dict], kind: str, prefix: str) -> dict:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(prefix))
+
+
+# -- the kubelet's view of a container: its environment and expanded arguments -----------
+
+def expand(s: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: known names are replaced, $$ escapes a $."""
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
+
+
+def environment(docs: list[dict], c: dict) -> dict[str, str]:
+    cms, secrets = objs(docs, "ConfigMap"), objs(docs, "Secret")
+    env: dict[str, str] = {}
+    for src in c.get("envFrom", []):
+        env.update(cms[src["configMapRef"]["name"]]["data"])
+    for e in c.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+            continue
+        ref = e["valueFrom"]
+        if "fieldRef" in ref:
+            env[e["name"]] = FIELD_REFS[ref["fieldRef"]["fieldPath"]]
+        elif "secretKeyRef" in ref:
+            s = secrets[ref["secretKeyRef"]["name"]]
+            env[e["name"]] = base64.b64decode(s["data"][ref["secretKeyRef"]["key"]]).decode()
+        else:
+            cm = cms[ref["configMapKeyRef"]["name"]]
+            env[e["name"]] = cm["data"][ref["configMapKeyRef"]["key"]]
+    return env
+
+
+def parsed(docs: list[dict], c: dict):
+    """The container's arguments parsed by its service's own parser."""
+    env = environment(docs, c)
+    module, *argv = [expand(a, env) for a in c["args"]]
+    parse = importlib.import_module(PARSERS[module]).parse_args
+    try:
+        return module, parse(argv)
+    except SystemExit as e:
+        pytest.fail(f"{c['name']}: {module} rejects {argv} (exit {e.code})")
+
+
+def flag(c: dict, name: str) -> str:
+    return next(a.split("=", 1)[1] for a in c["args"] if a.startswith(name + "="))
+
+
+def port_number(c: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == port)
+
+
+# -- schemas ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_object_validates_against_the_kubernetes_schemas(rendered, tree):
+    kv = pytest.importorskip("kubernetes_validate",
+                             reason="kubernetes-validate is not installed (make install)")
+    docs = rendered[tree]
+    assert len(docs) > 20
+    for d in docs:
+        try:
+            kv.validate(d, K8S_VERSION, strict=True)
+        except kv.ValidationError as e:
+            pytest.fail(f"{tree}: {d['kind']}/{d['metadata']['name']}: {e.message} at {e.path}")
+
+
+def test_validation_catches_a_broken_object(rendered):
+    """The validator is not a rubber stamp: a misspelt field is rejected."""
+    kv = pytest.importorskip("kubernetes_validate")
+    gw = by_name(rendered["base"], "Deployment", "perigee-gateway")
+    bad = yaml.safe_load(yaml.safe_dump(gw))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, K8S_VERSION, strict=True)
+
+
+# -- NATS ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_nats_is_a_cluster_of_three_with_jetstream_on_persistent_volumes(rendered, tree, tmp_path):
+    docs = rendered[tree]
+    sts = objs(docs, "StatefulSet")["perigee-nats"]
+    assert sts["spec"]["replicas"] == 3
+    headless = objs(docs, "Service")[sts["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None"
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    [c] = sts["spec"]["template"]["spec"]["containers"]
+    data = next(m for m in c["volumeMounts"] if m["name"] == claim["metadata"]["name"])
+    conf_vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    conf = objs(docs, "ConfigMap")[conf_vol["configMap"]["name"]]["data"]["nats.conf"]
+    routes = set(re.findall(r"nats://([\w.-]+):6222", conf))
+    assert routes == {f"perigee-nats-{i}.{headless['metadata']['name']}" for i in range(3)}
+    assert "authorization" in conf
+    store_dir = re.search(r"store_dir:\s*(\S+)", conf).group(1)
+    assert store_dir.startswith(data["mountPath"] + "/")
+    assert 6222 in [p["containerPort"] for p in c["ports"]]
+    # The real server accepts the file with the environment the pod gives it.
+    path = tmp_path / "nats.conf"
+    path.write_text(conf.replace(store_dir, str(tmp_path / "js")))
+    env = environment(docs, c)
+    r = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True,
+                       text=True, timeout=30, env={**os.environ, **env})
+    assert r.returncode == 0, r.stderr + r.stdout
+
+
+# -- probes, metrics -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_probes_point_at_what_each_service_serves(rendered, tree):
+    docs = rendered[tree]
+    seen = set()
+    for _, c in perigee_containers(docs):
+        module, args = parsed(docs, c)
+        seen.add(module)
+        if module == "services.gateway":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+            for p in ("readinessProbe", "livenessProbe"):
+                assert port_number(c, c[p]["httpGet"]["port"]) == args.port
+            continue
+        # The others serve /metrics on --metrics-port, bound on every address.
+        assert args.metrics_host == "0.0.0.0"
+        probes = [c[p] for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in c]
+        for p in probes:
+            if "httpGet" in p:
+                assert p["httpGet"]["path"] == "/metrics"
+                assert port_number(c, p["httpGet"]["port"]) == args.metrics_port
+        assert "httpGet" in c["livenessProbe"]
+        if module in ("services.prefill", "services.decode"):
+            # Ready once it answers its stats subject, under either role (--switchable).
+            cmd = c["readinessProbe"]["exec"]["command"][-1]
+            for role in ("prefill", "decode"):
+                subject = subjects.worker_stats(role, "$POD_NAME")
+                assert (f'python -m perigee.healthcheck --nats "$NATS_URL" '
+                        f'--subject "{subject}"') in cmd
+            assert expand(flag(c, "--instance"), {"POD_NAME": "$POD_NAME"}) == "$POD_NAME"
+        else:
+            assert c["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    assert seen == set(PARSERS)
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_perigee_pod_is_annotated_for_prometheus_on_a_metrics_port(rendered, tree):
+    docs = rendered[tree]
+    for w in workloads(docs):
+        t = w["spec"]["template"]
+        if not any(c["image"].startswith("perigee") for c in t["spec"]["containers"]):
+            continue
+        a = t["metadata"]["annotations"]
+        assert a["prometheus.io/scrape"] == "true" and a["prometheus.io/path"] == "/metrics"
+        served = set()
+        for c in t["spec"]["containers"]:
+            _, args = parsed(docs, c)
+            served.add(getattr(args, "metrics_port", None) or args.port)
+        assert int(a["prometheus.io/port"]) in served, w["metadata"]["name"]
+
+
+# -- resources, GPUs, shared memory ----------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_container_has_requests_and_limits(rendered, tree):
+    for w, c in containers(rendered[tree]):
+        r = c.get("resources", {})
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(r.get(kind, {})), (w["metadata"]["name"], c["name"])
+
+
+def test_only_the_gpu_overlay_asks_for_gpus(rendered):
+    for tree in ("base", "cpu"):
+        for _, c in containers(rendered[tree]):
+            assert "nvidia.com/gpu" not in str(c.get("resources")), (tree, c["name"])
+    workers = [(w, c) for w, c in containers(rendered["gpu"]) if c["name"] == "worker"]
+    assert {w["metadata"]["name"] for w, _ in workers} == {"perigee-prefill", "perigee-decode"}
+    for w, c in workers:
+        r = c["resources"]
+        assert r["requests"]["nvidia.com/gpu"] == r["limits"]["nvidia.com/gpu"] == 1
+        assert parsed(rendered["gpu"], c)[1].engine == "vllm"
+        assert any(t["key"] == "nvidia.com/gpu" for t in w["spec"]["template"]["spec"]["tolerations"])
+    gpu_containers = [c["name"] for _, c in containers(rendered["gpu"])
+                      if "nvidia.com/gpu" in str(c.get("resources"))]
+    assert sorted(gpu_containers) == ["worker", "worker"]
+    for _, c in containers(rendered["cpu"]):
+        if c["name"] == "worker":
+            assert parsed(rendered["cpu"], c)[1].engine == "vllm"
+    for _, c in containers(rendered["base"]):
+        if c["name"] == "worker":
+            assert parsed(rendered["base"], c)[1].engine == "mock"
+
+
+def _quantity(q: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    m = re.fullmatch(r"(\d+)([KMGT]i)?", str(q))
+    return int(m.group(1)) * units.get(m.group(2), 1)
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(rendered, tree):
+    docs = rendered[tree]
+    sts = objs(docs, "StatefulSet")
+    for role in ("prefill", "decode"):
+        spec = sts[f"perigee-{role}"]["spec"]["template"]["spec"]
+        [shm] = [v for v in spec["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+        cs = {c["name"]: c for c in spec["containers"]}
+        assert set(cs) == {"store", "worker"}
+        for c in cs.values():
+            assert {"name": shm["name"], "mountPath": "/dev/shm"} in c["volumeMounts"]
+        _, store = parsed(docs, cs["store"])
+        module, worker = parsed(docs, cs["worker"])
+        assert module == f"services.{role}"
+        # One node: the worker uses this pod's store, whose arena fits the tmpfs.
+        assert worker.node == store.node == FIELD_REFS["metadata.name"]
+        assert worker.block_size == store.block_size
+        arena = store.capacity_blocks * store.block_bytes
+        assert _quantity(shm["emptyDir"]["sizeLimit"]) >= arena
+        assert _quantity(cs["store"]["resources"]["limits"]["memory"]) >= arena
+        # The store's block is the model's KV of one block (the worker checks it at start).
+        model = ROOT / Path(worker.model_dir).relative_to("/app")
+        assert store.block_bytes == ModelSpec.from_dir(model).block_bytes(store.block_size)
+        # Peers reach the store at the pod's address on a declared port.
+        assert store.advertise_host == FIELD_REFS["status.podIP"] and store.host == "0.0.0.0"
+        assert store.port in [p["containerPort"] for p in cs["store"]["ports"]]
+
+
+# -- credentials -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_credentials_come_from_secrets(rendered, tree):
+    docs = rendered[tree]
+    secrets = objs(docs, "Secret")
+    want = {"NATS_USER", "NATS_PASSWORD"}
+    for w, c in containers(docs):
+        env = {e["name"]: e for e in c.get("env", [])}
+        names = want | ({"PERIGEE_API_KEY"} if c["name"] == "gateway" else set())
+        for name in names:
+            ref = env[name]["valueFrom"]["secretKeyRef"]
+            assert ref["key"] in secrets[ref["name"]]["data"], (w["metadata"]["name"], name)
+        password = environment(docs, c)["NATS_PASSWORD"]
+        # No credential is written into a manifest: args and values only refer to it.
+        assert password not in str(c.get("args", [])) + str([e.get("value") for e in env.values()])
+        if c["image"].startswith("perigee"):
+            assert flag(c, "--nats") == "$(NATS_URL)"
+            url = environment(docs, c)["NATS_URL"]
+            assert url.startswith(f"nats://{environment(docs, c)['NATS_USER']}:{password}@")
+    assert "REPLACE-ME" in base64.b64decode(
+        next(iter(secrets.values()))["data"]["nats-password"]).decode()
+
+
+# -- scaling ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_each_role_scales_by_the_operators_tools(rendered, tree):
+    docs = rendered[tree]
+    deps, sts = objs(docs, "Deployment"), objs(docs, "StatefulSet")
+    pdbs = objs(docs, "PodDisruptionBudget")
+    # Gateways: stateless, the HPA owns the replica count.
+    [hpa] = objs(docs, "HorizontalPodAutoscaler").values()
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": "perigee-gateway"}
+    assert "replicas" not in deps["perigee-gateway"]["spec"]
+    assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    # Admission and conductors: two replicas each, kept by a PodDisruptionBudget.
+    for name in ("perigee-admission", "perigee-conductor", "perigee-gateway"):
+        if name != "perigee-gateway":
+            assert deps[name]["spec"]["replicas"] == 2
+        labels = deps[name]["spec"]["template"]["metadata"]["labels"]
+        sel = pdbs[name]["spec"]["selector"]["matchLabels"]
+        assert sel.items() <= labels.items() and pdbs[name]["spec"]["minAvailable"] == 1
+    # Two conductors in one queue group need distinct ids: the pod name.
+    _, conductor = parsed(docs, deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0])
+    assert flag(deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0], "--id") \
+        == "$(POD_NAME)"
+    assert not conductor.pd_controller
+    # The P/D controller: exactly one, in a single-replica Deployment that never overlaps.
+    pd = [(w, c) for w, c in perigee_containers(docs) if "--pd-controller" in c["args"]]
+    assert len(pd) == 1
+    w, c = pd[0]
+    assert w["kind"] == "Deployment" and w["spec"]["replicas"] == 1
+    assert w["spec"]["strategy"]["type"] == "Recreate"
+    assert parsed(docs, c)[0] == "services.conductor"
+    # Serving nodes: a StatefulSet per role; RoleSwitch{instance} names one pod, whose
+    # worker switches in place.
+    for role in ("prefill", "decode"):
+        s = sts[f"perigee-{role}"]
+        assert s["spec"]["replicas"] >= 1
+        worker = next(c for c in s["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+        assert flag(worker, "--instance") == flag(worker, "--node") == "$(POD_NAME)"
+        assert parsed(docs, worker)[1].switchable
+        assert pdbs[f"perigee-{role}"]["spec"]["maxUnavailable"] == 1
+
+
+def test_kubectl_scale_would_find_the_scale_subresources(rendered):
+    """kubectl scale works on Deployments and StatefulSets (their scale subresource):
+    every role that scales by replica count is one of those, never a bare Pod."""
+    kinds = {d["kind"] for d in rendered["base"]}
+    assert "Pod" not in kinds and "ReplicaSet" not in kinds
+    names = {w["metadata"]["name"]: w["kind"] for w in workloads(rendered["base"])}
+    assert names == {"perigee-nats": "StatefulSet", "perigee-gateway": "Deployment",
+                     "perigee-admission": "Deployment", "perigee-conductor": "Deployment",
+                     "perigee-pd-controller": "Deployment", "perigee-prefill": "StatefulSet",
+                     "perigee-decode": "StatefulSet"}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
