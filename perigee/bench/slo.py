@@ -21,6 +21,7 @@ JSON (``--json PATH``)::
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -30,11 +31,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from perigee import models, up
 from perigee.natsd import free_port
 from perigee.replay import Outcome, replay, summarize
 from perigee.stack import Stack, StackConfig, default_slos
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, load_trace, spread_ties
-from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
+from services.common.model_spec import ModelSpec
 from services.engine.vllm import options as vllm_options
 
 
@@ -131,13 +133,21 @@ def _stop_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+def perigee_config(a, log_dir: Path) -> StackConfig:
+    """Exactly what ``perigee up`` would run (its own argument parsing and defaults:
+    the default model, store bounds, SLOs for this machine), on a free port."""
+    argv = ["--engine", "vllm", "--port", str(free_port()), "--log-dir", str(log_dir / "perigee"),
+            "--block-size", str(a.block_size), "--ttft-slo", str(a.ttft_slo),
+            "--tbt-slo", str(a.tbt_slo)]
+    if a.model:
+        argv += ["--model", a.model]
+    cfg = up.parse(argv)
+    return dataclasses.replace(cfg, max_model_len=a.max_model_len,
+                               extra_env=dict(kv.split("=", 1) for kv in a.env))
+
+
 def perigee_stack(a, reqs, vocab: int, name: str, log_dir: Path) -> list[dict]:
-    cfg = StackConfig(port=free_port(), engine="vllm", model_dir=a.model,
-                      block_size=a.block_size, log_dir=str(log_dir / "perigee"),
-                      ttft_slo=a.ttft_slo, tbt_slo=a.tbt_slo,
-                      max_model_len=a.max_model_len,
-                      extra_env=dict(kv.split("=", 1) for kv in a.env))
-    stack = Stack(cfg).start(a.start_timeout)
+    stack = Stack(perigee_config(a, log_dir)).start(a.start_timeout)
     try:
         return asyncio.run(_replay_all(stack.url, name, "perigee", a, reqs, vocab))
     finally:
@@ -155,7 +165,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-tokens", type=int, default=32,
                    help="prompt tokens per trace hash id (512 in the trace; fewer fit a CPU)")
     p.add_argument("--max-output", type=int, default=16, help="output tokens per request, at most")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--model", default=None,
+                   help="as perigee up's --model (default: the default model, as perigee up)")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-model-len", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=None,
@@ -172,8 +183,13 @@ def main(argv: list[str]) -> int:
     slos = default_slos("vllm")
     a.ttft_slo = slos[0] if a.ttft_slo is None else a.ttft_slo
     a.tbt_slo = slos[1] if a.tbt_slo is None else a.tbt_slo
+    try:
+        model = models.resolve(a.model)
+    except models.ModelNotReady as e:
+        p.exit(2, f"perigee bench slo: {e}\n")
+    a.model = str(model.path)
     spec = ModelSpec.from_dir(a.model)
-    name = spec.name
+    name = model.name
     reqs = spread_ties(load_trace(a.trace, a.limit))
     log_dir = Path(a.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,18 +1,21 @@
-"""The default vLLM stack (``perigee up``'s SLOs for this machine) under a trace slice
+"""The default vLLM stack (what ``perigee up`` runs: the default model, its SLOs for
+this machine) under a trace slice
 replayed faster than it can serve: every request ends either refused before
 acceptance (HTTP 429 with Retry-After, no token) or complete with every token it asked
 for. No 5xx, no stream cut short, no request left hanging."""
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
 
+from perigee import models, up
+from perigee.natsd import free_port
 from perigee.replay import replay
-from perigee.stack import default_slos
+from perigee.stack import Stack, default_slos
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, load_trace, spread_ties
 from services.common.model_spec import ModelSpec
-from tests.e2e.conftest import make_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -23,9 +26,13 @@ MAX_OUTPUT = 8
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
-    ttft, tbt = default_slos("vllm")
-    s = make_stack(tmp_path_factory, "vllm-overload", engine="vllm", ttft_slo=ttft, tbt_slo=tbt,
-                   extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
+    try:
+        cfg = up.parse(["--engine", "vllm", "--port", str(free_port()),
+                        "--log-dir", str(tmp_path_factory.mktemp("logs-vllm-overload"))])
+    except SystemExit:
+        pytest.skip(f"the default model is not prepared: {models.FIX}")
+    s = Stack(dataclasses.replace(cfg, extra_env={
+        "PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}))
     s.start()
     yield s
     s.stop()
@@ -34,10 +41,12 @@ def vllm_stack(tmp_path_factory):
 async def test_overload_is_refused_before_acceptance_and_the_rest_is_served(vllm_stack):
     s = vllm_stack
     spec = ModelSpec.from_dir(s.cfg.model_dir)
+    assert s.cfg.served_model_name == models.DEFAULT_MODEL_NAME
+    assert (s.cfg.ttft_slo, s.cfg.tbt_slo) == default_slos("vllm")
     reqs = spread_ties(load_trace(DEFAULT_TRACE, REQUESTS))
     outs, _ = await asyncio.wait_for(
         replay(reqs, s.url, speedup=SPEEDUP, builder=PromptBuilder(32, spec.vocab_size),
-               model=spec.name, output_scale=1.0, max_output=MAX_OUTPUT, api_key=None,
+               model=s.cfg.served_model_name, output_scale=1.0, max_output=MAX_OUTPUT, api_key=None,
                progress=False),
         600,
     )
