@@ -55,11 +55,13 @@ class StartAborted(Exception):
     """:meth:`Stack.start` gave up because its ``abort`` event was set."""
 
 
-# SLOs for vLLM on a CPU machine with the default model (a small model on a couple of
-# cores: a 2k-token prompt prefills in about a second while another engine decodes);
-# elsewhere the paper's (30 s TTFT, 100 ms TBT, for LLaMA3-70B on A800s). README "SLOs".
-CPU_TTFT_SLO_S = 5.0
-CPU_TBT_SLO_S = 0.25
+# SLOs for vLLM on a CPU machine with the default model (SmolLM2-135M-Instruct on a
+# couple of cores, one OpenMP thread per engine: a 2k-token prompt takes seconds to
+# prefill, a decode step ~0.1-0.2 s); measured with perigee bench slo (BENCHMARKS.md):
+# what is accepted meets them at p90. Elsewhere the paper's (30 s TTFT, 100 ms TBT, for
+# LLaMA3-70B on A800s). README "SLOs".
+CPU_TTFT_SLO_S = 15.0
+CPU_TBT_SLO_S = 1.0
 
 
 def gpu_present() -> bool:

@@ -56,9 +56,9 @@ def parse(argv: list[str]) -> StackConfig:
                    help=f"KV blocks per node store (default: {d.store_capacity_blocks}, at "
                         f"most {STORE_BUDGET_BYTES >> 30} GiB of shared memory per store)")
     p.add_argument("--ttft-slo", type=float, default=None,
-                   help="TTFT SLO, s (default: 5 for vLLM on a CPU machine, else 30)")
+                   help="TTFT SLO, s (default: 15 for vLLM on a CPU machine, else 30)")
     p.add_argument("--tbt-slo", type=float, default=None,
-                   help="TBT SLO, s (default: 0.25 for vLLM on a CPU machine, else 0.1)")
+                   help="TBT SLO, s (default: 1.0 for vLLM on a CPU machine, else 0.1)")
     p.add_argument("--admission", dest="admission_policy", default=d.admission_policy,
                    choices=["baseline", "early", "predict"])
     p.add_argument("--conductors", type=int, default=d.conductors,
