@@ -36,7 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
-from bus_schemas.control import Refused, TxAbort, TxCommit, TxDoneReply
+from bus_schemas.control import TxAbort
 from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask
 from bus_schemas.requests import CancelRequest, ErrorCode, Finished, Tokens
@@ -113,7 +113,8 @@ class DecodeWorker(WorkerBase):
         self.engine = engine
         self.layout = layout
         self.commit_timeout = commit_timeout
-        self.leases = LeaseKeeper(StoreTx(nc, timeout_s=commit_timeout), lease_s)
+        self.store_tx = StoreTx(nc, timeout_s=commit_timeout)
+        self.leases = LeaseKeeper(self.store_tx, lease_s)
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
              "kv_tokens_loaded", "commits_failed"), 0,
@@ -285,22 +286,13 @@ class DecodeWorker(WorkerBase):
         raise LeaseExpired("the store no longer holds the request's KV for the decode engine")
 
     async def _commit(self, task: DecodeTask) -> None:
-        rid = task.request.request_id
-        try:
-            with tracer().start_as_current_span("decode.commit"):
-                reply = await bus.request(
-                    self.nc, subjects.store_ctl(self.node, "tx.commit"),
-                    TxCommit(tx_id=task.decode_tx.tx_id, request_id=rid), TxDoneReply,
-                    timeout=self.commit_timeout,
-                )
-        except Exception as e:  # noqa: BLE001 - the request itself is unaffected
-            reply = Refused(reason="unreachable", message=f"{type(e).__name__}: {e}")
-        if isinstance(reply, Refused):
+        with tracer().start_as_current_span("decode.commit"):
+            ok = await self.store_tx.commit(self.node, task.decode_tx.tx_id,
+                                            task.request.request_id)
+        if not ok:
             # The store rolled the tx back (lease expired, store restarted): the blocks
-            # are not cached here, nothing else is lost.
+            # are not cached here, nothing else is lost (StoreTx logged why).
             self.counters["commits_failed"] += 1
-            log.warning("decode_commit_refused", request_id=rid, reason=reply.reason,
-                        detail=reply.message)
 
     # -- helpers --
     def _validate(self, task: DecodeTask) -> None:
