@@ -46,6 +46,9 @@ class Allocation:
     refused: dict[str, str] = field(default_factory=dict)  # role -> Refused.reason
     failed: dict[str, str] = field(default_factory=dict)  # role -> error (timeout, no store)
 
+    def broke(self, role: str) -> bool:
+        return role in self.refused or role in self.failed
+
 
 class StoreTx:
     def __init__(self, nc: NATS, *, timeout_s: float = 2.0) -> None:

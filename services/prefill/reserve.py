@@ -120,6 +120,14 @@ class StoreReserver:
                 for role, (node, h) in att.handles.items():
                     got.handles[role] = (node, h)
                     self.leases.hold(rid, node, h)
+                if att.broke("source"):
+                    # The holder no longer has the prefix (evicted while the request
+                    # queued, nothing being locked then) or is gone: compute it here.
+                    log.info("source_dropped", node=task.source.node if task.source else "",
+                             reason=att.refused.get("source") or att.failed.get("source"))
+                    want.discard("source")
+                    att.refused.pop("source", None)
+                    att.failed.pop("source", None)
                 if att.failed or any(r != "capacity" for r in att.refused.values()):
                     detail = "; ".join(f"{k}: {v}" for k, v in {**att.refused, **att.failed}.items())
                     raise ReserveError("unavailable", f"store unavailable ({detail})")

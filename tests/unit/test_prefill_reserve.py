@@ -184,3 +184,17 @@ async def test_leases_are_renewed_per_node_and_a_lost_one_is_reported(conns):
     await res_.release(task(), res, "test")
     assert res_.leases.held == 0 and p.aborts == [res.prefill_tx.tx_id]
     await res_.close()
+
+
+async def test_a_source_that_no_longer_answers_is_dropped_and_the_prefix_computed(conns):
+    # Nothing is locked while a request queues, so the holder may have evicted the
+    # prefix (or gone) by the time its compute starts: that is no reason to fail it.
+    snc, wnc = conns
+    p = await Store(snc, "p0").start()
+    d = await Store(snc, "d0", refuse=2).start()
+    res_ = reserver(wnc)
+    res = await res_.reserve(task(PrefixSource(node="gone", first_block=0, num_blocks=3)))
+    assert res.remote is None and res.prefix_blocks == 0
+    assert len(p.allocs) == 1 and len(d.allocs) == 3 and p.aborts == []
+    assert res_.leases.held == 2
+    await res_.close()
