@@ -339,6 +339,22 @@ class PlacementPolicy:
         ctx = load.kv_tokens + sum(d.tokens for d in pending.values()) + num_tokens
         return self.book.cost(instance).decode_tbt(batch, ctx, load.max_batch)
 
+    def decode_occupancy(self, instance: str) -> float:
+        """Fraction of ``instance``'s batch slots taken once one more request joins."""
+        load = self._decode[instance]
+        taken = load.batch_size + load.waiting + len(self._by_decode.get(instance, {})) + 1
+        return taken / max(1, load.max_batch)
+
+    def _pick_decode(self, decodes: list[str], tbts: Mapping[str, float], slo: float) -> str:
+        # Balance load among the instances that meet the TBT SLO (the paper's
+        # SelectDecodingInstance). Picking the smallest predicted TBT instead sends every
+        # request to whichever instance's calibration came out a hair faster: decode
+        # steps barely grow with the batch, so fit noise outweighs the load.
+        fits = [i for i in decodes if tbts[i] <= slo]
+        if not fits:
+            return min(decodes, key=lambda i: (tbts[i], i))
+        return min(fits, key=lambda i: (self.decode_occupancy(i), tbts[i], i))
+
     def dispatched(self) -> list[str]:
         return sorted(self._dispatches)
 
@@ -389,11 +405,10 @@ class PlacementPolicy:
         else:
             chosen = min(cands, key=lambda c: (c.ttft_s, -c.prefix_blocks, c.instance))
 
-        tbts = {i: self.predicted_tbt(i, req.num_tokens) for i in decodes}
-        decode = min(decodes, key=lambda i: (tbts[i], i))
-
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
+        tbts = {i: self.predicted_tbt(i, req.num_tokens) for i in decodes}
+        decode = self._pick_decode(decodes, tbts, tbt_slo)
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
         waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
         if waited + chosen.ttft_s > ttft_slo * self.ttft_margin:

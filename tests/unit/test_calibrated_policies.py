@@ -60,6 +60,32 @@ def test_placement_estimates_each_instance_with_its_own_fit():
     assert d.est_tbt_s == pytest.approx(t_step(DEC, 4, 4000))
 
 
+def test_decode_placement_balances_instances_whose_fits_differ_by_noise():
+    # Two alike decode instances whose calibrations came out 1 % apart: min-TBT would
+    # send every request to the faster one; within the TBT SLO they must share the load.
+    flat = (0.02, 1e-6, 1e-9)  # steps barely grow with the batch, as on the mock or a GPU
+    noisy = tuple(c * 1.01 for c in flat)
+    pol = PlacementPolicy(ManualClock(0.0), PRIOR, ttft_slo_s=100.0, tbt_slo_s=1.0)
+    pol.observe_prefill(pload("p0", "n0"))
+    pol.observe_decode(dload("d0", "m0", fit=noisy))
+    pol.observe_decode(dload("d1", "m1", fit=flat))
+    picks = []
+    for i in range(6):
+        d = pol.place(PlacementRequest(request_id=f"r{i}", num_tokens=100, block_hashes=(),
+                                       block_size=BS), {})
+        picks.append(d.decode_instance)
+    assert picks.count("d0") == 3 and picks.count("d1") == 3, picks
+
+
+def test_decode_placement_skips_an_instance_over_the_tbt_slo():
+    # busy: 0.052 s per step with one more request; idle-but-slow: 0.21 s.
+    pol = PlacementPolicy(ManualClock(0.0), PRIOR, ttft_slo_s=100.0, tbt_slo_s=0.1)
+    pol.observe_prefill(pload("p0", "n0"))
+    pol.observe_decode(dload("idle-but-slow", "m0", fit=tuple(c * 10 for c in DEC)))
+    pol.observe_decode(dload("busy", "m1", batch=30, kv=1000, fit=DEC))
+    assert pol.place(req(100), {}).decode_instance == "busy"
+
+
 def test_placement_keeps_the_prior_for_silent_instances_and_when_fixed():
     fixed = CalibrationBook(PRIOR, fixed=True)
     for book, want in ((None, t_prefill(SLOW, 1000)), (fixed, PRIOR.prefill_time(1000))):
