@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import nats
 from bus_schemas import subjects
 from perigee.natsd import NatsServer
 from perigee.procs import die_with_parent
+from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +121,10 @@ class StackConfig:
     # Longest request (prompt + output), tokens: the gateway's limit and what each store
     # must hold (0: the model's max_position_embeddings).
     max_model_len: int = 0
+    # Once ready, restart a service that dies (perigee up; perigee.supervise). Off for
+    # tests that assert no service died (Stack.exited()).
+    supervise: bool = False
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 @dataclass
@@ -143,6 +149,9 @@ class Stack:
                            or str(log_dir / "spans.jsonl"))
         self.metrics_targets_file = log_dir / "metrics-targets.json"
         self._abort: threading.Event | None = None
+        self.supervisor: Supervisor | None = None
+        # What the supervisor did (perigee up prints it); the default logs nothing.
+        self.on_supervised: Callable[[SupervisedEvent], None] = lambda e: None
 
     # -- topology -----------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -277,7 +286,22 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+        if self.cfg.supervise:
+            self.supervise()
         return self
+
+    def supervise(self) -> None:
+        """From now on a service that dies is restarted (:mod:`perigee.supervise`)."""
+        self.supervisor = Supervisor(
+            lambda: {n: c.proc for n, c in list(self.children.items())},
+            lambda name: self._spawn(self.children[name]),
+            self.cfg.restart_policy, on_event=lambda e: self.on_supervised(e))
+        self.supervisor.start()
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far by service name (empty when not supervised)."""
+        return dict(self.supervisor.restarts) if self.supervisor else {}
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready when every worker has reported load and the gateway answers /health."""
@@ -351,6 +375,8 @@ class Stack:
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM tier by tier (:data:`STOP_TIERS`), each waited on for its bound,
         ``grace`` in all; what outlives its tier's wait gets SIGKILL. nats-server last."""
+        if self.supervisor is not None:
+            self.supervisor.hold()  # nothing restarted while stopping
         deadline = time.monotonic() + grace
         tiers = [[c for c in self.children.values() if c.argv[0] in mods] for mods in STOP_TIERS]
         tiered = {c.name for tier in tiers for c in tier}
@@ -372,6 +398,9 @@ class Stack:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.supervisor is not None:  # its children are gone: its thread may end
+            self.supervisor.quit()
+            self.supervisor = None
 
     def kill_all(self) -> None:
         """SIGKILL every child and nats-server now (a second Ctrl-C); safe in a signal

@@ -10,6 +10,10 @@ gateway, then the conductors and admission, the workers, the stores, each tier b
 SIGKILLs everything at once. If ``perigee up`` itself is killed, the kernel sends each
 child SIGTERM (``PR_SET_PDEATHSIG``, :mod:`perigee.procs`), and every service exits on
 SIGTERM within a few seconds whatever its bus is doing (:mod:`services.common.shutdown`).
+
+A service that dies while serving is restarted with back-off and the rest keep serving;
+one that keeps dying is given up after ``--max-restarts`` within ``--restart-window``
+(:mod:`perigee.supervise`), and ``perigee up`` says so.
 """
 
 import argparse
@@ -22,6 +26,7 @@ import time
 from perigee import models
 from perigee.models import DEFAULT_MODEL_NAME, TINY_NAME
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
+from perigee.supervise import RestartPolicy
 from services.common.model_spec import ModelSpec
 
 # Shared memory per node store when --store-capacity-blocks is not given: 4096 blocks of
@@ -76,6 +81,11 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--api-key", default=d.api_key,
                    help="gateway API key(s), comma list: clients send Authorization: Bearer KEY")
+    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_restarts,
+                   help="a service that dies is restarted (with back-off); one that dies "
+                        "again after this many restarts within --restart-window is given up")
+    p.add_argument("--restart-window", type=float, default=RestartPolicy.window_s,
+                   help="seconds (default: %(default)s)")
     a = p.parse_args(argv)
     try:
         # The mock engine's tokens are synthetic: real weights would serve nothing there.
@@ -99,6 +109,8 @@ def parse(argv: list[str]) -> StackConfig:
         conductors=a.conductors, cost_model=a.cost_model,
         balancing_threshold=a.balancing_threshold, pd_controller=a.pd_controller,
         switchable=a.switchable or a.pd_controller, decode_time=a.decode_time,
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=a.max_restarts, window_s=a.restart_window),
     )
 
 
@@ -107,6 +119,12 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     stopping_since = [0.0]
     stack = Stack(cfg)
+
+    def on_supervised(e) -> None:  # from the supervisor's thread
+        print(f"perigee: {e.describe(cfg.restart_policy)}; see {cfg.log_dir}/{e.name}.log",
+              file=sys.stderr if e.kind == "gave_up" else sys.stdout, flush=True)
+
+    stack.on_supervised = on_supervised
 
     def on_signal(signum: int, _frame) -> None:
         if stop.is_set():  # the second one: nothing waits any longer
@@ -137,15 +155,9 @@ def main(argv: list[str]) -> int:
           f"\"content\": \"What is the capital of France?\"}}], \"temperature\": 0}}'\n"
           f"  spans: {stack.spans_file}   metrics targets: {stack.metrics_targets_file}\n"
           "perigee: Ctrl-C stops everything", flush=True)
-    reported: set[str] = set()
     try:
-        while not stop.wait(0.5):
-            # A dead service is reported, not fatal: the rest keep serving.
-            for c in stack.exited():
-                if c.name not in reported:
-                    reported.add(c.name)
-                    print(f"perigee: {c.name} exited with {c.proc.returncode}; see "
-                          f"{cfg.log_dir}/{c.name}.log", flush=True)
+        while not stop.wait(0.5):  # a timed wait: the signal handler runs between them
+            pass
     finally:
         since = stopping_since[0] or time.monotonic()
         print("perigee: stopping (again to kill everything now)...", flush=True)

@@ -1,0 +1,97 @@
+"""A supervised stack (what ``perigee up`` runs) restarts a SIGKILLed service and keeps
+serving: real nats-server, real processes, the mock engine."""
+
+import asyncio
+import signal
+import urllib.request
+
+import aiohttp
+import nats
+import pytest
+
+from bus_schemas import subjects
+from perigee.supervise import RestartPolicy
+from tests.e2e.conftest import make_stack
+from tests.e2e.sse import stream
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory):
+    s = make_stack(tmp_path_factory, "supervised", engine="mock", prefill=1, decode=1,
+                   speedup="100", supervise=True,
+                   restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2))
+    events = []
+    s.on_supervised = events.append
+    s.events = events
+    s.start()
+    yield s
+    s.stop()
+
+
+async def _until(cond, what: str) -> None:
+    async def loop():
+        while not cond():
+            await asyncio.sleep(0.05)
+
+    try:
+        await asyncio.wait_for(loop(), DEADLINE_S)
+    except TimeoutError:
+        pytest.fail(f"not within {DEADLINE_S:g} s: {what}")
+
+
+async def _load_reports(s, instance: str, n: int) -> None:
+    """Wait for ``n`` load reports of ``instance`` published from now on."""
+    nc = await nats.connect(s.nats_url)
+    got = asyncio.Queue()
+    try:
+        await nc.subscribe(subjects.load_report("decode", instance), cb=got.put)
+        for _ in range(n):
+            await asyncio.wait_for(got.get(), DEADLINE_S)
+    finally:
+        await nc.close()
+
+
+def _ready(s) -> bool:
+    try:
+        with urllib.request.urlopen(s.url + "/ready", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+async def _serves(s) -> None:
+    async with aiohttp.ClientSession() as http:
+        r = await stream(http, s.url, {"prompt": "after the restart", "max_tokens": 5,
+                                       "ignore_eos": True})
+    assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
+    assert r.usage["completion_tokens"] == 5
+
+
+async def test_sigkilled_decode_worker_is_restarted_and_the_stack_serves(supervised):
+    s = supervised
+    old = s.children["decode-0"].proc.pid
+    s.kill("decode-0", signal.SIGKILL)
+    await _until(lambda: s.restarts.get("decode-0") == 1, "decode-0 restarted")
+    new = s.children["decode-0"].proc
+    assert new.pid != old and new.poll() is None
+    kinds = [(e.name, e.kind) for e in s.events]
+    assert kinds[:2] == [("decode-0", "exited"), ("decode-0", "restarted")]
+    assert s.events[0].returncode == -signal.SIGKILL
+    # The new process reports load (the conductor places on it from then on).
+    await _load_reports(s, "decode-0", 2)
+    await _serves(s)
+    assert not s.exited()  # nothing else died meanwhile
+
+
+async def test_sigkilled_gateway_comes_back_on_its_port(supervised):
+    s = supervised
+    s.kill("gateway", signal.SIGKILL)
+    await _until(lambda: s.restarts.get("gateway") == 1, "gateway restarted")
+    await _until(lambda: _ready(s), "the restarted gateway is ready")
+    await _serves(s)
+    assert ("gateway", "restarted") in [(e.name, e.kind) for e in s.events]
+    assert not s.supervisor.given_up
