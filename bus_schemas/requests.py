@@ -74,6 +74,22 @@ class SamplingParams(Msg):
         return None
 
 
+class Migration(Msg):
+    """Marks a GenerateRequest that continues an accepted request whose prefill or decode
+    instance died (the gateway resends it; services.gateway.migration). Its prompt is
+    the original prompt followed by the ``resumed_tokens`` tokens the client already
+    has, so placement finds the prompt's KV in the stores and only the rest is
+    recomputed. Admission passes it through (it was accepted once) and the conductor
+    places it without SLO rejection, away from ``dead_instance``."""
+
+    of_request_id: str  # the client's request id
+    attempt: int  # 1 for the first migration
+    reason: str  # "decode_died" | "prefill_died"
+    dead_instance: str
+    resumed_tokens: int  # generated tokens appended to the prompt
+    prompt_tokens: int  # length of the original prompt
+
+
 class GenerateRequest(Msg):
     request_id: str
     prompt_token_ids: list[int]
@@ -91,6 +107,7 @@ class GenerateRequest(Msg):
     arrival_ts: float = 0.0  # unix seconds at the gateway
     # Where StreamEvents go. Empty means "the NATS reply subject of the message".
     reply_subject: str = ""
+    migration: Migration | None = None  # set on a resent request (issue 13)
 
 
 class Accepted(Msg, tag="accepted"):

@@ -106,6 +106,7 @@ class StackConfig:
     decode_time: float = 5.0  # predict admission: uniform decode time t_d, s
     max_batch: int = 128
     dead_after: float = 2.0
+    migration_limit: int = 3  # gateway: resends of a request whose worker died (0: fail it)
     report_interval: float = 0.1
     log_dir: str = ".perigee/logs"
     log_level: str = "INFO"
@@ -217,7 +218,7 @@ class Stack:
             out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
         out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
             "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
-            "--dead-after", str(c.dead_after)]
+            "--dead-after", str(c.dead_after), "--migration-limit", str(c.migration_limit)]
             + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
             + (["--served-model-name", c.served_model_name] if c.served_model_name else [])))
         return out

@@ -77,6 +77,10 @@ def parse(argv: list[str]) -> StackConfig:
     p.add_argument("--switchable", action="store_true", help="workers obey RoleSwitch")
     p.add_argument("--decode-time", type=float, default=d.decode_time,
                    help="predict admission: uniform decode time t_d, s")
+    p.add_argument("--migration-limit", type=int, default=d.migration_limit,
+                   help="times a request whose prefill or decode instance died moves to another "
+                        "with the tokens it has and its prompt KV from the stores; past it "
+                        "(or with 0) the request fails with 503")
     p.add_argument("--log-dir", default=d.log_dir)
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--api-key", default=d.api_key,
@@ -105,7 +109,7 @@ def parse(argv: list[str]) -> StackConfig:
         ttft_slo=slos[0] if a.ttft_slo is None else a.ttft_slo,
         tbt_slo=slos[1] if a.tbt_slo is None else a.tbt_slo,
         admission_policy=a.admission_policy, log_dir=a.log_dir, log_level=a.log_level,
-        api_key=a.api_key,
+        api_key=a.api_key, migration_limit=a.migration_limit,
         conductors=a.conductors, cost_model=a.cost_model,
         balancing_threshold=a.balancing_threshold, pd_controller=a.pd_controller,
         switchable=a.switchable or a.pd_controller, decode_time=a.decode_time,

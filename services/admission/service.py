@@ -8,7 +8,8 @@ A request's lifecycle here (no queue is kept; each message is decided on arrival
                      non-empty prompt, block hashes filled (services.common.hashing) or
                      checked, arrival_ts stamped
       -> DECIDED     the admission policy over the latest load reports
-      -> FORWARDED   the filled request on SCHEDULE for the conductor
+      -> FORWARDED   the filled request on SCHEDULE for the conductor (a migration,
+                     ``GenerateRequest.migration``, skips the decision: it was accepted)
        | REJECTED    Error 429 (retry_after_s) or 503 on the reply subject
 
 Load reports (load.prefill.*, load.decode.*) feed the policy and its liveness view; a
@@ -153,6 +154,12 @@ class AdmissionService:
             if problem:
                 span.set_attribute("admission.decision", "bad_request")
                 await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, problem)
+                return
+            if req.migration is not None:
+                # A dead worker's request resent by the gateway: it was accepted once and
+                # what is accepted is served, so no early rejection.
+                span.set_attribute("admission.decision", "migration")
+                await bus.publish(self.nc, subjects.SCHEDULE, filled)
                 return
             areq = AdmissionRequest(
                 request_id=req.request_id,

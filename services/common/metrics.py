@@ -18,7 +18,7 @@ gateway (model_name)   time_to_first_token_seconds, inter_token_latency_seconds,
 admission              requests_admitted; requests_rejected{service,code,reason}
 conductor              requests_rejected{...}; request_scheduling_time_seconds (span
                        conductor.place); conductor_<policy stat> counters;
-                       conductor_pending_requests
+                       conductor_pending_requests; migrations{reason}
 prefill                num_requests_waiting, num_requests_running, prefill_queued_tokens;
                        prefix_cache_queries, prefix_cache_hits, prefix_cache_remote_hits
                        (tokens); prefill_<counter>; request_queue_time_seconds,
@@ -27,6 +27,7 @@ prefill                num_requests_waiting, num_requests_running, prefill_queue
                        prefill_time_predicted_over_measured (calibration)
 decode                 num_requests_running, num_requests_waiting, decode_kv_tokens,
                        decode_step_time_seconds; decode_<counter>;
+                       migration_kv_tokens{kind=pulled|recomputed};
                        request_decode_load_time_seconds, request_decode_time_seconds
 store                  store_bytes{tier}, store_capacity_bytes{tier}, kv_cache_usage_perc,
                        store_blocks{state}, store_<gauge> (open_txs, ...);
@@ -146,6 +147,12 @@ REJECTIONS = Counter(P + "requests_rejected",
                      ["service", "code", "reason"], registry=None)
 ADMITTED = Counter(P + "requests_admitted", "Requests admission forwarded to the conductor.",
                    registry=None)
+MIGRATIONS = Counter(P + "migrations", "Requests resent after their prefill or decode instance "
+                     "died, as the conductor placed them, by reason.", ["reason"], registry=None)
+MIGRATION_KV_TOKENS = Counter(
+    P + "migration_kv_tokens", "Context tokens of migrated requests a decode instance took over: "
+    "kind=pulled (KV loaded from a store, not computed) or recomputed (prefill computed them "
+    "again: the generated tokens and the prompt's partial last block).", ["kind"], registry=None)
 
 
 def _stage(name: str, doc: str, labels: Iterable[str] = ()) -> Histogram:
@@ -199,10 +206,10 @@ GROUPS: dict[str, list[Any]] = {
                 REQUEST_MAX_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
                 REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
     "admission": [REJECTIONS, ADMITTED],
-    "conductor": [REJECTIONS, SCHEDULING_TIME],
+    "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS],
     "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
                 PREFILL_PREDICTED_OVER_MEASURED],
-    "decode": [DECODE_LOAD_TIME, DECODE_TIME],
+    "decode": [DECODE_LOAD_TIME, DECODE_TIME, MIGRATION_KV_TOKENS],
     "store": [STORE_TRANSFER_TIME],
 }
 

@@ -48,13 +48,14 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus
+from services.common import bus, metrics
 from services.common.calibration import CalibrationBook
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
 from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
+from services.conductor.migration import placement_for
 from services.conductor.pd_ratio import PDRatioController
 from services.conductor.policy import (
     Placement,
@@ -254,11 +255,17 @@ class ConductorService:
             req = _with(req, block_hashes=compute_block_hashes(req.prompt_token_ids, bs))
         req = _with(req, block_size=bs, reply_subject=reply)
         preq = PlacementRequest.from_request(req, bs)
+        exclude: dict = {}
+        if req.migration is not None:  # a dead worker's request: services.conductor.migration
+            preq, exclude = placement_for(preq, req.migration)
+            metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()
+            log.info("migration", attempt=req.migration.attempt, reason=req.migration.reason,
+                     dead=req.migration.dead_instance, of=req.migration.of_request_id)
         with tracer().start_as_current_span("conductor.place") as span:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
-            decision = self.policy.place(preq, self.shadow.match(preq.block_hashes))
+            decision = self.policy.place(preq, self.shadow.match(preq.block_hashes), **exclude)
             if isinstance(decision, Rejection):
                 span.set_attribute("outcome", f"rejected_{int(decision.code)}")
                 span.set_attribute("reason", decision.reason)

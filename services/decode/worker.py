@@ -14,6 +14,10 @@ Lifecycle of a request on this instance:
       -> WaitingQueue  inside the engine, until the running batch has room (max_batch)
       -> RunningBatch  continuous batching: Tokens as they come, then Finished
 
+A migrated request (``request.migration``: the gateway resent it after its worker
+died) is served like any other; its prompt holds the tokens already streamed, and its
+context is counted as pulled from a store or recomputed (migration_kv_tokens).
+
 CancelRequest aborts the request in the engine (Finished "abort"); a failure sends
 Error to the client and RequestFailed to the conductor; shutdown fails what is
 running with Error 503.
@@ -230,6 +234,8 @@ class DecodeWorker(WorkerBase):
         finally:
             self._loading -= 1
         self.counters["kv_tokens_loaded"] += n
+        if req.migration is not None:
+            self._count_migration(task)
         if rid in self._stop_reason:  # cancelled while the KV was loading
             self.engine.abort(rid)
             raise _Stopped()
@@ -295,6 +301,22 @@ class DecodeWorker(WorkerBase):
             self.counters["commits_failed"] += 1
 
     # -- helpers --
+    def _count_migration(self, task: DecodeTask) -> None:
+        """A migrated request's context: what prefill took from a store (the prompt's
+        blocks, loaded or pulled) and what it computed again (the tokens generated
+        before the death, the partial last block)."""
+        n = len(task.request.prompt_token_ids)
+        pulled = min(task.cached_tokens, n)
+        self.counters["migrated_tasks"] = self.counters.get("migrated_tasks", 0) + 1
+        self.counters["migration_kv_tokens_pulled"] = (
+            self.counters.get("migration_kv_tokens_pulled", 0) + pulled)
+        self.counters["migration_tokens_recomputed"] = (
+            self.counters.get("migration_tokens_recomputed", 0) + n - pulled)
+        metrics.MIGRATION_KV_TOKENS.labels(kind="pulled").inc(pulled)
+        metrics.MIGRATION_KV_TOKENS.labels(kind="recomputed").inc(n - pulled)
+        log.info("migrated_request_loaded", pulled_tokens=pulled, recomputed_tokens=n - pulled,
+                 attempt=task.request.migration.attempt if task.request.migration else 0)
+
     def _validate(self, task: DecodeTask) -> None:
         n, bs, tx = len(task.request.prompt_token_ids), self.layout.block_size, task.decode_tx
         if n == 0:

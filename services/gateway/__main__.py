@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds without any event before a request fails with 504")
     ap.add_argument("--dead-after", type=float, default=2.0,
                     help="seconds without a load report before a worker counts as dead (503)")
+    ap.add_argument("--migration-limit", type=int, default=GatewayConfig.migration_limit,
+                    help="times a request whose prefill or decode instance died is moved to "
+                         "another with the tokens it has (its prompt KV from the stores); "
+                         "past it, or with 0, the request fails with 503")
     ap.add_argument("--shutdown-grace", type=float, default=5.0,
                     help="seconds in-flight requests get to finish on SIGTERM before a 503")
     ap.add_argument("--gateway-id", default="", help="default: random")
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_inflight=args.max_inflight,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
+        migration_limit=args.migration_limit,
         gateway_id=args.gateway_id,
         api_keys=parse_keys(args.api_key),
     )

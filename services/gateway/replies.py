@@ -11,6 +11,13 @@ Lifecycle of a request's queue:
 
 No per-request subscription: ``perigee.gw.<gateway>.>`` is subscribed once at start.
 
+Migration (services.gateway.migration): a death verdict for a request whose client
+has not got every token resends it (``--migration-limit`` times at most) under a new
+attempt id with its own reply subject; from then on only that attempt's events reach
+the request's queue, their token indices shifted by the tokens the client already
+has, so the stream goes on with no token lost or repeated. The dead attempt is
+cancelled (a worker wrongly judged dead stops; its late events are dropped here).
+
 The sweep judges liveness from load reports, which reach the gateway through its own
 NATS connection. When that input lags (a gateway busy with a thousand streams reads
 its socket late), every instance looks silent at once. So each sweep publishes
@@ -21,7 +28,10 @@ back within half of ``dead_after_s`` (or 2.5 sweep intervals, if longer).
 import asyncio
 import contextlib
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
@@ -32,12 +42,14 @@ from bus_schemas.requests import (
     Accepted,
     CancelRequest,
     Error,
+    Finished,
     GenerateRequest,
     StreamEvent,
     Tokens,
 )
 from services.common.bus import publish
-from services.gateway.watchdog import Watchdog
+from services.gateway import migration
+from services.gateway.watchdog import Verdict, Watchdog
 
 log = structlog.get_logger()
 
@@ -52,13 +64,31 @@ class LocalError(Error, tag="error"):
 NO_RESPONDERS = "503"  # NATS status header on a reply subject: nobody subscribes the subject
 
 
+@dataclass(slots=True)
+class _Flight:
+    """One client request: its queue, what the client got, its current attempt."""
+
+    queue: asyncio.Queue
+    request: GenerateRequest | None = None  # as first sent (None until sent)
+    generated: list[int] = field(default_factory=list)  # token ids the client has, in order
+    attempt: int = 0  # migrations so far
+    current: str = ""  # the attempt id whose events are routed
+    offset: int = 0  # the current attempt's index 0 is this generated token
+
+
 class ReplyRouter:
-    def __init__(self, nc: NATS, gateway_id: str, watchdog: Watchdog) -> None:
+    def __init__(self, nc: NATS, gateway_id: str, watchdog: Watchdog,
+                 migration_limit: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
         self.nc = nc
         self.gateway_id = gateway_id
         self.watchdog = watchdog
+        self.migration_limit = migration_limit
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.migrations = 0
         self._prefix = subjects.gateway_reply(gateway_id, "")
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._routes: dict[str, str] = {}  # attempt id -> client request id
+        self._bg: set[asyncio.Task] = set()
         self._subs: list = []
         self._sweeper: asyncio.Task | None = None
         self._idle = asyncio.Event()
@@ -94,6 +124,8 @@ class ReplyRouter:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._subs.clear()
+        if self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
 
     # ---- per request ---------------------------------------------------------------
     def reply_subject(self, request_id: str) -> str:
@@ -101,15 +133,23 @@ class ReplyRouter:
 
     def open(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+        self._flights[request_id] = _Flight(q, current=request_id)
+        self._routes[request_id] = request_id
         self._idle.clear()
         self.watchdog.track(request_id)
         return q
 
+    def current_attempt(self, request_id: str) -> str:
+        """The id the backend knows the request by now (it changes with a migration)."""
+        f = self._flights.get(request_id)
+        return f.current if f is not None else request_id
+
     def close_request(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
+        f = self._flights.pop(request_id, None)
+        if f is not None:
+            self._routes.pop(f.current, None)
         self.watchdog.untrack(request_id)
-        if not self._queues:
+        if not self._flights:
             self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -123,15 +163,18 @@ class ReplyRouter:
 
     def fail_all(self, code: int, message: str) -> None:
         """Every in-flight request ends with ``code`` now (shutdown)."""
-        for rid, q in self._queues.items():
+        for rid, f in self._flights.items():
             self.watchdog.untrack(rid)
-            q.put_nowait(LocalError(request_id=rid, code=code, message=message))
+            f.queue.put_nowait(LocalError(request_id=rid, code=code, message=message))
 
     @property
     def in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._flights)
 
     async def send(self, req: GenerateRequest) -> None:
+        f = self._flights.get(req.request_id)
+        if f is not None:
+            f.request = req
         await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
 
     async def cancel(self, request_id: str, reason: str) -> None:
@@ -142,10 +185,12 @@ class ReplyRouter:
 
     # ---- callbacks -----------------------------------------------------------------
     async def _on_reply(self, msg: NatsMsg) -> None:
-        rid = msg.subject[len(self._prefix) :]
-        q = self._queues.get(rid)
-        if q is None:
-            return  # finished, cancelled or timed out already
+        aid = msg.subject[len(self._prefix) :]
+        rid = self._routes.get(aid, "")
+        f = self._flights.get(rid)
+        if f is None:
+            return  # finished, cancelled, timed out, or an attempt migrated away from
+        q = f.queue
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             self.watchdog.untrack(rid)
             q.put_nowait(
@@ -164,11 +209,40 @@ class ReplyRouter:
         wd = self.watchdog
         if type(ev) is Tokens:
             wd.tokens(rid, ev.from_prefill)
+            ev = self._note_tokens(f, ev)
         elif type(ev) is Accepted:
             wd.accepted(rid, ev.prefill_instance, ev.decode_instance)
+            if f.attempt:
+                return  # the client has its Accepted from the first attempt
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
             wd.untrack(rid)
+            if f.attempt:
+                ev = self._from_attempt(f, ev)
         q.put_nowait(ev)
+
+    def _note_tokens(self, f: _Flight, ev: Tokens) -> Tokens:
+        """Record what the client gets (for a later migration) and shift the index of a
+        migrated attempt's tokens to the client's."""
+        index = ev.index + f.offset
+        have = len(f.generated)
+        if index <= have:
+            f.generated.extend(ev.token_ids[have - index :])
+        if f.offset:
+            ev = msgspec.structs.replace(ev, index=index)
+        return ev
+
+    def _from_attempt(self, f: _Flight, ev: StreamEvent) -> StreamEvent:
+        assert f.request is not None  # migrated only after it was sent
+        rid, n = f.request.request_id, len(f.request.prompt_token_ids)
+        if isinstance(ev, Finished):
+            return msgspec.structs.replace(
+                ev, request_id=rid, prompt_tokens=n,
+                completion_tokens=ev.completion_tokens + f.offset,
+                cached_tokens=min(ev.cached_tokens, n))
+        if isinstance(ev, Error):
+            return msgspec.structs.replace(
+                ev, request_id=rid, message=f"{ev.message} (after {f.attempt} migration(s))")
+        return ev
 
     async def _on_load(self, msg: NatsMsg) -> None:
         # perigee.load.<role>.<instance>: the subject names the instance; no decode needed.
@@ -198,13 +272,63 @@ class ReplyRouter:
 
     # ---- watchdog ------------------------------------------------------------------
     def sweep(self, judge_liveness: bool = True) -> int:
-        """Run the watchdog once; returns how many requests it failed."""
+        """Run the watchdog once; returns how many verdicts it gave (a request whose
+        instance died is migrated while ``--migration-limit`` allows, else failed)."""
         verdicts = self.watchdog.sweep(judge_liveness)
         for v in verdicts:
-            q = self._queues.get(v.request_id)
-            if q is not None:
-                q.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=v.message))
+            f = self._flights.get(v.request_id)
+            if f is None:
+                continue
+            message = v.message
+            if v.dead_instance and f.request is not None:
+                d = migration.plan(
+                    f.request, f.generated, attempts=f.attempt, limit=self.migration_limit,
+                    dead_role=v.dead_role, dead_instance=v.dead_instance,
+                    reply_subject=self.reply_subject(
+                        migration.attempt_id(v.request_id, f.attempt + 1)),
+                    eos_token_ids=self.eos_token_ids,
+                )
+                if isinstance(d, migration.Resume):
+                    self._migrate(f, d, v)
+                    continue
+                if isinstance(d, migration.Finish):
+                    self._spawn(self.cancel(f.current, f"{v.dead_role} instance died"))
+                    f.queue.put_nowait(Finished(
+                        request_id=v.request_id, finish_reason=d.finish_reason,
+                        prompt_tokens=len(f.request.prompt_token_ids),
+                        completion_tokens=len(f.generated), cached_tokens=0))
+                    continue
+                message = d.message
+            f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
         return len(verdicts)
+
+    def _migrate(self, f: _Flight, d: "migration.Resume", v: Verdict) -> None:
+        rid, old, new = v.request_id, f.current, d.request.request_id
+        self._routes.pop(old, None)
+        self._routes[new] = rid
+        f.attempt, f.current, f.offset = d.request.migration.attempt, new, d.offset
+        self.migrations += 1
+        self.watchdog.track(rid)  # queued again: only the idle timeout until Accepted
+        log.warning("migrating", request_id=rid, attempt=f.attempt, dead=v.dead_instance,
+                    role=v.dead_role, resumed_tokens=d.offset)
+
+        async def resend() -> None:
+            await self.cancel(old, f"migrated: {v.dead_role} instance {v.dead_instance} died")
+            try:
+                await publish(self.nc, subjects.REQUESTS, d.request, reply=d.request.reply_subject)
+            except Exception as e:  # noqa: BLE001 - NATS down or closing
+                if self._routes.get(new) == rid:
+                    self.watchdog.untrack(rid)
+                    f.queue.put_nowait(LocalError(
+                        request_id=rid, code=503, cancel=False,
+                        message=f"{v.message}; migrating it failed: {e}"))
+
+        self._spawn(resend())
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
 
     async def _sweep_loop(self, interval: float) -> None:
         while True:

@@ -78,6 +78,9 @@ class GatewayConfig:
     # Generation requests handled at once (body read to last byte); the next gets 429.
     # Each holds a socket, a reply queue and its detokenizer: this bounds the memory.
     max_inflight: int = 1024
+    # Times a request whose prefill or decode instance died is resent with the tokens
+    # it has (services.gateway.migration); 0: such a request fails with 503.
+    migration_limit: int = 3
 
 
 class Gateway:
@@ -99,7 +102,10 @@ class Gateway:
         self.extra_eos = tuple(dict.fromkeys(i for i in eos if i != spec.eos_token_id))
         self.gateway_id = cfg.gateway_id or uuid.uuid4().hex[:12]
         self.watchdog = Watchdog(clock or WallClock(), cfg.dead_after_s, cfg.request_timeout_s)
-        self.router = ReplyRouter(nc, self.gateway_id, self.watchdog)
+        if cfg.migration_limit < 0:
+            raise ValueError("migration_limit must be at least 0")
+        self.router = ReplyRouter(nc, self.gateway_id, self.watchdog, cfg.migration_limit,
+                                  eos_token_ids=(*spec.eos_token_ids, *self.extra_eos))
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
@@ -359,9 +365,10 @@ class Gateway:
             cancel_reason = out.error
             raise
         finally:
+            current = self.router.current_attempt(rid)  # a migrated request has a new id
             self.router.close_request(rid)
             if cancel_reason:
-                self._spawn(self.router.cancel(rid, cancel_reason))
+                self._spawn(self.router.cancel(current, cancel_reason))
 
     async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
         if not q.empty():

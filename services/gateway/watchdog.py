@@ -43,6 +43,10 @@ class Verdict:
     request_id: str
     code: ErrorCode
     message: str
+    # Set when the verdict is a death: the role and instance that died (the gateway
+    # may migrate the request instead of failing it: services.gateway.migration).
+    dead_role: str = ""
+    dead_instance: str = ""
 
 
 class Watchdog:
@@ -129,6 +133,8 @@ class Watchdog:
                         ErrorCode.UNAVAILABLE,
                         f"{role} instance {inst} stopped responding "
                         f"(silent for more than {self.dead_after_s:g} s); request aborted",
+                        role,
+                        inst,
                     )
                 )
             elif now - r.last_event > self.request_timeout_s:

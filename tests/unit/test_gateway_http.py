@@ -148,6 +148,7 @@ async def env(nats_url):
     cfg = GatewayConfig(
         port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
         max_body_bytes=4096, dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
+        migration_limit=0,  # a dead worker fails its requests (migration: test_gateway_migration)
     )
     nc_gw = await nats.connect(nats_url)
     nc_be = await nats.connect(nats_url)
