@@ -1,0 +1,231 @@
+"""Migration of a request whose worker died: the pure plan (services.gateway.migration),
+the conductor's placement of a migrated request (services.conductor.migration), and
+the gateway in-process over a real nats-server with a fake backend that plays the
+dead and the new instance (services.gateway.replies)."""
+
+import asyncio
+import math
+
+import aiohttp
+import nats
+import pytest
+
+from bus_schemas.codec import encode
+from bus_schemas.requests import (
+    Accepted,
+    Finished,
+    GenerateRequest,
+    Migration,
+    SamplingParams,
+    Tokens,
+)
+from services.common.clock import ManualClock
+from services.common.hashing import block_hashes
+from services.conductor.migration import placement_for
+from services.conductor.policy import Placement, Rejection
+from services.gateway import migration
+from services.gateway.server import Gateway, GatewayConfig
+from tests.unit.test_conductor_policy import make_policy, req
+from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+
+BS = 4
+PROMPT = list(range(10, 20))  # two full blocks of 4 and a tail of 2
+ORIGINAL = GenerateRequest(
+    request_id="cmpl-1", prompt_token_ids=PROMPT, block_size=BS,
+    block_hashes=block_hashes(PROMPT, BS), sampling=SamplingParams(max_tokens=8),
+    reply_subject="perigee.gw.g.cmpl-1", arrival_ts=5.0,
+)
+
+
+def plan(generated, attempts=0, limit=3, role="decode", **kw):
+    return migration.plan(ORIGINAL, generated, attempts=attempts, limit=limit, dead_role=role,
+                          dead_instance=f"{role}-0", reply_subject="perigee.gw.g.cmpl-1-m1", **kw)
+
+
+# ---------------------------------------------------------------- the pure plan
+
+def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
+    d = plan([7, 8, 9])
+    assert isinstance(d, migration.Resume) and d.offset == 3
+    r = d.request
+    assert r.request_id == "cmpl-1-m1" and r.reply_subject == "perigee.gw.g.cmpl-1-m1"
+    assert r.prompt_token_ids == [*PROMPT, 7, 8, 9]
+    assert r.sampling.max_tokens == 5
+    # The prompt's block hashes are a prefix of the new ones: placement finds its KV.
+    assert r.block_hashes == block_hashes([*PROMPT, 7, 8, 9], BS)
+    assert r.block_hashes[:2] == ORIGINAL.block_hashes
+    assert r.migration == Migration(of_request_id="cmpl-1", attempt=1, reason="decode_died",
+                                    dead_instance="decode-0", resumed_tokens=3, prompt_tokens=10)
+
+
+def test_prefill_death_before_the_first_token_resends_the_prompt_as_it_was():
+    d = plan([], role="prefill")
+    assert isinstance(d, migration.Resume) and d.offset == 0
+    assert d.request.prompt_token_ids == PROMPT and d.request.sampling.max_tokens == 8
+    assert d.request.migration.reason == "prefill_died"
+
+
+def test_second_migration_counts_attempts():
+    d = plan([7], attempts=1)
+    assert d.request.request_id == "cmpl-1-m2" and d.request.migration.attempt == 2
+
+
+def test_nothing_is_resent_when_the_client_has_every_token():
+    assert plan(list(range(8))) == migration.Finish("length")
+    assert plan([7, 2], eos_token_ids=(2,)) == migration.Finish("stop")
+    s = SamplingParams(max_tokens=8, ignore_eos=True)
+    d = migration.plan(
+        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s), [7, 2],
+        attempts=0, limit=3, dead_role="decode", dead_instance="d", reply_subject="x",
+        eos_token_ids=(2,))
+    assert isinstance(d, migration.Resume)  # EOS does not end an ignore_eos request
+    s = SamplingParams(max_tokens=8, stop_token_ids=[9])
+    d = migration.plan(
+        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s), [7, 9],
+        attempts=0, limit=3, dead_role="decode", dead_instance="d", reply_subject="x")
+    assert d == migration.Finish("stop")
+
+
+def test_past_the_limit_is_a_clear_error():
+    d = plan([7], attempts=2, limit=2)
+    assert isinstance(d, migration.GiveUp)
+    assert "decode instance decode-0 stopped responding" in d.message
+    assert "migrated 2 time(s) already (--migration-limit 2)" in d.message
+    off = plan([7], limit=0)
+    assert isinstance(off, migration.GiveUp) and "migration is off (--migration-limit 0)" in off.message
+
+
+# ---------------------------------------------------------------- conductor placement
+
+def mig(reason="decode_died", dead="d0") -> Migration:
+    return Migration(of_request_id="r", attempt=1, reason=reason, dead_instance=dead,
+                     resumed_tokens=3, prompt_tokens=100)
+
+
+def test_a_migration_is_placed_where_an_slo_would_reject_a_new_request():
+    clock = ManualClock(100.0)
+    pol = make_policy(clock, decodes=(("d0", "m0"), ("d1", "m1")), ttft_slo_s=1e-6)
+    assert isinstance(pol.place(req("new"), {"n1": 3}), Rejection)
+    preq, exclude = placement_for(req("r-m1", arrival_ts=1.0), mig())
+    assert preq.ttft_slo_s == math.inf and preq.tbt_slo_s == math.inf and preq.arrival_ts == 0
+    assert exclude == {"exclude_decode": ("d0",)}
+    d = pol.place(preq, {"n1": 3}, **exclude)
+    assert isinstance(d, Placement)
+    assert d.decode_instance == "d1"  # d0 reported just now, yet it is the dead one
+    assert d.prefill_node == "n1" and d.prefix_blocks == 3  # the prompt's KV from the store
+
+
+def test_a_migration_never_goes_back_to_its_dead_instance():
+    pol = make_policy(decodes=(("d0", "m0"),))
+    preq, exclude = placement_for(req("r-m1"), mig())
+    d = pol.place(preq, {}, **exclude)
+    assert isinstance(d, Rejection) and "no live decode instance" in d.reason
+    preq, exclude = placement_for(req("r-m1"), mig("prefill_died", "p1"))
+    assert exclude == {"exclude_prefill": ("p1",)}
+    assert pol.place(preq, {"n1": 3}, **exclude).prefill_instance == "p0"
+
+
+# ---------------------------------------------------------------- the gateway
+
+OUT = TOK.encode("one two three four five six", add_bos=False)
+
+
+@pytest.fixture
+async def env(nats_url):
+    clock = ManualClock()
+    cfg = GatewayConfig(port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
+                        dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
+                        migration_limit=1)
+    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
+    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
+    backend = await FakeBackend(nc_be, serve_nothing).start()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        yield gw, backend, http, clock
+    await gw.close()
+    await nc_gw.close()
+    await nc_be.close()
+
+
+async def send(b: FakeBackend, reply: str, *events) -> None:
+    for ev in events:
+        await b.nc.publish(reply, encode(ev))
+    await b.nc.flush()
+
+
+async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
+    gw, b, http, clock = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    # The response starts with the first token: post in a task, play the backend here.
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
+               Tokens(request_id=rid, token_ids=OUT[1:3], index=1))
+    async with await asyncio.wait_for(post, 5) as r:
+        await until(lambda: gw.watchdog.stage(rid) == "decode")
+        # p0 and a new d1 keep reporting; d0 went silent.
+        clock.advance(2.5)
+        gw.watchdog.seen("p0")
+        gw.watchdog.seen("d1")
+        assert gw.router.sweep() == 1
+        again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
+        cancel = await asyncio.wait_for(b.cancels.get(), 5)
+        assert cancel.request_id == rid  # the dead attempt is told to stop
+        assert again.request_id == f"{rid}-m1" and reply2 == again.reply_subject != reply
+        assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:3]]
+        assert again.sampling.max_tokens == len(OUT) - 3
+        assert again.migration.resumed_tokens == 3 and again.migration.dead_instance == "d0"
+        # A late event of the dead attempt is dropped; the new attempt's index 0 is the
+        # client's token 3, and a repeat of it (index 0 again) is not shown twice.
+        aid = again.request_id
+        await send(b, reply, Tokens(request_id=rid, token_ids=[OUT[0]], index=3))
+        await send(b, reply2,
+                   Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
+                   Tokens(request_id=aid, token_ids=OUT[3:4], index=0, from_prefill=True),
+                   Tokens(request_id=aid, token_ids=OUT[3:], index=0),
+                   Finished(request_id=aid, finish_reason="length",
+                            prompt_tokens=len(again.prompt_token_ids),
+                            completion_tokens=len(OUT) - 3, cached_tokens=0))
+        chunks, done = await read_sse(r)
+    assert done
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert text == TOK.decode(OUT)  # every token once, in order
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == len(OUT)
+    assert usage["prompt_tokens"] == len(first.prompt_token_ids)
+    assert gw.router.migrations == 1
+
+
+async def test_a_second_death_past_the_limit_is_a_clear_error(env):
+    gw, b, http, clock = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT[:2], index=0))
+    async with await asyncio.wait_for(post, 5) as r:
+        await until(lambda: gw.watchdog.stage(rid) == "decode")
+        clock.advance(2.5)
+        gw.watchdog.seen("p0")
+        assert gw.router.sweep() == 1
+        again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
+        await send(b, reply2, Accepted(request_id=again.request_id, prefill_instance="p0",
+                                       decode_instance="d1"))
+        await until(lambda: gw.watchdog.stage(rid) == "prefill")
+        clock.advance(2.5)  # d1 dies too, before its first token
+        gw.watchdog.seen("p0")
+        assert gw.router.sweep() == 1
+        chunks, done = await read_sse(r)
+    assert not done
+    err = chunks[-1]["error"]
+    assert err["code"] == "service_unavailable"
+    assert "decode instance d1 stopped responding" in err["message"]
+    assert "(--migration-limit 1)" in err["message"]
+    assert b.requests.empty()  # no third attempt
+    await until(lambda: gw.router.in_flight == 0)
