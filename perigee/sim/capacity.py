@@ -21,18 +21,18 @@ def hit_rate(trace: Sequence[TraceRequest], capacity_tokens: int | None,
     """Cached prompt tokens / prompt tokens over ``trace`` with one LRU cache."""
     total_blocks = sum(-(-r.input_length // block_size) for r in trace)
     cap = total_blocks + 1 if capacity_tokens is None else max(1, capacity_tokens // block_size)
-    pool = BlockPool(cap, block_size, ManualClock())
+    pool = BlockPool(cap, block_size, ManualClock(), kv_events=False)  # nobody indexes them
     cached = prompt = 0
     for i, r in enumerate(trace):
         n = r.input_length
         prompt += n
         full = list(r.hash_ids[: n // block_size])
-        tx, _ = pool.allocate(TxAllocate(request_id=str(i), role=TxRole.PREFILL,
+        tx = pool.allocate(TxAllocate(request_id=str(i), role=TxRole.PREFILL,
                                          block_hashes=full, num_tokens=n, lease_s=1e12))
         if not isinstance(tx, Allocation):  # larger than the whole cache: only hits count
             cached += min(n, pool.prefix_hits(full) * block_size)
             continue
         cached += min(n, tx.hit_blocks * block_size)
-        done, _ = pool.commit(tx.tx_id)
+        done = pool.commit(tx.tx_id)
         assert isinstance(done, TxDone)
     return cached / prompt if prompt else 0.0

@@ -10,8 +10,9 @@ send it (paper §5.3)::
                 releases its locks); the decode node commits when it loads the KV
     failure     TxAbort on every transaction of the request
 
-Every event list a pool returns is wrapped in an :class:`EventBatch` with the node's
-next sequence number and applied to the index at once (the bus has no latency here).
+The pool queues its KV events; after each operation its ``on_change`` hook (as in the
+live store) wraps them in an :class:`EventBatch` with the node's next sequence number
+and applies it to the index at once (the bus has no latency here).
 
 A :class:`Link` is a FIFO bandwidth server: one transfer at a time at the cost
 model's NIC bandwidth (``cost.transfer_time``, so ``speedup`` scales it too).
@@ -87,6 +88,8 @@ class Cluster:
         blocks = cache_tokens // self.block_size
         pool = BlockPool(blocks, self.block_size, self.clock, id_prefix=f"{name}-") if blocks > 0 else None
         node = Node(name, pool, Link(self.cost), role=role)
+        if pool is not None:
+            pool.on_change = lambda: self._publish(node, pool.take_events())
         self.nodes[name] = node
         return node
 
@@ -103,26 +106,22 @@ class Cluster:
         node = self.nodes[node_name]
         if node.pool is None:
             return None
-        result, events = node.pool.allocate(TxAllocate(
+        return node.pool.allocate(TxAllocate(
             request_id=request_id, role=role, block_hashes=hashes, num_tokens=num_tokens,
             lease_s=LEASE_S,
         ))
-        self._publish(node, events)
-        return result
 
     def commit(self, node_name: str, tx: Allocation | None) -> None:
         node = self.nodes[node_name]
         if tx is None or node.pool is None:
             return
-        _, events = node.pool.commit(tx.tx_id)
-        self._publish(node, events)
+        node.pool.commit(tx.tx_id)
 
     def abort(self, node_name: str, tx: Allocation | None) -> None:
         node = self.nodes[node_name]
         if tx is None or node.pool is None:
             return
-        _, events = node.pool.abort(tx.tx_id)
-        self._publish(node, events)
+        node.pool.abort(tx.tx_id)
 
     def cached_blocks(self) -> int:
         return sum(n.pool.cached_blocks for n in self.nodes.values() if n.pool is not None)

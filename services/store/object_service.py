@@ -19,15 +19,13 @@ store's epoch (start time in ns), so a new put never collides with a restored on
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bus_schemas.control import Refused, TxAllocate, TxRole
 from bus_schemas.kv_events import BlockRemoved, BlockStored, KVEvent
 from bus_schemas.requests import Retention
 from services.store import wire
-
-if TYPE_CHECKING:
-    from services.store.server import StoreService
+from services.store.core import StoreCore
 
 
 def object_hashes(key: str, version: int, n: int) -> list[int]:
@@ -43,20 +41,20 @@ class _Meta:
 
 
 class ObjectService:
-    def __init__(self, store: "StoreService") -> None:
-        self.store = store
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
         self.table: dict[str, _Meta] = {}
         self.block_hashes: set[int] = set()  # of every object: kept out of KV events
-        self._version = store.epoch
+        self._version = core.epoch
         self._doomed: set[int] = set()  # blocks of dropped keys, busy when dropped
         self.counters = {"obj_puts": 0, "obj_gets": 0, "obj_misses": 0, "obj_bytes_in": 0,
                          "obj_bytes_out": 0}
 
     def _nblocks(self, size: int) -> int:
-        return max(1, -(-size // self.store.block_bytes))
+        return max(1, -(-size // self.core.block_bytes))
 
     def put(self, h: wire.ObjPut, payload: list[memoryview]) -> tuple[Any, list[Any]]:
-        s = self.store
+        pool = self.core.pool
         got = sum(len(p) for p in payload)
         if got != h.size or h.size < 0:
             raise wire.WireError(f"payload has {got} bytes, header says {h.size}", "bad_request", h.id)
@@ -65,16 +63,13 @@ class ObjectService:
         n = self._nblocks(h.size)
         hashes = object_hashes(h.key, self._version, n)
         retention = Retention(h.retention) if h.retention in (0, 2) else Retention.DEFAULT
-        self.block_hashes.update(hashes)
-        slots, events = s.pool.put_blocks(hashes, retention)
-        s.apply(events)
+        self.block_hashes.update(hashes)  # before the put: its BlockStored is not KV
+        slots = pool.put_blocks(hashes, retention)
         if isinstance(slots, Refused):
             self.block_hashes.difference_update(hashes)
             raise wire.WireError(f"object {h.key!r} ({h.size} bytes): {slots.message}",
                                  slots.reason, h.id)
-        wire.scatter(payload, _trim(s.arena.spans(slots, 0, s.block_bytes), h.size))
-        if s.pool.writeback:
-            s.tiers.wake()  # write the blocks back (the index then carries the key)
+        wire.scatter(payload, _trim(self.core.spans(slots), h.size))
         old = self.table.get(h.key)
         self.table[h.key] = _Meta(h.size, hashes)
         if old is not None:
@@ -94,32 +89,28 @@ class ObjectService:
 
     def read(self, key: str) -> list[memoryview] | None:
         """The value's bytes as views, copied out before the SOURCE tx closes (None: missing)."""
-        s = self.store
+        pool = self.core.pool
         meta = self.table.get(key)
         if meta is None:
             return None
-        slots = s.pool.dram_slots(meta.hashes)
+        slots = pool.dram_slots(meta.hashes)
         if slots is not None:  # all in DRAM: copy out now, in this same step
-            return [memoryview(bytes(v)) for v in _trim(s.arena.spans(slots, 0, s.block_bytes),
-                                                         meta.size)]
+            return [memoryview(bytes(v)) for v in _trim(self.core.spans(slots), meta.size)]
         req = TxAllocate(request_id=f"obj:{key}", role=TxRole.SOURCE, block_hashes=meta.hashes,
                          num_tokens=0, lease_s=30.0)
-        result, events = s.pool.allocate(req)
-        s.apply(events)
+        result = pool.allocate(req)  # promotes what is not in DRAM (moves run meanwhile)
         if isinstance(result, Refused):
             self.table.pop(key, None)
             return None
         try:
-            out = [memoryview(bytes(v)) for v in _trim(s.arena.spans(result.slots, 0, s.block_bytes),
-                                                        meta.size)]
+            out = [memoryview(bytes(v)) for v in _trim(self.core.spans(result.slots), meta.size)]
         finally:
-            _, events = s.pool.commit(result.tx_id)
-            s.apply(events)
+            pool.commit(result.tx_id)
         return out
 
     def stat(self, key: str) -> int | None:
         meta = self.table.get(key)
-        if meta is None or s_missing(self.store, meta.hashes):
+        if meta is None or not all(self.core.pool.is_cached(h) for h in meta.hashes):
             return None
         return meta.size
 
@@ -133,8 +124,7 @@ class ObjectService:
     def _drop(self, meta: _Meta) -> None:
         """Remove a key's blocks; one being written back (busy) stays an object block and
         goes at the next ``reap``."""
-        removed, busy, events = self.store.pool.remove(meta.hashes)
-        self.store.apply(events)
+        _, busy = self.core.pool.remove(meta.hashes)
         self.block_hashes.difference_update(h for h in meta.hashes if h not in busy)
         self._doomed.update(busy)
 
@@ -142,9 +132,8 @@ class ObjectService:
         """Remove blocks of dropped keys that were busy then (after write-backs end)."""
         if not self._doomed:
             return
-        removed, busy, events = self.store.pool.remove(sorted(self._doomed))
+        removed, busy = self.core.pool.remove(sorted(self._doomed))
         self._doomed = set(busy)
-        self.store.apply(events)
         self.block_hashes.difference_update(removed)
 
     def persistable(self, on_ssd: set[int]) -> list[tuple[str, int, list[int]]]:
@@ -152,13 +141,17 @@ class ObjectService:
         return [(k, m.size, m.hashes) for k, m in self.table.items()
                 if all(h in on_ssd for h in m.hashes)]
 
+    def expect(self, object_blocks: set[int]) -> None:
+        """Before the pool reloads a previous run's SSD index: these blocks are objects',
+        so the reload's BlockStored leaves them out of KV events."""
+        self.block_hashes.update(object_blocks)
+
     def restore(self, objects: list[tuple[str, int, list[int]]], object_blocks: set[int]) -> list[int]:
-        """Take back the objects a previous run saved whose blocks are all on the node
-        again (call before publishing the restored blocks' events: object blocks are
-        kept out of them); returns the other object blocks on the node (of objects that
-        did not come back whole), for the caller to drop."""
-        pool = self.store.pool
-        self.block_hashes.update(h for h in object_blocks if pool.on_node(h))
+        """After the reload (``expect`` before it): take back the objects a previous run
+        saved whose blocks are all on the node again; returns the other object blocks on
+        the node (of objects that did not come back whole), for the caller to drop."""
+        pool = self.core.pool
+        self.block_hashes.difference_update(h for h in object_blocks if not pool.on_node(h))
         kept: set[int] = set()
         for key, size, hashes in objects:
             if hashes and len(hashes) == self._nblocks(size) and all(pool.on_node(h) for h in hashes):
@@ -182,10 +175,6 @@ class ObjectService:
             else:
                 out.append(ev)
         return out
-
-
-def s_missing(store: "StoreService", hashes: list[int]) -> bool:
-    return not all(store.pool.is_cached(h) for h in hashes)
 
 
 def _trim(spans: list[memoryview], size: int) -> list[memoryview]:

@@ -27,11 +27,14 @@ Lifecycle::
                               the SSD index; a restart reloads it (new epoch, BlockStored)
     stop:  unsubscribe, cancel tasks, close sockets, close and unlink the arena
 
-Every pool operation that changes what the node holds yields KV events; they get the
-next sequence number (from 1, per epoch; epoch = start time in ns) in the same
-synchronous step, so a dump taken at ``seq`` is exactly the state after batch ``seq``.
-Tier moves (promotions from SSD, demotions, offloads) the pool asks for are executed
-in that same step, before anything else touches the pool (:meth:`StoreService.apply`).
+Every pool operation that changes what the node holds queues KV events in the pool;
+when the operation returns, the pool calls the one place that collects them
+(:meth:`StoreService._collect`, its ``on_change`` hook): they get the next sequence
+number (from 1, per epoch; epoch = start time in ns) in the same synchronous step, so
+a dump taken at ``seq`` is exactly the state after batch ``seq``. Tier moves
+(promotions from SSD, demotions, offloads) the pool asks for run in that same step,
+before anything else touches the pool. Tiering, objects and replication get the
+:class:`~services.store.core.StoreCore` (pool, arena, block geometry), not the service.
 """
 
 import asyncio
@@ -71,11 +74,13 @@ from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
 from services.common.bus import Subscriptions, publish
 from services.common.clock import Clock, WallClock
-from services.store import replication, tiering
+from services.store import tiering
 from services.store.arena import Arena
+from services.store.block_pool import BlockPool
+from services.store.core import StoreCore
 from services.store.object_server import ObjectServer
 from services.store.object_service import ObjectService
-from services.store.tiers import TieredBlockPool
+from services.store.replication import Replicator
 from services.store.transfer import DataPlane
 
 log = structlog.get_logger()
@@ -121,14 +126,17 @@ class StoreService:
         self.ssd_dir = ssd_dir
         if ssd_dir is None:
             ssd_capacity_blocks = 0
-        self.pool = TieredBlockPool(
+        self.pool = BlockPool(
             capacity_blocks, block_size, self.clock, id_prefix=f"{node}-{self.epoch}-",
             ssd_capacity=ssd_capacity_blocks,
             vram_capacity=vram_capacity_blocks if tiering.vram_ok(vram_capacity_blocks) else 0,
         )
-        self.vram_capacity_blocks = vram_capacity_blocks
-        self.tiers = tiering.Tiers(self)
-        self.objects = ObjectService(self)
+        self.core = StoreCore(node=node, epoch=self.epoch, pool=self.pool, block_size=block_size,
+                              block_bytes=block_bytes, clock=self.clock)
+        self.objects = ObjectService(self.core)
+        self.tiers = tiering.Tiers(self.core, self.objects, ssd_dir=ssd_dir,
+                                   vram_capacity_blocks=vram_capacity_blocks)
+        self.replicas = Replicator(self.core, nc, self.objects, peer_timeout_s=peer_timeout_s)
         self.obj_server: ObjectServer | None = None
         self.replay = tiering.ReplayBuffer(replay_batches)
         self.arena: Arena | None = None
@@ -143,6 +151,7 @@ class StoreService:
         # Set once every endpoint is subscribed: events (e.g. the SSD blocks a restart
         # reloads) go out only when a consumer can already ask for a dump or replay.
         self._serving = asyncio.Event()
+        self.pool.on_change = self._collect
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -150,6 +159,7 @@ class StoreService:
         self.arena = Arena.create(self.capacity, self.block_bytes)
         if self.prefault:
             self.arena.prefault()
+        self.core.arena = self.arena
         self._ctx = zmq.asyncio.Context()
         advertise = self.advertise_host
         if advertise is None and self.host in ("0.0.0.0", "*"):
@@ -159,6 +169,7 @@ class StoreService:
             advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
         )
         self.data.objects = self.objects
+        self.replicas.data = self.data
         self.obj_server = ObjectServer(self.objects)
         await self.obj_server.start(self.host, advertise)
         self.tiers.open()  # SSD files / GPU memory; reloads what a previous run left on SSD
@@ -245,8 +256,7 @@ class StoreService:
 
     async def _allocate(self, req: TxAllocate, _m: NatsMsg) -> TxHandle | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
-            result, events = self.pool.allocate(req)
-            self.apply(events)
+            result = self.pool.allocate(req)
             if isinstance(result, Refused):
                 log.info("tx_refused", reason=result.reason, detail=result.message)
                 return result
@@ -260,17 +270,14 @@ class StoreService:
 
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
-            result, events = self.pool.commit(req.tx_id, req.request_id)
-            self.apply(events)
-            self.tiers.wake()
+            result = self.pool.commit(req.tx_id, req.request_id)
             if isinstance(result, Refused):
                 log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)
             return result
 
     async def _abort(self, req: TxAbort, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
-            result, events = self.pool.abort(req.tx_id)
-            self.apply(events)
+            result = self.pool.abort(req.tx_id)
             log.info("tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone))
             return result
 
@@ -289,8 +296,7 @@ class StoreService:
                         next_cursor=nxt)
 
     async def _clear(self, req: ClearRequest, _m: NatsMsg) -> ClearDone:
-        removed, events = self.pool.clear()
-        self.apply(events)
+        removed = self.pool.clear()
         log.warning("store_cleared", removed=len(removed), reason=req.reason)
         return ClearDone(node=self.node, epoch=self.epoch, seq=self.seq, removed_blocks=len(removed),
                          kept_blocks=self.pool.cached_blocks)
@@ -308,12 +314,12 @@ class StoreService:
         return ObjectDone(key=req.key, node=self.node, present=self.objects.remove(req.key))
 
     async def _obj_replicate(self, req: ObjectReplicate, _m: NatsMsg) -> ObjectDone | Refused:
-        return await replication.copy_object(self, req)
+        return await self.replicas.copy_object(req)
 
     async def _replicate(self, req: Replicate, _m: NatsMsg) -> Any:
         if req.dest_node != self.node:
             return None  # another store's job
-        return await replication.copy_blocks(self, req)
+        return await self.replicas.copy_blocks(req)
 
     def _answer(self, make: Any):
         async def cb(m: NatsMsg) -> None:
@@ -327,10 +333,14 @@ class StoreService:
 
     # ---------------------------------------------------------------- tasks
 
-    def apply(self, events: list[KVEvent]) -> None:
-        """Run the tier moves the last pool call asked for, then publish its events."""
+    def _collect(self) -> None:
+        """The pool's ``on_change`` hook, after each of its operations: run the tier moves
+        it queued, in order, then give its KV events (objects' blocks left out) the
+        next sequence number. The one place pool events leave the pool."""
         self.tiers.run_moves()
-        self._emit(self.objects.kv_only(events) if events else events)
+        events = self.pool.take_events()
+        if events:
+            self._emit(self.objects.kv_only(events))
 
     def _emit(self, events: list[KVEvent]) -> None:
         if not events:

@@ -8,8 +8,10 @@ Lifecycle (owned by :class:`~services.store.server.StoreService`)::
                 the new epoch's first batch (objects' blocks are not KV: their keys are
                 back in the object table instead; blocks of an object that did not
                 come back whole are dropped)
-    run_moves   after every pool call, in the same step: promotions / demotions /
-                offloads, in order (an SSD read or write of a block is a page-cache copy)
+    run_moves   after every pool operation, in the same step (the store's collect hook):
+                promotions / demotions / offloads, in order (an SSD read or write of a
+                block is a page-cache copy); wakes the write-back task when the pool has
+                write-backs queued or the SSD index changed
     write-back  task: pool.writebacks() -> copy DRAM -> SSD on a worker thread (the DRAM
                 copy is locked meanwhile) -> writeback_done -> index saved if changed
     close       save the index (with the objects whose blocks are all on SSD), close files
@@ -18,11 +20,12 @@ Lifecycle (owned by :class:`~services.store.server.StoreService`)::
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import structlog
 
 from bus_schemas.kv_events import EventBatch
+from services.store.core import StoreCore
+from services.store.object_service import ObjectService
 from services.store.tiers.backends import (
     ArenaStore,
     SsdStore,
@@ -32,9 +35,6 @@ from services.store.tiers.backends import (
     vram_available,
 )
 from services.store.tiers.policy import Tier
-
-if TYPE_CHECKING:
-    from services.store.server import StoreService
 
 log = structlog.get_logger()
 WRITEBACK_BATCH = 32
@@ -67,8 +67,12 @@ class ReplayBuffer:
 
 
 class Tiers:
-    def __init__(self, service: "StoreService") -> None:
-        self.s = service
+    def __init__(self, core: StoreCore, objects: ObjectService, *, ssd_dir: str | None = None,
+                 vram_capacity_blocks: int = 0) -> None:
+        self.core = core
+        self.objects = objects
+        self.ssd_dir = ssd_dir
+        self.vram_capacity_blocks = vram_capacity_blocks
         self.stores: dict[Tier, TierStore] = {}
         self.ssd: SsdStore | None = None
         self._wake = asyncio.Event()
@@ -76,46 +80,45 @@ class Tiers:
         self._saved_at = 0.0
 
     def open(self) -> None:
-        s = self.s
-        assert s.arena is not None
-        self.stores[Tier.DRAM] = ArenaStore(s.arena)
-        if s.pool.ssd is not None and s.ssd_dir:
-            self.ssd = SsdStore(s.ssd_dir, s.pool.ssd.capacity, s.block_bytes)
+        core, pool = self.core, self.core.pool
+        assert core.arena is not None
+        self.stores[Tier.DRAM] = ArenaStore(core.arena)
+        if pool.ssd is not None and self.ssd_dir:
+            self.ssd = SsdStore(self.ssd_dir, pool.ssd.capacity, core.block_bytes)
             self.stores[Tier.SSD] = self.ssd
             state = self.ssd.load_state()
-            now_wall, now = time.time(), s.clock.now()
+            now_wall, now = time.time(), core.clock.now()
             restored = [(h, slot, None if until is None else now + (until - now_wall))
                         for h, slot, until in state.entries]
-            events = s.pool.restore(restored)
-            orphans = s.objects.restore(state.objects, state.object_blocks)
-            s.apply(events)  # after objects.restore: object blocks are kept out of KV events
+            self.objects.expect(state.object_blocks)  # object blocks stay out of KV events
+            pool.restore(restored)
+            orphans = self.objects.restore(state.objects, state.object_blocks)
             if orphans:
-                _, _, events = s.pool.remove(orphans)
-                s.apply(events)
-            log.info("ssd_tier_open", dir=s.ssd_dir, capacity_blocks=s.pool.ssd.capacity,
-                     restored_blocks=len(s.pool.ssd), restored_objects=len(s.objects.table),
+                pool.remove(orphans)
+            log.info("ssd_tier_open", dir=self.ssd_dir, capacity_blocks=pool.ssd.capacity,
+                     restored_blocks=len(pool.ssd), restored_objects=len(self.objects.table),
                      dropped_object_blocks=len(orphans))
-        if any(t.tier == Tier.VRAM for t in s.pool.lower):
-            self.stores[Tier.VRAM] = VramStore(s.vram_capacity_blocks, s.block_bytes)
+        if any(t.tier == Tier.VRAM for t in pool.lower):
+            self.stores[Tier.VRAM] = VramStore(self.vram_capacity_blocks, core.block_bytes)
 
     def run_moves(self) -> None:
-        moves = self.s.pool.take_moves()
+        pool = self.core.pool
+        moves = pool.take_moves()
         if moves:
-            execute(moves, self.stores, self.s.block_bytes)
-        if self.s.pool.ssd_dirty and self.ssd is not None:
-            self.wake()  # the write-back task saves the index (off this step)
+            execute(moves, self.stores, self.core.block_bytes)
+        if self.ssd is not None and (pool.ssd_dirty or pool.writeback_pending()):
+            self.wake()  # the write-back task copies and saves the index (off this step)
 
     def wake(self) -> None:
         self._wake.set()
 
     async def run_writeback(self) -> None:
-        pool = self.s.pool
+        pool = self.core.pool
         if self.ssd is None:
             return
         while True:
             await self._wake.wait()
-            moves, events = pool.writebacks(WRITEBACK_BATCH)
-            self.s.apply(events)
+            moves = pool.writebacks(WRITEBACK_BATCH)
             if not moves:
                 self._wake.clear()
                 if pool.ssd_dirty:
@@ -125,7 +128,7 @@ class Tiers:
             results = await asyncio.to_thread(self._write, moves)
             for m, ok in zip(moves, results, strict=True):
                 pool.writeback_done(m.block_hash, ok)
-            self.s.objects.reap()
+            self.objects.reap()
             if time.monotonic() - self._saved_at > 0.5:
                 self.save()
 
@@ -133,7 +136,7 @@ class Tiers:
         """Before a graceful stop: let the write-back task empty its queue (an SSD tier
         should survive a restart with what DRAM held), for at most ``timeout_s``.
         True when nothing is left to write."""
-        pool = self.s.pool
+        pool = self.core.pool
         if self.ssd is None or not pool.writeback_pending():
             return True
         self._idle.clear()
@@ -148,7 +151,7 @@ class Tiers:
         out = []
         for m in moves:
             try:
-                execute([m], self.stores, self.s.block_bytes)
+                execute([m], self.stores, self.core.block_bytes)
                 out.append(True)
             except OSError as e:
                 log.warning("writeback_failed", block=m.block_hash, error=str(e))
@@ -158,15 +161,15 @@ class Tiers:
     def save(self) -> None:
         if self.ssd is None:
             return
-        now_wall, now = time.time(), self.s.clock.now()
+        now_wall, now = time.time(), self.core.clock.now()
         entries = [(h, slot, None if until is None else now_wall + (until - now))
-                   for h, slot, until in self.s.pool.ssd_entries()]
+                   for h, slot, until in self.core.pool.ssd_entries()]
         on_ssd = {h for h, _, _ in entries}
-        objects = self.s.objects
+        objects = self.objects
         try:
             self.ssd.save_index(entries, objects.persistable(on_ssd),
                                 on_ssd & objects.block_hashes)
-            self.s.pool.ssd_dirty = False
+            self.core.pool.ssd_dirty = False
             self._saved_at = time.monotonic()
         except OSError as e:
             log.warning("ssd_index_save_failed", error=str(e))

@@ -11,6 +11,7 @@ from services.common.cost_model import CostModel
 from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, RemoteSource
 from services.conductor.prefix_index import PrefixIndex
 from services.store.block_pool import Allocation, BlockPool
+from tests.unit.test_store_block_pool import with_events
 
 BS = 32
 N = 4 * BS + 10
@@ -29,15 +30,15 @@ class Node:
             self.index.apply(EventBatch(node=self.name, epoch=1, seq=self.seq, ts=0.0, events=events))
 
     def allocate(self, rid: str, role: TxRole, hashes, num_tokens: int) -> Allocation:
-        res, events = self.pool.allocate(
+        res, events = with_events(self.pool, self.pool.allocate(
             TxAllocate(request_id=rid, role=role, block_hashes=list(hashes), num_tokens=num_tokens)
-        )
+        ))
         self.emit(events)
         assert isinstance(res, Allocation), res
         return res
 
     def commit(self, tx: Allocation, rid: str) -> TxDone:
-        res, events = self.pool.commit(tx.tx_id, rid)
+        res, events = with_events(self.pool, self.pool.commit(tx.tx_id, rid))
         self.emit(events)
         assert isinstance(res, TxDone), res
         return res
@@ -108,7 +109,7 @@ def test_partial_local_prefix_pulls_only_the_missing_blocks_and_stores_them():
     dst = n0.allocate("r", TxRole.PREFILL, HASHES, N)
     assert dst.hit_blocks == 1  # block 0 is local and locked; blocks 1..3 come from n1
     assert n0.pool.check_write(dst.tx_id, dst.slots[1:4]) is None
-    res, events = n0.pool.commit(dst.tx_id, "r")
+    res, events = with_events(n0.pool, n0.pool.commit(dst.tx_id, "r"))
     assert events == [BlockStored(block_hashes=HASHES[1:])]
     n0.emit(events)
     assert index.match(HASHES) == {"n0": 4, "n1": 4}

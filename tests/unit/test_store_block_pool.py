@@ -12,20 +12,27 @@ def make_pool(capacity: int = 8, block_size: int = 4, clock: ManualClock | None 
     return BlockPool(capacity, block_size, clock or ManualClock(), id_prefix="t-")
 
 
+def with_events(pool: BlockPool, result):
+    """An operation's result and the KV events it queued: ``(result, events)``, or
+    ``(*result, events)`` when it returns a tuple."""
+    events = pool.take_events()
+    return (*result, events) if isinstance(result, tuple) else (result, events)
+
+
 def req(hashes: list[int], num_tokens: int, role: TxRole = TxRole.PREFILL, **kw) -> TxAllocate:
     return TxAllocate(request_id=kw.pop("request_id", "r"), role=role, block_hashes=hashes,
                       num_tokens=num_tokens, **kw)
 
 
 def alloc(pool: BlockPool, hashes: list[int], num_tokens: int, **kw) -> Allocation:
-    result, _ = pool.allocate(req(hashes, num_tokens, **kw))
+    result, _ = with_events(pool, pool.allocate(req(hashes, num_tokens, **kw)))
     assert isinstance(result, Allocation), result
     return result
 
 
 def committed(pool: BlockPool, hashes: list[int], num_tokens: int, **kw) -> Allocation:
     a = alloc(pool, hashes, num_tokens, **kw)
-    done, _ = pool.commit(a.tx_id)
+    done, _ = with_events(pool, pool.commit(a.tx_id))
     assert isinstance(done, TxDone)
     return a
 
@@ -42,7 +49,7 @@ def test_lru_policy_order():
 
 def test_fresh_allocation_has_a_slot_per_block_including_tail():
     pool = make_pool()
-    result, events = pool.allocate(req([11, 12], 10))
+    result, events = with_events(pool, pool.allocate(req([11, 12], 10)))
     assert result == Allocation(tx_id="t-1", slots=[0, 1, 2], hit_blocks=0)
     assert events == []
     assert (pool.used_blocks, pool.free_blocks, pool.cached_blocks) == (3, 5, 0)
@@ -52,7 +59,7 @@ def test_fresh_allocation_has_a_slot_per_block_including_tail():
 def test_commit_caches_full_blocks_frees_tail_and_releases_tail_first():
     pool = make_pool()
     a = alloc(pool, [11, 12], 10)
-    done, events = pool.commit(a.tx_id, "r")
+    done, events = with_events(pool, pool.commit(a.tx_id, "r"))
     assert done == TxDone(tx_id="t-1", stored_blocks=2)
     assert events == [BlockStored(block_hashes=[11, 12])]
     assert (pool.slot_of(11), pool.slot_of(12), pool.used_blocks) == (0, 1, 2)
@@ -63,7 +70,7 @@ def test_commit_caches_full_blocks_frees_tail_and_releases_tail_first():
 def test_prefix_hit_locks_blocks_and_allocates_the_rest():
     pool = make_pool()
     committed(pool, [11, 12], 10)  # free list afterwards: 3 4 5 6 7 2
-    result, events = pool.allocate(req([11, 12, 13], 13))
+    result, events = with_events(pool, pool.allocate(req([11, 12, 13], 13)))
     assert result == Allocation(tx_id="t-2", slots=[0, 1, 3, 4], hit_blocks=2)
     assert events == []
     assert (pool.lock_count(11), pool.lock_count(12)) == (1, 1)
@@ -82,7 +89,7 @@ def test_lru_eviction_order_and_reuse_moves_block_to_newest():
     assert pool.eviction_order() == [11, 10, 20]
     committed(pool, [10], 1)  # hit on 10: locked, released again as newest
     assert pool.eviction_order() == [11, 20, 10]
-    result, events = pool.allocate(req([30, 31, 32], 3))
+    result, events = with_events(pool, pool.allocate(req([30, 31, 32], 3)))
     assert events == [BlockRemoved(block_hashes=[11, 20])]
     assert result == Allocation(tx_id="t-4", slots=[3, 1, 2], hit_blocks=0)
     assert pool.eviction_order() == [10]
@@ -92,13 +99,13 @@ def test_lru_eviction_order_and_reuse_moves_block_to_newest():
 def test_locked_block_is_never_evicted_and_refusal_changes_nothing():
     pool = make_pool(capacity=2, block_size=1)
     committed(pool, [1, 2], 2)
-    b, events = pool.allocate(req([1], 2))  # hits 1, needs one more slot: evicts 2
+    b, events = with_events(pool, pool.allocate(req([1], 2)))  # hits 1, needs one more slot: evicts 2
     assert events == [BlockRemoved(block_hashes=[2])]
     assert b == Allocation(tx_id="t-2", slots=[0, 1], hit_blocks=1)
-    refused, events = pool.allocate(req([5], 1))
+    refused, events = with_events(pool, pool.allocate(req([5], 1)))
     assert isinstance(refused, Refused) and refused.reason == "capacity"
     assert events == []
-    refused, _ = pool.allocate(req([1], 3))  # would hit 1 and need 2 more
+    refused, _ = with_events(pool, pool.allocate(req([1], 3)))  # would hit 1 and need 2 more
     assert isinstance(refused, Refused) and refused.reason == "capacity"
     assert pool.lock_count(1) == 1 and pool.is_cached(1)
     assert pool.stats()["tx_refused"] == 2
@@ -108,7 +115,7 @@ def test_locked_block_is_never_evicted_and_refusal_changes_nothing():
 
 def test_request_larger_than_the_store_is_refused():
     pool = make_pool(capacity=2, block_size=4)
-    refused, _ = pool.allocate(req([], 9))
+    refused, _ = with_events(pool, pool.allocate(req([], 9)))
     assert isinstance(refused, Refused) and refused.reason == "capacity"
     assert "need 3" in refused.message
 
@@ -118,7 +125,7 @@ def test_ephemeral_blocks_are_not_cached():
     committed(pool, [11], 4)
     a = alloc(pool, [11, 12], 9, retention=Retention.EPHEMERAL)
     assert a.hit_blocks == 1
-    done, events = pool.commit(a.tx_id)
+    done, events = with_events(pool, pool.commit(a.tx_id))
     assert done == TxDone(tx_id=a.tx_id, stored_blocks=0)
     assert events == []
     assert not pool.is_cached(12) and pool.lock_count(11) == 0
@@ -136,7 +143,7 @@ def test_lease_expiry_aborts_with_manual_clock():
     assert pool.expire() == [a.tx_id]
     assert pool.lock_count(11) == 0 and pool.used_blocks == 1
     assert pool.counters["tx_expired"] == 1
-    refused, _ = pool.commit(a.tx_id)
+    refused, _ = with_events(pool, pool.commit(a.tx_id))
     assert isinstance(refused, Refused) and refused.reason == "unknown_tx"
     assert pool.expire(now=100.0) == []
 
@@ -161,14 +168,14 @@ def test_renewal_moves_the_lease_end_and_only_for_open_transactions():
 def test_source_role_locks_existing_blocks_and_allocates_nothing():
     pool = make_pool()
     committed(pool, [11, 12], 8)
-    src, events = pool.allocate(req([11, 12], 0, role=TxRole.SOURCE))
+    src, events = with_events(pool, pool.allocate(req([11, 12], 0, role=TxRole.SOURCE)))
     assert src == Allocation(tx_id="t-2", slots=[0, 1], hit_blocks=2)
     assert events == [] and pool.used_blocks == 2
     assert pool.check_read("t-2", [0, 1]) is None and pool.check_write("t-2", [0]) is not None
-    missing, _ = pool.allocate(req([11, 99], 0, role=TxRole.SOURCE))
+    missing, _ = with_events(pool, pool.allocate(req([11, 99], 0, role=TxRole.SOURCE)))
     assert isinstance(missing, Refused) and missing.reason == "missing"
     assert (pool.lock_count(11), pool.lock_count(12)) == (1, 1)
-    done, events = pool.commit("t-2")
+    done, events = with_events(pool, pool.commit("t-2"))
     assert done == TxDone(tx_id="t-2", stored_blocks=0) and events == []
     assert pool.eviction_order() == [12, 11]
 
@@ -178,22 +185,22 @@ def test_duplicate_commit_frees_the_later_copy():
     a = alloc(pool, [11], 4)
     b = alloc(pool, [11], 4)
     assert (a.slots, b.slots) == ([0], [1])
-    assert pool.commit(a.tx_id) == (TxDone(tx_id=a.tx_id, stored_blocks=1), [BlockStored(block_hashes=[11])])
-    assert pool.commit(b.tx_id) == (TxDone(tx_id=b.tx_id, stored_blocks=0), [])
+    assert with_events(pool, pool.commit(a.tx_id)) == (TxDone(tx_id=a.tx_id, stored_blocks=1), [BlockStored(block_hashes=[11])])
+    assert with_events(pool, pool.commit(b.tx_id)) == (TxDone(tx_id=b.tx_id, stored_blocks=0), [])
     assert pool.slot_of(11) == 0 and pool.used_blocks == 1
     assert pool.counters["duplicate_blocks"] == 1
-    again, _ = pool.commit(a.tx_id)
+    again, _ = with_events(pool, pool.commit(a.tx_id))
     assert isinstance(again, Refused) and again.reason == "unknown_tx"
-    stale, _ = pool.commit("other-epoch-7")
+    stale, _ = with_events(pool, pool.commit("other-epoch-7"))
     assert isinstance(stale, Refused) and stale.reason == "epoch"
 
 
 def test_commit_checks_request_id():
     pool = make_pool()
     a = alloc(pool, [11], 4, request_id="r1")
-    wrong, _ = pool.commit(a.tx_id, "r2")
+    wrong, _ = with_events(pool, pool.commit(a.tx_id, "r2"))
     assert isinstance(wrong, Refused) and wrong.reason == "bad_request"
-    assert pool.commit(a.tx_id, "r1")[0] == TxDone(tx_id=a.tx_id, stored_blocks=1)
+    assert pool.commit(a.tx_id, "r1") == TxDone(tx_id=a.tx_id, stored_blocks=1)
 
 
 def test_abort_frees_new_slots_and_releases_locks():
@@ -201,9 +208,9 @@ def test_abort_frees_new_slots_and_releases_locks():
     committed(pool, [11], 4)
     a = alloc(pool, [11, 12], 9)
     assert a.slots == [0, 1, 2]
-    assert pool.abort(a.tx_id) == (TxDone(tx_id=a.tx_id), [])
+    assert with_events(pool, pool.abort(a.tx_id)) == (TxDone(tx_id=a.tx_id), [])
     assert pool.used_blocks == 1 and pool.lock_count(11) == 0
-    assert pool.abort(a.tx_id)[0].reason == "unknown_tx"
+    assert pool.abort(a.tx_id).reason == "unknown_tx"
 
 
 def test_context_cache_pins_until_ttl():
@@ -211,19 +218,19 @@ def test_context_cache_pins_until_ttl():
     pool = make_pool(capacity=2, block_size=1, clock=clock)
     committed(pool, [1], 1, retention=Retention.CONTEXT_CACHE, context_ttl_s=10.0)
     assert pool.lock_count(1) == 1 and pool.eviction_order() == []
-    refused, _ = pool.allocate(req([2, 3], 2))
+    refused, _ = with_events(pool, pool.allocate(req([2, 3], 2)))
     assert isinstance(refused, Refused) and refused.reason == "capacity"
     clock.advance(10.0)
     assert pool.expire() == []
     assert pool.lock_count(1) == 0 and pool.eviction_order() == [1]
-    result, events = pool.allocate(req([2, 3], 2))
+    result, events = with_events(pool, pool.allocate(req([2, 3], 2)))
     assert isinstance(result, Allocation) and events == [BlockRemoved(block_hashes=[1])]
 
 
 def test_bad_requests_are_refused():
     pool = make_pool()
     for bad in (req([1, 2, 3], 8), req([], 0), req([1], 4, lease_s=0.0)):
-        result, events = pool.allocate(bad)
+        result, events = with_events(pool, pool.allocate(bad))
         assert isinstance(result, Refused) and result.reason == "bad_request", bad
         assert events == []
     assert pool.used_blocks == 0 and pool.open_txs() == []

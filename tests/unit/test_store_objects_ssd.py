@@ -9,11 +9,13 @@ from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
 from services.store import replicas
 from services.store.__main__ import parse_args
+from services.store.block_pool import BlockPool
 from services.store.object_service import object_hashes
 from services.store.tiering import ReplayBuffer
-from services.store.tiers import Move, Tier, TieredBlockPool
+from services.store.tiers import Move, Tier
 from services.store.tiers.backends import MemoryStore, SsdStore, execute
 from services.store.transport.base import crc32
+from tests.unit.test_store_block_pool import with_events
 
 
 def test_rendezvous_rank_is_stable_and_replicas_are_distinct():
@@ -39,20 +41,20 @@ def test_object_hashes_differ_by_version_and_index():
 
 
 def test_put_blocks_caches_at_once_and_dram_slots_touch_the_lru():
-    pool = TieredBlockPool(3, 1, ManualClock(), "t-")
-    slots, events = pool.put_blocks([5, 6])
+    pool = BlockPool(3, 1, ManualClock(), "t-")
+    slots, events = with_events(pool, pool.put_blocks([5, 6]))
     assert (slots, events) == ([0, 1], [BlockStored(block_hashes=[5, 6])])
     assert pool.eviction_order() == [5, 6]
     assert pool.dram_slots([5]) == [0] and pool.eviction_order() == [6, 5]
     assert pool.dram_slots([5, 99]) is None
-    slots, events = pool.put_blocks([7, 8])
+    slots, events = with_events(pool, pool.put_blocks([7, 8]))
     assert slots == [2, 1] and events == [BlockRemoved(block_hashes=[6]), BlockStored(block_hashes=[7, 8])]
     for bad in ([7], [9, 9]):
-        refused, _ = pool.put_blocks(bad)
+        refused, _ = with_events(pool, pool.put_blocks(bad))
         assert isinstance(refused, Refused) and refused.reason == "bad_request"
-    refused, _ = pool.put_blocks([1, 2, 3, 4])
+    refused, _ = with_events(pool, pool.put_blocks([1, 2, 3, 4]))
     assert isinstance(refused, Refused) and refused.reason == "capacity"
-    refused, _ = pool.put_blocks([10], Retention.EPHEMERAL)
+    refused, _ = with_events(pool, pool.put_blocks([10], Retention.EPHEMERAL))
     assert isinstance(refused, Refused)
 
 
@@ -149,11 +151,12 @@ def test_object_service_restores_whole_objects_and_names_the_orphan_blocks():
 
     from services.store.object_service import ObjectService
 
-    pool = TieredBlockPool(4, 1, ManualClock(), "t-", ssd_capacity=8)
-    assert pool.restore([(h, i, None) for i, h in enumerate([1, 2, 3, 7])]) == [
-        BlockStored(block_hashes=[1, 2, 3, 7])]
-    store = SimpleNamespace(epoch=5, block_bytes=8, pool=pool, apply=lambda _events: None)
-    svc = ObjectService(store)
+    pool = BlockPool(4, 1, ManualClock(), "t-", ssd_capacity=8)
+    svc = ObjectService(SimpleNamespace(epoch=5, block_bytes=8, pool=pool))  # type: ignore[arg-type]
+    svc.expect({1, 2, 3, 4, 7})  # before the reload: its BlockStored is not KV
+    assert svc.kv_only([BlockStored(block_hashes=[1, 9])]) == [BlockStored(block_hashes=[9])]
+    loaded, events = with_events(pool, pool.restore([(h, i, None) for i, h in enumerate([1, 2, 3, 7])]))
+    assert (loaded, events) == ([1, 2, 3, 7], [BlockStored(block_hashes=[1, 2, 3, 7])])
     orphans = svc.restore([("whole", 16, [1, 2]), ("torn", 16, [3, 4]), ("bad size", 99, [7])],
                           object_blocks={1, 2, 3, 4, 7})
     assert {k: (m.size, m.hashes) for k, m in svc.table.items()} == {"whole": (16, [1, 2])}

@@ -10,6 +10,7 @@ from bus_schemas.kv_events import BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
 from services.store.block_pool import Allocation, BlockPool
+from tests.unit.test_store_block_pool import with_events
 
 BLOCK = 2
 CAPACITY = 12
@@ -60,10 +61,10 @@ def test_random_operations_keep_the_books(ops):
             chain, full, tail, role, retention, lease = arg
             hashes = [chain * 100 + i for i in range(full)]
             locked_before = set(pool._refs)
-            result, events = pool.allocate(TxAllocate(
+            result, events = with_events(pool, pool.allocate(TxAllocate(
                 request_id="r", role=role, block_hashes=hashes, num_tokens=full * BLOCK + tail,
                 retention=retention, context_ttl_s=3.0, lease_s=lease,
-            ))
+            )))
             for ev in events:
                 assert isinstance(ev, BlockRemoved)
                 assert not set(ev.block_hashes) & locked_before, "evicted a locked block"
@@ -77,7 +78,7 @@ def test_random_operations_keep_the_books(ops):
                 continue
             tx_id = sorted(open_txs)[arg % len(open_txs)]
             a, hashes = open_txs.pop(tx_id)
-            done, events = (pool.commit if kind == "commit" else pool.abort)(tx_id)
+            done, events = with_events(pool, (pool.commit if kind == "commit" else pool.abort)(tx_id))
             assert isinstance(done, TxDone)
             assert all(isinstance(e, BlockStored) for e in events)
             if kind == "abort":

@@ -1,8 +1,10 @@
-"""TieredBlockPool invariants under random operations (hypothesis), with the bytes modelled.
+"""BlockPool invariants under random operations (hypothesis), with the bytes modelled.
 
 Every slot of every tier holds a "content" (the hash written there). Moves are run in
-order as the service would; afterwards each block's copies must hold that block's
-content, so a move that reads a slot after it was reused is caught.
+order as the service would (in the pool's ``on_change`` hook); afterwards each block's
+copies must hold that block's content, so a move that reads a slot after it was reused
+is caught. The KV events the hook collects, applied in order, must always name exactly
+the blocks on the node (what a conductor's prefix index relies on).
 """
 
 from collections import Counter
@@ -14,8 +16,8 @@ from bus_schemas.control import TxAllocate, TxDone, TxRole
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store.block_pool import Allocation
-from services.store.tiers import Tier, TieredBlockPool
+from services.store.block_pool import Allocation, BlockPool
+from services.store.tiers import Tier
 
 DRAM, SSD, VRAM = 6, 4, 2
 
@@ -37,11 +39,32 @@ op = st.one_of(
 
 
 class Model:
-    def __init__(self, pool: TieredBlockPool) -> None:
+    def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.data: dict[tuple[Tier, int], int] = {}
         self.open: dict[str, tuple[Allocation, list[int], TxRole]] = {}
         self.wb: list[int] = []
+        self.batches: list[list] = []  # one per pool operation, from its on_change hook
+        self.view: set[int] = set()  # the node's blocks as its KV events tell them
+        pool.on_change = self.changed
+
+    def changed(self) -> None:
+        self.run_moves(self.pool.take_moves())
+        events = self.pool.take_events()
+        self.batches.append(events)
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.view.update(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.view.difference_update(ev.block_hashes)
+            else:
+                self.view.clear()
+
+    def ran(self, result):
+        """An operation's result and the events of its one on_change batch."""
+        assert len(self.batches) == 1, "one on_change per operation"
+        events = self.batches.pop()
+        return (*result, events) if isinstance(result, tuple) else (result, events)
 
     def run_moves(self, moves) -> None:
         for m in moves:
@@ -49,6 +72,8 @@ class Model:
 
     def check(self) -> None:
         p = self.pool
+        self.batches.clear()
+        assert self.view == p.node_blocks(), "KV events do not tell what the node holds"
         tx_slots = [s for a, _, _ in self.open.values() for s in a.slots[a.hit_blocks :]]
         assert sorted(list(p._free) + list(p._cached.values()) + tx_slots) == list(range(DRAM))
         want = Counter(h for a, hashes, _ in self.open.values() for h in hashes[: a.hit_blocks])
@@ -81,8 +106,8 @@ class Model:
 @given(st.lists(op, min_size=1, max_size=50), st.booleans())
 def test_random_operations_keep_the_books_across_tiers(ops, vram):
     clock = ManualClock()
-    pool = TieredBlockPool(DRAM, 2, clock, "p-", ssd_capacity=SSD,
-                           vram_capacity=VRAM if vram else 0, writeback=True)
+    pool = BlockPool(DRAM, 2, clock, "p-", ssd_capacity=SSD,
+                     vram_capacity=VRAM if vram else 0, writeback=True)
     m = Model(pool)
     for kind, arg in ops:
         held_before = {h for a, hs, _ in m.open.values() for h in hs[: a.hit_blocks]} | set(pool._pins)
@@ -90,9 +115,9 @@ def test_random_operations_keep_the_books_across_tiers(ops, vram):
         if kind == "alloc":
             chain, full, tail, role, retention = arg
             hashes = [chain * 100 + i for i in range(full)]
-            result, events = pool.allocate(TxAllocate(
+            result, events = m.ran(pool.allocate(TxAllocate(
                 request_id="r", role=role, block_hashes=hashes, num_tokens=full * 2 + tail,
-                retention=retention, context_ttl_s=3.0, lease_s=30.0))
+                retention=retention, context_ttl_s=3.0, lease_s=30.0)))
             m.run_moves(pool.take_moves())
             if isinstance(result, Allocation):
                 m.open[result.tx_id] = (result, hashes, role)
@@ -103,23 +128,23 @@ def test_random_operations_keep_the_books_across_tiers(ops, vram):
                 continue
             tx_id = sorted(m.open)[arg % len(m.open)]
             m.open.pop(tx_id)
-            done, events = (pool.commit if kind == "commit" else pool.abort)(tx_id)
+            done, events = m.ran((pool.commit if kind == "commit" else pool.abort)(tx_id))
             assert isinstance(done, TxDone)
         elif kind == "tick":
             clock.advance(arg)
             pool.expire()
         elif kind == "wb":
-            moves, events = pool.writebacks(arg)
+            moves, events = m.ran(pool.writebacks(arg))
             m.run_moves(moves)
             m.wb.extend(mv.block_hash for mv in moves)
         elif kind == "wb_done":
             if m.wb:
                 pool.writeback_done(m.wb.pop(0), arg)
         elif kind == "remove":
-            _, busy, events = pool.remove([arg * 100, arg * 100 + 1])
+            _, busy, events = m.ran(pool.remove([arg * 100, arg * 100 + 1]))
             assert not set(busy) - held_before - set(m.wb)
         else:
-            _, events = pool.clear()
+            _, events = m.ran(pool.clear())
         for ev in events:
             if isinstance(ev, BlockRemoved):
                 if kind not in ("remove", "clear"):

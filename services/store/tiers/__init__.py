@@ -1,6 +1,6 @@
-"""Storage tiers of a node's store: the pure placement policy and the byte stores."""
+"""Storage tiers of a node's store: the pure placement policy, the pool's lower-tier
+hooks (:mod:`.lower`) and the byte stores (:mod:`.backends`)."""
 
 from services.store.tiers.policy import Move, Tier, TierIndex
-from services.store.tiers.pool import TieredBlockPool
 
-__all__ = ["Move", "Tier", "TierIndex", "TieredBlockPool"]
+__all__ = ["Move", "Tier", "TierIndex"]
