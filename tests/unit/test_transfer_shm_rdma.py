@@ -6,8 +6,8 @@ import pytest
 
 from services.store.transfer_api import TransferEngine, TransferRequest
 from services.store.transport import Opcode, Poll, Region, Request, TransportError
-from services.store.transport.fake import verbs as fake_verbs
 from services.store.transport.rdma import RdmaReceiver, RdmaSender, verbs
+from tests.unit import fake_verbs
 
 WAIT = 30.0
 

@@ -2,7 +2,7 @@
 
 Skipped at run time, with the reason, where pyverbs is missing or no RDMA device
 exists (``available()``). The code path is unit-tested against a fake verbs module
-(services/store/transport/fake/verbs.py).
+(tests/unit/fake_verbs.py).
 """
 
 from services.store.transport.base import Availability
