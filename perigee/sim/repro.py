@@ -110,9 +110,9 @@ def fig17(trace, out: str, speeds=(1.0, 3.0), cap: int = 3_000_000) -> dict:
 
 
 def table4(trace, out: str, setups=((8, 8, 2.0), (8, 8, 8.0), (14, 2, 8.0))) -> dict:
-    from perigee.sim.cli import admission_modes
+    from services.admission.policy import ADMISSION_POLICIES
 
-    modes = [m for m in ("baseline", "early", "predict") if m in admission_modes()]
+    modes = [m for m in ("baseline", "early", "predict") if m in ADMISSION_POLICIES]
     res: dict = {"modes": modes, "runs": {}}
     rows = []
     for p, d, speed in setups:
