@@ -116,7 +116,8 @@ _BLOCK_STATES = {"free_blocks": "free", "cached_blocks": "cached", "evictable_bl
                  "locked_blocks": "locked", "pinned_blocks": "pinned",
                  "tx_owned_blocks": "tx_owned"}
 _DATA = {"bytes_in", "bytes_out", "transfer_errors", "bad_frames", "ships", "pulls", "writes_in",
-         "reads_in", "local_copies", "blocks_written_remote", "blocks_read_remote"}
+         "reads_in", "local_copies", "blocks_written_remote", "blocks_read_remote",
+         "tcp_bytes", "shm_bytes", "rdma_bytes"}
 _TIER_CAPACITY = re.compile(r"([a-z]+)_capacity_blocks")
 
 
@@ -163,6 +164,10 @@ def store_collector(service: Any) -> Collector:
             *[_gauge(f"store_{k}", f"store gauge {k}.", v) for k, v in sorted(gauges.items())],
             _labelled(CounterMetricFamily, "transfer_bytes", "KV bytes moved store to store.",
                       "direction", {"in": data.get("bytes_in", 0), "out": data.get("bytes_out", 0)}),
+            _labelled(CounterMetricFamily, "kv_transfer_bytes",
+                      "KV bytes this store moved through the transfer engine (ships sent, "
+                      "pulls received), per transport.", "transport",
+                      {t: data.get(f"{t}_bytes", 0) for t in ("shm", "tcp", "rdma")}),
             _labelled(CounterMetricFamily, "transfer_errors", "Failed data-plane requests.", "kind",
                       {"transfer": data.get("transfer_errors", 0),
                        "bad_frame": data.get("bad_frames", 0)}),

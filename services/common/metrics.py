@@ -31,7 +31,8 @@ decode                 num_requests_running, num_requests_waiting, decode_kv_tok
                        request_decode_load_time_seconds, request_decode_time_seconds
 store                  store_bytes{tier}, store_capacity_bytes{tier}, kv_cache_usage_perc,
                        store_blocks{state}, store_<gauge> (open_txs, ...);
-                       transfer_bytes{direction}, transfer_errors{kind},
+                       transfer_bytes{direction}, kv_transfer_bytes{transport},
+                       transfer_errors{kind},
                        transfer_requests{op}, transfer_blocks{direction}; store_<counter>;
                        store_transfer_time_seconds{op} (spans)
 =====================  ==================================================================
@@ -199,6 +200,7 @@ SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
     "store.pull": (STORE_TRANSFER_TIME, {"op": "pull"}),
     "store.write": (STORE_TRANSFER_TIME, {"op": "write"}),
     "store.read": (STORE_TRANSFER_TIME, {"op": "read"}),
+    "store.close": (STORE_TRANSFER_TIME, {"op": "close"}),
 }
 
 GROUPS: dict[str, list[Any]] = {

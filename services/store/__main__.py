@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds between lease-expiry sweeps")
     p.add_argument("--peer-timeout", type=float, default=5.0,
                    help="seconds a peer store may take to answer (plus size-based time)")
+    p.add_argument("--transports", default="rdma,shm,tcp",
+                   help="transports KV bytes may take to and from peer stores (tcp is always "
+                        "on; rdma where a device exists; shm with peers on this host)")
     p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
                    help="map the whole arena at start (commits its memory up front)")
     p.add_argument("--ssd-dir", default=None,
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("ssd_capacity_blocks", "vram_capacity_blocks"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
+    bad = set(args.transports.split(",")) - {"", "rdma", "shm", "tcp"}
+    if bad:
+        p.error(f"--transports: unknown {sorted(bad)} (have rdma, shm, tcp)")
     if args.ssd_capacity_blocks and not args.ssd_dir:
         p.error("--ssd-capacity-blocks needs --ssd-dir")
     return args
@@ -69,6 +75,7 @@ async def main(args: argparse.Namespace) -> int:
         capacity_blocks=args.capacity_blocks, host=args.host, port=args.port,
         advertise_host=args.advertise_host, announce_interval_s=args.announce_interval,
         sweep_interval_s=args.sweep_interval, peer_timeout_s=args.peer_timeout,
+        transports=tuple(t for t in args.transports.split(",") if t) + ("tcp",),
         prefault=args.prefault, ssd_dir=args.ssd_dir,
         ssd_capacity_blocks=args.ssd_capacity_blocks,
         vram_capacity_blocks=args.vram_capacity_blocks, replay_batches=args.replay_batches,

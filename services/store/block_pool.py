@@ -122,6 +122,15 @@ class BlockPool(LowerTiers):
         )
         self._init_lower(vram_capacity, ssd_capacity, writeback)
 
+    def use_free_list(self, free: "deque[int]") -> None:
+        """Keep free DRAM slots in ``free`` (``append`` / ``popleft`` / ``len``): the live
+        store's :class:`~services.store.fence.SlotFence`, through which every freed slot
+        passes so that a transfer still open on it fences it. ``free`` must hold exactly
+        the slots that are free now."""
+        if sorted(free) != sorted(self._free):
+            raise ValueError("the new free list must hold exactly the slots free now")
+        self._free = free
+
     # ------------------------------------------------------------------ events
 
     def take_events(self) -> list[KVEvent]:

@@ -73,7 +73,7 @@ class Replicator:
                              src_slots=src.slots[local.hit_blocks :])
             try:
                 if pull.dst_slots:
-                    await self.data._pull(pull)
+                    await self.data.pull(pull)
             except (wire.WireError, ChannelError) as e:
                 pool.abort(local.tx_id)
                 return Refused(reason="transfer", message=str(e))

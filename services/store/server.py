@@ -81,7 +81,7 @@ from services.store.core import StoreCore
 from services.store.object_server import ObjectServer
 from services.store.object_service import ObjectService
 from services.store.replication import Replicator
-from services.store.transfer import DataPlane
+from services.store.transfer import TRANSPORTS, DataPlane
 
 log = structlog.get_logger()
 
@@ -101,6 +101,7 @@ class StoreService:
         announce_interval_s: float = 1.0,
         sweep_interval_s: float = 0.25,
         peer_timeout_s: float = 5.0,
+        transports: tuple[str, ...] = TRANSPORTS,
         prefault: bool = True,
         clock: Clock | None = None,
         ssd_dir: str | None = None,
@@ -119,6 +120,7 @@ class StoreService:
         self.announce_interval_s = announce_interval_s
         self.sweep_interval_s = sweep_interval_s
         self.peer_timeout_s = peer_timeout_s
+        self.transports = transports
         self.clock = clock or WallClock()
         self.prefault = prefault
         self.epoch = time.time_ns()
@@ -167,6 +169,7 @@ class StoreService:
         self.data = DataPlane(
             self._ctx, self.pool, self.arena, self.epoch, host=self.host, port=self.port,
             advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
+            transports=self.transports, sweep_interval_s=self.sweep_interval_s,
         )
         self.data.objects = self.objects
         self.replicas.data = self.data
@@ -270,6 +273,10 @@ class StoreService:
 
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
+            busy = self.data.open_grants(req.tx_id) if self.data is not None else 0
+            if busy:  # bytes may still land in its slots: they must not become a cached block
+                return Refused(reason="busy", message=f"{busy} transfers into {req.tx_id} are "
+                               "still open; commit once they closed")
             result = self.pool.commit(req.tx_id, req.request_id)
             if isinstance(result, Refused):
                 log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)

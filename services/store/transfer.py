@@ -1,22 +1,38 @@
-"""The store's data plane: one ROUTER socket that serves local workers and peer stores.
+"""The store's data plane: KV bytes through the transfer engine, coordinated over ZeroMQ.
 
 Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames):
 
     received -> parsed (bad frame: ERR reply, loop goes on)
-      WRITE / READ (from a peer store): checked against the block pool (the slots must
-          belong to a live transaction of this epoch; WRITE only into slots the
-          transaction allocated) and copied in place; answered at once.
-      SHIP / PULL (from a local worker): run as their own task — the local slots are
-          checked, the peer is asked through a pooled DEALER (:class:`PeerPool`), and the
-          worker is answered OK or ERR when the peer answered or the deadline passed.
-          A ship or pull whose other end is this very store is a local memcpy.
+      OPEN  (from a peer store): checked against the pool (slots of a live transaction
+            of this epoch; writes only into slots the transaction allocated); a grant is
+            opened on the slots in the :class:`~services.store.fence.SlotFence` and
+            GRANTED names this store's transfer segments. Answered at once.
+      CLOSE (from a peer store): the grant ends: OK when its slots stayed live, else
+            ERR ``fenced`` (the transaction was aborted or expired meanwhile: the bytes
+            are discarded, the slots are reused only now that nothing moves into them).
+      SHIP / PULL (from a local worker): run as their own task:
+            SHIP  hold our source slots (a read grant on our fence), OPEN a write grant
+                  on the peer, WRITE the spans into its arena, CLOSE; OK once the peer
+                  said its slots stayed live.
+            PULL  hold our destination slots (a write grant), OPEN a read grant on the
+                  peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
+            A ship or pull whose other end is this very store is a local memcpy.
+    grant sweep: a served grant past its ttl is closed as failed, except a write grant
+            of a live process on this host (it may be copying into our memory still).
 
-Payload bytes are never touched in Python: spans of the arena are sent as zero-copy
-frames and received frames are copied into the arena with one memcpy per piece.
+Transports, best first: RDMA when both stores have a device, shared memory when the
+peer's segment is visible on this host, else multi-stream TCP (the TCP receiver checks
+every write against the fence on its own thread, see ``ArenaGuard``). Bytes moved as
+initiator are counted per transport (``tcp_bytes``, ``shm_bytes``, ``rdma_bytes``).
+Transfers run on a small thread pool, never on the event loop.
 """
 
 import asyncio
+import os
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -24,22 +40,49 @@ import zmq
 import zmq.asyncio
 from opentelemetry import trace
 
-from services.store import wire
+from services.store import transport, wire
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
 from services.store.channel import ChannelError, PeerPool, next_id, tune
+from services.store.fence import ArenaGuard, Grant, SlotFence
+from services.store.transfer_api import TransferApiError, TransferEngine, TransferRequest
+from services.store.transport import Opcode, Poll, TransportError
+from services.store.transport import shm as shm_transport
 from tracing import extract, inject, tracer
 
 log = structlog.get_logger()
 
-# Below this many bytes per span, spans are packed into one buffer before sending:
-# one memcpy is cheaper than per-frame overhead for small frames.
-PACK_BELOW = 64 * 1024
-# Large transfers go as several requests of about this size, in flight together, so
-# the sender's copy, the kernel and the receiver's copy overlap (and memory stays bounded).
-CHUNK_BYTES = 4 << 20
+TRANSPORTS = ("rdma", "shm", "tcp")  # preference order
 # Transfers get ``peer_timeout_s`` plus this much time per byte (a floor of 50 MB/s).
 SECONDS_PER_BYTE = 1 / 50e6
+
+
+@dataclass
+class _Served:
+    """A grant this store gave a peer."""
+
+    grant: Grant
+    tx: str
+    nbytes: int
+    deadline: float
+    pid: int
+    same_host: bool
+
+
+def pieces(src: list[int], dst: list[int], offset: int, length: int,
+           block_bytes: int) -> list[tuple[int, int, int]]:
+    """``(src_byte, dst_byte, n)`` runs of the same span of each slot pair, whole slots
+    numbered consecutively on both sides merged into one run."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        so, do = s * block_bytes + offset, d * block_bytes + offset
+        if out and length == block_bytes:
+            ps, pd, pn = out[-1]
+            if ps + pn == so and pd + pn == do:
+                out[-1] = (ps, pd, pn + length)
+                continue
+        out.append((so, do, length))
+    return out
 
 
 class DataPlane:
@@ -55,11 +98,20 @@ class DataPlane:
         advertise_host: str | None = None,
         peer_timeout_s: float = 5.0,
         max_peers: int = 64,
+        transports: tuple[str, ...] = TRANSPORTS,
+        tcp_streams: int = 4,
+        sweep_interval_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
         self.arena = arena
         self.epoch = epoch
+        # The pool's free list from now on: freed slots pass through the fence.
+        self.fence = SlotFence(arena.capacity)
+        pool.use_free_list(self.fence)
         self.peer_timeout_s = peer_timeout_s
+        self.sweep_interval_s = sweep_interval_s
+        self.clock = clock
         self.peers = PeerPool(ctx, max_peers=max_peers)
         self.sock = ctx.socket(zmq.ROUTER)
         tune(self.sock)
@@ -68,11 +120,36 @@ class DataPlane:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.data_addr = f"tcp://{advertise_host or host}:{port}"
+        self.guard = ArenaGuard(self.fence, arena.block_bytes)
+        self.engines: dict[str, TransferEngine] = {}
+        self.regions: dict[str, int] = {}
+        for name in (t for t in TRANSPORTS if t in transports):
+            avail = transport.availability(name)
+            if not avail.ok:
+                log.info("transport_skipped", transport=name, reason=avail.reason)
+                continue
+            sender: dict[str, Any] = {"streams": tcp_streams} if name == "tcp" else {}
+            receiver: dict[str, Any] = {}
+            if name == "tcp":
+                receiver = {"host": host, "port": 0, "advertise_host": advertise_host or host,
+                            "guard": self.guard}
+            engine = TransferEngine(name, sender_opts=sender, receiver_opts=receiver)
+            self.regions[name] = engine.register_local_memory(arena.buf, name=arena.name)
+            self.engines[name] = engine
+        if "tcp" not in self.engines:
+            raise TransportError("unavailable", "the TCP transport is needed across hosts")
+        self.guard.region = self.regions["tcp"]
+        self.segments = {name: e.segment for name, e in self.engines.items()}
+        self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-xfer")
+        self._served: dict[int, _Served] = {}
+        self._by_tx: dict[str, set[int]] = {}
+        self._visible: dict[str, bool] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "ships", "pulls", "writes_in", "reads_in", "blocks_written_remote",
                 "blocks_read_remote", "bytes_in", "bytes_out", "local_copies",
-                "transfer_errors", "bad_frames",
+                "transfer_errors", "bad_frames", "tcp_bytes", "shm_bytes", "rdma_bytes",
+                "grants_served", "grants_expired", "grants_fenced",
             ),
             0,
         )
@@ -82,7 +159,14 @@ class DataPlane:
     # ---------------------------------------------------------------- loop
 
     async def run(self) -> None:
-        """Serve the ROUTER until cancelled."""
+        """Serve the ROUTER (and expire grants) until cancelled."""
+        sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="store:grant-sweep")
+        try:
+            await self._serve()
+        finally:
+            sweeper.cancel()
+
+    async def _serve(self) -> None:
         while True:
             parts = await self.sock.recv_multipart(copy=False)
             if len(parts) < 2:
@@ -91,24 +175,25 @@ class DataPlane:
             header: Any = None
             try:
                 kind, header, payload = wire.parse(rest)
-                if kind in (wire.Kind.WRITE, wire.Kind.READ):
+                if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
+                    # A write (read) grant's span is store.write (store.read), a child
+                    # of the peer's store.ship (store.pull).
+                    name = ("store.close" if kind == wire.Kind.CLOSE
+                            else "store.write" if header.write else "store.read")
                     with tracer().start_as_current_span(
-                        f"store.{kind.name.lower()}", context=extract(header.trace),
-                        kind=trace.SpanKind.SERVER,
+                        name,
+                        context=extract(getattr(header, "trace", {})), kind=trace.SpanKind.SERVER,
                     ):
-                        if kind == wire.Kind.WRITE:
-                            out = self._write(header, payload)
-                        else:
-                            out = self._read(header)
-                    await self._reply(ident, *out)
+                        out = self.serve_open(header) if kind == wire.Kind.OPEN else self.serve_close(header)
+                    await self._reply(ident, out)
                 elif kind in (wire.Kind.OBJ_PUT, wire.Kind.OBJ_GET) and self.objects is not None:
                     if kind == wire.Kind.OBJ_PUT:
-                        out = self.objects.put(header, payload)
+                        out, data = self.objects.put(header, payload)
                     else:
-                        out = self.objects.get(header)
-                    await self._reply(ident, *out)
+                        out, data = self.objects.get(header)
+                    await self._reply(ident, out, data)
                 elif kind in (wire.Kind.SHIP, wire.Kind.PULL):
-                    op = self._ship if kind == wire.Kind.SHIP else self._pull
+                    op = self.ship if kind == wire.Kind.SHIP else self.pull
                     task = asyncio.get_running_loop().create_task(self._serve_op(ident, op, header))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -171,31 +256,87 @@ class DataPlane:
         if why is not None:
             raise wire.WireError(why, code="forbidden", req_id=req_id)
 
-    # ---------------------------------------------------------------- store -> store
-
-    def _write(self, h: wire.Write, payload: list[memoryview]) -> tuple[Any, list[Any]]:
-        self._check(h.tx, h.epoch, h.slots, True, h.id)
-        n = wire.scatter(payload, self._spans(h.slots, h.offset, h.length, h.id))
-        self.counters["writes_in"] += 1
-        self.counters["blocks_written_remote"] += len(h.slots)
-        self.counters["bytes_in"] += n
-        return wire.Ok(id=h.id, nbytes=n), []
-
-    def _read(self, h: wire.Read) -> tuple[Any, list[Any]]:
-        self._check(h.tx, h.epoch, h.slots, False, h.id)
-        spans = _pack(self._spans(h.slots, h.offset, h.length, h.id))
-        n = sum(len(s) for s in spans)
-        self.counters["reads_in"] += 1
-        self.counters["blocks_read_remote"] += len(h.slots)
-        self.counters["bytes_out"] += n
-        return wire.Ok(id=h.id, nbytes=n), spans
-
-    # ---------------------------------------------------------------- worker -> store
-
     def _deadline(self, nbytes: int) -> float:
         return self.peer_timeout_s + nbytes * SECONDS_PER_BYTE
 
-    async def _ship(self, h: wire.Ship) -> wire.Ok:
+    # ---------------------------------------------------------------- grants we serve
+
+    def serve_open(self, h: wire.Open) -> wire.Granted:
+        """A peer asks to move bytes of our slots: grant it if they are live."""
+        if len(set(h.slots)) != len(h.slots):
+            raise wire.WireError("slots repeat", code="bad_request", req_id=h.id)
+        self._check(h.tx, h.epoch, h.slots, h.write, h.id)
+        self._spans(h.slots, h.offset, h.length, h.id)
+        g = self.fence.open(h.slots, h.write)
+        nbytes = len(h.slots) * h.length
+        ttl = self._deadline(nbytes) + self.peer_timeout_s
+        self._served[g.id] = _Served(g, h.tx, nbytes, self.clock() + ttl, h.pid,
+                                     bool(h.origin) and self._reachable("shm", h.origin))
+        self._by_tx.setdefault(h.tx, set()).add(g.id)
+        self.counters["grants_served"] += 1
+        return wire.Granted(id=h.id, grant=g.id, segments=self.segments, regions=self.regions,
+                            ttl_s=ttl)
+
+    def serve_close(self, h: wire.Close) -> wire.Ok:
+        s = self._end(h.grant)
+        if s is None:
+            raise wire.WireError(f"no open grant {h.grant} (it expired)", code="fenced",
+                                 req_id=h.id)
+        if not self.fence.close(s.grant):
+            self.counters["grants_fenced"] += 1
+            raise wire.WireError(f"transaction {s.tx} lost slots while bytes moved (aborted or "
+                                 "expired): fenced, discarded", code="fenced", req_id=h.id)
+        if h.ok:
+            n = len(s.grant.slots)
+            if s.grant.write:
+                self.counters["writes_in"] += 1
+                self.counters["blocks_written_remote"] += n
+                self.counters["bytes_in"] += s.nbytes
+            else:
+                self.counters["reads_in"] += 1
+                self.counters["blocks_read_remote"] += n
+                self.counters["bytes_out"] += s.nbytes
+        return wire.Ok(id=h.id, nbytes=s.nbytes if h.ok else 0)
+
+    def open_grants(self, tx: str) -> int:
+        """Grants peers hold on ``tx``'s slots (a commit waits until they closed)."""
+        return len(self._by_tx.get(tx, ()))
+
+    def expire_grants(self, now: float | None = None) -> list[int]:
+        """Close (as failed) every served grant past its ttl; returns their ids."""
+        now = self.clock() if now is None else now
+        out = []
+        for gid, s in list(self._served.items()):
+            if s.deadline > now:
+                continue
+            if s.grant.write and s.same_host and _alive(s.pid):
+                continue  # a same-host writer copies into our memory itself: wait for it
+            self._end(gid)
+            self.fence.close(s.grant)
+            self.counters["grants_expired"] += 1
+            log.warning("grant_expired", grant=gid, tx=s.tx, write=s.grant.write)
+            out.append(gid)
+        return out
+
+    def _end(self, gid: int) -> _Served | None:
+        s = self._served.pop(gid, None)
+        if s is not None:
+            ids = self._by_tx.get(s.tx)
+            if ids is not None:
+                ids.discard(gid)
+                if not ids:
+                    del self._by_tx[s.tx]
+        return s
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            self.expire_grants()
+
+    # ---------------------------------------------------------------- worker -> store
+
+    async def ship(self, h: wire.Ship) -> wire.Ok:
+        """Our slots' span -> the same span of the peer's slots (see module doc)."""
         if len(h.src_slots) != len(h.dst_slots):
             raise wire.WireError("src_slots and dst_slots differ in length", "bad_request", h.id)
         self._check(h.src_tx, h.src_epoch, h.src_slots, False, h.id)
@@ -207,48 +348,128 @@ class DataPlane:
             self.counters["local_copies"] += 1
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * h.length
-        per = max(1, CHUNK_BYTES // max(1, h.length))
-
-        async def chunk(i: int) -> None:
-            req = wire.Write(id=next_id(), tx=h.dst_tx, epoch=h.dst_epoch,
-                             slots=h.dst_slots[i : i + per], offset=h.offset, length=h.length,
-                             trace=inject())
-            payload = _pack(self._spans(h.src_slots[i : i + per], h.offset, h.length, h.id))
-            timeout = self._deadline(nbytes)
-            await self.peers.request(h.dst_addr, req, payload, timeout=timeout)
-
-        await asyncio.gather(*(chunk(i) for i in range(0, len(h.src_slots), per)))
+        opened = wire.Open(id=next_id(), tx=h.dst_tx, epoch=h.dst_epoch, slots=h.dst_slots,
+                           offset=h.offset, length=h.length, write=True, pid=os.getpid(),
+                           origin=self.segments.get("shm", ""), trace=inject())
+        runs = pieces(h.src_slots, h.dst_slots, h.offset, h.length, self.arena.block_bytes)
+        await self._move(h.dst_addr, opened, self.fence.open(h.src_slots, write=False),
+                         Opcode.WRITE, [(s, d, n) for s, d, n in runs], nbytes)
         self.counters["bytes_out"] += nbytes
         return wire.Ok(id=h.id, nbytes=nbytes)
 
-    async def _pull(self, h: wire.Pull) -> wire.Ok:
+    async def pull(self, h: wire.Pull) -> wire.Ok:
+        """The peer's whole slots -> ours (see module doc)."""
         if len(h.src_slots) != len(h.dst_slots):
             raise wire.WireError("src_slots and dst_slots differ in length", "bad_request", h.id)
         bb = self.arena.block_bytes
         self._check(h.dst_tx, h.dst_epoch, h.dst_slots, True, h.id)
-        self._spans(h.dst_slots, 0, bb, h.id)
+        dst = self._spans(h.dst_slots, 0, bb, h.id)
         self.counters["pulls"] += 1
         if h.src_addr == self.data_addr:
             self._check(h.src_tx, h.src_epoch, h.src_slots, False, h.id)
-            src = self._spans(h.src_slots, 0, bb, h.id)
-            n = wire.scatter(src, self._spans(h.dst_slots, 0, bb, h.id))
+            n = wire.scatter(self._spans(h.src_slots, 0, bb, h.id), dst)
             self.counters["local_copies"] += 1
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * bb
-        per = max(1, CHUNK_BYTES // bb)
+        opened = wire.Open(id=next_id(), tx=h.src_tx, epoch=h.src_epoch, slots=h.src_slots,
+                           offset=0, length=bb, write=False, pid=os.getpid(),
+                           origin=self.segments.get("shm", ""), trace=inject())
+        runs = pieces(h.src_slots, h.dst_slots, 0, bb, bb)
+        await self._move(h.src_addr, opened, self.fence.open(h.dst_slots, write=True),
+                         Opcode.READ, [(d, s, n) for s, d, n in runs], nbytes)
+        self.counters["bytes_in"] += nbytes
+        return wire.Ok(id=h.id, nbytes=nbytes)
 
-        async def chunk(i: int) -> int:
-            req = wire.Read(id=next_id(), tx=h.src_tx, epoch=h.src_epoch,
-                            slots=h.src_slots[i : i + per], offset=0, length=bb, trace=inject())
-            _, _, data = await self.peers.request(h.src_addr, req, timeout=self._deadline(nbytes))
-            # The transaction may have been aborted while the bytes were on the way.
-            dst = h.dst_slots[i : i + per]
-            self._check(h.dst_tx, h.dst_epoch, dst, True, h.id)
-            return wire.scatter(data, self._spans(dst, 0, bb, h.id))
+    async def _move(self, peer: str, opened: wire.Open, mine: Grant, opcode: Opcode,
+                    runs: list[tuple[int, int, int]], nbytes: int) -> None:
+        """OPEN on ``peer``, move ``runs`` (local byte, remote byte, n), CLOSE. ``mine``
+        holds our side's slots until no byte of the batch moves any more."""
+        timeout = self._deadline(nbytes)
+        try:
+            _, granted, _ = await self.peers.request(peer, opened, timeout=timeout)
+        except BaseException:
+            self.fence.close(mine)
+            raise
+        err: tuple[str, str] | None = None
+        mine_ok: bool | None = None
+        try:
+            name = self._pick(granted)
+            reqs = [TransferRequest(opcode, self.regions[name], local, n, granted.segments[name],
+                                    granted.regions[name], remote) for local, remote, n in runs]
+            # Copies into a same-host peer's memory must not start once its grant may
+            # have expired: the peer gives us ttl_s from when it got our OPEN.
+            latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
+            err, mine_ok = await asyncio.get_running_loop().run_in_executor(
+                self._threads, self._run, name, reqs, timeout, latest, lambda: self.fence.close(mine))
+        except wire.WireError as e:
+            err = (e.code, str(e))
+            mine_ok = self.fence.close(mine)
+        ok = err is None and mine_ok is True
+        try:
+            await self.peers.request(peer, wire.Close(id=next_id(), grant=granted.grant, ok=ok,
+                                                      nbytes=nbytes if ok else 0), timeout=timeout)
+        except ChannelError:
+            if ok:
+                raise
+        if err is not None:
+            raise wire.WireError(f"{opcode.name} via {self._via(granted)}: {err[1]}",
+                                 code=f"transfer_{err[0]}", req_id=opened.id)
+        if not mine_ok:
+            raise wire.WireError("our slots were freed while their bytes moved (transaction "
+                                 "aborted or expired): fenced", code="fenced", req_id=opened.id)
+        self.counters[f"{name}_bytes"] += nbytes
 
-        n = sum(await asyncio.gather(*(chunk(i) for i in range(0, len(h.src_slots), per))))
-        self.counters["bytes_in"] += n
-        return wire.Ok(id=h.id, nbytes=n)
+    def _run(self, name: str, reqs: list[TransferRequest], timeout: float, latest: float,
+             after: Callable[[], bool]) -> tuple[tuple[str, str] | None, bool | None]:
+        """On a transfer thread: submit one batch and wait; ``after()`` runs once no byte
+        of it moves any more (here, or later on the thread that ends it when it outlives
+        ``timeout``: then its result is None)."""
+        engine = self.engines[name]
+        if name != "tcp" and time.monotonic() > latest:
+            return ("timeout", "the peer's grant may have expired before the copy started"), after()
+        bid = engine.allocate_batch_id(max(1, len(reqs)))
+        try:
+            engine.submit_transfer(bid, reqs)
+        except (TransferApiError, TransportError) as e:
+            engine.free_batch_id(bid)  # nothing was started
+            return (e.code, e.message), after()
+        statuses = engine.wait_batch_sync(bid, timeout)
+        if all(s.state in (Poll.SUCCESS, Poll.FAILED) for s in statuses):
+            engine.free_batch_id(bid)
+            result: bool | None = after()
+        else:
+            def late() -> None:
+                engine.free_batch_id(bid)
+                after()
+
+            engine.on_batch_done(bid, late)
+            result = None
+        bad = next((s for s in statuses if s.state != Poll.SUCCESS), None)
+        if bad is None:
+            return None, result
+        return (bad.code or "timeout", bad.error or f"did not end within {timeout:.1f}s"), result
+
+    def _pick(self, g: wire.Granted) -> str:
+        for name in TRANSPORTS:
+            seg = g.segments.get(name)
+            if seg and name in self.engines and name in g.regions and self._reachable(name, seg):
+                return name
+        raise wire.WireError(f"no transport in common with the peer ({sorted(g.segments)})",
+                             code="unreachable")
+
+    def _via(self, g: wire.Granted) -> str:
+        try:
+            return self._pick(g)
+        except wire.WireError:
+            return "?"
+
+    def _reachable(self, name: str, segment: str) -> bool:
+        if name != "shm":
+            return True
+        seen = self._visible.get(segment)
+        if seen is None:
+            seen = self._visible[segment] = shm_transport.reachable(segment)
+        return seen
 
     # ---------------------------------------------------------------- shutdown
 
@@ -259,10 +480,19 @@ class DataPlane:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.peers.aclose()
         self.sock.close(linger=0)
+        self._threads.shutdown(wait=True, cancel_futures=True)
+        for name, engine in self.engines.items():
+            engine.unregister_local_memory(self.regions[name])
+            engine.close()
 
 
-def _pack(spans: list[memoryview]) -> list[Any]:
-    """Small spans go as one packed buffer, large ones as zero-copy frames."""
-    if len(spans) > 1 and sum(len(s) for s in spans) < PACK_BELOW * len(spans):
-        return [b"".join(spans)]
-    return spans
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -22,6 +22,7 @@ the peer's segment, region id and offset. Where this engine can only initiate
 import asyncio
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -115,11 +116,18 @@ class TransferEngine:
         return rid, self._regions[rid].buf
 
     def unregister_local_memory(self, region_id: int) -> None:
+        """Stop serving the region and let go of this engine's view of it (so the memory's
+        owner can unmap it)."""
         with self._lock:
-            self._regions.pop(region_id, None)
+            region = self._regions.pop(region_id, None)
         withdraw = getattr(self.receiver, "withdraw", None)
         if withdraw is not None:
             withdraw(region_id)
+        if region is not None and region_id not in self._owned:
+            try:
+                region.buf.release()
+            except BufferError:  # a transfer still holds a slice of it
+                pass
 
     def region(self, region_id: int) -> memoryview:
         r = self._regions.get(region_id)
@@ -178,6 +186,27 @@ class TransferEngine:
     @property
     def open_batches(self) -> int:
         return len(self._batches)
+
+    def on_batch_done(self, batch_id: int, cb: Callable[[], None]) -> None:
+        """Call ``cb()`` once every entry of the batch has ended (at once if all have), on
+        the thread that ended the last one: after it, no byte of the batch moves."""
+        with self._lock:
+            tickets = list(self._batch(batch_id).tickets)
+        if not tickets:
+            cb()
+            return
+        left = [len(tickets)]
+        lock = threading.Lock()
+
+        def one(_t: Ticket) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                cb()
+
+        for t in tickets:
+            t.on_done(one)
 
     async def wait_batch(self, batch_id: int, timeout: float | None = None) -> list[TransferStatus]:
         """Wait until every entry of the batch ended (TimeoutError after ``timeout``)."""

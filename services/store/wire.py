@@ -1,15 +1,26 @@
-"""The store data plane's frames: ``[kind byte][msgpack header][raw payload frames...]``.
+"""The store data plane's coordination frames: ``[kind byte][msgpack header][payload...]``.
+
+No KV byte rides these frames: they say which transaction, which slots, which epoch,
+and done or failed; the bytes move through the transfer engine
+(:mod:`services.store.transfer_api`: shared memory on one host, multi-stream TCP
+across hosts, RDMA where a device exists).
 
 Worker -> its node's store (DEALER -> ROUTER):
     SHIP  send span [offset, offset+length) of my slots ``src_slots`` into the same span
-          of ``dst_slots`` on the store at ``dst_addr``; answered OK once that store acked.
+          of ``dst_slots`` on the store at ``dst_addr``; answered OK once that store
+          confirmed the bytes landed in live slots.
     PULL  fetch whole slots ``src_slots`` from the store at ``src_addr`` into my
           ``dst_slots``; answered OK once written.
 Store -> store:
-    WRITE payload (len(slots) * length bytes, in slot order, split into any number of
-          frames) into span [offset, offset+length) of ``slots`` of transaction ``tx``.
-    READ  answer DATA with span [offset, offset+length) of ``slots`` of ``tx``.
-Replies: OK, DATA (OK + payload frames), ERR (stable ``code`` + message).
+    OPEN  "I am about to write (``write``) or read span [offset, offset+length) of
+          ``slots`` of transaction ``tx`` of ``epoch``": checked against the pool and
+          answered GRANTED (grant id, the store's transfer segments and region ids, how
+          long the grant lives) or ERR.
+    CLOSE "grant ``grant`` is done (``ok``) or failed": answered OK when every slot of
+          the grant was still live throughout, else ERR ``fenced`` (the bytes are
+          discarded: the transaction was aborted or expired meanwhile).
+Replies: OK, DATA (OK + payload frames; objects only), GRANTED, ERR (stable ``code``
++ message). The object API's OBJ_PUT / OBJ_GET (appended below) are not KV.
 
 Every request carries an ``id`` echoed in its reply, so many requests share one
 socket. Headers are msgpack maps (not arrays) so a malformed header still yields its
@@ -27,13 +38,14 @@ import msgspec
 class Kind(IntEnum):
     SHIP = 1
     PULL = 2
-    WRITE = 3
-    READ = 4
+    OPEN = 3
+    CLOSE = 4
     OBJ_PUT = 5
     OBJ_GET = 6
     OK = 16
     ERR = 17
     DATA = 18
+    GRANTED = 19
 
 
 class WireError(ValueError):
@@ -74,22 +86,29 @@ class Pull(_Header):
     trace: dict[str, str] = {}
 
 
-class Write(_Header):
+class Open(_Header):
     tx: str
     epoch: int
     slots: list[int]
     offset: int
     length: int
+    write: bool
+    pid: int = 0  # the requester's process: a same-host writer's grant outlives its ttl while it lives
+    origin: str = ""  # the requester's shared-memory segment (tells a same-host requester)
     trace: dict[str, str] = {}
 
 
-class Read(_Header):
-    tx: str
-    epoch: int
-    slots: list[int]
-    offset: int
-    length: int
-    trace: dict[str, str] = {}
+class Granted(_Header):
+    grant: int
+    segments: dict[str, str]  # transport (tcp, shm, rdma) -> this store's segment
+    regions: dict[str, int]  # transport -> the arena's region id there
+    ttl_s: float  # the grant is closed as failed after this long
+
+
+class Close(_Header):
+    grant: int
+    ok: bool
+    nbytes: int = 0
 
 
 class Ok(_Header):
@@ -104,14 +123,15 @@ class Err(_Header):
 HEADER_TYPES: dict[Kind, type[_Header]] = {
     Kind.SHIP: Ship,
     Kind.PULL: Pull,
-    Kind.WRITE: Write,
-    Kind.READ: Read,
+    Kind.OPEN: Open,
+    Kind.CLOSE: Close,
+    Kind.GRANTED: Granted,
     Kind.OK: Ok,
     Kind.DATA: Ok,
     Kind.ERR: Err,
 }
-_KIND_OF: dict[type, Kind] = {Ship: Kind.SHIP, Pull: Kind.PULL, Write: Kind.WRITE, Read: Kind.READ,
-                              Ok: Kind.OK, Err: Kind.ERR}
+_KIND_OF: dict[type, Kind] = {Ship: Kind.SHIP, Pull: Kind.PULL, Open: Kind.OPEN, Close: Kind.CLOSE,
+                              Granted: Kind.GRANTED, Ok: Kind.OK, Err: Kind.ERR}
 _KIND_BYTES = {k: bytes([k]) for k in Kind}
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {k: msgspec.msgpack.Decoder(t) for k, t in HEADER_TYPES.items()}

@@ -6,8 +6,8 @@ with its own address and its own /dev/shm, the bridge in a fourth namespace.
     host 2 (10.77.0.3): store d0, decode-0
 
 A prefix computed on one prefill host (A) and then needed while A is busy is prefilled
-on the other prefill host (B): B's store pulls the prefix over TCP across two veths
-from a store on another host that holds it (A's, or the decode host's, which got the
+on the other prefill host (B): B's store pulls the prefix with the transfer engine's
+multi-stream TCP (coordinated over ZeroMQ) across two veths from a store on another host that holds it (A's, or the decode host's, which got the
 whole prompt's KV when the first request was decoded there; the conductor picks the
 holder with less in flight). The KV of every prompt goes to host 2 for decode. The mock engine checks
 every KV byte it loads against what a single process computes, and its greedy tokens
@@ -284,6 +284,10 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
     nb = NODE[b]
     assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "pulls") == 1
     assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "bytes_in") == pulled_bytes
+    # ...through the transfer engine's TCP transport (each host has its own /dev/shm);
+    # tcp_bytes also counts what B's store shipped on to the decode host meanwhile.
+    assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "tcp_bytes") >= pulled_bytes
+    assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "shm_bytes") == 0
     read = {n: delta(after[f"store_{n}"], before[f"store_{n}"], "blocks_read_remote")
             for n in ("p0", "p1", "d0")}
     sources = [n for n, blocks in read.items() if blocks]

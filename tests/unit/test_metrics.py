@@ -124,7 +124,8 @@ def test_store_collector_bytes_per_tier_and_transfers():
     svc = SimpleNamespace(pool=pool, block_bytes=1000, data=SimpleNamespace(counters={
         "bytes_in": 4096, "bytes_out": 8192, "transfer_errors": 2, "bad_frames": 1, "ships": 3,
         "pulls": 1, "writes_in": 5, "reads_in": 0, "local_copies": 0,
-        "blocks_written_remote": 7, "blocks_read_remote": 0, "new_counter": 9}))
+        "blocks_written_remote": 7, "blocks_read_remote": 0, "new_counter": 9,
+        "tcp_bytes": 4096, "shm_bytes": 8192, "rdma_bytes": 0}))
     reg = CollectorRegistry()
     reg.register(m.store_collector(svc))
     assert value(reg, "perigee:store_bytes", tier="dram") == 0
@@ -132,6 +133,9 @@ def test_store_collector_bytes_per_tier_and_transfers():
     assert value(reg, "perigee:store_blocks", state="free") == 10
     assert value(reg, "perigee:transfer_bytes_total", direction="in") == 4096
     assert value(reg, "perigee:transfer_bytes_total", direction="out") == 8192
+    assert value(reg, "perigee:kv_transfer_bytes_total", transport="tcp") == 4096
+    assert value(reg, "perigee:kv_transfer_bytes_total", transport="shm") == 8192
+    assert value(reg, "perigee:kv_transfer_bytes_total", transport="rdma") == 0
     assert value(reg, "perigee:transfer_errors_total", kind="transfer") == 2
     assert value(reg, "perigee:transfer_errors_total", kind="bad_frame") == 1
     assert value(reg, "perigee:transfer_requests_total", op="ship") == 3

@@ -205,10 +205,12 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(a.info.data_addr)
-    write = wire.Write(id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4)
+    write = wire.Open(id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4,
+                      write=True)
     for parts, code in (
         ([b"\x99", b"junk"], "bad_frame"),
-        (wire.frames(write, [b"abcd"]), "forbidden"),
+        (wire.frames(write), "forbidden"),
+        (wire.frames(wire.Close(id=7, grant=10**9, ok=True)), "fenced"),
         ([b"\x03", encode({"id": 6})], "bad_frame"),
     ):
         await sock.send_multipart(parts)

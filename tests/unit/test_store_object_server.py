@@ -69,8 +69,8 @@ async def test_bad_frames_get_errors_and_the_connection_goes_on(endpoint):
     _, reader, writer = endpoint
     bad_kind = (3).to_bytes(4, "little") + bytes([99, 0, 0])
     bad_header = object_server.PREFIX.pack(1 + 2 + 2, wire.Kind.OBJ_GET, 2) + b"\xc1\xc1"
-    write_kind = object_server.encode(wire.Kind.WRITE, wire.Write(id=7, tx="t", epoch=1, slots=[],
-                                                                  offset=0, length=0))
+    write_kind = object_server.encode(wire.Kind.OPEN, wire.Open(id=7, tx="t", epoch=1, slots=[],
+                                                                offset=0, length=0, write=True))
     wrong_size = object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=8, key="k", size=9), [b"x"])
     got = await roundtrip(reader, writer, [bad_kind, bad_header, write_kind, wrong_size])
     assert [(k, h.code) for k, h, _ in got] == [

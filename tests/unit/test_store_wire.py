@@ -59,11 +59,13 @@ def test_scatter_copies_across_frame_boundaries(arena):
 
 
 def test_frames_roundtrip_and_bad_frames_keep_the_id():
-    h = wire.Write(id=7, tx="t", epoch=1, slots=[1, 2], offset=0, length=4)
-    kind, got, payload = wire.parse(wire.frames(h, [b"abcd", b"efgh"]))
-    assert (kind, got, [bytes(p) for p in payload]) == (wire.Kind.WRITE, h, [b"abcd", b"efgh"])
+    h = wire.Open(id=7, tx="t", epoch=1, slots=[1, 2], offset=0, length=4, write=True)
+    kind, got, payload = wire.parse(wire.frames(h))
+    assert (kind, got, payload) == (wire.Kind.OPEN, h, [])
+    g = wire.Granted(id=7, grant=3, segments={"tcp": "tcp://h:1"}, regions={"tcp": 1}, ttl_s=2.0)
+    assert wire.parse(wire.frames(g))[:2] == (wire.Kind.GRANTED, g)
     bad_header = wire.frames(wire.Ok(id=9))
-    bad_header[0] = bytes([wire.Kind.WRITE])  # an OK header under a WRITE kind
+    bad_header[0] = bytes([wire.Kind.OPEN])  # an OK header under an OPEN kind
     with pytest.raises(wire.WireError) as e:
         wire.parse(bad_header)
     assert e.value.req_id == 9 and e.value.code == "bad_frame"

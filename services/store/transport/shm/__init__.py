@@ -49,6 +49,14 @@ def _descriptor_path(token: str) -> str:
     return os.path.join(SEG_DIR, f"perigee-seg-{token}.json")
 
 
+def reachable(target: str) -> bool:
+    """Whether ``shm://<token>`` is served on this host (its descriptor is in our /dev/shm:
+    a store in another network namespace with its own /dev/shm is not)."""
+    if not target.startswith("shm://"):
+        return False
+    return os.path.exists(_descriptor_path(target[len("shm://"):]))
+
+
 def map_segment(name: str, size: int) -> mmap.mmap:
     """Map shared-memory segment ``name`` (at least ``size`` bytes) without registering it
     with this process's resource tracker (which would unlink it at exit)."""

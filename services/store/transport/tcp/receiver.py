@@ -7,10 +7,17 @@ intermediate copy) unless it carries a checksum: then it lands in a scratch buff
 and is copied in only when the checksum matches, so a corrupted write is refused
 without touching the region. A request for a span outside its region is refused
 (its payload drained so the stream stays in step) and the stream goes on.
+
+An optional ``guard`` (the store's :class:`~services.store.fence.ArenaGuard`) is asked
+before any byte of a request moves (``enter``: refused unless its slots are under a
+live grant) and after (``leave``: a WRITE whose slots were freed meanwhile is answered
+REFUSED, fenced, instead of OK). While a request is between the two its slots are
+held, so a late write never lands in a slot that was handed out again.
 """
 
 import socket
 import threading
+from typing import Any
 
 import structlog
 
@@ -25,7 +32,8 @@ class TcpReceiver(Receiver):
     scheme = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 io_timeout_s: float | None = None) -> None:
+                 io_timeout_s: float | None = None, guard: Any = None) -> None:
+        self.guard = guard
         self._regions: dict[int, Region] = {}
         self._lsock = socket.create_server((host, port), backlog=128, reuse_port=False)
         self._port = self._lsock.getsockname()[1]
@@ -96,23 +104,26 @@ class TcpReceiver(Receiver):
                 region = self._regions.get(region_id)
                 why = (f"no region {region_id}" if region is None
                        else check_span(region, offset, length))
+                held = None
+                if why is None and self.guard is not None and op in (0, 1):
+                    held, why = self.guard.enter(region_id, offset, length, op == 1)
                 if op == 1:  # WRITE
                     if why is not None:
                         scratch = scratch or memoryview(bytearray(1 << 20))
                         frames.discard(conn, length, scratch)
                         self._refuse(conn, seq, why)
                         continue
-                    dst = region.buf[offset : offset + length]
-                    if flags & FLAG_CRC:
-                        tmp = memoryview(bytearray(length))
-                        frames.recv_exact(conn, tmp)
-                        if crc32(tmp) != crc:
-                            self.counters["checksum_mismatches"] += 1
-                            conn.sendall(REP.pack(Status.CHECKSUM, 0, seq, 0))
-                            continue
-                        dst[:] = tmp
-                    else:
-                        frames.recv_exact(conn, dst)
+                    try:
+                        ok = self._land(conn, region.buf[offset : offset + length], flags, crc)
+                    finally:
+                        fenced = self.guard.leave(held) if held is not None else None
+                    if not ok:
+                        self.counters["checksum_mismatches"] += 1
+                        conn.sendall(REP.pack(Status.CHECKSUM, 0, seq, 0))
+                        continue
+                    if fenced is not None:
+                        self._refuse(conn, seq, fenced)
+                        continue
                     self.counters["writes"] += 1
                     self.counters["bytes_in"] += length
                     conn.sendall(REP.pack(Status.OK, 0, seq, length))
@@ -120,10 +131,14 @@ class TcpReceiver(Receiver):
                     if why is not None:
                         self._refuse(conn, seq, why)
                         continue
-                    src = region.buf[offset : offset + length]
-                    c = crc32(src) if flags & FLAG_CRC else 0
-                    conn.sendall(REP.pack(Status.OK, c, seq, length))
-                    conn.sendall(src)
+                    try:
+                        src = region.buf[offset : offset + length]
+                        c = crc32(src) if flags & FLAG_CRC else 0
+                        conn.sendall(REP.pack(Status.OK, c, seq, length))
+                        conn.sendall(src)
+                    finally:
+                        if held is not None:
+                            self.guard.leave(held)  # the reader's own close checks the gens
                     self.counters["reads"] += 1
                     self.counters["bytes_out"] += length
                 else:
@@ -134,6 +149,20 @@ class TcpReceiver(Receiver):
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    @staticmethod
+    def _land(conn: socket.socket, dst: memoryview, flags: int, crc: int) -> bool:
+        """Receive a WRITE's payload into ``dst``; False (``dst`` untouched) on a checksum
+        mismatch."""
+        if flags & FLAG_CRC:
+            tmp = memoryview(bytearray(len(dst)))
+            frames.recv_exact(conn, tmp)
+            if crc32(tmp) != crc:
+                return False
+            dst[:] = tmp
+        else:
+            frames.recv_exact(conn, dst)
+        return True
 
     def _refuse(self, conn: socket.socket, seq: int, why: str) -> None:
         self.counters["refused"] += 1
