@@ -88,6 +88,7 @@ up: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 unit: install
 	$(BIN)/pytest -q tests/unit

@@ -5,14 +5,14 @@ can speak the request subject; msgspec's JSON is fast enough that the bus hop is
 dominated by the network round trip, not by encoding.
 """
 
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
-_decoders: dict[Any, msgspec.json.Decoder] = {}
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 
 class BadMessage(ValueError):
@@ -23,7 +23,7 @@ def encode(msg: Any) -> bytes:
     return _encoder.encode(msg)
 
 
-def decoder(tp: type[T] | Any) -> msgspec.json.Decoder:
+def decoder(tp: type[T] | Any) -> msgspec.json.Decoder[Any]:
     dec = _decoders.get(tp)
     if dec is None:
         dec = _decoders[tp] = msgspec.json.Decoder(tp)
@@ -32,7 +32,7 @@ def decoder(tp: type[T] | Any) -> msgspec.json.Decoder:
 
 def decode(data: bytes, tp: type[T] | Any) -> T:
     try:
-        return decoder(tp).decode(data)
+        return cast(T, decoder(tp).decode(data))
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         name = getattr(tp, "__name__", str(tp))
         raise BadMessage(f"invalid {name}: {e}") from None

@@ -149,5 +149,5 @@ class CancelRequest(Msg):
     reason: str = "client disconnected"
 
 
-def stream_event_decoder() -> msgspec.json.Decoder:
+def stream_event_decoder() -> msgspec.json.Decoder[StreamEvent]:
     return msgspec.json.Decoder(StreamEvent)

@@ -31,7 +31,9 @@ Modes (``make_admission_policy(name, ...)``):
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
@@ -245,7 +247,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         *,
         decode_time_s: float = 5.0,
         report_grace_s: float = 0.0,
-        **kw,
+        **kw: Any,
     ) -> None:
         super().__init__(clock, cost, **kw)
         if decode_time_s <= 0:
@@ -453,10 +455,10 @@ class DecodeSideCheck:
             1.0,
         )
 
-    def as_admit_hook(self):
+    def as_admit_hook(self) -> Callable[[Any, Any, int], str | None]:
         """The DecodeWorker ``admit`` hook: (task, engine stats, tasks loading) -> reason."""
 
-        def admit(task, stats, loading: int) -> str | None:
+        def admit(task: Any, stats: Any, loading: int) -> str | None:
             req = task.request
             r = self.check(stats.batch_size, stats.waiting + loading, stats.kv_tokens,
                            len(req.prompt_token_ids), req.tbt_slo_s,
@@ -473,7 +475,9 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-def make_admission_policy(name: str, clock: Clock, cost: CostModel, **kw) -> AdmissionPolicy:
+def make_admission_policy(
+    name: str, clock: Clock, cost: CostModel, **kw: Any
+) -> AdmissionPolicy:
     """Build the policy registered as ``name`` (``baseline`` | ``early`` | ``predict``).
     ``predict`` takes ``decode_time_s`` (t_d) and ``report_grace_s`` besides the rest."""
     try:

@@ -246,8 +246,8 @@ class PlacementPolicy:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, not {self.strategy!r}")
-        if self.book is None:
-            self.book = CalibrationBook(self.cost)
+        self._book = self.book if self.book is not None else CalibrationBook(self.cost)
+        self.book = self._book
         self._liveness = Liveness(self.clock, self.dead_after_s)
         self._prefill: dict[str, PrefillLoad] = {}
         self._decode: dict[str, DecodeLoad] = {}
@@ -268,7 +268,7 @@ class PlacementPolicy:
 
     def observe_prefill(self, load: PrefillLoad) -> None:
         self._prefill[load.instance] = load
-        self.book.observe_fit(load.instance, load.fit)
+        self._book.observe_fit(load.instance, load.fit)
         self._liveness.seen("prefill:" + load.instance)
         for d in list(self._by_prefill.get(load.instance, {}).values()):
             if d.placed_at + self.report_grace_s <= load.ts:
@@ -276,7 +276,7 @@ class PlacementPolicy:
 
     def observe_decode(self, load: DecodeLoad) -> None:
         self._decode[load.instance] = load
-        self.book.observe_fit(load.instance, load.fit)
+        self._book.observe_fit(load.instance, load.fit)
         self._liveness.seen("decode:" + load.instance)
         for d in list(self._by_decode.get(load.instance, {}).values()):
             if d.decode_since is not None and d.decode_since <= load.ts:
@@ -337,7 +337,7 @@ class PlacementPolicy:
         pending = self._by_decode.get(instance, {})
         batch = load.batch_size + load.waiting + len(pending) + 1
         ctx = load.kv_tokens + sum(d.tokens for d in pending.values()) + num_tokens
-        return self.book.cost(instance).decode_tbt(batch, ctx, load.max_batch)
+        return self._book.cost(instance).decode_tbt(batch, ctx, load.max_batch)
 
     def decode_occupancy(self, instance: str) -> float:
         """Fraction of ``instance``'s batch slots taken once one more request joins."""
@@ -500,7 +500,7 @@ class PlacementPolicy:
                     )
                 opt = options[own_len] = (prefix, remote, transfer_s)
             prefix, remote, transfer_s = opt
-            prefill_s = self.book.cost(instance).prefill_time(
+            prefill_s = self._book.cost(instance).prefill_time(
                 req.num_tokens, _computed_prefix(req, prefix)
             )
             out.append(

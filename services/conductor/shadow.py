@@ -94,7 +94,7 @@ class ShadowView:
                 if not m.data:
                     continue  # the server's "no responders" status: no store is up yet
                 try:
-                    info = decode(m.data, StoreInfo)
+                    info: StoreInfo = decode(m.data, StoreInfo)
                 except BadMessage as e:
                     log.warning("bad_store_info", error=str(e))
                     continue
