@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"perigee multihost: ready at {stack.url} (NATS {stack.nats_url})\n"
                   f"  ip netns exec {head} curl {stack.url}/v1/completions "
                   "-H 'Content-Type: application/json' "
-                  "-d '{\"model\": \"tiny-llama\", \"prompt\": \"Hello\", \"max_tokens\": 8}'\n"
+                  "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'\n"
                   f"  ip -n {hosts.hosts[-1].netns} -s link show eth0   # bytes over a veth\n"
                   "perigee multihost: Ctrl-C stops everything and removes the namespaces",
                   flush=True)

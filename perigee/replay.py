@@ -96,13 +96,26 @@ async def send(http, url: str, model: str, prompt: list[int], max_tokens: int,
     return out
 
 
+async def served_model(http, url: str, headers: dict) -> str:
+    """The first model the endpoint lists on ``/v1/models``: what a client that was not
+    told a model name asks for (perigee and vLLM each serve one)."""
+    async with http.get(url.rstrip("/") + "/v1/models", headers=headers) as r:
+        if r.status != 200:
+            raise SystemExit(f"perigee replay: GET /v1/models answered {r.status}; give --model")
+        models = (await r.json()).get("data") or []
+    if not models:
+        raise SystemExit("perigee replay: the endpoint lists no model; give --model")
+    return models[0]["id"]
+
+
 async def replay(reqs: list[TraceRequest], url: str, *, speedup: float, builder: PromptBuilder,
-                 model: str, output_scale: float, max_output: int, api_key: str | None,
+                 model: str | None, output_scale: float, max_output: int, api_key: str | None,
                  progress: bool = True) -> tuple[list[Outcome], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        model = model or await served_model(http, url, headers)
         t_start = time.perf_counter()
         base = reqs[0].timestamp_s if reqs else 0.0
 
@@ -153,7 +166,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="perigee replay", description=__doc__)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--model", default=None, help="model name (default: the first on /v1/models)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide trace timestamps by this")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace hash id")

@@ -47,7 +47,7 @@ def results(live_stack):
     trace = spread_ties(load_trace(limit=SLICE))
     outs, wall = asyncio.run(replay(
         trace, live_stack.url, speedup=SPEED, builder=PromptBuilder(BLOCK, 1024),
-        model="tiny-llama", output_scale=OUTPUT_SCALE, max_output=4096, api_key=None,
+        model=None, output_scale=OUTPUT_SCALE, max_output=4096, api_key=None,
         progress=False))
     live = summarize(outs, wall, ttft_slo=30.0, tbt_slo=1.0)
     sim = simulate_slice(trace, speedup=SPEEDUP, block_size=BLOCK, prefill=2, decode=1,
