@@ -11,6 +11,7 @@ BENCHES = {
     "conductor": "perigee.bench.conductor",
     "calibration": "perigee.bench.calibration",
     "slo": "perigee.bench.slo",
+    "migration": "perigee.bench.migration",
 }
 
 
