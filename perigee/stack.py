@@ -30,7 +30,8 @@ from pathlib import Path
 import nats
 
 from bus_schemas import subjects
-from perigee.natsd import NatsServer
+from perigee import natsauth
+from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
@@ -122,6 +123,12 @@ class StackConfig:
     # Longest request (prompt + output), tokens: the gateway's limit and what each store
     # must hold (0: the model's max_position_embeddings).
     max_model_len: int = 0
+    # The bus perigee starts (no nats_url): this many clustered nats-servers (JetStream
+    # streams get min(3, n) replicas: PERIGEE_JS_REPLICAS), one NATS user per service
+    # with subject permissions (perigee.natsauth), the server's max_payload (None: 1 MiB).
+    nats_cluster: int = 1
+    nats_auth: bool = True
+    nats_max_payload: int | None = None
     # Once ready, restart a service that dies (perigee up; perigee.supervise). Off for
     # tests that assert no service died (Stack.exited()).
     supervise: bool = False
@@ -139,8 +146,9 @@ class Child:
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
-        self.nats: NatsServer | None = None
-        self.nats_url = cfg.nats_url or ""
+        self.nats: NatsServer | NatsCluster | None = None
+        self.nats_url = cfg.nats_url or ""  # one server, with the admin login if any
+        self.nats_urls = self.nats_url  # every server (comma list), the same login
         self.children: dict[str, Child] = {}
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.metrics_urls: dict[str, str] = {}  # child name -> its /metrics URL
@@ -276,11 +284,8 @@ class Stack:
         if timeout is None:
             timeout = 300.0 if self.cfg.engine == "vllm" else 60.0
         self._abort = abort
-        if not self.nats_url:
-            self.nats = NatsServer().start()
-            self.nats_url = self.nats.url
         try:
-            for child in self.observability(self.plan()):
+            for child in self._with_bus():
                 self._check_alive()
                 self._spawn(child)
             asyncio.run(self._wait_ready(timeout))
@@ -304,6 +309,46 @@ class Stack:
         """Restarts so far by service name (empty when not supervised)."""
         return dict(self.supervisor.restarts) if self.supervisor else {}
 
+    def _with_bus(self) -> list[Child]:
+        """Plan the children and start their nats-server (or cluster) unless given a URL:
+        with auth, each child gets its own user (:mod:`perigee.natsauth`) in
+        ``NATS_USER``/``NATS_PASSWORD``, the admin login goes into ``nats_url`` (what the
+        readiness checks, tools and tests use), every login into
+        ``<log_dir>/nats/credentials.json`` (mode 0600) beside the servers' logs."""
+        c = self.cfg
+        if self.nats_url:
+            return self.observability(self.plan())
+        log_dir = Path(c.log_dir) / "nats"  # not beside the services' logs: no service's
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if c.nats_cluster > 1:
+            self.nats = NatsCluster(c.nats_cluster, max_payload=c.nats_max_payload,
+                                    log_dir=str(log_dir))
+        else:
+            self.nats = NatsServer(max_payload=c.nats_max_payload,
+                                   log_file=str(log_dir / "nats-server.log"))
+        self.nats_url = self.nats.url  # the services' --nats: every server, no login
+        children = self.observability(self.plan())
+        servers = self.nats.url.split(",")
+        for child in children:
+            child.env["PERIGEE_JS_REPLICAS"] = str(min(3, c.nats_cluster))
+        if c.nats_auth:
+            users = natsauth.users(natsauth.Deployment(
+                [natsauth.member(ch.name, ch.argv) for ch in children], c.switchable))
+            for srv in getattr(self.nats, "servers", [self.nats]):
+                srv.auth = natsauth.render(users)
+            login = {u.name: u.password for u in users}
+            for child in children:
+                child.env.update(NATS_USER=child.name, NATS_PASSWORD=login[child.name])
+            creds = log_dir / "credentials.json"
+            fd = os.open(creds, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"servers": servers, "users": login}, f, indent=2)
+            admin = f"{natsauth.ADMIN}:{login[natsauth.ADMIN]}@"
+            servers = [u.replace("nats://", "nats://" + admin, 1) for u in servers]
+        self.nats.start()
+        self.nats_url, self.nats_urls = servers[0], ",".join(servers)
+        return children
+
     async def _wait_ready(self, timeout: float) -> None:
         """Ready when every worker has reported load and the gateway answers /health."""
         want = {f"prefill-{i}" for i in range(self.cfg.prefill)}
@@ -320,6 +365,8 @@ class Stack:
         try:
             await nc.subscribe(subjects.LOAD_ALL, cb=on_load)
             deadline = time.monotonic() + timeout
+            if self.cfg.nats_cluster > 1 and self.nats is not None:
+                await self._jetstream_ready(nc, deadline)
             while not ready.is_set():
                 self._check_alive()
                 if time.monotonic() > deadline:
@@ -347,6 +394,20 @@ class Stack:
                 await asyncio.sleep(0.1)
         finally:
             await nc.close()
+
+    async def _jetstream_ready(self, nc, deadline: float) -> None:
+        """A clustered JetStream answers once its servers have elected a meta leader."""
+        while True:
+            self._check_alive()
+            try:
+                r = await nc.request("$JS.API.INFO", b"", timeout=0.5)
+                if b'"error"' not in r.data:
+                    return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the NATS cluster elected no JetStream leader")
+            await asyncio.sleep(0.1)
 
     def _health(self) -> bool:
         try:
@@ -407,8 +468,8 @@ class Stack:
         """SIGKILL every child and nats-server now (a second Ctrl-C); safe in a signal
         handler: it only sends signals."""
         procs = [c.proc for c in self.children.values() if c.proc]
-        if self.nats is not None and self.nats.proc is not None:
-            procs.append(self.nats.proc)
+        if self.nats is not None:
+            procs += [s.proc for s in getattr(self.nats, "servers", [self.nats]) if s.proc]
         for p in procs:
             if p.returncode is None:  # not reaped: the pid is still this child's
                 try:

@@ -38,7 +38,17 @@ STORE_BUDGET_BYTES = 2 << 30
 def parse(argv: list[str]) -> StackConfig:
     d = StackConfig()
     p = argparse.ArgumentParser(prog="perigee up", description=__doc__)
-    p.add_argument("--nats", default=None, help="use this NATS server instead of starting one")
+    p.add_argument("--nats", default=None,
+                   help="use this NATS server (or comma list of a cluster's) instead of "
+                        "starting one; a login in the URL or in $NATS_USER/$NATS_PASSWORD")
+    p.add_argument("--nats-cluster", type=int, default=d.nats_cluster, metavar="N",
+                   help="start N clustered nats-servers (JetStream replicas min(3, N)); "
+                        "services connect with every server's URL")
+    p.add_argument("--nats-max-payload", type=int, default=None, metavar="BYTES",
+                   help="the largest message on the bus (default: nats-server's, 1 MiB)")
+    p.add_argument("--no-nats-auth", dest="nats_auth", action="store_false",
+                   help="an open bus (default: one NATS user per service, passwords drawn "
+                        "per run into <log-dir>/nats/credentials.json)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="gateway HTTP port")
     p.add_argument("--prefill", type=int, default=d.prefill, help="prefill instances")
@@ -102,7 +112,8 @@ def parse(argv: list[str]) -> StackConfig:
         capacity = max(1, min(d.store_capacity_blocks, STORE_BUDGET_BYTES // block))
     slos = default_slos(a.engine)
     return StackConfig(
-        nats_url=a.nats, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
+        nats_url=a.nats, nats_cluster=a.nats_cluster, nats_max_payload=a.nats_max_payload,
+        nats_auth=a.nats_auth, host=a.host, port=a.port, prefill=a.prefill, decode=a.decode,
         engine=a.engine, load_format=a.load_format, kv_blocks=a.kv_blocks,
         model_dir=str(model.path), served_model_name=model.name, block_size=a.block_size,
         speedup=a.speedup, store_capacity_blocks=capacity,
@@ -153,7 +164,10 @@ def main(argv: list[str]) -> int:
         return 1
     key = (cfg.api_key or "").split(",")[0].strip()
     auth = f"-H 'Authorization: Bearer {key}' " if key else ""
-    print(f"perigee: ready at {stack.url}  (NATS {stack.nats_url}; logs in {cfg.log_dir}/)\n"
+    bus = stack.nats.url if stack.nats else stack.nats_url
+    if stack.nats and cfg.nats_auth:
+        bus += f", logins in {cfg.log_dir}/nats/credentials.json"
+    print(f"perigee: ready at {stack.url}  (NATS {bus}; logs in {cfg.log_dir}/)\n"
           f"  curl {stack.url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"What is the capital of France?\"}}], \"temperature\": 0}}'\n"

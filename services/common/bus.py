@@ -9,8 +9,10 @@ keeps running either way.
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats
@@ -46,16 +48,50 @@ def traced_subject(subject: str) -> bool:
     return not subject.startswith(UNTRACED_PREFIXES)
 
 
+# A service's own NATS login when its URL carries none (perigee up, Kubernetes Secrets).
+USER_ENV, PASSWORD_ENV = "NATS_USER", "NATS_PASSWORD"
+
+
+def servers_and_login(url: str) -> tuple[list[str], str | None, str | None]:
+    """``url``: one NATS URL or a comma list (every server of a cluster). The login is
+    the URL's own (``nats://user:password@host``), else ``$NATS_USER``/``$NATS_PASSWORD``.
+    It is passed as an option rather than left in the URLs: a server the client
+    discovers from the cluster has none in its URL."""
+    servers, user, password = [], None, None
+    for u in (x.strip() for x in url.split(",")):
+        if not u:
+            continue
+        parts = urlsplit(u if "://" in u else f"nats://{u}")
+        if parts.username is not None and user is None:
+            user, password = unquote(parts.username), unquote(parts.password or "")
+        servers.append(f"{parts.scheme}://{parts.netloc.rsplit('@', 1)[-1]}")
+    if user is None and os.environ.get(USER_ENV):
+        user, password = os.environ[USER_ENV], os.environ.get(PASSWORD_ENV, "")
+    return servers, user, password
+
+
+def js_replicas() -> int:
+    """Replicas for a JetStream stream a service creates: ``$PERIGEE_JS_REPLICAS``, set by
+    ``perigee up`` to min(3, servers) (``--nats-cluster 3``: 3), else 1."""
+    try:
+        return max(1, int(os.environ.get("PERIGEE_JS_REPLICAS", "1")))
+    except ValueError:
+        return 1
+
+
 async def connect(url: str, name: str) -> NATS:
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
 
+    servers, user, password = servers_and_login(url)
+    login = {"user": user, "password": password} if user is not None else {}
     return await nats.connect(
-        url,
+        servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
         error_cb=on_error,
+        **login,
     )
 
 
@@ -79,13 +115,43 @@ def error_reply(kind: str, message: str) -> tuple[bytes, dict[str, str]]:
     return encode(ErrorReply(error=kind, message=message)), {ERROR_HEADER: kind}
 
 
+class PayloadTooLarge(ValueError):
+    """A message larger than the server takes (its ``max_payload``). Raised before
+    sending: the server would otherwise drop the connection, and a request would wait
+    out its timeout."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(f"message on {subject} is {size} bytes, over the NATS server's "
+                         f"max_payload of {limit} bytes")
+        self.subject, self.size, self.limit = subject, size, limit
+
+
+def check_size(nc: NATS, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    """The server counts headers in ``max_payload``; nats.py checks the payload only."""
+    size = len(data)
+    if headers:
+        size += 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())  # NATS/1.0 block
+    if size > nc.max_payload:
+        raise PayloadTooLarge(subject, size, nc.max_payload)
+
+
+async def send(nc: NATS, subject: str, data: bytes, reply: str = "",
+               headers: dict[str, str] | None = None) -> None:
+    check_size(nc, subject, data, headers)
+    await nc.publish(subject, data, reply=reply, headers=headers)
+
+
 async def publish(nc: NATS, subject: str, msg: Any, reply: str = "") -> None:
-    await nc.publish(subject, encode(msg), reply=reply, headers=inject())
+    await send(nc, subject, encode(msg), reply=reply, headers=inject())
 
 
 async def request(nc: NATS, subject: str, msg: Any, reply_type: Any, timeout: float = 2.0) -> Any:
-    """Request/reply with strict decoding; an error reply raises :class:`RemoteError`."""
-    resp = await nc.request(subject, encode(msg), timeout=timeout, headers=inject())
+    """Request/reply with strict decoding; an error reply raises :class:`RemoteError`
+    (``payload_too_large`` when the reply would not fit on the bus), a message too large
+    to send :class:`PayloadTooLarge`."""
+    data, headers = encode(msg), inject()
+    check_size(nc, subject, data, headers)
+    resp = await nc.request(subject, data, timeout=timeout, headers=headers)
     if resp.headers and ERROR_HEADER in resp.headers:
         err = decode(resp.data, ErrorReply)
         raise RemoteError(err.error, err.message)
@@ -182,6 +248,12 @@ class Subscriptions:
             with span:
                 try:
                     out = await handler(obj, m)
+                except PayloadTooLarge as e:  # what it sent on would not fit on the bus
+                    log.warning("payload_too_large", subject=m.subject, error=str(e))
+                    if m.reply:
+                        data, hdrs = error_reply("payload_too_large", str(e))
+                        await self.nc.publish(m.reply, data, headers=hdrs)
+                    return
                 except Exception as e:  # noqa: BLE001 - a handler bug must not kill the service
                     log.exception("handler_failed", subject=m.subject)
                     if m.reply:
@@ -189,7 +261,7 @@ class Subscriptions:
                         await self.nc.publish(m.reply, data, headers=hdrs)
                     return
                 if out is not None and m.reply:
-                    await self.nc.publish(m.reply, encode(out), headers=inject())
+                    await self._reply(m, encode(out))
 
         async def cb(m: NatsMsg) -> None:
             if concurrent:
@@ -199,6 +271,14 @@ class Subscriptions:
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=cb))
         await sync(self.nc)
+
+    async def _reply(self, m: NatsMsg, data: bytes) -> None:
+        try:
+            await send(self.nc, m.reply, data, headers=inject())
+        except PayloadTooLarge as e:  # the requester gets why, not a timeout
+            log.warning("reply_too_large", subject=m.subject, size=e.size, limit=e.limit)
+            err, hdrs = error_reply("payload_too_large", str(e))
+            await self.nc.publish(m.reply, err, headers=hdrs)
 
     async def close(self) -> None:
         for s in self._subs:

@@ -32,6 +32,7 @@ from opentelemetry import trace
 
 from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
 from services.common import metrics
+from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
@@ -333,6 +334,9 @@ class Gateway:
         try:
             try:
                 await self.router.send(gen)
+            except PayloadTooLarge as e:
+                raise ApiError(413, f"request too large for the message bus: {e}",
+                               code="request_too_large") from None
             except Exception as e:  # noqa: BLE001 - NATS down or closing
                 raise ApiError(503, f"message bus unavailable: {e}", code="service_unavailable") from None
             model = self.cfg.served_model_name

@@ -1,0 +1,153 @@
+"""Who may publish and subscribe what on the bus: one NATS user per service, with subject
+permissions derived from :mod:`bus_schemas.subjects`, rendered as nats-server config.
+
+Every role may use the ``perigee.>`` namespace, inboxes and the JetStream API, less what
+is not its business (a deny wins over an allow in nats-server):
+
+- intake (``perigee.requests``) is published by the gateway (and the operator), and
+  ``perigee.conductor.schedule`` by admission; a worker or a store may subscribe to
+  neither (in the queue group it would steal requests);
+- a worker's control subjects: prefill tasks and role switches come only from the
+  conductor, decode tasks from prefill workers and the conductor; nobody publishes
+  another instance's load reports or answers its stats, and only a store publishes its
+  own node's KV events;
+- the gateway and admission reach no store and command no worker.
+
+The admin user (``perigee``) may do everything: ``perigee up``'s readiness checks, the
+operator's tools, the tests. Passwords are drawn per run (:func:`new_password`).
+"""
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from bus_schemas import subjects as s
+
+ADMIN = "perigee"
+ALL = f"{s.NS}.>"
+INBOX = "_INBOX.>"
+JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
+ROLES = ("gateway", "admission", "conductor", "prefill", "decode", "store")
+
+_TASKS = [s.prefill_tasks("*"), s.decode_tasks("*")]
+_CTL = f"{s.NS}.ctl.>"
+_KV_EVENTS = f"{s.NS}.kv.events.>"
+_LOAD = f"{s.NS}.load.>"
+_STORES = f"{s.NS}.store.>"
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    password: str
+    pub_deny: tuple[str, ...] = ()
+    sub_deny: tuple[str, ...] = ()
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class Member:
+    """One service of the deployment: its user name, role, and instance or node."""
+
+    name: str
+    role: str
+    instance: str = ""  # prefill/decode: the worker instance (e.g. decode-0)
+    node: str = ""  # store: its node (e.g. d0)
+
+
+@dataclass
+class Deployment:
+    members: list[Member] = field(default_factory=list)
+    switchable: bool = False  # workers change role (RoleSwitch): decode may hand off too
+
+    def instances(self) -> list[str]:
+        return [m.instance for m in self.members if m.instance]
+
+    def nodes(self) -> list[str]:
+        return [m.node for m in self.members if m.node]
+
+
+def publish_deny(m: Member, d: Deployment) -> list[str]:
+    if m.role == "gateway":
+        return [f"{s.NS}.conductor.>", *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
+    if m.role == "admission":
+        return [s.REQUESTS, *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
+    if m.role == "conductor":
+        return [s.REQUESTS, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
+    if m.role in ("prefill", "decode"):
+        deny = [s.REQUESTS, s.SCHEDULE, s.prefill_tasks("*"), _CTL, _KV_EVENTS,
+                s.STORE_ANNOUNCE]
+        if m.role == "decode" and not d.switchable:
+            deny.append(s.decode_tasks("*"))
+        for other in d.instances():
+            if other != m.instance:
+                deny += [s.load_report("*", other), s.worker_stats("*", other)]
+        return deny
+    if m.role == "store":
+        deny = [s.REQUESTS, s.SCHEDULE, *_TASKS, _CTL, _LOAD, f"{s.NS}.conductor.>"]
+        deny += [s.kv_events(n) for n in d.nodes() if n != m.node]
+        return deny
+    raise ValueError(f"unknown role {m.role!r}")
+
+
+def subscribe_deny(m: Member) -> list[str]:
+    if m.role in ("prefill", "decode", "store"):
+        return [s.REQUESTS, s.SCHEDULE]
+    return []
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)  # URL-safe: it may ride in a nats:// URL
+
+
+def users(d: Deployment, passwords: dict[str, str] | None = None) -> list[User]:
+    """The admin and one user per member; ``passwords`` (name -> password) where given,
+    else new ones."""
+    pw = dict(passwords or {})
+    out = [User(ADMIN, pw.get(ADMIN) or new_password(), admin=True)]
+    for m in d.members:
+        out.append(User(m.name, pw.get(m.name) or new_password(),
+                        tuple(publish_deny(m, d)), tuple(subscribe_deny(m))))
+    return out
+
+
+def _q(items) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def render(us: list[User], *, env_passwords: bool = False) -> str:
+    """An ``authorization`` block for nats-server. ``env_passwords``: each password is
+    ``$<NAME>_NATS_PASSWORD`` (upper case, ``-`` as ``_``) from the server's environment,
+    as compose passes them."""
+    lines = ["authorization {", "  users: ["]
+    allow = [ALL, INBOX, *JETSTREAM]
+    for u in us:
+        pw = f"${env_var(u.name)}" if env_passwords else json.dumps(u.password)
+        if u.admin:
+            lines.append(f"    {{user: {json.dumps(u.name)}, password: {pw}}}")
+            continue
+        pub = f"{{allow: {_q(allow)}, deny: {_q(u.pub_deny)}}}"
+        sub = f"{{allow: {_q(allow)}" + (f", deny: {_q(u.sub_deny)}}}" if u.sub_deny else "}")
+        lines.append(f"    {{user: {json.dumps(u.name)}, password: {pw},")
+        lines.append(f"     permissions: {{publish: {pub},")
+        lines.append(f"                   subscribe: {sub}}}}}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def env_var(name: str) -> str:
+    return name.upper().replace("-", "_") + "_NATS_PASSWORD"
+
+
+def member(name: str, argv: list[str]) -> Member:
+    """The member for a service's command line (``services.<role> ... --instance X``)."""
+    role = argv[0].removeprefix("services.")
+
+    def flag(f: str) -> str:
+        return argv[argv.index(f) + 1] if f in argv else ""
+
+    if role in ("prefill", "decode"):
+        return Member(name, role, instance=flag("--instance"))
+    if role == "store":
+        return Member(name, role, node=flag("--node"))
+    return Member(name, role)

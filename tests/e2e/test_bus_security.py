@@ -1,0 +1,207 @@
+"""The bus of a stack as ``perigee up`` starts it: every service logs in as its own NATS
+user (credentials drawn per run into the log directory), a client without credentials
+is refused, and a worker cannot publish on another's control subjects."""
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import nats
+import nats.errors
+import pytest
+
+from bus_schemas import subjects
+from services.common import bus
+from tests.e2e.conftest import make_stack
+from tests.e2e.sse import stream
+
+pytestmark = pytest.mark.e2e
+
+
+def _logins(stack) -> dict:
+    return json.loads((Path(stack.cfg.log_dir) / "nats" / "credentials.json").read_text())
+
+
+def _server(stack) -> str:
+    return stack.nats.url  # no login in it
+
+
+class Client:
+    """A connection that records the server's permission errors."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc = None
+
+    async def connect(self, url: str, user: str, password: str) -> "Client":
+        async def on_error(e: Exception) -> None:
+            self.errors.append(str(e))
+
+        self.nc = await nats.connect(url, user=user, password=password, error_cb=on_error,
+                                     allow_reconnect=False)
+        return self
+
+    async def denied(self, subject: str, op: str = "publish") -> bool:
+        """True once the server says this publish is not allowed. The error comes on
+        its own, not ordered with a flush's PONG: waited for, bounded."""
+        want = f'permissions violation for {op} to "{subject}"'
+        if op == "publish":
+            await self.nc.publish(subject, b"{}")
+        else:
+            await self.nc.subscribe(subject, queue=subjects.Q_ADMISSION)
+        await self.nc.flush()
+        for _ in range(200):
+            if any(want in e.lower() for e in self.errors):
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def test_a_client_without_credentials_is_refused(stack):
+    with pytest.raises(nats.errors.Error) as e:
+        await nats.connect(_server(stack), allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=5)
+    assert "authorization" in str(e.value).lower() or isinstance(
+        e.value, (nats.errors.AuthorizationError, nats.errors.NoServersError)), e.value
+    logins = _logins(stack)
+    with pytest.raises(nats.errors.Error):
+        await nats.connect(_server(stack), user="gateway", password="not-" +
+                           logins["users"]["gateway"], allow_reconnect=False,
+                           max_reconnect_attempts=0, connect_timeout=5)
+
+
+async def test_each_service_is_logged_in_as_its_own_user(stack):
+    url = f"http://127.0.0.1:{stack.nats.monitor_port}/connz?auth=true&limit=1000"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        conns = json.loads(r.read())["connections"]
+    users = {c.get("authorized_user") for c in conns}
+    for name in ["gateway", "admission", "conductor", "prefill-0", "decode-0", "store-p0",
+                 "store-d0"]:
+        assert name in users, (name, users)
+
+
+async def test_only_the_gateway_and_admin_publish_requests(stack):
+    logins = _logins(stack)["users"]
+    admin = await Watcher().start(stack, subjects.REQUESTS, subjects.SCHEDULE)
+    gw = await Client().connect(_server(stack), "gateway", logins["gateway"])
+    dec = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    try:
+        assert await dec.denied(subjects.REQUESTS)
+        assert await dec.denied(subjects.SCHEDULE)
+        await gw.nc.publish(subjects.REQUESTS, b"{}")  # admission answers it as bad input
+        await admin.arrived(subjects.REQUESTS)
+        assert admin.seen == [subjects.REQUESTS] and not gw.errors
+    finally:
+        for c in (gw, dec, admin):
+            await c.close()
+
+
+class Watcher:
+    """The admin, subscribed to some subjects: what a permitted publish reaches."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def start(self, stack, *subs: str) -> "Watcher":
+        self.nc = await nats.connect(stack.nats_url)
+
+        async def cb(m) -> None:
+            self.seen.append(m.subject)
+
+        for sub in subs:
+            await self.nc.subscribe(sub, cb=cb)
+        await self.nc.flush()
+        return self
+
+    async def arrived(self, subject: str) -> None:
+        async def loop():
+            while subject not in self.seen:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(loop(), 10)
+
+    async def close(self) -> None:
+        await self.nc.close()
+
+
+async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
+    logins = _logins(stack)["users"]
+    dec = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    pre = await Client().connect(_server(stack), "prefill-0", logins["prefill-0"])
+    store = await Client().connect(_server(stack), "store-d0", logins["store-d0"])
+    gw = await Client().connect(_server(stack), "gateway", logins["gateway"])
+    denied = [
+        (dec, subjects.prefill_tasks("prefill-0")),  # only the conductor places prefill
+        (dec, subjects.decode_tasks("decode-0")),  # decode work comes from prefill
+        (dec, subjects.load_report("prefill", "prefill-0")),  # another's load
+        (dec, subjects.worker_stats("prefill", "prefill-0")),
+        (dec, subjects.CTL_ROLE),  # role switches come from the conductor
+        (pre, subjects.load_report("decode", "decode-0")),
+        (store, subjects.kv_events("p0")),  # another node's KV events
+        (store, subjects.prefill_tasks("prefill-0")),
+        (gw, subjects.store_ctl("d0", "tx.allocate")),
+        (gw, subjects.decode_tasks("decode-0")),
+    ]
+    allowed = [
+        (pre, subjects.decode_tasks("nobody")),  # the hand-off to a decode instance
+        (pre, subjects.store_ctl("nobody", "info")),  # reservations on a decode node's store
+        (store, subjects.kv_events("nobody")),
+        (dec, subjects.worker_stats("decode", "nobody")),
+    ]
+    admin = await Watcher().start(stack, *[s for _, s in allowed])
+    try:
+        for client, subject in denied:
+            assert await client.denied(subject), (subject, client.errors)
+        for client, subject in allowed:
+            await client.nc.publish(subject, b"{}")
+            await admin.arrived(subject)
+    finally:
+        for c in (dec, pre, store, gw, admin):
+            await c.close()
+
+
+async def test_a_worker_cannot_subscribe_to_intake(stack):
+    logins = _logins(stack)["users"]
+    dec = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    try:
+        assert await dec.denied(subjects.REQUESTS, op="subscription")
+    finally:
+        await dec.close()
+
+
+async def test_the_login_reaches_services_through_the_environment(stack, monkeypatch):
+    """What a service does with NATS_USER/NATS_PASSWORD (perigee up, Kubernetes)."""
+    logins = _logins(stack)["users"]
+    monkeypatch.setenv(bus.USER_ENV, "conductor")
+    monkeypatch.setenv(bus.PASSWORD_ENV, logins["conductor"])
+    nc = await bus.connect(_server(stack), name="probe")
+    try:
+        assert nc.is_connected
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def small_bus(tmp_path_factory):
+    s = make_stack(tmp_path_factory, "small-bus", engine="mock", speedup="100",
+                   nats_max_payload=8192)
+    s.start()
+    yield s
+    s.stop()
+
+
+async def test_a_request_over_the_bus_max_payload_is_413_and_the_stack_serves_on(small_bus):
+    s = small_bus
+    async with aiohttp.ClientSession() as http:
+        big = await stream(http, s.url, {"prompt": "word " * 2500, "max_tokens": 2})
+        assert big.status == 413, (big.status, big.error)
+        msg = big.error["error"]["message"]
+        assert "max_payload of 8192 bytes" in msg and subjects.REQUESTS in msg, msg
+        ok = await stream(http, s.url, {"prompt": "word " * 20, "max_tokens": 2})
+    assert ok.status == 200 and ok.done and ok.error is None, ok.error
+    assert not s.exited()
