@@ -8,6 +8,7 @@ import nats
 import pytest
 
 from bus_schemas import subjects
+from services.common.bus import ERROR_HEADER
 from tests.e2e.sse import stream
 
 pytestmark = pytest.mark.e2e
@@ -46,11 +47,14 @@ async def test_garbage_everywhere_then_a_normal_request_completes(stack):
         for subject in targets():
             for payload in GARBAGE:
                 await nc.publish(subject, payload)  # no reply subject: logged and dropped
-        for subject in (subjects.REQUESTS, subjects.SCHEDULE,
-                        subjects.store_ctl("p0", "tx.allocate")):
-            # With a reply subject every one of them answers rather than hangs.
+        # With a reply subject each answers with an error rather than hangs or drops it.
+        for subject in (subjects.REQUESTS, subjects.SCHEDULE):
             msg = await nc.request(subject, b"{not json", timeout=5)
-            assert msg.data
+            ev = json.loads(msg.data)
+            assert (ev["type"], ev["code"]) == ("error", 400), ev
+            assert "json" in ev["message"].lower(), ev
+        msg = await nc.request(subjects.store_ctl("p0", "tx.allocate"), b"{not json", timeout=5)
+        assert msg.headers and msg.headers.get(ERROR_HEADER) == "bad_request", msg
         await nc.flush()
     finally:
         await nc.close()

@@ -55,7 +55,14 @@ class FakeStore:
         self.spans: list[tuple[int, int, tuple[int, ...]]] = []  # (offset, bytes, blocks)
         self.pulls: list[RemotePrefix] = []
         self.gate: asyncio.Event | None = None  # set: ships wait until it is set
+        self.at_gate = 0  # ships waiting on the gate right now
         net[node] = self
+
+    async def gate_drained(self) -> None:
+        """Until no ship waits on the gate: each was cancelled, or was let through and
+        (the rest of ship_layer does not await) has landed."""
+        while self.at_gate:
+            await asyncio.sleep(0)
 
     def slot(self, i: int) -> memoryview:
         bb = self.block_bytes
@@ -66,7 +73,11 @@ class FakeStore:
         assert src.node == self.node
         await asyncio.sleep(0)
         if self.gate is not None:
-            await self.gate.wait()
+            self.at_gate += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.at_gate -= 1
         peer = self.net.get(dst.node)
         if peer is None:
             raise TransferError("peer_closed", f"store {dst.node} unreachable")

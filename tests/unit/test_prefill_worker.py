@@ -281,6 +281,7 @@ async def test_cancel_while_shipping_stops_the_handoff(rig):
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
     assert isinstance(ev, RequestFailed) and ev.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     rig.p.gate.set()
+    await rig.p.gate_drained()  # a ship the cancel left running would land by now
     assert rig.decode_tasks.empty() and rig.p.ships == []
     assert (await rig.stats("prefill", rig.pi))["tasks_cancelled"] == 1
 
