@@ -15,6 +15,14 @@ class WallClock:
         return time.monotonic()
 
 
+class UnixClock:
+    """Unix seconds: the time base of timestamps that cross processes (load reports'
+    and notices' ``ts``, a request's ``arrival_ts``)."""
+
+    def now(self) -> float:
+        return time.time()
+
+
 class ManualClock:
     """A clock tests and the simulator move by hand."""
 

@@ -50,6 +50,7 @@ from bus_schemas.placement import (
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
 from services.common import bus, metrics
 from services.common.calibration import CalibrationBook
+from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
@@ -69,13 +70,6 @@ from services.conductor.shadow import ShadowView
 from tracing import tracer
 
 log = structlog.get_logger()
-
-
-class UnixClock:
-    """Unix seconds: the time base of load reports' and notices' ``ts``."""
-
-    def now(self) -> float:
-        return time.time()
 
 
 @dataclass(frozen=True)
