@@ -8,7 +8,6 @@ calls :meth:`_start_common` from ``start`` and :meth:`_close_common` from ``clos
 """
 
 import asyncio
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -22,6 +21,7 @@ from bus_schemas.load import WorkerStats
 from bus_schemas.placement import RequestFailed
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest
 from services.common import bus
+from services.common.clock import Clock, WallClock
 
 log = structlog.get_logger()
 
@@ -35,8 +35,10 @@ class WorkerBase:
     # worker): load reports then carry its fit and fresh measurements.
     calibrator: Any = None
 
-    def __init__(self, nc: NATS, *, instance: str, node: str, report_interval: float) -> None:
+    def __init__(self, nc: NATS, *, instance: str, node: str, report_interval: float,
+                 clock: Clock | None = None) -> None:
         self.nc = nc
+        self.clock: Clock = clock or WallClock()  # monotonic: durations and quiet periods
         self.instance = instance
         self.node = node
         self.report_interval = report_interval
@@ -44,7 +46,7 @@ class WorkerBase:
         self.dead = asyncio.Event()  # the engine died: the process should exit
         self.draining = False  # role switch: no load reports, finish what comes
         self._closing = False
-        self._last_task = time.monotonic()
+        self._last_task = self.clock.now()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._stats_sub: Any = None
         self._reporter: asyncio.Task | None = None
@@ -110,7 +112,7 @@ class WorkerBase:
     async def admit_task(self, task: Any, request_id: str) -> bool:
         """False (and the request failed) when the task was cancelled before it came,
         or this instance is shutting down."""
-        self._last_task = time.monotonic()
+        self._last_task = self.clock.now()
         if request_id in self._cancelled:
             await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter=self.cancelled_counter)
             return False

@@ -31,7 +31,6 @@ serves what is queued and whatever still arrives, and returns once idle and quie
 """
 
 import asyncio
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,7 +51,7 @@ from bus_schemas.placement import (
 )
 from bus_schemas.requests import CancelRequest, ErrorCode, Tokens
 from services.common import bus, metrics
-from services.common.clock import Clock, WallClock
+from services.common.clock import Clock, UnixClock
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
@@ -134,17 +133,21 @@ class PrefillWorker(WorkerBase):
         layout: KVLayout,
         cost: CostModel,
         clock: Clock | None = None,
+        unix_clock: Clock | None = None,
         report_interval: float = 0.1,
         lease_s: float = 10.0,
         reserver: Reserver | None = None,
     ) -> None:
-        super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
+        super().__init__(nc, instance=instance, node=node, report_interval=report_interval,
+                         clock=clock)
+        # Timestamps that leave the process (reports, notices, span starts) are Unix time.
+        self.unix: Clock = unix_clock or UnixClock()
         self.store = store
         self.engine = engine
         self.reserver = reserver or StoreReserver(StoreTx(nc), lease_s=lease_s)
         self.layout = layout
         self.cost = cost
-        self.queue = PrefillQueue(cost, clock or WallClock(), layout.block_size)
+        self.queue = PrefillQueue(cost, self.clock, layout.block_size)
         self.counters: dict[str, int] = dict.fromkeys(
             ("tasks_done", "tasks_failed", "tasks_cancelled", "computed_tokens",
              "prefix_tokens_loaded", "remote_tokens_pulled"), 0,
@@ -206,7 +209,7 @@ class PrefillWorker(WorkerBase):
         or running and no task has arrived for ``quiet_s`` (late placements still run)."""
         self.draining = True
         while not (len(self.queue) == 0 and self._idle.is_set() and not self._handoffs
-                   and time.monotonic() - self._last_task >= quiet_s):
+                   and self.clock.now() - self._last_task >= quiet_s):
             if self.dead.is_set():
                 return
             await asyncio.sleep(poll_s)
@@ -219,7 +222,7 @@ class PrefillWorker(WorkerBase):
                 return
             try:
                 self._validate(task)
-                self.queue.push(task, _Meta(otel_context.get_current(), time.time_ns()))
+                self.queue.push(task, _Meta(otel_context.get_current(), int(self.unix.now() * 1e9)))
             except BadTask as e:
                 log.warning("bad_prefill_task", error=str(e))
                 await self._fail(task, *classify(e))
@@ -395,7 +398,7 @@ class PrefillWorker(WorkerBase):
                 "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
                 done.first, learn = await self._compute(job, n, p)
-            done.first_ts = time.time()
+            done.first_ts = self.unix.now()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
                 with tracer().start_as_current_span("prefill.first_token"):
@@ -431,14 +434,14 @@ class PrefillWorker(WorkerBase):
             decode_tx=res.decode_tx,
             first_token=first,
             cached_tokens=p,
-            prefill_done_ts=time.time(),
+            prefill_done_ts=self.unix.now(),
             first_token_sent=task.stream_first_token,
         ))
         # Every layer is acked, so the prefill-side slots are no longer read: commit.
         src = res.remote
         await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
             request_id=req.request_id, prefill_node=self.node,
-            prefill_tx_id=res.prefill_tx.tx_id, ts=first_ts, handoff_ts=time.time(),
+            prefill_tx_id=res.prefill_tx.tx_id, ts=first_ts, handoff_ts=self.unix.now(),
             source_node=src.source_node if src else "",
             source_tx_id=src.source_tx.tx_id if src else "",
         ))
@@ -455,9 +458,9 @@ class PrefillWorker(WorkerBase):
         if calib is None:
             return await self.engine.prefill(job), None
         predicted = calib.model().prefill_time(n, p)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         first = await self.engine.prefill(job)
-        seconds = time.perf_counter() - t0
+        seconds = self.clock.now() - t0
 
         def learn() -> None:
             calib.prefill(n, p, seconds, predicted)
@@ -509,4 +512,4 @@ class PrefillWorker(WorkerBase):
     def load_report(self) -> PrefillLoad:
         qlen, qtokens, work = self.queue.load()
         return PrefillLoad(instance=self.instance, node=self.node, queue_len=qlen,
-                           queued_tokens=qtokens, queued_work_s=work, ts=time.time())
+                           queued_tokens=qtokens, queued_work_s=work, ts=self.unix.now())
