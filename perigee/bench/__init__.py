@@ -7,6 +7,7 @@ BENCHES = {
     "pipeline": "perigee.bench.pipeline",
     "reuse": "perigee.bench.reuse",
     "transfer": "perigee.bench.transfer",
+    "ship": "perigee.bench.ship",
     "store": "perigee.bench.store",
     "conductor": "perigee.bench.conductor",
     "calibration": "perigee.bench.calibration",

@@ -13,7 +13,8 @@ Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames)
       SHIP / PULL (from a local worker): run as their own task:
             SHIP  hold our source slots (a read grant on our fence), OPEN a write grant
                   on the peer, WRITE the spans into its arena, CLOSE; OK once the peer
-                  said its slots stayed live.
+                  said its slots stayed live (over TCP its receiver says so with each
+                  write's ack, and the CLOSE goes out without being waited for).
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
             A ship or pull whose other end is this very store is a local memcpy.
@@ -143,6 +144,7 @@ class DataPlane:
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-xfer")
         self._served: dict[int, _Served] = {}
         self._by_tx: dict[str, set[int]] = {}
+        self._settle: dict[str, asyncio.Event] = {}
         self._visible: dict[str, bool] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -194,9 +196,7 @@ class DataPlane:
                     await self._reply(ident, out, data)
                 elif kind in (wire.Kind.SHIP, wire.Kind.PULL):
                     op = self.ship if kind == wire.Kind.SHIP else self.pull
-                    task = asyncio.get_running_loop().create_task(self._serve_op(ident, op, header))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
+                    self._spawn(self._serve_op(ident, op, header))
                 else:
                     raise wire.WireError(f"{kind.name} is a reply, not a request", req_id=header.id)
             except wire.WireError as e:
@@ -299,8 +299,21 @@ class DataPlane:
         return wire.Ok(id=h.id, nbytes=s.nbytes if h.ok else 0)
 
     def open_grants(self, tx: str) -> int:
-        """Grants peers hold on ``tx``'s slots (a commit waits until they closed)."""
+        """Grants peers hold on ``tx``'s slots."""
         return len(self._by_tx.get(tx, ()))
+
+    async def settled(self, tx: str, timeout: float) -> bool:
+        """Wait until no peer holds a grant on ``tx``'s slots (a commit waits for this:
+        bytes must not land in a block once it is cached); False after ``timeout``."""
+        if tx not in self._by_tx:
+            return True
+        ev = self._settle.setdefault(tx, asyncio.Event())
+        try:
+            async with asyncio.timeout(timeout):
+                await ev.wait()
+        except TimeoutError:
+            return tx not in self._by_tx
+        return True
 
     def expire_grants(self, now: float | None = None) -> list[int]:
         """Close (as failed) every served grant past its ttl; returns their ids."""
@@ -326,6 +339,9 @@ class DataPlane:
                 ids.discard(gid)
                 if not ids:
                     del self._by_tx[s.tx]
+                    ev = self._settle.pop(s.tx, None)
+                    if ev is not None:
+                        ev.set()
         return s
 
     async def _sweep(self) -> None:
@@ -405,12 +421,17 @@ class DataPlane:
             err = (e.code, str(e))
             mine_ok = self.fence.close(mine)
         ok = err is None and mine_ok is True
-        try:
-            await self.peers.request(peer, wire.Close(id=next_id(), grant=granted.grant, ok=ok,
-                                                      nbytes=nbytes if ok else 0), timeout=timeout)
-        except ChannelError:
-            if ok:
-                raise
+        close = wire.Close(id=next_id(), grant=granted.grant, ok=ok, nbytes=nbytes if ok else 0)
+        if ok and name == "tcp" and opcode == Opcode.WRITE:
+            # The peer's receiver already checked every write against its fence as it
+            # landed (an ack means the slots were live): the close only ends the grant.
+            self._spawn(self._close_later(peer, close, timeout))
+        else:
+            try:
+                await self.peers.request(peer, close, timeout=timeout)
+            except ChannelError:
+                if ok:
+                    raise
         if err is not None:
             raise wire.WireError(f"{opcode.name} via {self._via(granted)}: {err[1]}",
                                  code=f"transfer_{err[0]}", req_id=opened.id)
@@ -418,6 +439,17 @@ class DataPlane:
             raise wire.WireError("our slots were freed while their bytes moved (transaction "
                                  "aborted or expired): fenced", code="fenced", req_id=opened.id)
         self.counters[f"{name}_bytes"] += nbytes
+
+    async def _close_later(self, peer: str, close: wire.Close, timeout: float) -> None:
+        try:
+            await self.peers.request(peer, close, timeout=timeout)
+        except ChannelError as e:  # the grant expires on its own over there
+            log.warning("grant_close_failed", peer=peer, grant=close.grant, code=e.code)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _run(self, name: str, reqs: list[TransferRequest], timeout: float, latest: float,
              after: Callable[[], bool]) -> tuple[tuple[str, str] | None, bool | None]:

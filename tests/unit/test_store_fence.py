@@ -318,7 +318,8 @@ async def planes():
     for _ in range(2):
         arena = Arena.create(8, 256 * 1024)
         pool = BlockPool(8, BS, ManualClock(), id_prefix=f"p{len(made)}-")
-        plane = DataPlane(ctx, pool, arena, epoch=1, transports=("tcp",), peer_timeout_s=5.0)
+        plane = DataPlane(ctx, pool, arena, epoch=1, transports=("tcp",), peer_timeout_s=5.0,
+                          clock=ManualClock().now)
         made.append((plane, pool, arena))
     tasks = [asyncio.create_task(p.run()) for p, _, _ in made]
     yield made
@@ -376,8 +377,11 @@ async def test_a_ship_into_a_live_tx_lands_and_is_counted_per_transport(planes):
     for i, s in enumerate(dst.slots):
         assert bytes(arena_b.slot(s)[bb // 2:]) == bytes([i + 1]) * (bb // 2)
         assert bytes(arena_b.slot(s)[: bb // 2]) == bytes(bb // 2)
-    assert a.counters["tcp_bytes"] == 3 * bb // 2 and b.counters["blocks_written_remote"] == 3
+    assert a.counters["tcp_bytes"] == 3 * bb // 2
+    # over TCP the close goes out without being waited for: a commit waits for it
+    assert await b.settled(dst.tx_id, timeout=10)
     assert b.open_grants(dst.tx_id) == 0 and not b.fence.writing(dst.slots)
+    assert b.counters["blocks_written_remote"] == 3
     # and back: pull those whole slots into a new transaction of the first store
     back = alloc(pa, "p", [4, 5, 6])
     pull = wire.Pull(id=2, dst_tx=back.tx_id, dst_epoch=1, dst_slots=back.slots,
@@ -387,3 +391,30 @@ async def test_a_ship_into_a_live_tx_lands_and_is_counted_per_transport(planes):
         assert bytes(arena_a.slot(s_a)) == bytes(arena_b.slot(s_b))
     assert b.counters["blocks_read_remote"] == 3 and a.counters["bytes_in"] == 3 * bb
     assert not a.fence.writing(back.slots) and b.open_grants(dst.tx_id) == 0
+
+
+async def test_a_commit_waits_for_open_grants_and_an_unclosed_grant_expires(planes):
+    _, (b, pb, arena_b) = planes
+    dst = alloc(pb, "r", [1, 2])
+    g = b.serve_open(wire.Open(id=1, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0,
+                               length=arena_b.block_bytes, write=True))
+    assert not await b.settled(dst.tx_id, timeout=0.01)  # the store refuses the commit (busy)
+    b.serve_close(wire.Close(id=2, grant=g.grant, ok=True))
+    assert await b.settled(dst.tx_id, timeout=0)
+    # a peer that never closes: its grant ends after its ttl (injected clock), as failed
+    g = b.serve_open(wire.Open(id=3, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0,
+                               length=16, write=True, pid=0))
+    assert b.expire_grants(now=b.clock() + g.ttl_s - 0.001) == []
+    assert b.expire_grants(now=b.clock() + g.ttl_s) == [g.grant]
+    assert b.open_grants(dst.tx_id) == 0 and not b.fence.writing(dst.slots)
+    with pytest.raises(wire.WireError) as e:  # its late close is told it was fenced
+        b.serve_close(wire.Close(id=4, grant=g.grant, ok=True))
+    assert e.value.code == "fenced"
+    with pytest.raises(wire.WireError) as e:  # a write grant on slots the tx does not own
+        b.serve_open(wire.Open(id=5, tx=dst.tx_id, epoch=1, slots=[7], offset=0, length=16,
+                               write=True))
+    assert e.value.code == "forbidden"
+    with pytest.raises(wire.WireError) as e:
+        b.serve_open(wire.Open(id=6, tx=dst.tx_id, epoch=2, slots=dst.slots, offset=0,
+                               length=16, write=True))
+    assert e.value.code == "epoch"
