@@ -88,6 +88,7 @@ class Migration(Msg):
     dead_instance: str
     resumed_tokens: int  # generated tokens appended to the prompt
     prompt_tokens: int  # length of the original prompt
+    dead_request_id: str = ""  # the attempt that died (the client's id on a first migration)
 
 
 class GenerateRequest(Msg):

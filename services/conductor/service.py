@@ -253,6 +253,9 @@ class ConductorService:
         if req.migration is not None:  # a dead worker's request: services.conductor.migration
             preq, exclude = placement_for(preq, req.migration)
             metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()
+            # The dead attempt's books (a prefill death leaves it unsettled) go now.
+            self.pending.pop(req.migration.dead_request_id, None)
+            self.policy.release(req.migration.dead_request_id)
             log.info("migration", attempt=req.migration.attempt, reason=req.migration.reason,
                      dead=req.migration.dead_instance, of=req.migration.of_request_id)
         with tracer().start_as_current_span("conductor.place") as span:

@@ -106,6 +106,7 @@ def plan(
             dead_instance=dead_instance,
             resumed_tokens=k,
             prompt_tokens=len(original.prompt_token_ids),
+            dead_request_id=attempt_id(original.request_id, attempts),
         ),
     )
     return Resume(req, k)

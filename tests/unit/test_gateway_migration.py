@@ -55,7 +55,8 @@ def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
     assert r.block_hashes == block_hashes([*PROMPT, 7, 8, 9], BS)
     assert r.block_hashes[:2] == ORIGINAL.block_hashes
     assert r.migration == Migration(of_request_id="cmpl-1", attempt=1, reason="decode_died",
-                                    dead_instance="decode-0", resumed_tokens=3, prompt_tokens=10)
+                                    dead_instance="decode-0", resumed_tokens=3, prompt_tokens=10,
+                                    dead_request_id="cmpl-1")
 
 
 def test_prefill_death_before_the_first_token_resends_the_prompt_as_it_was():
@@ -68,6 +69,7 @@ def test_prefill_death_before_the_first_token_resends_the_prompt_as_it_was():
 def test_second_migration_counts_attempts():
     d = plan([7], attempts=1)
     assert d.request.request_id == "cmpl-1-m2" and d.request.migration.attempt == 2
+    assert d.request.migration.dead_request_id == "cmpl-1-m1"
 
 
 def test_nothing_is_resent_when_the_client_has_every_token():
@@ -229,3 +231,36 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     assert "(--migration-limit 1)" in err["message"]
     assert b.requests.empty()  # no third attempt
     await until(lambda: gw.router.in_flight == 0)
+
+
+# ---------------------------------------------------------------- the conductor service
+
+async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead_attempt(
+        nats_url):
+    from bus_schemas import subjects
+    from services.common import metrics
+    from tests.unit.test_conductor_service import HASHES, PROMPT, FakeStore, Harness
+
+    h = Harness(nats_url)
+    try:
+        await h.start([FakeStore(None, "np0", held=HASHES), FakeStore(None, "nd0"),
+                       FakeStore(None, "nd1")],
+                      prefills=[("prefill-0", "np0", 0.0)],
+                      decodes=[("decode-0", "nd0"), ("decode-1", "nd1")])
+        await h.schedule("r1")
+        dead = (await h.task()).decode_instance
+        assert set(h.svc.pending) == {"r1"}
+        before = metrics.sample(metrics.MIGRATIONS, reason="decode_died")
+        m = Migration(of_request_id="r1", attempt=1, reason="decode_died", dead_instance=dead,
+                      resumed_tokens=5, prompt_tokens=len(PROMPT), dead_request_id="r1")
+        again = GenerateRequest(request_id="r1-m1", prompt_token_ids=[*PROMPT, 1, 2, 3, 4, 5],
+                                reply_subject=h.inbox, migration=m)
+        await h.nc.publish(subjects.SCHEDULE, encode(again))
+        task = await h.task()
+        assert task.request.request_id == "r1-m1"
+        assert task.decode_instance != dead  # its last report is still fresh here
+        assert task.expected_hit_blocks == len(HASHES)  # the prompt's blocks on np0
+        assert set(h.svc.pending) == {"r1-m1"}  # the dead attempt's books are gone
+        assert metrics.sample(metrics.MIGRATIONS, reason="decode_died") == before + 1
+    finally:
+        await h.close()
