@@ -2,7 +2,7 @@
 
 Per request (times from the cost model, decisions from the real classes)::
 
-    arrival --dispatch_s--> AdmissionPolicy.decide --> Reject ("admission")
+    arrival --dispatch_s--> AdmissionPolicy.decide --> Rejection ("admission")
       --PlacementPolicy.place(PrefixIndex.match)--> Rejection ("conductor")
       --TxAllocate on the stores (BlockPool)--> refused: retry once without the failed
         instance/node, then reject ("conductor"), as services/conductor does
@@ -12,7 +12,7 @@ Per request (times from the cost model, decisions from the real classes)::
       --> KV landed: FirstTokenNotice (policy.prefill_done: first token at the compute's
           end, handed to decode now; TxCommit of the prefill and source transactions,
           events -> PrefixIndex)
-      --> baseline admission only: decode instance over its TBT SLO -> Reject ("decode"),
+      --> baseline admission only: decode instance over its TBT SLO -> Rejection ("decode"),
           the prefill was wasted (paper §4.3.2); else the first token goes out now
       --> continuous batching --> done: policy.release
 
@@ -47,19 +47,18 @@ from perigee.trace import TRACE_BLOCK, PromptBuilder, TraceRequest
 from services.admission.policy import (
     AdmissionPolicy,
     AdmissionRequest,
-    DecodeSideCheck,
-    Reject,
     make_admission_policy,
 )
 from services.common.cost_model import CostModel
+from services.common.rejection import Rejection
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.policy import (
     DEFAULT_BALANCING_THRESHOLD,
     Placement,
     PlacementPolicy,
     PlacementRequest,
-    Rejection,
 )
+from services.decode.side_check import DecodeSideCheck
 
 # What the live stack (perigee.stack, mock engine, one host) adds to the cost model,
 # measured by scripts/measure_live_overheads.py in the configuration of
@@ -290,7 +289,7 @@ class Simulator:
         self.refresh()
         areq = AdmissionRequest(req.rid, req.num_tokens, max_tokens=req.output_tokens)
         decision = self.admission.decide(areq)
-        if isinstance(decision, Reject):
+        if isinstance(decision, Rejection):
             self._reject(req, "admission", decision.reason)
             return
         self.admission.on_accepted(areq)

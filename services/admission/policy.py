@@ -12,8 +12,9 @@ Modes (``make_admission_policy(name, ...)``):
 - ``baseline`` (§4.3.2's strawman): accept everything here; the conductor still rejects
   a request whose predicted TTFT misses the SLO (Algorithm 1), and the decode instance
   rejects it *after its prefill* when taking it on would break the TBT SLO
-  (:class:`DecodeSideCheck`, wired into the decode worker with ``--tbt-gate-slo``;
-  the conductor then places with ``--tbt-check none``). That prefill was wasted.
+  (:class:`services.decode.side_check.DecodeSideCheck`, wired into the decode worker
+  with ``--tbt-gate-slo``; the conductor then places with ``--tbt-check none``). That
+  prefill was wasted.
 - ``early`` (§4.3.2 Early Rejection): accept only if both pools are under their SLO
   load, judged from the latest reports of live instances::
 
@@ -31,8 +32,7 @@ Modes (``make_admission_policy(name, ...)``):
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
@@ -42,6 +42,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.liveness import Liveness
+from services.common.rejection import Rejection, slo_share
 
 
 @dataclass(frozen=True)
@@ -59,14 +60,7 @@ class Accept:
     decode_load: float = 0.0
 
 
-@dataclass(frozen=True)
-class Reject:
-    code: ErrorCode  # REJECTED (429) or UNAVAILABLE (503)
-    reason: str
-    retry_after_s: float | None = None
-
-
-AdmissionDecision = Accept | Reject
+AdmissionDecision = Accept | Rejection
 
 
 class AdmissionPolicy(ABC):
@@ -136,7 +130,7 @@ class AdmissionPolicy(ABC):
         live = self.live_prefill()
         if not live:
             return None
-        return min(_over(p.queued_work_s, self.ttft_slo(req)) for p in live)
+        return min(slo_share(p.queued_work_s, self.ttft_slo(req)) for p in live)
 
     def decode_load(self, req: AdmissionRequest) -> float | None:
         """Least-loaded live decode instance's TBT with this request over the TBT SLO."""
@@ -145,7 +139,7 @@ class AdmissionPolicy(ABC):
             return None
         slo = self.tbt_slo(req)
         return min(
-            _over(
+            slo_share(
                 self.book.cost(d.instance).decode_tbt(
                     d.batch_size + d.waiting + 1, d.kv_tokens + req.num_tokens, d.max_batch
                 ),
@@ -172,19 +166,19 @@ class EarlyRejectionPolicy(AdmissionPolicy):
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         pl = self.prefill_load(req)
         if pl is None:
-            return Reject(ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s)
+            return Rejection(ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s)
         dl = self.decode_load(req)
         if dl is None:
-            return Reject(ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s)
+            return Rejection(ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s)
         if pl > self.max_load:
             excess = (pl - self.max_load) * self.ttft_slo(req)
-            return Reject(
+            return Rejection(
                 ErrorCode.REJECTED,
                 f"prefill pool overloaded (load {pl:.2f} > {self.max_load:g})",
                 max(self.min_retry_after_s, excess),
             )
         if dl > self.max_load:
-            return Reject(
+            return Rejection(
                 ErrorCode.REJECTED,
                 f"decode pool overloaded (load {dl:.2f} > {self.max_load:g})",
                 self.min_retry_after_s,
@@ -380,7 +374,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
 
     def prefill_load(self, req: AdmissionRequest) -> float | None:
         wait = self.prefill_wait()
-        return None if wait is None else _over(wait, self.ttft_slo(req))
+        return None if wait is None else slo_share(wait, self.ttft_slo(req))
 
     def decode_load(self, req: AdmissionRequest) -> float | None:
         live = self.live_decode()
@@ -391,7 +385,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         n = len(live)
         tbt = sum(self.book.cost(d.instance).decode_tbt(batch / n, ctx / n, d.max_batch)
                   for d in live) / n
-        return _over(tbt, self.tbt_slo(req))
+        return slo_share(tbt, self.tbt_slo(req))
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         self._gc(self.clock.now())
@@ -412,60 +406,6 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
     def forget(self, request_id: str) -> None:
         """The request ended early (rejected downstream, cancelled)."""
         self._drop(request_id)
-
-
-@dataclass
-class DecodeSideCheck:
-    """The baseline's rejection point: a decode instance about to take over a prefilled
-    request rejects it when its TBT with the request would exceed the TBT SLO::
-
-        tbt = cost.decode_tbt(batch + waiting + 1, kv_tokens + n, max_batch)
-        reject (429) iff tbt > tbt_slo * max_load
-
-    ``waiting`` counts requests already loading or queued on the instance (the
-    request itself excluded); past ``max_batch`` (0: no cap) the sequences take turns,
-    as placement and Early Rejection count them. Pure; the decode worker calls
-    :meth:`check` per task.
-    """
-
-    cost: CostModel
-    tbt_slo_s: float
-    max_load: float = 1.0
-    max_batch: int = 0  # the instance's running-batch cap (0: none)
-    rejected: int = field(default=0)
-
-    def check(
-        self,
-        batch_size: int,
-        waiting: int,
-        kv_tokens: int,
-        num_tokens: int,
-        tbt_slo_s: float | None = None,
-        max_batch: int | None = None,
-    ) -> Reject | None:
-        slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
-        cap = self.max_batch if max_batch is None else max_batch
-        tbt = self.cost.decode_tbt(batch_size + waiting + 1, kv_tokens + num_tokens, cap)
-        if _over(tbt, slo) <= self.max_load:
-            return None
-        self.rejected += 1
-        return Reject(
-            ErrorCode.REJECTED,
-            f"decode instance over its TBT SLO after prefill (predicted {tbt:.4f}s > {slo:g}s)",
-            1.0,
-        )
-
-    def as_admit_hook(self) -> Callable[[Any, Any, int], str | None]:
-        """The DecodeWorker ``admit`` hook: (task, engine stats, tasks loading) -> reason."""
-
-        def admit(task: Any, stats: Any, loading: int) -> str | None:
-            req = task.request
-            r = self.check(stats.batch_size, stats.waiting + loading, stats.kv_tokens,
-                           len(req.prompt_token_ids), req.tbt_slo_s,
-                           getattr(stats, "max_batch", None))
-            return None if r is None else r.reason
-
-        return admit
 
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
@@ -489,7 +429,3 @@ def make_admission_policy(
     return cls(clock, cost, **kw)
 
 
-def _over(value: float, slo: float) -> float:
-    if slo <= 0:
-        return 0.0 if value <= 0 else float("inf")
-    return value / slo

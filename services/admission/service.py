@@ -36,7 +36,6 @@ from bus_schemas.requests import Error, ErrorCode, GenerateRequest
 from services.admission.policy import (
     AdmissionPolicy,
     AdmissionRequest,
-    Reject,
     make_admission_policy,
 )
 from services.common import bus, metrics
@@ -45,6 +44,7 @@ from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
+from services.common.rejection import Rejection
 
 log = structlog.get_logger()
 
@@ -169,7 +169,7 @@ class AdmissionService:
                 tbt_slo_s=req.tbt_slo_s,
             )
             decision = self.policy.decide(areq)
-            if isinstance(decision, Reject):
+            if isinstance(decision, Rejection):
                 span.set_attribute("admission.decision", f"reject_{int(decision.code)}")
                 log.info("rejected", code=int(decision.code), reason=decision.reason)
                 await self._error(

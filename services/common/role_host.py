@@ -132,7 +132,7 @@ async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLay
     """The ``--switchable`` path of the prefill and decode entry points."""
     admit = None
     if getattr(args, "tbt_gate_slo", 0.0) > 0:
-        from services.admission.policy import DecodeSideCheck
+        from services.decode.side_check import DecodeSideCheck
 
         admit = DecodeSideCheck(cost, args.tbt_gate_slo,
                                 max_batch=getattr(args, "max_batch", 0)).as_admit_hook()

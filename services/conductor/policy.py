@@ -26,7 +26,7 @@ Decode: argmin over live decode instances of
 (past ``max_batch`` the sequences take turns, so a backlog counts as load).
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
-rejects at decode after the prefill: services.admission.policy.DecodeSideCheck).
+rejects at decode after the prefill: services.decode.side_check.DecodeSideCheck).
 
 Hot-spot migration (§4.2, Algorithm 1 lines 20-21): a placement with ``remote`` set
 makes the chosen instance pull blocks [first_block, first_block + num_blocks) from the
@@ -74,6 +74,7 @@ from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
 from services.common.liveness import Liveness
+from services.common.rejection import Rejection
 from services.conductor.balancing import AdaptiveThreshold
 
 STRATEGIES = ("global", "local", "load", "random")
@@ -134,13 +135,6 @@ class Placement:
     est_prefill_s: float
     est_tbt_s: float
     strategy: str
-
-
-@dataclass(frozen=True)
-class Rejection:
-    code: ErrorCode  # REJECTED (429) or UNAVAILABLE (503)
-    reason: str
-    retry_after_s: float | None = None
 
 
 Decision = Placement | Rejection

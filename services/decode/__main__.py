@@ -17,7 +17,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_worker(args, nc, store, engine, layout, cost) -> DecodeWorker:
     admit = None
     if args.tbt_gate_slo > 0:
-        from services.admission.policy import DecodeSideCheck
+        from services.decode.side_check import DecodeSideCheck
 
         admit = DecodeSideCheck(cost, args.tbt_gate_slo,
                                 max_batch=getattr(args, "max_batch", 0)).as_admit_hook()

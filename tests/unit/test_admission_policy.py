@@ -9,11 +9,11 @@ from services.admission.policy import (
     AdmissionRequest,
     BaselinePolicy,
     EarlyRejectionPolicy,
-    Reject,
     make_admission_policy,
 )
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
+from services.common.rejection import Rejection
 
 COST = CostModel()
 N = 500
@@ -46,9 +46,9 @@ def early(clock=None, **kw) -> EarlyRejectionPolicy:
 
 def test_no_live_instance_is_503():
     pol = early()
-    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live prefill instance", 1.0)
+    assert pol.decide(req()) == Rejection(ErrorCode.UNAVAILABLE, "no live prefill instance", 1.0)
     pol.observe_prefill(pload("p0", 0.0))
-    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live decode instance", 1.0)
+    assert pol.decide(req()) == Rejection(ErrorCode.UNAVAILABLE, "no live decode instance", 1.0)
 
 
 def test_accepts_when_both_pools_are_under_their_slo_load():
@@ -66,7 +66,7 @@ def test_prefill_pool_overloaded_is_429_with_the_excess_as_retry_after():
     pol.observe_prefill(pload("p1", 36.0))
     pol.observe_decode(dload("d0"))
     d = pol.decide(req())
-    assert isinstance(d, Reject) and d.code == ErrorCode.REJECTED
+    assert isinstance(d, Rejection) and d.code == ErrorCode.REJECTED
     assert "prefill" in d.reason
     assert d.retry_after_s == pytest.approx(6.0)
     # The least-loaded instance decides: one with room is enough.
@@ -81,7 +81,7 @@ def test_decode_pool_overloaded_is_429():
     kv = int(0.1 * COST.hbm_bw / COST.kv_bytes(1))
     pol.observe_decode(dload("d0", batch=10, kv=kv))
     d = pol.decide(req())
-    assert d == Reject(
+    assert d == Rejection(
         ErrorCode.REJECTED,
         f"decode pool overloaded (load {COST.decode_step_time(11, kv + N) / 0.1:.2f} > 1)",
         1.0,
@@ -94,7 +94,7 @@ def test_request_ttft_slo_overrides_the_default():
     pol = early()
     pol.observe_prefill(pload("p0", 45.0))
     pol.observe_decode(dload("d0"))
-    assert isinstance(pol.decide(req()), Reject)
+    assert isinstance(pol.decide(req()), Rejection)
     assert pol.decide(req(ttft_slo_s=90.0)) == Accept(prefill_load=0.5, decode_load=COST.decode_step_time(1, N) / 0.1)
 
 
@@ -138,7 +138,7 @@ def test_role_switch_drops_the_old_role_report_at_once():
     assert isinstance(pol.decide(req()), Accept)
     pol.forget_instance("prefill", "x")
     d = pol.decide(req())
-    assert isinstance(d, Reject) and d.code == ErrorCode.REJECTED and "prefill" in d.reason
+    assert isinstance(d, Rejection) and d.code == ErrorCode.REJECTED and "prefill" in d.reason
     assert [p.instance for p in pol.live_prefill()] == ["p0"]
     pol.observe_decode(dload("x"))  # reports in its new role count as usual
     assert [d.instance for d in pol.live_decode()] == ["d0", "x"]

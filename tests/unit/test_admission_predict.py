@@ -10,14 +10,14 @@ from bus_schemas.requests import ErrorCode
 from services.admission.policy import (
     Accept,
     AdmissionRequest,
-    DecodeSideCheck,
     EarlyRejectionPolicy,
     PredictiveRejectionPolicy,
-    Reject,
     make_admission_policy,
 )
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
+from services.common.rejection import Rejection
+from services.decode.side_check import DecodeSideCheck
 
 COST = CostModel()
 N = 500
@@ -123,7 +123,7 @@ def test_prediction_accepts_what_early_rejection_refuses_when_decode_will_have_d
         pol.observe_decode(dload("d0", batch=40, kv=800_000))
     assert COST.decode_step_time(41, 800_000 + N) > slo
     e = early.decide(req())
-    assert isinstance(e, Reject) and e.code == ErrorCode.REJECTED
+    assert isinstance(e, Rejection) and e.code == ErrorCode.REJECTED
     s = 1.0 - (8.0 + OWN) / TD
     p = pred.decide(req())
     assert p == Accept(prefill_load=8.0 / 30.0, decode_load=COST.decode_step_time(40 * s + 1, 800_000.0 * s + N) / slo)
@@ -144,14 +144,14 @@ def test_prediction_refuses_what_early_rejection_accepts_when_admitted_work_will
         pred.on_accepted(req(f"a{i}", n=4000))
     assert isinstance(early.decide(req()), Accept)
     d = pred.decide(req())
-    assert isinstance(d, Reject) and "decode pool overloaded" in d.reason
+    assert isinstance(d, Rejection) and "decode pool overloaded" in d.reason
 
 
 def test_predict_needs_live_instances_and_a_positive_td():
     pol = predict(ManualClock())
-    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live prefill instance", 1.0)
+    assert pol.decide(req()) == Rejection(ErrorCode.UNAVAILABLE, "no live prefill instance", 1.0)
     pol.observe_prefill(pload("p0", 0.0))
-    assert pol.decide(req()) == Reject(ErrorCode.UNAVAILABLE, "no live decode instance", 1.0)
+    assert pol.decide(req()) == Rejection(ErrorCode.UNAVAILABLE, "no live decode instance", 1.0)
     with pytest.raises(ValueError):
         PredictiveRejectionPolicy(ManualClock(), COST, decode_time_s=0.0)
 
@@ -170,7 +170,7 @@ def test_decode_side_check_rejects_over_the_tbt_slo():
     gate = DecodeSideCheck(COST, tbt_slo_s=slo)
     assert gate.check(batch_size=1, waiting=1, kv_tokens=1000, num_tokens=N) is None  # exactly at the SLO
     r = gate.check(batch_size=1, waiting=1, kv_tokens=1001, num_tokens=N)
-    assert isinstance(r, Reject) and r.code == ErrorCode.REJECTED and r.retry_after_s == 1.0
+    assert isinstance(r, Rejection) and r.code == ErrorCode.REJECTED and r.retry_after_s == 1.0
     assert "over its TBT SLO" in r.reason
     assert gate.check(1, 1, 1001, N, tbt_slo_s=1.0) is None  # the request's own SLO
     assert gate.rejected == 1
@@ -222,7 +222,7 @@ def test_decode_side_check_counts_turns_past_max_batch():
     slo = COST.decode_tbt(9, 9000 + N, 4)
     gate = DecodeSideCheck(COST, tbt_slo_s=slo, max_batch=4)
     assert gate.check(batch_size=4, waiting=4, kv_tokens=9000, num_tokens=N) is None  # at the SLO
-    assert isinstance(gate.check(4, 4, 9001, N), Reject)
+    assert isinstance(gate.check(4, 4, 9001, N), Rejection)
     # the plain step time of 9 sequences would have let it through
     assert COST.decode_step_time(9, 9001 + N) < slo
     assert gate.check(4, 4, 9001, N, max_batch=0) is None  # uncapped, per call

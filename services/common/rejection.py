@@ -1,0 +1,20 @@
+"""What every policy answers when a request cannot go on: admission at the door, the
+conductor at placement, a decode instance taking over a prefilled request."""
+
+from dataclasses import dataclass
+
+from bus_schemas.requests import ErrorCode
+
+
+@dataclass(frozen=True)
+class Rejection:
+    code: ErrorCode  # REJECTED (429, with Retry-After) or UNAVAILABLE (503)
+    reason: str
+    retry_after_s: float | None = None
+
+
+def slo_share(value: float, slo: float) -> float:
+    """``value`` as a share of ``slo``: above 1 misses it (an SLO of 0 only admits 0)."""
+    if slo <= 0:
+        return 0.0 if value <= 0 else float("inf")
+    return value / slo
