@@ -20,7 +20,7 @@ Modes (``make_admission_policy(name, ...)``):
 
       prefill load = min over live prefill i of  queued_work_s(i) / TTFT_SLO
       decode load  = min over live decode d of
-                     cost(d).decode_tbt(batch(d) + waiting(d) + 1, kv_tokens(d) + n, max_batch(d)) / TBT_SLO
+                     cost(d).tbt_joining(batch(d), waiting(d), kv_tokens(d), n, max_batch(d)) / TBT_SLO
       accept  iff  max(prefill load, decode load) <= max_load     (default 1.0)
 
   A role with no live instance rejects with 503.
@@ -140,8 +140,8 @@ class AdmissionPolicy(ABC):
         slo = self.tbt_slo(req)
         return min(
             slo_share(
-                self.book.cost(d.instance).decode_tbt(
-                    d.batch_size + d.waiting + 1, d.kv_tokens + req.num_tokens, d.max_batch
+                self.book.cost(d.instance).tbt_joining(
+                    d.batch_size, d.waiting, d.kv_tokens, req.num_tokens, d.max_batch
                 ),
                 slo,
             )

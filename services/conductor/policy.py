@@ -328,10 +328,14 @@ class PlacementPolicy:
     def predicted_tbt(self, instance: str, num_tokens: int) -> float:
         """Decode step time on ``instance`` once a request of ``num_tokens`` joins."""
         load = self._decode[instance]
-        pending = self._by_decode.get(instance, {})
-        batch = load.batch_size + load.waiting + len(pending) + 1
-        ctx = load.kv_tokens + sum(d.tokens for d in pending.values()) + num_tokens
-        return self._book.cost(instance).decode_tbt(batch, ctx, load.max_batch)
+        pending = self._by_decode.get(instance, {})  # placed here, not yet in its reports
+        return self._book.cost(instance).tbt_joining(
+            load.batch_size,
+            load.waiting + len(pending),
+            load.kv_tokens + sum(d.tokens for d in pending.values()),
+            num_tokens,
+            load.max_batch,
+        )
 
     def decode_occupancy(self, instance: str) -> float:
         """Fraction of ``instance``'s batch slots taken once one more request joins."""

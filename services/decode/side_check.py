@@ -15,7 +15,7 @@ class DecodeSideCheck:
     """A decode instance about to take over a prefilled request rejects it when its TBT
     with the request would exceed the TBT SLO::
 
-        tbt = cost.decode_tbt(batch + waiting + 1, kv_tokens + n, max_batch)
+        tbt = cost.tbt_joining(batch, waiting, kv_tokens, n, max_batch)
         reject (429) iff tbt > tbt_slo * max_load
 
     ``waiting`` counts requests already loading or queued on the instance (the
@@ -41,7 +41,7 @@ class DecodeSideCheck:
     ) -> Rejection | None:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         cap = self.max_batch if max_batch is None else max_batch
-        tbt = self.cost.decode_tbt(batch_size + waiting + 1, kv_tokens + num_tokens, cap)
+        tbt = self.cost.tbt_joining(batch_size, waiting, kv_tokens, num_tokens, cap)
         if slo_share(tbt, slo) <= self.max_load:
             return None
         self.rejected += 1

@@ -255,3 +255,11 @@ def test_decode_tbt_counts_a_backlog_past_max_batch():
     assert c.decode_tbt(100, 1000, max_batch=128) == c.decode_step_time(100, 1000)
     assert c.decode_tbt(256, 2000, max_batch=128) == 2 * c.decode_step_time(128, 1000)
     assert c.decode_tbt(300, 3000, max_batch=0) == c.decode_step_time(300, 3000)
+
+
+def test_tbt_joining_counts_the_request_and_everything_waiting():
+    from services.common.cost_model import CostModel
+
+    c = CostModel()
+    assert c.tbt_joining(10, 3, 5000, 700) == c.decode_tbt(14, 5700)
+    assert c.tbt_joining(127, 0, 1000, 24, max_batch=64) == 2 * c.decode_step_time(64, 512)
