@@ -182,8 +182,9 @@ class BlockPool(LowerTiers):
     def prefix_hits(self, block_hashes: list[int]) -> int:
         """How many leading blocks are on the node (no locking)."""
         n = 0
+        cached, lower = self._cached, self.lower
         for h in block_hashes:
-            if not self.on_node(h):
+            if h not in cached and not (lower and self.on_node(h)):
                 break
             n += 1
         return n
@@ -306,11 +307,12 @@ class BlockPool(LowerTiers):
                 h = tx.hashes[i] if i < len(tx.hashes) else None
                 self._tx_owned -= 1
                 if h is not None and keep and h not in self._cached:
-                    if not self.on_node(h):
+                    if not (self.lower and self.on_node(h)):
                         stored.append(h)
                     self._cached[h] = slot  # new, or the DRAM copy of a lower-tier block
                     newly.add(i)
-                    self._written(h)
+                    if self.lower or self._pins:
+                        self._written(h)
                 else:
                     if h is not None and keep:
                         self.counters["duplicate_blocks"] += 1

@@ -83,7 +83,12 @@ class LowerTiers:
     # ------------------------------------------------------------------ queries
 
     def on_node(self, h: int) -> bool:
-        return h in self._cached or any(h in t for t in self.lower)
+        if h in self._cached:
+            return True
+        for t in self.lower:  # a loop, not any(): this runs per block of every request
+            if h in t:
+                return True
+        return False
 
     def where(self, h: int) -> list[Tier]:
         out = [Tier.DRAM] if h in self._cached else []
@@ -177,7 +182,11 @@ class LowerTiers:
                 h = self._lru.victim()
                 slot = self._cached.pop(h)
                 self._free.append(slot)
-                self._demote(h, slot, removed)
+                if self.lower:
+                    self._demote(h, slot, removed)
+                else:  # no tier below: it leaves the node
+                    removed.append(h)
+                    self.counters["evictions"] += 1
                 continue
             ssd = self.ssd
             assert ssd is not None
