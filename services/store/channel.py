@@ -22,6 +22,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from services.common.errors import CodedError
 from services.store import wire
 
 log = structlog.get_logger()
@@ -33,11 +34,8 @@ def next_id() -> int:
     return next(_ids)
 
 
-class ChannelError(RuntimeError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+class ChannelError(CodedError, RuntimeError):
+    """A request to a peer store that failed (timeout, closed, the peer's ERR)."""
 
 
 def tune(sock: zmq.Socket) -> None:

@@ -26,6 +26,7 @@ from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import StoreInfo, TxHandle
 from bus_schemas.placement import RemotePrefix
+from services.common.errors import CodedError
 from services.store import wire
 from services.store.arena import Arena, ArenaError
 from services.store.channel import Channel, ChannelError, next_id
@@ -37,14 +38,9 @@ DEFAULT_OP_TIMEOUT_S = 10.0
 SECONDS_PER_BYTE = 1 / 50e6
 
 
-class TransferError(RuntimeError):
+class TransferError(CodedError, RuntimeError):
     """A ship or pull that did not complete. ``code``: timeout, closed, epoch, forbidden,
     bad_request, peer_<code>, wrong_node, ..."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class StoreClient:

@@ -23,16 +23,14 @@ from nats.aio.client import Client as NATS
 from bus_schemas import subjects
 from bus_schemas.control import ObjectDone, ObjectKey, ObjectReplicate, Refused, StoreInfo
 from services.common.bus import request
+from services.common.errors import CodedError
 from services.store import object_server, replicas, wire
 from services.store.channel import ChannelError, PeerPool, next_id
 from services.store.client import TransferError, fetch_info
 
 
-class ObjectError(RuntimeError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+class ObjectError(CodedError, RuntimeError):
+    """An object put or get that failed; ``code`` is the stable reason."""
 
 
 _KIND = {wire.ObjPut: wire.Kind.OBJ_PUT, wire.ObjGet: wire.Kind.OBJ_GET}

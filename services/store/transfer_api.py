@@ -27,15 +27,13 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
+from services.common.errors import CodedError
 from services.store import transport
 from services.store.transport.base import Opcode, Poll, Region, Request, Ticket, TransportError
 
 
-class TransferApiError(ValueError):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+class TransferApiError(CodedError, ValueError):
+    """A misuse of the batch API (unknown batch or region, a busy batch)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from services.common.errors import CodedError
+
 
 class Poll(IntEnum):
     """State of a request (SGLang's ``KVPoll`` shape: FAILED is 0, success is last)."""
@@ -45,13 +47,8 @@ class Opcode(IntEnum):
     WRITE = 1
 
 
-class TransportError(RuntimeError):
+class TransportError(CodedError, RuntimeError):
     """A transfer that did not complete; ``code`` is stable, ``message`` for people."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True)

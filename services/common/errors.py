@@ -1,0 +1,9 @@
+"""One shape for errors that carry a stable reason: ``code`` for programs (metrics
+labels, retries, error replies), ``message`` for people."""
+
+
+class CodedError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
