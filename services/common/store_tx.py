@@ -39,7 +39,7 @@ log = structlog.get_logger()
 
 
 @dataclass
-class Allocation:
+class AllocationRound:
     """Outcome of one round of TxAllocate, by role ("prefill", "decode", "source")."""
 
     handles: dict[str, tuple[str, TxHandle]] = field(default_factory=dict)  # role -> (node, handle)
@@ -55,12 +55,12 @@ class StoreTx:
         self.nc = nc
         self.timeout_s = timeout_s
 
-    async def allocate(self, jobs: dict[str, tuple[str, TxAllocate]]) -> Allocation:
+    async def allocate(self, jobs: dict[str, tuple[str, TxAllocate]]) -> AllocationRound:
         """Send every role's TxAllocate to its node at once; what each answered."""
         replies = await asyncio.gather(
             *(self._request(node, "tx.allocate", msg, TxReply) for node, msg in jobs.values())
         )
-        out = Allocation()
+        out = AllocationRound()
         for (role, (node, _)), rep in zip(jobs.items(), replies, strict=True):
             if isinstance(rep, TxHandle):
                 out.handles[role] = (node, rep)
@@ -87,7 +87,7 @@ class StoreTx:
         """Abort (node, tx_id) pairs in parallel."""
         await asyncio.gather(*(self.abort(node, tx, request_id, reason) for node, tx in txs))
 
-    async def abort_all(self, request_id: str, alloc: Allocation, reason: str) -> None:
+    async def abort_all(self, request_id: str, alloc: AllocationRound, reason: str) -> None:
         await self.abort_many(
             [(node, h.tx_id) for node, h in alloc.handles.values()], request_id, reason
         )

@@ -21,7 +21,7 @@ import structlog
 
 from bus_schemas.control import TxAllocate, TxHandle, TxRole
 from bus_schemas.placement import PrefillTask, RemotePrefix
-from services.common.store_tx import Allocation, LeaseKeeper, StoreTx
+from services.common.store_tx import AllocationRound, LeaseKeeper, StoreTx
 
 log = structlog.get_logger()
 
@@ -110,7 +110,7 @@ class StoreReserver:
     async def reserve(self, task: PrefillTask) -> Reservation:
         rid = task.request.request_id
         want = {"prefill", "decode"} | ({"source"} if task.source is not None else set())
-        got = Allocation()
+        got = AllocationRound()
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.wait_s
         waited = False
@@ -146,7 +146,7 @@ class StoreReserver:
             raise
         return await self._finish(task, got)
 
-    async def _finish(self, task: PrefillTask, got: Allocation) -> Reservation:
+    async def _finish(self, task: PrefillTask, got: AllocationRound) -> Reservation:
         rid = task.request.request_id
         ptx, dtx = got.handles["prefill"][1], got.handles["decode"][1]
         remote = None
@@ -170,7 +170,7 @@ class StoreReserver:
             self.leases.drop(node, tx_id)
         await self.tx.abort_many(r.txs(), task.request.request_id, reason)
 
-    async def _abort(self, got: Allocation, rid: str, reason: str) -> None:
+    async def _abort(self, got: AllocationRound, rid: str, reason: str) -> None:
         for node, h in got.handles.values():
             self.leases.drop(node, h.tx_id)
         await self.tx.abort_all(rid, got, reason)
