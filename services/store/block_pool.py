@@ -243,9 +243,9 @@ class BlockPool(LowerTiers):
     @operation
     def allocate(self, req: TxAllocate, tx_id: str | None = None) -> Allocation | Refused:
         """Open a transaction (see module doc); evictions it causes are queued events."""
-        tx_id = self._new_tx_id(req, tx_id)
-        if isinstance(tx_id, Refused):
-            return tx_id
+        new_id = self._new_tx_id(req, tx_id)
+        if isinstance(new_id, Refused):
+            return new_id
         hashes = list(req.block_hashes)
         if req.role == TxRole.SOURCE:
             for i, h in enumerate(hashes):
@@ -286,10 +286,10 @@ class BlockPool(LowerTiers):
         new = [self._free.popleft() for _ in range(need_new)]
         self._tx_owned += need_new
         slots = [self._cached[h] for h in hits] + new
-        self._open(req, tx_id, hashes, slots, hit, writable=frozenset(new))
+        self._open(req, new_id, hashes, slots, hit, writable=frozenset(new))
         self.counters["hit_blocks"] += hit if req.role != TxRole.SOURCE else 0
         self.counters["new_blocks"] += need_new
-        return Allocation(tx_id=tx_id, slots=slots, hit_blocks=hit)
+        return Allocation(tx_id=new_id, slots=slots, hit_blocks=hit)
 
     @operation
     def commit(self, tx_id: str, request_id: str = "") -> TxDone | Refused:
