@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import defaults
 from services.common.cost_fit import (
     DecodeSample,
     FittedCostModel,
@@ -309,7 +310,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", required=True, help="write the fitted cost model here")
     ap.add_argument("--samples-json", help="also write the raw samples here")
     ap.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
-    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     ap.add_argument("--speedup", type=float, default=1.0,
                     help="the profiled engine's speedup (in-process: the mock runs at it; live: "
                          "give the stack's --speedup); recorded as fitted_speedup")

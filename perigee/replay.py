@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from perigee.bench.stats import percentile
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, TraceRequest, load_trace
+from services.common import defaults
 
 
 @dataclass
@@ -173,8 +174,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--output-scale", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=4096)
-    p.add_argument("--ttft-slo", type=float, default=30.0)
-    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S)
+    p.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S)
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bus_schemas.requests import SamplingParams
+from services.common import defaults
 from services.common.calibration import OnlineFit
 from services.common.calibrator import Calibrator
 from services.common.cost_model import CostModel
@@ -126,7 +127,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=3072, help="longest prompt, tokens")
     p.add_argument("--model-dir", default=None, help="model directory (default: tiny-llama)")
     p.add_argument("--load-format", default=None, help="vllm: auto | dummy (default: auto-detect)")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     p.add_argument("--mock-speedup", type=float, default=1.0,
                    help="mock engine speed over the paper's A800 (the prior stays at 1)")
     p.add_argument("--seed", type=int, default=0)

@@ -11,6 +11,7 @@ import json
 import sys
 
 from perigee.trace import DEFAULT_TRACE, TRACE_BLOCK, load_trace
+from services.common import defaults
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 
 
@@ -38,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument("--block-size", type=int, default=TRACE_BLOCK,
                    help="tokens per block; a trace hash id is one block (lengths scaled)")
-    p.add_argument("--ttft-slo", type=float, default=30.0)
-    p.add_argument("--tbt-slo", type=float, default=0.1)
+    p.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S)
+    p.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S)
     p.add_argument("--max-batch", type=int, default=128, help="decode running batch limit")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (0: whole)")
     p.add_argument("--balancing-threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD)

@@ -49,6 +49,7 @@ from services.admission.policy import (
     AdmissionRequest,
     make_admission_policy,
 )
+from services.common import defaults
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor.balancing import AdaptiveThreshold
@@ -88,8 +89,8 @@ class SimConfig:
     decode_cache_tokens: int | None = None  # None: as prefill nodes; 0: decode nodes cache nothing
     block_size: int = TRACE_BLOCK
     speed: float = 1.0  # trace timestamps are divided by this
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
     max_batch: int = 128
     chunk_tokens: int = 0  # 0: a prompt's suffix in one chunk
     balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD

@@ -5,7 +5,7 @@ import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import bus, metrics, runner
+from services.common import bus, defaults, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from tracing import setup_tracing, shutdown_tracing
@@ -14,9 +14,9 @@ from tracing import setup_tracing, shutdown_tracing
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.admission", description=__doc__)
     ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
-    ap.add_argument("--block-size", type=int, default=32, help="tokens per KV block (hashes)")
-    ap.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
-    ap.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds")
+    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block (hashes)")
+    ap.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="TBT SLO, seconds")
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )

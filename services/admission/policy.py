@@ -38,6 +38,7 @@ from typing import Any
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
 from services.admission.time_index import TimeIndex
+from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
@@ -74,8 +75,8 @@ class AdmissionPolicy(ABC):
         clock: Clock,
         cost: CostModel,
         *,
-        ttft_slo_s: float = 30.0,
-        tbt_slo_s: float = 0.1,
+        ttft_slo_s: float = defaults.TTFT_SLO_S,
+        tbt_slo_s: float = defaults.TBT_SLO_S,
         dead_after_s: float = 2.0,
         max_load: float = 1.0,
         min_retry_after_s: float = 1.0,

@@ -38,7 +38,7 @@ from services.admission.policy import (
     AdmissionRequest,
     make_admission_policy,
 )
-from services.common import bus, metrics
+from services.common import bus, defaults, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
@@ -51,9 +51,9 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    block_size: int = 32
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
+    block_size: int = defaults.BLOCK_SIZE
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
     speedup: float = 1.0
     policy: str = "early"
     dead_after_s: float = 2.0

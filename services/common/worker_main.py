@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 
-from services.common import bus, metrics
+from services.common import bus, defaults, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
@@ -36,7 +36,7 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--node", default=node, help="node whose store this instance uses")
     p.add_argument("--engine", default="mock", choices=ENGINE_KINDS)
     p.add_argument("--model-dir", default=None, help="model directory with config.json")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per KV block")
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block")
     p.add_argument("--speedup", type=float, default=1.0,
                    help="divide cost-model times by this (inf: no compute time)")
     p.add_argument("--report-interval", type=float, default=0.1, help="seconds between load reports")

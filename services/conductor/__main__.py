@@ -5,7 +5,7 @@ import sys
 
 import structlog
 
-from services.common import bus, metrics, runner
+from services.common import bus, defaults, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
@@ -30,9 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.conductor", description=__doc__)
     ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     ap.add_argument("--id", default="conductor-0", help="conductor id (its events subject)")
-    ap.add_argument("--block-size", type=int, default=32, help="tokens per KV block")
-    ap.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
-    ap.add_argument("--tbt-slo", type=float, default=0.1, help="TBT SLO, seconds")
+    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block")
+    ap.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO, seconds")
+    ap.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="TBT SLO, seconds")
     ap.add_argument(
         "--balancing-threshold",
         type=_threshold,

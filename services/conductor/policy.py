@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode, GenerateRequest
+from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
@@ -213,8 +214,8 @@ class TtftFeedback:
 class PlacementPolicy:
     clock: Clock
     cost: CostModel
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
     balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
     strategy: str = "global"
     dead_after_s: float = 2.0

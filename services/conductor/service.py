@@ -48,7 +48,7 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus, metrics
+from services.common import bus, defaults, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
@@ -75,9 +75,9 @@ log = structlog.get_logger()
 @dataclass(frozen=True)
 class ConductorConfig:
     conductor_id: str = "conductor-0"
-    block_size: int = 32
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 0.1
+    block_size: int = defaults.BLOCK_SIZE
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
     balancing_threshold: float = 2.0
     speedup: float = 1.0
     dead_after_s: float = 2.0

@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.common import runner
+from services.common import defaults, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR
@@ -27,7 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-dir", default=None, help="tokenizer + config.json (default models/tiny-llama)")
     ap.add_argument("--served-model-name", default=None,
                     help="the model's name in the API (default: the model directory's name)")
-    ap.add_argument("--block-size", type=int, default=32, help="tokens per hashed KV block")
+    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per hashed KV block")
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
     ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     ap.add_argument("--max-model-len", type=int, default=None, help="default: config.json")

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry import trace
 
 from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
-from services.common import metrics
+from services.common import defaults, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
@@ -65,7 +65,7 @@ class GatewayConfig:
     port: int = 8000
     model_dir: str | None = None
     served_model_name: str = "tiny-llama"
-    block_size: int = 32
+    block_size: int = defaults.BLOCK_SIZE
     max_prompt_tokens: int = 8192
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20

@@ -6,7 +6,7 @@ import sys
 
 import structlog
 
-from services.common import metrics, runner
+from services.common import defaults, metrics, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
@@ -18,7 +18,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.store", description=__doc__)
     p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     p.add_argument("--node", required=True, help="node id (store subjects, kv events)")
-    p.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per block")
     p.add_argument("--block-bytes", type=int, default=131072, help="bytes per block slot")
     p.add_argument("--capacity-blocks", type=int, default=2048, help="slots in the arena")
     p.add_argument("--host", default="127.0.0.1", help="address the data plane binds")

@@ -72,6 +72,7 @@ from bus_schemas.control import (
 )
 from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
+from services.common import defaults
 from services.common.bus import Subscriptions, publish
 from services.common.clock import Clock, WallClock
 from services.store import tiering
@@ -92,7 +93,7 @@ class StoreService:
         nc: NATS,
         *,
         node: str,
-        block_size: int = 32,
+        block_size: int = defaults.BLOCK_SIZE,
         block_bytes: int = 131072,
         capacity_blocks: int = 2048,
         host: str = "127.0.0.1",
