@@ -112,19 +112,19 @@ class PerigeeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.bridge = lookup(extra.get("registry_key"))
-        self.bs = vllm_config.cache_config.block_size
-        self.hbs = self.bridge.hash_block_size
-        if self.hbs % self.bs:
+        self.vllm_block_tokens = vllm_config.cache_config.block_size
+        self.store_block_tokens = self.bridge.hash_block_size
+        if self.store_block_tokens % self.vllm_block_tokens:
             raise ValueError(
-                f"vLLM block_size {self.bs} must divide perigee's hash block size "
-                f"{self.hbs} (--block-size); choose a vLLM block size that divides it"
+                f"vLLM block_size {self.vllm_block_tokens} must divide perigee's hash block size "
+                f"{self.store_block_tokens} (--block-size); choose a vLLM block size that divides it"
             )
-        self.ratio = self.hbs // self.bs
+        self.vllm_blocks_per_block = self.store_block_tokens // self.vllm_block_tokens
         self._reqs: dict[str, _Req] = {}  # scheduler side, by vLLM request id
         # worker side
         self._kv: dict[str, torch.Tensor] = {}
         self._layer_of: dict[str, int] = {}
-        self._lb = 0  # bytes of one vLLM block of one layer
+        self._layer_block_bytes = 0  # bytes of one vLLM block of one layer
         self._loads: list[Copy] = []
         self._layers_loaded: set[str] = set()
         self._handoffs: list[tuple[str, Future]] = []
@@ -167,8 +167,13 @@ class PerigeeConnector(KVConnectorBase_V1):
             raise AssertionError(f"load {st.load_range} vs {num_external_tokens} external tokens")
         ids = blocks.get_block_ids()[0]  # every block of the request, index = block position
         st.pending_load = [
-            Copy(ids[i], st.plan.key, *divmod(i, self.ratio), eager=(i == end // self.bs))
-            for i in range(start // self.bs, -(-end // self.bs))
+            Copy(
+                ids[i],
+                st.plan.key,
+                *divmod(i, self.vllm_blocks_per_block),
+                eager=(i == end // self.vllm_block_tokens),
+            )
+            for i in range(start // self.vllm_block_tokens, -(-end // self.vllm_block_tokens))
         ]
         st.plan.consumed = True  # the slots may be gone once the request is running
         st.plan.loaded_tokens += num_external_tokens
@@ -176,27 +181,30 @@ class PerigeeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = PerigeeMeta()
-        so = scheduler_output
-        for nr in so.scheduled_new_reqs:
+        sched = scheduler_output
+        for nr in sched.scheduled_new_reqs:
             st = self._reqs.get(nr.req_id)
             if st is None:
                 continue
             st.block_ids = list(nr.block_ids[0])
             self._take_loads(st, meta)
-            self._plan_saves(st, nr.num_computed_tokens, so.num_scheduled_tokens[nr.req_id], meta)
-        cr = so.scheduled_cached_reqs
-        for i, rid in enumerate(cr.req_ids):
+            self._plan_saves(
+                st, nr.num_computed_tokens, sched.num_scheduled_tokens[nr.req_id], meta
+            )
+        cached = sched.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
             if st is None:
                 continue
-            nb = cr.new_block_ids[i]
-            if rid in cr.resumed_req_ids:  # preempted and back: block list replaced
-                st.block_ids = list(nb[0]) if nb else []
-            elif nb:
-                st.block_ids.extend(nb[0])
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:  # preempted and back: block list replaced
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
             self._take_loads(st, meta)
-            self._plan_saves(st, cr.num_computed_tokens[i], so.num_scheduled_tokens.get(rid, 0),
-                             meta)
+            self._plan_saves(
+                st, cached.num_computed_tokens[i], sched.num_scheduled_tokens.get(rid, 0), meta
+            )
         return meta
 
     def _take_loads(self, st: _Req, meta: PerigeeMeta) -> None:
@@ -210,9 +218,11 @@ class PerigeeConnector(KVConnectorBase_V1):
         plan.computed_prompt_tokens += max(0, min(after, st.num_prompt) - before)
         if plan.save_from is not None:
             end = min(after, plan.save_tokens)
-            first = max(before // self.bs, plan.save_from * self.ratio)
-            for i in range(first, -(-end // self.bs)):
-                j, sub = divmod(i, self.ratio)
+            first = max(
+                before // self.vllm_block_tokens, plan.save_from * self.vllm_blocks_per_block
+            )
+            for i in range(first, -(-end // self.vllm_block_tokens)):
+                j, sub = divmod(i, self.vllm_blocks_per_block)
                 meta.saves.append(Copy(st.block_ids[i], plan.key, j, sub))
                 plan.saved_blocks.add(j)
         if plan.on_layer is not None and not st.shipped and after >= plan.save_tokens:
@@ -225,12 +235,14 @@ class PerigeeConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        p = st.plan
-        return False, {"perigee": {
-            "loaded_tokens": p.loaded_tokens,
-            "computed_prompt_tokens": p.computed_prompt_tokens,
-            "saved_blocks": len(p.saved_blocks),
-        }}
+        plan = st.plan
+        return False, {
+            "perigee": {
+                "loaded_tokens": plan.loaded_tokens,
+                "computed_prompt_tokens": plan.computed_prompt_tokens,
+                "saved_blocks": len(plan.saved_blocks),
+            }
+        }
 
     # ------------------------------------------------------------------ worker side
 
@@ -239,16 +251,16 @@ class PerigeeConnector(KVConnectorBase_V1):
         order = sorted(kv_caches, key=layer_index)
         self._layer_of = {name: i for i, name in enumerate(order)}
         page = next(iter(kv_caches.values()))[0]  # one block of one layer
-        self._lb = page.numel() * page.element_size()
-        need = len(order) * self.ratio * self._lb
+        self._layer_block_bytes = page.numel() * page.element_size()
+        need = len(order) * self.vllm_blocks_per_block * self._layer_block_bytes
         if need != self.bridge.block_bytes:
             raise ValueError(
-                f"vLLM holds {self._lb} bytes per block per layer ({len(order)} layers, "
-                f"{self.ratio} vLLM blocks per perigee block: {need} bytes per perigee "
+                f"vLLM holds {self._layer_block_bytes} bytes per block per layer ({len(order)} layers, "
+                f"{self.vllm_blocks_per_block} vLLM blocks per perigee block: {need} bytes per perigee "
                 f"block), but the store's blocks are {self.bridge.block_bytes} bytes; start "
                 f"the stores with --block-bytes {need}"
             )
-        self.bridge.layer_block_bytes = self._lb
+        self.bridge.layer_block_bytes = self._layer_block_bytes
 
     def _page(self, c: Copy, layer: int, like: torch.Tensor) -> torch.Tensor | None:
         plan = self.bridge.get(c.key)
@@ -257,8 +269,8 @@ class PerigeeConnector(KVConnectorBase_V1):
         raw = plan.tensors.get(c.block)
         if raw is None:
             raw = plan.tensors[c.block] = torch.frombuffer(plan.slots[c.block], dtype=torch.uint8)
-        off = (layer * self.ratio + c.sub) * self._lb
-        return raw[off : off + self._lb].view(like.dtype).view(like.shape)
+        off = (layer * self.vllm_blocks_per_block + c.sub) * self._layer_block_bytes
+        return raw[off : off + self._layer_block_bytes].view(like.dtype).view(like.shape)
 
     def _guard(self, key: str, err: BaseException) -> None:
         self.bridge.counters["connector_errors"] += 1
@@ -296,8 +308,9 @@ class PerigeeConnector(KVConnectorBase_V1):
         for c in self._loads:
             self._load(c, layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PerigeeMeta)
         layer = self._layer_of[layer_name]
@@ -342,7 +355,9 @@ class PerigeeConnector(KVConnectorBase_V1):
                 self._guard(key, err)
             else:
                 self.bridge.counters["connector_layers_shipped"] += 1
-        self.bridge.counters["connector_blocks_saved"] += len({(c.key, c.block) for c in meta.saves})
+        self.bridge.counters["connector_blocks_saved"] += len(
+            {(c.key, c.block) for c in meta.saves}
+        )
         for key in meta.loaded:
             plan = self.bridge.get(key)
             if plan is not None:
