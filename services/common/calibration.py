@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from itertools import combinations
+from typing import Any
 
 import numpy as np
 
@@ -177,7 +178,7 @@ def decode_poly(d: Sequence[float]) -> Poly2D:
 
 
 def model_from(prior: CostModel, prefill: Sequence[float] | None,
-               decode: Sequence[float] | None, meta: dict | None = None) -> CostModel:
+               decode: Sequence[float] | None, meta: dict[str, Any] | None = None) -> CostModel:
     """``prior`` with its prefill and/or decode times replaced by the fitted form, in
     measured seconds (transfer times and KV sizes stay the prior's)."""
     if prefill is None and decode is None:
@@ -298,7 +299,7 @@ class CalibrationBook:
         self._coef[instance] = new
         self._models[instance] = model_from(self.prior, new[0], new[1])
 
-    def observe_fit(self, instance: str, fit) -> None:
+    def observe_fit(self, instance: str, fit: Any) -> None:
         """From a load report's ``fit`` (bus_schemas.load.CostFit or None)."""
         if fit is not None:
             self.observe(instance, fit.prefill, fit.decode)

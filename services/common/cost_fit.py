@@ -134,11 +134,13 @@ def fit_poly2d(
     return poly, stats
 
 
-def fit_prefill(samples: Iterable[PrefillSample], degree: int = 2) -> tuple[Poly2D, dict]:
+def fit_prefill(
+    samples: Iterable[PrefillSample], degree: int = 2
+) -> tuple[Poly2D, dict[str, Any]]:
     return fit_poly2d(((s.n, s.p, s.seconds) for s in samples), monomials(degree))
 
 
-def fit_decode(samples: Iterable[DecodeSample]) -> tuple[Poly2D, dict]:
+def fit_decode(samples: Iterable[DecodeSample]) -> tuple[Poly2D, dict[str, Any]]:
     """``c0 + c1*batch + c2*context`` (the memory-bound model plus a per-sequence term)."""
     return fit_poly2d(((s.batch, s.context, s.seconds) for s in samples), monomials(1))
 

@@ -53,7 +53,7 @@ class CostModel:
         prefix = min(max(prefix, 0), n)
         return self._scale((self.prefill_flops(n) - self.prefill_flops(prefix)) / self.gpu_flops)
 
-    def kv_bytes(self, tokens: int) -> float:
+    def kv_bytes(self, tokens: float) -> float:
         return tokens * self.layers * (2 * self.d / self.gqa) * self.elem_bytes
 
     def load_bw(self) -> float:

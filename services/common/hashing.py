@@ -13,7 +13,7 @@ NONE_HASH_SEED = b"perigee-none-hash-v1"
 NONE_HASH = int.from_bytes(hashlib.blake2b(NONE_HASH_SEED, digest_size=8).digest(), "little")
 
 
-def hash_block(parent: int | None, tokens: Sequence[int], extra: bytes = b"") -> int:
+def hash_block(parent: int | None, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update((NONE_HASH if parent is None else parent).to_bytes(8, "little"))
     h.update(np.asarray(tokens, dtype=np.int64).tobytes())

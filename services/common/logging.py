@@ -23,4 +23,5 @@ def configure(service: str, level: str = "INFO", json: bool = True) -> structlog
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
-    return structlog.get_logger()
+    log: structlog.stdlib.BoundLogger = structlog.get_logger()
+    return log

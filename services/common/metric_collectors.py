@@ -28,7 +28,7 @@ def _labelled(family: Any, name: str, doc: str, label: str, values: dict[str, fl
     m = family(P + name, doc, labels=[label])
     for k, v in values.items():
         m.add_metric([k], v)
-    return m
+    return m  # type: ignore[no-any-return]  # family is one of prometheus_client's *MetricFamily
 
 
 def _counters(prefix: str, counters: dict[str, int], skip: Iterable[str] = ()) -> list[Metric]:

@@ -75,7 +75,7 @@ from services.common.metric_collectors import (  # noqa: F401 - part of this mod
     worker_collector,
 )
 
-prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM: no *_created series
 
 REGISTRY = CollectorRegistry()
 prometheus_client.ProcessCollector(registry=REGISTRY)  # process_cpu_seconds, memory, fds
@@ -97,7 +97,8 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's build_1_2_5_buckets)."""
-    out, m = [], 1
+    out: list[int] = []
+    m = 1
     while True:
         for k in (1, 2, 5):
             if k * m > limit:
@@ -306,7 +307,7 @@ def sample(metric: Any, name: str | None = None, **labels: str) -> float:
         want = name or (family.name + "_total" if family.type == "counter" else family.name)
         for s in family.samples:
             if s.name == want and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
+                return float(s.value)
     return 0.0
 
 

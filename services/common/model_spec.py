@@ -8,6 +8,7 @@ exactly this size.
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float": 4, "half": 2}
 
@@ -50,7 +51,7 @@ class ModelSpec:
         return block_size * self.kv_bytes_per_token_layer
 
     @classmethod
-    def from_config(cls, cfg: dict, name: str = "", dtype: str | None = None) -> "ModelSpec":
+    def from_config(cls, cfg: dict[str, Any], name: str = "", dtype: str | None = None) -> "ModelSpec":
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos_ids = _ids(cfg.get("eos_token_id"))

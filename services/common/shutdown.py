@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 import structlog
 
@@ -40,7 +41,7 @@ class StopEvent(asyncio.Event):
 
     serving = False
 
-    def wait(self):  # not ``async``: serving from the call, not from the first await
+    def wait(self) -> Any:  # not ``async``: serving from the call, not from the first await
         self.serving = True
         return super().wait()
 

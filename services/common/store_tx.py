@@ -121,7 +121,7 @@ class LeaseKeeper:
         self._held: dict[tuple[str, str], str] = {}  # (node, tx_id) -> request id
         self._expires: dict[tuple[str, str], float] = {}
         self.lost: set[tuple[str, str]] = set()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     def hold(self, request_id: str, node: str, handle: TxHandle) -> None:
         key = (node, handle.tx_id)

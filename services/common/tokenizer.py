@@ -123,8 +123,9 @@ class Tokenizer:
         self._table: list[bytes] = table
         self.special_ids = frozenset(vocab[t] for t in special if t in vocab)
         alias = {b: c for c, b in byte_of.items()}
-        self._byte_ids = [hf.token_to_id(alias[b]) for b in range(256)]
-        self._jinja = None
+        # A byte-level BPE vocabulary has a token per byte (None: this one lacks it).
+        self._byte_ids: list[int | None] = [hf.token_to_id(alias[b]) for b in range(256)]
+        self._jinja: Any = None
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
@@ -154,7 +155,8 @@ class Tokenizer:
             except UnicodeDecodeError as e:
                 if e.start:
                     ids += self.encode(data[i : i + e.start].decode("utf-8"), add_bos=False)
-                ids += [self._byte_ids[b] for b in data[i + e.start : i + e.end]]
+                raw = (self._byte_ids[b] for b in data[i + e.start : i + e.end])
+                ids += [t for t in raw if t is not None]
                 i += e.end
         return ids
 
@@ -184,11 +186,12 @@ class Tokenizer:
             return render_chat(messages, add_generation_prompt, self.bos_token, self.eos_token)
         if self._jinja is None:
             self._jinja = compile_chat_template(self.chat_template)
-        return self._jinja.render(
+        text: str = self._jinja.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             **self._template_tokens,
         )
+        return text
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -226,5 +229,5 @@ def compile_chat_template(source: str) -> Any:
 
 def _token_str(tok: Any) -> str | None:
     if isinstance(tok, dict):
-        return tok.get("content")
-    return tok
+        tok = tok.get("content")
+    return tok if isinstance(tok, str) else None

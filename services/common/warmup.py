@@ -67,6 +67,8 @@ async def warm_prefill(engine: Engine, layout: KVLayout, calib: Calibrator, coun
         await _prefill(engine, layout, calib, f"perigee-calibrate-{k}", prompt, 0, slots)
         if kept is None or n > len(kept[0]):
             kept = (prompt, slots)
+    if kept is None:  # no lengths to run
+        return
     prompt, slots = kept
     p = (len(prompt) // 2) // bs * bs
     n = min(cap, len(prompt) + 256)

@@ -49,7 +49,7 @@ class WorkerBase:
         self._last_task = self.clock.now()
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._stats_sub: Any = None
-        self._reporter: asyncio.Task | None = None
+        self._reporter: asyncio.Task[None] | None = None
 
     # -- to implement --
     def load_report(self) -> Any:
@@ -84,7 +84,7 @@ class WorkerBase:
     def stats_counters(self) -> dict[str, int]:
         # An engine may add its own counters (the vllm engine: tokens vLLM computed,
         # KV loaded/saved by its connector).
-        extra = getattr(self.engine, "counters_snapshot", dict)()  # type: ignore[attr-defined]
+        extra: dict[str, int] = getattr(self.engine, "counters_snapshot", dict)()  # type: ignore[attr-defined]
         return {**extra, **self.counters}
 
     # -- shared lifecycle --
