@@ -47,6 +47,8 @@ from perigee.stack import Stack, StackConfig
 from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
 
+DECODES = ("decode-0", "decode-1")
+
 
 class Tap:
     """When each GenerateRequest and each request's first Tokens crossed the bus."""
@@ -160,8 +162,10 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=600)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as http:
+            pulled = recomputed = migrated = 0
             for trial in range(a.trials):
                 prompt = [rng.randrange(100, vocab - 100) for _ in range(a.prompt_tokens)]
+                before = {d: await stats(nc, d) for d in DECODES}
                 killed: dict[str, float] = {}
 
                 async def on_token(rid: str, killed: dict[str, float] = killed) -> None:
@@ -178,6 +182,16 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                     if not killed:
                         continue
                 [(name, t_kill)] = killed.items()
+                # The survivor counts what the migrated request took (the killed
+                # instance's counters die with it).
+                for d in DECODES:
+                    if d != name:
+                        st = await stats(nc, d)
+                        migrated += st.get("migrated_tasks", 0) - before[d].get("migrated_tasks", 0)
+                        pulled += (st.get("migration_kv_tokens_pulled", 0)
+                                   - before[d].get("migration_kv_tokens_pulled", 0))
+                        recomputed += (st.get("migration_tokens_recomputed", 0)
+                                       - before[d].get("migration_tokens_recomputed", 0))
                 mig = [(t, r) for t, r in tap.requests.values()
                        if r.migration and r.migration.of_request_id == rid]
                 if mig:
@@ -199,12 +213,6 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                           f"{cold * 1e3:.1f} ms", flush=True)
                 stack._spawn(stack.children[name])  # back for the next trial
                 await wait_reporting(nc, name, a.restart_timeout)
-            pulled = recomputed = migrated = 0
-            for d in ("decode-0", "decode-1"):
-                st = await stats(nc, d)
-                migrated += st.get("migrated_tasks", 0)
-                pulled += st.get("migration_kv_tokens_pulled", 0)
-                recomputed += st.get("migration_tokens_recomputed", 0)
     finally:
         await nc.close()
         await tap.nc.close()
