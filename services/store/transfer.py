@@ -12,9 +12,9 @@ Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames)
             are discarded, the slots are reused only now that nothing moves into them).
       SHIP / PULL (from a local worker): run as their own task:
             SHIP  hold our source slots (a read grant on our fence), OPEN a write grant
-                  on the peer, WRITE the spans into its arena, CLOSE; OK once the peer
-                  said its slots stayed live (over TCP its receiver says so with each
-                  write's ack, and the CLOSE goes out without being waited for).
+                  on the peer, WRITE the spans into its arena, CLOSE; OK once the bytes
+                  are in (over TCP the peer's receiver acked each write after checking
+                  its slots were live); the CLOSE goes out without being waited for.
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
             A ship or pull whose other end is this very store is a local memcpy.
@@ -56,6 +56,9 @@ log = structlog.get_logger()
 TRANSPORTS = ("rdma", "shm", "tcp")  # preference order
 # Transfers get ``peer_timeout_s`` plus this much time per byte (a floor of 50 MB/s).
 SECONDS_PER_BYTE = 1 / 50e6
+# A shared-memory copy up to this size runs on the event loop (a few ms at most); a
+# bigger one on a transfer thread, so the store keeps answering meanwhile.
+SHM_ON_LOOP_MAX = 64 << 20
 
 
 @dataclass
@@ -415,16 +418,22 @@ class DataPlane:
             # Copies into a same-host peer's memory must not start once its grant may
             # have expired: the peer gives us ttl_s from when it got our OPEN.
             latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
-            err, mine_ok = await asyncio.get_running_loop().run_in_executor(
-                self._threads, self._run, name, reqs, timeout, latest, lambda: self.fence.close(mine))
+            args = (name, reqs, timeout, latest, lambda: self.fence.close(mine))
+            if name == "shm" and nbytes <= SHM_ON_LOOP_MAX:
+                err, mine_ok = self._run(*args)  # one memcpy: cheaper than two thread hops
+            else:
+                err, mine_ok = await asyncio.get_running_loop().run_in_executor(self._threads,
+                                                                                 self._run, *args)
         except wire.WireError as e:
             err = (e.code, str(e))
             mine_ok = self.fence.close(mine)
         ok = err is None and mine_ok is True
         close = wire.Close(id=next_id(), grant=granted.grant, ok=ok, nbytes=nbytes if ok else 0)
-        if ok and name == "tcp" and opcode == Opcode.WRITE:
-            # The peer's receiver already checked every write against its fence as it
-            # landed (an ack means the slots were live): the close only ends the grant.
+        if ok and opcode == Opcode.WRITE:
+            # Our bytes are in: over TCP the peer's receiver checked each write against its
+            # fence as it landed; over shm/RDMA the grant holds the slots (parked if the
+            # transaction ended meanwhile) until this close, whose verdict only the peer
+            # needs (a fenced grant is counted there, and its transaction is gone).
             self._spawn(self._close_later(peer, close, timeout))
         else:
             try:
@@ -512,7 +521,7 @@ class DataPlane:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.peers.aclose()
         self.sock.close(linger=0)
-        self._threads.shutdown(wait=True, cancel_futures=True)
+        self._threads.shutdown(wait=False, cancel_futures=True)  # a stuck peer must not hold up exit
         for name, engine in self.engines.items():
             engine.unregister_local_memory(self.regions[name])
             engine.close()

@@ -139,9 +139,14 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     assert batch.events == [BlockStored(block_hashes=hashes)]
     page = await request(nc, subjects.store_ctl("sa", "dump"), DumpRequest(), DumpPage)
     assert (page.block_hashes, page.seq, page.next_cursor) == (hashes, 1, None)
+    # the destination's commit waits for the ships' grants to close (their CLOSE is not
+    # waited for by the sender), so its counters are final once it answered
+    assert await commit(nc, "sb", dst) == TxDone(tx_id=dst.tx_id, stored_blocks=3)
     stats = await request(nc, subjects.worker_stats("store", "sb"), {}, WorkerStats)
     assert stats.role == "store"
     assert stats.counters["blocks_written_remote"] == 8  # 2 layers x 4 blocks
+    sent = await request(nc, subjects.worker_stats("store", "sa"), {}, WorkerStats)
+    assert sent.counters["shm_bytes"] >= 8 * LAYER  # same host: through shared memory
     await events.unsubscribe()
 
 
