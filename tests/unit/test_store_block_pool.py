@@ -1,7 +1,7 @@
 """BlockPool by hand: exact slots, exact eviction order, exact events."""
 
 from bus_schemas.control import Refused, TxAllocate, TxDone, TxRole
-from bus_schemas.kv_events import BlockRemoved, BlockStored
+from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
 from services.store.block_pool import Allocation, BlockPool
@@ -251,3 +251,34 @@ def test_stats_account_for_every_slot():
     s = pool.stats()
     assert s["free_blocks"] + s["cached_blocks"] + s["tx_owned_blocks"] == s["capacity_blocks"] == 8
     assert (s["cached_blocks"], s["tx_owned_blocks"], s["locked_blocks"], s["open_txs"]) == (2, 1, 1, 1)
+
+
+def test_each_operation_hands_its_owner_one_batch_of_its_own_events():
+    pool = make_pool(capacity=2, block_size=1)
+    batches: list[list] = []
+    pool.on_change = lambda: batches.append(pool.take_events())
+    a = pool.allocate(req([1], 1))
+    pool.commit(a.tx_id)
+    b = pool.allocate(req([2], 1))
+    pool.commit(b.tx_id)
+    c = pool.allocate(req([3], 1))  # the pool is full: 1 (LRU) leaves the node
+    pool.abort(c.tx_id)
+    pool.expire()
+    assert pool.remove([2, 9]) == ([2], [])
+    assert pool.clear() == []  # nothing left to drop
+    assert batches == [
+        [], [BlockStored(block_hashes=[1])], [], [BlockStored(block_hashes=[2])],
+        [BlockRemoved(block_hashes=[1])], [], [], [BlockRemoved(block_hashes=[2])],
+        [AllBlocksCleared()],
+    ]
+    pool.renew("nope", 1.0)  # reads and renewals are not operations: no call
+    assert len(batches) == 9 and pool.take_events() == []
+
+
+def test_a_pool_without_event_readers_queues_none():
+    pool = BlockPool(2, 1, ManualClock(), kv_events=False)
+    for h in (1, 2, 3):
+        a = pool.allocate(req([h], 1))
+        assert isinstance(a, Allocation)
+        pool.commit(a.tx_id)
+    assert pool.take_events() == [] and pool.counters["evictions"] == 1
