@@ -1,3 +1,5 @@
-"""A node's KV store: block metadata (:mod:`.block_pool`), the shared-memory arena
-(:mod:`.arena`), the ZeroMQ data plane (:mod:`.transfer`), the NATS service
-(:mod:`.server`) and the worker-side client (:mod:`.client`)."""
+"""A node's KV store: block metadata (:mod:`.block_pool`, the tiers below DRAM in
+:mod:`.tiers`), the shared-memory arena (:mod:`.arena`), the ZeroMQ data plane
+(:mod:`.transfer`), the NATS service (:mod:`.server`, which hands tiering, objects and
+replication a :class:`~.core.StoreCore`, not itself) and the worker-side client
+(:mod:`.client`)."""
