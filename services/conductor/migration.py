@@ -16,7 +16,9 @@ from bus_schemas.requests import Migration
 from services.conductor.policy import PlacementRequest
 
 
-def placement_for(preq: PlacementRequest, m: Migration) -> tuple[PlacementRequest, dict]:
+def placement_for(
+    preq: PlacementRequest, m: Migration
+) -> tuple[PlacementRequest, dict[str, tuple[str, ...]]]:
     """(the request without SLOs, ``place``'s exclusion keyword for the dead instance)."""
     preq = dataclasses.replace(preq, ttft_slo_s=math.inf, tbt_slo_s=math.inf, arrival_ts=0.0)
     role = "prefill" if m.reason == "prefill_died" else "decode"
