@@ -16,6 +16,9 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
        | FORGOTTEN    no notice for ``forget_after_s``: dropped from the policy's books
 
 Rejections from the policy go to the client as Error 429 (with retry_after_s) or 503.
+A migrated request (``GenerateRequest.migration``: the gateway resent it after its
+worker died) is placed by the same policy without SLO rejection and away from the dead
+instance (services.conductor.migration); the dead attempt's books are dropped.
 Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
 view follows KV events and store announces. Nothing here is durable: a restarted
 conductor rebuilds its view from the stores and commits by the ids in the notices, so
