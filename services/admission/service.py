@@ -17,7 +17,6 @@ RoleSwitch (perigee.ctl.role) drops the switched instance's report in its old ro
 once, so its last load there does not count until the liveness window runs out.
 """
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
-from services.common.hashing import block_hashes as compute_block_hashes
+from services.common.intake import hashes_for, reply_to, salvage
 from services.common.rejection import Rejection
 
 log = structlog.get_logger()
@@ -131,8 +130,8 @@ class AdmissionService:
 
     async def _on_bad(self, m: NatsMsg, err: BadMessage) -> None:
         """Answer a malformed request in the stream protocol, so bus clients see an Error event."""
-        request_id, reply = _salvage(m.data)
-        reply = m.reply or reply
+        request_id, reply = salvage(m.data)
+        reply = reply_to(reply, m.reply)
         if not reply:
             log.warning("bad_request_dropped", error=str(err))
             return
@@ -143,7 +142,7 @@ class AdmissionService:
         )
 
     async def _on_request(self, req: GenerateRequest, m: NatsMsg) -> None:
-        reply = m.reply or req.reply_subject
+        reply = reply_to(req.reply_subject, m.reply)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")
@@ -192,15 +191,10 @@ class AdmissionService:
         if bad is not None:
             return req, bad[1]
         bs = req.block_size or self.cfg.block_size
-        hashes = req.block_hashes
-        full = len(req.prompt_token_ids) // bs
-        if hashes is None:
-            hashes = compute_block_hashes(req.prompt_token_ids, bs)
-        elif len(hashes) != full:
-            return (
-                req,
-                f"block_hashes has {len(hashes)} entries, the prompt has {full} full blocks of {bs}",
-            )
+        try:
+            hashes = hashes_for(req.prompt_token_ids, req.block_hashes, bs, bs)
+        except ValueError as e:
+            return req, str(e)
         filled = msgspec.structs.replace(
             req,
             reply_subject=reply,
@@ -219,15 +213,3 @@ class AdmissionService:
         retry_after_s: float | None = None,
     ) -> None:
         await bus.send_error(self.nc, "admission", request_id, reply, code, message, retry_after_s)
-
-
-def _salvage(data: bytes) -> tuple[str, str]:
-    """(request_id, reply_subject) from a payload that failed strict decoding, if any."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return "", ""
-    if not isinstance(obj, dict):
-        return "", ""
-    rid, reply = obj.get("request_id"), obj.get("reply_subject")
-    return (rid if isinstance(rid, str) else ""), (reply if isinstance(reply, str) else "")

@@ -30,7 +30,6 @@ first-token notices (services.conductor.balancing).
 """
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -56,7 +55,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
-from services.common.hashing import block_hashes as compute_block_hashes
+from services.common.intake import hashes_for, reply_to, salvage
 from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.migration import placement_for
@@ -216,8 +215,8 @@ class ConductorService:
     # ------------------------------------------------------------ placement
 
     async def _on_bad_request(self, m: NatsMsg, err: BadMessage) -> None:
-        request_id, reply = _salvage(m.data)
-        reply = reply or m.reply or ""
+        request_id, reply = salvage(m.data)
+        reply = reply_to(reply, m.reply)
         if reply:
             await bus.publish(
                 self.nc,
@@ -226,7 +225,7 @@ class ConductorService:
             )
 
     async def _on_schedule(self, req: GenerateRequest, m: NatsMsg) -> None:
-        reply = req.reply_subject or m.reply or ""
+        reply = reply_to(req.reply_subject, m.reply)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")
@@ -248,9 +247,12 @@ class ConductorService:
 
     async def schedule(self, req: GenerateRequest, reply: str) -> None:
         bs = self.cfg.block_size
-        if req.block_hashes is None or req.block_size not in (0, bs):
-            req = _with(req, block_hashes=compute_block_hashes(req.prompt_token_ids, bs))
-        req = _with(req, block_size=bs, reply_subject=reply)
+        try:
+            hashes = hashes_for(req.prompt_token_ids, req.block_hashes, req.block_size, bs)
+        except ValueError as e:
+            await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, str(e))
+            return
+        req = _with(req, block_hashes=hashes, block_size=bs, reply_subject=reply)
         preq = PlacementRequest.from_request(req, bs)
         exclude: dict = {}
         if req.migration is not None:  # a dead worker's request: services.conductor.migration
@@ -387,15 +389,3 @@ class ConductorService:
 
 def _with(req: GenerateRequest, **changes) -> GenerateRequest:
     return msgspec.structs.replace(req, **changes)
-
-
-def _salvage(data: bytes) -> tuple[str, str]:
-    """(request_id, reply_subject) from a payload that failed strict decoding, if any."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return "", ""
-    if not isinstance(obj, dict):
-        return "", ""
-    rid, reply = obj.get("request_id"), obj.get("reply_subject")
-    return (rid if isinstance(rid, str) else ""), (reply if isinstance(reply, str) else "")
