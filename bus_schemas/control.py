@@ -192,3 +192,11 @@ class ObjectDone(Msg, tag="object_done"):
     node: str
     size: int = 0
     present: bool = True
+
+
+class BusReconnected(Msg):
+    """``perigee.bus.reconnected``: ``client`` (its connection name) lost its NATS server
+    and is connected again, to ``server``."""
+
+    client: str
+    server: str = ""

@@ -25,6 +25,11 @@ LOAD_ALL = f"{NS}.load.>"
 LOAD_PREFILL_ALL = f"{NS}.load.prefill.>"
 LOAD_DECODE_ALL = f"{NS}.load.decode.>"
 
+# A client that lost its NATS server and reconnected to another publishes
+# BusReconnected here: what was in flight to or from it in between may be lost (core
+# NATS delivers at most once), so the gateway resumes its requests in flight.
+BUS_RECONNECTED = f"{NS}.bus.reconnected"
+
 CTL_REPLICATE = f"{NS}.ctl.kv.replicate"
 CTL_ROLE = f"{NS}.ctl.role"
 

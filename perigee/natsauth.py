@@ -151,3 +151,24 @@ def member(name: str, argv: list[str]) -> Member:
     if role == "store":
         return Member(name, role, node=flag("--node"))
     return Member(name, role)
+
+
+# The services of compose.yaml (one node of each serving role).
+COMPOSE = Deployment([
+    Member("gateway", "gateway"), Member("admission", "admission"),
+    Member("conductor", "conductor"),
+    Member("prefill-0", "prefill", instance="prefill-0"),
+    Member("decode-0", "decode", instance="decode-0"),
+    Member("store-p0", "store", node="p0"), Member("store-d0", "store", node="d0"),
+])
+
+
+def compose_authorization() -> str:
+    """deploy/nats.conf's authorization block (tests/unit/test_compose.py holds them
+    equal): passwords from each server's environment."""
+    return render(users(COMPOSE, {u: "-" for u in [ADMIN, *(m.name for m in COMPOSE.members)]}),
+                  env_passwords=True)
+
+
+if __name__ == "__main__":
+    print(compose_authorization(), end="")

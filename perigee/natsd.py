@@ -26,6 +26,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now, for a process that binds it a little later.
 
@@ -36,11 +39,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(max(1024, lo - 12000), lo)
+        if port in _handed_out:  # free, but promised to a process not yet bound to it
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     with socket.socket() as s:  # everything below was taken: let the kernel pick
         s.bind((host, 0))

@@ -327,7 +327,7 @@ class Stack:
             self.nats = NatsServer(max_payload=c.nats_max_payload,
                                    log_file=str(log_dir / "nats-server.log"))
         self.nats_url = self.nats.url  # the services' --nats: every server, no login
-        children = self.observability(self.plan())
+        children = self.plan()
         servers = self.nats.url.split(",")
         for child in children:
             child.env["PERIGEE_JS_REPLICAS"] = str(min(3, c.nats_cluster))
@@ -345,9 +345,9 @@ class Stack:
                 json.dump({"servers": servers, "users": login}, f, indent=2)
             admin = f"{natsauth.ADMIN}:{login[natsauth.ADMIN]}@"
             servers = [u.replace("nats://", "nats://" + admin, 1) for u in servers]
-        self.nats.start()
+        self.nats.start()  # before the metrics ports are drawn: they cannot take its own
         self.nats_url, self.nats_urls = servers[0], ",".join(servers)
-        return children
+        return self.observability(children)
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready when every worker has reported load and the gateway answers /health."""

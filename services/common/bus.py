@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import msgspec
 import nats
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
@@ -23,6 +24,7 @@ from opentelemetry import trace
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
+from bus_schemas.control import BusReconnected
 from bus_schemas.requests import Error, ErrorCode
 from services.common import metrics, shutdown
 from tracing import extract, inject, tracer
@@ -79,20 +81,59 @@ def js_replicas() -> int:
         return 1
 
 
+async def js_publish(js: Any, subject: str, data: bytes, *, msg_id: str,
+                     timeout: float = 30.0, headers: dict[str, str] | None = None) -> Any:
+    """Publish to a JetStream stream until it acks. Each try carries the same
+    ``Nats-Msg-Id``, so the stream stores the message once (its duplicate window) even
+    when an ack was lost; the tries ride over a stream leader's election after a server
+    of the cluster dies (a few seconds with no leader). Past ``timeout`` the last error
+    is raised."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    wait = 0.1
+    while True:
+        left = deadline - asyncio.get_running_loop().time()
+        try:
+            return await js.publish(subject, data, timeout=max(0.1, min(2.0, left)),
+                                    headers={**(headers or {}), "Nats-Msg-Id": msg_id})
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+                nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError):
+            if asyncio.get_running_loop().time() + wait > deadline:
+                raise
+            await asyncio.sleep(wait)
+            wait = min(1.0, wait * 2)
+
+
 async def connect(url: str, name: str) -> NATS:
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
 
+    box: list[NATS] = []
+
+    async def on_reconnected() -> None:
+        # Messages to and from it while it had no server may be lost: say so, so that
+        # what waits on them is resumed (services.gateway.replies).
+        nc = box[0]
+        server = str(nc.connected_url.netloc) if nc.connected_url else ""
+        log.warning("nats_reconnected", server=server)
+        try:
+            await publish(nc, subjects.BUS_RECONNECTED, BusReconnected(client=name, server=server))
+        except Exception as e:  # noqa: BLE001 - best effort; the bus may be going again
+            log.warning("nats_reconnected_notice_failed", error=str(e))
+
     servers, user, password = servers_and_login(url)
     login = {"user": user, "password": password} if user is not None else {}
-    return await nats.connect(
+    nc = await nats.connect(
         servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
         error_cb=on_error,
+        reconnected_cb=on_reconnected,
         **login,
     )
+    box.append(nc)
+    return nc
 
 
 async def sync(nc: NATS) -> None:

@@ -17,6 +17,10 @@ attempt id with its own reply subject; from then on only that attempt's events r
 the request's queue, their token indices shifted by the tokens the client already
 has, so the stream goes on with no token lost or repeated. The dead attempt is
 cancelled (a worker wrongly judged dead stops; its late events are dropped here).
+A NATS server that dies loses what was in flight through it (core NATS delivers at most
+once): its clients announce their reconnection on ``perigee.bus.reconnected``
+(services.common.bus.connect) and every request sent is resumed the same way, not
+counted against ``--migration-limit`` (no worker died).
 
 The sweep judges liveness from load reports, which reach the gateway through its own
 NATS connection. When that input lags (a gateway busy with a thousand streams reads
@@ -38,10 +42,12 @@ from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
+from bus_schemas.control import BusReconnected
 from bus_schemas.requests import (
     Accepted,
     CancelRequest,
     Error,
+    ErrorCode,
     Finished,
     GenerateRequest,
     StreamEvent,
@@ -52,6 +58,9 @@ from services.gateway import migration
 from services.gateway.watchdog import Verdict, Watchdog
 
 log = structlog.get_logger()
+
+# The "role" of a resume after a NATS server died (nobody died; messages were lost).
+BUS_LOSS = "bus"
 
 
 class LocalError(Error, tag="error"):
@@ -74,6 +83,7 @@ class _Flight:
     attempt: int = 0  # migrations so far
     current: str = ""  # the attempt id whose events are routed
     offset: int = 0  # the current attempt's index 0 is this generated token
+    bus_resumes: int = 0  # attempts resent after a bus loss (not a worker's death)
 
 
 class ReplyRouter:
@@ -106,6 +116,8 @@ class ReplyRouter:
         self._subs.append(await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply))
         self._subs.append(await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_load))
         self._subs.append(await self.nc.subscribe(self._echo_subject, cb=self._on_echo))
+        self._subs.append(await self.nc.subscribe(subjects.BUS_RECONNECTED,
+                                                  cb=self._on_bus_reconnected))
         # nats-py writes flush()'s PING straight to the socket, ahead of a SUB still in
         # its pending buffer: only the second PONG proves the server has the SUBs.
         await self.nc.flush()
@@ -276,31 +288,57 @@ class ReplyRouter:
         instance died is migrated while ``--migration-limit`` allows, else failed)."""
         verdicts = self.watchdog.sweep(judge_liveness)
         for v in verdicts:
-            f = self._flights.get(v.request_id)
-            if f is None:
-                continue
-            message = v.message
-            if v.dead_instance and f.request is not None:
-                d = migration.plan(
-                    f.request, f.generated, attempts=f.attempt, limit=self.migration_limit,
-                    dead_role=v.dead_role, dead_instance=v.dead_instance,
-                    reply_subject=self.reply_subject(
-                        migration.attempt_id(v.request_id, f.attempt + 1)),
-                    eos_token_ids=self.eos_token_ids,
-                )
-                if isinstance(d, migration.Resume):
-                    self._migrate(f, d, v)
-                    continue
-                if isinstance(d, migration.Finish):
-                    self._spawn(self.cancel(f.current, f"{v.dead_role} instance died"))
-                    f.queue.put_nowait(Finished(
-                        request_id=v.request_id, finish_reason=d.finish_reason,
-                        prompt_tokens=len(f.request.prompt_token_ids),
-                        completion_tokens=len(f.generated), cached_tokens=0))
-                    continue
-                message = d.message
-            f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
+            self._resolve(v)
         return len(verdicts)
+
+    def _resolve(self, v: Verdict) -> None:
+        """Migrate (or finish, or fail) the request of a death verdict; fail it on any
+        other verdict."""
+        f = self._flights.get(v.request_id)
+        if f is None:
+            return
+        message = v.message
+        if (v.dead_instance or v.dead_role == BUS_LOSS) and f.request is not None:
+            d = migration.plan(
+                f.request, f.generated, attempts=f.attempt,
+                # A resume after a bus loss is no worker's death: not counted.
+                limit=self.migration_limit + f.bus_resumes,
+                dead_role=v.dead_role, dead_instance=v.dead_instance,
+                reply_subject=self.reply_subject(
+                    migration.attempt_id(v.request_id, f.attempt + 1)),
+                eos_token_ids=self.eos_token_ids,
+            )
+            if isinstance(d, migration.Resume):
+                f.bus_resumes += v.dead_role == BUS_LOSS
+                self._migrate(f, d, v)
+                return
+            if isinstance(d, migration.Finish):
+                self._spawn(self.cancel(f.current, f"{v.dead_role} instance died"))
+                f.queue.put_nowait(Finished(
+                    request_id=v.request_id, finish_reason=d.finish_reason,
+                    prompt_tokens=len(f.request.prompt_token_ids),
+                    completion_tokens=len(f.generated), cached_tokens=0))
+                return
+            message = d.message
+        f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
+
+    async def _on_bus_reconnected(self, msg: NatsMsg) -> None:
+        """A client of a NATS server that died is connected again (possibly this one):
+        what was in flight through that server is lost (core NATS is at most once), and
+        the request it belonged to would wait for it until its timeout. So every request
+        sent goes on from the tokens its client has, as after a worker's death."""
+        try:
+            who = decode(msg.data, BusReconnected).client
+        except BadMessage as e:
+            log.warning("bad_bus_reconnected", error=str(e))
+            return
+        sent = [rid for rid, f in self._flights.items() if f.request is not None]
+        if sent:
+            log.warning("bus_loss_resume", client=who, requests=len(sent))
+        for rid in sent:
+            self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE,
+                                  f"messages lost with a NATS server ({who} reconnected)",
+                                  dead_role=BUS_LOSS))
 
     def _migrate(self, f: _Flight, d: "migration.Resume", v: Verdict) -> None:
         rid, old, new = v.request_id, f.current, d.request.request_id

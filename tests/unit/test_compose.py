@@ -30,10 +30,10 @@ def config() -> dict:
 
 def test_every_service_is_there_with_a_healthcheck(config):
     services = config["services"]
-    for name in ["nats", "otel-collector", "jaeger", "gateway", "admission", "conductor",
-                 "prefill-0", "decode-0", "store-p0", "store-d0"]:
+    for name in ["nats-0", "nats-1", "nats-2", "otel-collector", "jaeger", "gateway",
+                 "admission", "conductor", "prefill-0", "decode-0", "store-p0", "store-d0"]:
         assert name in services, name
-    for name in ["nats", "gateway", "admission", "conductor", "prefill-0", "decode-0",
+    for name in ["nats-0", "nats-1", "nats-2", "gateway", "admission", "conductor", "prefill-0", "decode-0",
                  "store-p0", "store-d0"]:
         assert services[name].get("healthcheck", {}).get("test"), name
 
@@ -45,11 +45,53 @@ def test_one_image_for_all_perigee_services(config):
     assert all(s["build"]["dockerfile"] == "Dockerfile" for s in perigee)
 
 
-def test_nats_has_jetstream_and_credentials(config):
+PERIGEE = ["gateway", "admission", "conductor", "prefill-0", "decode-0", "store-p0", "store-d0"]
+
+
+def test_nats_is_a_cluster_of_three_with_jetstream(config):
+    services = config["services"]
     conf = (ROOT / "deploy" / "nats.conf").read_text()
-    assert "jetstream" in conf and "password" in conf
-    gw = " ".join(config["services"]["gateway"]["command"])
-    assert "@nats:4222" in gw  # services authenticate
+    assert "jetstream" in conf and "cluster" in conf
+    names = {services[f"nats-{i}"]["environment"]["SERVER_NAME"] for i in range(3)}
+    assert names == {"nats-0", "nats-1", "nats-2"}
+    volumes = {v["source"] for i in range(3) for v in services[f"nats-{i}"]["volumes"]
+               if v["type"] == "volume"}
+    assert len(volumes) == 3  # a JetStream store each
+    every = "--nats=nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222"
+    for name in PERIGEE:
+        s = services[name]
+        assert every in s["command"], name  # services connect with the whole list
+        assert s["environment"]["PERIGEE_JS_REPLICAS"] == "3"
+        deps = s["depends_on"]
+        assert all(f"nats-{i}" in deps for i in range(3)) or any(
+            d.startswith("store-") for d in deps), name
+
+
+def test_each_service_has_its_own_nats_user_with_permissions(config):
+    from perigee import natsauth
+
+    services = config["services"]
+    users = {services[n]["environment"]["NATS_USER"] for n in PERIGEE}
+    assert users == set(PERIGEE)
+    assert len({services[n]["environment"]["NATS_PASSWORD"] for n in PERIGEE}) == len(PERIGEE)
+    conf = (ROOT / "deploy" / "nats.conf").read_text()
+    assert natsauth.compose_authorization() in conf  # generated, not hand-kept
+    # Each service's password is the one its servers hold for its user.
+    env = services["nats-0"]["environment"]
+    for n in PERIGEE:
+        assert services[n]["environment"]["NATS_PASSWORD"] == env[natsauth.env_var(n)], n
+    assert "@nats" not in " ".join(services["gateway"]["command"])  # no login in argv
+
+
+def test_nats_conf_is_valid_for_each_server(config, tmp_path):
+    """nats-server -t with each server's compose environment (variables resolved)."""
+    from perigee.natsd import nats_server_binary
+
+    for i in range(3):
+        env = {k: str(v) for k, v in config["services"][f"nats-{i}"]["environment"].items()}
+        out = subprocess.run([nats_server_binary(), "-t", "-c", str(ROOT / "deploy" / "nats.conf")],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_workers_share_their_store_ipc_namespace(config):
