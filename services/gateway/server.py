@@ -12,7 +12,10 @@ Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
               error before the first token is a plain HTTP status (429 + Retry-After,
               503, 500, 504); after it, an SSE error chunk ends the stream
     DONE      Finished -> usage, finish_reason; [DONE]
-Client disconnect, a watchdog verdict or a stop string publishes CancelRequest.
+Client disconnect, a watchdog verdict or a stop string publishes CancelRequest. A
+verdict that the request's prefill or decode instance died resends it instead, with
+the tokens the client already has, up to ``migration_limit`` times
+(:mod:`services.gateway.migration`, :mod:`services.gateway.replies`): the stream goes on.
 Responses are built in :mod:`services.gateway.responses`; spans, metrics and the log
 line in :mod:`services.gateway.telemetry`; API keys (``api_keys``) are checked by
 :mod:`services.gateway.auth` before any of this (401). ``/metrics`` is Prometheus
