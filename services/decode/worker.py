@@ -48,8 +48,8 @@ from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseKeeper, StoreTx
-from services.common.worker_base import WorkerBase
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
+from services.worker.base import WorkerBase
 from tracing import tracer
 
 log = structlog.get_logger()

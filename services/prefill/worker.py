@@ -56,11 +56,11 @@ from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import StoreTx
-from services.common.worker_base import WorkerBase
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
 from services.store.client import TransferError
+from services.worker.base import WorkerBase
 from tracing import tracer
 
 log = structlog.get_logger()

@@ -1,4 +1,4 @@
-"""A switchable worker (services.common.role_host) on a real nats-server with fake stores:
+"""A switchable worker (services.worker.role_host) on a real nats-server with fake stores:
 a RoleSwitch makes it drain its prefill work, then serve as a decode instance with the
 same engine."""
 
@@ -17,11 +17,12 @@ from bus_schemas.requests import GenerateRequest, SamplingParams
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import ModelSpec
-from services.common.role_host import RoleHost, WorkerSettings, make_worker
 from services.decode.worker import DecodeWorker
 from services.engine import make_engine
 from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
+from services.worker.factory import WorkerSettings, make_worker
+from services.worker.role_host import RoleHost
 
 
 async def wait_until(pred, timeout: float = 5.0) -> None:

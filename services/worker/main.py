@@ -1,15 +1,13 @@
-"""What ``python -m services.prefill`` and ``python -m services.decode`` share: the
-arguments, the engine and store set-up, and the run-until-signal loop. Each role's
-``__main__`` adds its own arguments and says how to build its worker."""
+"""``python -m services.prefill`` and ``python -m services.decode``: the arguments, the
+engine and store set-up, and the run-until-signal loop, for either role; the worker
+itself comes from :mod:`services.worker.factory`."""
 
 import argparse
 import asyncio
-from collections.abc import Callable
-from typing import Any
 
 import structlog
 
-from services.common import bus, defaults, metrics
+from services.common import bus, defaults, metric_collectors, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
@@ -21,12 +19,11 @@ from services.common.warmup import calibrate
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
 from services.store.client import StoreClient, TransferError
+from services.worker.factory import make_worker, settings_from_args
+from services.worker.role_host import RoleHost
 from tracing import setup_tracing, shutdown_tracing
 
 OTHER = {"prefill": "decode", "decode": "prefill"}
-
-# (args, nc, store, engine, layout, cost) -> a started-able worker with .dead/.close()
-WorkerFactory = Callable[[argparse.Namespace, Any, StoreClient, Any, KVLayout, CostModel], Any]
 
 
 def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
@@ -56,6 +53,8 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
                         "this TBT SLO, s (the paper's baseline admission; 0: off)")
     p.add_argument("--store-timeout", type=float, default=30.0,
                    help="seconds to wait for the node's store at start")
+    p.add_argument("--commit-timeout", type=float, default=2.0,
+                   help="as decode: seconds to wait for the store to commit decode_tx")
     p.add_argument("--lease", type=float, default=10.0,
                    help="lease of the store transactions this worker holds, s; renewed "
                         "every third of it while the request lives")
@@ -76,7 +75,7 @@ def store_too_small(capacity_blocks: int, max_model_len: int, block_size: int) -
             f"with --capacity-blocks {need} or more")
 
 
-async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -> int:
+async def run(role: str, args: argparse.Namespace) -> int:
     """Exit codes: 0 stopped by a signal, 1 engine died or store unreachable,
     2 engine unavailable or store layout mismatch."""
     log = configure(role, args.log_level)
@@ -123,7 +122,7 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
     await engine.start()
     roles = (role, OTHER[role]) if args.switchable else (role,)
     engine.on_decode_step = calib.decode_step
-    mserver = await metrics.start_from_args(args, roles, metrics.worker_collector())
+    mserver = await metrics.start_from_args(args, roles, metric_collectors.worker_collector())
     try:
         warm = args.calibration_warmup
         if warm < 0:
@@ -133,13 +132,10 @@ async def run(role: str, args: argparse.Namespace, make_worker: WorkerFactory) -
             return 0
         calib.save()
         cost = calib.model()
+        settings = settings_from_args(args, layout, cost, calibrator=calib)
         if args.switchable:
-            from services.common.role_host import run_switchable
-
-            return await run_switchable(nc, store, engine, role, args, layout, cost, stop,
-                                        calibrator=calib)
-        worker = make_worker(args, nc, store, engine, layout, cost)
-        worker.calibrator = calib
+            return await RoleHost(nc, store, engine, role, settings).run(stop)
+        worker = make_worker(role, nc, store, engine, settings)
         await worker.start()
         dead = asyncio.ensure_future(worker.dead.wait())
         stopped = asyncio.ensure_future(stop.wait())

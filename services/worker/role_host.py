@@ -18,8 +18,7 @@ ones are ignored. The instance id does not change with the role.
 """
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any
 
 import structlog
@@ -29,54 +28,20 @@ from nats.aio.msg import Msg as NatsMsg
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import RoleSwitch
-from services.common.cost_model import CostModel
-from services.common.kv_layout import KVLayout
+from services.worker.factory import ROLES, WorkerSettings, make_worker
 
 log = structlog.get_logger()
 
-ROLES = ("prefill", "decode")
-
-
-@dataclass
-class WorkerSettings:
-    instance: str
-    node: str
-    layout: KVLayout
-    cost: CostModel
-    report_interval: float = 0.1
-    calibrator: object = None  # the instance's Calibrator, kept across role switches
-    commit_timeout: float = 2.0
-    admit: Callable | None = None  # DecodeWorker's admit hook (baseline TBT gate)
-    drain_quiet_s: float = 0.5
-    lease_s: float = 10.0  # store transactions this worker holds (renewed)
-    reserver: Any = None  # PrefillWorker's reservations (None: the stores' endpoints)
-
-
-def make_worker(role: str, nc: NATS, store, engine, s: WorkerSettings):
-    if role == "prefill":
-        from services.prefill.worker import PrefillWorker
-
-        return PrefillWorker(nc, store, engine, instance=s.instance, node=s.node,
-                             layout=s.layout, cost=s.cost, report_interval=s.report_interval,
-                             lease_s=s.lease_s, reserver=s.reserver)
-    if role == "decode":
-        from services.decode.worker import DecodeWorker
-
-        return DecodeWorker(nc, store, engine, instance=s.instance, node=s.node,
-                            layout=s.layout, report_interval=s.report_interval,
-                            commit_timeout=s.commit_timeout, admit=s.admit,
-                            lease_s=s.lease_s)
-    raise ValueError(f"role must be one of {ROLES}, not {role!r}")
-
 
 class RoleHost:
-    def __init__(self, nc: NATS, store, engine, role: str, settings: WorkerSettings) -> None:
+    def __init__(self, nc: NATS, store: Any, engine: Any, role: str,
+                 settings: WorkerSettings) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.nc, self.store, self.engine = nc, store, engine
         self.role = role
         self.settings = settings
-        self.worker = None
+        self.worker: Any = None
         self.switches = 0
         self.serving = asyncio.Event()  # set while a worker is started and serving
         self._target: str | None = None
@@ -84,7 +49,7 @@ class RoleHost:
 
     async def _on_ctl(self, m: NatsMsg) -> None:
         try:
-            rs = decode(m.data, RoleSwitch)
+            rs: RoleSwitch = decode(m.data, RoleSwitch)
         except BadMessage as e:
             log.warning("bad_role_switch", error=str(e))
             return
@@ -102,7 +67,6 @@ class RoleHost:
         try:
             while True:
                 self.worker = make_worker(self.role, self.nc, self.store, self.engine, self.settings)
-                self.worker.calibrator = self.settings.calibrator
                 await self.worker.start()
                 self.serving.set()
                 log.info("role_serving", role=self.role, switches=self.switches)
@@ -127,26 +91,7 @@ class RoleHost:
                 pass
 
 
-async def run_switchable(nc: NATS, store, engine, role: str, args, layout: KVLayout,
-                         cost: CostModel, stop: asyncio.Event, calibrator: object = None) -> int:
-    """The ``--switchable`` path of the prefill and decode entry points."""
-    admit = None
-    if getattr(args, "tbt_gate_slo", 0.0) > 0:
-        from services.decode.side_check import DecodeSideCheck
-
-        admit = DecodeSideCheck(cost, args.tbt_gate_slo,
-                                max_batch=getattr(args, "max_batch", 0)).as_admit_hook()
-    settings = WorkerSettings(
-        instance=args.instance, node=args.node, layout=layout, cost=cost,
-        report_interval=args.report_interval,
-        commit_timeout=getattr(args, "commit_timeout", 2.0), admit=admit,
-        lease_s=args.lease,
-    )
-    settings.calibrator = calibrator
-    return await RoleHost(nc, store, engine, role, settings).run(stop)
-
-
-async def _first(*aws) -> int:
+async def _first(*aws: Awaitable[Any]) -> int:
     """Index of the first awaitable to finish; the others are cancelled."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
