@@ -302,7 +302,8 @@ class ReplyRouter:
             d = migration.plan(
                 f.request, f.generated, attempts=f.attempt,
                 # A resume after a bus loss is no worker's death: not counted.
-                limit=self.migration_limit + f.bus_resumes,
+                limit=(f.attempt + 1 if v.dead_role == BUS_LOSS
+                       else self.migration_limit + f.bus_resumes),
                 dead_role=v.dead_role, dead_instance=v.dead_instance,
                 reply_subject=self.reply_subject(
                     migration.attempt_id(v.request_id, f.attempt + 1)),

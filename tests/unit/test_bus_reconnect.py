@@ -1,0 +1,108 @@
+"""A NATS server that dies loses what was in flight through it: a client that
+reconnects says so (services.common.bus.connect), and the gateway resumes every request
+it has in flight from the tokens its client has (services.gateway.replies), not counted
+against --migration-limit. Real nats-servers; a fake backend plays the workers."""
+
+import asyncio
+
+import aiohttp
+import nats
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.control import BusReconnected
+from bus_schemas.requests import Accepted, Finished, Tokens
+from perigee.natsd import NatsCluster
+from services.common import bus
+from services.common.clock import ManualClock
+from services.gateway.server import Gateway, GatewayConfig
+from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing
+
+OUT = TOK.encode("one two three four five six", add_bos=False)
+
+
+async def test_a_client_that_reconnects_announces_it():
+    with NatsCluster(2) as cluster:
+        a, b = cluster.servers
+        nc = await bus.connect(a.url, name="decode-decode-7")  # learns of b from a
+        watcher = await nats.connect(b.url)
+        got = asyncio.Queue()
+        await watcher.subscribe(subjects.BUS_RECONNECTED, cb=got.put)
+        await watcher.flush()
+
+        async def discovered() -> None:
+            while len(nc.servers) < 2:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(discovered(), 30)
+        a.kill()
+        msg = await asyncio.wait_for(got.get(), 30)
+        note = decode(msg.data, BusReconnected)
+        assert note.client == "decode-decode-7" and note.server.endswith(f":{b.port}")
+        await nc.close()
+        await watcher.close()
+
+
+@pytest.fixture
+async def env(nats_url):
+    cfg = GatewayConfig(port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
+                        dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
+                        migration_limit=0)  # even with migration off
+    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
+    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=ManualClock()).start()
+    backend = await FakeBackend(nc_be, serve_nothing).start()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        yield gw, backend, http
+    await gw.close()
+    await nc_gw.close()
+    await nc_be.close()
+
+
+async def send(b: FakeBackend, reply: str, *events) -> None:
+    for ev in events:
+        await b.nc.publish(reply, encode(ev))
+    await b.nc.flush()
+
+
+async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env):
+    gw, b, http = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT[:2], index=0, from_prefill=True))
+    async with await asyncio.wait_for(post, 5) as r:
+        # Tokens 2.. went through the server that died; the decode worker reconnects.
+        await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="decode-d0")))
+        again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
+        cancel = await asyncio.wait_for(b.cancels.get(), 5)
+        assert cancel.request_id == rid
+        assert again.request_id == f"{rid}-m1" and reply2 != reply
+        assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:2]]
+        assert again.sampling.max_tokens == len(OUT) - 2
+        assert again.migration.dead_instance == ""  # nobody died: no instance excluded
+        aid = again.request_id
+        await send(b, reply2,
+                   Accepted(request_id=aid, prefill_instance="p0", decode_instance="d0"),
+                   Tokens(request_id=aid, token_ids=OUT[2:], index=0),
+                   Finished(request_id=aid, finish_reason="length",
+                            prompt_tokens=len(again.prompt_token_ids),
+                            completion_tokens=len(OUT) - 2, cached_tokens=0))
+        chunks, done = await read_sse(r)
+    assert done
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    assert text == TOK.decode(OUT)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(OUT)
+
+
+async def test_a_bus_loss_with_nothing_in_flight_resends_nothing(env):
+    gw, b, _ = env
+    await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="store-p0")))
+    await b.nc.publish(subjects.BUS_RECONNECTED, b"not a notice")  # bad input: ignored
+    await b.nc.flush()
+    await gw.nc.flush()
+    assert gw.router.migrations == 0 and b.requests.empty()
