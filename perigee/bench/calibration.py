@@ -3,7 +3,7 @@ prefill times (issue target: median absolute error <= 20 % on mixed-length promp
 
 One in-process engine per kind (``--engine mock|vllm|both``; vLLM on ``--model-dir``,
 dummy weights unless the directory has some). The worker's path, minus the bus:
-the calibration warm-up (services.common.warmup) from the paper's analytic prior,
+the calibration warm-up (services.worker.warmup) from the paper's analytic prior,
 then ``--requests`` prompts of mixed lengths (log-uniform in [32, ``--max-len``], a
 third reusing a block-aligned prefix of an earlier prompt), one at a time. Before
 each prompt the online fit predicts its compute time; after it the measured time
@@ -31,8 +31,8 @@ from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
-from services.common.warmup import FIRST_TOKEN_ID, max_prompt, warm_prefill
 from services.engine import PrefillJob, SlotKV, make_engine
+from services.worker.warmup import FIRST_TOKEN_ID, max_prompt, warm_prefill
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -15,12 +15,12 @@ from services.common.kv_layout import KVLayout
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shutdown import StopEvent
-from services.common.warmup import calibrate
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
 from services.store.client import StoreClient, TransferError
 from services.worker.factory import make_worker, settings_from_args
 from services.worker.role_host import RoleHost
+from services.worker.warmup import calibrate
 from tracing import setup_tracing, shutdown_tracing
 
 OTHER = {"prefill": "decode", "decode": "prefill"}

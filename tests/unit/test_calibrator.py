@@ -12,8 +12,8 @@ from services.common.cost_fit import FittedCostModel
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
-from services.common.warmup import warm_up
 from services.engine.mock import MockEngine
+from services.worker.warmup import warm_up
 
 SPEC = ModelSpec.from_dir(None)
 LAYOUT = KVLayout(SPEC, 32)
