@@ -126,3 +126,24 @@ def test_no_import_cycles_but_the_known_ones():
     assert not new, f"import cycles: {new}"
     gone = [sorted(c) for c in set(KNOWN) - found]
     assert not gone, f"these known cycles are gone, take them off KNOWN: {gone}"
+
+
+# Each layer imports only from the layers below it (issue 15: services/common is the
+# ground floor). A service package may import common, bus_schemas and tracing, and the
+# services named here besides.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "bus_schemas": ("bus_schemas",),
+    "tracing": ("tracing",),
+    "services.common": ("services.common", "bus_schemas", "tracing"),
+}
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    graph = import_graph(project_modules())
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        for layer, allowed in LAYERS.items():
+            if mod == layer or mod.startswith(layer + "."):
+                bad += [(mod, d) for d in sorted(deps)
+                        if not any(d == a or d.startswith(a + ".") for a in allowed)]
+    assert not bad, f"imports from above the module's layer: {bad}"
