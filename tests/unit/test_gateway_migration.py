@@ -97,6 +97,23 @@ def test_past_the_limit_is_a_clear_error():
     assert isinstance(off, migration.GiveUp) and "migration is off (--migration-limit 0)" in off.message
 
 
+def test_a_death_verdict_names_the_role_and_instance_a_timeout_does_not():
+    from services.gateway.watchdog import Watchdog
+
+    clock = ManualClock()
+    wd = Watchdog(clock, dead_after_s=2.0, request_timeout_s=10.0)
+    for rid in ("a", "b"):
+        wd.track(rid)
+    wd.accepted("a", "p0", "d0")
+    wd.tokens("a")
+    clock.advance(2.5)
+    [v] = wd.sweep()
+    assert (v.request_id, v.dead_role, v.dead_instance) == ("a", "decode", "d0")
+    clock.advance(10)
+    [t] = wd.sweep()
+    assert (t.request_id, t.dead_role, t.dead_instance) == ("b", "", "")
+
+
 # ---------------------------------------------------------------- conductor placement
 
 def mig(reason="decode_died", dead="d0") -> Migration:
@@ -264,3 +281,27 @@ async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead
         assert metrics.sample(metrics.MIGRATIONS, reason="decode_died") == before + 1
     finally:
         await h.close()
+
+
+async def test_a_death_after_the_last_token_ends_the_stream_without_a_resend(env):
+    gw, b, http, clock = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    # Every token arrived; the Finished died with the decode instance.
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT, index=0))
+    async with await asyncio.wait_for(post, 5) as r:
+        await until(lambda: gw.watchdog.stage(rid) == "decode")
+        clock.advance(2.5)
+        gw.watchdog.seen("p0")
+        assert gw.router.sweep() == 1
+        chunks, done = await read_sse(r)
+    assert done
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(OUT)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
+    assert b.requests.empty() and gw.router.migrations == 0
