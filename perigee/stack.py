@@ -298,11 +298,26 @@ class Stack:
 
     def supervise(self) -> None:
         """From now on a service that dies is restarted (:mod:`perigee.supervise`)."""
-        self.supervisor = Supervisor(
-            lambda: {n: c.proc for n, c in list(self.children.items())},
-            lambda name: self._spawn(self.children[name]),
-            self.cfg.restart_policy, on_event=lambda e: self.on_supervised(e))
+        self.supervisor = Supervisor(self._supervised, self._respawn, self.cfg.restart_policy,
+                                     on_event=lambda e: self.on_supervised(e))
         self.supervisor.start()
+
+    def nats_servers(self) -> dict[str, NatsServer]:
+        """The nats-servers this stack started, by the name the supervisor uses."""
+        if isinstance(self.nats, NatsCluster):
+            return {f"nats-{srv.name}": srv for srv in self.nats.servers}
+        return {"nats-server": self.nats} if self.nats is not None else {}
+
+    def _supervised(self) -> dict:
+        procs = {n: c.proc for n, c in list(self.children.items())}
+        procs.update({n: srv.proc for n, srv in self.nats_servers().items()})
+        return procs
+
+    def _respawn(self, name: str) -> None:
+        if name in self.children:
+            self._spawn(self.children[name])
+        else:  # the same ports, config and JetStream store: clients reconnect to it
+            self.nats_servers()[name].spawn()
 
     @property
     def restarts(self) -> dict[str, int]:

@@ -71,7 +71,8 @@ class SupervisedEvent:
                     f"{self.delay_s:.1f} s")
         if self.kind == "restarted":
             return f"{self.name} restarted (restart {self.restarts} in {policy.window_s:g} s)"
-        return (f"{self.name} exited with {self.returncode} after {self.restarts} restarts in "
+        n = f"{self.restarts} restart" + ("" if self.restarts == 1 else "s")
+        return (f"{self.name} exited with {self.returncode} after {n} in "
                 f"{policy.window_s:g} s: gave up on it, it stays down (the rest keep serving)")
 
 

@@ -95,3 +95,17 @@ async def test_sigkilled_gateway_comes_back_on_its_port(supervised):
     await _serves(s)
     assert ("gateway", "restarted") in [(e.name, e.kind) for e in s.events]
     assert not s.supervisor.given_up
+
+
+async def test_sigkilled_nats_server_is_restarted_and_the_stack_serves(supervised):
+    s = supervised
+    srv = s.nats_servers()["nats-server"]
+    old = srv.proc.pid
+    srv.kill()
+    await _until(lambda: s.restarts.get("nats-server") == 1, "nats-server restarted")
+    assert srv.proc.pid != old and srv.proc.poll() is None
+    # The services reconnect by themselves (same port, same users); load flows again.
+    await _load_reports(s, "decode-0", 2)
+    await _until(lambda: _ready(s), "the gateway is ready again")
+    await _serves(s)
+    assert not s.exited()
