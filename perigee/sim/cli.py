@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S)
     p.add_argument("--max-batch", type=int, default=128, help="decode running batch limit")
     p.add_argument("--chunk-tokens", type=int, default=0, help="prefill chunk (0: whole)")
+    p.add_argument("--cpp-group", type=int, default=1,
+                   help="chunked pipeline parallelism: prefill nodes per group (1: off)")
+    p.add_argument("--cpp-chunk-tokens", type=int, default=None,
+                   help="the pipeline's prefill_chunk (default: services.conductor.cpp's)")
     p.add_argument("--balancing-threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD)
     p.add_argument("--adaptive-threshold", action="store_true",
                    help="tune the balancing threshold online (conductor's AdaptiveThreshold)")
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill=a.prefill, decode=a.decode, policy=a.policy, admission=a.admission,
         cache_tokens_per_node=a.cache_tokens_per_node, decode_cache_tokens=a.decode_cache_tokens,
         block_size=a.block_size, speed=a.speed, ttft_slo_s=a.ttft_slo, tbt_slo_s=a.tbt_slo,
-        max_batch=a.max_batch, chunk_tokens=a.chunk_tokens,
+        max_batch=a.max_batch, chunk_tokens=a.chunk_tokens, cpp_group=a.cpp_group,
+        **({"cpp_chunk_tokens": a.cpp_chunk_tokens} if a.cpp_chunk_tokens else {}),
         balancing_threshold=a.balancing_threshold, output_tokens=a.output_tokens,
         seed=a.seed, cost=load_cost_model(a.cost_model, a.speedup),
         pd_controller=a.pd_controller, adaptive_threshold=a.adaptive_threshold,
@@ -94,6 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     sim = Simulator(trace, cfg, progress=not a.no_progress).run()
     s = summarize(sim)
+    if a.cpp_group > 1:
+        from perigee.sim.cpp import ttft_buckets
+
+        s["buckets"] = ttft_buckets({a.cpp_group: sim.requests})
+        s["pipelined"] = len(sim.pipelined)
     print(format_summary(s))
     if a.json:
         with open(a.json, "w") as f:

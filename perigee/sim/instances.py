@@ -8,6 +8,10 @@ Prefill instance (one GPU node, like ``services/prefill``)::
             layer by layer, the last layer's share trailing the compute
         --> handing over for ``handoff_s`` (0: none) --> free: on_free, next task
 
+A pipelined request (chunked pipeline parallelism) puts a :class:`StageTask` in each
+of its group's queues instead (:mod:`perigee.sim.cpp`): the instance holds it at the
+head until the whole group has, then computes its stage.
+
 ``handoff_s`` is the live worker's time between its compute's end and taking the next
 task (the last layers' acks, the DecodeTask and FirstTokenNotice publishes); meanwhile
 the request still counts in the instance's load (queue_len, no remaining work), as
@@ -35,6 +39,7 @@ import numpy as np
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from perigee.sim.cluster import Link
+from perigee.sim.cpp import StageTask
 from perigee.sim.events import EventLoop
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
@@ -67,8 +72,8 @@ class PrefillInstance:
         self.on_free = on_free
         self.chunk_tokens = chunk_tokens
         self.handoff_s = handoff_s
-        self.waiting: deque[SimRequest] = deque()
-        self.running: SimRequest | None = None
+        self.waiting: deque[SimRequest | StageTask] = deque()
+        self.running: SimRequest | StageTask | None = None
         self.running_end = 0.0
         self.queued_work = 0.0  # est_work_s of the waiting requests
         self.queued_tokens = 0
@@ -88,6 +93,22 @@ class PrefillInstance:
         if self.running is None:
             self._start()
 
+    def push_stage(self, task: StageTask) -> None:
+        self.waiting.append(task)
+        self.queued_work += task.est_work_s
+        self.queued_tokens += task.tokens
+        if self.running is None:
+            self._start()
+
+    def stage_done(self, task: StageTask) -> None:
+        self.gpu_s += task.gang.stage_compute_s(task.stage)
+        self.done += 1
+        task.gang.stage_done(self, task)
+        if self.handoff_s > 0:
+            self.loop.after(self.handoff_s, self._free)
+        else:
+            self._free()
+
     def __len__(self) -> int:
         return len(self.waiting) + (self.running is not None)
 
@@ -97,6 +118,11 @@ class PrefillInstance:
             return
         req = self.waiting.popleft()
         self.queued_work -= req.est_work_s
+        if isinstance(req, StageTask):
+            self.queued_tokens -= req.tokens
+            self.running, self.running_end = req, self.loop.now() + req.est_work_s
+            req.gang.arrive(req)  # sets running_end once the stages before it are ready
+            return
         self.queued_tokens -= req.num_tokens - min(req.cached_tokens, req.num_tokens - 1)
         now = self.loop.now()
         req.state = "PREFILLING"
@@ -132,7 +158,10 @@ class PrefillInstance:
     def load(self, now: float) -> PrefillLoad:
         work, tokens = self.queued_work, self.queued_tokens
         r = self.running
-        if r is not None:
+        if isinstance(r, StageTask):
+            work += max(0.0, self.running_end - now)
+            tokens += r.tokens
+        elif r is not None:
             work += max(0.0, self.running_end - now)
             tokens += r.num_tokens - min(r.cached_tokens, r.num_tokens - 1)
         return PrefillLoad(instance=self.name, node=self.node, queue_len=len(self),

@@ -5,6 +5,7 @@
     fig17   local vs global cache: 10 prefill nodes of 3M tokens, outputs of 1 token
     table4  rejections under baseline / early / predict admission, 8P+8D, replay x2
     fig23   P/D ratio sweep on 16 nodes (TTFT 10 s, TBT 100 ms thresholds)
+    cpp     chunked pipeline parallelism: TTFT by prompt length, groups of X = 1, 2, 4
 
 Each writes ``<out>/sim_<name>.json`` and ``<out>/sim_<name>.png`` and prints a
 markdown table. Every number comes from :class:`Simulator` runs with the defaults of
@@ -175,7 +176,40 @@ def plot_fig23(res: dict, labels: list[str], speeds, out: str) -> None:
         ylabel2="seconds (log)", log2=True)
 
 
-EXPERIMENTS = {"fig5": fig5, "fig16": fig16, "fig17": fig17, "table4": table4, "fig23": fig23}
+def cpp(trace, out: str, groups=(1, 2, 4), prefill: int = 8, decode: int = 8,
+        speed: float = 2.0) -> dict:
+    from perigee.sim.cpp import TTFT_THRESHOLD_S, ttft_buckets
+
+    res: dict = {"setup": f"{prefill}P{decode}D, replay x{speed:g}, early admission, "
+                          f"groups of X prefill nodes (chunked pipeline parallelism), "
+                          f"TTFT threshold {TTFT_THRESHOLD_S:g}s", "runs": {}}
+    reqs = {}
+    for x in groups:
+        sim, s = _run(trace, prefill=prefill, decode=decode, speed=speed, cpp_group=x)
+        s["pipelined"] = sum(1 for r in sim.requests if r.rid in sim.pipelined)
+        res["runs"][str(x)] = s
+        reqs[x] = sim.requests
+    res["buckets"] = ttft_buckets(reqs)
+    rows = []
+    for b in res["buckets"]:
+        label = f"{b['min_tokens'] // 1024}k-" + (f"{b['max_tokens'] // 1024}k"
+                                                 if b["max_tokens"] else "")
+        for x in groups:
+            k = str(x)
+            rows.append([label, b["requests"], x, b["ttft_s"][k], b["ttft_p90_s"][k],
+                         b["ttft_s"][k] / b["ttft_s"]["1"], b["within_ttft"][k]])
+    res["table"] = _table(["prompt tokens", "requests", "X", "avg TTFT s", "p90 TTFT s",
+                           "vs X=1", f"within {TTFT_THRESHOLD_S:g}s"], rows)
+    labels = [r[0] for r in rows[:: len(groups)]]
+    plots.bars(os.path.join(out, "sim_cpp.png"), labels,
+               {f"X = {x}": [b["ttft_s"][str(x)] for b in res["buckets"]] for x in groups},
+               "average TTFT (s)", f"CPP (sim): TTFT by prompt length, {prefill}P{decode}D "
+               f"x{speed:g}, conversation trace")
+    return res
+
+
+EXPERIMENTS = {"fig5": fig5, "fig16": fig16, "fig17": fig17, "table4": table4, "fig23": fig23,
+               "cpp": cpp}
 
 
 def main(argv: list[str]) -> int:
@@ -185,6 +219,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--out", default="docs/figures")
+    p.add_argument("--json", default=None, help="also write the (last) experiment's JSON here")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     trace = load_trace(a.trace, a.limit)
@@ -193,8 +228,9 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         res = EXPERIMENTS[name](trace, a.out)
         res["wall_s"] = time.perf_counter() - t0
-        with open(os.path.join(a.out, f"sim_{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        for path in filter(None, (os.path.join(a.out, f"sim_{name}.json"), a.json)):
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
         print(f"## {name} ({res['wall_s']:.0f} s)\n\n{res['table']}\n", flush=True)
     return 0
 

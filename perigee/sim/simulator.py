@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from bus_schemas.control import Refused, TxRole
 from bus_schemas.requests import ErrorCode
 from perigee.sim.cluster import Cluster
+from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
 from perigee.sim.instances import DecodeInstance, PrefillInstance
 from perigee.sim.request import SimRequest
@@ -53,6 +54,7 @@ from services.common import defaults
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor.balancing import AdaptiveThreshold
+from services.conductor.cpp import DEFAULT_CHUNK_TOKENS, CppConfig
 from services.conductor.policy import (
     DEFAULT_BALANCING_THRESHOLD,
     Placement,
@@ -93,6 +95,8 @@ class SimConfig:
     tbt_slo_s: float = defaults.TBT_SLO_S
     max_batch: int = 128
     chunk_tokens: int = 0  # 0: a prompt's suffix in one chunk
+    cpp_group: int = 1  # chunked pipeline parallelism: prefill instances per group (1: off)
+    cpp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the pipeline's prefill_chunk
     balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
     adaptive_threshold: bool = False  # tune it online (services.conductor.balancing)
     output_tokens: int | None = None  # force every output length (paper §7.3.2 uses 1)
@@ -140,12 +144,14 @@ class Simulator:
             clock, cost, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
             balancing_threshold=cfg.balancing_threshold, strategy=cfg.policy,
             rng=random.Random(cfg.seed), adaptive=adaptive,
+            cpp=CppConfig(cfg.cpp_group, cfg.cpp_chunk_tokens),
             **{"tbt_check": not baseline, **cfg.placement_kw},
         )
         make = admission or make_admission_policy
         self.admission = make(cfg.admission, clock, cost, ttft_slo_s=cfg.ttft_slo_s,
                               tbt_slo_s=cfg.tbt_slo_s, **cfg.admission_kw)
         self.inbound: dict[str, int] = {}  # decode instance -> placed requests not landed yet
+        self.pipelined: set[str] = set()  # requests placed on a CPP group
         self._started = False
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
@@ -366,6 +372,12 @@ class Simulator:
         req.prefill_instance, req.prefill_node = p.prefill_instance, p.prefill_node
         req.decode_instance, req.decode_node = p.decode_instance, p.decode_node
         self.inbound[p.decode_instance] = self.inbound.get(p.decode_instance, 0) + 1
+        if p.cpp_stages:
+            self.pipelined.add(req.rid)
+            Gang(req, [self.prefills[i] for i in p.cpp_stages], self.loop, self.cost,
+                 p.cpp_chunk_tokens, self.cluster.nodes[p.prefill_node].link,
+                 self._prefilled).push()
+            return
         self.prefills[p.prefill_instance].push(req)
 
     def _prefilled(self, req: SimRequest, arrive: float) -> None:

@@ -41,6 +41,13 @@ Threshold: fixed (``balancing_threshold``) or tuned online by an
 policy feeds: every placement is recorded with its predicted TTFT, and
 :meth:`prefill_done` reports the observed one (placement -> first token).
 
+Chunked pipeline parallelism (§3.3, ``cpp``): with ``cpp.group_size`` X > 1 every X
+live prefill instances form a group (:mod:`services.conductor.cpp`), and for the
+cache-aware strategies each group is one more candidate: its anchor's own prefix, the
+members' queues and the pipeline timing; the argmin takes it only when strictly
+faster, so a one-chunk request stays on one instance. The dispatch records each
+member's work until its stage is done.
+
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
 
@@ -76,6 +83,7 @@ from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
 from services.common.liveness import Liveness
 from services.common.rejection import Rejection
+from services.conductor import cpp as cpp_
 from services.conductor.balancing import AdaptiveThreshold
 
 STRATEGIES = ("global", "local", "load", "random")
@@ -136,6 +144,13 @@ class Placement:
     est_prefill_s: float
     est_tbt_s: float
     strategy: str
+    # Chunked pipeline parallelism (services.conductor.cpp): the stages in pipeline
+    # order (``prefill_instance`` is the anchor, one of them), their nodes, the chunk size and when
+    # each stage is done (seconds after placement, queues included). Empty: one instance.
+    cpp_stages: tuple[str, ...] = ()
+    cpp_stage_nodes: tuple[str, ...] = ()
+    cpp_chunk_tokens: int = 0
+    cpp_stage_end_s: tuple[float, ...] = ()
 
 
 Decision = Placement | Rejection
@@ -154,6 +169,14 @@ class _Dispatch:
     est_ttft_s: float = 0.0  # as placed, before the TTFT feedback's factor
     prefill_open: bool = True
     decode_since: float | None = None  # first-token time; None: not yet
+    # A pipelined request's work per member (empty: all of work_s on prefill_instance).
+    stage_work: dict[str, float] = field(default_factory=dict)
+
+    def work_on(self, instance: str) -> float:
+        return self.stage_work.get(instance, self.work_s) if self.stage_work else self.work_s
+
+    def prefill_members(self) -> tuple[str, ...]:
+        return tuple(self.stage_work) if self.stage_work else (self.prefill_instance,)
 
 
 @dataclass
@@ -167,6 +190,10 @@ class _Candidate:
     transfer_s: float
     prefill_s: float
     factor: float = 1.0  # the instance's observed/predicted TTFT (TtftFeedback)
+    stages: tuple[str, ...] = ()  # a CPP group, in pipeline order (empty: one instance)
+    stage_nodes: tuple[str, ...] = ()
+    stage_end_s: tuple[float, ...] = ()
+    stage_work: tuple[float, ...] = ()  # what each member is held for (cpp.member_work)
 
     @property
     def raw_ttft_s(self) -> float:
@@ -237,6 +264,9 @@ class PlacementPolicy:
     # actual TTFT around the prediction, so the accepted requests' p90 (not their
     # mean) meets the SLO. 1.0 in the simulator, whose instances run the model exactly.
     ttft_margin: float = 1.0
+    # Chunked pipeline parallelism: groups of cpp.group_size prefill instances compete
+    # with the single instances (group_size 1: off).
+    cpp: cpp_.CppConfig = field(default_factory=cpp_.CppConfig)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -267,7 +297,7 @@ class PlacementPolicy:
         self._liveness.seen("prefill:" + load.instance)
         for d in list(self._by_prefill.get(load.instance, {}).values()):
             if d.placed_at + self.report_grace_s <= load.ts:
-                self._close_prefill(d, source_too=False)
+                self._close_prefill(d, source_too=False, only=load.instance)
 
     def observe_decode(self, load: DecodeLoad) -> None:
         self._decode[load.instance] = load
@@ -321,7 +351,7 @@ class PlacementPolicy:
     def queue_s(self, instance: str) -> float:
         load = self._prefill.get(instance)
         base = load.queued_work_s if load else 0.0
-        return base + sum(d.work_s for d in self._by_prefill.get(instance, {}).values())
+        return base + sum(d.work_on(instance) for d in self._by_prefill.get(instance, {}).values())
 
     def inflight_bytes(self, node: str) -> float:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
@@ -402,7 +432,10 @@ class PlacementPolicy:
         elif self.strategy == "load":
             chosen = min(cands, key=lambda c: (c.queue_s, c.instance))
         else:
-            chosen = min(cands, key=lambda c: (c.ttft_s, -c.prefix_blocks, c.instance))
+            # A group wins only when strictly faster: on a tie the request stays single.
+            cands += self._group_candidates(req, prefills, own)
+            chosen = min(cands, key=lambda c: (c.ttft_s, len(c.stages), -c.prefix_blocks,
+                                               c.instance))
 
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
@@ -440,6 +473,7 @@ class PlacementPolicy:
             tokens=req.num_tokens,
             placed_at=self.clock.now(),
             est_ttft_s=chosen.raw_ttft_s,
+            stage_work=dict(zip(chosen.stages, chosen.stage_work, strict=True)),
         )
         self._record(d)
         self.stats["placed"] += 1
@@ -463,6 +497,10 @@ class PlacementPolicy:
             est_prefill_s=chosen.prefill_s,
             est_tbt_s=tbts[decode],
             strategy=self.strategy,
+            cpp_stages=chosen.stages,
+            cpp_stage_nodes=chosen.stage_nodes,
+            cpp_chunk_tokens=self.cpp.chunk_tokens if chosen.stages else 0,
+            cpp_stage_end_s=chosen.stage_end_s,
         )
 
     def _candidates(
@@ -517,18 +555,72 @@ class PlacementPolicy:
             )
         return out
 
+    def _group_candidates(
+        self, req: PlacementRequest, prefills: Sequence[str], own: Mapping[str, int]
+    ) -> list[_Candidate]:
+        """Every CPP group of live instances as one candidate (services.conductor.cpp):
+        its members' longest own prefix, the other stages' slices of it from the
+        anchor, and the pipeline's timing with each stage starting once its member's
+        queue is done."""
+        if not self.cpp.enabled:
+            return []
+        node_of = {i: self._prefill[i].node for i in prefills}
+        out = []
+        for members in cpp_.form_groups(prefills, self.cpp.group_size):
+            anchor = cpp_.anchor_of(members, node_of, own)
+            prefix = own.get(node_of[anchor], 0)
+            computed_prefix = _computed_prefix(req, prefix)
+            if req.num_tokens - computed_prefix < self.cpp.min_tokens:
+                continue
+            slices_s = 0.0
+            if computed_prefix > 0:
+                slices_s = self.cost.transfer_time(
+                    0, self.cost.kv_bytes(1) * cpp_.slice_tokens(computed_prefix, len(members))
+                    + self.inflight_bytes(node_of[anchor]),
+                )
+            by_member = {m: self.queue_s(m) for m in members}
+            stages = cpp_.order_stages(members, by_member, anchor)
+            queues = [by_member[m] for m in stages]
+            timing = cpp_.pipeline_timing(
+                [self._book.cost(m) for m in stages], req.num_tokens, computed_prefix,
+                self.cpp.chunk_tokens, link=self.cost,
+                ready=cpp_.ready_times(queues, slices_s, stages.index(anchor)),
+            )
+            # The queues and slices overlap the pipeline: the timing holds them all.
+            out.append(_Candidate(
+                instance=anchor,
+                node=node_of[anchor],
+                own_blocks=prefix,
+                prefix_blocks=prefix,
+                remote=None,
+                queue_s=queues[0],
+                transfer_s=0.0,
+                prefill_s=timing.ttft_s - queues[0],
+                factor=max(self.feedback.factor(m) for m in stages) if self.feedback else 1.0,
+                stages=stages,
+                stage_nodes=tuple(node_of[m] for m in stages),
+                stage_end_s=timing.stage_end_s,
+                stage_work=tuple(cpp_.member_work(queues, timing)),
+            ))
+        return out
+
     # ------------------------------------------------------------ bookkeeping
 
     def _record(self, d: _Dispatch) -> None:
         self._dispatches[d.request_id] = d
-        self._by_prefill.setdefault(d.prefill_instance, {})[d.request_id] = d
+        for m in d.prefill_members():
+            self._by_prefill.setdefault(m, {})[d.request_id] = d
         self._by_decode.setdefault(d.decode_instance, {})[d.request_id] = d
         if d.source_node is not None:
             self._by_source.setdefault(d.source_node, {})[d.request_id] = d
 
-    def _close_prefill(self, d: _Dispatch, source_too: bool) -> None:
-        d.prefill_open = False
-        self._by_prefill.get(d.prefill_instance, {}).pop(d.request_id, None)
+    def _close_prefill(self, d: _Dispatch, source_too: bool, only: str | None = None) -> None:
+        """Drop the prefill work of ``d`` from its instances (``only``: from that one, as
+        its report now covers it; a pipelined request stays open on the others)."""
+        for m in d.prefill_members() if only is None else (only,):
+            self._by_prefill.get(m, {}).pop(d.request_id, None)
+        d.prefill_open = any(d.request_id in self._by_prefill.get(m, {})
+                             for m in d.prefill_members())
         if source_too and d.source_node is not None:
             self._by_source.get(d.source_node, {}).pop(d.request_id, None)
             d.source_node = None
