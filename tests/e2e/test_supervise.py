@@ -109,3 +109,23 @@ async def test_sigkilled_nats_server_is_restarted_and_the_stack_serves(supervise
     await _until(lambda: _ready(s), "the gateway is ready again")
     await _serves(s)
     assert not s.exited()
+
+
+async def test_a_crash_loop_is_given_up_and_the_rest_keep_serving(supervised):
+    """Last in this module: decode-0 stays down. The policy allows 3 restarts in 600 s."""
+    s = supervised
+    for _ in range(5):  # 3 restarts, then given up: never more tries than that
+        if "decode-0" in s.supervisor.given_up:
+            break
+        n = s.restarts.get("decode-0", 0)
+        s.kill("decode-0", signal.SIGKILL)
+        await _until(lambda n=n: s.restarts.get("decode-0", 0) > n
+                     or "decode-0" in s.supervisor.given_up, "decode-0 restarted or given up")
+    assert "decode-0" in s.supervisor.given_up
+    assert s.restarts["decode-0"] == 3
+    gave_up = [e for e in s.events if e.kind == "gave_up"]
+    assert [e.name for e in gave_up] == ["decode-0"]
+    assert "gave up on it" in gave_up[0].describe(s.cfg.restart_policy)
+    assert s.children["decode-0"].proc.poll() is not None  # it stays down
+    assert s._health()  # the gateway and the rest still run
+    assert [c.name for c in s.exited()] == ["decode-0"]
