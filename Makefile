@@ -57,7 +57,7 @@ $(VERBS_STAMP): | $(STAMP)
 	fi
 	touch $(VERBS_STAMP)
 
-# Mooncake's own store, for `perigee bench transfer|store` only (a venv of its own).
+# Mooncake's own store, for `perigee bench transfer|ship|store` only (a venv of its own).
 install-mooncake:
 	test -x $(MOONCAKE_VENV)/bin/python || $(PY) -m venv $(MOONCAKE_VENV)
 	$(MOONCAKE_VENV)/bin/pip install -q mooncake-transfer-engine-non-cuda

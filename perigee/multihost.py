@@ -9,8 +9,8 @@
 
 Each host is a network namespace with its own address and a mount namespace with its
 own ``/dev/shm`` (a private tmpfs), so the hosts share no memory: a worker attaches its
-own host's store arena, and KV moves between hosts only over the stores' ZeroMQ data
-plane, across the veths. The bridge lives in a namespace of its own, so nothing is
+own host's store arena, and KV moves between hosts only through the stores' transfer
+engine (multi-stream TCP, coordinated over ZeroMQ), across the veths. The bridge lives in a namespace of its own, so nothing is
 added to the machine's own network. Serving nodes go round-robin over the hosts
 (prefill nodes first, then decode), the control plane and NATS on host 0. NATS is one
 server: a NATS cluster across the hosts is a later issue.

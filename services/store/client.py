@@ -1,4 +1,4 @@
-"""Worker-side handle on its node's store: slots in shared memory, transfers over ZMQ.
+"""Worker-side handle on its node's store: slots in shared memory, transfer requests over ZMQ.
 
 Lifecycle::
 
@@ -9,8 +9,9 @@ Lifecycle::
     await client.pull(dst, remote)
     await client.close()
 
-Transfers are requests to the local store, which moves the bytes store to store; a
-request answers when the far store acked (ship) or the bytes are in place (pull).
+Transfers are requests to the local store (no KV byte in them), which moves the bytes
+store to store through its transfer engine; a request answers when the bytes are in
+the far store's live slots (ship) or in place here (pull).
 Every failure (dead peer, timeout, stale transaction, bad slots) raises
 :class:`TransferError` with a stable ``code``.
 """

@@ -2,7 +2,8 @@
 
 Lifecycle::
 
-    start: create the shared-memory arena, bind the ZeroMQ ROUTER (data plane),
+    start: create the shared-memory arena, bind the ZeroMQ ROUTER (data-plane
+           coordination) and start the transfer engines (shm, TCP, RDMA: the bytes),
            subscribe the control endpoints, announce StoreInfo
     serve: NATS  perigee.store.<node>.tx.allocate  TxAllocate -> TxHandle | Refused
                  perigee.store.<node>.tx.commit    TxCommit   -> TxDone | Refused
@@ -19,7 +20,8 @@ Lifecycle::
                  perigee.store.<node>.obj.replicate ObjectReplicate -> ObjectDone | Refused
                  perigee.ctl.kv.replicate          Replicate (acted on by dest_node's store)
            TCP   object put/get on StoreInfo.obj_addr (services.store.object_server)
-           tasks data-plane   ROUTER loop (SHIP/PULL from workers, WRITE/READ from peers)
+           tasks data-plane   ROUTER loop (SHIP/PULL from workers, OPEN/CLOSE from peers;
+                              services.store.transfer), grant sweep
                  announce     StoreInfo on perigee.store.announce every announce interval
                  lease-sweep  aborts transactions whose lease ran out, drops expired pins
                  kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order
