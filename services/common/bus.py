@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar, overload
 from urllib.parse import unquote, urlsplit
 
 import msgspec
@@ -27,7 +27,10 @@ from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.control import BusReconnected
 from bus_schemas.requests import Error, ErrorCode
 from services.common import metrics, shutdown
+from services.common.errors import CodedError
 from tracing import extract, inject, tracer
+
+T = TypeVar("T")
 
 log = structlog.get_logger()
 
@@ -186,6 +189,18 @@ async def publish(nc: NATS, subject: str, msg: Any, reply: str = "") -> None:
     await send(nc, subject, encode(msg), reply=reply, headers=inject())
 
 
+@overload
+async def request(
+    nc: NATS, subject: str, msg: Any, reply_type: type[T], timeout: float = 2.0
+) -> T: ...
+
+
+@overload
+async def request(  # a union of reply types (e.g. TxReply): one of them
+    nc: NATS, subject: str, msg: Any, reply_type: Any, timeout: float = 2.0
+) -> Any: ...
+
+
 async def request(nc: NATS, subject: str, msg: Any, reply_type: Any, timeout: float = 2.0) -> Any:
     """Request/reply with strict decoding; an error reply raises :class:`RemoteError`
     (``payload_too_large`` when the reply would not fit on the bus), a message too large
@@ -194,15 +209,13 @@ async def request(nc: NATS, subject: str, msg: Any, reply_type: Any, timeout: fl
     check_size(nc, subject, data, headers)
     resp = await nc.request(subject, data, timeout=timeout, headers=headers)
     if resp.headers and ERROR_HEADER in resp.headers:
-        err = decode(resp.data, ErrorReply)
+        err: ErrorReply = decode(resp.data, ErrorReply)
         raise RemoteError(err.error, err.message)
     return decode(resp.data, reply_type)
 
 
-class RemoteError(RuntimeError):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
+class RemoteError(CodedError, RuntimeError):
+    """The service answered with an error reply (``code``: its kind, e.g. bad_request)."""
 
 
 async def send_error(
@@ -226,9 +239,9 @@ class Subscriptions:
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._subs: list[Any] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task:
+    def spawn(self, coro: Awaitable[Any], name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         if name:
             task.set_name(name)
@@ -236,7 +249,7 @@ class Subscriptions:
         task.add_done_callback(self._done)
         return task
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("task_failed", task=task.get_name(), error=repr(task.exception()))
@@ -354,7 +367,7 @@ async def drain(nc: NATS, timeout: float = DRAIN_S) -> None:
         await _within(nc.close(), 1.0)
 
 
-async def _within(coro, timeout: float) -> bool:
+async def _within(coro: Awaitable[Any], timeout: float) -> bool:
     """Run ``coro`` for at most ``timeout``; past that it is cancelled and left behind
     (not awaited: it may not end). True when it finished without an error."""
     task = asyncio.ensure_future(coro)

@@ -50,6 +50,14 @@ class AllocationRound:
         return role in self.refused or role in self.failed
 
 
+@dataclass(frozen=True)
+class Unanswered:
+    """A store request that got no usable reply: a timeout, no responders, an error
+    reply or one that does not decode."""
+
+    reason: str
+
+
 class StoreTx:
     def __init__(self, nc: NATS, *, timeout_s: float = 2.0) -> None:
         self.nc = nc
@@ -67,7 +75,7 @@ class StoreTx:
             elif isinstance(rep, Refused):
                 out.refused[role] = rep.reason
             else:
-                out.failed[role] = str(rep)
+                out.failed[role] = rep.reason if isinstance(rep, Unanswered) else repr(rep)
         return out
 
     async def commit(self, node: str, tx_id: str, request_id: str) -> bool:
@@ -75,7 +83,7 @@ class StoreTx:
             node, "tx.commit", TxCommit(tx_id=tx_id, request_id=request_id), TxDoneReply
         )
         if not isinstance(rep, TxDone):
-            log.warning("commit_failed", node=node, tx_id=tx_id, reply=str(rep))
+            log.warning("commit_failed", node=node, tx_id=tx_id, reply=repr(rep))
             return False
         return True
 
@@ -99,6 +107,7 @@ class StoreTx:
         return rep if isinstance(rep, TxRenewed) else None
 
     async def _request(self, node: str, ep: str, msg: Any, reply_type: Any) -> Any:
+        """The store's reply (one of ``reply_type``), or :class:`Unanswered`."""
         try:
             return await bus.request(
                 self.nc, subjects.store_ctl(node, ep), msg, reply_type, timeout=self.timeout_s
@@ -107,7 +116,7 @@ class StoreTx:
             log.warning(
                 "store_request_failed", node=node, endpoint=ep, error=f"{type(e).__name__}: {e}"
             )
-            return f"{node} {ep}: {type(e).__name__}"
+            return Unanswered(f"{node} {ep}: {type(e).__name__}")
 
 
 class LeaseKeeper:

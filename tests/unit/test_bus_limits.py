@@ -69,7 +69,7 @@ async def test_a_reply_over_max_payload_is_an_error_reply_not_a_timeout(small_se
         assert ok.data == b"y" * 10
         with pytest.raises(bus.RemoteError) as e:
             await bus.request(cli, "t.ask", Ask(size=2 * LIMIT), Blob, timeout=10)
-        assert e.value.kind == "payload_too_large"
+        assert e.value.code == "payload_too_large"
         assert f"max_payload of {LIMIT} bytes" in str(e.value)
         # A request too large to send fails at once, before the bus.
         with pytest.raises(bus.PayloadTooLarge):
@@ -93,7 +93,7 @@ async def test_a_handler_whose_own_publish_is_too_large_answers_why(small_server
         await subs.serve("t.fan", Ask, handler)
         with pytest.raises(bus.RemoteError) as e:
             await bus.request(cli, "t.fan", Ask(size=2 * LIMIT), Ask, timeout=10)
-        assert e.value.kind == "payload_too_large" and "t.fanout" in str(e.value)
+        assert e.value.code == "payload_too_large" and "t.fanout" in str(e.value)
     finally:
         await subs.close()
         await srv.close()
