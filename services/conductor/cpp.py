@@ -42,7 +42,7 @@ DEFAULT_CHUNK_TOKENS = 4096
 # Below this many computed tokens a request is not offered to a group: a group holds X
 # instances for the whole pipeline, so a small gain in one TTFT would cost the requests
 # queued behind them more than it saves (the paper pipelines only above a threshold).
-DEFAULT_MIN_TOKENS = 16384
+DEFAULT_MIN_TOKENS = 65536
 
 
 @dataclass(frozen=True)
