@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bus_schemas.placement import PrefillTask
+from services.common import reservation as plan
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 
@@ -20,22 +21,16 @@ class BadTask(ValueError):
 
 
 def prefix_blocks(task: PrefillTask) -> int:
-    """Leading blocks the conductor expects on this node before compute: the local hit,
-    extended by the remote blocks to pull (the reservation at compute start has the
-    last word: :meth:`PrefillQueue.start_with`)."""
-    hit = task.expected_hit_blocks
-    s = task.source
-    if s is None or s.num_blocks <= 0:
-        return hit
-    if s.first_block > hit:
-        raise BadTask(
-            f"remote prefix starts at block {s.first_block} but only {hit} blocks are local"
-        )
-    return max(hit, s.first_block + s.num_blocks)
+    """Leading blocks the conductor expects on this node before compute (the store
+    reservation at compute start has the last word: :meth:`PrefillQueue.start_with`)."""
+    try:
+        return plan.expected_prefix_blocks(task.expected_hit_blocks, task.source)
+    except plan.BadPrefix as e:
+        raise BadTask(str(e)) from e
 
 
 def prefix_tokens(task: PrefillTask, block_size: int) -> int:
-    return min(len(task.request.prompt_token_ids), prefix_blocks(task) * block_size)
+    return plan.prefix_tokens(len(task.request.prompt_token_ids), prefix_blocks(task), block_size)
 
 
 @dataclass
@@ -117,7 +112,7 @@ class PrefillQueue:
         """The running ``item``'s store reservation found ``prefix_blocks`` on this node
         (the expectation may have been off): its remaining work follows the real prefix."""
         n = item.prompt_tokens
-        item.prefix_tokens = min(n, prefix_blocks * self.block_size)
+        item.prefix_tokens = plan.prefix_tokens(n, prefix_blocks, self.block_size)
         item.work_s = self.cost.prefill_time(n, item.prefix_tokens)
 
     def done(self, request_id: str) -> None:

@@ -19,8 +19,9 @@ from typing import Protocol
 
 import structlog
 
-from bus_schemas.control import TxAllocate, TxHandle, TxRole
+from bus_schemas.control import TxAllocate, TxHandle
 from bus_schemas.placement import PrefillTask, RemotePrefix
+from services.common import reservation as plan
 from services.common.store_tx import AllocationRound, LeaseKeeper, StoreTx
 
 log = structlog.get_logger()
@@ -46,7 +47,8 @@ class Reservation:
         """Leading blocks whose KV is on the prefill node before compute: the local hit,
         extended by the pulled ones."""
         r = self.remote
-        return max(self.prefill_tx.hit_blocks, r.first_block + r.num_blocks if r else 0)
+        return plan.prefix_after(self.prefill_tx.hit_blocks,
+                                 (r.first_block, r.num_blocks) if r else None)
 
     def txs(self) -> list[tuple[str, str]]:
         out = [(self.prefill_tx.node, self.prefill_tx.tx_id),
@@ -63,16 +65,6 @@ class Reserver(Protocol):
     async def close(self) -> None: ...
 
 
-def source_plan(task: PrefillTask, hit: int) -> tuple[int, int] | None:
-    """(first_block, num_blocks) to pull, given the prefill node's real hit: the pull
-    starts where the local prefix ends; None when the node already has it all."""
-    s = task.source
-    if s is None:
-        return None
-    end = s.first_block + s.num_blocks
-    return (hit, end - hit) if hit < end else None
-
-
 class StoreReserver:
     """:class:`Reserver` over the stores' NATS control endpoints."""
 
@@ -86,30 +78,19 @@ class StoreReserver:
 
     def _jobs(self, task: PrefillTask, roles: set[str]) -> dict[str, tuple[str, TxAllocate]]:
         req = task.request
-        hashes = req.block_hashes or []
-        n = len(req.prompt_token_ids)
         common = dict(request_id=req.request_id, retention=req.retention,
                       context_ttl_s=req.context_ttl_s, lease_s=self.lease_s)
-        jobs: dict[str, tuple[str, TxAllocate]] = {}
-        if "prefill" in roles:
-            jobs["prefill"] = (task.prefill_node, TxAllocate(
-                role=TxRole.PREFILL, block_hashes=hashes, num_tokens=n, **common))
-        if "decode" in roles:
-            jobs["decode"] = (task.decode_node, TxAllocate(
-                role=TxRole.DECODE, block_hashes=hashes, num_tokens=n, **common))
-        if "source" in roles and task.source is not None:
-            # Lock the holder's whole prefix: where the pull starts is known only once
-            # the prefill node has answered with its own hit.
-            end = task.source.first_block + task.source.num_blocks
-            bs = req.block_size
-            jobs["source"] = (task.source.node, TxAllocate(
-                role=TxRole.SOURCE, block_hashes=hashes[:end],
-                num_tokens=min(n, end * bs), **common))
-        return jobs
+        todo = plan.jobs(prefill_node=task.prefill_node, decode_node=task.decode_node,
+                         source=task.source, block_hashes=req.block_hashes or [],
+                         num_tokens=len(req.prompt_token_ids), block_size=req.block_size,
+                         roles=roles)
+        return {role: (j.node, TxAllocate(role=j.role, block_hashes=j.block_hashes,
+                                          num_tokens=j.num_tokens, **common))
+                for role, j in todo.items()}
 
     async def reserve(self, task: PrefillTask) -> Reservation:
         rid = task.request.request_id
-        want = {"prefill", "decode"} | ({"source"} if task.source is not None else set())
+        want = plan.wanted(task.source)
         got = AllocationRound()
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.wait_s
@@ -120,25 +101,22 @@ class StoreReserver:
                 for role, (node, h) in att.handles.items():
                     got.handles[role] = (node, h)
                     self.leases.hold(rid, node, h)
-                if att.broke("source"):
+                v = plan.next_step(att.refused, att.failed)
+                if v.drop_source:
                     # The holder no longer has the prefix (evicted while the request
                     # queued, nothing being locked then) or is gone: compute it here.
                     log.info("source_dropped", node=task.source.node if task.source else "",
                              reason=att.refused.get("source") or att.failed.get("source"))
-                    want.discard("source")
-                    att.refused.pop("source", None)
-                    att.failed.pop("source", None)
-                if att.failed or any(r != "capacity" for r in att.refused.values()):
-                    detail = "; ".join(f"{k}: {v}" for k, v in {**att.refused, **att.failed}.items())
-                    raise ReserveError("unavailable", f"store unavailable ({detail})")
-                if not att.refused:
+                    want.discard(plan.SOURCE)
+                if v.step is plan.Step.FAIL:
+                    raise ReserveError("unavailable", f"store unavailable ({v.detail})")
+                if v.step is plan.Step.DONE:
                     break
                 if loop.time() >= give_up:
                     raise ReserveError("capacity", "no room in the store for the request's "
-                                       f"KV after {self.wait_s:.0f} s "
-                                       f"({', '.join(sorted(att.refused))})")
+                                       f"KV after {self.wait_s:.0f} s ({v.detail})")
                 if not waited:
-                    log.info("reserve_waiting_for_room", refused=sorted(att.refused))
+                    log.info("reserve_waiting_for_room", refused=v.detail)
                     waited = True
                 await asyncio.sleep(self.retry_s)
         except BaseException:
@@ -150,15 +128,15 @@ class StoreReserver:
         rid = task.request.request_id
         ptx, dtx = got.handles["prefill"][1], got.handles["decode"][1]
         remote = None
-        if "source" in got.handles:
-            node, stx = got.handles["source"]
-            plan = source_plan(task, ptx.hit_blocks)
-            if plan is None:  # the prefill node already has it all: nothing to pull
+        if plan.SOURCE in got.handles:
+            node, stx = got.handles[plan.SOURCE]
+            g = plan.grant(task.source, prefill_hit=ptx.hit_blocks, source_granted=True)
+            if g.pull is None:  # the prefill node already has it all: nothing to pull
                 self.leases.drop(node, stx.tx_id)
                 await self.tx.abort(node, stx.tx_id, rid, "not needed")
             else:
-                remote = RemotePrefix(source_node=node, source_tx=stx, first_block=plan[0],
-                                      num_blocks=plan[1])
+                remote = RemotePrefix(source_node=node, source_tx=stx, first_block=g.pull[0],
+                                      num_blocks=g.pull[1])
         return Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
