@@ -111,6 +111,12 @@ class ReplyRouter:
         self._echo_lag = 0.0  # how late it came back
         self.stale_sweeps = 0
         self._sweep_interval = 0.0
+        # A NATS server died: who reconnected since the last resume pass, and whether
+        # one is due (_on_bus_reconnected).
+        self.bus_settle_s = 0.25
+        self._bus_lost: set[str] = set()
+        self._bus_pass_due = False
+        self.bus_passes = 0
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply))
@@ -219,6 +225,14 @@ class ReplyRouter:
             log.warning("bad_stream_event", request_id=rid, error=str(e))
             return
         wd = self.watchdog
+        if self._lost_before(f, ev):
+            # Events before this one never came (a NATS server died with them in
+            # flight): showing it would cut tokens out of the stream, so it goes on
+            # from the tokens the client has instead.
+            log.warning("stream_gap", request_id=rid, attempt=f.attempt, have=len(f.generated))
+            self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE, "stream events lost on the bus",
+                                  dead_role=BUS_LOSS))
+            return
         if type(ev) is Tokens:
             wd.tokens(rid, ev.from_prefill)
             ev = self._note_tokens(f, ev)
@@ -231,6 +245,16 @@ class ReplyRouter:
             if f.attempt:
                 ev = self._from_attempt(f, ev)
         q.put_nowait(ev)
+
+    @staticmethod
+    def _lost_before(f: _Flight, ev: StreamEvent) -> bool:
+        """A token past the ones the client has, or an end that counts more tokens
+        than the client got (each attempt's indices and counts start at its offset)."""
+        if type(ev) is Tokens:
+            return ev.index + f.offset > len(f.generated)
+        if type(ev) is Finished:
+            return ev.completion_tokens + f.offset > len(f.generated)
+        return False
 
     def _note_tokens(self, f: _Flight, ev: Tokens) -> Tokens:
         """Record what the client gets (for a later migration) and shift the index of a
@@ -327,19 +351,34 @@ class ReplyRouter:
         """A client of a NATS server that died is connected again (possibly this one):
         what was in flight through that server is lost (core NATS is at most once), and
         the request it belonged to would wait for it until its timeout. So every request
-        sent goes on from the tokens its client has, as after a worker's death."""
+        sent goes on from the tokens its client has, as after a worker's death.
+
+        Every client of the dead server says so within moments of each other: their
+        notices are coalesced into one pass, ``bus_settle_s`` after the first, so that a
+        request is resent once, not once per client. A pass always starts after every
+        notice it answers was received, which is all the guarantee needs."""
         try:
             who = decode(msg.data, BusReconnected).client
         except BadMessage as e:
             log.warning("bad_bus_reconnected", error=str(e))
             return
+        self._bus_lost.add(who)
+        if not self._bus_pass_due:
+            self._bus_pass_due = True
+            self._spawn(self._resume_after_bus_loss())
+
+    async def _resume_after_bus_loss(self) -> None:
+        await asyncio.sleep(self.bus_settle_s)
+        self._bus_pass_due = False  # a notice from now on gets a pass of its own
+        self.bus_passes += 1
+        who, self._bus_lost = sorted(self._bus_lost), set()
         sent = [rid for rid, f in self._flights.items() if f.request is not None]
         if sent:
-            log.warning("bus_loss_resume", client=who, requests=len(sent))
+            log.warning("bus_loss_resume", clients=who, requests=len(sent))
         for rid in sent:
             self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE,
-                                  f"messages lost with a NATS server ({who} reconnected)",
-                                  dead_role=BUS_LOSS))
+                                  f"messages lost with a NATS server ({', '.join(who)} "
+                                  "reconnected)", dead_role=BUS_LOSS))
 
     def _migrate(self, f: _Flight, d: "migration.Resume", v: Verdict) -> None:
         rid, old, new = v.request_id, f.current, d.request.request_id

@@ -17,7 +17,7 @@ from perigee.natsd import NatsCluster
 from services.common import bus
 from services.common.clock import ManualClock
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing
+from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
 
 OUT = TOK.encode("one two three four five six", add_bos=False)
 
@@ -101,8 +101,65 @@ async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env
 
 async def test_a_bus_loss_with_nothing_in_flight_resends_nothing(env):
     gw, b, _ = env
-    await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="store-p0")))
+    gw.router.bus_settle_s = 0.0
     await b.nc.publish(subjects.BUS_RECONNECTED, b"not a notice")  # bad input: ignored
+    await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="store-p0")))
     await b.nc.flush()
-    await gw.nc.flush()
+    await until(lambda: gw.router.bus_passes == 1)  # the notice came and its pass ran
     assert gw.router.migrations == 0 and b.requests.empty()
+
+
+async def test_a_burst_of_notices_resends_a_request_once(env):
+    """Every client of the dead server reconnects within moments: one resume pass."""
+    gw, b, http = env
+    gw.router.bus_settle_s = 2.0  # far longer than the burst takes to arrive
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True))
+    async with await asyncio.wait_for(post, 5) as r:
+        for who in ("decode-d0", "store-d0", "gateway", "conductor-0"):
+            await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client=who)))
+        await b.nc.flush()
+        again, reply2 = await asyncio.wait_for(b.requests.get(), 10)
+        assert again.request_id == f"{rid}-m1"
+        assert gw.router.migrations == 1 and gw.router.bus_passes == 1
+        aid = again.request_id
+        await send(b, reply2, Tokens(request_id=aid, token_ids=OUT[1:], index=0),
+                   Finished(request_id=aid, finish_reason="length",
+                            prompt_tokens=len(again.prompt_token_ids),
+                            completion_tokens=len(OUT) - 1, cached_tokens=0))
+        chunks, done = await read_sse(r)
+    assert done and b.requests.empty()
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)
+
+
+async def test_a_gap_in_the_stream_is_never_shown_the_request_goes_on_instead(env):
+    """Tokens 1-2 were lost on the bus: token 3 (and a Finished counting 6) would cut
+    them out of the stream. The request goes on from token 1 instead."""
+    gw, b, http = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True))
+    async with await asyncio.wait_for(post, 5) as r:
+        await send(b, reply, Tokens(request_id=rid, token_ids=OUT[3:], index=3),
+                   Finished(request_id=rid, finish_reason="length", prompt_tokens=3,
+                            completion_tokens=len(OUT), cached_tokens=0))
+        again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
+        assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:1]]
+        aid = again.request_id
+        await send(b, reply2, Tokens(request_id=aid, token_ids=OUT[1:], index=0),
+                   Finished(request_id=aid, finish_reason="length",
+                            prompt_tokens=len(again.prompt_token_ids),
+                            completion_tokens=len(OUT) - 1, cached_tokens=0))
+        chunks, done = await read_sse(r)
+    assert done
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)
+    assert gw.router.migrations == 1
