@@ -19,6 +19,7 @@ operator's tools, the tests. Passwords are drawn per run (:func:`new_password`).
 
 import json
 import secrets
+import sys
 from dataclasses import dataclass, field
 
 from bus_schemas import subjects as s
@@ -115,28 +116,30 @@ def _q(items) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def render(us: list[User], *, env_passwords: bool = False) -> str:
+def render(us: list[User], *, env_passwords: bool = False, env_users: bool = False) -> str:
     """An ``authorization`` block for nats-server. ``env_passwords``: each password is
     ``$<NAME>_NATS_PASSWORD`` (upper case, ``-`` as ``_``) from the server's environment,
-    as compose passes them."""
+    as compose passes them; ``env_users``: each user name ``$<NAME>_NATS_USER`` too (the
+    Kubernetes Secret names them)."""
     lines = ["authorization {", "  users: ["]
     allow = [ALL, INBOX, *JETSTREAM]
     for u in us:
         pw = f"${env_var(u.name)}" if env_passwords else json.dumps(u.password)
+        name = f"${env_var(u.name, 'USER')}" if env_users else json.dumps(u.name)
         if u.admin:
-            lines.append(f"    {{user: {json.dumps(u.name)}, password: {pw}}}")
+            lines.append(f"    {{user: {name}, password: {pw}}}")
             continue
         pub = f"{{allow: {_q(allow)}, deny: {_q(u.pub_deny)}}}"
         sub = f"{{allow: {_q(allow)}" + (f", deny: {_q(u.sub_deny)}}}" if u.sub_deny else "}")
-        lines.append(f"    {{user: {json.dumps(u.name)}, password: {pw},")
+        lines.append(f"    {{user: {name}, password: {pw},")
         lines.append(f"     permissions: {{publish: {pub},")
         lines.append(f"                   subscribe: {sub}}}}}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
 
 
-def env_var(name: str) -> str:
-    return name.upper().replace("-", "_") + "_NATS_PASSWORD"
+def env_var(name: str, what: str = "PASSWORD") -> str:
+    return name.upper().replace("-", "_") + "_NATS_" + what
 
 
 def member(name: str, argv: list[str]) -> Member:
@@ -170,5 +173,21 @@ def compose_authorization() -> str:
                   env_passwords=True)
 
 
+# Kubernetes (deploy/k8s): one user per role, since pods come and go with scaling (no
+# per-instance rules); prefill and decode pods share "worker", as a RoleSwitch turns
+# one into the other in place.
+K8S = Deployment([
+    Member("gateway", "gateway"), Member("admission", "admission"),
+    Member("conductor", "conductor"), Member("worker", "decode"), Member("store", "store"),
+], switchable=True)
+
+
+def k8s_authorization() -> str:
+    """deploy/k8s/base/nats.conf's authorization block (tests/unit/test_k8s_manifests.py
+    holds them equal): names and passwords from the Secret, through each server's env."""
+    return render(users(K8S, {u: "-" for u in [ADMIN, *(m.name for m in K8S.members)]}),
+                  env_passwords=True, env_users=True)
+
+
 if __name__ == "__main__":
-    print(compose_authorization(), end="")
+    print(k8s_authorization() if sys.argv[1:] == ["k8s"] else compose_authorization(), end="")

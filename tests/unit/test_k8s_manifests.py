@@ -305,9 +305,14 @@ def test_credentials_come_from_secrets(rendered, tree):
     for w, c in containers(docs):
         env = {e["name"]: e for e in c.get("env", [])}
         names = want | ({"PERIGEE_API_KEY"} if c["name"] == "gateway" else set())
+        if not c["image"].startswith("perigee"):  # nats-server: every role's login
+            names = {n for n in env if n.endswith(("_NATS_USER", "_NATS_PASSWORD"))}
+            assert len(names) == 12, names
         for name in names:
             ref = env[name]["valueFrom"]["secretKeyRef"]
             assert ref["key"] in secrets[ref["name"]]["data"], (w["metadata"]["name"], name)
+        if not c["image"].startswith("perigee"):
+            continue
         password = environment(docs, c)["NATS_PASSWORD"]
         # No credential is written into a manifest: args and values only refer to it.
         assert password not in str(c.get("args", [])) + str([e.get("value") for e in env.values()])
@@ -315,8 +320,38 @@ def test_credentials_come_from_secrets(rendered, tree):
             assert flag(c, "--nats") == "$(NATS_URL)"
             url = environment(docs, c)["NATS_URL"]
             assert url.startswith(f"nats://{environment(docs, c)['NATS_USER']}:{password}@")
-    assert "REPLACE-ME" in base64.b64decode(
-        next(iter(secrets.values()))["data"]["nats-password"]).decode()
+    [data] = [s["data"] for s in secrets.values()]
+    passwords = [k for k in data if k.endswith("-nats-password")]
+    assert len(passwords) == 6  # the admin and one per role
+    for k in passwords:
+        assert "REPLACE-ME" in base64.b64decode(data[k]).decode(), k
+
+
+ROLE_USER = {"services.gateway": "gateway", "services.admission": "admission",
+             "services.conductor": "conductor", "services.prefill": "worker",
+             "services.decode": "worker", "services.store": "store"}
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_each_role_logs_in_as_its_own_nats_user_with_permissions(rendered, tree):
+    from perigee import natsauth
+
+    docs = rendered[tree]
+    for _, c in perigee_containers(docs):
+        module = c["args"][0]
+        env = environment(docs, c)
+        assert env["NATS_USER"] == ROLE_USER[module], module
+    sts = objs(docs, "StatefulSet")["perigee-nats"]
+    conf_vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    conf = objs(docs, "ConfigMap")[conf_vol["configMap"]["name"]]["data"]["nats.conf"]
+    assert natsauth.k8s_authorization() in conf  # generated, not hand-kept
+    # The server holds each role's login under the names the conf reads.
+    [server] = sts["spec"]["template"]["spec"]["containers"]
+    senv = environment(docs, server)
+    for _, c in perigee_containers(docs):
+        user = environment(docs, c)["NATS_USER"]
+        assert senv[natsauth.env_var(user, "USER")] == user
+        assert senv[natsauth.env_var(user)] == environment(docs, c)["NATS_PASSWORD"]
 
 
 # -- scaling ---------------------------------------------------------------------------
