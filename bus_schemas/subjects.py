@@ -11,6 +11,11 @@ NS = "perigee"
 REQUESTS = f"{NS}.requests"
 # admission -> conductor, after the request passed early rejection.
 SCHEDULE = f"{NS}.conductor.schedule"
+# Crash-safe intake (services.common.intake_queue): JetStream work queues. The gateway
+# publishes its requests on INTAKE; admission forwards what it accepted on
+# SCHEDULE_QUEUE (REQUESTS and SCHEDULE stay the core-NATS doors for bus clients).
+INTAKE = f"{NS}.intake"
+SCHEDULE_QUEUE = f"{NS}.conductor.queue"
 # A client that gives up (HTTP disconnect) publishes CancelRequest here; every
 # prefill and decode worker listens.
 CANCEL = f"{NS}.cancel"
@@ -50,6 +55,11 @@ def conductor_events(conductor_id: str) -> str:
     """Where workers tell the placing conductor that a request's prefill is handed over
     (FirstTokenNotice, from prefill) or that the request failed (RequestFailed)."""
     return f"{NS}.conductor.{conductor_id}.events"
+
+
+def placed(token: str) -> str:
+    """A conductor's claim on a request's placement (token: a digest of its id)."""
+    return f"{NS}.conductor.placed.{token}"
 
 
 def store_ctl(node: str, endpoint: str) -> str:

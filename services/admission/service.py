@@ -2,14 +2,19 @@
 
 A request's lifecycle here (no queue is kept; each message is decided on arrival):
 
-    REQUESTS (queue group Q_ADMISSION)
+    INTAKE (JetStream work queue, the gateway's requests; acked once decided and
+    forwarded or answered) or REQUESTS (core NATS, queue group Q_ADMISSION: bus clients)
       -> VALIDATED   strict decode (malformed: Error 400 on the reply subject), reply
                      subject = NATS reply or request.reply_subject (none: logged, dropped),
                      non-empty prompt, block hashes filled (services.common.hashing) or
                      checked, arrival_ts stamped
       -> DECIDED     the admission policy over the latest load reports
-      -> FORWARDED   the filled request on SCHEDULE for the conductor (a migration,
-                     ``GenerateRequest.migration``, skips the decision: it was accepted)
+      -> FORWARDED   the filled request on the SCHEDULE_QUEUE work queue for the
+                     conductors, stored there once by its id (the stream's ack is the
+                     acceptance). A migration (``GenerateRequest.migration``) skips the
+                     decision: it was accepted; so does an INTAKE message redelivered
+                     after an admission died holding it, which may have been accepted
+                     (services.common.intake_queue)
        | REJECTED    Error 429 (retry_after_s) or 503 on the reply subject
 
 Load reports (load.prefill.*, load.decode.*) feed the policy and its liveness view; a
@@ -28,7 +33,7 @@ from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
 
 from bus_schemas import subjects
-from bus_schemas.codec import BadMessage
+from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.control import RoleSwitch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest
@@ -37,13 +42,14 @@ from services.admission.policy import (
     AdmissionRequest,
     make_admission_policy,
 )
-from services.common import bus, defaults, metrics
+from services.common import bus, defaults, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.intake import hashes_for, reply_to, salvage
 from services.common.rejection import Rejection
+from tracing import extract, inject, tracer
 
 log = structlog.get_logger()
 
@@ -58,6 +64,8 @@ class AdmissionConfig:
     dead_after_s: float = 2.0
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     decode_time_s: float = 5.0  # predict: the uniform decode time t_d
+    durable_intake: bool = True  # serve the gateway's INTAKE work queue
+    intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
 
 
 class AdmissionService:
@@ -86,6 +94,7 @@ class AdmissionService:
             **extra,
         )
         self.subs = bus.Subscriptions(nc)
+        self.js = nc.jetstream() if nc is not None else None
 
     async def start(self) -> None:
         s = self.subs
@@ -108,6 +117,14 @@ class AdmissionService:
             span_name="admission.request",
             on_bad=self._on_bad,
         )
+        streams = [intake_queue.SCHEDULE_STREAM]
+        if self.cfg.durable_intake:
+            streams.append(intake_queue.INTAKE_STREAM)
+        await intake_queue.ensure_streams(self.js, streams)
+        if self.cfg.durable_intake:
+            await intake_queue.QueueConsumer(
+                self.nc, intake_queue.INTAKE_STREAM, subjects.INTAKE, subjects.Q_ADMISSION,
+                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s).start(s)
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("admission_started", policy=self.cfg.policy)
 
@@ -141,8 +158,26 @@ class AdmissionService:
             Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
         )
 
-    async def _on_request(self, req: GenerateRequest, m: NatsMsg) -> None:
-        reply = reply_to(req.reply_subject, m.reply)
+    async def _on_intake(self, m: NatsMsg) -> None:
+        """A request off the gateway's work queue: acked once it is forwarded or
+        answered, so one an admission dies holding comes again."""
+        try:
+            req = decode(m.data, GenerateRequest)
+        except BadMessage as e:
+            log.warning("bad_message", subject=m.subject, error=str(e))
+            request_id, reply = salvage(m.data)  # m.reply is the stream's ack subject
+            if reply:
+                await self._error(request_id, reply, ErrorCode.BAD_REQUEST, str(e))
+            await m.term()
+            return
+        with tracer().start_as_current_span("admission.request", context=extract(m.headers),
+                                            kind=trace.SpanKind.CONSUMER):
+            await self._on_request(req, m, durable=True)
+        await m.ack()
+
+    async def _on_request(self, req: GenerateRequest, m: NatsMsg, durable: bool = False) -> None:
+        # A stored message has no NATS reply: the gateway's travels in the request.
+        reply = req.reply_subject if durable else reply_to(req.reply_subject, m.reply)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")
@@ -158,7 +193,13 @@ class AdmissionService:
                 # A dead worker's request resent by the gateway: it was accepted once and
                 # what is accepted is served, so no early rejection.
                 span.set_attribute("admission.decision", "migration")
-                await bus.publish(self.nc, subjects.SCHEDULE, filled)
+                await self._forward(filled)
+                return
+            if durable and intake_queue.redelivered(m):
+                # An admission died holding it, maybe after forwarding it: accepted then.
+                span.set_attribute("admission.decision", "redelivered")
+                log.info("redelivered_forwarded")
+                await self._forward(filled)
                 return
             areq = AdmissionRequest(
                 request_id=req.request_id,
@@ -178,7 +219,13 @@ class AdmissionService:
             span.set_attribute("admission.decision", "accept")
             self.policy.on_accepted(areq)
             metrics.ADMITTED.inc()
-            await bus.publish(self.nc, subjects.SCHEDULE, filled)
+            await self._forward(filled)
+
+    async def _forward(self, req: GenerateRequest) -> None:
+        """Store the request on the conductors' work queue, once by its id; accepted once
+        the stream acks it."""
+        await bus.js_publish(self.js, subjects.SCHEDULE_QUEUE, encode(req),
+                             msg_id=req.request_id, headers=inject())
 
     def fill(self, req: GenerateRequest, reply: str) -> tuple[GenerateRequest, str]:
         """The request with reply subject, block size/hashes and arrival time filled in,

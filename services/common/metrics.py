@@ -149,6 +149,9 @@ REJECTIONS = Counter(P + "requests_rejected",
                      ["service", "code", "reason"], registry=None)
 ADMITTED = Counter(P + "requests_admitted", "Requests admission forwarded to the conductor.",
                    registry=None)
+INTAKE_RESENT = Counter(P + "intake_placements_resent", "Placements a conductor sent again "
+                        "from their claim (a redelivered request, already placed once).",
+                        registry=None)
 MIGRATIONS = Counter(P + "migrations", "Requests resent after their prefill or decode instance "
                      "died, as the conductor placed them, by reason.", ["reason"], registry=None)
 MIGRATION_KV_TOKENS = Counter(
@@ -209,7 +212,7 @@ GROUPS: dict[str, list[Any]] = {
                 REQUEST_MAX_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
                 REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
     "admission": [REJECTIONS, ADMITTED],
-    "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS],
+    "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS, INTAKE_RESENT],
     "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
                 PREFILL_PREDICTED_OVER_MEASURED],
     "decode": [DECODE_LOAD_TIME, DECODE_TIME, MIGRATION_KV_TOKENS],

@@ -37,10 +37,11 @@ import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
+from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
 
 from bus_schemas import subjects
-from bus_schemas.codec import BadMessage
+from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.placement import (
     ConductorEvent,
@@ -50,7 +51,7 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus, defaults, metrics
+from services.common import bus, defaults, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
@@ -69,7 +70,7 @@ from services.conductor.policy import (
 )
 from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
-from tracing import tracer
+from tracing import extract, tracer
 
 log = structlog.get_logger()
 
@@ -99,6 +100,10 @@ class ConductorConfig:
     pd_window_s: float = 60.0
     pd_cooldown_s: float = 30.0
     pd_min_samples: int = 10
+    # Serve the crash-safe intake (SCHEDULE_QUEUE, services.common.intake_queue); a
+    # message held longer than intake_ack_wait_s by a conductor that died goes to another.
+    durable_intake: bool = True
+    intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
 
     @property
     def forget_after_s(self) -> float:
@@ -165,6 +170,8 @@ class ConductorService:
         )
         self.tx = StoreTx(nc, timeout_s=cfg.tx_timeout_s)
         self.pending: dict[str, float] = {}  # request id -> placed at, until a notice settles it
+        self.js = nc.jetstream() if nc is not None else None
+        self.resent = 0  # placements re-sent from a claim (a redelivery): none placed twice
 
     async def start(self) -> None:
         s = self.subs
@@ -195,6 +202,13 @@ class ConductorService:
             span_name="conductor.schedule",
             on_bad=self._on_bad_request,
         )
+        if self.cfg.durable_intake:
+            await intake_queue.ensure_streams(
+                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.PLACED_STREAM])
+            await intake_queue.QueueConsumer(
+                self.nc, intake_queue.SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE,
+                subjects.Q_CONDUCTOR, self._on_queued, concurrent=True,
+                ack_wait_s=self.cfg.intake_ack_wait_s).start(s)
         s.spawn(self._sweeper(), name="conductor:sweeper")
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)
@@ -224,8 +238,27 @@ class ConductorService:
                 Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
             )
 
-    async def _on_schedule(self, req: GenerateRequest, m: NatsMsg) -> None:
-        reply = reply_to(req.reply_subject, m.reply)
+    async def _on_queued(self, m: NatsMsg) -> None:
+        """A request off the crash-safe intake: placed (or its claimed placement re-sent)
+        and acked only then, so a conductor that dies before the ack loses nothing."""
+        try:
+            req = decode(m.data, GenerateRequest)
+        except BadMessage as e:
+            log.warning("bad_message", subject=m.subject, error=str(e))
+            request_id, reply = salvage(m.data)
+            if reply:
+                await bus.publish(self.nc, reply, Error(
+                    request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(e)))
+            await m.term()
+            return
+        with tracer().start_as_current_span("conductor.schedule", context=extract(m.headers),
+                                            kind=trace.SpanKind.CONSUMER):
+            # The reply travels in the request: a stored message has no NATS reply.
+            await self._on_schedule(req, m, durable=True)
+        await m.ack()
+
+    async def _on_schedule(self, req: GenerateRequest, m: NatsMsg, durable: bool = False) -> None:
+        reply = req.reply_subject if durable else reply_to(req.reply_subject, m.reply)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")
@@ -233,8 +266,13 @@ class ConductorService:
             if not req.prompt_token_ids:
                 await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, "empty prompt")
                 return
+            if durable and intake_queue.redelivered(m):
+                stored = await intake_queue.claimed(self.js, req.request_id)
+                if stored is not None:  # placed before: send that placement again
+                    await self._resend(decode(stored, PrefillTask), reply)
+                    return
             try:
-                await self.schedule(req, reply)
+                await self.schedule(req, reply, claim=durable)
             except Exception as e:  # noqa: BLE001 - the client must hear about it
                 log.exception("placement_failed")
                 self.policy.release(req.request_id)
@@ -245,7 +283,7 @@ class ConductorService:
                     f"placement failed: {type(e).__name__}",
                 )
 
-    async def schedule(self, req: GenerateRequest, reply: str) -> None:
+    async def schedule(self, req: GenerateRequest, reply: str, claim: bool = False) -> None:
         bs = self.cfg.block_size
         try:
             hashes = hashes_for(req.prompt_token_ids, req.block_hashes, req.block_size, bs)
@@ -276,9 +314,10 @@ class ConductorService:
                     req.request_id, reply, decision.code, decision.reason, decision.retry_after_s
                 )
                 return
-            await self._dispatch(req, reply, decision, span)
+            await self._dispatch(req, reply, decision, span, claim)
 
-    async def _dispatch(self, req: GenerateRequest, reply: str, p: Placement, span) -> None:
+    async def _dispatch(self, req: GenerateRequest, reply: str, p: Placement, span,
+                        claim: bool = False) -> None:
         """Hand the placement to the prefill instance; it reserves the store slots when
         its compute starts, so nothing is held while the request waits in its queue."""
         bs = self.cfg.block_size
@@ -300,6 +339,13 @@ class ConductorService:
             # then the first token must wait for decode to take the request.
             stream_first_token=self.cfg.tbt_check,
         )
+        if claim:
+            held, ours = await intake_queue.claim(self.js, req.request_id, encode(task))
+            if not ours:  # another delivery of this id placed it first: that placement stands
+                self.policy.release(req.request_id)
+                span.set_attribute("outcome", "claimed_before")
+                await self._resend(decode(held, PrefillTask), reply)
+                return
         self.pending[req.request_id] = self.clock.now()
         for k, v in {
             "outcome": "placed",
@@ -333,6 +379,16 @@ class ConductorService:
             remote=r.node if r else None,
             est_ttft_s=round(p.est_ttft_s, 6),
         )
+
+    async def _resend(self, task: PrefillTask, reply: str) -> None:
+        """Send a claimed placement again, as it was decided: its prefill instance drops
+        it if the first send got there, and the client may see Accepted twice."""
+        self.resent += 1
+        metrics.INTAKE_RESENT.inc()
+        log.warning("placement_resent", prefill=task.prefill_instance,
+                    decode=task.decode_instance, placed_by=task.conductor_id)
+        await bus.publish(self.nc, subjects.prefill_tasks(task.prefill_instance), task)
+        await bus.publish(self.nc, reply, accepted(task, self.cfg.block_size))
 
     # ------------------------------------------------------------ commit / abort
 
@@ -385,6 +441,18 @@ class ConductorService:
             self.policy.release(rid)
             log.warning("pending_expired", request_id=rid)
         self.shadow.sweep()
+
+
+def accepted(task: PrefillTask, block_size: int) -> Accepted:
+    """The Accepted of a placement sent again (its cached prefix: local or remote)."""
+    req, src = task.request, task.source
+    blocks = src.first_block + src.num_blocks if src else task.expected_hit_blocks
+    return Accepted(
+        request_id=req.request_id,
+        prefill_instance=task.prefill_instance,
+        decode_instance=task.decode_instance,
+        cached_tokens=min(blocks * block_size, len(req.prompt_token_ids)),
+    )
 
 
 def _with(req: GenerateRequest, **changes) -> GenerateRequest:

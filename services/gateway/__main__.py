@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="times a request whose prefill or decode instance died is moved to "
                          "another with the tokens it has (its prompt KV from the stores); "
                          "past it, or with 0, the request fails with 503")
+    ap.add_argument("--durable-intake", action=argparse.BooleanOptionalAction, default=True,
+                    help="publish requests on the JetStream INTAKE work queue, stored before "
+                         "admission sees them (--no-durable-intake: core NATS perigee.requests)")
     ap.add_argument("--shutdown-grace", type=float, default=5.0,
                     help="seconds in-flight requests get to finish on SIGTERM before a 503")
     ap.add_argument("--gateway-id", default="", help="default: random")
@@ -69,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         migration_limit=args.migration_limit,
         gateway_id=args.gateway_id,
         api_keys=parse_keys(args.api_key),
+        durable_intake=args.durable_intake,
     )
 
 

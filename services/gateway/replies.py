@@ -41,7 +41,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
-from bus_schemas.codec import BadMessage, decode
+from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.control import BusReconnected
 from bus_schemas.requests import (
     Accepted,
@@ -53,9 +53,11 @@ from bus_schemas.requests import (
     StreamEvent,
     Tokens,
 )
+from services.common import bus
 from services.common.bus import publish
 from services.gateway import migration
 from services.gateway.watchdog import Verdict, Watchdog
+from tracing import inject
 
 log = structlog.get_logger()
 
@@ -95,6 +97,9 @@ class ReplyRouter:
         self.migration_limit = migration_limit
         self.eos_token_ids = tuple(eos_token_ids)
         self.migrations = 0
+        # Requests go on the INTAKE work queue (stored before send returns: crash-safe,
+        # services.common.intake_queue) rather than core NATS REQUESTS.
+        self.durable_intake = False
         self._prefix = subjects.gateway_reply(gateway_id, "")
         self._flights: dict[str, _Flight] = {}
         self._routes: dict[str, str] = {}  # attempt id -> client request id
@@ -193,6 +198,12 @@ class ReplyRouter:
         f = self._flights.get(req.request_id)
         if f is not None:
             f.request = req
+        if self.durable_intake:
+            data, headers = encode(req), inject()
+            bus.check_size(self.nc, subjects.INTAKE, data, headers)
+            await bus.js_publish(self.nc.jetstream(), subjects.INTAKE, data,
+                                 msg_id=req.request_id, timeout=10.0, headers=headers)
+            return
         await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
 
     async def cancel(self, request_id: str, reason: str) -> None:

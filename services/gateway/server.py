@@ -85,6 +85,9 @@ class GatewayConfig:
     # Times a request whose prefill or decode instance died is resent with the tokens
     # it has (services.gateway.migration); 0: such a request fails with 503.
     migration_limit: int = 3
+    # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue;
+    # the default of python -m services.gateway), not core NATS REQUESTS.
+    durable_intake: bool = False
 
 
 class Gateway:
@@ -110,6 +113,7 @@ class Gateway:
             raise ValueError("migration_limit must be at least 0")
         self.router = ReplyRouter(nc, self.gateway_id, self.watchdog, cfg.migration_limit,
                                   eos_token_ids=(*spec.eos_token_ids, *self.extra_eos))
+        self.router.durable_intake = cfg.durable_intake
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())

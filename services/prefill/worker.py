@@ -31,6 +31,7 @@ serves what is queued and whatever still arrives, and returns once idle and quie
 """
 
 import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,6 +65,8 @@ from services.worker.base import WorkerBase
 from tracing import tracer
 
 log = structlog.get_logger()
+
+REMEMBER_TAKEN = 100_000  # request ids: a redelivery comes within seconds
 
 
 class PrefillStore(Protocol):
@@ -152,6 +155,9 @@ class PrefillWorker(WorkerBase):
             ("tasks_done", "tasks_failed", "tasks_cancelled", "computed_tokens",
              "prefix_tokens_loaded", "remote_tokens_pulled"), 0,
         )
+        # Request ids of the tasks taken: a placement a conductor sends again from its
+        # claim (services.common.intake_queue) is run once.
+        self._taken: OrderedDict[str, None] = OrderedDict()
         self._subs = bus.Subscriptions(nc)
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -218,6 +224,13 @@ class PrefillWorker(WorkerBase):
     async def _on_task(self, task: PrefillTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
         with structlog.contextvars.bound_contextvars(request_id=rid):
+            if rid in self._taken:
+                self.counters["tasks_duplicate"] = self.counters.get("tasks_duplicate", 0) + 1
+                log.info("duplicate_task_dropped")
+                return
+            self._taken[rid] = None
+            while len(self._taken) > REMEMBER_TAKEN:
+                self._taken.popitem(last=False)
             if not await self.admit_task(task, rid):
                 return
             try:

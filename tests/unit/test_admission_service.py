@@ -14,6 +14,7 @@ from bus_schemas.requests import Error, ErrorCode, GenerateRequest, stream_event
 from services.admission.policy import PredictiveRejectionPolicy
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
+from services.common import intake_queue
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 
@@ -28,7 +29,7 @@ class Harness:
         await self.svc.start()
         self.inbox = self.nc.new_inbox()
         self.events = await self.nc.subscribe(self.inbox)
-        self.scheduled = await self.nc.subscribe(subjects.SCHEDULE)
+        self.scheduled = await self.nc.subscribe(subjects.SCHEDULE_QUEUE)
         return self
 
     async def loads(self, prefill_work: float) -> None:
@@ -58,6 +59,8 @@ class Harness:
     async def close(self) -> None:
         await self.svc.stop()
         await self.anc.close()
+        # What it forwarded stays on the session server's work queue: leave it empty.
+        await self.nc.jetstream().purge_stream(intake_queue.SCHEDULE_STREAM)
         await self.nc.close()
 
 

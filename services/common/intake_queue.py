@@ -1,0 +1,183 @@
+"""Crash-safe intake: the JetStream work queues an accepted request travels on, and the
+placement claim that makes its placement happen once.
+
+    gateway --INTAKE (stream PERIGEE_INTAKE, work queue)--> admission
+    admission --SCHEDULE_QUEUE (stream PERIGEE_SCHEDULE, work queue)--> conductors
+    conductor: claim on PERIGEE_PLACED (one message per request id), PrefillTask, ack
+
+Each hop is published with ``Nats-Msg-Id`` = the request id and waits for the stream's
+ack (the stream keeps one copy per id within ``DUP_WINDOW_S``), and each consumer acks
+a message only once its effect is out. A consumer that dies holding messages has them
+redelivered to another one (or to itself, restarted) after ``ack_wait_s``.
+
+Delivery is therefore at least once; the effect is made exactly once by request id:
+
+- admission forwards a redelivered request without deciding again (it may have
+  accepted it before it died, and what is accepted is served); the forward dedups on
+  the id.
+- a conductor claims a request before it dispatches it: the first claim of an id
+  stores the PrefillTask; a later delivery (redelivered, or a second conductor) finds
+  the claim and re-sends the *stored* task to the same prefill instance, which drops a
+  task for a request id it already has (services.prefill.worker). So a placement is
+  decided once, and a task whose first send died with its conductor is sent again.
+
+Request ids are free text; the claim's subject is a digest of the id.
+"""
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.msg import Msg as NatsMsg
+from nats.js import api
+
+from bus_schemas import subjects
+from services.common import bus
+
+log = structlog.get_logger()
+
+INTAKE_STREAM = "PERIGEE_INTAKE"
+SCHEDULE_STREAM = "PERIGEE_SCHEDULE"
+PLACED_STREAM = "PERIGEE_PLACED"
+DUP_WINDOW_S = 120.0
+PLACED_MAX_AGE_S = 900.0  # longer than any redelivery of a request waits
+ACK_WAIT_S = 5.0
+# nats-server's JSStreamWrongLastSequence: the claim's subject already has a message.
+WRONG_LAST_SEQUENCE = 10071
+STREAM_NAME_IN_USE = 10058
+
+
+def placed_subject(request_id: str) -> str:
+    return subjects.placed(hashlib.sha256(request_id.encode()).hexdigest()[:32])
+
+
+def stream_configs(replicas: int) -> dict[str, api.StreamConfig]:
+    def queue(name: str, subject: str) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=name, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE, num_replicas=replicas,
+            duplicate_window=DUP_WINDOW_S)
+
+    return {
+        INTAKE_STREAM: queue(INTAKE_STREAM, subjects.INTAKE),
+        SCHEDULE_STREAM: queue(SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE),
+        PLACED_STREAM: api.StreamConfig(
+            name=PLACED_STREAM, subjects=[subjects.placed("*")],
+            retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
+            num_replicas=replicas, max_msgs_per_subject=1, max_age=PLACED_MAX_AGE_S,
+            duplicate_window=DUP_WINDOW_S),
+    }
+
+
+async def ensure_streams(js: Any, names: list[str], timeout: float = 30.0) -> None:
+    """Create the named streams (each service creates what it uses; creating one that
+    exists with the same config is a no-op). Retries while a cluster elects leaders."""
+    cfgs = stream_configs(bus.js_replicas())
+    deadline = asyncio.get_running_loop().time() + timeout
+    for name in names:
+        while True:
+            try:
+                await js.add_stream(cfgs[name])
+                break
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code == STREAM_NAME_IN_USE:
+                    await js.update_stream(cfgs[name])
+                    break
+                raise
+            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
+                    nats.errors.NoRespondersError, nats.js.errors.APIError) as e:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("intake_stream_retry", stream=name, error=str(e))
+                await asyncio.sleep(0.5)
+
+
+async def claim(js: Any, request_id: str, task: bytes) -> tuple[bytes, bool]:
+    """Claim ``request_id``'s placement with ``task`` (its encoded PrefillTask). Returns
+    the task that holds the claim and whether it is this one (False: an earlier
+    placement of the id, to be re-sent as it is)."""
+    subject = placed_subject(request_id)
+    try:
+        ack = await bus.js_publish(
+            js, subject, task, msg_id=f"placed:{request_id}",
+            headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        if not ack.duplicate:
+            return task, True
+    except nats.js.errors.APIError as e:
+        if e.err_code != WRONG_LAST_SEQUENCE:
+            raise
+    stored = await js.get_last_msg(PLACED_STREAM, subject)
+    return stored.data, False
+
+
+async def claimed(js: Any, request_id: str) -> bytes | None:
+    """The task that holds ``request_id``'s claim, or None."""
+    try:
+        return (await js.get_last_msg(PLACED_STREAM, placed_subject(request_id))).data
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+def redelivered(m: NatsMsg) -> bool:
+    """A message this consumer group was given before (its holder may have died)."""
+    try:
+        return m.metadata.num_delivered > 1
+    except Exception:  # noqa: BLE001 - not a JetStream message
+        return False
+
+
+class QueueConsumer:
+    """Pulls a work queue with a durable consumer shared by every copy of a service
+    (queue semantics) and hands each message to ``handle``, which acks it once its
+    effect is out. ``concurrent``: each message in its own task (at most
+    ``max_inflight`` unacked at once), else in order."""
+
+    def __init__(self, nc: Any, stream: str, subject: str, durable: str,
+                 handle: Callable[[NatsMsg], Awaitable[None]], *, concurrent: bool = False,
+                 ack_wait_s: float = ACK_WAIT_S, max_inflight: int = 256) -> None:
+        self.nc, self.js = nc, nc.jetstream()
+        self.stream, self.subject, self.durable = stream, subject, durable
+        self.handle, self.concurrent = handle, concurrent
+        self.ack_wait_s, self.max_inflight = ack_wait_s, max_inflight
+        self._sub: Any = None
+        self._subs: bus.Subscriptions
+
+    async def start(self, subs: bus.Subscriptions) -> None:
+        cfg = api.ConsumerConfig(
+            durable_name=self.durable, ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s, max_deliver=-1, max_ack_pending=self.max_inflight,
+            filter_subject=self.subject)
+        self._subs = subs  # its close() cancels the pull loop and the handlers
+        self._sub = await self.js.pull_subscribe(
+            self.subject, durable=self.durable, stream=self.stream, config=cfg)
+        subs.spawn(self._pull(), name=f"{self.stream}:pull")
+
+    async def _pull(self) -> None:
+        # The server holds back more than max_ack_pending unacked messages: that bounds
+        # the handlers running at once.
+        while True:
+            try:
+                msgs = await self._sub.fetch(batch=64, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - reconnecting, leader election: pull again
+                log.warning("intake_pull_failed", stream=self.stream, error=str(e))
+                await asyncio.sleep(0.2)
+                continue
+            for m in msgs:
+                if self.concurrent:
+                    self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
+                else:
+                    await self._run(m)
+
+    async def _run(self, m: NatsMsg) -> None:
+        try:
+            await self.handle(m)
+        except Exception:  # noqa: BLE001 - not acked: it comes again after ack_wait
+            log.exception("intake_handler_failed", stream=self.stream)
