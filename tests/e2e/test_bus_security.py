@@ -201,7 +201,7 @@ async def test_a_request_over_the_bus_max_payload_is_413_and_the_stack_serves_on
         big = await stream(http, s.url, {"prompt": "word " * 2500, "max_tokens": 2})
         assert big.status == 413, (big.status, big.error)
         msg = big.error["error"]["message"]
-        assert "max_payload of 8192 bytes" in msg and subjects.REQUESTS in msg, msg
+        assert "max_payload of 8192 bytes" in msg and subjects.INTAKE in msg, msg  # the gateway's door
         ok = await stream(http, s.url, {"prompt": "word " * 20, "max_tokens": 2})
     assert ok.status == 200 and ok.done and ok.error is None, ok.error
     assert not s.exited()

@@ -13,8 +13,8 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest, stream_event_decoder
 from services.admission.policy import PredictiveRejectionPolicy
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
 from services.common import intake_queue
+from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 

@@ -1,0 +1,173 @@
+"""Crash-safe intake on a real nats-server (JetStream): the placement claim, a
+conductor that re-sends a claimed placement instead of placing again, admission that
+forwards a redelivered request without deciding again, and a prefill worker that runs a
+task sent twice once."""
+
+import asyncio
+import time
+import uuid
+
+import nats
+import pytest
+from conftest_fakestore import Rig, tokens_of, until_terminal
+from nats.js import api
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.placement import PrefillTask
+from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
+from services.common import bus, intake_queue
+from tests.unit.test_admission_service import Harness as AdmissionHarness
+from tests.unit.test_conductor_service import HASHES, PROMPT, FakeStore
+from tests.unit.test_conductor_service import Harness as ConductorHarness
+
+
+def rid() -> str:
+    return f"iq-{uuid.uuid4().hex[:10]}"
+
+
+async def test_the_first_claim_of_a_request_id_holds_and_a_later_one_gets_it_back(nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await intake_queue.ensure_streams(js, [intake_queue.PLACED_STREAM])
+        a, b = rid(), rid()
+        assert await intake_queue.claimed(js, a) is None
+        assert await intake_queue.claim(js, a, b"first") == (b"first", True)
+        assert await intake_queue.claim(js, a, b"second") == (b"first", False)
+        assert await intake_queue.claimed(js, a) == b"first"
+        # Ids that are not subject tokens (dots, spaces, wildcards) claim apart.
+        assert await intake_queue.claim(js, b + ". *>", b"other") == (b"other", True)
+        assert await intake_queue.claimed(js, b) is None
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def conductor(nats_url):
+    h = ConductorHarness(nats_url)
+    await h.start([FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]),
+                   FakeStore(None, "nd0")],
+                  prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
+                  decodes=[("decode-0", "nd0")])
+    yield h
+    await h.close()
+
+
+async def queue_drained(h) -> None:
+    """Everything published on SCHEDULE_QUEUE was acked."""
+    js = h.nc.jetstream()
+
+    async def loop():
+        while True:
+            info = await js.consumer_info(intake_queue.SCHEDULE_STREAM, subjects.Q_CONDUCTOR)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(loop(), 10)
+
+
+async def queue(h, r: str) -> None:
+    req = GenerateRequest(request_id=r, prompt_token_ids=PROMPT, reply_subject=h.inbox)
+    await bus.js_publish(h.nc.jetstream(), subjects.SCHEDULE_QUEUE, encode(req), msg_id=r)
+
+
+async def test_a_queued_request_is_placed_claimed_and_acked(conductor):
+    h, r = conductor, rid()
+    await queue(h, r)
+    task = await h.task()
+    assert task.request.request_id == r and task.prefill_instance == "prefill-1"  # cached
+    acc = await h.event()
+    assert isinstance(acc, Accepted) and acc.prefill_instance == "prefill-1"
+    claim = await intake_queue.claimed(h.nc.jetstream(), r)
+    assert claim is not None and decode(claim, PrefillTask) == task
+    await queue_drained(h)
+    assert h.svc.resent == 0
+
+
+async def test_a_claimed_request_is_sent_again_as_placed_not_placed_again(conductor):
+    """A conductor died after claiming (maybe after dispatching) and before acking: the
+    delivery that follows re-sends that placement, though the policy would pick the
+    cached prefill-1 now."""
+    h, r = conductor, rid()
+    req = GenerateRequest(request_id=r, prompt_token_ids=PROMPT, reply_subject=h.inbox,
+                          block_size=32, block_hashes=HASHES)
+    earlier = PrefillTask(request=req, conductor_id="conductor-dead",
+                          prefill_instance="prefill-0", decode_instance="decode-0",
+                          prefill_node="np0", decode_node="nd0", expected_hit_blocks=0,
+                          placed_ts=time.time())
+    assert (await intake_queue.claim(h.nc.jetstream(), r, encode(earlier)))[1]
+    await queue(h, r)
+    task = await h.task()
+    assert task == earlier
+    acc = await h.event()
+    assert acc == Accepted(request_id=r, prefill_instance="prefill-0", decode_instance="decode-0",
+                           cached_tokens=0)
+    await queue_drained(h)
+    assert h.svc.resent == 1
+    assert r not in h.svc.pending  # booked by nobody here: the dead conductor placed it
+
+
+async def test_admission_forwards_a_redelivered_request_without_deciding_again(nats_url):
+    """Under a load it rejects a new request at, admission forwards one it was given
+    before (it may have accepted it before dying)."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await intake_queue.ensure_streams(js, [intake_queue.INTAKE_STREAM, intake_queue.SCHEDULE_STREAM])
+    await js.purge_stream(intake_queue.INTAKE_STREAM)
+    # Play the admission that died: take the request and never ack it (nak: at once again).
+    cfg = api.ConsumerConfig(durable_name=subjects.Q_ADMISSION, ack_policy=api.AckPolicy.EXPLICIT,
+                             ack_wait=intake_queue.ACK_WAIT_S, max_deliver=-1,
+                             max_ack_pending=256, filter_subject=subjects.INTAKE)
+    dead = await js.pull_subscribe(subjects.INTAKE, durable=subjects.Q_ADMISSION,
+                                   stream=intake_queue.INTAKE_STREAM, config=cfg)
+    h = AdmissionHarness()
+    again, fresh = rid(), rid()
+    scheduled = await nc.subscribe(subjects.SCHEDULE_QUEUE)
+    try:
+        inbox = nc.new_inbox()
+        req = GenerateRequest(request_id=again, prompt_token_ids=PROMPT, reply_subject=inbox)
+        await bus.js_publish(js, subjects.INTAKE, encode(req), msg_id=again)
+        (m,) = await dead.fetch(1, timeout=5)
+        await m.nak()
+        await dead.unsubscribe()
+        await h.start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early")
+        await h.loads(prefill_work=100.0)  # far over the TTFT SLO: a new request gets 429
+        fwd = decode((await scheduled.next_msg(timeout=5)).data, GenerateRequest)
+        assert fwd.request_id == again and fwd.reply_subject == inbox
+        # The same load rejects a request delivered for the first time.
+        r2 = GenerateRequest(request_id=fresh, prompt_token_ids=PROMPT, reply_subject=h.inbox)
+        await bus.js_publish(js, subjects.INTAKE, encode(r2), msg_id=fresh)
+        err = await h.event()
+        assert isinstance(err, Error) and err.code == ErrorCode.REJECTED and err.request_id == fresh
+
+        async def acked() -> None:  # both
+            while True:
+                info = await js.consumer_info(intake_queue.INTAKE_STREAM, subjects.Q_ADMISSION)
+                if info.num_ack_pending == 0 and info.num_pending == 0:
+                    return
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(acked(), 10)
+    finally:
+        await h.close()
+        await nc.close()
+
+
+@pytest.fixture
+async def rig(nats_url):
+    r = await Rig().start(nats_url)
+    yield r
+    await r.close()
+
+
+async def test_a_prefill_task_sent_twice_runs_once(rig):
+    prompt = rig.prompt(100, seed=3)
+    t = rig.task(prompt, p_hit=0, d_hit=0, max_tokens=3)
+    q = await rig.submit(t)
+    await rig.tnc.publish(subjects.prefill_tasks(rig.pi), encode(t))  # a conductor's resend
+    events = await until_terminal(q)
+    assert tokens_of(events) == rig.reference(prompt, 3)
+    pc = await rig.stats("prefill", rig.pi)
+    assert pc["tasks_done"] == 1 and pc["tasks_duplicate"] == 1
