@@ -2,7 +2,9 @@
 
 Prefill instance (one GPU node, like ``services/prefill``)::
 
-    waiting (FIFO) --GPU free--> [pull remote prefix over the holder's link]
+    waiting (FIFO) --GPU free--> reserving (``reserve``: the store slots, taken when
+        compute starts as the live instance does; the instance waits meanwhile)
+        --> [pull remote prefix over the holder's link]
         --> computing (chunks of ``chunk_tokens``: chunk [a, b) costs
             cost.prefill_time(b, a)) --> on_prefilled; KV streams to the decode node
             layer by layer, the last layer's share trailing the compute
@@ -16,6 +18,15 @@ head until the whole group has, then computes its stage.
 task (the last layers' acks, the DecodeTask and FirstTokenNotice publishes); meanwhile
 the request still counts in the instance's load (queue_len, no remaining work), as
 ``services.prefill.queue.PrefillQueue`` reports it.
+
+The FIFO here is its own, not a ``PrefillQueue``: that queue holds ``PrefillTask`` bus
+messages (each carrying its prompt's token ids: the whole trace would be built as
+gigabytes of token lists), one per request, while this one also holds a pipelined
+request's :class:`StageTask`, kept at the head until its whole group is there. What the
+two share is written once elsewhere: the reservation and pull arithmetic
+(``services.common.reservation``) and the cost model. They differ in the work they
+report: this one charges the pull's transfer and ``chunk_tokens`` chunking to a queued
+request, ``PrefillQueue`` prices ``cost.prefill_time`` of the expected suffix only.
 
 Decode instance (continuous batching, like the mock engine)::
 
@@ -65,11 +76,15 @@ class PrefillInstance:
     def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel, link: Link,
                  links: dict[str, Link], on_prefilled: Callable[[SimRequest, float], None],
                  chunk_tokens: int = 0, *, handoff_s: float = 0.0,
-                 on_free: Callable[["PrefillInstance"], None] | None = None) -> None:
+                 on_free: Callable[["PrefillInstance"], None] | None = None,
+                 reserve: Callable[[SimRequest, "PrefillInstance"], None] | None = None) -> None:
         self.name, self.node = name, node
         self.loop, self.cost, self.link, self.links = loop, cost, link, links
         self.on_prefilled = on_prefilled
         self.on_free = on_free
+        # Takes the request's store slots when its compute starts, then calls compute()
+        # or abandon() (None: none to take, compute at once).
+        self.reserve = reserve
         self.chunk_tokens = chunk_tokens
         self.handoff_s = handoff_s
         self.waiting: deque[SimRequest | StageTask] = deque()
@@ -127,12 +142,30 @@ class PrefillInstance:
         now = self.loop.now()
         req.state = "PREFILLING"
         req.started = now
+        self.running, self.running_end = req, now + req.est_work_s
+        if self.reserve is None:
+            self.compute(req)
+        else:
+            self.reserve(req, self)
+
+    def compute(self, req: SimRequest) -> None:
+        """The running request's slots are held: pull what its node lacks, compute the
+        rest (``cached_tokens`` / ``pulled_tokens`` now say what the reservation found)."""
+        now = self.loop.now()
+        n = req.num_tokens
+        req.compute_s = chunked_prefill_time(self.cost, n, min(req.cached_tokens, n - 1),
+                                             self.chunk_tokens)
         begin = now
         if req.pulled_tokens:
             begin = self.links[req.pull_source].transfer(req.pulled_tokens, now)
         end = begin + req.compute_s
-        self.running, self.running_end = req, end
+        self.running_end = end
         self.loop.at(end, self._done, req, begin)
+
+    def abandon(self, req: SimRequest) -> None:
+        """The running request's reservation failed: it is gone, take the next."""
+        if self.running is req:
+            self._free()
 
     def _done(self, req: SimRequest, compute_start: float) -> None:
         now = self.loop.now()

@@ -1,8 +1,10 @@
 """One trace request as it moves through the simulator, and what happened to it.
 
     ARRIVED -> (admission Reject) REJECTED "admission"
-            -> (placement Rejection / store refusal) REJECTED "conductor"
-            -> QUEUED on a prefill instance -> PREFILLING -> SHIPPING (KV to decode)
+            -> (placement Rejection) REJECTED "conductor"
+            -> QUEUED on a prefill instance -> PREFILLING (store slots reserved first;
+               no room after the wait, or a store refusing otherwise: REJECTED "prefill")
+            -> SHIPPING (KV to decode)
             -> (baseline: decode over its TBT SLO) REJECTED "decode" (prefill wasted)
             -> DECODING (first token out) -> DONE
 """
@@ -38,6 +40,9 @@ class SimRequest:
     reject_stage: str = ""
     reject_reason: str = ""
     txs: dict[str, tuple[str, Any]] = field(default_factory=dict)  # role -> (node, Allocation)
+    source: Any = None  # the placement's PrefixSource (a longer prefix elsewhere), or None
+    want: set[str] = field(default_factory=set)  # roles still to reserve
+    reserve_until: float = -1.0  # give up waiting for room then
     # decode bookkeeping (set by the decode instance)
     join_step: int = -1
     join_time: float = -1.0

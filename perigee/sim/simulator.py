@@ -4,9 +4,14 @@ Per request (times from the cost model, decisions from the real classes)::
 
     arrival --dispatch_s--> AdmissionPolicy.decide --> Rejection ("admission")
       --PlacementPolicy.place(PrefixIndex.match)--> Rejection ("conductor")
-      --TxAllocate on the stores (BlockPool)--> refused: retry once without the failed
-        instance/node, then reject ("conductor"), as services/conductor does
-      --> prefill instance FIFO --> [pull] compute
+      --> prefill instance FIFO (no store slots held while queued)
+      --> compute starts: TxAllocate PREFILL/DECODE/SOURCE on the stores (BlockPool),
+          read by services.common.reservation as services/prefill/reserve.py reads it:
+          a SOURCE that refuses is dropped (computed here), a store short of room is
+          asked again every ``reserve_retry_s`` for up to ``reserve_wait_s`` (the
+          instance waits), anything else fails it -> Rejection ("prefill"); the pull
+          is trimmed to what the prefill node lacks
+      --> [pull] compute
       --> first token: out to the client at once (+ first_token_hop_s), while the KV
           streams to the decode node (``PrefillTask.stream_first_token``)
       --> KV landed: FirstTokenNotice (policy.prefill_done: first token at the compute's
@@ -37,8 +42,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from bus_schemas.control import Refused, TxRole
-from bus_schemas.requests import ErrorCode
+from bus_schemas.control import Refused
+from bus_schemas.placement import PrefixSource
 from perigee.sim.cluster import Cluster
 from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
@@ -51,6 +56,7 @@ from services.admission.policy import (
     make_admission_policy,
 )
 from services.common import defaults
+from services.common import reservation as plan
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor.balancing import AdaptiveThreshold
@@ -106,6 +112,8 @@ class SimConfig:
     dispatch_s: float = 0.0  # arrival -> placed and queued on its prefill instance
     first_token_hop_s: float = 0.0  # first token computed -> the client has it
     prefill_handoff_s: float = 0.0  # a prefill instance's busy time after each compute
+    reserve_wait_s: float = plan.WAIT_S  # a reservation waits this long for store room
+    reserve_retry_s: float = plan.RETRY_S  # asking again this often
     sample_interval_s: float = 10.0  # load time series (plots, P/D controller)
     pd_controller: bool = False  # resize the pools with the conductor's P/D controller
     pd_kw: dict = field(default_factory=dict)  # PoolResizer options (interval_s, window_s...)
@@ -199,7 +207,8 @@ class Simulator:
         if role == "prefill":
             inst = PrefillInstance(f"P-{node}", node, self.loop, self.cost, nd.link, links,
                                    self._prefilled, self.cfg.chunk_tokens,
-                                   handoff_s=self.cfg.prefill_handoff_s, on_free=self._prefill_free)
+                                   handoff_s=self.cfg.prefill_handoff_s, on_free=self._prefill_free,
+                                   reserve=self._reserve)
             self.prefills[inst.name] = inst
         else:
             inst = DecodeInstance(f"D-{node}", node, self.loop, self.cost, self._decoded,
@@ -303,82 +312,106 @@ class Simulator:
         self._place(req)
 
     def _place(self, req: SimRequest) -> None:
-        bs, cl = self.cfg.block_size, self.cluster
-        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), bs,
+        """One placement round, as services/conductor does it: place, hand the request to
+        its prefill instance; nothing is reserved until its compute starts."""
+        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), self.cfg.block_size,
                                 arrival_ts=req.arrival)
-        ex_p: set[str] = set()
-        ex_d: set[str] = set()
-        ex_s: set[str] = set()
-        refused = False
-        for round_ in range(2):
-            d = self.placement.place(preq, cl.index.match(req.hashes), exclude_prefill=ex_p,
-                                     exclude_decode=ex_d, exclude_sources=ex_s)
-            if isinstance(d, Rejection):
-                if round_ > 0 and d.code == ErrorCode.UNAVAILABLE:
-                    break
-                self._reject(req, "conductor", d.reason)
-                return
-            txs, broke = self._allocate(req, d)
-            if not broke:
-                self._dispatch(req, d, txs)
-                return
-            self.placement.release(req.rid)
-            for node, tx in txs.values():
-                cl.abort(node, tx)
-            refused = True
-            if "prefill" in broke:
-                ex_p.add(d.prefill_instance)
-            if "decode" in broke:
-                ex_d.add(d.decode_instance)
-            if "source" in broke and d.remote is not None:
-                ex_s.add(d.remote.node)
-        self._reject(req, "conductor", "store capacity" if refused else "unavailable")
+        d = self.placement.place(preq, self.cluster.index.match(req.hashes))
+        if isinstance(d, Rejection):
+            self._reject(req, "conductor", d.reason)
+            return
+        self._dispatch(req, d)
 
-    def _allocate(self, req: SimRequest, p: Placement) -> tuple[dict, set[str]]:
-        cl, n, h = self.cluster, req.num_tokens, req.hashes
-        jobs = [("prefill", p.prefill_node, TxRole.PREFILL, h, n),
-                ("decode", p.decode_node, TxRole.DECODE, h, n)]
-        if p.remote is not None:
-            end = p.remote.first_block + p.remote.num_blocks
-            jobs.append(("source", p.remote.node, TxRole.SOURCE, h[:end], end * self.cfg.block_size))
-        txs: dict[str, tuple[str, object]] = {}
-        broke: set[str] = set()
-        for role, node, txrole, hashes, tokens in jobs:
-            res = cl.allocate(node, req.rid, txrole, hashes, tokens)
-            if isinstance(res, Refused):
-                broke.add(role)
-            else:
-                txs[role] = (node, res)
-        return txs, broke
-
-    def _dispatch(self, req: SimRequest, p: Placement, txs: dict) -> None:
-        bs, n = self.cfg.block_size, req.num_tokens
-        ptx = txs["prefill"][1]
-        hit = ptx.hit_blocks if ptx is not None else 0
-        prefix = hit
-        if p.remote is not None and "source" in txs:
-            end = p.remote.first_block + p.remote.num_blocks
-            if hit < end and ptx is not None:
-                req.pull_source = p.remote.node
-                req.pulled_tokens = min(n, end * bs) - min(n, hit * bs)
-                prefix = end
-            else:  # the prefill node already has it all: nothing to pull
-                node, tx = txs.pop("source")
-                self.cluster.abort(node, tx)
-        dtx = txs["decode"][1]
-        req.cached_tokens = min(prefix * bs, n)
-        req.ship_tokens = n - min(n, (dtx.hit_blocks if dtx is not None else 0) * bs)
-        req.txs = txs
+    def _dispatch(self, req: SimRequest, p: Placement) -> None:
+        bs, n, r = self.cfg.block_size, req.num_tokens, p.remote
+        req.source = PrefixSource(node=r.node, first_block=r.first_block,
+                                  num_blocks=r.num_blocks) if r else None
+        # What the queue expects (the conductor's PrefillTask): the reservation has the
+        # last word (_granted).
+        expected = plan.grant(req.source, prefill_hit=r.first_block if r else p.prefix_blocks,
+                              source_granted=True)
+        req.cached_tokens = expected.prefix_tokens(n, bs)
+        req.pulled_tokens = expected.pulled_tokens(n, bs)
+        req.pull_source = r.node if expected.pull else ""
         req.prefill_instance, req.prefill_node = p.prefill_instance, p.prefill_node
         req.decode_instance, req.decode_node = p.decode_instance, p.decode_node
+        req.want = plan.wanted(req.source)
         self.inbound[p.decode_instance] = self.inbound.get(p.decode_instance, 0) + 1
         if p.cpp_stages:
+            # A pipeline's stages start at different times and perigee.sim.cpp reads the
+            # prefix at push: its slots are reserved now, in one round.
+            v = self._allocate(req)
+            if v.step is not plan.Step.DONE:
+                self._unreserve(req, "conductor", "store capacity" if v.step is plan.Step.WAIT
+                                else f"store unavailable ({v.detail})")
+                return
+            self._granted(req)
             self.pipelined.add(req.rid)
             Gang(req, [self.prefills[i] for i in p.cpp_stages], self.loop, self.cost,
                  p.cpp_chunk_tokens, self.cluster.nodes[p.prefill_node].link,
                  self._prefilled).push()
             return
         self.prefills[p.prefill_instance].push(req)
+
+    def _reserve(self, req: SimRequest, inst: PrefillInstance) -> None:
+        """``inst`` starts ``req``'s compute: take its store slots first (StoreReserver)."""
+        req.reserve_until = self.loop.now() + self.cfg.reserve_wait_s
+        self._reserve_round(req, inst)
+
+    def _reserve_round(self, req: SimRequest, inst: PrefillInstance) -> None:
+        v = self._allocate(req)
+        if v.step is plan.Step.WAIT and self.loop.now() < req.reserve_until:
+            self.loop.after(self.cfg.reserve_retry_s, self._reserve_round, req, inst)
+            return
+        if v.step is not plan.Step.DONE:
+            why = (f"no room in the store after {self.cfg.reserve_wait_s:g} s ({v.detail})"
+                   if v.step is plan.Step.WAIT else f"store unavailable ({v.detail})")
+            self._unreserve(req, "prefill", f"kv reservation failed: {why}")
+            inst.abandon(req)
+            return
+        self._granted(req)
+        inst.compute(req)
+
+    def _allocate(self, req: SimRequest) -> plan.Verdict:
+        """One reservation round: TxAllocate what is still wanted, keep the grants."""
+        todo = plan.jobs(prefill_node=req.prefill_node, decode_node=req.decode_node,
+                         source=req.source, block_hashes=req.hashes, num_tokens=req.num_tokens,
+                         block_size=self.cfg.block_size, roles=req.want - set(req.txs))
+        refused: dict[str, str] = {}
+        for role, j in todo.items():
+            res = self.cluster.allocate(j.node, req.rid, j.role, j.block_hashes, j.num_tokens)
+            if isinstance(res, Refused):
+                refused[role] = res.reason
+            else:
+                req.txs[role] = (j.node, res)
+        v = plan.next_step(refused, {})
+        if v.drop_source:  # the holder lost the prefix while the request queued
+            req.want.discard(plan.SOURCE)
+        return v
+
+    def _granted(self, req: SimRequest) -> None:
+        """Every slot is held: what is cached, pulled and shipped follows the grants."""
+        bs, n = self.cfg.block_size, req.num_tokens
+        ptx, dtx = req.txs[plan.PREFILL][1], req.txs[plan.DECODE][1]
+        g = plan.grant(req.source, prefill_hit=ptx.hit_blocks if ptx is not None else 0,
+                       decode_hit=dtx.hit_blocks if dtx is not None else 0,
+                       # nowhere to pull into on a node without a store
+                       source_granted=plan.SOURCE in req.txs and ptx is not None)
+        if plan.SOURCE in req.txs and not g.keep_source:  # nothing to pull
+            self.cluster.abort(*req.txs.pop(plan.SOURCE))
+        req.pull_source = req.source.node if g.pull else ""
+        req.pulled_tokens = g.pulled_tokens(n, bs)
+        req.cached_tokens = g.prefix_tokens(n, bs)
+        req.ship_tokens = g.ship_tokens(n, bs)
+
+    def _unreserve(self, req: SimRequest, stage: str, reason: str) -> None:
+        """The request fails before compute: its grants go back, its books close."""
+        for node, tx in req.txs.values():
+            self.cluster.abort(node, tx)
+        req.txs = {}
+        self.placement.release(req.rid)
+        self.inbound[req.decode_instance] -= 1
+        self._reject(req, stage, reason)
 
     def _prefilled(self, req: SimRequest, arrive: float) -> None:
         if self.decode_gate is None:  # streamed by the prefill instance, KV still on the wire

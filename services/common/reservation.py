@@ -23,6 +23,8 @@ from bus_schemas.control import TxRole
 from bus_schemas.placement import PrefixSource
 
 PREFILL, DECODE, SOURCE = "prefill", "decode", "source"
+WAIT_S = 60.0  # how long a reservation waits for room before the request fails
+RETRY_S = 0.05  # how often a store short of room is asked again meanwhile
 CAPACITY = "capacity"  # a store's refusal: every slot is held by running work
 
 

@@ -68,8 +68,8 @@ class Reserver(Protocol):
 class StoreReserver:
     """:class:`Reserver` over the stores' NATS control endpoints."""
 
-    def __init__(self, tx: StoreTx, *, lease_s: float, wait_s: float = 60.0,
-                 retry_s: float = 0.05) -> None:
+    def __init__(self, tx: StoreTx, *, lease_s: float, wait_s: float = plan.WAIT_S,
+                 retry_s: float = plan.RETRY_S) -> None:
         self.tx = tx
         self.leases = LeaseKeeper(tx, lease_s)
         self.lease_s = lease_s
