@@ -151,7 +151,9 @@ class StageOutbox:
 
 def first_activations(request_id: str, chunk: int, nbytes: int) -> bytes:
     """Stage 0's input stand-in: deterministic bytes per (request, chunk)."""
-    seed = (hash((request_id, chunk)) & 0xFF) or 1
+    import zlib
+
+    seed = zlib.crc32(f"{request_id}/{chunk}".encode()) & 0xFF  # the same in every process
     return bytes((seed + i) & 0xFF for i in range(min(nbytes, 256))) * (nbytes // 256) + \
         bytes((seed + i) & 0xFF for i in range(nbytes % 256))
 
@@ -189,3 +191,85 @@ async def run_stage(*, request_id: str, stage: int, stages: int,
         else:
             await outbox.send(request_id, k, result, timeout_s)
     return out
+
+
+# ---------------------------------------------------------------- one stage process
+
+
+async def _serve(a) -> int:  # type: ignore[no-untyped-def]
+    import hashlib
+    import json
+    import sys
+    import time
+
+    from services.conductor.cpp import chunk_bounds
+
+    cost = CostModel(d=a.d).with_speedup(a.speedup)
+    nbytes = activation_nbytes(cost, a.chunk)
+    ctx = zmq.asyncio.Context()
+    engine = TransferEngine("tcp")
+    inbox = StageInbox(engine, ctx, nbytes, a.slots) if a.stage > 0 else None
+    outbox = None
+    if a.next:
+        nxt = json.loads(a.next)
+        outbox = StageOutbox(engine, ctx, nxt["segment"], nxt["region"], nxt["address"], nbytes,
+                             a.slots)
+
+    def say(**kw: object) -> None:
+        sys.stdout.write(json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
+    if inbox is not None:
+        say(segment=engine.segment, region=inbox.region, address=inbox.address)
+    else:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+        say(t_start=time.time())
+    deadline = time.monotonic()
+
+    async def pace(seconds: float) -> None:  # by deadline: the bookkeeping is inside it
+        nonlocal deadline
+        deadline = max(deadline, time.monotonic()) + seconds
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+
+    try:
+        out = await run_stage(request_id=a.request_id, stage=a.stage, stages=a.stages,
+                              chunks=chunk_bounds(a.n, 0, a.chunk), cost=cost, inbox=inbox,
+                              outbox=outbox, sleep=pace, timeout_s=a.timeout)
+    except StageError as e:
+        say(error=e.code, message=str(e))
+        return 3
+    finally:
+        for box in (inbox, outbox):
+            if box is not None:
+                box.close()
+        engine.close()
+        ctx.term()
+    if outbox is None:
+        digest = hashlib.sha256(b"".join(out)).hexdigest()
+        say(t_done=time.time(), digest=digest, chunks=len(out))
+    else:
+        say(sent=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.prefill.cpp_stage``: one stage as its own process (the live
+    pipeline's building block; the e2e test wires X of them last to first)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m services.prefill.cpp_stage")
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--n", type=int, required=True, help="prompt tokens")
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--d", type=int, default=CostModel.d, help="hidden size (activation bytes)")
+    p.add_argument("--speedup", type=float, default=1.0)
+    p.add_argument("--request-id", default="r1")
+    p.add_argument("--next", default="", help="the next stage's inbox, as it printed it")
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=30.0)
+    return asyncio.run(_serve(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
