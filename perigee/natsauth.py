@@ -11,7 +11,11 @@ is not its business (a deny wins over an allow in nats-server):
   conductor, decode tasks from prefill workers and the conductor; nobody publishes
   another instance's load reports or answers its stats, and only a store publishes its
   own node's KV events;
-- the gateway and admission reach no store and command no worker.
+- the gateway and admission reach no store and command no worker;
+- the crash-safe intake (services.common.intake_queue): ``perigee.intake`` is the
+  gateway's, ``perigee.conductor.queue`` admission's, the placement claims the
+  conductors'; a worker or a store may neither publish there nor touch those streams
+  through the JetStream API (a consumer of its own would take requests off the queue).
 
 The admin user (``perigee``) may do everything: ``perigee up``'s readiness checks, the
 operator's tools, the tests. Passwords are drawn per run (:func:`new_password`).
@@ -35,6 +39,14 @@ _CTL = f"{s.NS}.ctl.>"
 _KV_EVENTS = f"{s.NS}.kv.events.>"
 _LOAD = f"{s.NS}.load.>"
 _STORES = f"{s.NS}.store.>"
+_INTAKE = [s.INTAKE, s.SCHEDULE_QUEUE, s.placed("*")]
+# The JetStream API on the intake streams: $JS.API.STREAM.<op>.<stream>,
+# $JS.API.STREAM.MSG.GET.<stream>, $JS.API.CONSUMER.<op>.<stream>[.<consumer>...] and
+# $JS.API.CONSUMER.{MSG.NEXT,DURABLE.CREATE}.<stream>.<consumer>.
+_INTAKE_API = [p.format(st) for st in ("PERIGEE_INTAKE", "PERIGEE_SCHEDULE", "PERIGEE_PLACED")
+               for p in ("$JS.API.STREAM.*.{}", "$JS.API.STREAM.*.*.{}",
+                         "$JS.API.CONSUMER.*.{}", "$JS.API.CONSUMER.*.{}.>",
+                         "$JS.API.CONSUMER.*.*.{}.>")]
 
 
 @dataclass(frozen=True)
@@ -72,12 +84,12 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
     if m.role == "gateway":
         return [f"{s.NS}.conductor.>", *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
     if m.role == "admission":
-        return [s.REQUESTS, *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
+        return [s.REQUESTS, s.INTAKE, s.placed("*"), *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
     if m.role == "conductor":
-        return [s.REQUESTS, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
+        return [s.REQUESTS, s.INTAKE, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
     if m.role in ("prefill", "decode"):
-        deny = [s.REQUESTS, s.SCHEDULE, s.prefill_tasks("*"), _CTL, _KV_EVENTS,
-                s.STORE_ANNOUNCE]
+        deny = [s.REQUESTS, s.SCHEDULE, *_INTAKE, *_INTAKE_API, s.prefill_tasks("*"), _CTL,
+                _KV_EVENTS, s.STORE_ANNOUNCE]
         if m.role == "decode" and not d.switchable:
             deny.append(s.decode_tasks("*"))
         for other in d.instances():
@@ -85,7 +97,8 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
                 deny += [s.load_report("*", other), s.worker_stats("*", other)]
         return deny
     if m.role == "store":
-        deny = [s.REQUESTS, s.SCHEDULE, *_TASKS, _CTL, _LOAD, f"{s.NS}.conductor.>"]
+        deny = [s.REQUESTS, s.SCHEDULE, s.INTAKE, *_INTAKE_API, *_TASKS, _CTL, _LOAD,
+                f"{s.NS}.conductor.>"]
         deny += [s.kv_events(n) for n in d.nodes() if n != m.node]
         return deny
     raise ValueError(f"unknown role {m.role!r}")
@@ -93,7 +106,7 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
 
 def subscribe_deny(m: Member) -> list[str]:
     if m.role in ("prefill", "decode", "store"):
-        return [s.REQUESTS, s.SCHEDULE]
+        return [s.REQUESTS, s.SCHEDULE, s.INTAKE, s.SCHEDULE_QUEUE]
     return []
 
 
