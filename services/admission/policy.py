@@ -42,7 +42,7 @@ from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
-from services.common.liveness import Liveness
+from services.common.load_book import LoadBook
 from services.common.rejection import Rejection, slo_share
 
 
@@ -65,8 +65,8 @@ AdmissionDecision = Accept | Rejection
 
 
 class AdmissionPolicy(ABC):
-    """Keeps the latest load report per instance and which instances are alive; a mode
-    implements :meth:`decide`."""
+    """Keeps the latest load report per instance and which instances are alive (a
+    :class:`LoadBook`); a mode implements :meth:`decide`."""
 
     name = "abstract"
 
@@ -84,29 +84,30 @@ class AdmissionPolicy(ABC):
     ) -> None:
         self.clock = clock
         self.cost = cost
-        self.book = book if book is not None else CalibrationBook(cost)
+        self.loads = LoadBook(clock, cost, dead_after_s=dead_after_s, calibration=book)
+        self.book = self.loads.calibration
         self.ttft_slo_s = ttft_slo_s
         self.tbt_slo_s = tbt_slo_s
         self.max_load = max_load
         self.min_retry_after_s = min_retry_after_s
-        self._liveness = Liveness(clock, dead_after_s)
-        self.prefill: dict[str, PrefillLoad] = {}
-        self.decode: dict[str, DecodeLoad] = {}
+
+    @property
+    def prefill(self) -> dict[str, PrefillLoad]:
+        return self.loads.prefill
+
+    @property
+    def decode(self) -> dict[str, DecodeLoad]:
+        return self.loads.decode
 
     def observe_prefill(self, load: PrefillLoad) -> None:
-        self.prefill[load.instance] = load
-        self._liveness.seen("prefill:" + load.instance)
-        self.book.observe_fit(load.instance, load.fit)
+        self.loads.observe_prefill(load)
 
     def observe_decode(self, load: DecodeLoad) -> None:
-        self.decode[load.instance] = load
-        self._liveness.seen("decode:" + load.instance)
-        self.book.observe_fit(load.instance, load.fit)
+        self.loads.observe_decode(load)
 
     def forget_instance(self, role: str, instance: str) -> None:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
-        (self.prefill if role == "prefill" else self.decode).pop(instance, None)
-        self._liveness.forget(f"{role}:{instance}")
+        self.loads.forget(role, instance)
 
     @abstractmethod
     def decide(self, req: AdmissionRequest) -> AdmissionDecision: ...
@@ -115,10 +116,10 @@ class AdmissionPolicy(ABC):
         """Called after an Accept was acted on (predictive modes track what they let in)."""
 
     def live_prefill(self) -> list[PrefillLoad]:
-        return [v for k, v in sorted(self.prefill.items()) if self._liveness.alive("prefill:" + k)]
+        return self.loads.live_prefill()
 
     def live_decode(self) -> list[DecodeLoad]:
-        return [v for k, v in sorted(self.decode.items()) if self._liveness.alive("decode:" + k)]
+        return self.loads.live_decode()
 
     def ttft_slo(self, req: AdmissionRequest) -> float:
         return self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s

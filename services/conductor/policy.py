@@ -81,7 +81,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes as compute_block_hashes
-from services.common.liveness import Liveness
+from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
 from services.conductor import cpp as cpp_
 from services.conductor.balancing import AdaptiveThreshold
@@ -271,11 +271,11 @@ class PlacementPolicy:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, not {self.strategy!r}")
-        self._book = self.book if self.book is not None else CalibrationBook(self.cost)
-        self.book = self._book
-        self._liveness = Liveness(self.clock, self.dead_after_s)
-        self._prefill: dict[str, PrefillLoad] = {}
-        self._decode: dict[str, DecodeLoad] = {}
+        self.loads = LoadBook(self.clock, self.cost, dead_after_s=self.dead_after_s,
+                              calibration=self.book)
+        self._book = self.book = self.loads.calibration
+        self._prefill = self.loads.prefill  # latest reports by instance (the LoadBook's)
+        self._decode = self.loads.decode
         self._dispatches: dict[str, _Dispatch] = {}
         self._by_prefill: dict[str, dict[str, _Dispatch]] = {}
         self._by_decode: dict[str, dict[str, _Dispatch]] = {}
@@ -292,24 +292,19 @@ class PlacementPolicy:
     # ------------------------------------------------------------ observations
 
     def observe_prefill(self, load: PrefillLoad) -> None:
-        self._prefill[load.instance] = load
-        self._book.observe_fit(load.instance, load.fit)
-        self._liveness.seen("prefill:" + load.instance)
+        self.loads.observe_prefill(load)
         for d in list(self._by_prefill.get(load.instance, {}).values()):
             if d.placed_at + self.report_grace_s <= load.ts:
                 self._close_prefill(d, source_too=False, only=load.instance)
 
     def observe_decode(self, load: DecodeLoad) -> None:
-        self._decode[load.instance] = load
-        self._book.observe_fit(load.instance, load.fit)
-        self._liveness.seen("decode:" + load.instance)
+        self.loads.observe_decode(load)
         for d in list(self._by_decode.get(load.instance, {}).values()):
             if d.decode_since is not None and d.decode_since <= load.ts:
                 self._close_decode(d)
 
     def forget_instance(self, role: str, instance: str) -> None:
-        (self._prefill if role == "prefill" else self._decode).pop(instance, None)
-        self._liveness.forget(f"{role}:{instance}")
+        self.loads.forget(role, instance)
 
     def prefill_done(
         self, request_id: str, ts: float | None = None, handoff_ts: float | None = None
@@ -343,10 +338,10 @@ class PlacementPolicy:
     # ------------------------------------------------------------ views
 
     def live_prefill(self) -> list[str]:
-        return sorted(i for i in self._prefill if self._liveness.alive("prefill:" + i))
+        return [load.instance for load in self.loads.live_prefill()]
 
     def live_decode(self) -> list[str]:
-        return sorted(i for i in self._decode if self._liveness.alive("decode:" + i))
+        return [load.instance for load in self.loads.live_decode()]
 
     def queue_s(self, instance: str) -> float:
         load = self._prefill.get(instance)

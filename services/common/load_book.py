@@ -1,0 +1,53 @@
+"""Every instance's latest load report, by role, which instances are alive, and the cost
+model each one's reports carry: the one book that admission and placement both keep.
+
+Pure: the caller feeds reports and asks with its injected clock. An instance is alive
+while its last report is at most ``dead_after_s`` old; a role switch forgets it in the
+role it left.
+"""
+
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from services.common.calibration import CalibrationBook
+from services.common.clock import Clock
+from services.common.cost_model import CostModel
+from services.common.liveness import Liveness
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+class LoadBook:
+    def __init__(self, clock: Clock, cost: CostModel, *, dead_after_s: float = 2.0,
+                 calibration: CalibrationBook | None = None) -> None:
+        self.calibration = calibration if calibration is not None else CalibrationBook(cost)
+        self.prefill: dict[str, PrefillLoad] = {}
+        self.decode: dict[str, DecodeLoad] = {}
+        self._liveness = Liveness(clock, dead_after_s)
+
+    def observe_prefill(self, load: PrefillLoad) -> None:
+        self.prefill[load.instance] = load
+        self._liveness.seen(f"{PREFILL}:{load.instance}")
+        self.calibration.observe_fit(load.instance, load.fit)
+
+    def observe_decode(self, load: DecodeLoad) -> None:
+        self.decode[load.instance] = load
+        self._liveness.seen(f"{DECODE}:{load.instance}")
+        self.calibration.observe_fit(load.instance, load.fit)
+
+    def forget(self, role: str, instance: str) -> None:
+        """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
+        if role == PREFILL:
+            self.prefill.pop(instance, None)
+        else:
+            self.decode.pop(instance, None)
+        self._liveness.forget(f"{role}:{instance}")
+
+    def alive(self, role: str, instance: str) -> bool:
+        return self._liveness.alive(f"{role}:{instance}")
+
+    def live_prefill(self) -> list[PrefillLoad]:
+        """The live prefill instances' latest reports, by instance name."""
+        return [v for k, v in sorted(self.prefill.items()) if self.alive(PREFILL, k)]
+
+    def live_decode(self) -> list[DecodeLoad]:
+        """The live decode instances' latest reports, by instance name."""
+        return [v for k, v in sorted(self.decode.items()) if self.alive(DECODE, k)]

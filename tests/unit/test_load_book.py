@@ -1,0 +1,54 @@
+"""services.common.load_book: the one book of per-instance load and liveness that
+admission and placement both keep."""
+
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from services.admission.policy import EarlyRejectionPolicy
+from services.common.clock import ManualClock
+from services.common.cost_model import CostModel
+from services.common.load_book import LoadBook
+from services.conductor.policy import PlacementPolicy
+
+
+def p(name: str, work: float, ts: float) -> PrefillLoad:
+    return PrefillLoad(instance=name, node="n-" + name, queue_len=1, queued_tokens=10,
+                       queued_work_s=work, ts=ts)
+
+
+def d(name: str, ts: float) -> DecodeLoad:
+    return DecodeLoad(instance=name, node="n-" + name, batch_size=1, waiting=0, max_batch=8,
+                      kv_tokens=100, step_time_s=0.01, ts=ts)
+
+
+def test_latest_report_liveness_and_forgetting():
+    clock = ManualClock()
+    book = LoadBook(clock, CostModel(), dead_after_s=2.0)
+    book.observe_prefill(p("p1", 1.0, 0.0))
+    book.observe_prefill(p("p0", 2.0, 0.0))
+    book.observe_decode(d("d0", 0.0))
+    clock.advance(1.5)
+    book.observe_prefill(p("p1", 3.0, 1.5))  # the latest report replaces the first
+    assert [x.queued_work_s for x in book.live_prefill()] == [2.0, 3.0]  # by name
+    clock.advance(1.0)  # p0 and d0 last seen 2.5 s ago: dead
+    assert [x.instance for x in book.live_prefill()] == ["p1"]
+    assert book.live_decode() == [] and "d0" in book.decode
+    book.forget("prefill", "p1")  # switched to decode
+    assert book.live_prefill() == [] and "p1" not in book.prefill
+    book.observe_decode(d("p1", 2.5))
+    assert [x.instance for x in book.live_decode()] == ["p1"]
+    assert not book.alive("prefill", "p1") and book.alive("decode", "p1")
+
+
+def test_admission_and_placement_keep_their_loads_in_one_book():
+    clock = ManualClock()
+    cost = CostModel()
+    adm = EarlyRejectionPolicy(clock, cost)
+    pl = PlacementPolicy(clock, cost)
+    for pol in (adm, pl):
+        assert isinstance(pol.loads, LoadBook)
+        assert pol.book is pol.loads.calibration
+        pol.observe_prefill(p("p0", 1.0, 0.0))
+        pol.observe_decode(d("d0", 0.0))
+    assert adm.live_prefill() == adm.loads.live_prefill() == [p("p0", 1.0, 0.0)]
+    assert pl.live_prefill() == ["p0"] and pl.live_decode() == ["d0"]
+    clock.advance(2.5)
+    assert adm.live_prefill() == [] and pl.live_prefill() == [] and pl.live_decode() == []
