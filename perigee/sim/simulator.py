@@ -43,7 +43,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bus_schemas.control import Refused
-from bus_schemas.placement import PrefixSource
 from perigee.sim.cluster import Cluster
 from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
@@ -323,16 +322,14 @@ class Simulator:
         self._dispatch(req, d)
 
     def _dispatch(self, req: SimRequest, p: Placement) -> None:
-        bs, n, r = self.cfg.block_size, req.num_tokens, p.remote
-        req.source = PrefixSource(node=r.node, first_block=r.first_block,
-                                  num_blocks=r.num_blocks) if r else None
+        bs, n = self.cfg.block_size, req.num_tokens
+        req.source = p.source
         # What the queue expects (the conductor's PrefillTask): the reservation has the
         # last word (_granted).
-        expected = plan.grant(req.source, prefill_hit=r.first_block if r else p.prefix_blocks,
-                              source_granted=True)
+        expected = plan.grant(req.source, prefill_hit=p.expected_hit_blocks, source_granted=True)
         req.cached_tokens = expected.prefix_tokens(n, bs)
         req.pulled_tokens = expected.pulled_tokens(n, bs)
-        req.pull_source = r.node if expected.pull else ""
+        req.pull_source = req.source.node if req.source and expected.pull else ""
         req.prefill_instance, req.prefill_node = p.prefill_instance, p.prefill_node
         req.decode_instance, req.decode_node = p.decode_instance, p.decode_node
         req.want = plan.wanted(req.source)

@@ -75,6 +75,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.placement import PrefixSource
 from bus_schemas.requests import ErrorCode, GenerateRequest
 from services.common import defaults
 from services.common.calibration import CalibrationBook
@@ -151,6 +152,18 @@ class Placement:
     cpp_stage_nodes: tuple[str, ...] = ()
     cpp_chunk_tokens: int = 0
     cpp_stage_end_s: tuple[float, ...] = ()
+
+    @property
+    def source(self) -> PrefixSource | None:
+        """The remote prefix as the PrefillTask carries it (the instance locks it)."""
+        r = self.remote
+        return PrefixSource(node=r.node, first_block=r.first_block,
+                            num_blocks=r.num_blocks) if r else None
+
+    @property
+    def expected_hit_blocks(self) -> int:
+        """Leading blocks the prefill node itself is expected to hold."""
+        return self.remote.first_block if self.remote else self.prefix_blocks
 
 
 Decision = Placement | Rejection

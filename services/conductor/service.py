@@ -47,7 +47,6 @@ from bus_schemas.placement import (
     ConductorEvent,
     FirstTokenNotice,
     PrefillTask,
-    PrefixSource,
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
@@ -329,10 +328,8 @@ class ConductorService:
             decode_instance=p.decode_instance,
             prefill_node=p.prefill_node,
             decode_node=p.decode_node,
-            expected_hit_blocks=r.first_block if r else p.prefix_blocks,
-            source=PrefixSource(node=r.node, first_block=r.first_block, num_blocks=r.num_blocks)
-            if r
-            else None,
+            expected_hit_blocks=p.expected_hit_blocks,
+            source=p.source,
             placed_ts=time.time(),
             est_ttft_s=p.est_ttft_s,
             # The baseline (no TBT check here) may still reject at decode, after prefill:
