@@ -4,8 +4,9 @@ and one NIC link; their KV events feed the conductor's real :class:`PrefixIndex`
 A node's store sees exactly the transaction sequence the live conductor and workers
 send it (paper §5.3)::
 
-    placement   TxAllocate PREFILL on the prefill node, DECODE on the decode node,
-                SOURCE on the holder when a remote prefix is pulled
+    compute     TxAllocate PREFILL on the prefill node, DECODE on the decode node,
+    start       SOURCE on the holder when a remote prefix is pulled (never while the
+                request queues; services.common.reservation reads the answers)
     first token TxCommit on the prefill node and the holder (the holder's commit only
                 releases its locks); the decode node commits when it loads the KV
     failure     TxAbort on every transaction of the request

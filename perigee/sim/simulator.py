@@ -30,7 +30,7 @@ policies' dispatch accounting (``PlacementPolicy.report_grace_s``) bridges the g
 
 Control-plane latency of the live stack (zero by default, the paper's model):
 ``dispatch_s`` from arrival to the placed request sitting in its prefill queue (HTTP,
-gateway, admission, conductor, TxAllocate round trip: bus hops), ``first_token_hop_s``
+gateway, admission, conductor: bus hops), ``first_token_hop_s``
 from the first token's computation to the client, and ``prefill_handoff_s``, the
 prefill instance's busy time after each compute (the worker publishes the first token
 and turns around to its next task; the KV acks and the handoff run beside that task).
@@ -80,7 +80,9 @@ from services.decode.side_check import DecodeSideCheck
 #             (0.98-2.03: the first token's publish, the runner's turnaround and the
 #             event-loop share of the previous requests' ships and handoffs)
 # Each has a long tail on a loaded machine (p90 up to 45 ms); the simulator takes the
-# median as a constant.
+# median as a constant. Measured when the conductor still allocated store slots at
+# placement: the TxAllocate round trip now sits at the prefill's compute start instead
+# (not remeasured; the simulator's reservation takes no time).
 LIVE_DISPATCH_S = 0.010
 LIVE_FIRST_TOKEN_HOP_S = 0.003
 LIVE_PREFILL_HANDOFF_S = 0.002
