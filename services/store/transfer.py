@@ -137,6 +137,8 @@ class DataPlane:
             if name == "tcp":
                 receiver = {"host": host, "port": 0, "advertise_host": advertise_host or host,
                             "guard": self.guard}
+            elif name == "rdma":  # its bootstrap socket (it advertises what it binds)
+                receiver = {"host": advertise_host or host}
             engine = TransferEngine(name, sender_opts=sender, receiver_opts=receiver)
             self.regions[name] = engine.register_local_memory(arena.buf, name=arena.name)
             self.engines[name] = engine
