@@ -94,6 +94,7 @@ class AdmissionService:
             **extra,
         )
         self.subs = bus.Subscriptions(nc)
+        self.intake: intake_queue.QueueConsumer | None = None
         self.js = nc.jetstream() if nc is not None else None
 
     async def start(self) -> None:
@@ -122,13 +123,16 @@ class AdmissionService:
             streams.append(intake_queue.INTAKE_STREAM)
         await intake_queue.ensure_streams(self.js, streams)
         if self.cfg.durable_intake:
-            await intake_queue.QueueConsumer(
+            self.intake = intake_queue.QueueConsumer(
                 self.nc, intake_queue.INTAKE_STREAM, subjects.INTAKE, subjects.Q_ADMISSION,
-                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s).start(s)
+                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s)
+            await self.intake.start(s)
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("admission_started", policy=self.cfg.policy)
 
     async def stop(self) -> None:
+        if self.intake is not None:
+            await self.intake.close()
         await self.subs.close()
 
     async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:

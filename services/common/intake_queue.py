@@ -130,11 +130,24 @@ def redelivered(m: NatsMsg) -> bool:
         return False
 
 
+def consumer_config(durable: str, subject: str, ack_wait_s: float = ACK_WAIT_S,
+                    max_inflight: int = 256) -> api.ConsumerConfig:
+    """A durable push consumer delivered to a queue group (``durable``): every copy of
+    the service shares it, acks by hand, and the server redelivers what one of them
+    held unacked for ``ack_wait_s``; at most ``max_inflight`` are out at once."""
+    return api.ConsumerConfig(
+        durable_name=durable, deliver_group=durable, ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s, max_deliver=-1, max_ack_pending=max_inflight,
+        filter_subject=subject)
+
+
 class QueueConsumer:
-    """Pulls a work queue with a durable consumer shared by every copy of a service
+    """Takes a work queue with a durable consumer shared by every copy of a service
     (queue semantics) and hands each message to ``handle``, which acks it once its
-    effect is out. ``concurrent``: each message in its own task (at most
-    ``max_inflight`` unacked at once), else in order."""
+    effect is out. ``concurrent``: each message in its own task, else in order.
+
+    Push, not pull: a message goes out the moment it is stored (a pull batch would wait
+    for the batch to fill or its request to expire)."""
 
     def __init__(self, nc: Any, stream: str, subject: str, durable: str,
                  handle: Callable[[NatsMsg], Awaitable[None]], *, concurrent: bool = False,
@@ -142,39 +155,30 @@ class QueueConsumer:
         self.nc, self.js = nc, nc.jetstream()
         self.stream, self.subject, self.durable = stream, subject, durable
         self.handle, self.concurrent = handle, concurrent
-        self.ack_wait_s, self.max_inflight = ack_wait_s, max_inflight
-        self._sub: Any = None
+        self.cfg = consumer_config(durable, subject, ack_wait_s, max_inflight)
         self._subs: bus.Subscriptions
+        self._sub: Any = None
 
     async def start(self, subs: bus.Subscriptions) -> None:
-        cfg = api.ConsumerConfig(
-            durable_name=self.durable, ack_policy=api.AckPolicy.EXPLICIT,
-            ack_wait=self.ack_wait_s, max_deliver=-1, max_ack_pending=self.max_inflight,
-            filter_subject=self.subject)
-        self._subs = subs  # its close() cancels the pull loop and the handlers
-        self._sub = await self.js.pull_subscribe(
-            self.subject, durable=self.durable, stream=self.stream, config=cfg)
-        subs.spawn(self._pull(), name=f"{self.stream}:pull")
+        self._subs = subs  # its close() cancels the handlers
 
-    async def _pull(self) -> None:
-        # The server holds back more than max_ack_pending unacked messages: that bounds
-        # the handlers running at once.
-        while True:
+        async def cb(m: NatsMsg) -> None:
+            if self.concurrent:
+                self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
+            else:
+                await self._run(m)
+
+        self._sub = await self.js.subscribe(
+            self.subject, queue=self.durable, durable=self.durable, stream=self.stream,
+            cb=cb, manual_ack=True, config=self.cfg)
+
+    async def close(self) -> None:
+        """Stop taking messages (the durable consumer stays for the other copies)."""
+        if self._sub is not None:
             try:
-                msgs = await self._sub.fetch(batch=64, timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
-            except (nats.errors.ConnectionClosedError, asyncio.CancelledError):
-                raise
-            except Exception as e:  # noqa: BLE001 - reconnecting, leader election: pull again
-                log.warning("intake_pull_failed", stream=self.stream, error=str(e))
-                await asyncio.sleep(0.2)
-                continue
-            for m in msgs:
-                if self.concurrent:
-                    self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
-                else:
-                    await self._run(m)
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection may already be gone
+                pass
 
     async def _run(self, m: NatsMsg) -> None:
         try:

@@ -160,6 +160,7 @@ class ConductorService:
             interval_s=cfg.pd_interval_s,
         )
         self.subs = bus.Subscriptions(nc)
+        self.intake: intake_queue.QueueConsumer | None = None
         self.shadow = ShadowView(
             nc,
             self.subs,
@@ -204,15 +205,18 @@ class ConductorService:
         if self.cfg.durable_intake:
             await intake_queue.ensure_streams(
                 self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.PLACED_STREAM])
-            await intake_queue.QueueConsumer(
+            self.intake = intake_queue.QueueConsumer(
                 self.nc, intake_queue.SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE,
                 subjects.Q_CONDUCTOR, self._on_queued, concurrent=True,
-                ack_wait_s=self.cfg.intake_ack_wait_s).start(s)
+                ack_wait_s=self.cfg.intake_ack_wait_s)
+            await self.intake.start(s)
         s.spawn(self._sweeper(), name="conductor:sweeper")
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)
 
     async def stop(self) -> None:
+        if self.intake is not None:
+            await self.intake.close()
         await self.subs.close()
 
     # ------------------------------------------------------------ loads

@@ -7,12 +7,15 @@ sent (the stopped process's outstanding pull takes some of it, the rest waits in
 stream), then it is SIGKILLed. The stream's redelivery count proves it held some."""
 
 import asyncio
+import json
 import os
 import signal
 import uuid
+from pathlib import Path
 
 import aiohttp
 import nats
+import nats.errors
 import pytest
 from nats.js.errors import NotFoundError
 
@@ -195,5 +198,34 @@ async def test_sigkilled_conductor_loses_no_request_and_places_none_twice(intake
                 await js.get_last_msg(intake_queue.PLACED_STREAM, intake_queue.placed_subject(rid))
             except NotFoundError:
                 pytest.fail(f"{rid} has no placement claim")
+    finally:
+        await nc.close()
+
+
+async def test_a_worker_can_neither_feed_nor_drain_the_intake_queues(intake_stack):
+    """Its login may not publish on the queues nor open a consumer on their streams
+    (which would take requests off them)."""
+    s = intake_stack
+    login = json.loads((Path(s.cfg.log_dir) / "nats" / "credentials.json").read_text())
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e).lower())
+
+    nc = await nats.connect(s.nats.url, user="prefill-0", password=login["users"]["prefill-0"],
+                            allow_reconnect=False, error_cb=on_error)
+    js = nc.jetstream()
+    try:
+        for subject in (subjects.INTAKE, subjects.SCHEDULE_QUEUE):
+            with pytest.raises(nats.errors.Error):  # no ack: the publish never got there
+                await js.publish(subject, b"{}", timeout=2)
+        with pytest.raises(nats.errors.Error):
+            await js.pull_subscribe(subjects.SCHEDULE_QUEUE, durable="thief",
+                                    stream=intake_queue.SCHEDULE_STREAM)
+        # ... because the server refused each, not for want of an answer.
+        for subject in (subjects.INTAKE, subjects.SCHEDULE_QUEUE,
+                        f"$js.api.consumer.info.{intake_queue.SCHEDULE_STREAM.lower()}.thief"):
+            assert any(f'permissions violation for publish to "{subject}"' in e for e in errors), (
+                subject, errors)
     finally:
         await nc.close()

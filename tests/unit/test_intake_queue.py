@@ -10,7 +10,6 @@ import uuid
 import nats
 import pytest
 from conftest_fakestore import Rig, tokens_of, until_terminal
-from nats.js import api
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -117,11 +116,12 @@ async def test_admission_forwards_a_redelivered_request_without_deciding_again(n
     await intake_queue.ensure_streams(js, [intake_queue.INTAKE_STREAM, intake_queue.SCHEDULE_STREAM])
     await js.purge_stream(intake_queue.INTAKE_STREAM)
     # Play the admission that died: take the request and never ack it (nak: at once again).
-    cfg = api.ConsumerConfig(durable_name=subjects.Q_ADMISSION, ack_policy=api.AckPolicy.EXPLICIT,
-                             ack_wait=intake_queue.ACK_WAIT_S, max_deliver=-1,
-                             max_ack_pending=256, filter_subject=subjects.INTAKE)
-    dead = await js.pull_subscribe(subjects.INTAKE, durable=subjects.Q_ADMISSION,
-                                   stream=intake_queue.INTAKE_STREAM, config=cfg)
+    got: asyncio.Queue = asyncio.Queue()
+    dead = await js.subscribe(subjects.INTAKE, queue=subjects.Q_ADMISSION,
+                              durable=subjects.Q_ADMISSION, stream=intake_queue.INTAKE_STREAM,
+                              cb=got.put, manual_ack=True,
+                              config=intake_queue.consumer_config(subjects.Q_ADMISSION,
+                                                                  subjects.INTAKE))
     h = AdmissionHarness()
     again, fresh = rid(), rid()
     scheduled = await nc.subscribe(subjects.SCHEDULE_QUEUE)
@@ -129,9 +129,9 @@ async def test_admission_forwards_a_redelivered_request_without_deciding_again(n
         inbox = nc.new_inbox()
         req = GenerateRequest(request_id=again, prompt_token_ids=PROMPT, reply_subject=inbox)
         await bus.js_publish(js, subjects.INTAKE, encode(req), msg_id=again)
-        (m,) = await dead.fetch(1, timeout=5)
-        await m.nak()
+        m = await asyncio.wait_for(got.get(), 5)
         await dead.unsubscribe()
+        await m.nak()
         await h.start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early")
         await h.loads(prefill_work=100.0)  # far over the TTFT SLO: a new request gets 429
         fwd = decode((await scheduled.next_msg(timeout=5)).data, GenerateRequest)
