@@ -94,6 +94,8 @@ class StackConfig:
     block_size: int = 32
     speedup: str = "1.0"
     store_capacity_blocks: int = 4096
+    # Each store's SSD tier, blocks (0: none): <log_dir>/ssd/<node>, kept across restarts.
+    store_ssd_blocks: int = 0
     ttft_slo: float = 30.0
     tbt_slo: float = 0.1
     admission_policy: str = "early"  # baseline | early | predict
@@ -187,7 +189,9 @@ class Stack:
         for _, _, node in workers:
             out.append(Child(f"store-{node}", ["services.store", *self._common(), "--node", node,
                 "--block-size", str(c.block_size), "--block-bytes", str(block_bytes),
-                "--capacity-blocks", str(c.store_capacity_blocks), "--host", c.host]))
+                "--capacity-blocks", str(c.store_capacity_blocks), "--host", c.host]
+                + (["--ssd-dir", str(Path(c.log_dir) / "ssd" / node), "--ssd-capacity-blocks",
+                    str(c.store_ssd_blocks)] if c.store_ssd_blocks else [])))
         for role, inst, node in workers:
             args = ["services." + role, *self._common(), "--instance", inst, "--node", node,
                     "--engine", c.engine, "--model-dir", c.model_dir,
@@ -448,6 +452,10 @@ class Stack:
         if proc and proc.poll() is None:
             proc.send_signal(sig)
             proc.wait(timeout=10)
+
+    def restart(self, name: str) -> None:
+        """Start a service killed with :meth:`kill` again (fault-injection in tests)."""
+        self._respawn(name)
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM tier by tier (:data:`STOP_TIERS`), each waited on for its bound,

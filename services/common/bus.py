@@ -326,6 +326,10 @@ class Subscriptions:
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=cb))
         await sync(self.nc)
 
+    def adopt(self, sub: Any) -> None:
+        """A subscription made elsewhere (e.g. a JetStream consumer) closed with these."""
+        self._subs.append(sub)
+
     async def _reply(self, m: NatsMsg, data: bytes) -> None:
         try:
             await send(self.nc, m.reply, data, headers=inject())

@@ -9,9 +9,16 @@ Lifecycle of a node in the view:
         behind a seq it announced one period earlier--> DUMPING
     any --store silent for store_dead_after_s--> REMOVED (a later sighting starts over)
 
-On start the service subscribes to KV events first, then (in the background) asks
-STORE_DISCOVER and dumps every node that answers, so nothing published in between is
-lost; announces catch a store that missed the discovery window.
+On start the service reads the KV-event stream (services.common.kv_stream) from its
+beginning with an ordered JetStream consumer that then goes on with the live batches,
+so a restarted conductor rebuilds each node's view from its current epoch's batches
+without asking the store; only a node whose replay does not start at seq 1 (the
+stream's per-node limit dropped its oldest batches) or lags its announce is dumped.
+Replayed batches are history: they do not make their store look alive (a store that
+died stays dead to the view until it announces again). Once the replay caught up (or
+after ``replay_timeout_s``), the service subscribes to announces and asks
+STORE_DISCOVER; announces catch a store that missed the discovery window. Without
+JetStream the view falls back to a core subscription and dumps every node it discovers.
 """
 
 import asyncio
@@ -19,12 +26,13 @@ import asyncio
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
+from nats.js.api import DeliverPolicy
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import DumpPage, DumpRequest, StoreInfo
 from bus_schemas.kv_events import EventBatch
-from services.common import bus
+from services.common import bus, kv_stream
 from services.common.clock import Clock
 from services.common.liveness import Liveness
 from services.conductor.prefix_index import PrefixIndex
@@ -43,6 +51,7 @@ class ShadowView:
         store_dead_after_s: float = 5.0,
         request_timeout_s: float = 2.0,
         dump_page_blocks: int = 20_000,
+        replay_timeout_s: float = 10.0,
     ) -> None:
         self.nc = nc
         self.subs = subs
@@ -53,21 +62,73 @@ class ShadowView:
         self._dumping: set[str] = set()
         self._announced: dict[str, tuple[int, int]] = {}
         self.dumps_done = 0  # completed dumps, for tests and stats
+        self.replay_timeout_s = replay_timeout_s
+        self.catch_up = kv_stream.CatchUp(0)
+        self.caught_up = asyncio.Event()  # the stream's history is in the index
+        self.durable = False  # following the JetStream stream (else core NATS only)
+        self.clock = clock
+        self._live_since: float | None = None  # first sweep after the replay
 
     async def start(self, discover_window_s: float = 0.5) -> None:
-        """Subscribe to KV events and announces, then discover the stores in the
-        background (placement works meanwhile, just without the cache view)."""
-        await self.subs.serve(
-            subjects.KV_EVENTS_ALL, EventBatch, self._on_batch, span_name="conductor.kv_events"
-        )
+        """Follow the KV events (the stream's history first), then in the background
+        subscribe to announces and discover the stores once the history is in
+        (placement works meanwhile, just without the cache view)."""
+        await self._follow_events()
+        await self.nc.flush()
+        self.subs.spawn(self._bootstrap(discover_window_s), name="conductor:discover")
+
+    async def _follow_events(self) -> None:
+        js = self.nc.jetstream(timeout=self.request_timeout_s)
+        try:
+            await kv_stream.ensure(js)
+            info = await js.stream_info(kv_stream.STREAM)
+            self.catch_up = kv_stream.CatchUp(info.state.messages)
+            sub = await js.subscribe(
+                subjects.KV_EVENTS_ALL,
+                stream=kv_stream.STREAM,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+                cb=self._on_stream_msg,
+            )
+            self.subs.adopt(sub)
+            self.durable = True
+        except Exception as e:  # noqa: BLE001 - a bus without JetStream: live events only
+            log.warning("kv_stream_unavailable", error=f"{type(e).__name__}: {e}")
+            self.catch_up = kv_stream.CatchUp(0)
+            await self.subs.serve(
+                subjects.KV_EVENTS_ALL, EventBatch, self._on_batch, span_name="conductor.kv_events"
+            )
+        if self.catch_up.done:
+            self.caught_up.set()
+
+    async def _bootstrap(self, discover_window_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.caught_up.wait(), self.replay_timeout_s)
+        except TimeoutError:
+            log.warning("kv_stream_replay_slow", replayed=self.catch_up.replayed)
+        log.info("kv_stream_replayed", batches=self.catch_up.replayed, nodes=self.index.nodes(),
+                 durable=self.durable)
         await self.subs.serve(
             subjects.STORE_ANNOUNCE,
             StoreInfo,
             self._on_announce,
             span_name="conductor.store_announce",
         )
-        await self.nc.flush()
-        self.subs.spawn(self.discover(discover_window_s), name="conductor:discover")
+        await self.discover(discover_window_s)
+
+    async def _on_stream_msg(self, m: NatsMsg) -> None:
+        try:
+            history = self.catch_up.on_message(m.metadata.num_pending)
+        except Exception:  # noqa: BLE001 - not a stream delivery (no metadata): live
+            history = False
+        if self.catch_up.done:
+            self.caught_up.set()
+        try:
+            batch = decode(m.data, EventBatch)
+        except BadMessage as e:
+            log.warning("bad_kv_batch", subject=m.subject, error=str(e))
+            return
+        self.apply(batch, live=not history)
 
     # ------------------------------------------------------------ queries
 
@@ -127,7 +188,12 @@ class ShadowView:
         self.on_info(info)
 
     async def _on_batch(self, batch: EventBatch, _m: NatsMsg) -> None:
-        self.stores.seen(batch.node)
+        self.apply(batch)
+
+    def apply(self, batch: EventBatch, live: bool = True) -> None:
+        """One node's batch; a ``live`` one is also a sign that its store is alive."""
+        if live:
+            self.stores.seen(batch.node)
         if self.index.apply(batch):
             log.info("kv_events_gap", node=batch.node, epoch=batch.epoch, seq=batch.seq)
             self.request_dump(batch.node)
@@ -179,9 +245,21 @@ class ShadowView:
     # ------------------------------------------------------------ housekeeping
 
     def sweep(self) -> list[str]:
-        """Drop nodes whose store went silent; returns them."""
+        """Drop nodes whose store went silent; returns them. A node known only from the
+        stream's history gets one ``store_dead_after_s`` after the replay to show that it
+        is alive (announce, discovery reply or a live batch); none is dropped before."""
+        if not self.caught_up.is_set():
+            return []
+        now = self.clock.now()
+        if self._live_since is None:
+            self._live_since = now
+        grace = now - self._live_since <= self.stores.dead_after_s
         gone = [
-            n for n in self.index.nodes() if not self.stores.alive(n) and n not in self._dumping
+            n
+            for n in self.index.nodes()
+            if not self.stores.alive(n)
+            and n not in self._dumping
+            and (self.stores.known(n) or not grace)
         ]
         for n in gone:
             self.index.remove_node(n)

@@ -224,6 +224,7 @@ class DecodeWorker(WorkerBase):
         self._loading += 1
         try:
             with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
+                await self.store.attached(task.decode_tx)  # its store may have restarted
                 slots = [self.store.slot(s) for s in task.decode_tx.slots]
                 load = self.engine.add_request(DecodeJob(
                     request_id=rid, prompt_token_ids=req.prompt_token_ids,

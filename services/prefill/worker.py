@@ -363,6 +363,7 @@ class PrefillWorker(WorkerBase):
                 await self.store.pull(res.prefill_tx, r)
             pulled = min(n, (r.first_block + r.num_blocks) * bs) - min(n, r.first_block * bs)
             self.counters["remote_tokens_pulled"] += pulled
+        await self.store.attached(res.prefill_tx)  # its store may have restarted
         slots = [self.store.slot(s) for s in res.prefill_tx.slots]
         kv = SlotKV(self.layout, slots, n)
         blocks = [b for b in range(len(slots)) if b >= res.decode_tx.hit_blocks]

@@ -77,8 +77,14 @@ class StoreClient:
         return self._info
 
     def slot(self, i: int) -> memoryview:
-        """Writable view of slot ``i`` of this node's arena."""
+        """Writable view of slot ``i`` of this node's arena (call :meth:`attached` with
+        the transaction first: its slots are in the arena of the epoch it came from)."""
         return self.arena.slot(i)
+
+    async def attached(self, tx: TxHandle) -> None:
+        """Attach to ``tx``'s incarnation of the store (a restart since the last one gave
+        it a new arena); raises TransferError ``epoch`` for a dead incarnation's tx."""
+        await self._check_local(tx)
 
     async def ship_layer(
         self,

@@ -24,7 +24,8 @@ Lifecycle::
                               services.store.transfer), grant sweep
                  announce     StoreInfo on perigee.store.announce every announce interval
                  lease-sweep  aborts transactions whose lease ran out, drops expired pins
-                 kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order
+                 kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order,
+                              into the JetStream stream (services.common.kv_stream)
                  write-back   copies committed DRAM blocks to SSD (--ssd-dir), persists
                               the SSD index; a restart reloads it (new epoch, BlockStored)
     stop:  unsubscribe, cancel tasks, close sockets, close and unlink the arena
@@ -74,8 +75,8 @@ from bus_schemas.control import (
 )
 from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
-from services.common import defaults
-from services.common.bus import Subscriptions, publish
+from services.common import defaults, kv_stream
+from services.common.bus import Subscriptions, js_publish, publish
 from services.common.clock import Clock, WallClock
 from services.store import tiering
 from services.store.arena import Arena
@@ -85,6 +86,7 @@ from services.store.object_server import ObjectServer
 from services.store.object_service import ObjectService
 from services.store.replication import Replicator
 from services.store.transfer import TRANSPORTS, DataPlane
+from tracing import inject
 
 log = structlog.get_logger()
 
@@ -256,6 +258,7 @@ class StoreService:
         counters = {**self.pool.stats(), **(self.data.counters if self.data else {}),
                     **self.objects.counters}
         counters["seq"] = self.seq
+        counters["ssd_index_dirty"] = int(self.pool.ssd_dirty)  # SSD blocks not yet in the index
         return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
 
     # ---------------------------------------------------------------- handlers
@@ -361,11 +364,33 @@ class StoreService:
         self._outbox.put_nowait(batch)
 
     async def _publish_events(self) -> None:
+        """Each batch into the KV-event stream (services.common.kv_stream), acked, once
+        per ``<node>.<epoch>.<seq>``; the previous epoch's batches are purged first, so the
+        stream holds this incarnation only. Without JetStream, or past the publish's
+        bound, a batch goes out on core NATS alone (live consumers get it; a conductor
+        replaying the stream later sees the gap and dumps this node)."""
         subject = subjects.kv_events(self.node)
         await self._serving.wait()
+        js = self.nc.jetstream(timeout=self.peer_timeout_s)
+        durable = True
+        try:
+            await kv_stream.ensure(js)
+            await js.purge_stream(kv_stream.STREAM, subject=subject)
+        except Exception as e:  # noqa: BLE001 - a bus without JetStream still carries events
+            durable = False
+            log.warning("kv_stream_unavailable", error=f"{type(e).__name__}: {e}")
         while True:
             batch = await self._outbox.get()
             try:
+                if durable:
+                    try:
+                        await js_publish(js, subject, encode(batch), headers=inject(),
+                                         msg_id=kv_stream.msg_id(self.node, batch.epoch, batch.seq),
+                                         timeout=self.peer_timeout_s)
+                        continue
+                    except Exception as e:  # noqa: BLE001 - the live path must not stall
+                        log.warning("kv_stream_publish_failed", seq=batch.seq,
+                                    error=f"{type(e).__name__}: {e}")
                 await publish(self.nc, subject, batch)
             except Exception:  # noqa: BLE001 - consumers recover gaps with a dump
                 log.exception("kv_event_publish_failed", seq=batch.seq)

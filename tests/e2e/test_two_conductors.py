@@ -14,7 +14,7 @@ import pytest
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
-from bus_schemas.control import DumpPage, DumpRequest
+from bus_schemas.control import DumpPage, DumpRequest, StoreInfo
 from bus_schemas.placement import PrefillTask
 from bus_schemas.requests import (
     Accepted,
@@ -145,13 +145,19 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
             held = await dump(nc, node)
             assert len(held) == len(set(held)) == st["cached_blocks"] == st["used_blocks"], (node, st)
 
-        # a conductor that starts now rebuilds the same view from the nodes
+        # a conductor that starts now rebuilds the same view (from the KV-event stream,
+        # a node's dump where the stream falls short)
         subs = bus.Subscriptions(nc)
         view = ShadowView(nc, subs, WallClock())
         await view.start(discover_window_s=1.0)
+        infos = {n: await bus.request(nc, subjects.store_ctl(n, "info"), b"", StoreInfo, timeout=5)
+                 for n in NODES}
 
         async def synced():
-            while view.dumps_done < len(NODES) or any(view.index.resyncing(n) for n in NODES):
+            while not view.caught_up.is_set() or any(
+                view.index.resyncing(n) or view.index.state(n) != (i.epoch, i.seq)
+                for n, i in infos.items()
+            ):
                 await asyncio.sleep(0.05)
 
         await asyncio.wait_for(synced(), 15)

@@ -64,6 +64,9 @@ class FakeStore:
         while self.at_gate:
             await asyncio.sleep(0)
 
+    async def attached(self, tx: TxHandle) -> None:
+        """One incarnation: nothing to follow."""
+
     def slot(self, i: int) -> memoryview:
         bb = self.block_bytes
         return memoryview(self.mem)[i * bb : (i + 1) * bb]

@@ -8,6 +8,7 @@ import time
 
 import nats
 import pytest
+from nats.js.errors import NotFoundError
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -28,6 +29,7 @@ from bus_schemas.kv_events import BlockStored, EventBatch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.placement import FirstTokenNotice, PrefillTask, PrefixSource, RequestFailed
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest, stream_event_decoder
+from services.common import kv_stream
 from services.common.clock import ManualClock
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
@@ -145,6 +147,10 @@ class Harness:
 
     async def start(self, stores: list[FakeStore], prefills, decodes, clock=None, **cfg) -> "Harness":
         self.nc = await nats.connect(self.url)
+        try:  # the server outlives a test: no test replays another's KV events
+            await self.nc.jetstream().delete_stream(kv_stream.STREAM)
+        except NotFoundError:
+            pass
         self.stores = {}
         for s in stores:
             s.nc = self.nc
