@@ -17,16 +17,28 @@ input arrives idles, as a real stage would.
 """
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from bus_schemas.load import PrefillLoad
 from perigee.sim.cluster import Link
 from perigee.sim.events import EventLoop
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
 from services.conductor import cpp
 
-if TYPE_CHECKING:
-    from perigee.sim.instances import PrefillInstance
+
+class StageMember(Protocol):
+    """What a pipeline needs of a member (perigee.sim.instances.PrefillInstance, which
+    imports this module: named by its shape to keep the two out of an import cycle)."""
+
+    link: Link
+    running_end: float
+
+    def load(self, now: float) -> PrefillLoad: ...
+
+    def push_stage(self, task: "StageTask") -> None: ...
+
+    def stage_done(self, task: "StageTask") -> None: ...
 
 
 class StageTask:
@@ -39,7 +51,7 @@ class StageTask:
 
 
 class Gang:
-    def __init__(self, req: SimRequest, members: Sequence["PrefillInstance"], loop: EventLoop,
+    def __init__(self, req: SimRequest, members: Sequence[StageMember], loop: EventLoop,
                  cost: CostModel, chunk_tokens: int, anchor_link: Link,
                  on_prefilled: Callable[[SimRequest, float], None]) -> None:
         self.req, self.members, self.loop, self.cost = req, list(members), loop, cost
@@ -90,7 +102,7 @@ class Gang:
         assert self.timing is not None
         return self.timing.stage_compute_s[stage]
 
-    def stage_done(self, inst: "PrefillInstance", task: StageTask) -> None:
+    def stage_done(self, inst: StageMember, task: StageTask) -> None:
         assert self.timing is not None
         now, x = self.loop.now(), len(self.members)
         start = self.timing.stage_start_s[task.stage]
