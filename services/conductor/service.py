@@ -58,7 +58,7 @@ from services.common.cost_model import CostModel
 from services.common.intake import hashes_for, reply_to, salvage
 from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
-from services.conductor.migration import placement_for
+from services.conductor.migration import away_from_stores, placement_for
 from services.conductor.pd_ratio import PDRatioController
 from services.conductor.policy import (
     Placement,
@@ -308,6 +308,10 @@ class ConductorService:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
+            loads = self.policy.loads  # a dead store takes its node's instances out
+            exclude = away_from_stores(exclude, self.shadow.down(),
+                                       {i: ld.node for i, ld in loads.prefill.items()},
+                                       {i: ld.node for i, ld in loads.decode.items()})
             decision = self.policy.place(preq, self.shadow.match(preq.block_hashes), **exclude)
             if isinstance(decision, Rejection):
                 span.set_attribute("outcome", f"rejected_{int(decision.code)}")

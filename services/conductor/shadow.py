@@ -68,6 +68,7 @@ class ShadowView:
         self.durable = False  # following the JetStream stream (else core NATS only)
         self.clock = clock
         self._live_since: float | None = None  # first sweep after the replay
+        self._gone: set[str] = set()  # swept as silent, until the store shows up again
 
     async def start(self, discover_window_s: float = 0.5) -> None:
         """Follow the KV events (the stream's history first), then in the background
@@ -136,6 +137,12 @@ class ShadowView:
         """Prefix length in blocks per node whose store is alive."""
         return {n: v for n, v in self.index.match(block_hashes).items() if self.stores.alive(n)}
 
+    def down(self) -> set[str]:
+        """Nodes whose store was seen and has gone silent (or was swept since), until it
+        shows up again: placement keeps their instances out (services.conductor.migration)."""
+        silent = {n for n in self.index.nodes() if self.stores.known(n) and not self.stores.alive(n)}
+        return silent | self._gone
+
     # ------------------------------------------------------------ inputs
 
     async def discover(self, window_s: float) -> list[str]:
@@ -168,6 +175,7 @@ class ShadowView:
 
     def on_info(self, info: StoreInfo) -> None:
         self.stores.seen(info.node)
+        self._gone.discard(info.node)
         state = self.index.state(info.node)
         prev = self._announced.get(info.node)
         self._announced[info.node] = (info.epoch, info.seq)
@@ -194,6 +202,7 @@ class ShadowView:
         """One node's batch; a ``live`` one is also a sign that its store is alive."""
         if live:
             self.stores.seen(batch.node)
+            self._gone.discard(batch.node)
         if self.index.apply(batch):
             log.info("kv_events_gap", node=batch.node, epoch=batch.epoch, seq=batch.seq)
             self.request_dump(batch.node)
@@ -265,5 +274,6 @@ class ShadowView:
             self.index.remove_node(n)
             self.stores.forget(n)
             self._announced.pop(n, None)
+            self._gone.add(n)
             log.info("store_gone", node=n)
         return gone
