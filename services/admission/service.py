@@ -23,6 +23,7 @@ once, so its last load there does not count until the liveness window runs out.
 """
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -52,6 +53,8 @@ from services.common.rejection import Rejection
 from tracing import extract, inject, tracer
 
 log = structlog.get_logger()
+
+REMEMBER_DECIDED = 100_000
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,7 @@ class AdmissionService:
         )
         self.subs = bus.Subscriptions(nc)
         self.intake: intake_queue.QueueConsumer | None = None
+        self._decided: OrderedDict[str, bool] = OrderedDict()  # request id -> accepted
         self.js = nc.jetstream() if nc is not None else None
 
     async def start(self) -> None:
@@ -125,7 +129,10 @@ class AdmissionService:
         if self.cfg.durable_intake:
             self.intake = intake_queue.QueueConsumer(
                 self.nc, intake_queue.INTAKE_STREAM, subjects.INTAKE, subjects.Q_ADMISSION,
-                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s)
+                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s,
+                # Decided one at a time: few held at once, each well within the ack wait
+                # (one held past it would come again, as if its admission had died).
+                max_inflight=64)
             await self.intake.start(s)
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("admission_started", policy=self.cfg.policy)
@@ -200,7 +207,10 @@ class AdmissionService:
                 await self._forward(filled)
                 return
             if durable and intake_queue.redelivered(m):
-                # An admission died holding it, maybe after forwarding it: accepted then.
+                if self._decided.get(req.request_id) is False:
+                    return  # rejected here, its ack lost: the client has its answer
+                # Decided by an admission that died holding it, maybe accepted and
+                # forwarded: accepted then (the forward dedups on the id).
                 span.set_attribute("admission.decision", "redelivered")
                 log.info("redelivered_forwarded")
                 await self._forward(filled)
@@ -216,6 +226,7 @@ class AdmissionService:
             if isinstance(decision, Rejection):
                 span.set_attribute("admission.decision", f"reject_{int(decision.code)}")
                 log.info("rejected", code=int(decision.code), reason=decision.reason)
+                self._remember(req.request_id, False)
                 await self._error(
                     req.request_id, reply, decision.code, decision.reason, decision.retry_after_s
                 )
@@ -223,7 +234,15 @@ class AdmissionService:
             span.set_attribute("admission.decision", "accept")
             self.policy.on_accepted(areq)
             metrics.ADMITTED.inc()
+            self._remember(req.request_id, True)
             await self._forward(filled)
+
+    def _remember(self, request_id: str, accepted: bool) -> None:
+        """What this admission decided, for a redelivery of the same id (its ack lost,
+        or held past the ack wait): answered once, never decided the other way."""
+        self._decided[request_id] = accepted
+        while len(self._decided) > REMEMBER_DECIDED:
+            self._decided.popitem(last=False)
 
     async def _forward(self, req: GenerateRequest) -> None:
         """Store the request on the conductors' work queue, once by its id; accepted once

@@ -21,6 +21,11 @@ Delivery is therefore at least once; the effect is made exactly once by request 
   task for a request id it already has (services.prefill.worker). So a placement is
   decided once, and a task whose first send died with its conductor is sent again.
 
+What a client sees: before admission's forward is stored the request is not accepted
+yet; if admission dies then, the gateway's copy is still on INTAKE and is decided by the
+next admission (the client just waits the ack wait longer). Once stored on
+SCHEDULE_QUEUE it is accepted and goes on whatever dies: Accepted, tokens, Finished.
+
 Request ids are free text; the claim's subject is a digest of the id.
 """
 

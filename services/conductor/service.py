@@ -3,7 +3,10 @@ KVCache-centric policy (paper Algorithm 1) and drives the stores' transactions.
 
 A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
 
-    SCHEDULE (queue group Q_CONDUCTOR, one task per request)
+    SCHEDULE_QUEUE (JetStream work queue shared by the conductors; acked after
+    DISPATCHED, so a conductor that dies holding it has it go to another: the request
+    is claimed by id before dispatch and a later delivery re-sends the claimed placement,
+    services.common.intake_queue) or SCHEDULE (core NATS, queue group Q_CONDUCTOR)
       -> PLACING      policy.place over the shadow index (shadow.py) and load reports
       -> DISPATCHED   PrefillTask on prefill_tasks(instance) naming both instances and
                       the expected prefix; Accepted to the client. No store slot is

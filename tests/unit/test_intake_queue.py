@@ -171,3 +171,34 @@ async def test_a_prefill_task_sent_twice_runs_once(rig):
     assert tokens_of(events) == rig.reference(prompt, 3)
     pc = await rig.stats("prefill", rig.pi)
     assert pc["tasks_done"] == 1 and pc["tasks_duplicate"] == 1
+
+
+class _Redelivery:
+    """A JetStream message delivered the second time (its first ack was lost)."""
+
+    reply = None
+
+    class metadata:  # noqa: N801 - stands in for nats.aio.msg.Msg.metadata
+        num_delivered = 2
+
+
+async def test_a_redelivered_request_this_admission_rejected_stays_rejected(nats_url):
+    h = await AdmissionHarness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1,
+                                       policy="early")
+    try:
+        await h.loads(prefill_work=100.0)
+        js = h.nc.jetstream()
+        rejected, other = rid(), rid()
+        req = GenerateRequest(request_id=rejected, prompt_token_ids=PROMPT, reply_subject=h.inbox)
+        await bus.js_publish(js, subjects.INTAKE, encode(req), msg_id=rejected)
+        err = await h.event()
+        assert isinstance(err, Error) and err.code == ErrorCode.REJECTED
+        # Its ack lost, it comes again: answered already, not forwarded; one this
+        # admission never decided is (an admission that died may have accepted it).
+        await h.svc._on_request(req, _Redelivery(), durable=True)
+        req2 = GenerateRequest(request_id=other, prompt_token_ids=PROMPT, reply_subject=h.inbox)
+        await h.svc._on_request(req2, _Redelivery(), durable=True)
+        fwd = decode((await h.scheduled.next_msg(timeout=5)).data, GenerateRequest)
+        assert fwd.request_id == other
+    finally:
+        await h.close()
