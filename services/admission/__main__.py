@@ -37,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="predict: uniform decode time t_d of every request, s (paper §4.3.4)",
     )
+    ap.add_argument("--durable-intake", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve the JetStream intake work queue (services.common.intake_queue); "
+                         "--no-durable-intake: core NATS only, for a bus without JetStream")
+    ap.add_argument("--intake-ack-wait", type=float, default=5.0,
+                    help="seconds a request held by a copy that died waits before another "
+                         "copy gets it")
     ap.add_argument("--log-level", default="INFO")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -54,6 +60,8 @@ async def amain(args: argparse.Namespace) -> int:
     svc = AdmissionService(
         nc,
         AdmissionConfig(
+            durable_intake=args.durable_intake,
+            intake_ack_wait_s=args.intake_ack_wait,
             block_size=args.block_size,
             ttft_slo_s=args.ttft_slo,
             tbt_slo_s=args.tbt_slo,

@@ -67,7 +67,9 @@ class AdmissionConfig:
     dead_after_s: float = 2.0
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     decode_time_s: float = 5.0  # predict: the uniform decode time t_d
-    durable_intake: bool = True  # serve the gateway's INTAKE work queue
+    # Serve the gateway's INTAKE work queue and forward on SCHEDULE_QUEUE (False: core
+    # NATS REQUESTS -> SCHEDULE only, for a bus without JetStream).
+    durable_intake: bool = True
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
 
 
@@ -122,11 +124,9 @@ class AdmissionService:
             span_name="admission.request",
             on_bad=self._on_bad,
         )
-        streams = [intake_queue.SCHEDULE_STREAM]
         if self.cfg.durable_intake:
-            streams.append(intake_queue.INTAKE_STREAM)
-        await intake_queue.ensure_streams(self.js, streams)
-        if self.cfg.durable_intake:
+            await intake_queue.ensure_streams(
+                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.INTAKE_STREAM])
             self.intake = intake_queue.QueueConsumer(
                 self.nc, intake_queue.INTAKE_STREAM, subjects.INTAKE, subjects.Q_ADMISSION,
                 self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s,
@@ -246,7 +246,10 @@ class AdmissionService:
 
     async def _forward(self, req: GenerateRequest) -> None:
         """Store the request on the conductors' work queue, once by its id; accepted once
-        the stream acks it."""
+        the stream acks it. (Without the durable intake: core SCHEDULE, at most once.)"""
+        if not self.cfg.durable_intake:
+            await bus.publish(self.nc, subjects.SCHEDULE, req)
+            return
         await bus.js_publish(self.js, subjects.SCHEDULE_QUEUE, encode(req),
                              msg_id=req.request_id, headers=inject())
 

@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.05,
         help="a load report must be this much newer than a dispatch to cover it, s",
     )
+    ap.add_argument("--durable-intake", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve the JetStream intake work queue (services.common.intake_queue); "
+                         "--no-durable-intake: core NATS only, for a bus without JetStream")
+    ap.add_argument("--intake-ack-wait", type=float, default=5.0,
+                    help="seconds a request held by a copy that died waits before another "
+                         "copy gets it")
     ap.add_argument("--log-level", default="INFO")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -100,6 +106,8 @@ async def amain(args: argparse.Namespace) -> int:
     bus.install_signal_handlers(stop)
     nc = await bus.connect(args.nats, name=args.id)
     cfg = ConductorConfig(
+        durable_intake=args.durable_intake,
+        intake_ack_wait_s=args.intake_ack_wait,
         conductor_id=args.id,
         block_size=args.block_size,
         ttft_slo_s=args.ttft_slo,

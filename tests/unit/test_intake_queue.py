@@ -202,3 +202,20 @@ async def test_a_redelivered_request_this_admission_rejected_stays_rejected(nats
         assert fwd.request_id == other
     finally:
         await h.close()
+
+
+async def test_without_the_durable_intake_admission_forwards_on_core_schedule(nats_url):
+    nc = await nats.connect(nats_url)
+    core = await nc.subscribe(subjects.SCHEDULE)
+    h = await AdmissionHarness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1,
+                                       policy="early", durable_intake=False)
+    try:
+        await h.loads(prefill_work=0.0)
+        r = rid()
+        await h.send(encode(GenerateRequest(request_id=r, prompt_token_ids=PROMPT)))
+        fwd = decode((await core.next_msg(timeout=5)).data, GenerateRequest)
+        assert fwd.request_id == r and fwd.reply_subject == h.inbox
+        assert h.svc.intake is None
+    finally:
+        await h.close()
+        await nc.close()
