@@ -3,9 +3,10 @@
 compute starts, never while it queues; a store short of room is waited for, up to
 ``reserve_wait_s``, then the request fails at the prefill stage."""
 
+from bus_schemas.control import Refused, TxRole
 from perigee.sim.metrics import summarize
 from perigee.sim.simulator import SimConfig, Simulator
-from tests.unit.test_sim_simulator import FAST, TOY, B, tr
+from tests.unit.test_sim_simulator import FAST, PULL, TOY, B, tr
 
 
 def sim_of(trace, **kw) -> Simulator:
@@ -60,3 +61,26 @@ def test_no_room_after_the_wait_fails_the_request_at_prefill():
     assert not sim.cluster.nodes["n01"].pool.open_txs()
     assert sim.placement.queue_s("P-n01") == 0.0 and sim.inbound["D-n02"] == 0
     assert summarize(sim)["rejected_by"]["prefill"] == 1
+
+
+def test_a_source_that_lost_the_prefix_is_dropped_and_computed_here():
+    trace = [
+        tr(0.0, 4 * B, 1, (1, 2, 3, 4)),  # n00
+        tr(1.5, 40 * B, 1, tuple(range(100, 140))),  # n00 again: busy
+        tr(2.0, 4 * B, 1, (1, 2, 3, 5)),  # placed on n01 to pull 3 blocks from n00
+    ]
+    sim = sim_of(trace, prefill=2, decode_cache_tokens=0, cost=PULL)
+    allocate = sim.cluster.allocate
+
+    def evicted(node, rid, role, hashes, tokens):  # the holder evicted it meanwhile
+        if role == TxRole.SOURCE:
+            return Refused(reason="missing", message="evicted")
+        return allocate(node, rid, role, hashes, tokens)
+
+    sim.cluster.allocate = evicted
+    sim.run()
+    r2 = sim.requests[2]
+    assert r2.prefill_node == "n01" and r2.source is not None and r2.source.node == "n00"
+    assert (r2.pull_source, r2.pulled_tokens, r2.cached_tokens) == ("", 0, 0)
+    assert r2.compute_s == PULL.prefill_time(4 * B, 0)
+    assert set(r2.txs) == set() and r2.state == "DONE"
