@@ -13,6 +13,7 @@ BENCHES = {
     "calibration": "perigee.bench.calibration",
     "slo": "perigee.bench.slo",
     "migration": "perigee.bench.migration",
+    "chaos": "perigee.bench.chaos",
 }
 
 
