@@ -90,6 +90,8 @@ from tracing import inject
 
 log = structlog.get_logger()
 
+PUBLISH_WINDOW = 256  # KV-event batches awaiting the stream's acks at once
+
 
 class StoreService:
     def __init__(
@@ -380,20 +382,28 @@ class StoreService:
             durable = False
             log.warning("kv_stream_unavailable", error=f"{type(e).__name__}: {e}")
         while True:
-            batch = await self._outbox.get()
-            try:
-                if durable:
-                    try:
-                        await js_publish(js, subject, encode(batch), headers=inject(),
-                                         msg_id=kv_stream.msg_id(self.node, batch.epoch, batch.seq),
-                                         timeout=self.peer_timeout_s)
-                        continue
-                    except Exception as e:  # noqa: BLE001 - the live path must not stall
-                        log.warning("kv_stream_publish_failed", seq=batch.seq,
-                                    error=f"{type(e).__name__}: {e}")
-                await publish(self.nc, subject, batch)
-            except Exception:  # noqa: BLE001 - consumers recover gaps with a dump
-                log.exception("kv_event_publish_failed", seq=batch.seq)
+            # What queued meanwhile goes out together, its acks awaited at once (one
+            # connection: the first tries reach the stream in seq order).
+            window = [await self._outbox.get()]
+            while len(window) < PUBLISH_WINDOW and not self._outbox.empty():
+                window.append(self._outbox.get_nowait())
+            if durable:
+                acks = await asyncio.gather(*(
+                    js_publish(js, subject, encode(b), headers=inject(),
+                               msg_id=kv_stream.msg_id(self.node, b.epoch, b.seq),
+                               timeout=self.peer_timeout_s) for b in window),
+                    return_exceptions=True)
+                failed = [(b, a) for b, a in zip(window, acks, strict=True)
+                          if isinstance(a, BaseException)]
+                for b, a in failed:  # the live path must not stall
+                    log.warning("kv_stream_publish_failed", seq=b.seq,
+                                error=f"{type(a).__name__}: {a}")
+                window = [b for b, _ in failed]
+            for batch in window:
+                try:
+                    await publish(self.nc, subject, batch)
+                except Exception:  # noqa: BLE001 - consumers recover gaps with a dump
+                    log.exception("kv_event_publish_failed", seq=batch.seq)
 
     async def _sweep(self) -> None:
         while True:
