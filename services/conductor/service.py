@@ -24,8 +24,10 @@ worker died) is placed by the same policy without SLO rejection and away from th
 instance (services.conductor.migration); the dead attempt's books are dropped.
 Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
 view follows KV events and store announces. Nothing here is durable: a restarted
-conductor rebuilds its view from the stores and commits by the ids in the notices, so
-several conductors can serve one queue group against the same stores (§5.3).
+conductor rebuilds its view from the KV-event stream (dumping a store only where the
+stream falls short; services.conductor.shadow) and commits by the ids in the notices,
+so several conductors can serve one queue group against the same stores (§5.3). A
+node whose store went silent is left out of placement until it is back.
 
 Role switches and the dynamic P/D ratio controller (``pd_controller``): roles.py.
 With ``adaptive_threshold`` the policy tunes its kvcache_balancing_threshold from the
