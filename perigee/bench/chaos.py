@@ -7,9 +7,9 @@ Mooncake trace through the gateway twice, in one invocation:
 1. **quiet**: nothing is killed (the TTFT baseline);
 2. **chaos**: the same slice (prompts built with another seed, so it reuses nothing the
    quiet run left in the stores), and every ``--fault-gap`` seconds (default: the
-   slice's span over 7, so the six faults fall inside it) one of decode-0, prefill-0,
-   store-p1, conductor-0, admission and nats-server n1 gets a SIGKILL; the supervisor
-   restarts each.
+   slice's span over 7, so the six faults fall inside it), and not before the last
+   killed service is back, one of decode-0, prefill-0, store-p1, conductor-0, admission
+   and nats-server n1 gets a SIGKILL; the supervisor restarts each.
 
 Reports, for the chaos run: **accepted requests lost** (HTTP 200, then the stream
 broke off, carried an error event, or hung past ``--request-timeout``; target 0), the
@@ -122,6 +122,12 @@ class Watch:
         if name in self.armed and name not in self.back and t > self.armed[name]:
             self.back[name] = t
 
+    def back_at(self, name: str, kill_t: float) -> float:
+        """When ``name`` showed it was back (a conductor or admission: its restart)."""
+        if name.startswith(("conductor", "admission")):
+            return self.restarted_at(name, kill_t)
+        return self.back.get(name, math.nan)
+
     async def start(self) -> None:
         async def quiet(e: Exception) -> None:  # its server's SIGKILL is expected here
             pass
@@ -172,15 +178,21 @@ def kill(stack: Stack, name: str) -> None:
 
 async def inject(stack: Stack, watch: Watch, a: argparse.Namespace,
                  kills: dict[str, float]) -> None:
+    """One fault every ``fault_gap`` s, each only once the one before is back (or
+    ``request_timeout`` has passed), so that each recovery is seen on its own."""
+    t = time.perf_counter()
     for name in FAULTS:
-        await asyncio.sleep(a.fault_gap)
+        await asyncio.sleep(max(0.0, t + a.fault_gap - time.perf_counter()))
         t = time.perf_counter()
         watch.armed[name] = t
         await asyncio.to_thread(kill, stack, name)
         kills[name] = t
         print(f"  SIGKILL {name}", flush=True)
         if name.startswith("nats-"):
-            await watch.wait_nats(name, a.fault_gap * 4)
+            await watch.wait_nats(name, a.request_timeout)
+        deadline = time.monotonic() + a.request_timeout
+        while time.monotonic() < deadline and math.isnan(watch.back_at(name, t)):
+            await asyncio.sleep(0.1)
 
 
 def ttft_p99(sent: list[Sent]) -> float:
@@ -202,7 +214,7 @@ def report(quiet: list[Sent], chaos: list[Sent], kills: dict[str, float], watch:
     recovery = []
     for name, t in kills.items():
         restart = watch.restarted_at(name, t)
-        back = watch.back.get(name, restart if name in ("conductor-0", "admission") else math.nan)
+        back = watch.back_at(name, t)
         after = [s.t_end for s in chaos if s.t_send >= t and s.outcome.ok
                  and not lost_reason(s)]
 
@@ -251,12 +263,6 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int, model: str) -> di
             reqs, stack.url, model, PromptBuilder(a.block_tokens, vocab, seed=2), a))
         await inject(stack, watch, a, kills)
         chaos = await chaos_task
-        # A fault late in the slice may not have shown its service back yet.
-        deadline = time.monotonic() + 30
-        while (time.monotonic() < deadline
-               and any(n not in watch.back and not n.startswith(("conductor", "admission"))
-                       for n in kills)):
-            await asyncio.sleep(0.2)
     finally:
         await watch.close()
     out = report(quiet, chaos, kills, watch, a)
@@ -269,8 +275,8 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--start", type=int, default=0, help="first trace request of the slice")
-    p.add_argument("--requests", type=int, default=240, help="requests in the slice")
-    p.add_argument("--trace-speedup", type=float, default=1.5,
+    p.add_argument("--requests", type=int, default=300, help="requests in the slice")
+    p.add_argument("--trace-speedup", type=float, default=1.0,
                    help="divide trace timestamps by this")
     p.add_argument("--speedup", default="10", help="mock engine speed against the paper's A800")
     p.add_argument("--block-tokens", type=int, default=32,
