@@ -202,15 +202,22 @@ def ttft_p99(sent: list[Sent]) -> float:
 
 def report(quiet: list[Sent], chaos: list[Sent], kills: dict[str, float], watch: Watch,
            a: argparse.Namespace) -> dict:
-    lost = [{"reason": r, "status": s.outcome.status,
+    def after(s: Sent) -> str:
+        """The last fault before the request ended: what it ran into."""
+        return max(((t, n) for n, t in kills.items() if t <= s.t_end), default=(0, "none"))[1]
+
+    lost = [{"reason": r, "status": s.outcome.status, "after_fault": after(s),
              "t_after_start_s": round(s.t_send - chaos[0].t_send, 3)}
             for s in chaos if (r := lost_reason(s))]
     errors: dict[str, int] = {}
+    errors_after: dict[str, dict[str, int]] = {}  # fault -> error -> count
     for s in chaos:
         o = s.outcome
         if o.status not in (200, -1):
             key = f"{o.status} {o.error.strip()[:160]}"
             errors[key] = errors.get(key, 0) + 1
+            by = errors_after.setdefault(after(s), {})
+            by[key] = by.get(key, 0) + 1
     recovery = []
     for name, t in kills.items():
         restart = watch.restarted_at(name, t)
@@ -237,7 +244,7 @@ def report(quiet: list[Sent], chaos: list[Sent], kills: dict[str, float], watch:
         "block_tokens": a.block_tokens, "output_scale": a.output_scale,
         "fault_gap_s": a.fault_gap, "faults": list(kills),
         "quiet": count(quiet), "chaos": count(chaos),
-        "accepted_lost": len(lost), "lost": lost, "errors": errors,
+        "accepted_lost": len(lost), "lost": lost, "errors": errors, "errors_after_fault": errors_after,
         "recovery": recovery,
         "ttft_p99_ms": {"quiet": round(q * 1e3, 1), "chaos": round(c * 1e3, 1),
                         "cost": round((c - q) * 1e3, 1),
@@ -305,9 +312,10 @@ def main(argv: list[str]) -> int:
           f"{c['rejected_429']} rejected (429), {c['other_errors']} other errors; "
           f"accepted requests lost: {out['accepted_lost']}")
     for r in out["lost"]:
-        print(f"  lost: {r['reason']}")
-    for k, n in out["errors"].items():
-        print(f"  error x{n}: {k}")
+        print(f"  lost (after the {r['after_fault']} kill): {r['reason']}")
+    for fault, errs in out["errors_after_fault"].items():
+        for k, n in errs.items():
+            print(f"  error x{n} (after the {fault} kill): {k}")
     for r in out["recovery"]:
         print(f"  {r['service']:<12} restart {r['restart_ms']} ms, back {r['back_ms']} ms, "
               f"first completion after {r['first_completed_after_ms']} ms")
