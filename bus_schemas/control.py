@@ -14,6 +14,7 @@ from enum import IntEnum
 from bus_schemas._base import Msg
 from bus_schemas.kv_events import EventBatch
 from bus_schemas.requests import Retention
+from bus_schemas.roles import ROLES, Role
 
 
 class TxRole(IntEnum):
@@ -132,11 +133,11 @@ class Replicate(Msg):
 
 class RoleSwitch(Msg):
     instance: str
-    role: str  # "prefill" | "decode"
+    role: str  # a Role ("prefill" | "decode"); anything else is ignored
 
     def previous_role(self) -> str | None:
         """The role the instance leaves (None: ``role`` is not a role)."""
-        return {"prefill": "decode", "decode": "prefill"}.get(self.role)
+        return Role(self.role).other if self.role in ROLES else None
 
 
 # ---- appended for the tiered store (issue 4): wipe, event replay, objects, replicas ----

@@ -30,6 +30,7 @@ from pathlib import Path
 import nats
 
 from bus_schemas import subjects
+from bus_schemas.roles import Role
 from perigee import natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
@@ -184,8 +185,8 @@ class Stack:
         spec = ModelSpec.from_dir(c.model_dir)
         block_bytes = spec.block_bytes(c.block_size)
         out: list[Child] = []
-        workers = [("prefill", f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
-        workers += [("decode", f"decode-{i}", f"d{i}") for i in range(c.decode)]
+        workers = [(Role.PREFILL, f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
+        workers += [(Role.DECODE, f"decode-{i}", f"d{i}") for i in range(c.decode)]
         for _, _, node in workers:
             out.append(Child(f"store-{node}", ["services.store", *self._common(), "--node", node,
                 "--block-size", str(c.block_size), "--block-bytes", str(block_bytes),

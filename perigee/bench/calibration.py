@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from bus_schemas.requests import SamplingParams
+from bus_schemas.roles import Role
 from services.common import defaults
 from services.common.calibration import OnlineFit
 from services.common.calibrator import Calibrator
@@ -67,7 +68,7 @@ async def run_engine(kind: str, args: argparse.Namespace) -> dict:
 
         vllm = VllmOptions(model_dir=str(args.model_dir or DEFAULT_MODEL_DIR),
                            load_format=args.load_format)
-    engine = make_engine(kind, spec, CostModel(speedup=args.mock_speedup), role="prefill",
+    engine = make_engine(kind, spec, CostModel(speedup=args.mock_speedup), role=Role.PREFILL,
                          layout=layout, vllm=vllm)
     t0 = time.perf_counter()
     await engine.start()

@@ -73,7 +73,7 @@ class Node:
     pool: BlockPool | None  # None: no store (KV goes straight to HBM, nothing cached)
     link: Link
     seq: int = 0
-    role: str = ""  # "prefill" | "decode" (a P/D controller may flip it)
+    role: str = ""  # a Role (a P/D controller may flip it)
 
 
 @dataclass

@@ -12,6 +12,7 @@ the other, the way a worker obeys RoleSwitch::
     draining --empty--> the node serves the other role (same store: its cache stays)
 """
 
+from bus_schemas.roles import Role
 from services.conductor.pd_ratio import PDRatioController
 
 
@@ -55,13 +56,13 @@ class PoolResizer:
     def switch(self, instance: str, from_role: str) -> None:
         """Start moving ``instance`` out of ``from_role``."""
         sim = self.sim
-        pool = sim.prefills if from_role == "prefill" else sim.decodes
+        pool = sim.prefills if from_role == Role.PREFILL else sim.decodes
         inst = pool[instance]
         inst.draining = True
         sim.placement.forget_instance(from_role, instance)
         sim.admission.forget_instance(from_role, instance)
         self.switches.append((sim.loop.now(), inst.node, from_role,
-                              "decode" if from_role == "prefill" else "prefill"))
+                              Role(from_role).other))
         self.maybe_done(inst)
 
     def maybe_done(self, inst) -> None:
@@ -71,7 +72,7 @@ class PoolResizer:
             return
         if inst.name in sim.prefills:
             del sim.prefills[inst.name]
-            sim.add_instance("decode", inst.node)
+            sim.add_instance(Role.DECODE, inst.node)
         else:
             del sim.decodes[inst.name]
-            sim.add_instance("prefill", inst.node)
+            sim.add_instance(Role.PREFILL, inst.node)

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bus_schemas.control import Refused
+from bus_schemas.roles import Role
 from perigee.sim.cluster import Cluster
 from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
@@ -166,9 +167,9 @@ class Simulator:
         self.decodes: dict[str, DecodeInstance] = {}
         decode_cache = cfg.cache_tokens_per_node if cfg.decode_cache_tokens is None else cfg.decode_cache_tokens
         for i in range(cfg.prefill + cfg.decode):
-            role = "prefill" if i < cfg.prefill else "decode"
+            role = Role.PREFILL if i < cfg.prefill else Role.DECODE
             node = self.cluster.add_node(
-                f"n{i:02d}", cfg.cache_tokens_per_node if role == "prefill" else decode_cache, role)
+                f"n{i:02d}", cfg.cache_tokens_per_node if role == Role.PREFILL else decode_cache, role)
             self.add_instance(role, node.name)
         self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
         self.by_id = {r.rid: r for r in self.requests}
@@ -205,7 +206,7 @@ class Simulator:
         links = {name: nd.link for name, nd in self.cluster.nodes.items()}
         nd = self.cluster.nodes[node]
         nd.role = role
-        if role == "prefill":
+        if role == Role.PREFILL:
             inst = PrefillInstance(f"P-{node}", node, self.loop, self.cost, nd.link, links,
                                    self._prefilled, self.cfg.chunk_tokens,
                                    handoff_s=self.cfg.prefill_handoff_s, on_free=self._prefill_free,

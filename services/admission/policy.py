@@ -37,6 +37,7 @@ from typing import Any
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
+from bus_schemas.roles import Role
 from services.admission.time_index import TimeIndex
 from services.common import defaults
 from services.common.calibration import CalibrationBook
@@ -277,7 +278,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
 
     def forget_instance(self, role: str, instance: str) -> None:
         super().forget_instance(role, instance)
-        if role == "prefill":
+        if role == Role.PREFILL:
             self._seen_at.pop(instance, None)
             self._unseen.pop(instance, None)
 

@@ -7,12 +7,13 @@ role it left.
 """
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.roles import Role
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.liveness import Liveness
 
-PREFILL, DECODE = "prefill", "decode"
+PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 
 class LoadBook:

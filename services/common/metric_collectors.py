@@ -11,6 +11,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bus_schemas.roles import Role
+
 P = "perigee:"
 
 
@@ -73,7 +75,7 @@ def _prefill(worker: Any) -> tuple[int, int, list[Metric]]:
         _counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", hits),
         _counter("prefix_cache_remote_hits", "Prefix tokens pulled from another node's store.",
                  c.get("remote_tokens_pulled", 0)),
-        *_counters("prefill", c),
+        *_counters(Role.PREFILL, c),
     ]
 
 
@@ -82,7 +84,7 @@ def _decode(worker: Any) -> tuple[int, int, list[Metric]]:
     return st.batch_size, st.waiting + getattr(worker, "_loading", 0), [
         _gauge("decode_kv_tokens", "Context tokens held by the running batch.", st.kv_tokens),
         _gauge("decode_step_time_seconds", "Estimated time of one decode step.", st.step_time_s),
-        *_counters("decode", dict(worker.counters)),
+        *_counters(Role.DECODE, dict(worker.counters)),
     ]
 
 
@@ -95,7 +97,7 @@ def worker_collector(workers: dict[str, Any] | None = None) -> Collector:
         ws = WORKERS if workers is None else workers
         running = waiting = 0
         out: list[Metric] = []
-        for role, fn in (("prefill", _prefill), ("decode", _decode)):
+        for role, fn in ((Role.PREFILL, _prefill), (Role.DECODE, _decode)):
             w = ws.get(role)
             if w is not None:
                 r, q, ms = fn(w)

@@ -64,6 +64,7 @@ from prometheus_client import (
 )
 from prometheus_client.registry import Collector
 
+from bus_schemas.roles import Role
 from services.common.metric_collectors import (  # noqa: F401 - part of this module's API
     WORKERS,
     FnCollector,
@@ -213,9 +214,9 @@ GROUPS: dict[str, list[Any]] = {
                 REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
     "admission": [REJECTIONS, ADMITTED],
     "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS, INTAKE_RESENT],
-    "prefill": [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
+    Role.PREFILL: [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
                 PREFILL_PREDICTED_OVER_MEASURED],
-    "decode": [DECODE_LOAD_TIME, DECODE_TIME, MIGRATION_KV_TOKENS],
+    Role.DECODE: [DECODE_LOAD_TIME, DECODE_TIME, MIGRATION_KV_TOKENS],
     "store": [STORE_TRANSFER_TIME],
 }
 

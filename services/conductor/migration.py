@@ -21,6 +21,7 @@ import math
 from collections.abc import Collection, Mapping
 
 from bus_schemas.requests import Migration
+from bus_schemas.roles import Role
 from services.conductor.policy import PlacementRequest
 
 
@@ -29,7 +30,7 @@ def placement_for(
 ) -> tuple[PlacementRequest, dict[str, tuple[str, ...]]]:
     """(the request without SLOs, ``place``'s exclusion keyword for the dead instance)."""
     preq = dataclasses.replace(preq, ttft_slo_s=math.inf, tbt_slo_s=math.inf, arrival_ts=0.0)
-    role = "prefill" if m.reason == "prefill_died" else "decode"
+    role = Role.PREFILL if m.reason == "prefill_died" else Role.DECODE
     return preq, {f"exclude_{role}": (m.dead_instance,)}
 
 

@@ -39,10 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.roles import ROLES, Role
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -112,17 +111,17 @@ class PDRatioController:
         self._latest[role][instance] = load
 
     def observe_prefill(self, load: PrefillLoad, ttft_slo_s: float) -> None:
-        self.observe("prefill", load.instance, load.queued_work_s / ttft_slo_s)
+        self.observe(Role.PREFILL, load.instance, load.queued_work_s / ttft_slo_s)
 
     def observe_decode(self, load: DecodeLoad, tbt_slo_s: float) -> None:
         # A backlog past max_batch is load too: those sequences take turns with the batch.
         if self.book is not None and self.book.calibrated(load.instance, "decode"):
             tbt = self.book.cost(load.instance).decode_tbt(
                 load.batch_size + load.waiting, load.kv_tokens, load.max_batch)
-            self.observe("decode", load.instance, tbt / tbt_slo_s)
+            self.observe(Role.DECODE, load.instance, tbt / tbt_slo_s)
             return
         rounds = math.ceil((load.batch_size + load.waiting) / load.max_batch) if load.max_batch else 1
-        self.observe("decode", load.instance, load.step_time_s * max(rounds, 1) / tbt_slo_s)
+        self.observe(Role.DECODE, load.instance, load.step_time_s * max(rounds, 1) / tbt_slo_s)
 
     def forget(self, instance: str) -> None:
         """The instance left a pool (switched, died): its latest load no longer counts."""
@@ -180,7 +179,7 @@ class PDRatioController:
                 moved += 1
             if not moved:
                 return PDPlan(f, lp, ld, reason="at the pool minimum")
-            src, dst = ("prefill", "decode") if to_decode else ("decode", "prefill")
+            src, dst = (Role.PREFILL, Role.DECODE) if to_decode else (Role.DECODE, Role.PREFILL)
             pick = self._least_loaded(src, prefill if to_decode else decode, moved)
             sign = 1 if to_decode else -1
             return self._commit(PDPlan(
@@ -208,7 +207,7 @@ class PDRatioController:
                 p -= 1
             else:
                 d -= 1
-        remove = self._least_loaded("prefill", prefill, P - p) + self._least_loaded("decode", decode, D - d)
+        remove = self._least_loaded(Role.PREFILL, prefill, P - p) + self._least_loaded(Role.DECODE, decode, D - d)
         if not remove:
             return PDPlan(f, lp, ld, reason="at the pool minimum")
         return self._commit(PDPlan(f, lp, ld, prefill_delta=p - P, decode_delta=d - D,

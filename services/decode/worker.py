@@ -44,6 +44,7 @@ from bus_schemas.control import TxAbort
 from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask
 from bus_schemas.requests import CancelRequest, ErrorCode, Finished, Tokens
+from bus_schemas.roles import Role
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
@@ -95,7 +96,7 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
 
 
 class DecodeWorker(WorkerBase):
-    role = "decode"
+    role = Role.DECODE
     cancelled_counter = "tasks_aborted"
 
     def __init__(
@@ -140,13 +141,13 @@ class DecodeWorker(WorkerBase):
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
         await self._start_common()
         await self.nc.flush()
-        metrics.track_worker("decode", self)
+        metrics.track_worker(Role.DECODE, self)
         log.info("decode_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:
         """Fail every request still here with Error 503, then stop."""
         self._closing = True
-        metrics.untrack_worker("decode", self)
+        metrics.untrack_worker(Role.DECODE, self)
         for rid in list(self._active):
             self._stop_reason.setdefault(rid, (ErrorCode.UNAVAILABLE,
                                                "decode instance shutting down"))

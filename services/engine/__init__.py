@@ -10,6 +10,7 @@ only when that engine starts.
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from bus_schemas.roles import Role
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
@@ -52,11 +53,11 @@ def make_engine(
     *,
     max_batch: int = 128,
     sleep: Callable[[float], Awaitable[object]] | None = None,
-    role: str = "decode",
+    role: str = Role.DECODE,
     layout: KVLayout | None = None,
     vllm: "VllmOptions | None" = None,
 ) -> Engine:
-    """``role`` ("prefill" | "decode"), ``layout`` (perigee block size and the store's
+    """``role`` (a :class:`Role`), ``layout`` (perigee block size and the store's
     block bytes) and ``vllm`` (model directory, load format, ...) are for "vllm"."""
     if kind == "mock":
         from services.engine.mock import MockEngine

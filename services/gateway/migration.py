@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import msgspec
 
 from bus_schemas.requests import GenerateRequest, Migration
+from bus_schemas.roles import Role
 from services.common.hashing import block_hashes
 
-REASONS = {"decode": "decode_died", "prefill": "prefill_died"}
+REASONS: dict[str, str] = {Role.DECODE: "decode_died", Role.PREFILL: "prefill_died"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from nats.aio.client import Client as NATS
 from opentelemetry import trace
 
 from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
+from bus_schemas.roles import ROLES
 from services.common import defaults, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
@@ -203,7 +204,7 @@ class Gateway:
         """Readiness (``/health`` is liveness): 200 once a prefill and a decode instance
         report load, so a load balancer sends no request that could only get a 503."""
         live = self.router.live_roles()
-        missing = [r for r in ("prefill", "decode") if r not in live]
+        missing = [r for r in ROLES if r not in live]
         ok = self.nc.is_connected and not missing
         body = {"ready": ok, "gateway_id": self.gateway_id,
                 "missing": missing if self.nc.is_connected else ["bus"]}

@@ -26,6 +26,7 @@ nothing about the instances) gives no death verdicts.
 from dataclasses import dataclass
 
 from bus_schemas.requests import ErrorCode
+from bus_schemas.roles import Role
 from services.common.clock import Clock
 from services.common.liveness import Liveness
 
@@ -108,13 +109,13 @@ class Watchdog:
         r = self._reqs.get(request_id)
         if r is None:
             return "untracked"
-        return "decode" if r.decoding else "prefill" if (r.prefill or r.decode) else "queued"
+        return Role.DECODE if r.decoding else Role.PREFILL if (r.prefill or r.decode) else "queued"
 
     def _dead(self, r: _Tracked) -> tuple[str, str] | None:
         if r.decoding:
-            suspects = (("decode", r.decode),)
+            suspects = ((Role.DECODE, r.decode),)
         else:
-            suspects = (("prefill", r.prefill), ("decode", r.decode))
+            suspects = ((Role.PREFILL, r.prefill), (Role.DECODE, r.decode))
         for role, inst in suspects:
             if inst and not self.liveness.alive(inst):
                 return role, inst

@@ -4,16 +4,17 @@
 import argparse
 import sys
 
+from bus_schemas.roles import Role
 from services.common import runner
 from services.worker import main as worker_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return worker_main.parser("prefill", "p0", __doc__).parse_args(argv)
+    return worker_main.parser(Role.PREFILL, "p0", __doc__).parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return runner.run(worker_main.run("prefill", parse_args(argv)))
+    return runner.run(worker_main.run(Role.PREFILL, parse_args(argv)))
 
 
 if __name__ == "__main__":

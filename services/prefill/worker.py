@@ -51,6 +51,7 @@ from bus_schemas.placement import (
     RemotePrefix,
 )
 from bus_schemas.requests import CancelRequest, ErrorCode, Tokens
+from bus_schemas.roles import Role
 from services.common import bus, metrics
 from services.common.clock import Clock, UnixClock
 from services.common.cost_model import CostModel
@@ -123,7 +124,7 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
 
 
 class PrefillWorker(WorkerBase):
-    role = "prefill"
+    role = Role.PREFILL
 
     def __init__(
         self,
@@ -178,13 +179,13 @@ class PrefillWorker(WorkerBase):
         await self._start_common()
         self._runner = asyncio.create_task(self._run(), name="prefill-run")
         await self.nc.flush()
-        metrics.track_worker("prefill", self)
+        metrics.track_worker(Role.PREFILL, self)
         log.info("prefill_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:
         """Fail what is queued or running (503) so no accepted request is lost, then stop."""
         self._closing = True
-        metrics.untrack_worker("prefill", self)
+        metrics.untrack_worker(Role.PREFILL, self)
         for item in self.queue.waiting:
             self.queue.remove(item.request_id)
             await self._fail(item.task, ErrorCode.UNAVAILABLE, "prefill instance shutting down")

@@ -20,6 +20,7 @@ from bus_schemas.codec import encode
 from bus_schemas.load import WorkerStats
 from bus_schemas.placement import RequestFailed
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest
+from bus_schemas.roles import Role
 from services.common import bus
 from services.common.clock import Clock, WallClock
 
@@ -29,7 +30,7 @@ REMEMBER_CANCELLED = 10_000
 
 
 class WorkerBase:
-    role = ""  # "prefill" | "decode"
+    role: Role
     cancelled_counter = "tasks_cancelled"  # counts tasks dropped because of a cancel
     # The instance's services.common.calibrator.Calibrator (set by whoever runs the
     # worker): load reports then carry its fit and fresh measurements.

@@ -8,10 +8,9 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from bus_schemas.roles import ROLES, Role
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
-
-ROLES = ("prefill", "decode")
 
 
 @dataclass
@@ -44,13 +43,13 @@ def settings_from_args(args: argparse.Namespace, layout: KVLayout, cost: CostMod
 
 
 def make_worker(role: str, nc: NATS, store: Any, engine: Any, s: WorkerSettings) -> Any:
-    if role == "prefill":
+    if role == Role.PREFILL:
         from services.prefill.worker import PrefillWorker
 
         w: Any = PrefillWorker(nc, store, engine, instance=s.instance, node=s.node,
                                layout=s.layout, cost=s.cost, report_interval=s.report_interval,
                                lease_s=s.lease_s, reserver=s.reserver)
-    elif role == "decode":
+    elif role == Role.DECODE:
         from services.decode.worker import DecodeWorker
 
         w = DecodeWorker(nc, store, engine, instance=s.instance, node=s.node,

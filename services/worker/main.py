@@ -7,6 +7,7 @@ import asyncio
 
 import structlog
 
+from bus_schemas.roles import Role
 from services.common import bus, defaults, metric_collectors, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
@@ -22,8 +23,6 @@ from services.worker.factory import make_worker, settings_from_args
 from services.worker.role_host import RoleHost
 from services.worker.warmup import calibrate
 from tracing import setup_tracing, shutdown_tracing
-
-OTHER = {"prefill": "decode", "decode": "prefill"}
 
 
 def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
@@ -120,7 +119,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
         await bus.drain(nc)
         return 2
     await engine.start()
-    roles = (role, OTHER[role]) if args.switchable else (role,)
+    roles = (role, Role(role).other) if args.switchable else (role,)
     engine.on_decode_step = calib.decode_step
     mserver = await metrics.start_from_args(args, roles, metric_collectors.worker_collector())
     try:

@@ -28,7 +28,8 @@ from nats.aio.msg import Msg as NatsMsg
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import RoleSwitch
-from services.worker.factory import ROLES, WorkerSettings, make_worker
+from bus_schemas.roles import ROLES
+from services.worker.factory import WorkerSettings, make_worker
 
 log = structlog.get_logger()
 

@@ -12,6 +12,7 @@ import time
 import structlog
 
 from bus_schemas.requests import SamplingParams
+from bus_schemas.roles import Role
 from services.common.calibrator import Calibrator
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
@@ -104,9 +105,9 @@ async def warm_up(engine: Engine, layout: KVLayout, calib: Calibrator, roles: tu
     if count <= 0:
         return
     t0 = time.perf_counter()
-    if "prefill" in roles:
+    if Role.PREFILL in roles:
         await warm_prefill(engine, layout, calib, count)
-    if "decode" in roles:
+    if Role.DECODE in roles:
         await warm_decode(engine, layout, min(count, len(DECODE_LENGTHS)))
     f = calib.fit
     log.info("calibrated", roles=list(roles), seconds=round(time.perf_counter() - t0, 3),

@@ -3,6 +3,7 @@
 from typing import Any
 
 from bus_schemas.requests import SamplingParams
+from bus_schemas.roles import Role
 from services.engine.vllm.options import VllmOptions
 
 
@@ -15,7 +16,7 @@ def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_m
     from vllm.engine.arg_utils import EngineArgs
 
     per_seq = -(-max_model_len // block_size) + 1
-    if role == "prefill":
+    if role == Role.PREFILL:
         seqs, kv_blocks = 2, o.kv_blocks or 2 * per_seq
         batched = o.max_num_batched_tokens or max_model_len
     else:

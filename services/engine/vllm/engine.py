@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from bus_schemas.requests import SamplingParams
+from bus_schemas.roles import ROLES, Role
 from services.common.model_spec import ModelSpec
 from services.engine.base import (
     DecodeJob,
@@ -86,7 +87,7 @@ class VllmEngine(Engine):
         block_bytes: int,
         max_batch: int = 128,
     ) -> None:
-        if role not in ("prefill", "decode"):
+        if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, not {role!r}")
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -396,7 +397,7 @@ class VllmEngine(Engine):
         self.counters["vllm_steps"] += 1
         if self.on_decode_step is not None:
             self._post(self._on_step, dt)  # before the outputs: the batch as it stepped
-        if self.role == "decode":
+        if self.role == Role.DECODE:
             ema = self._step_ema
             self._step_ema = dt if not ema else (1 - STEP_EMA) * ema + STEP_EMA * dt
         for out in outs:
