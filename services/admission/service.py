@@ -49,6 +49,7 @@ from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.intake import hashes_for, reply_to, salvage
+from services.common.pools_heard import PoolsHeard
 from services.common.rejection import Rejection
 from tracing import extract, inject, tracer
 
@@ -71,6 +72,9 @@ class AdmissionConfig:
     # NATS REQUESTS -> SCHEDULE only, for a bus without JetStream).
     durable_intake: bool = True
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
+    # At start, wait up to this long for a load report from each pool before taking
+    # requests (services.common.pools_heard).
+    pools_wait_s: float = 2.0
 
 
 class AdmissionService:
@@ -99,6 +103,7 @@ class AdmissionService:
             **extra,
         )
         self.subs = bus.Subscriptions(nc)
+        self.heard = PoolsHeard(self.policy.live_prefill, self.policy.live_decode)
         self.intake: intake_queue.QueueConsumer | None = None
         self._decided: OrderedDict[str, bool] = OrderedDict()  # request id -> accepted
         self.js = nc.jetstream() if nc is not None else None
@@ -116,6 +121,7 @@ class AdmissionService:
         )
         await s.serve(subjects.CTL_ROLE, RoleSwitch, self._on_role_switch,
                       span_name="admission.role_switch")
+        await self.heard.wait(self.cfg.pools_wait_s)
         await s.serve(
             subjects.REQUESTS,
             GenerateRequest,
@@ -144,9 +150,11 @@ class AdmissionService:
 
     async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
         self.policy.observe_prefill(load)
+        self.heard.check()
 
     async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
         self.policy.observe_decode(load)
+        self.heard.check()
 
     async def _on_role_switch(self, rs: RoleSwitch, _m: NatsMsg) -> None:
         old = rs.previous_role()

@@ -61,6 +61,7 @@ from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.intake import hashes_for, reply_to, salvage
+from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.migration import away_from_stores, placement_for
@@ -108,6 +109,9 @@ class ConductorConfig:
     # message held longer than intake_ack_wait_s by a conductor that died goes to another.
     durable_intake: bool = True
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
+    # At start, wait up to this long for a load report from each pool before placing
+    # (services.common.pools_heard).
+    pools_wait_s: float = 2.0
 
     @property
     def forget_after_s(self) -> float:
@@ -165,6 +169,7 @@ class ConductorService:
             interval_s=cfg.pd_interval_s,
         )
         self.subs = bus.Subscriptions(nc)
+        self.heard = PoolsHeard(self.policy.live_prefill, self.policy.live_decode)
         self.intake: intake_queue.QueueConsumer | None = None
         self.shadow = ShadowView(
             nc,
@@ -198,6 +203,7 @@ class ConductorService:
         )
         await self.roles.start(s)
         await self.shadow.start(self.cfg.discover_window_s)  # discovery runs in the background
+        await self.heard.wait(self.cfg.pools_wait_s)
         await s.serve(
             subjects.SCHEDULE,
             GenerateRequest,
@@ -229,10 +235,12 @@ class ConductorService:
     async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
         self.policy.observe_prefill(load)
         self.roles.observe_prefill(load)
+        self.heard.check()
 
     async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
         self.policy.observe_decode(load)
         self.roles.observe_decode(load)
+        self.heard.check()
 
     # ------------------------------------------------------------ placement
 
