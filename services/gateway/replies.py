@@ -252,6 +252,11 @@ class ReplyRouter:
             if f.attempt:
                 return  # the client has its Accepted from the first attempt
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
+            if (type(ev) is Error and f.request is not None
+                    and migration.store_failure(ev.code, ev.message)):
+                self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE, ev.message,
+                                      dead_role=migration.STORE))
+                return
             wd.untrack(rid)
             if f.attempt:
                 ev = self._from_attempt(f, ev)
@@ -333,7 +338,7 @@ class ReplyRouter:
         if f is None:
             return
         message = v.message
-        if (v.dead_instance or v.dead_role == BUS_LOSS) and f.request is not None:
+        if (v.dead_instance or v.dead_role in (BUS_LOSS, migration.STORE)) and f.request is not None:
             d = migration.plan(
                 f.request, f.generated, attempts=f.attempt,
                 # A resume after a bus loss is no worker's death: not counted.

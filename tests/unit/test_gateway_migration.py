@@ -305,3 +305,16 @@ async def test_a_death_after_the_last_token_ends_the_stream_without_a_resend(env
     assert chunks[-1]["usage"]["completion_tokens"] == len(OUT)
     assert [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")][-1] == "length"
     assert b.requests.empty() and gw.router.migrations == 0
+
+
+def test_a_store_that_failed_under_a_request_is_a_reason_to_migrate_it():
+    from services.gateway.migration import store_failure
+
+    assert store_failure(503, "kv transfer failed: closed: channel tcp://p1 closed")
+    assert store_failure(503, "kv transfer failed: timeout: no reply in 10.0s (peer down?)")
+    assert store_failure(503, "kv reservation failed: store unavailable (prefill: p1 ...)")
+    # Not a store failure: no room after the wait, a bad task, a dead engine, a 429.
+    assert not store_failure(503, "kv reservation failed: no room on p1 after 60 s")
+    assert not store_failure(500, "bad prefill task: wrong node")
+    assert not store_failure(503, "prefill engine is down")
+    assert not store_failure(429, "kv transfer failed: closed")
