@@ -70,7 +70,8 @@ class SamplingParams(Msg):
             return "min_p", f"min_p must be in [0, 1], got {self.min_p}"
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
             return "repetition_penalty", (
-                f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}")
+                f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}"
+            )
         return None
 
 

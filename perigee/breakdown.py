@@ -47,11 +47,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAGES = ("queue", "prefix_load", "prefill_compute", "transfer", "decode_load", "first_token",
-          "decode")
-LABELS = {"queue": "Schedule/queue", "prefix_load": "Prefix load",
-          "prefill_compute": "Prefill", "transfer": "Transfer", "decode_load": "Load cache",
-          "first_token": "First token", "decode": "Decode"}
+STAGES = (
+    "queue",
+    "prefix_load",
+    "prefill_compute",
+    "transfer",
+    "decode_load",
+    "first_token",
+    "decode",
+)
+LABELS = {
+    "queue": "Schedule/queue",
+    "prefix_load": "Prefix load",
+    "prefill_compute": "Prefill",
+    "transfer": "Transfer",
+    "decode_load": "Load cache",
+    "first_token": "First token",
+    "decode": "Decode",
+}
 ASYNC_STAGES = frozenset({"queue", "transfer", "decode_load"})  # hatched, as in Fig. 22
 ROOT = "gateway.request"
 
@@ -80,12 +93,18 @@ class Request:
 
     def to_dict(self) -> dict:
         return {
-            "trace_id": self.trace_id, "request_id": self.request_id, "status": self.status,
-            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-            "output_tokens": self.output_tokens, "prefix_hit": self.hit,
+            "trace_id": self.trace_id,
+            "request_id": self.request_id,
+            "status": self.status,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "output_tokens": self.output_tokens,
+            "prefix_hit": self.hit,
             "stages_s": {k: v / 1e9 for k, v in self.stages_ns.items()},
-            "ttft_s": self.ttft_ns / 1e9, "e2e_s": self.e2e_ns / 1e9,
-            "kv_ship_s": self.kv_ship_ns / 1e9, "services": self.services,
+            "ttft_s": self.ttft_ns / 1e9,
+            "e2e_s": self.e2e_ns / 1e9,
+            "kv_ship_s": self.kv_ship_ns / 1e9,
+            "services": self.services,
         }
 
 
@@ -128,18 +147,25 @@ def breakdown(spans: list[dict]) -> Request | None:
         return None
     a = root.get("attributes", {})
     pull = _first(spans, "prefill.load_prefix")
-    first_token = next((e["ts_ns"] for e in root.get("events", ()) if e["name"] == "first_token"),
-                       None)
+    first_token = next(
+        (e["ts_ns"] for e in root.get("events", ()) if e["name"] == "first_token"), None
+    )
     if first_token is None:
         ttft = a.get("perigee.ttft_s")
-        first_token = root["start_ns"] + round(ttft * 1e9) if ttft is not None else load_kv["end_ns"]
+        first_token = (
+            root["start_ns"] + round(ttft * 1e9) if ttft is not None else load_kv["end_ns"]
+        )
     t1 = min(compute["start_ns"], pull["start_ns"]) if pull else compute["start_ns"]
     early = first_token < load_kv["start_ns"]  # streamed by prefill, ahead of the handoff
-    order = ([*STAGES[:3], "first_token", "transfer", "decode_load", "decode"] if early
-             else list(STAGES))
+    order = (
+        [*STAGES[:3], "first_token", "transfer", "decode_load", "decode"] if early else list(STAGES)
+    )
     points = [root["start_ns"], t1, pull["end_ns"] if pull else t1, compute["end_ns"]]
-    points += ([first_token, load_kv["start_ns"], load_kv["end_ns"]] if early
-               else [load_kv["start_ns"], load_kv["end_ns"], first_token])
+    points += (
+        [first_token, load_kv["start_ns"], load_kv["end_ns"]]
+        if early
+        else [load_kv["start_ns"], load_kv["end_ns"], first_token]
+    )
     points.append(root["end_ns"])
     for i in range(1, len(points)):
         points[i] = max(points[i], points[i - 1])
@@ -189,16 +215,22 @@ def groups(reqs: list[Request], high: float = 0.5) -> list[dict]:
             bins[(length_class(r.prompt_tokens), hit_class(r.hit, high))].append(r)
     order = {"0%": 0, "partial": 1}
     out = []
-    for (length, hit), rs in sorted(bins.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 2))):
+    for (length, hit), rs in sorted(
+        bins.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 2))
+    ):
         n = len(rs)
-        out.append({
-            "prompt_tokens_upto": length, "prefix_hit": hit, "requests": n,
-            "mean_prefix_hit": sum(r.hit for r in rs) / n,
-            "stages_s": {s: sum(r.stages_ns[s] for r in rs) / n / 1e9 for s in STAGES},
-            "ttft_s": sum(r.ttft_ns for r in rs) / n / 1e9,
-            "e2e_s": sum(r.e2e_ns for r in rs) / n / 1e9,
-            "kv_ship_s": sum(r.kv_ship_ns for r in rs) / n / 1e9,
-        })
+        out.append(
+            {
+                "prompt_tokens_upto": length,
+                "prefix_hit": hit,
+                "requests": n,
+                "mean_prefix_hit": sum(r.hit for r in rs) / n,
+                "stages_s": {s: sum(r.stages_ns[s] for r in rs) / n / 1e9 for s in STAGES},
+                "ttft_s": sum(r.ttft_ns for r in rs) / n / 1e9,
+                "e2e_s": sum(r.e2e_ns for r in rs) / n / 1e9,
+                "kv_ship_s": sum(r.kv_ship_ns for r in rs) / n / 1e9,
+            }
+        )
     return out
 
 
@@ -217,8 +249,9 @@ def render(reqs: list[Request], grps: list[dict], limit: int = 20) -> str:
     for r in shown:
         rid = (r.request_id or r.trace_id)[:21]
         cells = "".join(f" {_ms(r.stages_ns[s])}" for s in STAGES)
-        lines.append(f"{rid:<22}{r.prompt_tokens:>7}{r.hit:>6.0%}{cells} {_ms(r.ttft_ns)} "
-                     f"{_ms(r.e2e_ns)}")
+        lines.append(
+            f"{rid:<22}{r.prompt_tokens:>7}{r.hit:>6.0%}{cells} {_ms(r.ttft_ns)} {_ms(r.e2e_ns)}"
+        )
     if len(shown) < len(reqs):
         lines.append(f"... {len(reqs) - len(shown)} more (--requests 0 shows all)")
     lines += ["", "mean per group (prompt tokens up to, prefix hit)", ""]
@@ -226,8 +259,10 @@ def render(reqs: list[Request], grps: list[dict], limit: int = 20) -> str:
     for g in grps:
         name = f"<={g['prompt_tokens_upto']} {g['prefix_hit']}"
         cells = "".join(f" {_ms(g['stages_s'][s], True)}" for s in STAGES)
-        lines.append(f"{name:<22}{g['requests']:>7}{g['mean_prefix_hit']:>6.0%}{cells} "
-                     f"{_ms(g['ttft_s'], True)} {_ms(g['e2e_s'], True)}")
+        lines.append(
+            f"{name:<22}{g['requests']:>7}{g['mean_prefix_hit']:>6.0%}{cells} "
+            f"{_ms(g['ttft_s'], True)} {_ms(g['e2e_s'], True)}"
+        )
     return "\n".join(lines)
 
 
@@ -244,12 +279,20 @@ def plot(grps: list[dict], path: str | Path) -> None:
     bottoms = [0.0] * len(grps)
     for i, stage in enumerate(STAGES):
         vals = [g["stages_s"][stage] * 1e3 for g in grps]
-        ax.bar(xs, vals, bottom=bottoms, color=colors[i % len(colors)], edgecolor="black",
-               linewidth=0.4, hatch="//" if stage in ASYNC_STAGES else None,
-               label=LABELS[stage])
+        ax.bar(
+            xs,
+            vals,
+            bottom=bottoms,
+            color=colors[i % len(colors)],
+            edgecolor="black",
+            linewidth=0.4,
+            hatch="//" if stage in ASYNC_STAGES else None,
+            label=LABELS[stage],
+        )
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-    ax.set_xticks(xs, [f"{g['prefix_hit']}\n≤{g['prompt_tokens_upto']} tok\nn={g['requests']}"
-                       for g in grps])
+    ax.set_xticks(
+        xs, [f"{g['prefix_hit']}\n≤{g['prompt_tokens_upto']} tok\nn={g['requests']}" for g in grps]
+    )
     ax.set_ylabel("latency (ms)")
     ax.set_title("Latency breakdown (hatched: overlaps inference)", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -259,14 +302,21 @@ def plot(grps: list[dict], path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="perigee breakdown", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee breakdown",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("spans", help="JSONL spans file (PERIGEE_SPANS_FILE)")
     p.add_argument("--png", help="write the stacked-bar figure here")
     p.add_argument("--json", help="write per-request and per-group breakdowns here")
     p.add_argument("--requests", type=int, default=20, help="requests to list (0: all)")
-    p.add_argument("--high-hit", type=float, default=0.5,
-                   help="prefix hit ratio counted as a high hit (default 0.5)")
+    p.add_argument(
+        "--high-hit",
+        type=float,
+        default=0.5,
+        help="prefix hit ratio counted as a high hit (default 0.5)",
+    )
     a = p.parse_args(argv)
     if not Path(a.spans).exists():
         p.error(f"{a.spans}: no such file")
@@ -274,9 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     grps = groups(reqs, a.high_hit)
     print(render(reqs, grps, a.requests))
     if a.json:
-        Path(a.json).write_text(json.dumps(
-            {"stages": list(STAGES), "requests": [r.to_dict() for r in reqs], "groups": grps},
-            indent=2) + "\n")
+        Path(a.json).write_text(
+            json.dumps(
+                {"stages": list(STAGES), "requests": [r.to_dict() for r in reqs], "groups": grps},
+                indent=2,
+            )
+            + "\n"
+        )
     if a.png:
         if not grps:
             print("no complete request: no figure", file=sys.stderr)

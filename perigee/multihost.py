@@ -73,16 +73,27 @@ class Host:
 
     def nsenter(self) -> list[str]:
         """A command prefix that runs what follows on this host."""
-        return ["nsenter", f"--net={NETNS_DIR / self.netns}", f"--mount={self.mntns}",
-                f"--wd={ROOT}", "--"]
+        return [
+            "nsenter",
+            f"--net={NETNS_DIR / self.netns}",
+            f"--mount={self.mntns}",
+            f"--wd={ROOT}",
+            "--",
+        ]
 
     def link_stats(self) -> dict[str, int]:
         """eth0's counters (rx_bytes, tx_bytes, rx_packets...) as the kernel counts them."""
-        r = subprocess.run(["ip", "-n", self.netns, "-s", "-j", "link", "show", "dev", "eth0"],
-                           capture_output=True, text=True, timeout=10, check=True)
+        r = subprocess.run(
+            ["ip", "-n", self.netns, "-s", "-j", "link", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
         s = json.loads(r.stdout)[0]["stats64"]
-        return {f"rx_{k}": v for k, v in s["rx"].items()} | {f"tx_{k}": v
-                                                           for k, v in s["tx"].items()}
+        return {f"rx_{k}": v for k, v in s["rx"].items()} | {
+            f"tx_{k}": v for k, v in s["tx"].items()
+        }
 
 
 class Hosts:
@@ -110,7 +121,7 @@ class Hosts:
         return self
 
     def _open(self) -> None:
-        if (why := unavailable()):
+        if why := unavailable():
             raise RuntimeError(why)
         # Mount namespaces persist as bind mounts of their /proc/<pid>/ns/mnt, which
         # must live on a mount that is not shared.
@@ -125,8 +136,21 @@ class Hosts:
             ns = f"{self.tag}-h{i}"
             self._add_netns(ns)
             port = f"h{i}"  # the switch's end of host i's cable
-            _sh("ip", "link", "add", "eth0", "netns", ns, "type", "veth",
-                "peer", "name", port, "netns", self.switch)
+            _sh(
+                "ip",
+                "link",
+                "add",
+                "eth0",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
             _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0", "up")
             addr = f"{SUBNET}.{i + 1}"
             _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
@@ -134,9 +158,19 @@ class Hosts:
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             mnt = self._dir / f"h{i}.mnt"
             mnt.touch()
-            _sh("unshare", f"--mount={mnt}", "--propagation", "private",
-                "mount", "-t", "tmpfs", "-o", f"size={self.shm_size},mode=1777",
-                f"{self.tag}-shm{i}", "/dev/shm")
+            _sh(
+                "unshare",
+                f"--mount={mnt}",
+                "--propagation",
+                "private",
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={self.shm_size},mode=1777",
+                f"{self.tag}-shm{i}",
+                "/dev/shm",
+            )
             self._mounts.append(mnt)
             self.hosts.append(Host(i, ns, addr, mnt))
 
@@ -217,7 +251,9 @@ class MultiHostStack(Stack):
 
     def host_of_node(self, node: str) -> Host:
         """Serving nodes round-robin: p0, p1, ..., d0, d1, ... over hosts 0, 1, 2, ..."""
-        nodes = [f"p{i}" for i in range(self.cfg.prefill)] + [f"d{i}" for i in range(self.cfg.decode)]
+        nodes = [f"p{i}" for i in range(self.cfg.prefill)] + [
+            f"d{i}" for i in range(self.cfg.decode)
+        ]
         return self.hosts.hosts[nodes.index(node) % len(self.hosts.hosts)]
 
     def plan(self) -> list[Child]:
@@ -239,10 +275,17 @@ class MultiHostStack(Stack):
                 port = _flag(child.argv, "--metrics-port")
                 self.metrics_urls[child.name] = f"http://{host.addr}:{port}/metrics"
         if self.cfg.metrics:
-            targets = [{"targets": [url.removeprefix("http://").removesuffix("/metrics")],
-                        "labels": {"job": "perigee", "service": name,
-                                   "host": self.placement[name].netns}}
-                       for name, url in self.metrics_urls.items()]
+            targets = [
+                {
+                    "targets": [url.removeprefix("http://").removesuffix("/metrics")],
+                    "labels": {
+                        "job": "perigee",
+                        "service": name,
+                        "host": self.placement[name].netns,
+                    },
+                }
+                for name, url in self.metrics_urls.items()
+            ]
             self.metrics_targets_file.write_text(json.dumps(targets, indent=2) + "\n")
         return children
 
@@ -258,8 +301,12 @@ class MultiHostStack(Stack):
         # and PR_SET_PDEATHSIG (kept across exec) still ties it to this process.
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
-                [*host.nsenter(), sys.executable, "-m", *child.argv], cwd=ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [*host.nsenter(), sys.executable, "-m", *child.argv],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=die_with_parent(),
             )
         self.children[child.name] = child
@@ -270,9 +317,20 @@ class MultiHostStack(Stack):
         self._nats_dir = tempfile.TemporaryDirectory(prefix="perigee-nats-")
         log = open(Path(self.cfg.log_dir) / "nats-server.log", "ab")  # noqa: SIM115
         self.nats_proc = subprocess.Popen(
-            [*head.nsenter(), nats_server_binary(), "-a", head.addr, "-p", str(port), "-js",
-             "-sd", self._nats_dir.name],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                *head.nsenter(),
+                nats_server_binary(),
+                "-a",
+                head.addr,
+                "-p",
+                str(port),
+                "-js",
+                "-sd",
+                self._nats_dir.name,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             preexec_fn=die_with_parent(),
         )
         log.close()
@@ -294,8 +352,9 @@ class MultiHostStack(Stack):
 
         on_host(head, lambda: asyncio.run(up()))
 
-    def start(self, timeout: float | None = None,
-              abort: threading.Event | None = None) -> "MultiHostStack":
+    def start(
+        self, timeout: float | None = None, abort: threading.Event | None = None
+    ) -> "MultiHostStack":
         if timeout is None:
             timeout = 300.0 if self.cfg.engine == "vllm" else 60.0
         self._abort = abort
@@ -345,21 +404,34 @@ def _set_flag(argv: list[str], name: str, value: str) -> None:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, StackConfig]:
-    p = argparse.ArgumentParser(prog="python -m perigee.multihost", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m perigee.multihost",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--hosts", type=int, default=3, help="network namespaces (hosts)")
     p.add_argument("--prefill", type=int, default=2, help="prefill instances")
     p.add_argument("--decode", type=int, default=1, help="decode instances")
-    p.add_argument("--engine", choices=["mock", "vllm"], default="mock",
-                   help="mock (default here: fast, deterministic tokens) or vllm")
+    p.add_argument(
+        "--engine",
+        choices=["mock", "vllm"],
+        default="mock",
+        help="mock (default here: fast, deterministic tokens) or vllm",
+    )
     p.add_argument("--model", dest="model_dir", default=None, help="model directory")
     p.add_argument("--speedup", default="1.0", help="mock engine speed-up")
     p.add_argument("--port", type=int, default=8000, help="gateway port on host 0")
     p.add_argument("--shm-size", default="1g", help="each host's /dev/shm (tmpfs size)")
     p.add_argument("--log-dir", default=".perigee/logs-multihost")
     a = p.parse_args(argv)
-    cfg = StackConfig(port=a.port, prefill=a.prefill, decode=a.decode, engine=a.engine,
-                      speedup=a.speedup, log_dir=a.log_dir)
+    cfg = StackConfig(
+        port=a.port,
+        prefill=a.prefill,
+        decode=a.decode,
+        engine=a.engine,
+        speedup=a.speedup,
+        log_dir=a.log_dir,
+    )
     if a.model_dir:
         cfg.model_dir = a.model_dir
     return a, cfg
@@ -367,7 +439,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, StackConfig]:
 
 def main(argv: list[str] | None = None) -> int:
     a, cfg = parse(list(sys.argv[1:] if argv is None else argv))
-    if (why := unavailable()):
+    if why := unavailable():
         print(f"perigee multihost: {why}", file=sys.stderr)
         return 1
     stop = threading.Event()
@@ -390,13 +462,15 @@ def main(argv: list[str] | None = None) -> int:
             head = hosts.hosts[0].netns
             for name, host in stack.placement.items():
                 print(f"  {host.netns} {host.addr:<11} {name}", flush=True)
-            print(f"perigee multihost: ready at {stack.url} (NATS {stack.nats_url})\n"
-                  f"  ip netns exec {head} curl {stack.url}/v1/completions "
-                  "-H 'Content-Type: application/json' "
-                  "-d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'\n"
-                  f"  ip -n {hosts.hosts[-1].netns} -s link show eth0   # bytes over a veth\n"
-                  "perigee multihost: Ctrl-C stops everything and removes the namespaces",
-                  flush=True)
+            print(
+                f"perigee multihost: ready at {stack.url} (NATS {stack.nats_url})\n"
+                f"  ip netns exec {head} curl {stack.url}/v1/completions "
+                "-H 'Content-Type: application/json' "
+                '-d \'{"prompt": "Hello", "max_tokens": 8}\'\n'
+                f"  ip -n {hosts.hosts[-1].netns} -s link show eth0   # bytes over a veth\n"
+                "perigee multihost: Ctrl-C stops everything and removes the namespaces",
+                flush=True,
+            )
             while not stop.wait(0.5):
                 pass
         finally:

@@ -43,10 +43,17 @@ _INTAKE = [s.INTAKE, s.SCHEDULE_QUEUE, s.placed("*")]
 # The JetStream API on the intake streams: $JS.API.STREAM.<op>.<stream>,
 # $JS.API.STREAM.MSG.GET.<stream>, $JS.API.CONSUMER.<op>.<stream>[.<consumer>...] and
 # $JS.API.CONSUMER.{MSG.NEXT,DURABLE.CREATE}.<stream>.<consumer>.
-_INTAKE_API = [p.format(st) for st in ("PERIGEE_INTAKE", "PERIGEE_SCHEDULE", "PERIGEE_PLACED")
-               for p in ("$JS.API.STREAM.*.{}", "$JS.API.STREAM.*.*.{}",
-                         "$JS.API.CONSUMER.*.{}", "$JS.API.CONSUMER.*.{}.>",
-                         "$JS.API.CONSUMER.*.*.{}.>")]
+_INTAKE_API = [
+    p.format(st)
+    for st in ("PERIGEE_INTAKE", "PERIGEE_SCHEDULE", "PERIGEE_PLACED")
+    for p in (
+        "$JS.API.STREAM.*.{}",
+        "$JS.API.STREAM.*.*.{}",
+        "$JS.API.CONSUMER.*.{}",
+        "$JS.API.CONSUMER.*.{}.>",
+        "$JS.API.CONSUMER.*.*.{}.>",
+    )
+]
 
 
 @dataclass(frozen=True)
@@ -88,8 +95,16 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
     if m.role == "conductor":
         return [s.REQUESTS, s.INTAKE, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
     if m.role in ("prefill", "decode"):
-        deny = [s.REQUESTS, s.SCHEDULE, *_INTAKE, *_INTAKE_API, s.prefill_tasks("*"), _CTL,
-                _KV_EVENTS, s.STORE_ANNOUNCE]
+        deny = [
+            s.REQUESTS,
+            s.SCHEDULE,
+            *_INTAKE,
+            *_INTAKE_API,
+            s.prefill_tasks("*"),
+            _CTL,
+            _KV_EVENTS,
+            s.STORE_ANNOUNCE,
+        ]
         if m.role == "decode" and not d.switchable:
             deny.append(s.decode_tasks("*"))
         for other in d.instances():
@@ -97,8 +112,16 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
                 deny += [s.load_report("*", other), s.worker_stats("*", other)]
         return deny
     if m.role == "store":
-        deny = [s.REQUESTS, s.SCHEDULE, s.INTAKE, *_INTAKE_API, *_TASKS, _CTL, _LOAD,
-                f"{s.NS}.conductor.>"]
+        deny = [
+            s.REQUESTS,
+            s.SCHEDULE,
+            s.INTAKE,
+            *_INTAKE_API,
+            *_TASKS,
+            _CTL,
+            _LOAD,
+            f"{s.NS}.conductor.>",
+        ]
         deny += [s.kv_events(n) for n in d.nodes() if n != m.node]
         return deny
     raise ValueError(f"unknown role {m.role!r}")
@@ -120,8 +143,14 @@ def users(d: Deployment, passwords: dict[str, str] | None = None) -> list[User]:
     pw = dict(passwords or {})
     out = [User(ADMIN, pw.get(ADMIN) or new_password(), admin=True)]
     for m in d.members:
-        out.append(User(m.name, pw.get(m.name) or new_password(),
-                        tuple(publish_deny(m, d)), tuple(subscribe_deny(m))))
+        out.append(
+            User(
+                m.name,
+                pw.get(m.name) or new_password(),
+                tuple(publish_deny(m, d)),
+                tuple(subscribe_deny(m)),
+            )
+        )
     return out
 
 
@@ -170,36 +199,51 @@ def member(name: str, argv: list[str]) -> Member:
 
 
 # The services of compose.yaml (one node of each serving role).
-COMPOSE = Deployment([
-    Member("gateway", "gateway"), Member("admission", "admission"),
-    Member("conductor", "conductor"),
-    Member("prefill-0", "prefill", instance="prefill-0"),
-    Member("decode-0", "decode", instance="decode-0"),
-    Member("store-p0", "store", node="p0"), Member("store-d0", "store", node="d0"),
-])
+COMPOSE = Deployment(
+    [
+        Member("gateway", "gateway"),
+        Member("admission", "admission"),
+        Member("conductor", "conductor"),
+        Member("prefill-0", "prefill", instance="prefill-0"),
+        Member("decode-0", "decode", instance="decode-0"),
+        Member("store-p0", "store", node="p0"),
+        Member("store-d0", "store", node="d0"),
+    ]
+)
 
 
 def compose_authorization() -> str:
     """deploy/nats.conf's authorization block (tests/unit/test_compose.py holds them
     equal): passwords from each server's environment."""
-    return render(users(COMPOSE, {u: "-" for u in [ADMIN, *(m.name for m in COMPOSE.members)]}),
-                  env_passwords=True)
+    return render(
+        users(COMPOSE, {u: "-" for u in [ADMIN, *(m.name for m in COMPOSE.members)]}),
+        env_passwords=True,
+    )
 
 
 # Kubernetes (deploy/k8s): one user per role, since pods come and go with scaling (no
 # per-instance rules); prefill and decode pods share "worker", as a RoleSwitch turns
 # one into the other in place.
-K8S = Deployment([
-    Member("gateway", "gateway"), Member("admission", "admission"),
-    Member("conductor", "conductor"), Member("worker", "decode"), Member("store", "store"),
-], switchable=True)
+K8S = Deployment(
+    [
+        Member("gateway", "gateway"),
+        Member("admission", "admission"),
+        Member("conductor", "conductor"),
+        Member("worker", "decode"),
+        Member("store", "store"),
+    ],
+    switchable=True,
+)
 
 
 def k8s_authorization() -> str:
     """deploy/k8s/base/nats.conf's authorization block (tests/unit/test_k8s_manifests.py
     holds them equal): names and passwords from the Secret, through each server's env."""
-    return render(users(K8S, {u: "-" for u in [ADMIN, *(m.name for m in K8S.members)]}),
-                  env_passwords=True, env_users=True)
+    return render(
+        users(K8S, {u: "-" for u in [ADMIN, *(m.name for m in K8S.members)]}),
+        env_passwords=True,
+        env_users=True,
+    )
 
 
 if __name__ == "__main__":

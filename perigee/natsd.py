@@ -71,9 +71,17 @@ class NatsServer:
     default, 1 MiB, when None). The config goes into a file next to its JetStream store.
     """
 
-    def __init__(self, port: int | None = None, store_dir: str | None = None, *,
-                 name: str = "", auth: str = "", max_payload: int | None = None,
-                 cluster: "ClusterSpec | None" = None, log_file: str | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        store_dir: str | None = None,
+        *,
+        name: str = "",
+        auth: str = "",
+        max_payload: int | None = None,
+        cluster: "ClusterSpec | None" = None,
+        log_file: str | None = None,
+    ) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.name = name or f"nats-{self.port}"
@@ -86,18 +94,26 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
 
     def config(self) -> str:
-        lines = [f"server_name: {json.dumps(self.name)}", f"listen: 127.0.0.1:{self.port}",
-                 f"http: 127.0.0.1:{self.monitor_port}",
-                 f"jetstream {{ store_dir: {json.dumps(self._store_dir)} }}"]
+        lines = [
+            f"server_name: {json.dumps(self.name)}",
+            f"listen: 127.0.0.1:{self.port}",
+            f"http: 127.0.0.1:{self.monitor_port}",
+            f"jetstream {{ store_dir: {json.dumps(self._store_dir)} }}",
+        ]
         if self.max_payload is not None:
             lines.append(f"max_payload: {self.max_payload}")
         if self.cluster is not None:
             c = self.cluster
-            routes = ", ".join(json.dumps(f"nats://{c.user}:{c.password}@127.0.0.1:{p}")
-                               for p in c.ports if p != self.cluster_port)
-            lines.append(f"cluster {{ name: {json.dumps(c.name)}, listen: 127.0.0.1:"
-                         f"{self.cluster_port}, authorization {{ user: {json.dumps(c.user)}, "
-                         f"password: {json.dumps(c.password)} }}, routes: [{routes}] }}")
+            routes = ", ".join(
+                json.dumps(f"nats://{c.user}:{c.password}@127.0.0.1:{p}")
+                for p in c.ports
+                if p != self.cluster_port
+            )
+            lines.append(
+                f"cluster {{ name: {json.dumps(c.name)}, listen: 127.0.0.1:"
+                f"{self.cluster_port}, authorization {{ user: {json.dumps(c.user)}, "
+                f"password: {json.dumps(c.password)} }}, routes: [{routes}] }}"
+            )
         return "\n".join(lines) + "\n" + self.auth
 
     def start(self, timeout: float = 10.0) -> "NatsServer":
@@ -186,16 +202,29 @@ class NatsCluster:
     """``n`` clustered nats-servers on loopback with JetStream (a JetStream stream made
     with ``replicas=n`` survives losing a minority of them). ``urls``: every client URL."""
 
-    def __init__(self, n: int = 3, *, auth: str = "", max_payload: int | None = None,
-                 store_dir: str | None = None, log_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        n: int = 3,
+        *,
+        auth: str = "",
+        max_payload: int | None = None,
+        store_dir: str | None = None,
+        log_dir: str | None = None,
+    ) -> None:
         self.spec = ClusterSpec()
         self._tmp = None if store_dir else tempfile.TemporaryDirectory(prefix="perigee-nats-")
         root = Path(store_dir or self._tmp.name)
         self.servers = [
-            NatsServer(store_dir=str(root / f"n{i}"), name=f"n{i}", auth=auth,
-                       max_payload=max_payload, cluster=self.spec,
-                       log_file=str(Path(log_dir) / f"nats-n{i}.log") if log_dir else None)
-            for i in range(n)]
+            NatsServer(
+                store_dir=str(root / f"n{i}"),
+                name=f"n{i}",
+                auth=auth,
+                max_payload=max_payload,
+                cluster=self.spec,
+                log_file=str(Path(log_dir) / f"nats-n{i}.log") if log_dir else None,
+            )
+            for i in range(n)
+        ]
         for srv in self.servers:
             Path(srv._store_dir).mkdir(parents=True, exist_ok=True)
         self.spec.ports = [srv.cluster_port for srv in self.servers]

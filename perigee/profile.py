@@ -73,7 +73,9 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def _slots(layout: KVLayout, n: int) -> list[memoryview]:
-    return [memoryview(bytearray(layout.block_bytes)) for _ in range(num_blocks(n, layout.block_size))]
+    return [
+        memoryview(bytearray(layout.block_bytes)) for _ in range(num_blocks(n, layout.block_size))
+    ]
 
 
 async def profile_engine(
@@ -132,7 +134,9 @@ async def profile_decode_engine(
                 ids = random_prompt(rng, length, layout.spec.vocab_size)
                 kv = SlotKV(layout, _slots(layout, length), length)
                 rid = f"dec-{b}-{length}-{i}"
-                ready.append((rid, ids, await engine.prefill(PrefillJob(rid, ids, 0, sampling, kv)), kv))
+                ready.append(
+                    (rid, ids, await engine.prefill(PrefillJob(rid, ids, 0, sampling, kv)), kv)
+                )
             streams = [
                 await engine.add_request(DecodeJob(rid, ids, first, sampling, kv))
                 for rid, ids, first, kv in ready
@@ -301,8 +305,11 @@ def _floats(s: str) -> list[float]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="perigee profile", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="perigee profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--nats", help="profile a running stack over this NATS server")
     where.add_argument("--url", help="profile a running stack through this gateway URL")
@@ -311,20 +318,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--samples-json", help="also write the raw samples here")
     ap.add_argument("--model-dir", default=str(DEFAULT_MODEL_DIR))
     ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
-    ap.add_argument("--speedup", type=float, default=1.0,
-                    help="the profiled engine's speedup (in-process: the mock runs at it; live: "
-                         "give the stack's --speedup); recorded as fitted_speedup")
-    ap.add_argument("--lengths", type=_ints, default=list(DEFAULT_LENGTHS),
-                    help="prompt lengths, comma separated")
-    ap.add_argument("--fractions", type=_floats, default=list(DEFAULT_FRACTIONS),
-                    help="prefix hit fractions of each length, comma separated")
+    ap.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="the profiled engine's speedup (in-process: the mock runs at it; live: "
+        "give the stack's --speedup); recorded as fitted_speedup",
+    )
+    ap.add_argument(
+        "--lengths",
+        type=_ints,
+        default=list(DEFAULT_LENGTHS),
+        help="prompt lengths, comma separated",
+    )
+    ap.add_argument(
+        "--fractions",
+        type=_floats,
+        default=list(DEFAULT_FRACTIONS),
+        help="prefix hit fractions of each length, comma separated",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--degree", type=int, default=2, help="polynomial degree in (n, p)")
-    ap.add_argument("--decode", action="store_true",
-                    help="in-process only: fit decode step time on (batch, context) too")
-    ap.add_argument("--seed", type=int, default=None,
-                    help="prompt RNG seed (default: fresh, so a rerun against the same stack "
-                         "does not hit the previous run's cache)")
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="in-process only: fit decode step time on (batch, context) too",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompt RNG seed (default: fresh, so a rerun against the same stack "
+        "does not hit the previous run's cache)",
+    )
     ap.add_argument("--timeout", type=float, default=60.0, help="per request, seconds (live)")
     return ap.parse_args(argv)
 
@@ -338,11 +364,15 @@ async def run(args: argparse.Namespace) -> FittedCostModel:
     say = lambda s: print(f"perigee profile: {s}", file=sys.stderr, flush=True)  # noqa: E731
     decode: list[DecodeSample] = []
     if args.nats or args.url:
-        target = BusTarget(args.nats, timeout_s=args.timeout) if args.nats else HttpTarget(
-            args.url, timeout_s=args.timeout)
+        target = (
+            BusTarget(args.nats, timeout_s=args.timeout)
+            if args.nats
+            else HttpTarget(args.url, timeout_s=args.timeout)
+        )
         async with target:
-            prefill = await profile_live(target, grid, spec.vocab_size, seed=args.seed,
-                                         repeats=args.repeats, log=say)
+            prefill = await profile_live(
+                target, grid, spec.vocab_size, seed=args.seed, repeats=args.repeats, log=say
+            )
         source = f"nats {args.nats}" if args.nats else f"gateway {args.url}"
     else:
         from services.engine import make_engine
@@ -350,25 +380,44 @@ async def run(args: argparse.Namespace) -> FittedCostModel:
         engine = make_engine(args.engine, spec, CostModel(speedup=args.speedup))
         await engine.start()
         try:
-            prefill = await profile_engine(engine, layout, grid, seed=args.seed,
-                                           repeats=args.repeats)
+            prefill = await profile_engine(
+                engine, layout, grid, seed=args.seed, repeats=args.repeats
+            )
             if args.decode:
                 decode = await profile_decode_engine(engine, layout)
         finally:
             await engine.stop()
         source = f"in-process {args.engine} engine"
     if args.samples_json:
-        Path(args.samples_json).write_text(json.dumps({
-            "prefill": [[s.n, s.p, s.seconds] for s in prefill],
-            "decode": [[s.batch, s.context, s.seconds] for s in decode],
-        }, indent=1) + "\n")
-    model = fit_cost_model(prefill, decode, degree=args.degree, fitted_speedup=args.speedup,
-                           meta={"source": source, "model": spec.name, "seed": args.seed,
-                                 "block_size": args.block_size, "created": time.time()})
+        Path(args.samples_json).write_text(
+            json.dumps(
+                {
+                    "prefill": [[s.n, s.p, s.seconds] for s in prefill],
+                    "decode": [[s.batch, s.context, s.seconds] for s in decode],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    model = fit_cost_model(
+        prefill,
+        decode,
+        degree=args.degree,
+        fitted_speedup=args.speedup,
+        meta={
+            "source": source,
+            "model": spec.name,
+            "seed": args.seed,
+            "block_size": args.block_size,
+            "created": time.time(),
+        },
+    )
     model.save(args.json)
     stats = model.meta["prefill_fit"]
-    say(f"{len(prefill)} prefill samples, rmse {stats['rmse_s'] * 1e3:.3f} ms, "
-        f"max rel err {stats['max_rel_err']:.3g}; wrote {args.json}")
+    say(
+        f"{len(prefill)} prefill samples, rmse {stats['rmse_s'] * 1e3:.3f} ms, "
+        f"max rel err {stats['max_rel_err']:.3g}; wrote {args.json}"
+    )
     return model
 
 

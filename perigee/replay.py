@@ -53,10 +53,18 @@ class Outcome:
         return sum(sorted(self.gaps)[-k:]) / k
 
 
-async def send(http, url: str, model: str, prompt: list[int], max_tokens: int,
-               headers: dict) -> Outcome:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+async def send(
+    http, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict
+) -> Outcome:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     last = None
     out = Outcome(ok=False, expected_tokens=max_tokens)
@@ -109,13 +117,24 @@ async def served_model(http, url: str, headers: dict) -> str:
     return models[0]["id"]
 
 
-async def replay(reqs: list[TraceRequest], url: str, *, speedup: float, builder: PromptBuilder,
-                 model: str | None, output_scale: float, max_output: int, api_key: str | None,
-                 progress: bool = True) -> tuple[list[Outcome], float]:
+async def replay(
+    reqs: list[TraceRequest],
+    url: str,
+    *,
+    speedup: float,
+    builder: PromptBuilder,
+    model: str | None,
+    output_scale: float,
+    max_output: int,
+    api_key: str | None,
+    progress: bool = True,
+) -> tuple[list[Outcome], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as http:
         model = model or await served_model(http, url, headers)
         t_start = time.perf_counter()
         base = reqs[0].timestamp_s if reqs else 0.0
@@ -143,8 +162,12 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: floa
     prompt = sum(o.prompt_tokens for o in done)
 
     def pct(v):
-        return {"mean": sum(v) / len(v) if v else math.nan, "p50": percentile(v, 50),
-                "p90": percentile(v, 90), "p99": percentile(v, 99)}
+        return {
+            "mean": sum(v) / len(v) if v else math.nan,
+            "p50": percentile(v, 50),
+            "p90": percentile(v, 90),
+            "p99": percentile(v, 99),
+        }
 
     return {
         "requests": len(outs),
@@ -154,9 +177,13 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: floa
         "cut": sum(1 for o in outs if o.cut),
         "ttft_s": pct(ttfts),
         "tbt_s": pct(tbts),
-        "goodput": {"ttft_slo_s": ttft_slo, "tbt_slo_s": tbt_slo, "requests": len(good),
-                    "fraction": len(good) / len(outs) if outs else 0.0,
-                    "rps": len(good) / wall_s if wall_s > 0 else 0.0},
+        "goodput": {
+            "ttft_slo_s": ttft_slo,
+            "tbt_slo_s": tbt_slo,
+            "requests": len(good),
+            "fraction": len(good) / len(outs) if outs else 0.0,
+            "rps": len(good) / wall_s if wall_s > 0 else 0.0,
+        },
         "cached_token_ratio": (sum(o.cached_tokens for o in done) / prompt) if prompt else 0.0,
         "prompt_tokens": prompt,
         "wall_s": wall_s,
@@ -166,7 +193,9 @@ def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: floa
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="perigee replay", description=__doc__)
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
-    p.add_argument("--url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url", required=True, help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000"
+    )
     p.add_argument("--model", default=None, help="model name (default: the first on /v1/models)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide trace timestamps by this")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
@@ -182,16 +211,32 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     reqs = load_trace(a.trace, a.limit)
     builder = PromptBuilder(a.block_tokens, a.vocab_size)
-    outs, wall = asyncio.run(replay(reqs, a.url, speedup=a.speedup, builder=builder, model=a.model,
-                                    output_scale=a.output_scale, max_output=a.max_output,
-                                    api_key=a.api_key, progress=not a.no_progress))
+    outs, wall = asyncio.run(
+        replay(
+            reqs,
+            a.url,
+            speedup=a.speedup,
+            builder=builder,
+            model=a.model,
+            output_scale=a.output_scale,
+            max_output=a.max_output,
+            api_key=a.api_key,
+            progress=not a.no_progress,
+        )
+    )
     s = summarize(outs, wall, a.ttft_slo, a.tbt_slo)
-    print(f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']}  "
-          f"failed {s['failed']}  cut {s['cut']}  wall {s['wall_s']:.1f}s")
-    print(f"TTFT p50 {s['ttft_s']['p50']:.4f}s p99 {s['ttft_s']['p99']:.4f}s   "
-          f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s")
-    print(f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%})  "
-          f"cached-token ratio {s['cached_token_ratio']:.3f}")
+    print(
+        f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']}  "
+        f"failed {s['failed']}  cut {s['cut']}  wall {s['wall_s']:.1f}s"
+    )
+    print(
+        f"TTFT p50 {s['ttft_s']['p50']:.4f}s p99 {s['ttft_s']['p99']:.4f}s   "
+        f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s"
+    )
+    print(
+        f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%})  "
+        f"cached-token ratio {s['cached_token_ratio']:.3f}"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2)

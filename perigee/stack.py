@@ -156,9 +156,11 @@ class Stack:
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.metrics_urls: dict[str, str] = {}  # child name -> its /metrics URL
         log_dir = Path(cfg.log_dir)
-        self.spans_file = (cfg.extra_env.get("PERIGEE_SPANS_FILE")
-                           or os.environ.get("PERIGEE_SPANS_FILE")
-                           or str(log_dir / "spans.jsonl"))
+        self.spans_file = (
+            cfg.extra_env.get("PERIGEE_SPANS_FILE")
+            or os.environ.get("PERIGEE_SPANS_FILE")
+            or str(log_dir / "spans.jsonl")
+        )
         self.metrics_targets_file = log_dir / "metrics-targets.json"
         self._abort: threading.Event | None = None
         self.supervisor: Supervisor | None = None
@@ -188,16 +190,54 @@ class Stack:
         workers = [(Role.PREFILL, f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
         workers += [(Role.DECODE, f"decode-{i}", f"d{i}") for i in range(c.decode)]
         for _, _, node in workers:
-            out.append(Child(f"store-{node}", ["services.store", *self._common(), "--node", node,
-                "--block-size", str(c.block_size), "--block-bytes", str(block_bytes),
-                "--capacity-blocks", str(c.store_capacity_blocks), "--host", c.host]
-                + (["--ssd-dir", str(Path(c.log_dir) / "ssd" / node), "--ssd-capacity-blocks",
-                    str(c.store_ssd_blocks)] if c.store_ssd_blocks else [])))
+            out.append(
+                Child(
+                    f"store-{node}",
+                    [
+                        "services.store",
+                        *self._common(),
+                        "--node",
+                        node,
+                        "--block-size",
+                        str(c.block_size),
+                        "--block-bytes",
+                        str(block_bytes),
+                        "--capacity-blocks",
+                        str(c.store_capacity_blocks),
+                        "--host",
+                        c.host,
+                    ]
+                    + (
+                        [
+                            "--ssd-dir",
+                            str(Path(c.log_dir) / "ssd" / node),
+                            "--ssd-capacity-blocks",
+                            str(c.store_ssd_blocks),
+                        ]
+                        if c.store_ssd_blocks
+                        else []
+                    ),
+                )
+            )
         for role, inst, node in workers:
-            args = ["services." + role, *self._common(), "--instance", inst, "--node", node,
-                    "--engine", c.engine, "--model-dir", c.model_dir,
-                    "--block-size", str(c.block_size), "--speedup", c.speedup,
-                    "--report-interval", str(c.report_interval)]
+            args = [
+                "services." + role,
+                *self._common(),
+                "--instance",
+                inst,
+                "--node",
+                node,
+                "--engine",
+                c.engine,
+                "--model-dir",
+                c.model_dir,
+                "--block-size",
+                str(c.block_size),
+                "--speedup",
+                c.speedup,
+                "--report-interval",
+                str(c.report_interval),
+            ]
             args += ["--max-batch", str(c.max_batch)]
             if c.lease_s:
                 args += ["--lease", str(c.lease_s)]
@@ -213,13 +253,34 @@ class Stack:
                 if c.kv_blocks:
                     args += ["--kv-blocks", str(c.kv_blocks)]
             out.append(Child(inst, args, env=self._engine_env(len(workers))))
-        slo = ["--ttft-slo", str(c.ttft_slo), "--tbt-slo", str(c.tbt_slo),
-               "--speedup", c.speedup, "--dead-after", str(c.dead_after),
-               "--block-size", str(c.block_size)]
+        slo = [
+            "--ttft-slo",
+            str(c.ttft_slo),
+            "--tbt-slo",
+            str(c.tbt_slo),
+            "--speedup",
+            c.speedup,
+            "--dead-after",
+            str(c.dead_after),
+            "--block-size",
+            str(c.block_size),
+        ]
         model = ["--cost-model", c.cost_model] if c.cost_model else []
         adm = ["--decode-time", str(c.decode_time)] if c.admission_policy == "predict" else []
-        out.append(Child("admission", ["services.admission", *self._common(), *slo, *model,
-                                       "--policy", c.admission_policy, *adm]))
+        out.append(
+            Child(
+                "admission",
+                [
+                    "services.admission",
+                    *self._common(),
+                    *slo,
+                    *model,
+                    "--policy",
+                    c.admission_policy,
+                    *adm,
+                ],
+            )
+        )
         for i in range(c.conductors):
             args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
             if c.balancing_threshold:
@@ -229,11 +290,29 @@ class Stack:
             if c.pd_controller and i == 0:
                 args += ["--pd-controller"]
             out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
-        out.append(Child("gateway", ["services.gateway", *self._common(), "--host", c.host,
-            "--port", str(c.port), "--model-dir", c.model_dir, "--block-size", str(c.block_size),
-            "--dead-after", str(c.dead_after), "--migration-limit", str(c.migration_limit)]
-            + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
-            + (["--served-model-name", c.served_model_name] if c.served_model_name else [])))
+        out.append(
+            Child(
+                "gateway",
+                [
+                    "services.gateway",
+                    *self._common(),
+                    "--host",
+                    c.host,
+                    "--port",
+                    str(c.port),
+                    "--model-dir",
+                    c.model_dir,
+                    "--block-size",
+                    str(c.block_size),
+                    "--dead-after",
+                    str(c.dead_after),
+                    "--migration-limit",
+                    str(c.migration_limit),
+                ]
+                + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
+                + (["--served-model-name", c.served_model_name] if c.served_model_name else []),
+            )
+        )
         return out
 
     def observability(self, children: list[Child]) -> list[Child]:
@@ -257,8 +336,12 @@ class Stack:
                 continue
             self.metrics_urls[child.name] = f"http://{addr}/metrics"
             role = child.argv[0].removeprefix("services.")
-            targets.append({"targets": [addr], "labels": {"job": "perigee", "service": child.name,
-                                                          "role": role}})
+            targets.append(
+                {
+                    "targets": [addr],
+                    "labels": {"job": "perigee", "service": child.name, "role": role},
+                }
+            )
         if c.metrics:
             self.metrics_targets_file.parent.mkdir(parents=True, exist_ok=True)
             self.metrics_targets_file.write_text(json.dumps(targets, indent=2) + "\n")
@@ -274,14 +357,17 @@ class Stack:
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
-                [sys.executable, "-m", *child.argv], cwd=ROOT, env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, "-m", *child.argv],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 preexec_fn=die_with_parent(),
             )
         self.children[child.name] = child
 
-    def start(self, timeout: float | None = None,
-              abort: threading.Event | None = None) -> "Stack":
+    def start(self, timeout: float | None = None, abort: threading.Event | None = None) -> "Stack":
         """Start everything; ``timeout`` (default 60 s, 300 s for vLLM engines, which
         import and warm up for ~20 s each on a small CPU machine) bounds the wait.
         Setting ``abort`` (from a signal handler) stops what was started and raises
@@ -303,8 +389,12 @@ class Stack:
 
     def supervise(self) -> None:
         """From now on a service that dies is restarted (:mod:`perigee.supervise`)."""
-        self.supervisor = Supervisor(self._supervised, self._respawn, self.cfg.restart_policy,
-                                     on_event=lambda e: self.on_supervised(e))
+        self.supervisor = Supervisor(
+            self._supervised,
+            self._respawn,
+            self.cfg.restart_policy,
+            on_event=lambda e: self.on_supervised(e),
+        )
         self.supervisor.start()
 
     def nats_servers(self) -> dict[str, NatsServer]:
@@ -341,19 +431,24 @@ class Stack:
         log_dir = Path(c.log_dir) / "nats"  # not beside the services' logs: no service's
         log_dir.mkdir(parents=True, exist_ok=True)
         if c.nats_cluster > 1:
-            self.nats = NatsCluster(c.nats_cluster, max_payload=c.nats_max_payload,
-                                    log_dir=str(log_dir))
+            self.nats = NatsCluster(
+                c.nats_cluster, max_payload=c.nats_max_payload, log_dir=str(log_dir)
+            )
         else:
-            self.nats = NatsServer(max_payload=c.nats_max_payload,
-                                   log_file=str(log_dir / "nats-server.log"))
+            self.nats = NatsServer(
+                max_payload=c.nats_max_payload, log_file=str(log_dir / "nats-server.log")
+            )
         self.nats_url = self.nats.url  # the services' --nats: every server, no login
         children = self.plan()
         servers = self.nats.url.split(",")
         for child in children:
             child.env["PERIGEE_JS_REPLICAS"] = str(min(3, c.nats_cluster))
         if c.nats_auth:
-            users = natsauth.users(natsauth.Deployment(
-                [natsauth.member(ch.name, ch.argv) for ch in children], c.switchable))
+            users = natsauth.users(
+                natsauth.Deployment(
+                    [natsauth.member(ch.name, ch.argv) for ch in children], c.switchable
+                )
+            )
             for srv in getattr(self.nats, "servers", [self.nats]):
                 srv.auth = natsauth.render(users)
             login = {u.name: u.password for u in users}
@@ -472,8 +567,9 @@ class Stack:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
             now = time.monotonic()
-            bound = max((TIER_BOUND_S.get(c.argv[0], DEFAULT_TIER_BOUND_S) for c in tier),
-                        default=0.0)
+            bound = max(
+                (TIER_BOUND_S.get(c.argv[0], DEFAULT_TIER_BOUND_S) for c in tier), default=0.0
+            )
             until = max(min(now + bound, deadline), now + MIN_TIER_S)
             for p in procs:
                 try:

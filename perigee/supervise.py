@@ -27,7 +27,7 @@ class RestartPolicy:
     max_backoff_s: float = 10.0
 
     def delay(self, recent_restarts: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * (2 ** recent_restarts))
+        return min(self.max_backoff_s, self.backoff_s * (2**recent_restarts))
 
 
 @dataclass
@@ -67,23 +67,29 @@ class SupervisedEvent:
         if self.error:
             return f"{self.name} could not be restarted: {self.error}"
         if self.kind == "exited":
-            return (f"{self.name} exited with {self.returncode}; restarting in "
-                    f"{self.delay_s:.1f} s")
+            return f"{self.name} exited with {self.returncode}; restarting in {self.delay_s:.1f} s"
         if self.kind == "restarted":
             return f"{self.name} restarted (restart {self.restarts} in {policy.window_s:g} s)"
         n = f"{self.restarts} restart" + ("" if self.restarts == 1 else "s")
-        return (f"{self.name} exited with {self.returncode} after {n} in "
-                f"{policy.window_s:g} s: gave up on it, it stays down (the rest keep serving)")
+        return (
+            f"{self.name} exited with {self.returncode} after {n} in "
+            f"{policy.window_s:g} s: gave up on it, it stays down (the rest keep serving)"
+        )
 
 
 class Supervisor:
     """Watches ``procs()`` (name -> Popen) every ``interval`` s; an exited child is
     respawned by ``respawn(name)`` after its back-off, or given up."""
 
-    def __init__(self, procs: Callable[[], dict], respawn: Callable[[str], None],
-                 policy: RestartPolicy | None = None,
-                 on_event: Callable[[SupervisedEvent], None] = lambda e: None,
-                 clock: Callable[[], float] = time.monotonic, interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        procs: Callable[[], dict],
+        respawn: Callable[[str], None],
+        policy: RestartPolicy | None = None,
+        on_event: Callable[[SupervisedEvent], None] = lambda e: None,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = 0.2,
+    ) -> None:
         self.book = RestartBook(policy or RestartPolicy())
         self.procs, self.respawn, self.on_event = procs, respawn, on_event
         self.clock, self.interval = clock, interval
@@ -143,5 +149,6 @@ class Supervisor:
                         self.on_event(SupervisedEvent(name, "exited", None, 0, 0.0, repr(e)))
                         continue
                     self.restarts[name] = self.restarts.get(name, 0) + 1
-                    self.on_event(SupervisedEvent(name, "restarted", None,
-                                                  self.book.recent(name, now)))
+                    self.on_event(
+                        SupervisedEvent(name, "restarted", None, self.book.recent(name, now))
+                    )

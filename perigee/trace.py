@@ -32,8 +32,14 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> li
             if not line.strip():
                 continue
             r = json.loads(line)
-            out.append(TraceRequest(r["timestamp"] / 1000.0, int(r["input_length"]),
-                                    int(r["output_length"]), tuple(r["hash_ids"])))
+            out.append(
+                TraceRequest(
+                    r["timestamp"] / 1000.0,
+                    int(r["input_length"]),
+                    int(r["output_length"]),
+                    tuple(r["hash_ids"]),
+                )
+            )
             if limit and len(out) >= limit:
                 break
     return out
@@ -42,8 +48,13 @@ def load_trace(path: str | Path = DEFAULT_TRACE, limit: int | None = None) -> li
 class PromptBuilder:
     """Token ids for a trace request: ``block_tokens`` tokens per hash id."""
 
-    def __init__(self, block_tokens: int = TRACE_BLOCK, vocab_size: int = 1024,
-                 first_token: int = 3, seed: int = 0) -> None:
+    def __init__(
+        self,
+        block_tokens: int = TRACE_BLOCK,
+        vocab_size: int = 1024,
+        first_token: int = 3,
+        seed: int = 0,
+    ) -> None:
         self.block_tokens = block_tokens
         self.vocab_size = vocab_size
         self.first_token = first_token  # skip special tokens (<unk>, <s>, </s>)

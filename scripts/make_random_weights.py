@@ -22,8 +22,9 @@ from services.engine.vllm.weights import write_random_checkpoint  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="config + tokenizer source")
     p.add_argument("--seed", type=int, default=0)

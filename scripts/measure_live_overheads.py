@@ -43,8 +43,14 @@ from services.common.cost_model import CostModel  # noqa: E402
 
 
 async def _send(http, url: str, prompt: list[int], max_tokens: int) -> tuple[int, int]:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-            "ignore_eos": True, "temperature": 0.0, "stream": True}
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
     sent, first = time.time_ns(), 0
     async with http.post(url + "/v1/completions", json=body) as r:
         async for raw in r.content:
@@ -76,9 +82,18 @@ def measure(a) -> dict[str, list[float]]:
     builder = PromptBuilder(a.block, 1024)
     cost = CostModel().with_speedup(a.speedup)
     log_dir = tempfile.mkdtemp(prefix="perigee-overheads-")
-    stack = Stack(StackConfig(port=free_port(), log_dir=log_dir, engine="mock",
-                              prefill=a.prefill, decode=a.decode, speedup=str(a.speedup),
-                              block_size=a.block, store_capacity_blocks=a.capacity_blocks))
+    stack = Stack(
+        StackConfig(
+            port=free_port(),
+            log_dir=log_dir,
+            engine="mock",
+            prefill=a.prefill,
+            decode=a.decode,
+            speedup=str(a.speedup),
+            block_size=a.block,
+            store_capacity_blocks=a.capacity_blocks,
+        )
+    )
     stack.start()
     try:
         stamps = asyncio.run(_replay(trace, stack.url, a.speed, builder, a.output_scale))
@@ -99,8 +114,9 @@ def measure(a) -> dict[str, list[float]]:
         prefix = int(c.get("attributes", {}).get("prefix_tokens", 0))
         out["in"].append((gw["start_ns"] - sent) / 1e9)
         out["to_queue"].append((q["start_ns"] - gw["start_ns"]) / 1e9)
-        out["overrun"].append((c["end_ns"] - c["start_ns"]) / 1e9
-                              - cost.prefill_time(tokens, min(prefix, tokens - 1)))
+        out["overrun"].append(
+            (c["end_ns"] - c["start_ns"]) / 1e9 - cost.prefill_time(tokens, min(prefix, tokens - 1))
+        )
         out["tail"].append((first - c["end_ns"]) / 1e9)
     by_instance: dict[str, list[dict]] = {}
     for n in roots:
@@ -109,14 +125,16 @@ def measure(a) -> dict[str, list[float]]:
         items.sort(key=lambda n: n["prefill.compute"]["start_ns"])
         for prev, nxt in zip(items, items[1:], strict=False):
             if nxt["prefill.queue"]["start_ns"] < prev["prefill.compute"]["end_ns"]:
-                out["handoff"].append((nxt["prefill.compute"]["start_ns"]
-                                       - prev["prefill.compute"]["end_ns"]) / 1e9)
+                out["handoff"].append(
+                    (nxt["prefill.compute"]["start_ns"] - prev["prefill.compute"]["end_ns"]) / 1e9
+                )
     return out
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--slice", type=int, default=80, help="first N trace requests")
     p.add_argument("--speed", type=float, default=2.0, help="replay speed (timestamps / X)")
@@ -137,13 +155,17 @@ def main() -> int:
             v = sorted(v)
             med = statistics.median(v)
             medians.setdefault(k, []).append(med)
-            print(f"  {k:9s} n={len(v):3d} p10 {v[len(v) // 10] * 1e3:6.2f} p50 {med * 1e3:6.2f} "
-                  f"p90 {v[9 * len(v) // 10] * 1e3:6.2f} ms")
+            print(
+                f"  {k:9s} n={len(v):3d} p10 {v[len(v) // 10] * 1e3:6.2f} p50 {med * 1e3:6.2f} "
+                f"p90 {v[9 * len(v) // 10] * 1e3:6.2f} ms"
+            )
     m = {k: statistics.median(v) for k, v in medians.items()}
     print("median of run medians (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in m.items()))
-    print(f"dispatch_s {m['in'] + m['to_queue']:.4f}  first_token_hop_s "
-          f"{m['overrun'] + m['tail']:.4f}  prefill_handoff_s "
-          f"{m['overrun'] + m.get('handoff', 0.0):.4f}")
+    print(
+        f"dispatch_s {m['in'] + m['to_queue']:.4f}  first_token_hop_s "
+        f"{m['overrun'] + m['tail']:.4f}  prefill_handoff_s "
+        f"{m['overrun'] + m.get('handoff', 0.0):.4f}"
+    )
     return 0
 
 

@@ -18,18 +18,32 @@ import traceback
 
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    model = args[0] if args else subprocess.check_output(
-        [sys.executable, "-c", "from perigee.cli import main; main()", "model", "path"],
-        text=True).strip().splitlines()[-1]
+    model = (
+        args[0]
+        if args
+        else subprocess.check_output(
+            [sys.executable, "-c", "from perigee.cli import main; main()", "model", "path"],
+            text=True,
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     t0 = time.time()
     try:
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=model, pipeline_parallel_size=2, distributed_executor_backend="mp",
-                  max_model_len=1024, enforce_eager="--eager" in sys.argv, dtype="float32")
-        out = llm.generate(["The capital of France is"],
-                           SamplingParams(max_tokens=8, temperature=0))
+        llm = LLM(
+            model=model,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="mp",
+            max_model_len=1024,
+            enforce_eager="--eager" in sys.argv,
+            dtype="float32",
+        )
+        out = llm.generate(
+            ["The capital of France is"], SamplingParams(max_tokens=8, temperature=0)
+        )
         print("PP2 OK", repr(out[0].outputs[0].text), f"{time.time() - t0:.0f}s", flush=True)
         return 0
     except Exception:

@@ -36,10 +36,14 @@ class TracingConfigError(ValueError):
 def otlp_protocol(env: dict[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     return (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip().lower()
+        (
+            env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+            or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        .strip()
+        .lower()
+    )
 
 
 def make_exporter(kind: str, env: dict[str, str] | None = None) -> SpanExporter | None:
@@ -59,7 +63,9 @@ def make_exporter(kind: str, env: dict[str, str] | None = None) -> SpanExporter 
                 ) from e
             return OTLPSpanExporter()
         if protocol not in ("http/protobuf", "http"):
-            raise TracingConfigError(f"unsupported OTLP protocol {protocol!r} (http/protobuf or grpc)")
+            raise TracingConfigError(
+                f"unsupported OTLP protocol {protocol!r} (http/protobuf or grpc)"
+            )
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter()
@@ -67,7 +73,9 @@ def make_exporter(kind: str, env: dict[str, str] | None = None) -> SpanExporter 
         return ConsoleSpanExporter()
     if kind == "jsonl":
         return JsonlSpanExporter(env.get("PERIGEE_SPANS_FILE") or DEFAULT_SPANS_FILE)
-    raise TracingConfigError(f"OTEL_TRACES_EXPORTER={kind!r}: expected one of {', '.join(EXPORTERS)}")
+    raise TracingConfigError(
+        f"OTEL_TRACES_EXPORTER={kind!r}: expected one of {', '.join(EXPORTERS)}"
+    )
 
 
 def exporter_kinds(env: dict[str, str] | None = None) -> list[str]:

@@ -41,7 +41,9 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def prompt_set(rng: random.Random, count: int, max_len: int, block: int) -> list[tuple[int, int, int]]:
+def prompt_set(
+    rng: random.Random, count: int, max_len: int, block: int
+) -> list[tuple[int, int, int]]:
     """(n, p, k): prompt length, reused prefix, index of the earlier prompt it extends
     (-1: none)."""
     out: list[tuple[int, int, int]] = []
@@ -66,10 +68,17 @@ async def run_engine(kind: str, args: argparse.Namespace) -> dict:
     if kind == "vllm":
         from services.engine.vllm.options import VllmOptions
 
-        vllm = VllmOptions(model_dir=str(args.model_dir or DEFAULT_MODEL_DIR),
-                           load_format=args.load_format)
-    engine = make_engine(kind, spec, CostModel(speedup=args.mock_speedup), role=Role.PREFILL,
-                         layout=layout, vllm=vllm)
+        vllm = VllmOptions(
+            model_dir=str(args.model_dir or DEFAULT_MODEL_DIR), load_format=args.load_format
+        )
+    engine = make_engine(
+        kind,
+        spec,
+        CostModel(speedup=args.mock_speedup),
+        role=Role.PREFILL,
+        layout=layout,
+        vllm=vllm,
+    )
     t0 = time.perf_counter()
     await engine.start()
     started = time.perf_counter() - t0
@@ -94,13 +103,19 @@ async def run_engine(kind: str, args: argparse.Namespace) -> dict:
             else:
                 ids = [FIRST_TOKEN_ID + rng.randrange(span) for _ in range(n)]
                 slots = []
-            slots = slots + [memoryview(bytearray(layout.block_bytes))
-                             for _ in range(num_blocks(n, layout.block_size) - len(slots))]
+            slots = slots + [
+                memoryview(bytearray(layout.block_bytes))
+                for _ in range(num_blocks(n, layout.block_size) - len(slots))
+            ]
             kept.append((ids, slots))
-            preds = {"online": calib.model().prefill_time(n, p),
-                     "warmup_only": frozen.prefill_time(n, p), "prior": prior.prefill_time(n, p)}
-            job = PrefillJob(f"bench-{i}", ids, p, SamplingParams(max_tokens=1),
-                             SlotKV(layout, slots, n))
+            preds = {
+                "online": calib.model().prefill_time(n, p),
+                "warmup_only": frozen.prefill_time(n, p),
+                "prior": prior.prefill_time(n, p),
+            }
+            job = PrefillJob(
+                f"bench-{i}", ids, p, SamplingParams(max_tokens=1), SlotKV(layout, slots, n)
+            )
             t = time.perf_counter()
             await engine.prefill(job)
             measured = time.perf_counter() - t
@@ -110,9 +125,15 @@ async def run_engine(kind: str, args: argparse.Namespace) -> dict:
             rows.append({"n": n, "p": p, "measured_s": measured, "predicted_s": preds["online"]})
     finally:
         await engine.stop()
-    out = {"engine": kind, "requests": len(rows), "warmup_prefills": calib.fit.prefill_samples
-           - len(rows), "engine_start_s": round(started, 2), "warmup_s": round(warm_s, 2),
-           "prefill_coef": list(calib.fit.prefill_coef()), "samples": rows}
+    out = {
+        "engine": kind,
+        "requests": len(rows),
+        "warmup_prefills": calib.fit.prefill_samples - len(rows),
+        "engine_start_s": round(started, 2),
+        "warmup_s": round(warm_s, 2),
+        "prefill_coef": list(calib.fit.prefill_coef()),
+        "samples": rows,
+    }
     for name, e in errs.items():
         out[f"{name}_median_abs_err"] = _quantile(e, 0.5)
         out[f"{name}_p90_abs_err"] = _quantile(e, 0.9)
@@ -120,8 +141,11 @@ async def run_engine(kind: str, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="perigee bench calibration", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee bench calibration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--engine", choices=("mock", "vllm", "both"), default="both")
     p.add_argument("--requests", type=int, default=40, help="prompts measured after warm-up")
     p.add_argument("--warmup", type=int, default=6, help="warm-up prefills (as a worker)")
@@ -129,8 +153,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None, help="model directory (default: tiny-llama)")
     p.add_argument("--load-format", default=None, help="vllm: auto | dummy (default: auto-detect)")
     p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
-    p.add_argument("--mock-speedup", type=float, default=1.0,
-                   help="mock engine speed over the paper's A800 (the prior stays at 1)")
+    p.add_argument(
+        "--mock-speedup",
+        type=float,
+        default=1.0,
+        help="mock engine speed over the paper's A800 (the prior stays at 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
@@ -143,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine':<6} {'requests':>8}  {'median |err|':>26}  {'p90 |err|':>26}")
     print(f"{'':<6} {'':>8}  {'online  warm-up  prior':>26}  {'online  warm-up  prior':>26}")
     for r in runs:
-        med = "  ".join(f"{r[f'{n}_median_abs_err']:.3g}" for n in ("online", "warmup_only", "prior"))
+        med = "  ".join(
+            f"{r[f'{n}_median_abs_err']:.3g}" for n in ("online", "warmup_only", "prior")
+        )
         p90 = "  ".join(f"{r[f'{n}_p90_abs_err']:.3g}" for n in ("online", "warmup_only", "prior"))
         print(f"{r['engine']:<6} {r['requests']:>8}  {med:>26}  {p90:>26}")
     if args.json:

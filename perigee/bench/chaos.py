@@ -72,11 +72,13 @@ def lost_reason(s: Sent) -> str:
     return ""
 
 
-async def replay_slice(reqs: list[TraceRequest], url: str, model: str, builder: PromptBuilder,
-                       a: argparse.Namespace) -> list[Sent]:
+async def replay_slice(
+    reqs: list[TraceRequest], url: str, model: str, builder: PromptBuilder, a: argparse.Namespace
+) -> list[Sent]:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=a.request_timeout)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as http:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout
+    ) as http:
         t0 = time.perf_counter()
         base = reqs[0].timestamp_s
 
@@ -87,8 +89,9 @@ async def replay_slice(reqs: list[TraceRequest], url: str, model: str, builder: 
             n_out = max(1, min(a.max_output, round(r.output_length * a.output_scale)))
             t = time.perf_counter()
             try:
-                o = await asyncio.wait_for(send(http, url, model, builder.tokens(r), n_out, {}),
-                                           a.request_timeout)
+                o = await asyncio.wait_for(
+                    send(http, url, model, builder.tokens(r), n_out, {}), a.request_timeout
+                )
                 return Sent(t, time.perf_counter(), o)
             except TimeoutError:
                 o = Outcome(ok=False, status=-1, expected_tokens=n_out, error="no answer")
@@ -114,8 +117,14 @@ class Watch:
 
     def restarted_at(self, name: str, after: float) -> float:
         with self.lock:
-            return next((t for t, e in self.events
-                         if e.name == name and e.kind == "restarted" and t >= after), math.nan)
+            return next(
+                (
+                    t
+                    for t, e in self.events
+                    if e.name == name and e.kind == "restarted" and t >= after
+                ),
+                math.nan,
+            )
 
     def seen(self, name: str) -> None:
         t = time.perf_counter()
@@ -132,8 +141,9 @@ class Watch:
         async def quiet(e: Exception) -> None:  # its server's SIGKILL is expected here
             pass
 
-        self.nc = await nats.connect(self.stack.nats_urls.split(","), error_cb=quiet,
-                                     max_reconnect_attempts=-1)
+        self.nc = await nats.connect(
+            self.stack.nats_urls.split(","), error_cb=quiet, max_reconnect_attempts=-1
+        )
 
         async def on_load(m) -> None:
             self.seen(m.subject.rsplit(".", 1)[-1])
@@ -155,9 +165,11 @@ class Watch:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
+
                 def ok() -> bool:
                     with urllib.request.urlopen(url, timeout=1) as r:
                         return r.status == 200
+
                 if await asyncio.to_thread(ok):
                     self.back[name] = time.perf_counter()
                     return
@@ -176,8 +188,9 @@ def kill(stack: Stack, name: str) -> None:
         stack.kill(name, signal.SIGKILL)
 
 
-async def inject(stack: Stack, watch: Watch, a: argparse.Namespace,
-                 kills: dict[str, float]) -> None:
+async def inject(
+    stack: Stack, watch: Watch, a: argparse.Namespace, kills: dict[str, float]
+) -> None:
     """One fault every ``fault_gap`` s, each only once the one before is back (or
     ``request_timeout`` has passed), so that each recovery is seen on its own."""
     t = time.perf_counter()
@@ -196,19 +209,37 @@ async def inject(stack: Stack, watch: Watch, a: argparse.Namespace,
 
 
 def ttft_p99(sent: list[Sent]) -> float:
-    return percentile([s.outcome.ttft_s for s in sent if not lost_reason(s)
-                       and s.outcome.status == 200 and s.outcome.ok], 99)
+    return percentile(
+        [
+            s.outcome.ttft_s
+            for s in sent
+            if not lost_reason(s) and s.outcome.status == 200 and s.outcome.ok
+        ],
+        99,
+    )
 
 
-def report(quiet: list[Sent], chaos: list[Sent], kills: dict[str, float], watch: Watch,
-           a: argparse.Namespace) -> dict:
+def report(
+    quiet: list[Sent],
+    chaos: list[Sent],
+    kills: dict[str, float],
+    watch: Watch,
+    a: argparse.Namespace,
+) -> dict:
     def after(s: Sent) -> str:
         """The last fault before the request ended: what it ran into."""
         return max(((t, n) for n, t in kills.items() if t <= s.t_end), default=(0, "none"))[1]
 
-    lost = [{"reason": r, "status": s.outcome.status, "after_fault": after(s),
-             "t_after_start_s": round(s.t_send - chaos[0].t_send, 3)}
-            for s in chaos if (r := lost_reason(s))]
+    lost = [
+        {
+            "reason": r,
+            "status": s.outcome.status,
+            "after_fault": after(s),
+            "t_after_start_s": round(s.t_send - chaos[0].t_send, 3),
+        }
+        for s in chaos
+        if (r := lost_reason(s))
+    ]
     errors: dict[str, int] = {}
     errors_after: dict[str, dict[str, int]] = {}  # fault -> error -> count
     for s in chaos:
@@ -222,52 +253,73 @@ def report(quiet: list[Sent], chaos: list[Sent], kills: dict[str, float], watch:
     for name, t in kills.items():
         restart = watch.restarted_at(name, t)
         back = watch.back_at(name, t)
-        after = [s.t_end for s in chaos if s.t_send >= t and s.outcome.ok
-                 and not lost_reason(s)]
+        after = [s.t_end for s in chaos if s.t_send >= t and s.outcome.ok and not lost_reason(s)]
 
         def ms(x: float, t: float = t) -> float | None:
             return None if x != x else round((x - t) * 1e3, 1)
 
-        recovery.append({"service": name, "restart_ms": ms(restart), "back_ms": ms(back),
-                         "first_completed_after_ms": ms(min(after)) if after else None})
+        recovery.append(
+            {
+                "service": name,
+                "restart_ms": ms(restart),
+                "back_ms": ms(back),
+                "first_completed_after_ms": ms(min(after)) if after else None,
+            }
+        )
     q, c = ttft_p99(quiet), ttft_p99(chaos)
 
     def count(sent: list[Sent]) -> dict:
-        return {"requests": len(sent),
-                "completed": sum(1 for s in sent if s.outcome.ok and not lost_reason(s)),
-                "rejected_429": sum(1 for s in sent if s.outcome.status == 429),
-                "other_errors": sum(1 for s in sent if s.outcome.status not in (200, 429, -1))}
+        return {
+            "requests": len(sent),
+            "completed": sum(1 for s in sent if s.outcome.ok and not lost_reason(s)),
+            "rejected_429": sum(1 for s in sent if s.outcome.status == 429),
+            "other_errors": sum(1 for s in sent if s.outcome.status not in (200, 429, -1)),
+        }
 
     return {
-        "trace": a.trace, "start": a.start, "requests": a.requests,
-        "trace_speedup": a.trace_speedup, "engine_speedup": a.speedup,
-        "block_tokens": a.block_tokens, "output_scale": a.output_scale,
-        "fault_gap_s": a.fault_gap, "faults": list(kills),
-        "quiet": count(quiet), "chaos": count(chaos),
-        "accepted_lost": len(lost), "lost": lost, "errors": errors, "errors_after_fault": errors_after,
+        "trace": a.trace,
+        "start": a.start,
+        "requests": a.requests,
+        "trace_speedup": a.trace_speedup,
+        "engine_speedup": a.speedup,
+        "block_tokens": a.block_tokens,
+        "output_scale": a.output_scale,
+        "fault_gap_s": a.fault_gap,
+        "faults": list(kills),
+        "quiet": count(quiet),
+        "chaos": count(chaos),
+        "accepted_lost": len(lost),
+        "lost": lost,
+        "errors": errors,
+        "errors_after_fault": errors_after,
         "recovery": recovery,
-        "ttft_p99_ms": {"quiet": round(q * 1e3, 1), "chaos": round(c * 1e3, 1),
-                        "cost": round((c - q) * 1e3, 1),
-                        "ratio": round(c / q, 3) if q > 0 else None},
+        "ttft_p99_ms": {
+            "quiet": round(q * 1e3, 1),
+            "chaos": round(c * 1e3, 1),
+            "cost": round((c - q) * 1e3, 1),
+            "ratio": round(c / q, 3) if q > 0 else None,
+        },
         "restarts": {},
     }
 
 
 async def run(stack: Stack, a: argparse.Namespace, vocab: int, model: str) -> dict:
-    reqs = spread_ties(load_trace(a.trace, a.start + a.requests)[a.start:])
+    reqs = spread_ties(load_trace(a.trace, a.start + a.requests)[a.start :])
     if a.fault_gap is None:
         span = (reqs[-1].timestamp_s - reqs[0].timestamp_s) / a.trace_speedup
         a.fault_gap = span / (len(FAULTS) + 1)
     print(f"quiet run: {len(reqs)} requests", flush=True)
-    quiet = await replay_slice(reqs, stack.url, model, PromptBuilder(a.block_tokens, vocab, seed=1),
-                               a)
+    quiet = await replay_slice(
+        reqs, stack.url, model, PromptBuilder(a.block_tokens, vocab, seed=1), a
+    )
     watch = Watch(stack)
     await watch.start()
     kills: dict[str, float] = {}
     print("chaos run", flush=True)
     try:
-        chaos_task = asyncio.ensure_future(replay_slice(
-            reqs, stack.url, model, PromptBuilder(a.block_tokens, vocab, seed=2), a))
+        chaos_task = asyncio.ensure_future(
+            replay_slice(reqs, stack.url, model, PromptBuilder(a.block_tokens, vocab, seed=2), a)
+        )
         await inject(stack, watch, a, kills)
         chaos = await chaos_task
     finally:
@@ -278,47 +330,78 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int, model: str) -> di
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perigee bench chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee bench chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--start", type=int, default=0, help="first trace request of the slice")
     p.add_argument("--requests", type=int, default=300, help="requests in the slice")
-    p.add_argument("--trace-speedup", type=float, default=1.0,
-                   help="divide trace timestamps by this")
+    p.add_argument(
+        "--trace-speedup", type=float, default=1.0, help="divide trace timestamps by this"
+    )
     p.add_argument("--speedup", default="10", help="mock engine speed against the paper's A800")
-    p.add_argument("--block-tokens", type=int, default=32,
-                   help="tokens per trace hash id (the trace's 512 scaled down)")
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=32,
+        help="tokens per trace hash id (the trace's 512 scaled down)",
+    )
     p.add_argument("--output-scale", type=float, default=1 / 16)
     p.add_argument("--max-output", type=int, default=64)
-    p.add_argument("--fault-gap", type=float, default=None,
-                   help="s between faults (default: the slice's span / 7)")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="an accepted request unanswered this long counts as hung")
+    p.add_argument(
+        "--fault-gap",
+        type=float,
+        default=None,
+        help="s between faults (default: the slice's span / 7)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="an accepted request unanswered this long counts as hung",
+    )
     p.add_argument("--log-dir", default=".perigee/bench-logs/chaos")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     model = models.resolve(models.TINY_NAME)
     spec = ModelSpec.from_dir(model.path)
     cfg = StackConfig(
-        port=free_port(), engine="mock", prefill=2, decode=2, conductors=2, nats_cluster=3,
-        model_dir=str(model.path), served_model_name=model.name, block_size=32,
-        speedup=a.speedup, store_ssd_blocks=1024, log_dir=a.log_dir, log_level="WARNING",
+        port=free_port(),
+        engine="mock",
+        prefill=2,
+        decode=2,
+        conductors=2,
+        nats_cluster=3,
+        model_dir=str(model.path),
+        served_model_name=model.name,
+        block_size=32,
+        speedup=a.speedup,
+        store_ssd_blocks=1024,
+        log_dir=a.log_dir,
+        log_level="WARNING",
         supervise=True,
-        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2))
+        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
+    )
     with Stack(cfg) as stack:
         out = asyncio.run(run(stack, a, spec.vocab_size, model.name))
     c, t = out["chaos"], out["ttft_p99_ms"]
-    print(f"chaos: {c['requests']} requests, {c['completed']} completed, "
-          f"{c['rejected_429']} rejected (429), {c['other_errors']} other errors; "
-          f"accepted requests lost: {out['accepted_lost']}")
+    print(
+        f"chaos: {c['requests']} requests, {c['completed']} completed, "
+        f"{c['rejected_429']} rejected (429), {c['other_errors']} other errors; "
+        f"accepted requests lost: {out['accepted_lost']}"
+    )
     for r in out["lost"]:
         print(f"  lost (after the {r['after_fault']} kill): {r['reason']}")
     for fault, errs in out["errors_after_fault"].items():
         for k, n in errs.items():
             print(f"  error x{n} (after the {fault} kill): {k}")
     for r in out["recovery"]:
-        print(f"  {r['service']:<12} restart {r['restart_ms']} ms, back {r['back_ms']} ms, "
-              f"first completion after {r['first_completed_after_ms']} ms")
+        print(
+            f"  {r['service']:<12} restart {r['restart_ms']} ms, back {r['back_ms']} ms, "
+            f"first completion after {r['first_completed_after_ms']} ms"
+        )
     print(f"  TTFT p99: quiet {t['quiet']} ms, chaos {t['chaos']} ms (cost {t['cost']} ms)")
     if a.json:
         with open(a.json, "w") as f:

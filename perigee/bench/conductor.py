@@ -35,27 +35,58 @@ def build_index(instances: int, blocks: int, chain: int, rng: random.Random) -> 
             per_node[node].extend(hashes)
     for node, hashes in per_node.items():
         for seq, start in enumerate(range(0, len(hashes), 10_000), 1):
-            index.apply(EventBatch(node=f"p{node:02d}", epoch=1, seq=seq, ts=0.0,
-                                   events=[BlockStored(block_hashes=hashes[start:start + 10_000])]))
+            index.apply(
+                EventBatch(
+                    node=f"p{node:02d}",
+                    epoch=1,
+                    seq=seq,
+                    ts=0.0,
+                    events=[BlockStored(block_hashes=hashes[start : start + 10_000])],
+                )
+            )
     return index
 
 
-def report(policy: PlacementPolicy, instances: int, decodes: int, rng: random.Random,
-           now: float) -> None:
+def report(
+    policy: PlacementPolicy, instances: int, decodes: int, rng: random.Random, now: float
+) -> None:
     for i in range(instances):
         q = rng.random() * 5
-        policy.observe_prefill(PrefillLoad(instance=f"prefill-{i}", node=f"p{i:02d}",
-                                           queue_len=int(q), queued_tokens=int(q * 8000),
-                                           queued_work_s=q, ts=now))
+        policy.observe_prefill(
+            PrefillLoad(
+                instance=f"prefill-{i}",
+                node=f"p{i:02d}",
+                queue_len=int(q),
+                queued_tokens=int(q * 8000),
+                queued_work_s=q,
+                ts=now,
+            )
+        )
     for i in range(decodes):
         b = rng.randrange(1, 64)
-        policy.observe_decode(DecodeLoad(instance=f"decode-{i}", node=f"d{i:02d}", batch_size=b,
-                                         waiting=0, max_batch=128, kv_tokens=b * 12_000,
-                                         step_time_s=0.02, ts=now))
+        policy.observe_decode(
+            DecodeLoad(
+                instance=f"decode-{i}",
+                node=f"d{i:02d}",
+                batch_size=b,
+                waiting=0,
+                max_batch=128,
+                kv_tokens=b * 12_000,
+                step_time_s=0.02,
+                ts=now,
+            )
+        )
 
 
-def run(instances: int = 64, decodes: int = 16, blocks: int = 1_000_000, chain: int = 32,
-        placements: int = 20_000, warmup: int = 1_000, seed: int = 0) -> dict:
+def run(
+    instances: int = 64,
+    decodes: int = 16,
+    blocks: int = 1_000_000,
+    chain: int = 32,
+    placements: int = 20_000,
+    warmup: int = 1_000,
+    seed: int = 0,
+) -> dict:
     rng = random.Random(seed)
     index = build_index(instances, blocks, chain, rng)
     clock = ManualClock(0.0)
@@ -68,7 +99,9 @@ def run(instances: int = 64, decodes: int = 16, blocks: int = 1_000_000, chain: 
     for k in range(warmup + placements):
         c = rng.randrange(chains)
         shared = rng.randrange(chain + 1)
-        hashes = list(range(c * chain, c * chain + shared)) + list(range(fresh, fresh + chain - shared))
+        hashes = list(range(c * chain, c * chain + shared)) + list(
+            range(fresh, fresh + chain - shared)
+        )
         fresh += chain - shared
         req = PlacementRequest(f"r{k}", chain * BLOCK, tuple(hashes), BLOCK)
         t0 = time.perf_counter_ns()
@@ -82,8 +115,12 @@ def run(instances: int = 64, decodes: int = 16, blocks: int = 1_000_000, chain: 
         if k % 100 == 99:
             report(policy, instances, decodes, rng, clock.now())
     return {
-        "placement_us": {"p50": percentile(lat, 50), "p90": percentile(lat, 90),
-                         "p99": percentile(lat, 99), "mean": sum(lat) / len(lat)},
+        "placement_us": {
+            "p50": percentile(lat, 50),
+            "p90": percentile(lat, 90),
+            "p99": percentile(lat, 99),
+            "mean": sum(lat) / len(lat),
+        },
         "instances": instances,
         "decode_instances": decodes,
         "indexed_blocks": index.num_blocks(),
@@ -93,8 +130,11 @@ def run(instances: int = 64, decodes: int = 16, blocks: int = 1_000_000, chain: 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perigee bench conductor", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee bench conductor",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--instances", type=int, default=64, help="prefill instances (one per node)")
     p.add_argument("--decodes", type=int, default=16, help="decode instances")
     p.add_argument("--blocks", type=int, default=1_000_000, help="distinct indexed blocks")
@@ -105,9 +145,11 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     s = run(a.instances, a.decodes, a.blocks, a.chain, a.placements, seed=a.seed)
     u = s["placement_us"]
-    print(f"placement over {s['instances']} prefill instances, {s['indexed_blocks']:,} indexed "
-          f"blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
-          f"(mean {u['mean']:.0f} us, {s['placements']} placements)")
+    print(
+        f"placement over {s['instances']} prefill instances, {s['indexed_blocks']:,} indexed "
+        f"blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
+        f"(mean {u['mean']:.0f} us, {s['placements']} placements)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2)

@@ -85,11 +85,17 @@ class Tap:
         return self
 
 
-async def stream(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                 on_token) -> tuple[str, int, str]:
+async def stream(
+    http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, on_token
+) -> tuple[str, int, str]:
     """(request id, completion tokens, error) of one streamed completion."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     rid, completion, error = "", 0, ""
     async with http.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
@@ -113,9 +119,12 @@ async def reprefill(nc, tokens: list[int], block_size: int, salt: str) -> float:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     req = GenerateRequest(
-        request_id=f"bench-reprefill-{uuid.uuid4().hex[:8]}", prompt_token_ids=tokens,
-        sampling=SamplingParams(max_tokens=1, ignore_eos=True), block_size=block_size,
-        block_hashes=block_hashes(tokens, block_size, salt.encode()))
+        request_id=f"bench-reprefill-{uuid.uuid4().hex[:8]}",
+        prompt_token_ids=tokens,
+        sampling=SamplingParams(max_tokens=1, ignore_eos=True),
+        block_size=block_size,
+        block_hashes=block_hashes(tokens, block_size, salt.encode()),
+    )
     t0 = time.perf_counter()
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     first = None
@@ -174,11 +183,18 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                         killed[name] = time.perf_counter()
                         stack.kill(name, signal.SIGKILL)
 
-                rid, completion, error = await stream(http, stack.url, prompt, a.max_tokens,
-                                                      on_token)
+                rid, completion, error = await stream(
+                    http, stack.url, prompt, a.max_tokens, on_token
+                )
                 if error or completion != a.max_tokens or not killed:
-                    failures.append({"trial": trial, "error": error or "incomplete",
-                                     "completion_tokens": completion, "killed": bool(killed)})
+                    failures.append(
+                        {
+                            "trial": trial,
+                            "error": error or "incomplete",
+                            "completion_tokens": completion,
+                            "killed": bool(killed),
+                        }
+                    )
                     if not killed:
                         continue
                 [(name, t_kill)] = killed.items()
@@ -188,29 +204,40 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                     if d != name:
                         st = await stats(nc, d)
                         migrated += st.get("migrated_tasks", 0) - before[d].get("migrated_tasks", 0)
-                        pulled += (st.get("migration_kv_tokens_pulled", 0)
-                                   - before[d].get("migration_kv_tokens_pulled", 0))
-                        recomputed += (st.get("migration_tokens_recomputed", 0)
-                                       - before[d].get("migration_tokens_recomputed", 0))
-                mig = [(t, r) for t, r in tap.requests.values()
-                       if r.migration and r.migration.of_request_id == rid]
+                        pulled += st.get("migration_kv_tokens_pulled", 0) - before[d].get(
+                            "migration_kv_tokens_pulled", 0
+                        )
+                        recomputed += st.get("migration_tokens_recomputed", 0) - before[d].get(
+                            "migration_tokens_recomputed", 0
+                        )
+                mig = [
+                    (t, r)
+                    for t, r in tap.requests.values()
+                    if r.migration and r.migration.of_request_id == rid
+                ]
                 if mig:
                     t_resend, mreq = mig[-1]
                     t_first = tap.first_token.get(mreq.request_id, float("nan"))
-                    cold = await reprefill(nc, mreq.prompt_token_ids, a.block_size,
-                                           f"bench-cold-{trial}")
-                    rows.append({
-                        "detection_s": t_resend - t_kill,
-                        "migration_s": t_first - t_resend,
-                        "stall_s": t_first - t_kill,
-                        "reprefill_s": cold,
-                        "resumed_tokens": mreq.migration.resumed_tokens,
-                        "context_tokens": len(mreq.prompt_token_ids),
-                    })
-                    print(f"trial {trial}: killed {name} after {mreq.migration.resumed_tokens} "
-                          f"tokens; detection {rows[-1]['detection_s'] * 1e3:.0f} ms, migration "
-                          f"{rows[-1]['migration_s'] * 1e3:.1f} ms, re-prefill "
-                          f"{cold * 1e3:.1f} ms", flush=True)
+                    cold = await reprefill(
+                        nc, mreq.prompt_token_ids, a.block_size, f"bench-cold-{trial}"
+                    )
+                    rows.append(
+                        {
+                            "detection_s": t_resend - t_kill,
+                            "migration_s": t_first - t_resend,
+                            "stall_s": t_first - t_kill,
+                            "reprefill_s": cold,
+                            "resumed_tokens": mreq.migration.resumed_tokens,
+                            "context_tokens": len(mreq.prompt_token_ids),
+                        }
+                    )
+                    print(
+                        f"trial {trial}: killed {name} after {mreq.migration.resumed_tokens} "
+                        f"tokens; detection {rows[-1]['detection_s'] * 1e3:.0f} ms, migration "
+                        f"{rows[-1]['migration_s'] * 1e3:.1f} ms, re-prefill "
+                        f"{cold * 1e3:.1f} ms",
+                        flush=True,
+                    )
                 stack._spawn(stack.children[name])  # back for the next trial
                 await wait_reporting(nc, name, a.restart_timeout)
     finally:
@@ -221,15 +248,23 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
         return [r[k] for r in rows if r[k] == r[k]]
 
     out = {
-        "engine": a.engine, "model": a.model_name, "prompt_tokens": a.prompt_tokens,
-        "max_tokens": a.max_tokens, "kill_after": a.kill_after, "dead_after_s": a.dead_after,
-        "trials": a.trials, "migrated_trials": len(rows), "failures": failures,
+        "engine": a.engine,
+        "model": a.model_name,
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.max_tokens,
+        "kill_after": a.kill_after,
+        "dead_after_s": a.dead_after,
+        "trials": a.trials,
+        "migrated_trials": len(rows),
+        "failures": failures,
         "detection_ms": summary_ms(col("detection_s")),
         "migration_ms": summary_ms(col("migration_s")),
         "stall_ms": summary_ms(col("stall_s")),
         "reprefill_ms": summary_ms(col("reprefill_s")),
-        "kv_tokens_pulled": pulled, "tokens_recomputed": recomputed,
-        "migrated_requests_counted": migrated, "rows": rows,
+        "kv_tokens_pulled": pulled,
+        "tokens_recomputed": recomputed,
+        "migrated_requests_counted": migrated,
+        "rows": rows,
     }
     m, r = out["migration_ms"]["p50"], out["reprefill_ms"]["p50"]
     out["migration_over_reprefill_p50"] = round(m / r, 3) if r else None
@@ -237,13 +272,17 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perigee bench migration", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee bench migration",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--engine", choices=["mock", "vllm"], default="mock")
     p.add_argument("--model", default=None, help="--engine vllm: default SmolLM2-135M-Instruct")
     p.add_argument("--speedup", default="1", help="mock engine speed against the paper's A800")
-    p.add_argument("--prompt-tokens", type=int, default=None,
-                   help="default 4096 (mock), 1024 (vllm)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=None, help="default 4096 (mock), 1024 (vllm)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kill-after", type=int, default=16, help="tokens out before the kill")
     p.add_argument("--trials", type=int, default=None, help="default 5 (mock), 2 (vllm)")
@@ -263,20 +302,34 @@ def main(argv: list[str]) -> int:
     block = spec.block_bytes(a.block_size)
     need = 3 * (a.prompt_tokens + a.max_tokens) // a.block_size + 64
     cfg = StackConfig(
-        port=free_port(), engine=a.engine, prefill=1, decode=2, model_dir=str(model.path),
-        served_model_name=model.name, block_size=a.block_size, speedup=a.speedup,
-        ttft_slo=1e6, tbt_slo=1e6, dead_after=a.dead_after, log_dir=a.log_dir,
-        log_level="WARNING", store_capacity_blocks=max(need, min(4096, (2 << 30) // block)),
+        port=free_port(),
+        engine=a.engine,
+        prefill=1,
+        decode=2,
+        model_dir=str(model.path),
+        served_model_name=model.name,
+        block_size=a.block_size,
+        speedup=a.speedup,
+        ttft_slo=1e6,
+        tbt_slo=1e6,
+        dead_after=a.dead_after,
+        log_dir=a.log_dir,
+        log_level="WARNING",
+        store_capacity_blocks=max(need, min(4096, (2 << 30) // block)),
     )
     with Stack(cfg) as stack:
         out = asyncio.run(run(stack, a, spec.vocab_size))
-    print(f"{out['migrated_trials']}/{a.trials} trials migrated, {len(out['failures'])} failed "
-          f"({a.engine}, {out['model']}, {a.prompt_tokens}-token prompts)")
+    print(
+        f"{out['migrated_trials']}/{a.trials} trials migrated, {len(out['failures'])} failed "
+        f"({a.engine}, {out['model']}, {a.prompt_tokens}-token prompts)"
+    )
     for k in ("detection_ms", "migration_ms", "reprefill_ms", "stall_ms"):
         print(f"  {k[:-3]:<10} p50 {out[k]['p50']:9.1f} ms   mean {out[k]['mean']:9.1f} ms")
     print(f"  migration / re-prefill (p50): {out['migration_over_reprefill_p50']}")
-    print(f"  migrated context: {out['kv_tokens_pulled']} tokens pulled from a store, "
-          f"{out['tokens_recomputed']} computed again")
+    print(
+        f"  migrated context: {out['kv_tokens_pulled']} tokens pulled from a store, "
+        f"{out['tokens_recomputed']} computed again"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -50,8 +50,12 @@ async def nats_rtt(url: str, n: int, rate: float = 0.0) -> list[float]:
 
 
 async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[float, bool]:
-    body = {"prompt": f"bench request {i}: hello", "max_tokens": 2, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "prompt": f"bench request {i}: hello",
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     ttft = None
     ok = False
@@ -93,17 +97,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rate", type=float, default=50.0, help="requests per second (open loop)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--rtt-samples", type=int, default=2000)
-    p.add_argument("--paced-rtt-samples", type=int, default=200,
-                   help="round trips paced at --rate (0: skip)")
+    p.add_argument(
+        "--paced-rtt-samples", type=int, default=200, help="round trips paced at --rate (0: skip)"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
-    cfg = StackConfig(port=free_port(), speedup="inf", log_dir=".perigee/bench-logs",
-                      log_level="WARNING")
+    cfg = StackConfig(
+        port=free_port(), speedup="inf", log_dir=".perigee/bench-logs", log_level="WARNING"
+    )
     with Stack(cfg) as stack:
         rtt = asyncio.run(nats_rtt(stack.nats_url, a.rtt_samples))
-        paced = (asyncio.run(nats_rtt(stack.nats_url, a.paced_rtt_samples, a.rate))
-                 if a.paced_rtt_samples else [])
+        paced = (
+            asyncio.run(nats_rtt(stack.nats_url, a.paced_rtt_samples, a.rate))
+            if a.paced_rtt_samples
+            else []
+        )
         ttfts, failed = asyncio.run(drive(stack.url, a.requests, a.rate, a.warmup))
     result = {
         "requests": a.requests,
@@ -112,19 +121,30 @@ def main(argv: list[str]) -> int:
         "ttft_ms": summary_ms(ttfts),
         "nats_rtt_ms": summary_ms(rtt),
     }
-    result["ttft_over_nats_rtt_p50"] = round(result["ttft_ms"]["p50"] / result["nats_rtt_ms"]["p50"], 2)
+    result["ttft_over_nats_rtt_p50"] = round(
+        result["ttft_ms"]["p50"] / result["nats_rtt_ms"]["p50"], 2
+    )
     if paced:
         result["nats_rtt_paced_ms"] = summary_ms(paced)
         result["ttft_over_paced_rtt_p50"] = round(
-            result["ttft_ms"]["p50"] / result["nats_rtt_paced_ms"]["p50"], 2)
-    print(f"full-path TTFT  p50 {result['ttft_ms']['p50']:.3f} ms  p99 {result['ttft_ms']['p99']:.3f} ms"
-          f"  ({a.requests} requests at {a.rate:g}/s, {failed} failed)")
-    print(f"NATS req/reply  p50 {result['nats_rtt_ms']['p50']:.3f} ms  p99 {result['nats_rtt_ms']['p99']:.3f} ms")
+            result["ttft_ms"]["p50"] / result["nats_rtt_paced_ms"]["p50"], 2
+        )
+    print(
+        f"full-path TTFT  p50 {result['ttft_ms']['p50']:.3f} ms  p99 {result['ttft_ms']['p99']:.3f} ms"
+        f"  ({a.requests} requests at {a.rate:g}/s, {failed} failed)"
+    )
+    print(
+        f"NATS req/reply  p50 {result['nats_rtt_ms']['p50']:.3f} ms  p99 {result['nats_rtt_ms']['p99']:.3f} ms"
+    )
     if paced:
-        print(f"NATS req/reply paced at {a.rate:g}/s  p50 {result['nats_rtt_paced_ms']['p50']:.3f} ms"
-              f"  p99 {result['nats_rtt_paced_ms']['p99']:.3f} ms")
-    print(f"TTFT / NATS RTT (p50): {result['ttft_over_nats_rtt_p50']}x"
-          + (f"; / paced RTT: {result['ttft_over_paced_rtt_p50']}x" if paced else ""))
+        print(
+            f"NATS req/reply paced at {a.rate:g}/s  p50 {result['nats_rtt_paced_ms']['p50']:.3f} ms"
+            f"  p99 {result['nats_rtt_paced_ms']['p99']:.3f} ms"
+        )
+    print(
+        f"TTFT / NATS RTT (p50): {result['ttft_over_nats_rtt_p50']}x"
+        + (f"; / paced RTT: {result['ttft_over_paced_rtt_p50']}x" if paced else "")
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)

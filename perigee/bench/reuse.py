@@ -66,8 +66,11 @@ async def generate(nc, prompt: list[int], max_tokens: int = 1) -> Outcome:
     """One request on the bus; TTFT = publish -> first Tokens event."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     out = Outcome()
     t0 = time.perf_counter()
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
@@ -155,8 +158,9 @@ async def closed_loop(nc, prompts: list[list[int]], concurrency: int) -> list[Ou
     return results  # type: ignore[return-value]
 
 
-async def perigee_part(stack: Stack, pairs, trace: list[list[int]], concurrency: int,
-                       baseline, warmup: int) -> dict:
+async def perigee_part(
+    stack: Stack, pairs, trace: list[list[int]], concurrency: int, baseline, warmup: int
+) -> dict:
     """TTFT pairs interleaved with the plain engine (``baseline(prompt) -> (ttft_s,
     cached)``, run between perigee requests so background load hits both alike), then
     the trace. The first ``warmup`` pairs are not counted (first long shapes, fresh
@@ -188,10 +192,12 @@ async def perigee_part(stack: Stack, pairs, trace: list[list[int]], concurrency:
     finally:
         await nc.close()
     ok = [o for o in outs if o.error is None]
-    res.update(trace_cached=sum(o.cached_tokens for o in ok),
-               trace_prompt=sum(len(p) for p, o in zip(trace, outs, strict=True)
-                                if o.error is None),
-               trace_failed=len(outs) - len(ok), trace_s=trace_s)
+    res.update(
+        trace_cached=sum(o.cached_tokens for o in ok),
+        trace_prompt=sum(len(p) for p, o in zip(trace, outs, strict=True) if o.error is None),
+        trace_failed=len(outs) - len(ok),
+        trace_s=trace_s,
+    )
     return res
 
 
@@ -203,8 +209,9 @@ class PlainVllm:
         from services.engine.vllm.reference import build_engine
 
         prepare_env()
-        self.engine = build_engine({"model_dir": model_dir, "prefix_caching": True,
-                                    "max_model_len": 8192})
+        self.engine = build_engine(
+            {"model_dir": model_dir, "prefix_caching": True, "max_model_len": 8192}
+        )
         self.n = 0
         self([3 + i % 100 for i in range(64)])
 
@@ -220,10 +227,20 @@ def round_robin(model_dir: str, trace: list[list[int]], kv_blocks: int, workdir:
     """Cached tokens of two independent engines, request i on engine i % 2."""
     from services.engine.vllm.reference import Reference
 
-    base = {"model_dir": model_dir, "prefix_caching": True, "max_model_len": 8192,
-            "kv_blocks": kv_blocks}
-    rr = [Reference({**base, "requests": [{"prompt": p, "max_tokens": 1} for p in trace[k::2]]},
-                    workdir, f"vllm-rr{k}").start() for k in (0, 1)]
+    base = {
+        "model_dir": model_dir,
+        "prefix_caching": True,
+        "max_model_len": 8192,
+        "kv_blocks": kv_blocks,
+    }
+    rr = [
+        Reference(
+            {**base, "requests": [{"prompt": p, "max_tokens": 1} for p in trace[k::2]]},
+            workdir,
+            f"vllm-rr{k}",
+        ).start()
+        for k in (0, 1)
+    ]
     try:
         outs = [r.result(3600)["results"] for r in rr]
     finally:
@@ -233,70 +250,110 @@ def round_robin(model_dir: str, trace: list[list[int]], kv_blocks: int, workdir:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perigee bench reuse", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee bench reuse",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR),
-                   help="model directory (no weights: vLLM dummy weights)")
+    p.add_argument(
+        "--model",
+        default=str(DEFAULT_MODEL_DIR),
+        help="model directory (no weights: vLLM dummy weights)",
+    )
     p.add_argument("--reps", type=int, default=5, help="cold/hit90 prompt pairs measured")
     p.add_argument("--warmup", type=int, default=1, help="pairs sent first, not measured")
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--requests", type=int, default=300, help="trace requests")
     p.add_argument("--concurrency", type=int, default=2, help="perigee requests in flight")
-    p.add_argument("--store-capacity-blocks", type=int, default=4096,
-                   help="per perigee node store, and per baseline vLLM engine")
+    p.add_argument(
+        "--store-capacity-blocks",
+        type=int,
+        default=4096,
+        help="per perigee node store, and per baseline vLLM engine",
+    )
     p.add_argument("--log-dir", default=".perigee/bench-logs/reuse")
     a = p.parse_args(argv)
 
     pairs = ttft_prompts(a.reps + a.warmup)
     trace = trace_prompts(a.trace, a.requests)
-    print(f"perigee bench reuse: {a.reps} x (cold, hit90) {PROMPT_TOKENS}-token prompts "
-          f"(+{a.warmup} warm-up), {len(trace)} trace requests ({sum(map(len, trace))} "
-          "prompt tokens)", flush=True)
+    print(
+        f"perigee bench reuse: {a.reps} x (cold, hit90) {PROMPT_TOKENS}-token prompts "
+        f"(+{a.warmup} warm-up), {len(trace)} trace requests ({sum(map(len, trace))} "
+        "prompt tokens)",
+        flush=True,
+    )
     baseline = PlainVllm(a.model)
     # SLOs out of the way: this measures reuse, not admission (on 2 cores a cold 4k
     # prompt of the real model takes ~35 s, and admission would refuse it).
     ttft_slo = tbt_slo = 3600.0
-    cfg = StackConfig(port=free_port(), engine="vllm", prefill=2, decode=1, model_dir=a.model,
-                      store_capacity_blocks=a.store_capacity_blocks, log_dir=a.log_dir,
-                      log_level="WARNING", ttft_slo=ttft_slo, tbt_slo=tbt_slo)
+    cfg = StackConfig(
+        port=free_port(),
+        engine="vllm",
+        prefill=2,
+        decode=1,
+        model_dir=a.model,
+        store_capacity_blocks=a.store_capacity_blocks,
+        log_dir=a.log_dir,
+        log_level="WARNING",
+        ttft_slo=ttft_slo,
+        tbt_slo=tbt_slo,
+    )
     t = time.perf_counter()
     with Stack(cfg) as stack:
         print(f"  perigee stack up in {time.perf_counter() - t:.0f} s", flush=True)
         pg = asyncio.run(perigee_part(stack, pairs, trace, a.concurrency, baseline, a.warmup))
     del baseline
-    print(f"  perigee done (trace {pg['trace_s']:.0f} s, {pg['trace_failed']} failed); "
-          "2 x vLLM round robin...", flush=True)
+    print(
+        f"  perigee done (trace {pg['trace_s']:.0f} s, {pg['trace_failed']} failed); "
+        "2 x vLLM round robin...",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="perigee-reuse-") as tmp:
         rr_cached = round_robin(a.model, trace, a.store_capacity_blocks, Path(tmp))
     prompt_total = sum(len(p) for p in trace)
 
     med = statistics.median
     result = {
-        "ttft_s": {"cold": med(pg["cold"]), "hit90": med(pg["hit90"]),
-                   "vllm_hit90": med(pg["vllm_hit90"])},
-        "cached_ratio": {"perigee": pg["trace_cached"] / max(1, pg["trace_prompt"]),
-                         "vllm_round_robin": rr_cached / max(1, prompt_total)},
+        "ttft_s": {
+            "cold": med(pg["cold"]),
+            "hit90": med(pg["hit90"]),
+            "vllm_hit90": med(pg["vllm_hit90"]),
+        },
+        "cached_ratio": {
+            "perigee": pg["trace_cached"] / max(1, pg["trace_prompt"]),
+            "vllm_round_robin": rr_cached / max(1, prompt_total),
+        },
         "details": {
-            "model": a.model, "prompt_tokens": PROMPT_TOKENS, "reps": a.reps,
+            "model": a.model,
+            "prompt_tokens": PROMPT_TOKENS,
+            "reps": a.reps,
             "ttft_samples_s": {k: pg[k] for k in ("cold", "hit90", "vllm_cold", "vllm_hit90")},
             "vllm_cold_s": med(pg["vllm_cold"]),
             "hit90_cached_tokens": pg["hit_cached_tokens"],
-            "trace": {"requests": len(trace), "concurrency": a.concurrency,
-                      "block_tokens": BLOCK, "prompt_tokens": prompt_total,
-                      "perigee_cached_tokens": pg["trace_cached"],
-                      "vllm_round_robin_cached_tokens": rr_cached,
-                      "perigee_failed": pg["trace_failed"],
-                      "one_infinite_cache_ratio": ideal_ratio(trace)},
+            "trace": {
+                "requests": len(trace),
+                "concurrency": a.concurrency,
+                "block_tokens": BLOCK,
+                "prompt_tokens": prompt_total,
+                "perigee_cached_tokens": pg["trace_cached"],
+                "vllm_round_robin_cached_tokens": rr_cached,
+                "perigee_failed": pg["trace_failed"],
+                "one_infinite_cache_ratio": ideal_ratio(trace),
+            },
         },
     }
     t_ = result["ttft_s"]
-    print(f"TTFT {PROMPT_TOKENS} tokens: perigee cold {t_['cold']:.3f} s, hit90 {t_['hit90']:.3f} s;"
-          f" vLLM cold {result['details']['vllm_cold_s']:.3f} s, hit90 {t_['vllm_hit90']:.3f} s")
+    print(
+        f"TTFT {PROMPT_TOKENS} tokens: perigee cold {t_['cold']:.3f} s, hit90 {t_['hit90']:.3f} s;"
+        f" vLLM cold {result['details']['vllm_cold_s']:.3f} s, hit90 {t_['vllm_hit90']:.3f} s"
+    )
     c = result["cached_ratio"]
-    print(f"cached-token ratio, {len(trace)} trace requests: perigee {c['perigee']:.3f}, "
-          f"2 x vLLM round robin {c['vllm_round_robin']:.3f} (one infinite cache "
-          f"{result['details']['trace']['one_infinite_cache_ratio']:.3f})")
+    print(
+        f"cached-token ratio, {len(trace)} trace requests: perigee {c['perigee']:.3f}, "
+        f"2 x vLLM round robin {c['vllm_round_robin']:.3f} (one infinite cache "
+        f"{result['details']['trace']['one_infinite_cache_ratio']:.3f})"
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
     return 0 if pg["trace_failed"] == 0 else 1

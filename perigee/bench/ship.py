@@ -56,16 +56,46 @@ PAIRS = {  # name -> (source host, destination host, transports)
 }
 
 
-def _store(nats_url: str, node: str, host: str, transports: str, block_bytes: int,
-           capacity: int, log_dir: str) -> subprocess.Popen:
+def _store(
+    nats_url: str,
+    node: str,
+    host: str,
+    transports: str,
+    block_bytes: int,
+    capacity: int,
+    log_dir: str,
+) -> subprocess.Popen:
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
     with open(os.path.join(log_dir, f"{node}.log"), "wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.store", "--nats", nats_url, "--node", node,
-             "--host", host, "--block-size", str(BLOCK_TOKENS), "--block-bytes", str(block_bytes),
-             "--capacity-blocks", str(capacity), "--transports", transports,
-             "--peer-timeout", "30", "--log-level", "WARNING"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "services.store",
+                "--nats",
+                nats_url,
+                "--node",
+                node,
+                "--host",
+                host,
+                "--block-size",
+                str(BLOCK_TOKENS),
+                "--block-bytes",
+                str(block_bytes),
+                "--capacity-blocks",
+                str(capacity),
+                "--transports",
+                transports,
+                "--peer-timeout",
+                "30",
+                "--log-level",
+                "WARNING",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 class _Pair:
@@ -86,10 +116,20 @@ class _Pair:
         handles = []
         for client, role in ((self.src, TxRole.PREFILL), (self.dst, TxRole.DECODE)):
             hashes = [(seed << 20) + i for i in range(blocks)]
-            msg = TxAllocate(request_id=f"bench-ship-{self.name}-{blocks}", role=role,
-                             block_hashes=hashes, num_tokens=blocks * BLOCK_TOKENS, lease_s=600.0)
-            h = await request(self.nc, subjects.store_ctl(client.info.node, "tx.allocate"), msg,
-                              TxReply, timeout=30)
+            msg = TxAllocate(
+                request_id=f"bench-ship-{self.name}-{blocks}",
+                role=role,
+                block_hashes=hashes,
+                num_tokens=blocks * BLOCK_TOKENS,
+                lease_s=600.0,
+            )
+            h = await request(
+                self.nc,
+                subjects.store_ctl(client.info.node, "tx.allocate"),
+                msg,
+                TxReply,
+                timeout=30,
+            )
             if not isinstance(h, TxHandle):
                 raise RuntimeError(f"{client.info.node} refused the transaction: {h}")
             handles.append(h)
@@ -116,14 +156,24 @@ class _Pair:
 
         for src, dst in self.txs.values():
             for h in (src, dst):
-                await request(self.nc, subjects.store_ctl(h.node, "tx.abort"),
-                              TxAbort(tx_id=h.tx_id, request_id="bench-ship", reason="done"),
-                              TxDoneReply, timeout=30)
+                await request(
+                    self.nc,
+                    subjects.store_ctl(h.node, "tx.abort"),
+                    TxAbort(tx_id=h.tx_id, request_id="bench-ship", reason="done"),
+                    TxDoneReply,
+                    timeout=30,
+                )
         self.txs.clear()
 
 
-async def _run(tokens: list[int], repeats: int, block_bytes: int, streams: int,
-               mooncake_py: str | None, mc_why: str) -> tuple[dict, dict, str, dict, dict]:
+async def _run(
+    tokens: list[int],
+    repeats: int,
+    block_bytes: int,
+    streams: int,
+    mooncake_py: str | None,
+    mc_why: str,
+) -> tuple[dict, dict, str, dict, dict]:
     import nats
 
     from services.store.client import StoreClient
@@ -137,11 +187,19 @@ async def _run(tokens: list[int], repeats: int, block_bytes: int, streams: int,
     with NatsServer() as srv, tempfile.TemporaryDirectory(prefix="perigee-bench-ship-") as logs:
         procs = []
         for name, (h_src, h_dst, transports) in PAIRS.items():
-            procs.append(_store(srv.url, f"{name}-src", h_src, transports, block_bytes, capacity, logs))
-            procs.append(_store(srv.url, f"{name}-dst", h_dst, transports, block_bytes, capacity, logs))
-        peer = subprocess.Popen([sys.executable, "-m", "perigee.bench.transfer", "--peer",
-                                 "--size", str(top)], cwd=ROOT, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+            procs.append(
+                _store(srv.url, f"{name}-src", h_src, transports, block_bytes, capacity, logs)
+            )
+            procs.append(
+                _store(srv.url, f"{name}-dst", h_dst, transports, block_bytes, capacity, logs)
+            )
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "perigee.bench.transfer", "--peer", "--size", str(top)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         mc = tb.MooncakeTE(mooncake_py, top) if mooncake_py and not mc_why else None
         nc = await nats.connect(srv.url)
         clients = []
@@ -171,10 +229,14 @@ async def _run(tokens: list[int], repeats: int, block_bytes: int, streams: int,
                     for p in pairs:
                         t0 = time.perf_counter()
                         await p.ship(blocks)
-                        runs.setdefault((p.name, n), []).append(n / (time.perf_counter() - t0) / 1e9)
+                        runs.setdefault((p.name, n), []).append(
+                            n / (time.perf_counter() - t0) / 1e9
+                        )
                     t0 = time.perf_counter()
                     raw.write(buf[:n])
-                    runs.setdefault(("raw_socket", n), []).append(n / (time.perf_counter() - t0) / 1e9)
+                    runs.setdefault(("raw_socket", n), []).append(
+                        n / (time.perf_counter() - t0) / 1e9
+                    )
                     t0 = time.perf_counter()
                     np.copyto(b[:n], a[:n])
                     runs.setdefault(("memcpy", n), []).append(n / (time.perf_counter() - t0) / 1e9)
@@ -216,34 +278,64 @@ async def _counters(nc, node: str) -> dict[str, int]:
     return decode(msg.data, WorkerStats).counters
 
 
-def report(runs: dict, mc_runs: dict, mc_why: str, tokens_of: dict, repeats: int,
-           block_bytes: int) -> dict:
+def report(
+    runs: dict, mc_runs: dict, mc_why: str, tokens_of: dict, repeats: int, block_bytes: int
+) -> dict:
     sizes = sorted(tokens_of)
-    results = [{"backend": k, "size_bytes": n, "tokens": tokens_of[n],
-                "gbps": round(statistics.median(v), 3), "runs": [round(x, 3) for x in v],
-                "status": "ok"} for (k, n), v in runs.items()]
+    results = [
+        {
+            "backend": k,
+            "size_bytes": n,
+            "tokens": tokens_of[n],
+            "gbps": round(statistics.median(v), 3),
+            "runs": [round(x, 3) for x in v],
+            "status": "ok",
+        }
+        for (k, n), v in runs.items()
+    ]
     for n in sizes:
         v = mc_runs.get(n)
         row = {"backend": "mooncake", "size_bytes": n, "tokens": tokens_of[n]}
         if v is None:
-            row |= {"gbps": None, "runs": [], "status": "unavailable", "reason": mc_why or "no result"}
+            row |= {
+                "gbps": None,
+                "runs": [],
+                "status": "unavailable",
+                "reason": mc_why or "no result",
+            }
         else:
-            row |= {"gbps": round(statistics.median(v), 3), "runs": [round(x, 3) for x in v],
-                    "status": "ok"}
+            row |= {
+                "gbps": round(statistics.median(v), 3),
+                "runs": [round(x, 3) for x in v],
+                "status": "ok",
+            }
         results.append(row)
     g = {(r["backend"], r["size_bytes"]): r["gbps"] for r in results}
     ratios: dict[str, dict[str, float | None]] = {}
-    for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
-                             "shm_vs_memcpy": ("shm", "memcpy"),
-                             "tcp_vs_mooncake": ("tcp", "mooncake")}.items():
+    for name, (num, den) in {
+        "tcp_vs_raw_socket": ("tcp", "raw_socket"),
+        "shm_vs_memcpy": ("shm", "memcpy"),
+        "tcp_vs_mooncake": ("tcp", "mooncake"),
+    }.items():
         ratios[name] = {}
         for n in sizes:
             x, y = g.get((num, n)), g.get((den, n))
             ratios[name][str(n)] = round(x / y, 3) if x and y else None
-    paired = {name: {str(n): round(statistics.median(
-        x / y for x, y in zip(runs[(num, n)], runs[(den, n)], strict=True)), 3) for n in sizes}
-        for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
-                                 "shm_vs_memcpy": ("shm", "memcpy")}.items()}
+    paired = {
+        name: {
+            str(n): round(
+                statistics.median(
+                    x / y for x, y in zip(runs[(num, n)], runs[(den, n)], strict=True)
+                ),
+                3,
+            )
+            for n in sizes
+        }
+        for name, (num, den) in {
+            "tcp_vs_raw_socket": ("tcp", "raw_socket"),
+            "shm_vs_memcpy": ("shm", "memcpy"),
+        }.items()
+    }
     goals = {"tcp_vs_raw_socket": 0.8, "shm_vs_memcpy": 0.5, "tcp_vs_mooncake": 1.3}
     targets = {}
     for name, goal in goals.items():
@@ -251,21 +343,34 @@ def report(runs: dict, mc_runs: dict, mc_why: str, tokens_of: dict, repeats: int
         for n in sizes:
             if n >= TARGET_MIN_BYTES:
                 v = got[str(n)]
-                targets[f"{name}@{n}"] = {"goal": goal, "ratio": v,
-                                          "met": None if v is None else v >= goal}
-    return {"unit": "GB/s", "repeats": repeats, "block_bytes": block_bytes,
-            "block_tokens": BLOCK_TOKENS, "results": results, "ratios": ratios,
-            "paired_ratios": paired, "targets": targets}
+                targets[f"{name}@{n}"] = {
+                    "goal": goal,
+                    "ratio": v,
+                    "met": None if v is None else v >= goal,
+                }
+    return {
+        "unit": "GB/s",
+        "repeats": repeats,
+        "block_bytes": block_bytes,
+        "block_tokens": BLOCK_TOKENS,
+        "results": results,
+        "ratios": ratios,
+        "paired_ratios": paired,
+        "targets": targets,
+    }
 
 
 def render(rep: dict) -> str:
     sizes = sorted({r["size_bytes"] for r in rep["results"]})
     names = ["tcp", "raw_socket", "shm", "memcpy", "mooncake"]
     g = {(r["backend"], r["size_bytes"]): r for r in rep["results"]}
-    lines = [f"store -> store ship, median GB/s over {rep['repeats']} rounds "
-             f"(blocks of {rep['block_bytes']} bytes)",
-             "tokens   MiB  " + "".join(f"{n:>11}" for n in names)
-             + "   tcp/raw  shm/memcpy  tcp/mooncake"]
+    lines = [
+        f"store -> store ship, median GB/s over {rep['repeats']} rounds "
+        f"(blocks of {rep['block_bytes']} bytes)",
+        "tokens   MiB  "
+        + "".join(f"{n:>11}" for n in names)
+        + "   tcp/raw  shm/memcpy  tcp/mooncake",
+    ]
     for n in sizes:
         cells = []
         for name in names:
@@ -273,42 +378,69 @@ def render(rep: dict) -> str:
             cells.append(f"{r['gbps']:>11.3f}" if r and r["gbps"] is not None else f"{'n/a':>11}")
         tok = g[("tcp", n)]["tokens"] if ("tcp", n) in g else 0
         pr, rr = rep["paired_ratios"], rep["ratios"]
-        fmt = [pr["tcp_vs_raw_socket"][str(n)], pr["shm_vs_memcpy"][str(n)],
-               rr["tcp_vs_mooncake"][str(n)]]
-        lines.append(f"{tok:>6} {n / MIB:>5.1f}  " + "".join(cells) + "   "
-                     + "  ".join(f"{x:>9.2f}" if x is not None else f"{'n/a':>9}" for x in fmt))
+        fmt = [
+            pr["tcp_vs_raw_socket"][str(n)],
+            pr["shm_vs_memcpy"][str(n)],
+            rr["tcp_vs_mooncake"][str(n)],
+        ]
+        lines.append(
+            f"{tok:>6} {n / MIB:>5.1f}  "
+            + "".join(cells)
+            + "   "
+            + "  ".join(f"{x:>9.2f}" if x is not None else f"{'n/a':>9}" for x in fmt)
+        )
     mc = [r for r in rep["results"] if r["backend"] == "mooncake" and r["status"] != "ok"]
     if mc:
         lines.append(f"mooncake: unavailable ({mc[0]['reason']})")
     for pair, moved in rep.get("bytes_by_transport", {}).items():
-        lines.append(f"{pair} pair moved: " + ", ".join(f"{t} {b / MIB:.0f} MiB"
-                                                        for t, b in moved.items() if b))
+        lines.append(
+            f"{pair} pair moved: "
+            + ", ".join(f"{t} {b / MIB:.0f} MiB" for t, b in moved.items() if b)
+        )
     missed = [k for k, v in rep["targets"].items() if v["met"] is False]
-    lines.append("targets at >= 16 MiB: " + ("all met" if not missed else "missed " + ", ".join(missed)))
+    lines.append(
+        "targets at >= 16 MiB: " + ("all met" if not missed else "missed " + ", ".join(missed))
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="perigee bench ship", description=__doc__.split("\n")[0])
     p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--tokens", default=",".join(map(str, TOKENS)),
-                   help="prompt lengths in tokens (comma-separated); 4096 is the 4k-token prompt")
-    p.add_argument("--token-bytes", type=int, default=TOKEN_BYTES,
-                   help="KV bytes per token (default: SmolLM2-135M-Instruct, float32)")
+    p.add_argument(
+        "--tokens",
+        default=",".join(map(str, TOKENS)),
+        help="prompt lengths in tokens (comma-separated); 4096 is the 4k-token prompt",
+    )
+    p.add_argument(
+        "--token-bytes",
+        type=int,
+        default=TOKEN_BYTES,
+        help="KV bytes per token (default: SmolLM2-135M-Instruct, float32)",
+    )
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--streams", type=int, default=4, help="raw-socket ceiling's streams")
-    p.add_argument("--mooncake-python", default=None,
-                   help="a Python that can import mooncake (default: search)")
+    p.add_argument(
+        "--mooncake-python",
+        default=None,
+        help="a Python that can import mooncake (default: search)",
+    )
     p.add_argument("--no-mooncake", action="store_true")
     args = p.parse_args(argv)
     tokens = [int(x) for x in args.tokens.split(",") if x]
     py = None if args.no_mooncake else tb.find_mooncake_python(args.mooncake_python)
-    why = ("skipped (--no-mooncake)" if args.no_mooncake else
-           "" if py else "mooncake is not importable here; pip install "
-           "mooncake-transfer-engine-non-cuda in a separate venv and pass --mooncake-python")
+    why = (
+        "skipped (--no-mooncake)"
+        if args.no_mooncake
+        else ""
+        if py
+        else "mooncake is not importable here; pip install "
+        "mooncake-transfer-engine-non-cuda in a separate venv and pass --mooncake-python"
+    )
     block_bytes = BLOCK_TOKENS * args.token_bytes
     runs, mc_runs, why, tokens_of, moved = asyncio.run(
-        _run(tokens, max(1, args.repeats), block_bytes, max(1, args.streams), py, why))
+        _run(tokens, max(1, args.repeats), block_bytes, max(1, args.streams), py, why)
+    )
     rep = report(runs, mc_runs, why, tokens_of, max(1, args.repeats), block_bytes)
     rep["mooncake_python"] = py
     rep["bytes_by_transport"] = moved  # per pair, from the source store's counters

@@ -85,21 +85,47 @@ class _Mooncake:
             return f"no mooncake_master next to {self.py}"
         rpc, http = free_port(), free_port()
         self.meta, self.master = f"http://127.0.0.1:{http}/metadata", f"127.0.0.1:{rpc}"
-        self.procs.append(subprocess.Popen(
-            [master_bin, "-enable_http_metadata_server=true", f"-http_metadata_server_port={http}",
-             f"-rpc_port={rpc}", f"-metrics_port={free_port()}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        holder = subprocess.Popen([self.py, "-c", MOONCAKE_STORE, "holder", self.meta, self.master],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(
+            subprocess.Popen(
+                [
+                    master_bin,
+                    "-enable_http_metadata_server=true",
+                    f"-http_metadata_server_port={http}",
+                    f"-rpc_port={rpc}",
+                    f"-metrics_port={free_port()}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        holder = subprocess.Popen(
+            [self.py, "-c", MOONCAKE_STORE, "holder", self.meta, self.master],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         self.procs.append(holder)
         line = holder.stdout.readline() if holder.stdout else ""
         return "" if '"ready"' in line else f"mooncake holder did not start ({line.strip()[:200]})"
 
     def chunk(self, size: int, n: int, warm: int) -> tuple[dict[str, list[float]] | None, str]:
-        run = subprocess.run([self.py, "-c", MOONCAKE_STORE, "client", self.meta, self.master,
-                              json.dumps([size]), str(n), str(warm)],
-                             capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            [
+                self.py,
+                "-c",
+                MOONCAKE_STORE,
+                "client",
+                self.meta,
+                self.master,
+                json.dumps([size]),
+                str(n),
+                str(warm),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         last = (run.stdout.strip().splitlines() or ["{}"])[-1]
         res = json.loads(last)
         if "results" not in res:
@@ -118,10 +144,14 @@ class _Mooncake:
                     p.kill()
 
 
-async def run_all(sizes: list[int], n: int, warm: int, rounds: int, py: str | None,
-                  why: str) -> tuple[dict[int, dict[str, list[float]]],
-                                     dict[int, dict[str, list[float]]],
-                                     dict[int, dict[str, list[float]]] | None, str]:
+async def run_all(
+    sizes: list[int], n: int, warm: int, rounds: int, py: str | None, why: str
+) -> tuple[
+    dict[int, dict[str, list[float]]],
+    dict[int, dict[str, list[float]]],
+    dict[int, dict[str, list[float]]] | None,
+    str,
+]:
     """Both systems up for the whole run; per round and size, a perigee chunk then a
     Mooncake chunk, so that both see the same load on a shared box."""
     import nats
@@ -137,9 +167,24 @@ async def run_all(sizes: list[int], n: int, warm: int, rounds: int, py: str | No
         env = {**os.environ, "OTEL_TRACES_EXPORTER": "none"}
         with open(os.path.join(logs, "store.log"), "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "services.store", "--nats", srv.url, "--node", "bench0",
-                 "--capacity-blocks", "1024", "--log-level", "WARNING"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "services.store",
+                    "--nats",
+                    srv.url,
+                    "--node",
+                    "bench0",
+                    "--capacity-blocks",
+                    "1024",
+                    "--log-level",
+                    "WARNING",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             if mc is not None:
                 why = mc.start()
@@ -207,9 +252,17 @@ def rows(system: str, data: dict[int, dict[str, list[float]]]) -> list[dict]:
     for size, ops in sorted(data.items()):
         for op in ("put", "get"):
             v = ops[op]
-            out.append({"system": system, "op": op, "size_bytes": size, "ops": len(v),
-                        "p50_us": round(percentile(v, 50) * 1e6, 1),
-                        "p99_us": round(percentile(v, 99) * 1e6, 1), "status": "ok"})
+            out.append(
+                {
+                    "system": system,
+                    "op": op,
+                    "size_bytes": size,
+                    "ops": len(v),
+                    "p50_us": round(percentile(v, 50) * 1e6, 1),
+                    "p99_us": round(percentile(v, 99) * 1e6, 1),
+                    "status": "ok",
+                }
+            )
     return out
 
 
@@ -217,10 +270,14 @@ def render(report: dict) -> str:
     lines = [f"{'system':<14}{'op':<5}{'size':>9}{'p50 us':>10}{'p99 us':>10}{'ops':>7}"]
     for r in report["results"]:
         if r["status"] != "ok":
-            lines.append(f"{r['system']:<14}{r['op']:<5}{r['size_bytes']:>9}  unavailable: {r['reason']}")
+            lines.append(
+                f"{r['system']:<14}{r['op']:<5}{r['size_bytes']:>9}  unavailable: {r['reason']}"
+            )
             continue
-        lines.append(f"{r['system']:<14}{r['op']:<5}{r['size_bytes']:>9}{r['p50_us']:>10.1f}"
-                     f"{r['p99_us']:>10.1f}{r['ops']:>7}")
+        lines.append(
+            f"{r['system']:<14}{r['op']:<5}{r['size_bytes']:>9}{r['p50_us']:>10.1f}"
+            f"{r['p99_us']:>10.1f}{r['ops']:>7}"
+        )
     return "\n".join(lines)
 
 
@@ -230,8 +287,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="1024,4096,65536", help="object sizes in bytes")
     p.add_argument("--ops", type=int, default=500, help="timed put+get pairs per size")
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="alternate perigee / Mooncake chunks this many times per size")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternate perigee / Mooncake chunks this many times per size",
+    )
     p.add_argument("--mooncake-python", default=None)
     p.add_argument("--no-mooncake", action="store_true")
     args = p.parse_args(argv)
@@ -241,11 +302,21 @@ def main(argv: list[str]) -> int:
     from services.common import runner  # uvloop where installed, as the services run
 
     ours, ours_async, theirs, why = runner.run(
-        run_all(sizes, args.ops, args.warmup, max(1, args.rounds), py, why))
+        run_all(sizes, args.ops, args.warmup, max(1, args.rounds), py, why)
+    )
     results = rows("perigee", ours) + rows("perigee-async", ours_async)
     if theirs is None:
-        results += [{"system": "mooncake", "op": op, "size_bytes": s, "status": "unavailable",
-                     "reason": why} for s in sizes for op in ("put", "get")]
+        results += [
+            {
+                "system": "mooncake",
+                "op": op,
+                "size_bytes": s,
+                "status": "unavailable",
+                "reason": why,
+            }
+            for s in sizes
+            for op in ("put", "get")
+        ]
     else:
         results += rows("mooncake", theirs)
     report = {"results": results, "mooncake_python": py}

@@ -44,7 +44,9 @@ MIB = 1 << 20
 SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 RAW_HDR = struct.Struct("<QQ")
 DEFAULT_MOONCAKE_PYTHONS = (
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-mooncake", "bin", "python"),
+    os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-mooncake", "bin", "python"
+    ),
     "/work/mooncake-venv/bin/python",
 )
 
@@ -120,8 +122,18 @@ def peer(size: int) -> int:
     raw = memoryview(bytearray(size))
     raw[:] = tcp_buf  # touch every page
     port = _raw_sink(raw)
-    print(json.dumps({"tcp": tcp.segment, "tcp_region": tcp_rid, "shm": shm.segment,
-                      "shm_region": shm_rid, "raw_port": port}), flush=True)
+    print(
+        json.dumps(
+            {
+                "tcp": tcp.segment,
+                "tcp_region": tcp_rid,
+                "shm": shm.segment,
+                "shm_region": shm_rid,
+                "raw_port": port,
+            }
+        ),
+        flush=True,
+    )
     sys.stdin.read()  # until the bench closes our stdin
     tcp.close()
     shm.close()
@@ -207,8 +219,12 @@ def _gbps(n: int, dt: float) -> float:
 
 
 def find_mooncake_python(explicit: str | None) -> str | None:
-    cands = [explicit, os.environ.get("PERIGEE_MOONCAKE_PYTHON"), sys.executable,
-             *DEFAULT_MOONCAKE_PYTHONS]
+    cands = [
+        explicit,
+        os.environ.get("PERIGEE_MOONCAKE_PYTHON"),
+        sys.executable,
+        *DEFAULT_MOONCAKE_PYTHONS,
+    ]
     for c in cands:
         if not c or not (os.path.exists(c) or shutil.which(c)):
             continue
@@ -224,23 +240,41 @@ class MooncakeTE:
 
     def __init__(self, py: str, size: int) -> None:
         self.py = py
-        self.target = subprocess.Popen([py, "-c", MOONCAKE_TE, "target", str(size)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.DEVNULL, text=True)
+        self.target = subprocess.Popen(
+            [py, "-c", MOONCAKE_TE, "target", str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         line = self.target.stdout.readline() if self.target.stdout else ""
         try:
             self.info = json.loads(line or "{}")
         except ValueError:
             self.info = {}
         self.size = size
-        self.error = "" if "session" in self.info else f"mooncake target did not start: {line.strip()[:200]}"
+        self.error = (
+            "" if "session" in self.info else f"mooncake target did not start: {line.strip()[:200]}"
+        )
 
     def run(self, n: int, repeats: int) -> tuple[list[float] | None, str]:
         if self.error:
             return None, self.error
-        out = subprocess.run([self.py, "-c", MOONCAKE_TE, "init", str(self.size),
-                              json.dumps(self.info), json.dumps([n]), str(repeats)],
-                             capture_output=True, text=True, timeout=600)
+        out = subprocess.run(
+            [
+                self.py,
+                "-c",
+                MOONCAKE_TE,
+                "init",
+                str(self.size),
+                json.dumps(self.info),
+                json.dumps([n]),
+                str(repeats),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         last = (out.stdout.strip().splitlines() or ["{}"])[-1]
         try:
             res = json.loads(last)
@@ -259,24 +293,30 @@ class MooncakeTE:
             self.target.kill()
 
 
-def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
-          skip_mooncake: bool) -> dict:
+def bench(
+    sizes: list[int], repeats: int, streams: int, mooncake_py: str | None, skip_mooncake: bool
+) -> dict:
     """Per size: warm-up, then ``repeats`` rounds of tcp, raw_socket, memcpy, shm back to
     back (each round's ratios are kept: the paired ratios), then Mooncake's runs."""
     from services.store.transfer_api import TransferEngine, TransferRequest
     from services.store.transport import Opcode
 
     top = max(sizes)
-    proc = subprocess.Popen([sys.executable, "-m", "perigee.bench.transfer", "--peer",
-                             "--size", str(top)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "perigee.bench.transfer", "--peer", "--size", str(top)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     runs: dict[tuple[str, int], list[float]] = {}
     if skip_mooncake:
         mc_why = "skipped (--no-mooncake)"
     elif mooncake_py is None:
-        mc_why = ("mooncake is not importable here; pip install "
-                  "mooncake-transfer-engine-non-cuda in a separate venv and pass "
-                  "--mooncake-python")
+        mc_why = (
+            "mooncake is not importable here; pip install "
+            "mooncake-transfer-engine-non-cuda in a separate venv and pass "
+            "--mooncake-python"
+        )
     else:
         mc_why = ""
     mc = MooncakeTE(mooncake_py, top) if mooncake_py and not skip_mooncake else None
@@ -296,12 +336,16 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
         b[:] = 1  # touch every page
 
         def t_tcp(n: int) -> None:
-            tcp.transfer_sync([TransferRequest(Opcode.WRITE, tcp_src, 0, n, info["tcp"],
-                                               info["tcp_region"], 0)], timeout=120)
+            tcp.transfer_sync(
+                [TransferRequest(Opcode.WRITE, tcp_src, 0, n, info["tcp"], info["tcp_region"], 0)],
+                timeout=120,
+            )
 
         def t_shm(n: int) -> None:
-            shm.transfer_sync([TransferRequest(Opcode.WRITE, shm_src, 0, n, info["shm"],
-                                               info["shm_region"], 0)], timeout=120)
+            shm.transfer_sync(
+                [TransferRequest(Opcode.WRITE, shm_src, 0, n, info["shm"], info["shm_region"], 0)],
+                timeout=120,
+            )
 
         def t_raw(n: int) -> None:
             raw.write(tcp_buf[:n])
@@ -312,8 +356,13 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
         def t_memcpy(n: int) -> None:
             np.copyto(b[:n], a[:n])
 
-        fns = {"raw_socket": t_raw, "tcp": t_tcp, "raw_socket_1thread": t_raw1, "memcpy": t_memcpy,
-               "shm": t_shm}
+        fns = {
+            "raw_socket": t_raw,
+            "tcp": t_tcp,
+            "raw_socket_1thread": t_raw1,
+            "memcpy": t_memcpy,
+            "shm": t_shm,
+        }
         for n in sizes:
             for f in fns.values():
                 f(n)  # warm-up: connections, mappings, page tables
@@ -337,43 +386,83 @@ def bench(sizes: list[int], repeats: int, streams: int, mooncake_py: str | None,
             proc.stdin.close()
         proc.wait(timeout=30)
 
-    results = [{"backend": k, "size_bytes": n, "gbps": round(statistics.median(v), 3),
-                "runs": [round(x, 3) for x in v], "status": "ok"} for (k, n), v in runs.items()]
+    results = [
+        {
+            "backend": k,
+            "size_bytes": n,
+            "gbps": round(statistics.median(v), 3),
+            "runs": [round(x, 3) for x in v],
+            "status": "ok",
+        }
+        for (k, n), v in runs.items()
+    ]
     for n in sizes:
         v = mc_runs.get(n)
         if v is None:
-            results.append({"backend": "mooncake", "size_bytes": n, "gbps": None, "runs": [],
-                            "status": "unavailable", "reason": mc_why or "no result"})
+            results.append(
+                {
+                    "backend": "mooncake",
+                    "size_bytes": n,
+                    "gbps": None,
+                    "runs": [],
+                    "status": "unavailable",
+                    "reason": mc_why or "no result",
+                }
+            )
         else:
-            results.append({"backend": "mooncake", "size_bytes": n,
-                            "gbps": round(statistics.median(v), 3),
-                            "runs": [round(x, 3) for x in v], "status": "ok"})
-    return {"unit": "GB/s", "repeats": repeats, "streams": streams, "results": results,
-            "ratios": ratios(results, sizes), "paired_ratios": paired(runs, sizes)}
+            results.append(
+                {
+                    "backend": "mooncake",
+                    "size_bytes": n,
+                    "gbps": round(statistics.median(v), 3),
+                    "runs": [round(x, 3) for x in v],
+                    "status": "ok",
+                }
+            )
+    return {
+        "unit": "GB/s",
+        "repeats": repeats,
+        "streams": streams,
+        "results": results,
+        "ratios": ratios(results, sizes),
+        "paired_ratios": paired(runs, sizes),
+    }
 
 
-def paired(runs: dict[tuple[str, int], list[float]], sizes: list[int]) -> dict[str, dict[str, float]]:
+def paired(
+    runs: dict[tuple[str, int], list[float]], sizes: list[int]
+) -> dict[str, dict[str, float]]:
     """Median over rounds of each round's own ratio (the two runs were back to back, so a
     load swing on a shared box moves both)."""
     out: dict[str, dict[str, float]] = {}
-    for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
-                             "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
-                             "shm_vs_memcpy": ("shm", "memcpy")}.items():
-        out[name] = {str(n): round(statistics.median(
-            a / b for a, b in zip(runs[(num, n)], runs[(den, n)], strict=True)), 3) for n in sizes}
+    for name, (num, den) in {
+        "tcp_vs_raw_socket": ("tcp", "raw_socket"),
+        "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
+        "shm_vs_memcpy": ("shm", "memcpy"),
+    }.items():
+        out[name] = {
+            str(n): round(
+                statistics.median(
+                    a / b for a, b in zip(runs[(num, n)], runs[(den, n)], strict=True)
+                ),
+                3,
+            )
+            for n in sizes
+        }
     return out
 
 
 def ratios(results: list[dict], sizes: list[int]) -> dict[str, dict[str, float | None]]:
     g = {(r["backend"], r["size_bytes"]): r["gbps"] for r in results}
     out: dict[str, dict[str, float | None]] = {}
-    for name, (num, den) in {"tcp_vs_raw_socket": ("tcp", "raw_socket"),
-                             "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
-                             "shm_vs_memcpy": ("shm", "memcpy"),
-                             "tcp_vs_mooncake": ("tcp", "mooncake"),
-                             "raw_socket_vs_mooncake": ("raw_socket", "mooncake"),
-                             "raw_socket_1thread_vs_mooncake": ("raw_socket_1thread", "mooncake"),
-                             }.items():
+    for name, (num, den) in {
+        "tcp_vs_raw_socket": ("tcp", "raw_socket"),
+        "tcp_vs_raw_socket_1thread": ("tcp", "raw_socket_1thread"),
+        "shm_vs_memcpy": ("shm", "memcpy"),
+        "tcp_vs_mooncake": ("tcp", "mooncake"),
+        "raw_socket_vs_mooncake": ("raw_socket", "mooncake"),
+        "raw_socket_1thread_vs_mooncake": ("raw_socket_1thread", "mooncake"),
+    }.items():
         out[name] = {}
         for n in sizes:
             a, b = g.get((num, n)), g.get((den, n))
@@ -386,24 +475,43 @@ def render(report: dict) -> str:
     names = ["tcp", "raw_socket", "raw_1thread", "shm", "memcpy", "mooncake"]
     backend = {"raw_1thread": "raw_socket_1thread"}
     g = {(r["backend"], r["size_bytes"]): r for r in report["results"]}
-    lines = [f"median GB/s over {report['repeats']} runs (same host, cross-process)",
-             "size      " + "".join(f"{n:>12}" for n in names)
-             + "   tcp/raw  tcp/raw1  shm/memcpy  tcp/mooncake"]
+    lines = [
+        f"median GB/s over {report['repeats']} runs (same host, cross-process)",
+        "size      "
+        + "".join(f"{n:>12}" for n in names)
+        + "   tcp/raw  tcp/raw1  shm/memcpy  tcp/mooncake",
+    ]
     for n in sizes:
         cells = []
         for name in names:
             r = g.get((backend.get(name, name), n))
             cells.append(f"{r['gbps']:>12.3f}" if r and r["gbps"] is not None else f"{'n/a':>12}")
         rr = report["ratios"]
-        fmt = [rr[k][str(n)] for k in ("tcp_vs_raw_socket", "tcp_vs_raw_socket_1thread",
-                                       "shm_vs_memcpy", "tcp_vs_mooncake")]
-        lines.append(f"{n // MIB:>4} MiB  " + "".join(cells) + "   "
-                     + "  ".join(f"{x:>8.2f}" if x is not None else f"{'n/a':>8}" for x in fmt))
+        fmt = [
+            rr[k][str(n)]
+            for k in (
+                "tcp_vs_raw_socket",
+                "tcp_vs_raw_socket_1thread",
+                "shm_vs_memcpy",
+                "tcp_vs_mooncake",
+            )
+        ]
+        lines.append(
+            f"{n // MIB:>4} MiB  "
+            + "".join(cells)
+            + "   "
+            + "  ".join(f"{x:>8.2f}" if x is not None else f"{'n/a':>8}" for x in fmt)
+        )
     pr = report["paired_ratios"]
-    for key, label in (("tcp_vs_raw_socket", "tcp/raw"), ("tcp_vs_raw_socket_1thread", "tcp/raw1"),
-                       ("shm_vs_memcpy", "shm/memcpy")):
-        lines.append(f"paired (per-round) medians {label}: " + ", ".join(
-            f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr[key].items()))
+    for key, label in (
+        ("tcp_vs_raw_socket", "tcp/raw"),
+        ("tcp_vs_raw_socket_1thread", "tcp/raw1"),
+        ("shm_vs_memcpy", "shm/memcpy"),
+    ):
+        lines.append(
+            f"paired (per-round) medians {label}: "
+            + ", ".join(f"{int(k) // MIB} MiB {v:.2f}" for k, v in pr[key].items())
+        )
     mc = [r for r in report["results"] if r["backend"] == "mooncake" and r["status"] != "ok"]
     if mc:
         lines.append(f"mooncake: unavailable ({mc[0]['reason']})")
@@ -416,8 +524,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes-mib", default="1,4,16,64", help="comma-separated sizes in MiB")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--streams", type=int, default=4, help="TCP streams (engine and raw sockets)")
-    p.add_argument("--mooncake-python", default=None,
-                   help="a Python that can import mooncake (default: search)")
+    p.add_argument(
+        "--mooncake-python",
+        default=None,
+        help="a Python that can import mooncake (default: search)",
+    )
     p.add_argument("--no-mooncake", action="store_true")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, default=0, help=argparse.SUPPRESS)

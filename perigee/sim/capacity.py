@@ -16,8 +16,9 @@ from services.common.clock import ManualClock
 from services.store.block_pool import Allocation, BlockPool
 
 
-def hit_rate(trace: Sequence[TraceRequest], capacity_tokens: int | None,
-             block_size: int = TRACE_BLOCK) -> float:
+def hit_rate(
+    trace: Sequence[TraceRequest], capacity_tokens: int | None, block_size: int = TRACE_BLOCK
+) -> float:
     """Cached prompt tokens / prompt tokens over ``trace`` with one LRU cache."""
     total_blocks = sum(-(-r.input_length // block_size) for r in trace)
     cap = total_blocks + 1 if capacity_tokens is None else max(1, capacity_tokens // block_size)
@@ -27,8 +28,15 @@ def hit_rate(trace: Sequence[TraceRequest], capacity_tokens: int | None,
         n = r.input_length
         prompt += n
         full = list(r.hash_ids[: n // block_size])
-        tx = pool.allocate(TxAllocate(request_id=str(i), role=TxRole.PREFILL,
-                                         block_hashes=full, num_tokens=n, lease_s=1e12))
+        tx = pool.allocate(
+            TxAllocate(
+                request_id=str(i),
+                role=TxRole.PREFILL,
+                block_hashes=full,
+                num_tokens=n,
+                lease_s=1e12,
+            )
+        )
         if not isinstance(tx, Allocation):  # larger than the whole cache: only hits count
             cached += min(n, pool.prefix_hits(full) * block_size)
             continue

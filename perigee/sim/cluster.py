@@ -50,8 +50,9 @@ class Link:
         self.busy_s += dur
         return self.free_at
 
-    def ship_overlapped(self, tokens: int, compute_start: float, compute_end: float,
-                        layers: int) -> float:
+    def ship_overlapped(
+        self, tokens: int, compute_start: float, compute_end: float, layers: int
+    ) -> float:
         """Layer-wise streaming (paper §3.1 step 3): layer i's KV leaves while layer i+1
         computes, so only the last layer's share trails the compute; the link is held
         for the transfer's duration, as late as the overlap allows."""
@@ -87,7 +88,11 @@ class Cluster:
 
     def add_node(self, name: str, cache_tokens: int, role: str) -> Node:
         blocks = cache_tokens // self.block_size
-        pool = BlockPool(blocks, self.block_size, self.clock, id_prefix=f"{name}-") if blocks > 0 else None
+        pool = (
+            BlockPool(blocks, self.block_size, self.clock, id_prefix=f"{name}-")
+            if blocks > 0
+            else None
+        )
         node = Node(name, pool, Link(self.cost), role=role)
         if pool is not None:
             pool.on_change = lambda: self._publish(node, pool.take_events())
@@ -98,19 +103,28 @@ class Cluster:
         if not events:
             return
         node.seq += 1
-        self.index.apply(EventBatch(node=node.name, epoch=self.epoch, seq=node.seq,
-                                    ts=self.clock.now(), events=events))
+        self.index.apply(
+            EventBatch(
+                node=node.name, epoch=self.epoch, seq=node.seq, ts=self.clock.now(), events=events
+            )
+        )
 
-    def allocate(self, node_name: str, request_id: str, role: TxRole, hashes: list[int],
-                 num_tokens: int) -> Allocation | Refused | None:
+    def allocate(
+        self, node_name: str, request_id: str, role: TxRole, hashes: list[int], num_tokens: int
+    ) -> Allocation | Refused | None:
         """Open a transaction on ``node_name``'s store; None when the node has no store."""
         node = self.nodes[node_name]
         if node.pool is None:
             return None
-        return node.pool.allocate(TxAllocate(
-            request_id=request_id, role=role, block_hashes=hashes, num_tokens=num_tokens,
-            lease_s=LEASE_S,
-        ))
+        return node.pool.allocate(
+            TxAllocate(
+                request_id=request_id,
+                role=role,
+                block_hashes=hashes,
+                num_tokens=num_tokens,
+                lease_s=LEASE_S,
+            )
+        )
 
     def commit(self, node_name: str, tx: Allocation | None) -> None:
         node = self.nodes[node_name]

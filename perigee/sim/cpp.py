@@ -51,9 +51,16 @@ class StageTask:
 
 
 class Gang:
-    def __init__(self, req: SimRequest, members: Sequence[StageMember], loop: EventLoop,
-                 cost: CostModel, chunk_tokens: int, anchor_link: Link,
-                 on_prefilled: Callable[[SimRequest, float], None]) -> None:
+    def __init__(
+        self,
+        req: SimRequest,
+        members: Sequence[StageMember],
+        loop: EventLoop,
+        cost: CostModel,
+        chunk_tokens: int,
+        anchor_link: Link,
+        on_prefilled: Callable[[SimRequest, float], None],
+    ) -> None:
         self.req, self.members, self.loop, self.cost = req, list(members), loop, cost
         self.chunk_tokens, self.on_prefilled = chunk_tokens, on_prefilled
         n, x = req.num_tokens, len(members)
@@ -64,11 +71,18 @@ class Gang:
         self.anchor = next(i for i, m in enumerate(self.members) if m.link is anchor_link)
         # The estimate the members report until they run it (as the conductor booked it).
         queues = [m.load(now).queued_work_s for m in self.members]
-        est = cpp.pipeline_timing([cost] * x, n, self.prefix, chunk_tokens,
-                                  ready=cpp.ready_times(queues, self.slices_at - now, self.anchor))
+        est = cpp.pipeline_timing(
+            [cost] * x,
+            n,
+            self.prefix,
+            chunk_tokens,
+            ready=cpp.ready_times(queues, self.slices_at - now, self.anchor),
+        )
         req.compute_s = sum(est.stage_compute_s)
-        self.tasks = [StageTask(self, s, w, n - self.prefix)
-                      for s, w in enumerate(cpp.member_work(queues, est))]
+        self.tasks = [
+            StageTask(self, s, w, n - self.prefix)
+            for s, w in enumerate(cpp.member_work(queues, est))
+        ]
         self.ready: list[float | None] = [None] * x
         self.scheduled = 0  # stages 0..scheduled-1 have their timing
         self.timing: cpp.PipelineTiming | None = None
@@ -91,8 +105,14 @@ class Gang:
         while self.scheduled < x and self.ready[self.scheduled] is not None:
             k = self.scheduled + 1
             ready = [r for r in self.ready[:k] if r is not None]
-            self.timing = cpp.pipeline_timing([self.cost] * k, self.req.num_tokens, self.prefix,
-                                              self.chunk_tokens, ready=ready, parts=x)
+            self.timing = cpp.pipeline_timing(
+                [self.cost] * k,
+                self.req.num_tokens,
+                self.prefix,
+                self.chunk_tokens,
+                ready=ready,
+                parts=x,
+            )
             member, end = self.members[self.scheduled], self.timing.stage_end_s[self.scheduled]
             member.running_end = end
             self.loop.at(end, member.stage_done, self.tasks[self.scheduled])
@@ -106,8 +126,9 @@ class Gang:
         assert self.timing is not None
         now, x = self.loop.now(), len(self.members)
         start = self.timing.stage_start_s[task.stage]
-        landed = inst.link.ship_overlapped(self.req.ship_tokens / x, start, now,
-                                           max(1, self.cost.layers // x))
+        landed = inst.link.ship_overlapped(
+            self.req.ship_tokens / x, start, now, max(1, self.cost.layers // x)
+        )
         self.arrive_at = max(self.arrive_at, landed)
         self.left -= 1
         if self.left == 0:
@@ -121,8 +142,9 @@ BUCKETS = ((0, 8192), (8192, 16384), (16384, 32768), (32768, 65536), (65536, Non
 TTFT_THRESHOLD_S = 10.0  # the Fig. 23 threshold: beyond ~78k tokens one node cannot meet it
 
 
-def ttft_buckets(runs: dict[int, Sequence[SimRequest]],
-                 ttft_max: float = TTFT_THRESHOLD_S) -> list[dict]:
+def ttft_buckets(
+    runs: dict[int, Sequence[SimRequest]], ttft_max: float = TTFT_THRESHOLD_S
+) -> list[dict]:
     """Per prompt-length bucket and group size X (``runs``: X -> the run's requests):
     mean and p90 TTFT of the completed requests, and the share of *all* the bucket's
     requests completed within ``ttft_max``."""
@@ -130,16 +152,24 @@ def ttft_buckets(runs: dict[int, Sequence[SimRequest]],
 
     out = []
     for lo, hi in BUCKETS:
-        row: dict = {"min_tokens": lo, "max_tokens": hi, "requests": 0, "ttft_s": {},
-                     "ttft_p90_s": {}, "within_ttft": {}, "rejected": {}}
+        row: dict = {
+            "min_tokens": lo,
+            "max_tokens": hi,
+            "requests": 0,
+            "ttft_s": {},
+            "ttft_p90_s": {},
+            "within_ttft": {},
+            "rejected": {},
+        }
         for x, reqs in runs.items():
             rs = [r for r in reqs if r.num_tokens >= lo and (hi is None or r.num_tokens < hi)]
             done = [r.ttft_s for r in rs if r.state == "DONE"]
             row["requests"] = len(rs)
             row["ttft_s"][str(x)] = sum(done) / len(done) if done else None
             row["ttft_p90_s"][str(x)] = percentile(done, 90) if done else None
-            row["within_ttft"][str(x)] = (sum(1 for t in done if t <= ttft_max) / len(rs)
-                                          if rs else None)
+            row["within_ttft"][str(x)] = (
+                sum(1 for t in done if t <= ttft_max) / len(rs) if rs else None
+            )
             row["rejected"][str(x)] = sum(1 for r in rs if r.state == "REJECTED")
         out.append(row)
     return out

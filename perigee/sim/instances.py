@@ -73,11 +73,21 @@ def chunked_prefill_time(cost: CostModel, n: int, prefix: int, chunk: int) -> fl
 
 
 class PrefillInstance:
-    def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel, link: Link,
-                 links: dict[str, Link], on_prefilled: Callable[[SimRequest, float], None],
-                 chunk_tokens: int = 0, *, handoff_s: float = 0.0,
-                 on_free: Callable[["PrefillInstance"], None] | None = None,
-                 reserve: Callable[[SimRequest, "PrefillInstance"], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        node: str,
+        loop: EventLoop,
+        cost: CostModel,
+        link: Link,
+        links: dict[str, Link],
+        on_prefilled: Callable[[SimRequest, float], None],
+        chunk_tokens: int = 0,
+        *,
+        handoff_s: float = 0.0,
+        on_free: Callable[["PrefillInstance"], None] | None = None,
+        reserve: Callable[[SimRequest, "PrefillInstance"], None] | None = None,
+    ) -> None:
         self.name, self.node = name, node
         self.loop, self.cost, self.link, self.links = loop, cost, link, links
         self.on_prefilled = on_prefilled
@@ -153,8 +163,9 @@ class PrefillInstance:
         rest (``cached_tokens`` / ``pulled_tokens`` now say what the reservation found)."""
         now = self.loop.now()
         n = req.num_tokens
-        req.compute_s = chunked_prefill_time(self.cost, n, min(req.cached_tokens, n - 1),
-                                             self.chunk_tokens)
+        req.compute_s = chunked_prefill_time(
+            self.cost, n, min(req.cached_tokens, n - 1), self.chunk_tokens
+        )
         begin = now
         if req.pulled_tokens:
             begin = self.links[req.pull_source].transfer(req.pulled_tokens, now)
@@ -197,13 +208,26 @@ class PrefillInstance:
         elif r is not None:
             work += max(0.0, self.running_end - now)
             tokens += r.num_tokens - min(r.cached_tokens, r.num_tokens - 1)
-        return PrefillLoad(instance=self.name, node=self.node, queue_len=len(self),
-                           queued_tokens=tokens, queued_work_s=max(0.0, work), ts=now)
+        return PrefillLoad(
+            instance=self.name,
+            node=self.node,
+            queue_len=len(self),
+            queued_tokens=tokens,
+            queued_work_s=max(0.0, work),
+            ts=now,
+        )
 
 
 class DecodeInstance:
-    def __init__(self, name: str, node: str, loop: EventLoop, cost: CostModel,
-                 on_finished: Callable[[SimRequest], None], max_batch: int = 128) -> None:
+    def __init__(
+        self,
+        name: str,
+        node: str,
+        loop: EventLoop,
+        cost: CostModel,
+        on_finished: Callable[[SimRequest], None],
+        max_batch: int = 128,
+    ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.name, self.node = name, node
@@ -293,7 +317,7 @@ class DecodeInstance:
                 grown = np.zeros(max(end, 2 * len(self._log)))
                 grown[: self.steps] = self._log[: self.steps]
                 self._log = grown
-            self._log[self.steps:end] = self.alpha + self.beta * np.arange(k)
+            self._log[self.steps : end] = self.alpha + self.beta * np.arange(k)
             self.t0 += self._elapsed(k)
             self.steps = end
             self.tokens += k * len(self.running)
@@ -328,7 +352,7 @@ class DecodeInstance:
 
     def _gaps(self, req: SimRequest) -> np.ndarray:
         j, n = req.join_step, req.output_tokens - 1
-        gaps = self._log[j: j + n].copy()
+        gaps = self._log[j : j + n].copy()
         gaps[0] += req.join_time - req.first_token  # waiting for a slot, then the first step
         return gaps
 
@@ -344,9 +368,16 @@ class DecodeInstance:
         b = len(self.running)
         k = self._steps_by(now) if self.seg else 0
         kv = self.base + b * (self.steps + k) if b else 0
-        return DecodeLoad(instance=self.name, node=self.node, batch_size=b,
-                          waiting=len(self.waiting), max_batch=self.max_batch, kv_tokens=kv,
-                          step_time_s=self.cost.decode_step_time(b, kv), ts=now)
+        return DecodeLoad(
+            instance=self.name,
+            node=self.node,
+            batch_size=b,
+            waiting=len(self.waiting),
+            max_batch=self.max_batch,
+            kv_tokens=kv,
+            step_time_s=self.cost.decode_step_time(b, kv),
+            ts=now,
+        )
 
 
 def top_mean(values, fraction: float) -> float:
@@ -355,5 +386,5 @@ def top_mean(values, fraction: float) -> float:
     m = max(1, math.ceil(fraction * n - 1e-9))
     if m >= n:
         return float(np.mean(values))
-    part = np.partition(np.asarray(values), n - m)[n - m:]
+    part = np.partition(np.asarray(values), n - m)[n - m :]
     return float(part.mean())

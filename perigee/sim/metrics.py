@@ -32,8 +32,7 @@ def effective(reqs, ttft_max: float, tbt_max: float) -> float:
     """Effective request capacity: share of ``reqs`` done within both thresholds."""
     if not reqs:
         return 0.0
-    good = sum(1 for r in reqs if r.state == "DONE" and r.ttft_s <= ttft_max
-               and r.tbt_s <= tbt_max)
+    good = sum(1 for r in reqs if r.state == "DONE" and r.ttft_s <= ttft_max and r.tbt_s <= tbt_max)
     return good / len(reqs)
 
 
@@ -59,10 +58,12 @@ def summarize(sim) -> dict:
         "rejected_by": by_stage,
         "unfinished": len(reqs) - len(done) - len(rejected),
         "cache_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-        "cache_hit_rate_placed": (sum(r.cached_tokens for r in placed) / placed_prompt
-                                  if placed_prompt else 0.0),
-        "pulled_token_rate": (sum(r.pulled_tokens for r in placed) / placed_prompt
-                              if placed_prompt else 0.0),
+        "cache_hit_rate_placed": (
+            sum(r.cached_tokens for r in placed) / placed_prompt if placed_prompt else 0.0
+        ),
+        "pulled_token_rate": (
+            sum(r.pulled_tokens for r in placed) / placed_prompt if placed_prompt else 0.0
+        ),
         "ttft_s": _stats([r.ttft_s for r in done]),
         "tbt_s": _stats(tbts),
         "effective_capacity": {
@@ -81,15 +82,23 @@ def summarize(sim) -> dict:
         "wall_s": sim.wall_s,
         "placement_stats": dict(getattr(sim.placement, "stats", {})),
         "balancing_threshold_final": sim.placement.threshold()
-        if hasattr(sim.placement, "threshold") else cfg.balancing_threshold,
+        if hasattr(sim.placement, "threshold")
+        else cfg.balancing_threshold,
         "pools_final": {"prefill": len(sim.prefills), "decode": len(sim.decodes)},
         "pd_switches": [list(x) for x in sim.resizer.switches] if sim.resizer else [],
         "config": {
-            "prefill": cfg.prefill, "decode": cfg.decode, "policy": cfg.policy,
-            "admission": cfg.admission, "cache_tokens_per_node": cfg.cache_tokens_per_node,
-            "block_size": cfg.block_size, "speed": cfg.speed, "ttft_slo_s": cfg.ttft_slo_s,
-            "tbt_slo_s": cfg.tbt_slo_s, "max_batch": cfg.max_batch,
-            "speedup": cfg.cost.speedup, "pd_controller": cfg.pd_controller,
+            "prefill": cfg.prefill,
+            "decode": cfg.decode,
+            "policy": cfg.policy,
+            "admission": cfg.admission,
+            "cache_tokens_per_node": cfg.cache_tokens_per_node,
+            "block_size": cfg.block_size,
+            "speed": cfg.speed,
+            "ttft_slo_s": cfg.ttft_slo_s,
+            "tbt_slo_s": cfg.tbt_slo_s,
+            "max_batch": cfg.max_batch,
+            "speedup": cfg.cost.speedup,
+            "pd_controller": cfg.pd_controller,
             "adaptive_threshold": cfg.adaptive_threshold,
         },
     }
@@ -99,13 +108,15 @@ def summarize(sim) -> dict:
 def format_summary(s: dict) -> str:
     t, b = s["ttft_s"], s["tbt_s"]
     eff = ", ".join(f"{k}: {v:.1%}" for k, v in s["effective_capacity"].items())
-    return "\n".join([
-        f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']} "
-        f"{s['rejected_by']}  sim {s['sim_time_s']:.0f}s  wall {s['wall_s']:.1f}s",
-        f"TTFT mean {t['mean']:.3f}s p50 {t['p50']:.3f}s p99 {t['p99']:.3f}s   "
-        f"TBT mean {b['mean'] * 1e3:.1f}ms p99 {b['p99'] * 1e3:.1f}ms",
-        f"cache hit rate {s['cache_hit_rate']:.3f} (pulled {s['pulled_token_rate']:.3f})  "
-        f"prefill GPU {s['prefill_gpu_s']['mean_per_request']:.3f}s/req "
-        f"(wasted {s['prefill_gpu_s']['wasted']:.0f}s)",
-        f"effective request capacity: {eff}",
-    ])
+    return "\n".join(
+        [
+            f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']} "
+            f"{s['rejected_by']}  sim {s['sim_time_s']:.0f}s  wall {s['wall_s']:.1f}s",
+            f"TTFT mean {t['mean']:.3f}s p50 {t['p50']:.3f}s p99 {t['p99']:.3f}s   "
+            f"TBT mean {b['mean'] * 1e3:.1f}ms p99 {b['p99'] * 1e3:.1f}ms",
+            f"cache hit rate {s['cache_hit_rate']:.3f} (pulled {s['pulled_token_rate']:.3f})  "
+            f"prefill GPU {s['prefill_gpu_s']['mean_per_request']:.3f}s/req "
+            f"(wasted {s['prefill_gpu_s']['wasted']:.0f}s)",
+            f"effective request capacity: {eff}",
+        ]
+    )

@@ -17,12 +17,21 @@ from services.conductor.pd_ratio import PDRatioController
 
 
 class PoolResizer:
-    def __init__(self, sim, *, sample_s: float = 1.0, interval_s: float = 10.0,
-                 window_s: float = 60.0, cooldown_s: float = 30.0, min_samples: int = 10) -> None:
+    def __init__(
+        self,
+        sim,
+        *,
+        sample_s: float = 1.0,
+        interval_s: float = 10.0,
+        window_s: float = 60.0,
+        cooldown_s: float = 30.0,
+        min_samples: int = 10,
+    ) -> None:
         self.sim = sim
         self.sample_s, self.interval_s = sample_s, interval_s
-        self.controller = PDRatioController(sim.loop.clock, window_s=window_s,
-                                            cooldown_s=cooldown_s, min_samples=min_samples)
+        self.controller = PDRatioController(
+            sim.loop.clock, window_s=window_s, cooldown_s=cooldown_s, min_samples=min_samples
+        )
         self.switches: list[tuple[float, str, str, str]] = []  # (t, node, from, to)
         self._next_plan = 0.0
 
@@ -61,8 +70,7 @@ class PoolResizer:
         inst.draining = True
         sim.placement.forget_instance(from_role, instance)
         sim.admission.forget_instance(from_role, instance)
-        self.switches.append((sim.loop.now(), inst.node, from_role,
-                              Role(from_role).other))
+        self.switches.append((sim.loop.now(), inst.node, from_role, Role(from_role).other))
         self.maybe_done(inst)
 
     def maybe_done(self, inst) -> None:

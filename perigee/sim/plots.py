@@ -43,15 +43,23 @@ def run_figure(sim, path: str) -> None:
         tw.step(t, [s["prefill"] for s in sim.samples], "g:", where="post", label="prefill nodes")
         tw.set_ylabel("prefill nodes")
     c = sim.cfg
-    fig.suptitle(f"{c.prefill}P{c.decode}D {c.policy}/{c.admission} speed x{c.speed:g}: "
-                 f"{len(done)}/{len(sim.requests)} completed")
+    fig.suptitle(
+        f"{c.prefill}P{c.decode}D {c.policy}/{c.admission} speed x{c.speed:g}: "
+        f"{len(done)}/{len(sim.requests)} completed"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def bars(path: str, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str,
-         title: str, fmt: str = "{:.2f}") -> None:
+def bars(
+    path: str,
+    labels: Sequence[str],
+    series: dict[str, Sequence[float]],
+    ylabel: str,
+    title: str,
+    fmt: str = "{:.2f}",
+) -> None:
     """Grouped bars: one group per label, one bar per series."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(1.6 * len(labels) + 3, 4))
@@ -71,9 +79,18 @@ def bars(path: str, labels: Sequence[str], series: dict[str, Sequence[float]], y
     plt.close(fig)
 
 
-def lines(path: str, x: Sequence[float], series: dict[str, Sequence[float]], xlabel: str,
-          ylabel: str, title: str, xlog: bool = False, vline: float | None = None,
-          secondary: dict[str, Sequence[float]] | None = None, ylabel2: str = "") -> None:
+def lines(
+    path: str,
+    x: Sequence[float],
+    series: dict[str, Sequence[float]],
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    xlog: bool = False,
+    vline: float | None = None,
+    secondary: dict[str, Sequence[float]] | None = None,
+    ylabel2: str = "",
+) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, ys in series.items():
@@ -99,9 +116,16 @@ def lines(path: str, x: Sequence[float], series: dict[str, Sequence[float]], xla
     plt.close(fig)
 
 
-def xticks_lines(path: str, labels: Sequence[str], series: dict[str, Sequence[float]],
-                 ylabel: str, title: str, secondary: dict[str, Sequence[float]] | None = None,
-                 ylabel2: str = "", log2: bool = False) -> None:
+def xticks_lines(
+    path: str,
+    labels: Sequence[str],
+    series: dict[str, Sequence[float]],
+    ylabel: str,
+    title: str,
+    secondary: dict[str, Sequence[float]] | None = None,
+    ylabel2: str = "",
+    log2: bool = False,
+) -> None:
     """Lines over categorical x (e.g. P/D splits)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 4.2))

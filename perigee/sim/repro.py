@@ -42,57 +42,120 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def fig5(trace, out: str, speeds=(1.0, 3.0)) -> dict:
-    res: dict = {"setup": "8 prefill + 8 decode nodes, early admission, 3M tokens/node",
-                 "runs": {}}
+    res: dict = {"setup": "8 prefill + 8 decode nodes, early admission, 3M tokens/node", "runs": {}}
     rows = []
     for speed in speeds:
         for pol in STRATEGIES:
             _, s = _run(trace, policy=pol, speed=speed)
             res["runs"][f"{pol}@{speed:g}"] = s
-            rows.append([f"x{speed:g}", pol, s["ttft_s"]["mean"], s["ttft_s"]["p50"],
-                         s["ttft_s"]["p99"], s["cache_hit_rate"], s["pulled_token_rate"],
-                         s["prefill_gpu_s"]["mean_per_request"], s["rejected"]])
-    plots.bars(os.path.join(out, "sim_fig5.png"), list(STRATEGIES),
-               {f"replay x{sp:g}": [res["runs"][f"{p}@{sp:g}"]["ttft_s"]["mean"] for p in STRATEGIES]
-                for sp in speeds},
-               "average TTFT (s)", "Fig. 5 (sim): prefill scheduling, conversation trace, 8P+8D")
-    res["table"] = _table(["replay", "strategy", "avg TTFT s", "p50 s", "p99 s", "cache hit",
-                           "pulled", "prefill GPU s/req", "rejected"], rows)
+            rows.append(
+                [
+                    f"x{speed:g}",
+                    pol,
+                    s["ttft_s"]["mean"],
+                    s["ttft_s"]["p50"],
+                    s["ttft_s"]["p99"],
+                    s["cache_hit_rate"],
+                    s["pulled_token_rate"],
+                    s["prefill_gpu_s"]["mean_per_request"],
+                    s["rejected"],
+                ]
+            )
+    plots.bars(
+        os.path.join(out, "sim_fig5.png"),
+        list(STRATEGIES),
+        {
+            f"replay x{sp:g}": [res["runs"][f"{p}@{sp:g}"]["ttft_s"]["mean"] for p in STRATEGIES]
+            for sp in speeds
+        },
+        "average TTFT (s)",
+        "Fig. 5 (sim): prefill scheduling, conversation trace, 8P+8D",
+    )
+    res["table"] = _table(
+        [
+            "replay",
+            "strategy",
+            "avg TTFT s",
+            "p50 s",
+            "p99 s",
+            "cache hit",
+            "pulled",
+            "prefill GPU s/req",
+            "rejected",
+        ],
+        rows,
+    )
     return res
 
 
-def fig16(trace, out: str, capacities=(0.25e6, 0.5e6, 1e6, 2e6, 3e6, 5e6, 10e6, 20e6, 30e6,
-                                        50e6, 100e6)) -> dict:
+def fig16(
+    trace, out: str, capacities=(0.25e6, 0.5e6, 1e6, 2e6, 3e6, 5e6, 10e6, 20e6, 30e6, 50e6, 100e6)
+) -> dict:
     best = hit_rate(trace, None)
     pts = [(c, hit_rate(trace, int(c))) for c in capacities]
-    plots.lines(os.path.join(out, "sim_fig16.png"), [c / 1e6 for c, _ in pts],
-                {"LRU cache hit rate": [h for _, h in pts],
-                 "theoretical max (unbounded)": [best] * len(pts)},
-                "cache capacity (M tokens)", "cache hit rate",
-                "Fig. 16 (sim): hit rate vs capacity, conversation trace", xlog=True, vline=3.0)
+    plots.lines(
+        os.path.join(out, "sim_fig16.png"),
+        [c / 1e6 for c, _ in pts],
+        {
+            "LRU cache hit rate": [h for _, h in pts],
+            "theoretical max (unbounded)": [best] * len(pts),
+        },
+        "cache capacity (M tokens)",
+        "cache hit rate",
+        "Fig. 16 (sim): hit rate vs capacity, conversation trace",
+        xlog=True,
+        vline=3.0,
+    )
     rows = [[f"{c / 1e6:g}M", h, h / best] for c, h in pts] + [["unbounded", best, 1.0]]
-    return {"theoretical_max": best, "points": [{"capacity_tokens": c, "hit_rate": h} for c, h in pts],
-            "table": _table(["capacity (tokens)", "hit rate", "of theoretical max"], rows)}
+    return {
+        "theoretical_max": best,
+        "points": [{"capacity_tokens": c, "hit_rate": h} for c, h in pts],
+        "table": _table(["capacity (tokens)", "hit rate", "of theoretical max"], rows),
+    }
 
 
 def fig17(trace, out: str, speeds=(1.0, 3.0), cap: int = 3_000_000) -> dict:
-    res: dict = {"setup": f"10 prefill nodes x {cap / 1e6:g}M tokens, 1 decode node without a "
-                          "store, every output 1 token, early admission", "runs": {}}
+    res: dict = {
+        "setup": f"10 prefill nodes x {cap / 1e6:g}M tokens, 1 decode node without a "
+        "store, every output 1 token, early admission",
+        "runs": {},
+    }
     rows = []
     for speed in speeds:
         for label, pol in (("local cache", "local"), ("global cache", "global")):
-            _, s = _run(trace, policy=pol, prefill=10, decode=1, decode_cache_tokens=0,
-                        output_tokens=1, cache_tokens_per_node=cap, speed=speed)
+            _, s = _run(
+                trace,
+                policy=pol,
+                prefill=10,
+                decode=1,
+                decode_cache_tokens=0,
+                output_tokens=1,
+                cache_tokens_per_node=cap,
+                speed=speed,
+            )
             res["runs"][f"{pol}@{speed:g}"] = s
-            rows.append([f"x{speed:g}", label, s["cache_hit_rate"], s["pulled_token_rate"],
-                         s["prefill_gpu_s"]["mean_per_request"], s["ttft_s"]["mean"],
-                         s["rejected"]])
+            rows.append(
+                [
+                    f"x{speed:g}",
+                    label,
+                    s["cache_hit_rate"],
+                    s["pulled_token_rate"],
+                    s["prefill_gpu_s"]["mean_per_request"],
+                    s["ttft_s"]["mean"],
+                    s["rejected"],
+                ]
+            )
     plt = plots._plt()
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.8))
     w = 0.8 / len(speeds)
-    for a, key, title in ((ax[0], lambda s: s["cache_hit_rate"], "cache hit rate"),
-                          (ax[1], lambda s: s["prefill_gpu_s"]["mean_per_request"],
-                           "avg prefill GPU time per request (s)")):
+    for a, key, title in (
+        (ax[0], lambda s: s["cache_hit_rate"], "cache hit rate"),
+        (
+            ax[1],
+            lambda s: s["prefill_gpu_s"]["mean_per_request"],
+            "avg prefill GPU time per request (s)",
+        ),
+    ):
         for j, sp in enumerate(speeds):
             vals = [key(res["runs"][f"{p}@{sp:g}"]) for p in ("local", "global")]
             xs = [i + (j - (len(speeds) - 1) / 2) * w for i in range(2)]
@@ -105,8 +168,10 @@ def fig17(trace, out: str, speeds=(1.0, 3.0), cap: int = 3_000_000) -> dict:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "sim_fig17.png"), dpi=110)
     plt.close(fig)
-    res["table"] = _table(["replay", "setup", "cache hit", "pulled", "prefill GPU s/req",
-                           "avg TTFT s", "rejected"], rows)
+    res["table"] = _table(
+        ["replay", "setup", "cache hit", "pulled", "prefill GPU s/req", "avg TTFT s", "rejected"],
+        rows,
+    )
     return res
 
 
@@ -121,23 +186,60 @@ def table4(trace, out: str, setups=((8, 8, 2.0), (8, 8, 8.0), (14, 2, 8.0))) -> 
             _, s = _run(trace, admission=mode, prefill=p, decode=d, speed=speed)
             res["runs"][f"{mode}@{p}P{d}D x{speed:g}"] = s
             by = s["rejected_by"]
-            rows.append([f"{p}P{d}D x{speed:g}", mode, s["rejected"], by["admission"],
-                         by["conductor"], by["decode"], s["prefill_gpu_s"]["wasted"],
-                         s["completed"], s["ttft_s"]["mean"], s["tbt_s"]["mean"] * 1e3])
+            rows.append(
+                [
+                    f"{p}P{d}D x{speed:g}",
+                    mode,
+                    s["rejected"],
+                    by["admission"],
+                    by["conductor"],
+                    by["decode"],
+                    s["prefill_gpu_s"]["wasted"],
+                    s["completed"],
+                    s["ttft_s"]["mean"],
+                    s["tbt_s"]["mean"] * 1e3,
+                ]
+            )
     labels = [f"{p}P{d}D x{sp:g}" for p, d, sp in setups]
-    plots.bars(os.path.join(out, "sim_table4.png"), labels,
-               {m: [res["runs"][f"{m}@{lab}"]["rejected"] for lab in labels] for m in modes},
-               "rejected requests", "Table 4 (sim): rejections by admission policy", fmt="{:.0f}")
-    res["table"] = _table(["cluster, replay", "admission", "rejected", "at admission",
-                           "at conductor", "after prefill", "wasted prefill GPU s", "completed",
-                           "avg TTFT s", "avg TBT ms"], rows)
+    plots.bars(
+        os.path.join(out, "sim_table4.png"),
+        labels,
+        {m: [res["runs"][f"{m}@{lab}"]["rejected"] for lab in labels] for m in modes},
+        "rejected requests",
+        "Table 4 (sim): rejections by admission policy",
+        fmt="{:.0f}",
+    )
+    res["table"] = _table(
+        [
+            "cluster, replay",
+            "admission",
+            "rejected",
+            "at admission",
+            "at conductor",
+            "after prefill",
+            "wasted prefill GPU s",
+            "completed",
+            "avg TTFT s",
+            "avg TBT ms",
+        ],
+        rows,
+    )
     return res
 
 
-def fig23(trace, out: str, speeds=(2.0, 4.0, 6.0), prefills=(2, 4, 6, 8, 10, 12, 13, 14, 15),
-          ttft_max: float = 10.0, tbt_max: float = 0.1) -> dict:
-    res: dict = {"setup": f"16 nodes, early admission, thresholds TTFT {ttft_max:g}s "
-                          f"TBT {tbt_max * 1e3:g}ms", "runs": {}}
+def fig23(
+    trace,
+    out: str,
+    speeds=(2.0, 4.0, 6.0),
+    prefills=(2, 4, 6, 8, 10, 12, 13, 14, 15),
+    ttft_max: float = 10.0,
+    tbt_max: float = 0.1,
+) -> dict:
+    res: dict = {
+        "setup": f"16 nodes, early admission, thresholds TTFT {ttft_max:g}s "
+        f"TBT {tbt_max * 1e3:g}ms",
+        "runs": {},
+    }
     rows, labels = [], [f"{p}P{16 - p}D" for p in prefills]
     for speed in speeds:
         for p, label in zip(prefills, labels, strict=True):
@@ -145,44 +247,87 @@ def fig23(trace, out: str, speeds=(2.0, 4.0, 6.0), prefills=(2, 4, 6, 8, 10, 12,
             e = effective(sim.requests, ttft_max, tbt_max)
             s["effective_capacity_fig23"] = e
             res["runs"][f"{label} x{speed:g}"] = s
-            rows.append([f"x{speed:g}", label, e, s["ttft_s"]["mean"], s["tbt_s"]["mean"] * 1e3,
-                         s["tbt_s"]["p99"] * 1e3, s["rejected"]])
+            rows.append(
+                [
+                    f"x{speed:g}",
+                    label,
+                    e,
+                    s["ttft_s"]["mean"],
+                    s["tbt_s"]["mean"] * 1e3,
+                    s["tbt_s"]["p99"] * 1e3,
+                    s["rejected"],
+                ]
+            )
         sim, s = _run(trace, prefill=8, decode=8, speed=speed, pd_controller=True)
         e = effective(sim.requests, ttft_max, tbt_max)
         s["effective_capacity_fig23"] = e
         s["switches"] = sim.resizer.switches
         res["runs"][f"controller x{speed:g}"] = s
-        rows.append([f"x{speed:g}", f"8P8D + P/D controller -> {len(sim.prefills)}P"
-                     f"{len(sim.decodes)}D", e, s["ttft_s"]["mean"], s["tbt_s"]["mean"] * 1e3,
-                     s["tbt_s"]["p99"] * 1e3, s["rejected"]])
+        rows.append(
+            [
+                f"x{speed:g}",
+                f"8P8D + P/D controller -> {len(sim.prefills)}P{len(sim.decodes)}D",
+                e,
+                s["ttft_s"]["mean"],
+                s["tbt_s"]["mean"] * 1e3,
+                s["tbt_s"]["p99"] * 1e3,
+                s["rejected"],
+            ]
+        )
     plot_fig23(res, labels, speeds, out)
-    res["table"] = _table(["replay", "P/D", "effective capacity", "avg TTFT s", "avg TBT ms",
-                           "p99 TBT ms", "rejected"], rows)
+    res["table"] = _table(
+        [
+            "replay",
+            "P/D",
+            "effective capacity",
+            "avg TTFT s",
+            "avg TBT ms",
+            "p99 TBT ms",
+            "rejected",
+        ],
+        rows,
+    )
     return res
 
 
 def plot_fig23(res: dict, labels: list[str], speeds, out: str) -> None:
     mid = speeds[len(speeds) // 2]
-    eff = {f"effective capacity, replay x{sp:g}":
-           [res["runs"][f"{lab} x{sp:g}"]["effective_capacity_fig23"] for lab in labels]
-           for sp in speeds}
+    eff = {
+        f"effective capacity, replay x{sp:g}": [
+            res["runs"][f"{lab} x{sp:g}"]["effective_capacity_fig23"] for lab in labels
+        ]
+        for sp in speeds
+    }
     plots.xticks_lines(
-        os.path.join(out, "sim_fig23.png"), labels, eff, "share of requests within SLOs",
+        os.path.join(out, "sim_fig23.png"),
+        labels,
+        eff,
+        "share of requests within SLOs",
         "Fig. 23 (sim): P/D ratio on 16 nodes, conversation trace",
-        secondary={f"avg TTFT (s), x{mid:g}": [res["runs"][f"{lab} x{mid:g}"]["ttft_s"]["mean"]
-                                              for lab in labels],
-                   f"avg TBT (s), x{mid:g}": [res["runs"][f"{lab} x{mid:g}"]["tbt_s"]["mean"]
-                                             for lab in labels]},
-        ylabel2="seconds (log)", log2=True)
+        secondary={
+            f"avg TTFT (s), x{mid:g}": [
+                res["runs"][f"{lab} x{mid:g}"]["ttft_s"]["mean"] for lab in labels
+            ],
+            f"avg TBT (s), x{mid:g}": [
+                res["runs"][f"{lab} x{mid:g}"]["tbt_s"]["mean"] for lab in labels
+            ],
+        },
+        ylabel2="seconds (log)",
+        log2=True,
+    )
 
 
-def cpp(trace, out: str, groups=(1, 2, 4), prefill: int = 8, decode: int = 8,
-        speed: float = 1.0) -> dict:
+def cpp(
+    trace, out: str, groups=(1, 2, 4), prefill: int = 8, decode: int = 8, speed: float = 1.0
+) -> dict:
     from perigee.sim.cpp import TTFT_THRESHOLD_S, ttft_buckets
 
-    res: dict = {"setup": f"{prefill}P{decode}D, replay x{speed:g}, early admission, "
-                          f"groups of X prefill nodes (chunked pipeline parallelism), "
-                          f"TTFT threshold {TTFT_THRESHOLD_S:g}s", "runs": {}}
+    res: dict = {
+        "setup": f"{prefill}P{decode}D, replay x{speed:g}, early admission, "
+        f"groups of X prefill nodes (chunked pipeline parallelism), "
+        f"TTFT threshold {TTFT_THRESHOLD_S:g}s",
+        "runs": {},
+    }
     reqs = {}
     for x in groups:
         sim, s = _run(trace, prefill=prefill, decode=decode, speed=speed, cpp_group=x)
@@ -192,29 +337,61 @@ def cpp(trace, out: str, groups=(1, 2, 4), prefill: int = 8, decode: int = 8,
     res["buckets"] = ttft_buckets(reqs)
     rows = []
     for b in res["buckets"]:
-        label = f"{b['min_tokens'] // 1024}k-" + (f"{b['max_tokens'] // 1024}k"
-                                                 if b["max_tokens"] else "")
+        label = f"{b['min_tokens'] // 1024}k-" + (
+            f"{b['max_tokens'] // 1024}k" if b["max_tokens"] else ""
+        )
         for x in groups:
             k = str(x)
-            rows.append([label, b["requests"], x, b["ttft_s"][k], b["ttft_p90_s"][k],
-                         b["ttft_s"][k] / b["ttft_s"]["1"], b["within_ttft"][k]])
-    res["table"] = _table(["prompt tokens", "requests", "X", "avg TTFT s", "p90 TTFT s",
-                           "vs X=1", f"within {TTFT_THRESHOLD_S:g}s"], rows)
+            rows.append(
+                [
+                    label,
+                    b["requests"],
+                    x,
+                    b["ttft_s"][k],
+                    b["ttft_p90_s"][k],
+                    b["ttft_s"][k] / b["ttft_s"]["1"],
+                    b["within_ttft"][k],
+                ]
+            )
+    res["table"] = _table(
+        [
+            "prompt tokens",
+            "requests",
+            "X",
+            "avg TTFT s",
+            "p90 TTFT s",
+            "vs X=1",
+            f"within {TTFT_THRESHOLD_S:g}s",
+        ],
+        rows,
+    )
     labels = [r[0] for r in rows[:: len(groups)]]
-    plots.bars(os.path.join(out, "sim_cpp.png"), labels,
-               {f"X = {x}": [b["ttft_s"][str(x)] for b in res["buckets"]] for x in groups},
-               "average TTFT (s)", f"CPP (sim): TTFT by prompt length, {prefill}P{decode}D "
-               f"x{speed:g}, conversation trace")
+    plots.bars(
+        os.path.join(out, "sim_cpp.png"),
+        labels,
+        {f"X = {x}": [b["ttft_s"][str(x)] for b in res["buckets"]] for x in groups},
+        "average TTFT (s)",
+        f"CPP (sim): TTFT by prompt length, {prefill}P{decode}D x{speed:g}, conversation trace",
+    )
     return res
 
 
-EXPERIMENTS = {"fig5": fig5, "fig16": fig16, "fig17": fig17, "table4": table4, "fig23": fig23,
-               "cpp": cpp}
+EXPERIMENTS = {
+    "fig5": fig5,
+    "fig16": fig16,
+    "fig17": fig17,
+    "table4": table4,
+    "fig23": fig23,
+    "cpp": cpp,
+}
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="perigee sim repro", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="perigee sim repro",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("name", choices=[*EXPERIMENTS, "all"])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=None)

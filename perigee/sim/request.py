@@ -1,12 +1,12 @@
 """One trace request as it moves through the simulator, and what happened to it.
 
-    ARRIVED -> (admission Reject) REJECTED "admission"
-            -> (placement Rejection) REJECTED "conductor"
-            -> QUEUED on a prefill instance -> PREFILLING (store slots reserved first;
-               no room after the wait, or a store refusing otherwise: REJECTED "prefill")
-            -> SHIPPING (KV to decode)
-            -> (baseline: decode over its TBT SLO) REJECTED "decode" (prefill wasted)
-            -> DECODING (first token out) -> DONE
+ARRIVED -> (admission Reject) REJECTED "admission"
+        -> (placement Rejection) REJECTED "conductor"
+        -> QUEUED on a prefill instance -> PREFILLING (store slots reserved first;
+           no room after the wait, or a store refusing otherwise: REJECTED "prefill")
+        -> SHIPPING (KV to decode)
+        -> (baseline: decode over its TBT SLO) REJECTED "decode" (prefill wasted)
+        -> DECODING (first token out) -> DONE
 """
 
 from dataclasses import dataclass, field

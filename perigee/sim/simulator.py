@@ -148,28 +148,47 @@ class Simulator:
         self.decode_gate = DecodeSideCheck(cost, cfg.tbt_slo_s) if baseline else None
         adaptive = None
         if cfg.adaptive_threshold:
-            adaptive = AdaptiveThreshold(clock, initial=cfg.balancing_threshold,
-                                         hi=max(16.0, cfg.balancing_threshold))
+            adaptive = AdaptiveThreshold(
+                clock, initial=cfg.balancing_threshold, hi=max(16.0, cfg.balancing_threshold)
+            )
         self.placement = placement_cls(
-            clock, cost, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
-            balancing_threshold=cfg.balancing_threshold, strategy=cfg.policy,
-            rng=random.Random(cfg.seed), adaptive=adaptive,
+            clock,
+            cost,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            balancing_threshold=cfg.balancing_threshold,
+            strategy=cfg.policy,
+            rng=random.Random(cfg.seed),
+            adaptive=adaptive,
             cpp=CppConfig(cfg.cpp_group, cfg.cpp_chunk_tokens),
             **{"tbt_check": not baseline, **cfg.placement_kw},
         )
         make = admission or make_admission_policy
-        self.admission = make(cfg.admission, clock, cost, ttft_slo_s=cfg.ttft_slo_s,
-                              tbt_slo_s=cfg.tbt_slo_s, **cfg.admission_kw)
+        self.admission = make(
+            cfg.admission,
+            clock,
+            cost,
+            ttft_slo_s=cfg.ttft_slo_s,
+            tbt_slo_s=cfg.tbt_slo_s,
+            **cfg.admission_kw,
+        )
         self.inbound: dict[str, int] = {}  # decode instance -> placed requests not landed yet
         self.pipelined: set[str] = set()  # requests placed on a CPP group
         self._started = False
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
-        decode_cache = cfg.cache_tokens_per_node if cfg.decode_cache_tokens is None else cfg.decode_cache_tokens
+        decode_cache = (
+            cfg.cache_tokens_per_node
+            if cfg.decode_cache_tokens is None
+            else cfg.decode_cache_tokens
+        )
         for i in range(cfg.prefill + cfg.decode):
             role = Role.PREFILL if i < cfg.prefill else Role.DECODE
             node = self.cluster.add_node(
-                f"n{i:02d}", cfg.cache_tokens_per_node if role == Role.PREFILL else decode_cache, role)
+                f"n{i:02d}",
+                cfg.cache_tokens_per_node if role == Role.PREFILL else decode_cache,
+                role,
+            )
             self.add_instance(role, node.name)
         self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
         self.by_id = {r.rid: r for r in self.requests}
@@ -199,22 +218,38 @@ class Simulator:
             out = cfg.output_tokens
         else:
             out = max(1, min(cfg.max_output, round(r.output_length * cfg.output_scale)))
-        return SimRequest(rid=f"r{i}", index=i, arrival=(r.timestamp_s - base) / cfg.speed,
-                          num_tokens=n, output_tokens=out, hashes=list(r.hash_ids[: n // bs]))
+        return SimRequest(
+            rid=f"r{i}",
+            index=i,
+            arrival=(r.timestamp_s - base) / cfg.speed,
+            num_tokens=n,
+            output_tokens=out,
+            hashes=list(r.hash_ids[: n // bs]),
+        )
 
     def add_instance(self, role: str, node: str) -> str:
         links = {name: nd.link for name, nd in self.cluster.nodes.items()}
         nd = self.cluster.nodes[node]
         nd.role = role
         if role == Role.PREFILL:
-            inst = PrefillInstance(f"P-{node}", node, self.loop, self.cost, nd.link, links,
-                                   self._prefilled, self.cfg.chunk_tokens,
-                                   handoff_s=self.cfg.prefill_handoff_s, on_free=self._prefill_free,
-                                   reserve=self._reserve)
+            inst = PrefillInstance(
+                f"P-{node}",
+                node,
+                self.loop,
+                self.cost,
+                nd.link,
+                links,
+                self._prefilled,
+                self.cfg.chunk_tokens,
+                handoff_s=self.cfg.prefill_handoff_s,
+                on_free=self._prefill_free,
+                reserve=self._reserve,
+            )
             self.prefills[inst.name] = inst
         else:
-            inst = DecodeInstance(f"D-{node}", node, self.loop, self.cost, self._decoded,
-                                  self.cfg.max_batch)
+            inst = DecodeInstance(
+                f"D-{node}", node, self.loop, self.cost, self._decoded, self.cfg.max_batch
+            )
             self.decodes[inst.name] = inst
         for other in self.prefills.values():
             other.links = links
@@ -268,29 +303,35 @@ class Simulator:
     def _report(self, inst: PrefillInstance | DecodeInstance, first: bool = True) -> None:
         """One load report of ``inst`` (its timer, like a live worker's report loop). A
         draining instance stays silent; a removed one (role switched) stops."""
-        if (self.prefills.get(inst.name) is not inst and self.decodes.get(inst.name) is not inst) \
-                or self.terminal >= len(self.requests):
+        if (
+            self.prefills.get(inst.name) is not inst and self.decodes.get(inst.name) is not inst
+        ) or self.terminal >= len(self.requests):
             return
         if not inst.draining:
             self._observe(inst, self.loop.now())
             for hook in self.hooks:
                 hook()
         interval = self.cfg.report_interval_s
-        self.loop.after(self._phase.uniform(0.0, interval) if first else interval,
-                        self._report, inst, False)
+        self.loop.after(
+            self._phase.uniform(0.0, interval) if first else interval, self._report, inst, False
+        )
 
     def _sample(self) -> None:
         """One point of the load time series (SLO-relative, as the paper's Fig. 6/8)."""
         now, cfg = self.loop.now(), self.cfg
         p = [i.load(now).queued_work_s / cfg.ttft_slo_s for i in self.prefills.values()]
         d = [i.load(now).step_time_s / cfg.tbt_slo_s for i in self.decodes.values()]
-        self.samples.append({
-            "t": now, "prefill_load": sum(p) / len(p) if p else 0.0,
-            "decode_load": sum(d) / len(d) if d else 0.0,
-            "prefill": len(self.prefills), "decode": len(self.decodes),
-            "decoding": sum(len(i) for i in self.decodes.values()),
-            "done": self.terminal,
-        })
+        self.samples.append(
+            {
+                "t": now,
+                "prefill_load": sum(p) / len(p) if p else 0.0,
+                "decode_load": sum(d) / len(d) if d else 0.0,
+                "prefill": len(self.prefills),
+                "decode": len(self.decodes),
+                "decoding": sum(len(i) for i in self.decodes.values()),
+                "done": self.terminal,
+            }
+        )
         if self.terminal < len(self.requests):
             self.loop.after(cfg.sample_interval_s, self._sample)
 
@@ -316,8 +357,9 @@ class Simulator:
     def _place(self, req: SimRequest) -> None:
         """One placement round, as services/conductor does it: place, hand the request to
         its prefill instance; nothing is reserved until its compute starts."""
-        preq = PlacementRequest(req.rid, req.num_tokens, tuple(req.hashes), self.cfg.block_size,
-                                arrival_ts=req.arrival)
+        preq = PlacementRequest(
+            req.rid, req.num_tokens, tuple(req.hashes), self.cfg.block_size, arrival_ts=req.arrival
+        )
         d = self.placement.place(preq, self.cluster.index.match(req.hashes))
         if isinstance(d, Rejection):
             self._reject(req, "conductor", d.reason)
@@ -342,14 +384,25 @@ class Simulator:
             # prefix at push: its slots are reserved now, in one round.
             v = self._allocate(req)
             if v.step is not plan.Step.DONE:
-                self._unreserve(req, "conductor", "store capacity" if v.step is plan.Step.WAIT
-                                else f"store unavailable ({v.detail})")
+                self._unreserve(
+                    req,
+                    "conductor",
+                    "store capacity"
+                    if v.step is plan.Step.WAIT
+                    else f"store unavailable ({v.detail})",
+                )
                 return
             self._granted(req)
             self.pipelined.add(req.rid)
-            Gang(req, [self.prefills[i] for i in p.cpp_stages], self.loop, self.cost,
-                 p.cpp_chunk_tokens, self.cluster.nodes[p.prefill_node].link,
-                 self._prefilled).push()
+            Gang(
+                req,
+                [self.prefills[i] for i in p.cpp_stages],
+                self.loop,
+                self.cost,
+                p.cpp_chunk_tokens,
+                self.cluster.nodes[p.prefill_node].link,
+                self._prefilled,
+            ).push()
             return
         self.prefills[p.prefill_instance].push(req)
 
@@ -364,8 +417,11 @@ class Simulator:
             self.loop.after(self.cfg.reserve_retry_s, self._reserve_round, req, inst)
             return
         if v.step is not plan.Step.DONE:
-            why = (f"no room in the store after {self.cfg.reserve_wait_s:g} s ({v.detail})"
-                   if v.step is plan.Step.WAIT else f"store unavailable ({v.detail})")
+            why = (
+                f"no room in the store after {self.cfg.reserve_wait_s:g} s ({v.detail})"
+                if v.step is plan.Step.WAIT
+                else f"store unavailable ({v.detail})"
+            )
             self._unreserve(req, "prefill", f"kv reservation failed: {why}")
             inst.abandon(req)
             return
@@ -374,9 +430,15 @@ class Simulator:
 
     def _allocate(self, req: SimRequest) -> plan.Verdict:
         """One reservation round: TxAllocate what is still wanted, keep the grants."""
-        todo = plan.jobs(prefill_node=req.prefill_node, decode_node=req.decode_node,
-                         source=req.source, block_hashes=req.hashes, num_tokens=req.num_tokens,
-                         block_size=self.cfg.block_size, roles=req.want - set(req.txs))
+        todo = plan.jobs(
+            prefill_node=req.prefill_node,
+            decode_node=req.decode_node,
+            source=req.source,
+            block_hashes=req.hashes,
+            num_tokens=req.num_tokens,
+            block_size=self.cfg.block_size,
+            roles=req.want - set(req.txs),
+        )
         refused: dict[str, str] = {}
         for role, j in todo.items():
             res = self.cluster.allocate(j.node, req.rid, j.role, j.block_hashes, j.num_tokens)
@@ -393,10 +455,13 @@ class Simulator:
         """Every slot is held: what is cached, pulled and shipped follows the grants."""
         bs, n = self.cfg.block_size, req.num_tokens
         ptx, dtx = req.txs[plan.PREFILL][1], req.txs[plan.DECODE][1]
-        g = plan.grant(req.source, prefill_hit=ptx.hit_blocks if ptx is not None else 0,
-                       decode_hit=dtx.hit_blocks if dtx is not None else 0,
-                       # nowhere to pull into on a node without a store
-                       source_granted=plan.SOURCE in req.txs and ptx is not None)
+        g = plan.grant(
+            req.source,
+            prefill_hit=ptx.hit_blocks if ptx is not None else 0,
+            decode_hit=dtx.hit_blocks if dtx is not None else 0,
+            # nowhere to pull into on a node without a store
+            source_granted=plan.SOURCE in req.txs and ptx is not None,
+        )
         if plan.SOURCE in req.txs and not g.keep_source:  # nothing to pull
             self.cluster.abort(*req.txs.pop(plan.SOURCE))
         req.pull_source = req.source.node if g.pull else ""
@@ -437,8 +502,13 @@ class Simulator:
         req.txs = {}
         if self.decode_gate is not None:
             load = dec.load(now)
-            no = self.decode_gate.check(load.batch_size, load.waiting, load.kv_tokens,
-                                        req.num_tokens, max_batch=load.max_batch)
+            no = self.decode_gate.check(
+                load.batch_size,
+                load.waiting,
+                load.kv_tokens,
+                req.num_tokens,
+                max_batch=load.max_batch,
+            )
             if no is not None:
                 self.placement.release(req.rid)
                 if decode_tx is not None:
@@ -472,8 +542,13 @@ class Simulator:
             self._bar.update(1)
 
 
-def simulate(trace: Sequence[TraceRequest], cfg: SimConfig | None = None, *,
-             progress: bool = False, **overrides) -> dict:
+def simulate(
+    trace: Sequence[TraceRequest],
+    cfg: SimConfig | None = None,
+    *,
+    progress: bool = False,
+    **overrides,
+) -> dict:
     """Run ``trace`` through the simulator and return the summary dict (see
     :func:`perigee.sim.metrics.summarize`). ``overrides`` replace fields of ``cfg``."""
     from perigee.sim.metrics import summarize
@@ -520,6 +595,13 @@ def simulate_slice(
         "prefill_handoff_s": LIVE_PREFILL_HANDOFF_S,
     }
     placement_kw = {"report_grace_s": ConductorConfig.report_grace_s, **kw.pop("placement_kw", {})}
-    cfg = SimConfig(prefill=prefill, decode=decode, block_size=block_size, speed=speed,
-                    cost=base.with_speedup(speedup), placement_kw=placement_kw, **{**live, **kw})
+    cfg = SimConfig(
+        prefill=prefill,
+        decode=decode,
+        block_size=block_size,
+        speed=speed,
+        cost=base.with_speedup(speedup),
+        placement_kw=placement_kw,
+        **{**live, **kw},
+    )
     return simulate(trace, cfg)

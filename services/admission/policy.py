@@ -169,10 +169,14 @@ class EarlyRejectionPolicy(AdmissionPolicy):
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         pl = self.prefill_load(req)
         if pl is None:
-            return Rejection(ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s)
+            return Rejection(
+                ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
+            )
         dl = self.decode_load(req)
         if dl is None:
-            return Rejection(ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s)
+            return Rejection(
+                ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
+            )
         if pl > self.max_load:
             excess = (pl - self.max_load) * self.ttft_slo(req)
             return Rejection(
@@ -337,8 +341,13 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             return None
         share = 1.0 / len(live)
         return min(
-            ((p.queued_work_s + self._unseen.get(p.instance, 0.0) * share,
-              self.book.cost(p.instance).prefill_time(req.num_tokens)) for p in live),
+            (
+                (
+                    p.queued_work_s + self._unseen.get(p.instance, 0.0) * share,
+                    self.book.cost(p.instance).prefill_time(req.num_tokens),
+                )
+                for p in live
+            ),
             key=lambda plan: plan[0] + plan[1],
         )
 
@@ -386,8 +395,12 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             return None
         batch, ctx = self.predicted_decode(at, req.num_tokens)
         n = len(live)
-        tbt = sum(self.book.cost(d.instance).decode_tbt(batch / n, ctx / n, d.max_batch)
-                  for d in live) / n
+        tbt = (
+            sum(
+                self.book.cost(d.instance).decode_tbt(batch / n, ctx / n, d.max_batch) for d in live
+            )
+            / n
+        )
         return slo_share(tbt, self.tbt_slo(req))
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
@@ -399,12 +412,15 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         if plan is None:
             return
         now = self.clock.now()
-        self._add(req.request_id, _Admitted(
-            accepted_at=now,
-            prefill_done_at=now + plan[0] + plan[1],
-            tokens=req.num_tokens,
-            work_s=plan[1],
-        ))
+        self._add(
+            req.request_id,
+            _Admitted(
+                accepted_at=now,
+                prefill_done_at=now + plan[0] + plan[1],
+                tokens=req.num_tokens,
+                work_s=plan[1],
+            ),
+        )
 
     def forget(self, request_id: str) -> None:
         """The request ended early (rejected downstream, cancelled)."""
@@ -418,9 +434,7 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-def make_admission_policy(
-    name: str, clock: Clock, cost: CostModel, **kw: Any
-) -> AdmissionPolicy:
+def make_admission_policy(name: str, clock: Clock, cost: CostModel, **kw: Any) -> AdmissionPolicy:
     """Build the policy registered as ``name`` (``baseline`` | ``early`` | ``predict``).
     ``predict`` takes ``decode_time_s`` (t_d) and ``report_grace_s`` besides the rest."""
     try:
@@ -430,5 +444,3 @@ def make_admission_policy(
             f"unknown admission policy {name!r}; known: {sorted(ADMISSION_POLICIES)}"
         ) from None
     return cls(clock, cost, **kw)
-
-

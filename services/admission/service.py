@@ -119,8 +119,9 @@ class AdmissionService:
         await s.serve(
             subjects.LOAD_DECODE_ALL, DecodeLoad, self._on_decode_load, span_name="admission.load"
         )
-        await s.serve(subjects.CTL_ROLE, RoleSwitch, self._on_role_switch,
-                      span_name="admission.role_switch")
+        await s.serve(
+            subjects.CTL_ROLE, RoleSwitch, self._on_role_switch, span_name="admission.role_switch"
+        )
         await self.heard.wait(self.cfg.pools_wait_s)
         await s.serve(
             subjects.REQUESTS,
@@ -132,13 +133,19 @@ class AdmissionService:
         )
         if self.cfg.durable_intake:
             await intake_queue.ensure_streams(
-                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.INTAKE_STREAM])
+                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.INTAKE_STREAM]
+            )
             self.intake = intake_queue.QueueConsumer(
-                self.nc, intake_queue.INTAKE_STREAM, subjects.INTAKE, subjects.Q_ADMISSION,
-                self._on_intake, ack_wait_s=self.cfg.intake_ack_wait_s,
+                self.nc,
+                intake_queue.INTAKE_STREAM,
+                subjects.INTAKE,
+                subjects.Q_ADMISSION,
+                self._on_intake,
+                ack_wait_s=self.cfg.intake_ack_wait_s,
                 # Decided one at a time: few held at once, each well within the ack wait
                 # (one held past it would come again, as if its admission had died).
-                max_inflight=64)
+                max_inflight=64,
+            )
             await self.intake.start(s)
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("admission_started", policy=self.cfg.policy)
@@ -189,8 +196,9 @@ class AdmissionService:
                 await self._error(request_id, reply, ErrorCode.BAD_REQUEST, str(e))
             await m.term()
             return
-        with tracer().start_as_current_span("admission.request", context=extract(m.headers),
-                                            kind=trace.SpanKind.CONSUMER):
+        with tracer().start_as_current_span(
+            "admission.request", context=extract(m.headers), kind=trace.SpanKind.CONSUMER
+        ):
             await self._on_request(req, m, durable=True)
         await m.ack()
 
@@ -258,8 +266,9 @@ class AdmissionService:
         if not self.cfg.durable_intake:
             await bus.publish(self.nc, subjects.SCHEDULE, req)
             return
-        await bus.js_publish(self.js, subjects.SCHEDULE_QUEUE, encode(req),
-                             msg_id=req.request_id, headers=inject())
+        await bus.js_publish(
+            self.js, subjects.SCHEDULE_QUEUE, encode(req), msg_id=req.request_id, headers=inject()
+        )
 
     def fill(self, req: GenerateRequest, reply: str) -> tuple[GenerateRequest, str]:
         """The request with reply subject, block size/hashes and arrival time filled in,

@@ -84,8 +84,15 @@ def js_replicas() -> int:
         return 1
 
 
-async def js_publish(js: Any, subject: str, data: bytes, *, msg_id: str,
-                     timeout: float = 30.0, headers: dict[str, str] | None = None) -> Any:
+async def js_publish(
+    js: Any,
+    subject: str,
+    data: bytes,
+    *,
+    msg_id: str,
+    timeout: float = 30.0,
+    headers: dict[str, str] | None = None,
+) -> Any:
     """Publish to a JetStream stream until it acks. Each try carries the same
     ``Nats-Msg-Id``, so the stream stores the message once (its duplicate window) even
     when an ack was lost; the tries ride over a stream leader's election after a server
@@ -96,11 +103,20 @@ async def js_publish(js: Any, subject: str, data: bytes, *, msg_id: str,
     while True:
         left = deadline - asyncio.get_running_loop().time()
         try:
-            return await js.publish(subject, data, timeout=max(0.1, min(2.0, left)),
-                                    headers={**(headers or {}), "Nats-Msg-Id": msg_id})
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-                nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
-                nats.errors.ConnectionReconnectingError, nats.errors.OutboundBufferLimitError):
+            return await js.publish(
+                subject,
+                data,
+                timeout=max(0.1, min(2.0, left)),
+                headers={**(headers or {}), "Nats-Msg-Id": msg_id},
+            )
+        except (
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+        ):
             if asyncio.get_running_loop().time() + wait > deadline:
                 raise
             await asyncio.sleep(wait)
@@ -165,8 +181,10 @@ class PayloadTooLarge(ValueError):
     out its timeout."""
 
     def __init__(self, subject: str, size: int, limit: int) -> None:
-        super().__init__(f"message on {subject} is {size} bytes, over the NATS server's "
-                         f"max_payload of {limit} bytes")
+        super().__init__(
+            f"message on {subject} is {size} bytes, over the NATS server's "
+            f"max_payload of {limit} bytes"
+        )
         self.subject, self.size, self.limit = subject, size, limit
 
 
@@ -179,8 +197,9 @@ def check_size(nc: NATS, subject: str, data: bytes, headers: dict[str, str] | No
         raise PayloadTooLarge(subject, size, nc.max_payload)
 
 
-async def send(nc: NATS, subject: str, data: bytes, reply: str = "",
-               headers: dict[str, str] | None = None) -> None:
+async def send(
+    nc: NATS, subject: str, data: bytes, reply: str = "", headers: dict[str, str] | None = None
+) -> None:
     check_size(nc, subject, data, headers)
     await nc.publish(subject, data, reply=reply, headers=headers)
 
@@ -229,8 +248,16 @@ async def send_error(
 ) -> None:
     """Fail a request on its stream subject (and count it by reason)."""
     metrics.count_rejection(service, code, message)
-    await publish(nc, reply, Error(request_id=request_id, code=ErrorCode(code), message=message,
-                                   retry_after_s=retry_after_s))
+    await publish(
+        nc,
+        reply,
+        Error(
+            request_id=request_id,
+            code=ErrorCode(code),
+            message=message,
+            retry_after_s=retry_after_s,
+        ),
+    )
 
 
 class Subscriptions:

@@ -177,8 +177,12 @@ def decode_poly(d: Sequence[float]) -> Poly2D:
     return Poly2D(((0, 0, d0), (1, 0, d1), (0, 1, d2)))
 
 
-def model_from(prior: CostModel, prefill: Sequence[float] | None,
-               decode: Sequence[float] | None, meta: dict[str, Any] | None = None) -> CostModel:
+def model_from(
+    prior: CostModel,
+    prefill: Sequence[float] | None,
+    decode: Sequence[float] | None,
+    meta: dict[str, Any] | None = None,
+) -> CostModel:
     """``prior`` with its prefill and/or decode times replaced by the fitted form, in
     measured seconds (transfer times and KV sizes stay the prior's)."""
     if prefill is None and decode is None:
@@ -210,9 +214,16 @@ class OnlineFit:
     """One instance's fit. ``prior`` (the analytic model, or a fit kept on disk) gives
     the coefficients before any sample and the shape the ridge pulls toward."""
 
-    def __init__(self, prior: CostModel, *, window: int = 64, half_life: float = 16.0,
-                 decode_window: int = 256, decode_half_life: float = 64.0,
-                 prior_weight: float = 0.01) -> None:
+    def __init__(
+        self,
+        prior: CostModel,
+        *,
+        window: int = 64,
+        half_life: float = 16.0,
+        decode_window: int = 256,
+        decode_half_life: float = 64.0,
+        prior_weight: float = 0.01,
+    ) -> None:
         self.prior = prior
         self.prior_prefill = prior_prefill(prior)
         self.prior_decode = prior_decode(prior)
@@ -259,10 +270,16 @@ class OnlineFit:
     def model(self) -> CostModel:
         """A CostModel whose prefill and decode times are this instance's fit."""
         if self._model is None:
-            self._model = model_from(self.prior, self.prefill_coef(), self.decode_coef(), {
-                "source": "online", "prefill_samples": self.prefill_samples,
-                "decode_samples": self.decode_samples,
-            })
+            self._model = model_from(
+                self.prior,
+                self.prefill_coef(),
+                self.decode_coef(),
+                {
+                    "source": "online",
+                    "prefill_samples": self.prefill_samples,
+                    "decode_samples": self.decode_samples,
+                },
+            )
         return self._model
 
 
@@ -287,8 +304,12 @@ class CalibrationBook:
         c = self._coef.get(instance)
         return c is not None and c[0 if part == "prefill" else 1] is not None
 
-    def observe(self, instance: str, prefill: Sequence[float] | None = None,
-                decode: Sequence[float] | None = None) -> None:
+    def observe(
+        self,
+        instance: str,
+        prefill: Sequence[float] | None = None,
+        decode: Sequence[float] | None = None,
+    ) -> None:
         """The instance's latest coefficients (None: that part unchanged)."""
         if self.fixed or (prefill is None and decode is None):
             return
@@ -317,7 +338,8 @@ class CalibrationBook:
 def _coef(c: Sequence[float] | None) -> Coef | None:
     if c is None:
         return None
-    if len(c) != 3 or not all(isinstance(v, int | float) and math.isfinite(v) and v >= 0
-                              for v in c):
+    if len(c) != 3 or not all(
+        isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in c
+    ):
         return None  # a malformed report keeps what was known
     return (float(c[0]), float(c[1]), float(c[2]))

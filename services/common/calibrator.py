@@ -47,8 +47,13 @@ YOUNG_SAMPLES = 32
 
 
 class Calibrator:
-    def __init__(self, fit: OnlineFit, *, path: Path | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        fit: OnlineFit,
+        *,
+        path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.fit = fit
         self.path = path
         self._clock = clock
@@ -80,7 +85,8 @@ class Calibrator:
         self._cost_fit = CostFit(
             prefill=list(f.prefill_coef()) if has_p else None,
             decode=list(f.decode_coef()) if has_d else None,
-            prefill_samples=f.prefill_samples, decode_samples=f.decode_samples,
+            prefill_samples=f.prefill_samples,
+            decode_samples=f.decode_samples,
         )
         self._fitted_at, self._fitted_on = now, seen
 
@@ -195,8 +201,9 @@ def load_prior(path: Path | None, default: CostModel) -> CostModel:
         return default
 
 
-def for_worker(engine: str, model_dir: str | Path, model_name: str, prior: CostModel,
-               engine_speedup: float) -> Calibrator:
+def for_worker(
+    engine: str, model_dir: str | Path, model_name: str, prior: CostModel, engine_speedup: float
+) -> Calibrator:
     """The instance's calibrator: starting from the fit kept on disk for this model,
     machine and engine, else from ``prior``."""
     path = fit_path(model_dir, model_name, engine, engine_speedup)

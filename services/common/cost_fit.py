@@ -134,9 +134,7 @@ def fit_poly2d(
     return poly, stats
 
 
-def fit_prefill(
-    samples: Iterable[PrefillSample], degree: int = 2
-) -> tuple[Poly2D, dict[str, Any]]:
+def fit_prefill(samples: Iterable[PrefillSample], degree: int = 2) -> tuple[Poly2D, dict[str, Any]]:
     return fit_poly2d(((s.n, s.p, s.seconds) for s in samples), monomials(degree))
 
 

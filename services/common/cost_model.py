@@ -73,8 +73,9 @@ class CostModel:
         rounds = math.ceil(batch_size / max_batch)
         return rounds * self.decode_step_time(batch_size / rounds, context_tokens / rounds)
 
-    def tbt_joining(self, running: int, waiting: int, kv_tokens: int, num_tokens: int,
-                    max_batch: int = 0) -> float:
+    def tbt_joining(
+        self, running: int, waiting: int, kv_tokens: int, num_tokens: int, max_batch: int = 0
+    ) -> float:
         """The TBT rule every decision uses (placement, Early Rejection, the decode-side
         check): the token interval on an instance with ``running`` + ``waiting``
         sequences holding ``kv_tokens`` of context once a request of ``num_tokens``

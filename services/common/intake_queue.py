@@ -63,18 +63,27 @@ def placed_subject(request_id: str) -> str:
 def stream_configs(replicas: int) -> dict[str, api.StreamConfig]:
     def queue(name: str, subject: str) -> api.StreamConfig:
         return api.StreamConfig(
-            name=name, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE,
-            storage=api.StorageType.FILE, num_replicas=replicas,
-            duplicate_window=DUP_WINDOW_S)
+            name=name,
+            subjects=[subject],
+            retention=api.RetentionPolicy.WORK_QUEUE,
+            storage=api.StorageType.FILE,
+            num_replicas=replicas,
+            duplicate_window=DUP_WINDOW_S,
+        )
 
     return {
         INTAKE_STREAM: queue(INTAKE_STREAM, subjects.INTAKE),
         SCHEDULE_STREAM: queue(SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE),
         PLACED_STREAM: api.StreamConfig(
-            name=PLACED_STREAM, subjects=[subjects.placed("*")],
-            retention=api.RetentionPolicy.LIMITS, storage=api.StorageType.FILE,
-            num_replicas=replicas, max_msgs_per_subject=1, max_age=PLACED_MAX_AGE_S,
-            duplicate_window=DUP_WINDOW_S),
+            name=PLACED_STREAM,
+            subjects=[subjects.placed("*")],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE,
+            num_replicas=replicas,
+            max_msgs_per_subject=1,
+            max_age=PLACED_MAX_AGE_S,
+            duplicate_window=DUP_WINDOW_S,
+        ),
     }
 
 
@@ -93,8 +102,12 @@ async def ensure_streams(js: Any, names: list[str], timeout: float = 30.0) -> No
                     await js.update_stream(cfgs[name])
                     break
                 raise
-            except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError,
-                    nats.errors.NoRespondersError, nats.js.errors.APIError) as e:
+            except (
+                nats.errors.TimeoutError,
+                nats.js.errors.ServiceUnavailableError,
+                nats.errors.NoRespondersError,
+                nats.js.errors.APIError,
+            ) as e:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 log.warning("intake_stream_retry", stream=name, error=str(e))
@@ -108,8 +121,12 @@ async def claim(js: Any, request_id: str, task: bytes) -> tuple[bytes, bool]:
     subject = placed_subject(request_id)
     try:
         ack = await bus.js_publish(
-            js, subject, task, msg_id=f"placed:{request_id}",
-            headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+            js,
+            subject,
+            task,
+            msg_id=f"placed:{request_id}",
+            headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+        )
         if not ack.duplicate:
             return task, True
     except nats.js.errors.APIError as e:
@@ -135,15 +152,21 @@ def redelivered(m: NatsMsg) -> bool:
         return False
 
 
-def consumer_config(durable: str, subject: str, ack_wait_s: float = ACK_WAIT_S,
-                    max_inflight: int = 256) -> api.ConsumerConfig:
+def consumer_config(
+    durable: str, subject: str, ack_wait_s: float = ACK_WAIT_S, max_inflight: int = 256
+) -> api.ConsumerConfig:
     """A durable push consumer delivered to a queue group (``durable``): every copy of
     the service shares it, acks by hand, and the server redelivers what one of them
     held unacked for ``ack_wait_s``; at most ``max_inflight`` are out at once."""
     return api.ConsumerConfig(
-        durable_name=durable, deliver_group=durable, ack_policy=api.AckPolicy.EXPLICIT,
-        ack_wait=ack_wait_s, max_deliver=-1, max_ack_pending=max_inflight,
-        filter_subject=subject)
+        durable_name=durable,
+        deliver_group=durable,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=max_inflight,
+        filter_subject=subject,
+    )
 
 
 class QueueConsumer:
@@ -154,9 +177,18 @@ class QueueConsumer:
     Push, not pull: a message goes out the moment it is stored (a pull batch would wait
     for the batch to fill or its request to expire)."""
 
-    def __init__(self, nc: Any, stream: str, subject: str, durable: str,
-                 handle: Callable[[NatsMsg], Awaitable[None]], *, concurrent: bool = False,
-                 ack_wait_s: float = ACK_WAIT_S, max_inflight: int = 256) -> None:
+    def __init__(
+        self,
+        nc: Any,
+        stream: str,
+        subject: str,
+        durable: str,
+        handle: Callable[[NatsMsg], Awaitable[None]],
+        *,
+        concurrent: bool = False,
+        ack_wait_s: float = ACK_WAIT_S,
+        max_inflight: int = 256,
+    ) -> None:
         self.nc, self.js = nc, nc.jetstream()
         self.stream, self.subject, self.durable = stream, subject, durable
         self.handle, self.concurrent = handle, concurrent
@@ -174,8 +206,14 @@ class QueueConsumer:
                 await self._run(m)
 
         self._sub = await self.js.subscribe(
-            self.subject, queue=self.durable, durable=self.durable, stream=self.stream,
-            cb=cb, manual_ack=True, config=self.cfg)
+            self.subject,
+            queue=self.durable,
+            durable=self.durable,
+            stream=self.stream,
+            cb=cb,
+            manual_ack=True,
+            config=self.cfg,
+        )
 
     async def close(self) -> None:
         """Stop taking messages (the durable consumer stays for the other copies)."""

@@ -35,23 +35,31 @@ class KVLayout:
         raw = np.frombuffer(slot_buf, dtype=np.uint8)[start:end]
         return raw.view(self.dtype).reshape(2, self.block_size, self.row)
 
-    def read_tokens(self, slots: Sequence[memoryview], layer: int, start: int, end: int) -> np.ndarray:
+    def read_tokens(
+        self, slots: Sequence[memoryview], layer: int, start: int, end: int
+    ) -> np.ndarray:
         """KV of token positions [start, end) of ``layer``, gathered across blocks: [2, n, row]."""
         out = np.empty((2, end - start, self.row), dtype=self.dtype)
         pos = start
         while pos < end:
             b, off = divmod(pos, self.block_size)
             n = min(self.block_size - off, end - pos)
-            out[:, pos - start : pos - start + n] = self.layer_view(slots[b], layer)[:, off : off + n]
+            out[:, pos - start : pos - start + n] = self.layer_view(slots[b], layer)[
+                :, off : off + n
+            ]
             pos += n
         return out
 
-    def write_tokens(self, slots: Sequence[memoryview], layer: int, start: int, kv: np.ndarray) -> None:
+    def write_tokens(
+        self, slots: Sequence[memoryview], layer: int, start: int, kv: np.ndarray
+    ) -> None:
         """Scatter ``kv`` ([2, n, row]) into token positions starting at ``start``."""
         end = start + kv.shape[1]
         pos = start
         while pos < end:
             b, off = divmod(pos, self.block_size)
             n = min(self.block_size - off, end - pos)
-            self.layer_view(slots[b], layer)[:, off : off + n] = kv[:, pos - start : pos - start + n]
+            self.layer_view(slots[b], layer)[:, off : off + n] = kv[
+                :, pos - start : pos - start + n
+            ]
             pos += n

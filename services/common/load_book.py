@@ -17,8 +17,14 @@ PREFILL, DECODE = Role.PREFILL, Role.DECODE
 
 
 class LoadBook:
-    def __init__(self, clock: Clock, cost: CostModel, *, dead_after_s: float = 2.0,
-                 calibration: CalibrationBook | None = None) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        cost: CostModel,
+        *,
+        dead_after_s: float = 2.0,
+        calibration: CalibrationBook | None = None,
+    ) -> None:
         self.calibration = calibration if calibration is not None else CalibrationBook(cost)
         self.prefill: dict[str, PrefillLoad] = {}
         self.decode: dict[str, DecodeLoad] = {}

@@ -85,15 +85,94 @@ prometheus_client.GCCollector(registry=REGISTRY)
 P = "perigee:"
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 # Stages are much shorter than a request: finer at the low end.
-STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                 5.0, 10.0, 30.0, 60.0, 120.0)
+STAGE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 def buckets_1_2_5(limit: int) -> tuple[int, ...]:
@@ -112,77 +191,153 @@ TOKEN_BUCKETS = buckets_1_2_5(131072)
 M = ["model_name"]
 
 # ------------------------------------------------------------------ gateway
-TTFT = Histogram(P + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                 M, buckets=TTFT_BUCKETS, registry=None)
-ITL = Histogram(P + "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                M, buckets=ITL_BUCKETS, registry=None)
-TPOT = Histogram(P + "request_time_per_output_token_seconds",
-                 "Histogram of time_per_output_token_seconds per request.", M,
-                 buckets=ITL_BUCKETS, registry=None)
-E2E = Histogram(P + "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                M, buckets=REQUEST_LATENCY_BUCKETS, registry=None)
-REQUEST_PROMPT_TOKENS = Histogram(P + "request_prompt_tokens", "Number of prefill tokens processed.",
-                                  M, buckets=TOKEN_BUCKETS, registry=None)
-REQUEST_GENERATION_TOKENS = Histogram(P + "request_generation_tokens",
-                                      "Number of generation tokens processed.", M,
-                                      buckets=TOKEN_BUCKETS, registry=None)
-REQUEST_MAX_TOKENS = Histogram(P + "request_params_max_tokens",
-                               "Histogram of the max_tokens request parameter.", M,
-                               buckets=TOKEN_BUCKETS, registry=None)
-PROMPT_TOKENS = Counter(P + "prompt_tokens", "Number of prefill tokens processed.", M, registry=None)
-GENERATION_TOKENS = Counter(P + "generation_tokens", "Number of generation tokens processed.", M,
-                            registry=None)
-REQUEST_SUCCESS = Counter(P + "request_success", "Count of successfully processed requests.",
-                          [*M, "finished_reason"], registry=None)
-REQUEST_ERRORS = Counter(P + "request_errors", "Requests answered with an HTTP error, by status.",
-                         [*M, "status"], registry=None)
-IN_FLIGHT = Gauge(P + "gateway_requests_in_flight", "Requests the gateway is serving now.",
-                  registry=None)
-MAX_INFLIGHT = Gauge(P + "gateway_max_requests_in_flight",
-                     "The gateway's cap on requests served at once (--max-inflight).", registry=None)
-INFLIGHT_REJECTIONS = Counter(P + "gateway_requests_over_inflight_cap",
-                              "Requests the gateway answered 429 because it was at its cap.",
-                              registry=None)
+TTFT = Histogram(
+    P + "time_to_first_token_seconds",
+    "Histogram of time to first token in seconds.",
+    M,
+    buckets=TTFT_BUCKETS,
+    registry=None,
+)
+ITL = Histogram(
+    P + "inter_token_latency_seconds",
+    "Histogram of inter-token latency in seconds.",
+    M,
+    buckets=ITL_BUCKETS,
+    registry=None,
+)
+TPOT = Histogram(
+    P + "request_time_per_output_token_seconds",
+    "Histogram of time_per_output_token_seconds per request.",
+    M,
+    buckets=ITL_BUCKETS,
+    registry=None,
+)
+E2E = Histogram(
+    P + "e2e_request_latency_seconds",
+    "Histogram of e2e request latency in seconds.",
+    M,
+    buckets=REQUEST_LATENCY_BUCKETS,
+    registry=None,
+)
+REQUEST_PROMPT_TOKENS = Histogram(
+    P + "request_prompt_tokens",
+    "Number of prefill tokens processed.",
+    M,
+    buckets=TOKEN_BUCKETS,
+    registry=None,
+)
+REQUEST_GENERATION_TOKENS = Histogram(
+    P + "request_generation_tokens",
+    "Number of generation tokens processed.",
+    M,
+    buckets=TOKEN_BUCKETS,
+    registry=None,
+)
+REQUEST_MAX_TOKENS = Histogram(
+    P + "request_params_max_tokens",
+    "Histogram of the max_tokens request parameter.",
+    M,
+    buckets=TOKEN_BUCKETS,
+    registry=None,
+)
+PROMPT_TOKENS = Counter(
+    P + "prompt_tokens", "Number of prefill tokens processed.", M, registry=None
+)
+GENERATION_TOKENS = Counter(
+    P + "generation_tokens", "Number of generation tokens processed.", M, registry=None
+)
+REQUEST_SUCCESS = Counter(
+    P + "request_success",
+    "Count of successfully processed requests.",
+    [*M, "finished_reason"],
+    registry=None,
+)
+REQUEST_ERRORS = Counter(
+    P + "request_errors",
+    "Requests answered with an HTTP error, by status.",
+    [*M, "status"],
+    registry=None,
+)
+IN_FLIGHT = Gauge(
+    P + "gateway_requests_in_flight", "Requests the gateway is serving now.", registry=None
+)
+MAX_INFLIGHT = Gauge(
+    P + "gateway_max_requests_in_flight",
+    "The gateway's cap on requests served at once (--max-inflight).",
+    registry=None,
+)
+INFLIGHT_REJECTIONS = Counter(
+    P + "gateway_requests_over_inflight_cap",
+    "Requests the gateway answered 429 because it was at its cap.",
+    registry=None,
+)
 
 # ------------------------------------------------------------------ admission / conductor
-REJECTIONS = Counter(P + "requests_rejected",
-                     "Requests refused before prefill, by service, status code and reason.",
-                     ["service", "code", "reason"], registry=None)
-ADMITTED = Counter(P + "requests_admitted", "Requests admission forwarded to the conductor.",
-                   registry=None)
-INTAKE_RESENT = Counter(P + "intake_placements_resent", "Placements a conductor sent again "
-                        "from their claim (a redelivered request, already placed once).",
-                        registry=None)
-MIGRATIONS = Counter(P + "migrations", "Requests resent after their prefill or decode instance "
-                     "died, as the conductor placed them, by reason.", ["reason"], registry=None)
+REJECTIONS = Counter(
+    P + "requests_rejected",
+    "Requests refused before prefill, by service, status code and reason.",
+    ["service", "code", "reason"],
+    registry=None,
+)
+ADMITTED = Counter(
+    P + "requests_admitted", "Requests admission forwarded to the conductor.", registry=None
+)
+INTAKE_RESENT = Counter(
+    P + "intake_placements_resent",
+    "Placements a conductor sent again "
+    "from their claim (a redelivered request, already placed once).",
+    registry=None,
+)
+MIGRATIONS = Counter(
+    P + "migrations",
+    "Requests resent after their prefill or decode instance "
+    "died, as the conductor placed them, by reason.",
+    ["reason"],
+    registry=None,
+)
 MIGRATION_KV_TOKENS = Counter(
-    P + "migration_kv_tokens", "Context tokens of migrated requests a decode instance took over: "
+    P + "migration_kv_tokens",
+    "Context tokens of migrated requests a decode instance took over: "
     "kind=pulled (KV loaded from a store, not computed) or recomputed (prefill computed them "
-    "again: the generated tokens and the prompt's partial last block).", ["kind"], registry=None)
+    "again: the generated tokens and the prompt's partial last block).",
+    ["kind"],
+    registry=None,
+)
 
 
 def _stage(name: str, doc: str, labels: Iterable[str] = ()) -> Histogram:
     return Histogram(P + name, doc, list(labels), buckets=STAGE_BUCKETS, registry=None)
 
 
-SCHEDULING_TIME = _stage("request_scheduling_time_seconds",
-                         "Conductor placement plus store transactions (span conductor.place).")
-QUEUE_TIME = _stage("request_queue_time_seconds",
-                    "Time spent waiting in the prefill queue (span prefill.queue).")
-PREFIX_LOAD_TIME = _stage("request_prefix_load_time_seconds",
-                          "Remote prefix pulled into the prefill node (span prefill.load_prefix).")
-PREFILL_TIME = _stage("request_prefill_time_seconds",
-                      "Layer-wise prefill compute (span prefill.compute).")
-KV_TRANSFER_TIME = _stage("kv_transfer_time_seconds",
-                          "KV shipped from the prefill to the decode node, overlapping the "
-                          "compute (span prefill.ship).")
-DECODE_LOAD_TIME = _stage("request_decode_load_time_seconds",
-                          "Decode engine loading the request's KV from its node's store "
-                          "(span decode.load_kv).")
-DECODE_TIME = _stage("request_decode_time_seconds",
-                     "Time spent generating after the first token (span decode.generate).")
-STORE_TRANSFER_TIME = _stage("store_transfer_time_seconds",
-                             "Data-plane operations of a store (spans store.*).", ["op"])
+SCHEDULING_TIME = _stage(
+    "request_scheduling_time_seconds",
+    "Conductor placement plus store transactions (span conductor.place).",
+)
+QUEUE_TIME = _stage(
+    "request_queue_time_seconds", "Time spent waiting in the prefill queue (span prefill.queue)."
+)
+PREFIX_LOAD_TIME = _stage(
+    "request_prefix_load_time_seconds",
+    "Remote prefix pulled into the prefill node (span prefill.load_prefix).",
+)
+PREFILL_TIME = _stage(
+    "request_prefill_time_seconds", "Layer-wise prefill compute (span prefill.compute)."
+)
+KV_TRANSFER_TIME = _stage(
+    "kv_transfer_time_seconds",
+    "KV shipped from the prefill to the decode node, overlapping the compute (span prefill.ship).",
+)
+DECODE_LOAD_TIME = _stage(
+    "request_decode_load_time_seconds",
+    "Decode engine loading the request's KV from its node's store (span decode.load_kv).",
+)
+DECODE_TIME = _stage(
+    "request_decode_time_seconds",
+    "Time spent generating after the first token (span decode.generate).",
+)
+STORE_TRANSFER_TIME = _stage(
+    "store_transfer_time_seconds", "Data-plane operations of a store (spans store.*).", ["op"]
+)
 
 # Online calibration (services.common.calibrator): the instance's fit at the start of a
 # prefill's compute over the compute's measured time; 1.0 is a perfect prediction.
@@ -190,7 +345,9 @@ RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.05, 1.11, 1.25, 1.5, 2.0, 4.
 PREFILL_PREDICTED_OVER_MEASURED = Histogram(
     P + "prefill_time_predicted_over_measured",
     "Prefill compute time predicted by the instance's own online fit over the measured time.",
-    buckets=RATIO_BUCKETS, registry=None)
+    buckets=RATIO_BUCKETS,
+    registry=None,
+)
 
 # span name -> (histogram, labels)
 SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
@@ -209,13 +366,31 @@ SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
 }
 
 GROUPS: dict[str, list[Any]] = {
-    "gateway": [TTFT, ITL, TPOT, E2E, REQUEST_PROMPT_TOKENS, REQUEST_GENERATION_TOKENS,
-                REQUEST_MAX_TOKENS, PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS,
-                REQUEST_ERRORS, IN_FLIGHT, MAX_INFLIGHT, INFLIGHT_REJECTIONS],
+    "gateway": [
+        TTFT,
+        ITL,
+        TPOT,
+        E2E,
+        REQUEST_PROMPT_TOKENS,
+        REQUEST_GENERATION_TOKENS,
+        REQUEST_MAX_TOKENS,
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        REQUEST_SUCCESS,
+        REQUEST_ERRORS,
+        IN_FLIGHT,
+        MAX_INFLIGHT,
+        INFLIGHT_REJECTIONS,
+    ],
     "admission": [REJECTIONS, ADMITTED],
     "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS, INTAKE_RESENT],
-    Role.PREFILL: [QUEUE_TIME, PREFIX_LOAD_TIME, PREFILL_TIME, KV_TRANSFER_TIME,
-                PREFILL_PREDICTED_OVER_MEASURED],
+    Role.PREFILL: [
+        QUEUE_TIME,
+        PREFIX_LOAD_TIME,
+        PREFILL_TIME,
+        KV_TRANSFER_TIME,
+        PREFILL_PREDICTED_OVER_MEASURED,
+    ],
     Role.DECODE: [DECODE_LOAD_TIME, DECODE_TIME, MIGRATION_KV_TOKENS],
     "store": [STORE_TRANSFER_TIME],
 }
@@ -224,7 +399,9 @@ GROUPS: dict[str, list[Any]] = {
 class SpanMetrics(SpanProcessor):
     """Observes the stage histograms when their spans end (errors are not observed)."""
 
-    def __init__(self, histograms: dict[str, tuple[Histogram, dict[str, str]]] | None = None) -> None:
+    def __init__(
+        self, histograms: dict[str, tuple[Histogram, dict[str, str]]] | None = None
+    ) -> None:
         self.histograms = SPAN_HISTOGRAMS if histograms is None else histograms
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -354,13 +531,18 @@ async def serve_metrics(host: str, port: int) -> MetricsServer:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve Prometheus /metrics on this port (0: off)",
+    )
     p.add_argument("--metrics-host", default="127.0.0.1", help="address /metrics binds")
 
 
-async def start_from_args(args: argparse.Namespace, services: str | Iterable[str],
-                          *collectors: Collector) -> MetricsServer | None:
+async def start_from_args(
+    args: argparse.Namespace, services: str | Iterable[str], *collectors: Collector
+) -> MetricsServer | None:
     """:func:`setup` (of one service or several, e.g. a switchable worker's two roles)
     plus :func:`serve_metrics`, when ``--metrics-port`` is set."""
     if not getattr(args, "metrics_port", 0):

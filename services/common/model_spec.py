@@ -51,7 +51,9 @@ class ModelSpec:
         return block_size * self.kv_bytes_per_token_layer
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], name: str = "", dtype: str | None = None) -> "ModelSpec":
+    def from_config(
+        cls, cfg: dict[str, Any], name: str = "", dtype: str | None = None
+    ) -> "ModelSpec":
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos_ids = _ids(cfg.get("eos_token_id"))

@@ -38,8 +38,10 @@ def expected_prefix_blocks(expected_hit: int, source: PrefixSource | None) -> in
     if source is None or source.num_blocks <= 0:
         return expected_hit
     if source.first_block > expected_hit:
-        raise BadPrefix(f"remote prefix starts at block {source.first_block} "
-                        f"but only {expected_hit} blocks are local")
+        raise BadPrefix(
+            f"remote prefix starts at block {source.first_block} "
+            f"but only {expected_hit} blocks are local"
+        )
     return max(expected_hit, source.first_block + source.num_blocks)
 
 
@@ -63,9 +65,16 @@ class Job:
     num_tokens: int
 
 
-def jobs(*, prefill_node: str, decode_node: str, source: PrefixSource | None,
-         block_hashes: list[int], num_tokens: int, block_size: int,
-         roles: set[str]) -> dict[str, Job]:
+def jobs(
+    *,
+    prefill_node: str,
+    decode_node: str,
+    source: PrefixSource | None,
+    block_hashes: list[int],
+    num_tokens: int,
+    block_size: int,
+    roles: set[str],
+) -> dict[str, Job]:
     """The TxAllocates of one round, for the ``roles`` still wanted."""
     out: dict[str, Job] = {}
     if PREFILL in roles:
@@ -74,8 +83,9 @@ def jobs(*, prefill_node: str, decode_node: str, source: PrefixSource | None,
         out[DECODE] = Job(decode_node, TxRole.DECODE, block_hashes, num_tokens)
     if SOURCE in roles and source is not None:
         end = source.first_block + source.num_blocks
-        out[SOURCE] = Job(source.node, TxRole.SOURCE, block_hashes[:end],
-                          min(num_tokens, end * block_size))
+        out[SOURCE] = Job(
+            source.node, TxRole.SOURCE, block_hashes[:end], min(num_tokens, end * block_size)
+        )
     return out
 
 
@@ -130,8 +140,9 @@ class Grant:
         if self.pull is None:
             return 0
         first, count = self.pull
-        return (prefix_tokens(num_tokens, first + count, block_size)
-                - prefix_tokens(num_tokens, first, block_size))
+        return prefix_tokens(num_tokens, first + count, block_size) - prefix_tokens(
+            num_tokens, first, block_size
+        )
 
     def ship_tokens(self, num_tokens: int, block_size: int) -> int:
         return num_tokens - prefix_tokens(num_tokens, self.ship_from_block, block_size)
@@ -146,9 +157,12 @@ def source_plan(source: PrefixSource | None, hit: int) -> tuple[int, int] | None
     return (hit, end - hit) if hit < end else None
 
 
-def grant(source: PrefixSource | None, *, prefill_hit: int, decode_hit: int = 0,
-          source_granted: bool) -> Grant:
+def grant(
+    source: PrefixSource | None, *, prefill_hit: int, decode_hit: int = 0, source_granted: bool
+) -> Grant:
     """From the grants: the prefill node's hit (``prefill_hit`` blocks), the decode
     node's, and whether the SOURCE transaction was granted."""
     pull = source_plan(source, prefill_hit) if source_granted else None
-    return Grant(prefix_blocks=prefix_after(prefill_hit, pull), pull=pull, ship_from_block=decode_hit)
+    return Grant(
+        prefix_blocks=prefix_after(prefill_hit, pull), pull=pull, ship_from_block=decode_hit
+    )

@@ -102,8 +102,9 @@ class StoreTx:
 
     async def renew(self, node: str, tx_ids: list[str], lease_s: float) -> TxRenewed | None:
         """None when the store did not answer (the leases stand as they were)."""
-        rep = await self._request(node, "tx.renew", TxRenew(tx_ids=tx_ids, lease_s=lease_s),
-                                  TxRenewed)
+        rep = await self._request(
+            node, "tx.renew", TxRenew(tx_ids=tx_ids, lease_s=lease_s), TxRenewed
+        )
         return rep if isinstance(rep, TxRenewed) else None
 
     async def _request(self, node: str, ep: str, msg: Any, reply_type: Any) -> Any:
@@ -168,8 +169,7 @@ class LeaseKeeper:
                     self._expires[(node, t)] = rep.expires_at
             for t in rep.unknown:
                 if (node, t) in self._held:
-                    log.warning("lease_lost", node=node, tx_id=t,
-                                request_id=self._held[(node, t)])
+                    log.warning("lease_lost", node=node, tx_id=t, request_id=self._held[(node, t)])
                     self.lost.add((node, t))
                     self._expires[(node, t)] = 0.0
 

@@ -104,8 +104,11 @@ class Tokenizer:
         self.bos_token = _token_str(cfg.get("bos_token")) or "<s>"
         self.eos_token = _token_str(cfg.get("eos_token")) or "</s>"
         # Every special token by name, as transformers passes them to a chat template.
-        self._template_tokens = {k: _token_str(v) for k, v in cfg.items()
-                                 if k.endswith("_token") and _token_str(v) is not None}
+        self._template_tokens = {
+            k: _token_str(v)
+            for k, v in cfg.items()
+            if k.endswith("_token") and _token_str(v) is not None
+        }
         self._template_tokens.update(bos_token=self.bos_token, eos_token=self.eos_token)
         self.chat_template: str = cfg.get("chat_template") or CHAT_TEMPLATE
         vocab = hf.get_vocab(with_added_tokens=True)
@@ -214,13 +217,20 @@ def compile_chat_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise ValueError(f"the chat template refused the messages: {message}")
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

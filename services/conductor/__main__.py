@@ -30,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.conductor", description=__doc__)
     ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     ap.add_argument("--id", default="conductor-0", help="conductor id (its events subject)")
-    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block")
+    ap.add_argument(
+        "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block"
+    )
     ap.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO, seconds")
     ap.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="TBT SLO, seconds")
     ap.add_argument(
@@ -85,12 +87,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.05,
         help="a load report must be this much newer than a dispatch to cover it, s",
     )
-    ap.add_argument("--durable-intake", action=argparse.BooleanOptionalAction, default=True,
-                    help="serve the JetStream intake work queue (services.common.intake_queue); "
-                         "--no-durable-intake: core NATS only, for a bus without JetStream")
-    ap.add_argument("--intake-ack-wait", type=float, default=5.0,
-                    help="seconds a request held by a copy that died waits before another "
-                         "copy gets it")
+    ap.add_argument(
+        "--durable-intake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve the JetStream intake work queue (services.common.intake_queue); "
+        "--no-durable-intake: core NATS only, for a bus without JetStream",
+    )
+    ap.add_argument(
+        "--intake-ack-wait",
+        type=float,
+        default=5.0,
+        help="seconds a request held by a copy that died waits before another copy gets it",
+    )
     ap.add_argument("--log-level", default="INFO")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)

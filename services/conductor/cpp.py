@@ -169,17 +169,17 @@ def form_groups(instances: Sequence[str], size: int) -> list[tuple[str, ...]]:
     if size <= 1:
         return []
     ordered = sorted(instances)
-    return [tuple(ordered[i:i + size]) for i in range(0, len(ordered) - size + 1, size)]
+    return [tuple(ordered[i : i + size]) for i in range(0, len(ordered) - size + 1, size)]
 
 
-def anchor_of(members: Sequence[str], node_of: Mapping[str, str],
-              own: Mapping[str, int]) -> str:
+def anchor_of(members: Sequence[str], node_of: Mapping[str, str], own: Mapping[str, int]) -> str:
     """The member whose node holds the longest cached prefix (ties: by name)."""
     return min(members, key=lambda m: (-own.get(node_of[m], 0), m))
 
 
-def order_stages(members: Sequence[str], queues: Mapping[str, float],
-                 anchor: str = "") -> tuple[str, ...]:
+def order_stages(
+    members: Sequence[str], queues: Mapping[str, float], anchor: str = ""
+) -> tuple[str, ...]:
     """Pipeline order: by queued work, the least busy first; on a tie the anchor
     first (it needs no slices), then by name."""
     return tuple(sorted(members, key=lambda m: (queues[m], m != anchor, m)))

@@ -117,10 +117,13 @@ class PDRatioController:
         # A backlog past max_batch is load too: those sequences take turns with the batch.
         if self.book is not None and self.book.calibrated(load.instance, "decode"):
             tbt = self.book.cost(load.instance).decode_tbt(
-                load.batch_size + load.waiting, load.kv_tokens, load.max_batch)
+                load.batch_size + load.waiting, load.kv_tokens, load.max_batch
+            )
             self.observe(Role.DECODE, load.instance, tbt / tbt_slo_s)
             return
-        rounds = math.ceil((load.batch_size + load.waiting) / load.max_batch) if load.max_batch else 1
+        rounds = (
+            math.ceil((load.batch_size + load.waiting) / load.max_batch) if load.max_batch else 1
+        )
         self.observe(Role.DECODE, load.instance, load.step_time_s * max(rounds, 1) / tbt_slo_s)
 
     def forget(self, instance: str) -> None:
@@ -138,7 +141,11 @@ class PDRatioController:
             q = self._samples[r]
             while q and q[0][0] < horizon:
                 q.popleft()
-            out.append(trimmed_mean([x for _, _, x in q], self.trim) if len(q) >= self.min_samples else None)
+            out.append(
+                trimmed_mean([x for _, _, x in q], self.trim)
+                if len(q) >= self.min_samples
+                else None
+            )
         return out[0], out[1]
 
     def imbalance(self) -> float | None:
@@ -147,9 +154,7 @@ class PDRatioController:
 
     # ------------------------------------------------------------ decisions
 
-    def plan(
-        self, prefill: Sequence[str], decode: Sequence[str], *, scale: int = 0
-    ) -> PDPlan:
+    def plan(self, prefill: Sequence[str], decode: Sequence[str], *, scale: int = 0) -> PDPlan:
         """What to change now, given the current pools (instance ids)."""
         lp, ld = self.loads()
         if lp is None or ld is None:
@@ -170,7 +175,9 @@ class PDRatioController:
             to_decode = f > self.high
             moved = 0
             while moved < self.max_step:
-                p, d = (P - moved - 1, D + moved + 1) if to_decode else (P + moved + 1, D - moved - 1)
+                p, d = (
+                    (P - moved - 1, D + moved + 1) if to_decode else (P + moved + 1, D - moved - 1)
+                )
                 if p < self.min_prefill or d < self.min_decode:
                     break
                 cur = f_after(P - moved, D + moved) if to_decode else f_after(P + moved, D - moved)
@@ -182,11 +189,17 @@ class PDRatioController:
             src, dst = (Role.PREFILL, Role.DECODE) if to_decode else (Role.DECODE, Role.PREFILL)
             pick = self._least_loaded(src, prefill if to_decode else decode, moved)
             sign = 1 if to_decode else -1
-            return self._commit(PDPlan(
-                f, lp, ld, prefill_delta=-sign * moved, decode_delta=sign * moved,
-                switches=tuple(RoleChange(i, src, dst) for i in pick),
-                reason=f"f_im {f:.3f} {'>' if to_decode else '<'} band: {src} -> {dst}",
-            ))
+            return self._commit(
+                PDPlan(
+                    f,
+                    lp,
+                    ld,
+                    prefill_delta=-sign * moved,
+                    decode_delta=sign * moved,
+                    switches=tuple(RoleChange(i, src, dst) for i in pick),
+                    reason=f"f_im {f:.3f} {'>' if to_decode else '<'} band: {src} -> {dst}",
+                )
+            )
 
         p, d = P, D
         if scale > 0:
@@ -196,8 +209,16 @@ class PDRatioController:
                     d += 1
                 else:
                     p += 1
-            return self._commit(PDPlan(f, lp, ld, prefill_delta=p - P, decode_delta=d - D,
-                                       reason=f"scale out by {p + d - P - D}, heavier side first"))
+            return self._commit(
+                PDPlan(
+                    f,
+                    lp,
+                    ld,
+                    prefill_delta=p - P,
+                    decode_delta=d - D,
+                    reason=f"scale out by {p + d - P - D}, heavier side first",
+                )
+            )
         for _ in range(min(-scale, self.max_step)):
             can_p, can_d = p > self.min_prefill, d > self.min_decode
             if not (can_p or can_d):
@@ -207,12 +228,22 @@ class PDRatioController:
                 p -= 1
             else:
                 d -= 1
-        remove = self._least_loaded(Role.PREFILL, prefill, P - p) + self._least_loaded(Role.DECODE, decode, D - d)
+        remove = self._least_loaded(Role.PREFILL, prefill, P - p) + self._least_loaded(
+            Role.DECODE, decode, D - d
+        )
         if not remove:
             return PDPlan(f, lp, ld, reason="at the pool minimum")
-        return self._commit(PDPlan(f, lp, ld, prefill_delta=p - P, decode_delta=d - D,
-                                   remove=tuple(remove),
-                                   reason=f"scale in by {P + D - p - d}, lighter side first"))
+        return self._commit(
+            PDPlan(
+                f,
+                lp,
+                ld,
+                prefill_delta=p - P,
+                decode_delta=d - D,
+                remove=tuple(remove),
+                reason=f"scale in by {P + D - p - d}, lighter side first",
+            )
+        )
 
     def _least_loaded(self, role: str, instances: Sequence[str], k: int) -> list[str]:
         latest = self._latest[role]

@@ -157,8 +157,11 @@ class Placement:
     def source(self) -> PrefixSource | None:
         """The remote prefix as the PrefillTask carries it (the instance locks it)."""
         r = self.remote
-        return PrefixSource(node=r.node, first_block=r.first_block,
-                            num_blocks=r.num_blocks) if r else None
+        return (
+            PrefixSource(node=r.node, first_block=r.first_block, num_blocks=r.num_blocks)
+            if r
+            else None
+        )
 
     @property
     def expected_hit_blocks(self) -> int:
@@ -284,8 +287,9 @@ class PlacementPolicy:
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, not {self.strategy!r}")
-        self.loads = LoadBook(self.clock, self.cost, dead_after_s=self.dead_after_s,
-                              calibration=self.book)
+        self.loads = LoadBook(
+            self.clock, self.cost, dead_after_s=self.dead_after_s, calibration=self.book
+        )
         self._book = self.book = self.loads.calibration
         self._prefill = self.loads.prefill  # latest reports by instance (the LoadBook's)
         self._decode = self.loads.decode
@@ -442,8 +446,9 @@ class PlacementPolicy:
         else:
             # A group wins only when strictly faster: on a tie the request stays single.
             cands += self._group_candidates(req, prefills, own)
-            chosen = min(cands, key=lambda c: (c.ttft_s, len(c.stages), -c.prefix_blocks,
-                                               c.instance))
+            chosen = min(
+                cands, key=lambda c: (c.ttft_s, len(c.stages), -c.prefix_blocks, c.instance)
+            )
 
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
@@ -583,33 +588,39 @@ class PlacementPolicy:
             slices_s = 0.0
             if computed_prefix > 0:
                 slices_s = self.cost.transfer_time(
-                    0, self.cost.kv_bytes(1) * cpp_.slice_tokens(computed_prefix, len(members))
+                    0,
+                    self.cost.kv_bytes(1) * cpp_.slice_tokens(computed_prefix, len(members))
                     + self.inflight_bytes(node_of[anchor]),
                 )
             by_member = {m: self.queue_s(m) for m in members}
             stages = cpp_.order_stages(members, by_member, anchor)
             queues = [by_member[m] for m in stages]
             timing = cpp_.pipeline_timing(
-                [self._book.cost(m) for m in stages], req.num_tokens, computed_prefix,
-                self.cpp.chunk_tokens, link=self.cost,
+                [self._book.cost(m) for m in stages],
+                req.num_tokens,
+                computed_prefix,
+                self.cpp.chunk_tokens,
+                link=self.cost,
                 ready=cpp_.ready_times(queues, slices_s, stages.index(anchor)),
             )
             # The queues and slices overlap the pipeline: the timing holds them all.
-            out.append(_Candidate(
-                instance=anchor,
-                node=node_of[anchor],
-                own_blocks=prefix,
-                prefix_blocks=prefix,
-                remote=None,
-                queue_s=queues[0],
-                transfer_s=0.0,
-                prefill_s=timing.ttft_s - queues[0],
-                factor=max(self.feedback.factor(m) for m in stages) if self.feedback else 1.0,
-                stages=stages,
-                stage_nodes=tuple(node_of[m] for m in stages),
-                stage_end_s=timing.stage_end_s,
-                stage_work=tuple(cpp_.member_work(queues, timing)),
-            ))
+            out.append(
+                _Candidate(
+                    instance=anchor,
+                    node=node_of[anchor],
+                    own_blocks=prefix,
+                    prefix_blocks=prefix,
+                    remote=None,
+                    queue_s=queues[0],
+                    transfer_s=0.0,
+                    prefill_s=timing.ttft_s - queues[0],
+                    factor=max(self.feedback.factor(m) for m in stages) if self.feedback else 1.0,
+                    stages=stages,
+                    stage_nodes=tuple(node_of[m] for m in stages),
+                    stage_end_s=timing.stage_end_s,
+                    stage_work=tuple(cpp_.member_work(queues, timing)),
+                )
+            )
         return out
 
     # ------------------------------------------------------------ bookkeeping
@@ -627,8 +638,9 @@ class PlacementPolicy:
         its report now covers it; a pipelined request stays open on the others)."""
         for m in d.prefill_members() if only is None else (only,):
             self._by_prefill.get(m, {}).pop(d.request_id, None)
-        d.prefill_open = any(d.request_id in self._by_prefill.get(m, {})
-                             for m in d.prefill_members())
+        d.prefill_open = any(
+            d.request_id in self._by_prefill.get(m, {}) for m in d.prefill_members()
+        )
         if source_too and d.source_node is not None:
             self._by_source.get(d.source_node, {}).pop(d.request_id, None)
             d.source_node = None

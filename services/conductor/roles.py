@@ -44,8 +44,9 @@ class RoleControl:
         self.interval_s = interval_s
 
     async def start(self, subs: bus.Subscriptions) -> None:
-        await subs.serve(subjects.CTL_ROLE, RoleSwitch, self.on_role_switch,
-                         span_name="conductor.role")
+        await subs.serve(
+            subjects.CTL_ROLE, RoleSwitch, self.on_role_switch, span_name="conductor.role"
+        )
         if self.pd is not None:
             subs.spawn(self._loop(), name="conductor:pd-ratio")
 
@@ -79,8 +80,12 @@ class RoleControl:
         plan = self.pd.plan(self.policy.live_prefill(), self.policy.live_decode())
         out = [RoleSwitch(instance=c.instance, role=c.to_role) for c in plan.switches]
         if out:
-            log.info("pd_ratio_switch", f_im=plan.f_im, reason=plan.reason,
-                     switches=[f"{c.instance}->{c.to_role}" for c in plan.switches])
+            log.info(
+                "pd_ratio_switch",
+                f_im=plan.f_im,
+                reason=plan.reason,
+                switches=[f"{c.instance}->{c.to_role}" for c in plan.switches],
+            )
         for msg in out:
             await bus.publish(self.nc, subjects.CTL_ROLE, msg)
         return out

@@ -215,11 +215,17 @@ class ConductorService:
         )
         if self.cfg.durable_intake:
             await intake_queue.ensure_streams(
-                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.PLACED_STREAM])
+                self.js, [intake_queue.SCHEDULE_STREAM, intake_queue.PLACED_STREAM]
+            )
             self.intake = intake_queue.QueueConsumer(
-                self.nc, intake_queue.SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE,
-                subjects.Q_CONDUCTOR, self._on_queued, concurrent=True,
-                ack_wait_s=self.cfg.intake_ack_wait_s)
+                self.nc,
+                intake_queue.SCHEDULE_STREAM,
+                subjects.SCHEDULE_QUEUE,
+                subjects.Q_CONDUCTOR,
+                self._on_queued,
+                concurrent=True,
+                ack_wait_s=self.cfg.intake_ack_wait_s,
+            )
             await self.intake.start(s)
         s.spawn(self._sweeper(), name="conductor:sweeper")
         await self.nc.flush()  # subscriptions are live on the server once start() returns
@@ -263,12 +269,16 @@ class ConductorService:
             log.warning("bad_message", subject=m.subject, error=str(e))
             request_id, reply = salvage(m.data)
             if reply:
-                await bus.publish(self.nc, reply, Error(
-                    request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(e)))
+                await bus.publish(
+                    self.nc,
+                    reply,
+                    Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(e)),
+                )
             await m.term()
             return
-        with tracer().start_as_current_span("conductor.schedule", context=extract(m.headers),
-                                            kind=trace.SpanKind.CONSUMER):
+        with tracer().start_as_current_span(
+            "conductor.schedule", context=extract(m.headers), kind=trace.SpanKind.CONSUMER
+        ):
             # The reply travels in the request: a stored message has no NATS reply.
             await self._on_schedule(req, m, durable=True)
         await m.ack()
@@ -315,16 +325,24 @@ class ConductorService:
             # The dead attempt's books (a prefill death leaves it unsettled) go now.
             self.pending.pop(req.migration.dead_request_id, None)
             self.policy.release(req.migration.dead_request_id)
-            log.info("migration", attempt=req.migration.attempt, reason=req.migration.reason,
-                     dead=req.migration.dead_instance, of=req.migration.of_request_id)
+            log.info(
+                "migration",
+                attempt=req.migration.attempt,
+                reason=req.migration.reason,
+                dead=req.migration.dead_instance,
+                of=req.migration.of_request_id,
+            )
         with tracer().start_as_current_span("conductor.place") as span:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
             loads = self.policy.loads  # a dead store takes its node's instances out
-            exclude = away_from_stores(exclude, self.shadow.down(),
-                                       {i: ld.node for i, ld in loads.prefill.items()},
-                                       {i: ld.node for i, ld in loads.decode.items()})
+            exclude = away_from_stores(
+                exclude,
+                self.shadow.down(),
+                {i: ld.node for i, ld in loads.prefill.items()},
+                {i: ld.node for i, ld in loads.decode.items()},
+            )
             decision = self.policy.place(preq, self.shadow.match(preq.block_hashes), **exclude)
             if isinstance(decision, Rejection):
                 span.set_attribute("outcome", f"rejected_{int(decision.code)}")
@@ -336,8 +354,9 @@ class ConductorService:
                 return
             await self._dispatch(req, reply, decision, span, claim)
 
-    async def _dispatch(self, req: GenerateRequest, reply: str, p: Placement, span,
-                        claim: bool = False) -> None:
+    async def _dispatch(
+        self, req: GenerateRequest, reply: str, p: Placement, span, claim: bool = False
+    ) -> None:
         """Hand the placement to the prefill instance; it reserves the store slots when
         its compute starts, so nothing is held while the request waits in its queue."""
         bs = self.cfg.block_size
@@ -403,8 +422,12 @@ class ConductorService:
         it if the first send got there, and the client may see Accepted twice."""
         self.resent += 1
         metrics.INTAKE_RESENT.inc()
-        log.warning("placement_resent", prefill=task.prefill_instance,
-                    decode=task.decode_instance, placed_by=task.conductor_id)
+        log.warning(
+            "placement_resent",
+            prefill=task.prefill_instance,
+            decode=task.decode_instance,
+            placed_by=task.conductor_id,
+        )
         await bus.publish(self.nc, subjects.prefill_tasks(task.prefill_instance), task)
         await bus.publish(self.nc, reply, accepted(task, self.cfg.block_size))
 

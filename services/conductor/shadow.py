@@ -107,8 +107,12 @@ class ShadowView:
             await asyncio.wait_for(self.caught_up.wait(), self.replay_timeout_s)
         except TimeoutError:
             log.warning("kv_stream_replay_slow", replayed=self.catch_up.replayed)
-        log.info("kv_stream_replayed", batches=self.catch_up.replayed, nodes=self.index.nodes(),
-                 durable=self.durable)
+        log.info(
+            "kv_stream_replayed",
+            batches=self.catch_up.replayed,
+            nodes=self.index.nodes(),
+            durable=self.durable,
+        )
         await self.subs.serve(
             subjects.STORE_ANNOUNCE,
             StoreInfo,
@@ -140,7 +144,9 @@ class ShadowView:
     def down(self) -> set[str]:
         """Nodes whose store was seen and has gone silent (or was swept since), until it
         shows up again: placement keeps their instances out (services.conductor.migration)."""
-        silent = {n for n in self.index.nodes() if self.stores.known(n) and not self.stores.alive(n)}
+        silent = {
+            n for n in self.index.nodes() if self.stores.known(n) and not self.stores.alive(n)
+        }
         return silent | self._gone
 
     # ------------------------------------------------------------ inputs

@@ -56,9 +56,14 @@ class DecodeSideCheck:
 
         def admit(task: Any, stats: Any, loading: int) -> str | None:
             req = task.request
-            r = self.check(stats.batch_size, stats.waiting + loading, stats.kv_tokens,
-                           len(req.prompt_token_ids), req.tbt_slo_s,
-                           getattr(stats, "max_batch", None))
+            r = self.check(
+                stats.batch_size,
+                stats.waiting + loading,
+                stats.kv_tokens,
+                len(req.prompt_token_ids),
+                req.tbt_slo_s,
+                getattr(stats, "max_batch", None),
+            )
             return None if r is None else r.reason
 
         return admit

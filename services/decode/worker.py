@@ -121,8 +121,15 @@ class DecodeWorker(WorkerBase):
         self.store_tx = StoreTx(nc, timeout_s=commit_timeout)
         self.leases = LeaseKeeper(self.store_tx, lease_s)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("tasks_done", "tasks_failed", "tasks_aborted", "tokens_generated",
-             "kv_tokens_loaded", "commits_failed"), 0,
+            (
+                "tasks_done",
+                "tasks_failed",
+                "tasks_aborted",
+                "tokens_generated",
+                "kv_tokens_loaded",
+                "commits_failed",
+            ),
+            0,
         )
         self.admit = admit  # (task, engine stats, tasks loading) -> reason to reject
         self._subs = bus.Subscriptions(nc)
@@ -135,8 +142,11 @@ class DecodeWorker(WorkerBase):
     # -- lifecycle --
     async def start(self) -> None:
         await self._subs.serve(
-            subjects.decode_tasks(self.instance), DecodeTask, self._on_task,
-            concurrent=True, span_name="decode.task",
+            subjects.decode_tasks(self.instance),
+            DecodeTask,
+            self._on_task,
+            concurrent=True,
+            span_name="decode.task",
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
         await self._start_common()
@@ -149,8 +159,9 @@ class DecodeWorker(WorkerBase):
         self._closing = True
         metrics.untrack_worker(Role.DECODE, self)
         for rid in list(self._active):
-            self._stop_reason.setdefault(rid, (ErrorCode.UNAVAILABLE,
-                                               "decode instance shutting down"))
+            self._stop_reason.setdefault(
+                rid, (ErrorCode.UNAVAILABLE, "decode instance shutting down")
+            )
             self.engine.abort(rid)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=5)
@@ -227,11 +238,15 @@ class DecodeWorker(WorkerBase):
             with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
                 await self.store.attached(task.decode_tx)  # its store may have restarted
                 slots = [self.store.slot(s) for s in task.decode_tx.slots]
-                load = self.engine.add_request(DecodeJob(
-                    request_id=rid, prompt_token_ids=req.prompt_token_ids,
-                    first_token=task.first_token, sampling=req.sampling,
-                    kv=SlotKV(self.layout, slots, n),
-                ))
+                load = self.engine.add_request(
+                    DecodeJob(
+                        request_id=rid,
+                        prompt_token_ids=req.prompt_token_ids,
+                        first_token=task.first_token,
+                        sampling=req.sampling,
+                        kv=SlotKV(self.layout, slots, n),
+                    )
+                )
                 stream = await self._before_lease_ends(load, task)
         finally:
             self._loading -= 1
@@ -243,8 +258,9 @@ class DecodeWorker(WorkerBase):
             raise _Stopped()
         if not task.first_token_sent:
             with tracer().start_as_current_span("decode.first_token"):
-                await self._emit(req.reply_subject,
-                                 Tokens(request_id=rid, token_ids=[task.first_token], index=0))
+                await self._emit(
+                    req.reply_subject, Tokens(request_id=rid, token_ids=[task.first_token], index=0)
+                )
         # The KV now lives in the engine, so the commit (which only makes the blocks
         # cacheable on this node) runs beside generation rather than before the first token.
         commit = asyncio.create_task(self._commit(task))
@@ -252,8 +268,9 @@ class DecodeWorker(WorkerBase):
         index = 1
         with tracer().start_as_current_span("decode.generate") as span:
             while batch := await stream.next_batch():
-                await self._emit(req.reply_subject,
-                                 Tokens(request_id=rid, token_ids=batch, index=index))
+                await self._emit(
+                    req.reply_subject, Tokens(request_id=rid, token_ids=batch, index=index)
+                )
                 index += len(batch)
                 self.counters["tokens_generated"] += len(batch)
             span.set_attribute("completion_tokens", index)
@@ -261,10 +278,16 @@ class DecodeWorker(WorkerBase):
         stop = self._stop_reason.get(rid)
         if stream.finish_reason == "abort" and stop is not None and stop[0] != ErrorCode.CANCELLED:
             raise _Stopped()  # shutting down: the client gets Error 503, not a short answer
-        await self._emit(req.reply_subject, Finished(
-            request_id=rid, finish_reason=stream.finish_reason or "abort", prompt_tokens=n,
-            completion_tokens=index, cached_tokens=task.cached_tokens,
-        ))
+        await self._emit(
+            req.reply_subject,
+            Finished(
+                request_id=rid,
+                finish_reason=stream.finish_reason or "abort",
+                prompt_tokens=n,
+                completion_tokens=index,
+                cached_tokens=task.cached_tokens,
+            ),
+        )
         self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
 
     async def _before_lease_ends(self, load: Any, task: DecodeTask) -> Any:
@@ -295,8 +318,9 @@ class DecodeWorker(WorkerBase):
 
     async def _commit(self, task: DecodeTask) -> None:
         with tracer().start_as_current_span("decode.commit"):
-            ok = await self.store_tx.commit(self.node, task.decode_tx.tx_id,
-                                            task.request.request_id)
+            ok = await self.store_tx.commit(
+                self.node, task.decode_tx.tx_id, task.request.request_id
+            )
         if not ok:
             # The store rolled the tx back (lease expired, store restarted): the blocks
             # are not cached here, nothing else is lost (StoreTx logged why).
@@ -311,13 +335,19 @@ class DecodeWorker(WorkerBase):
         pulled = min(task.cached_tokens, n)
         self.counters["migrated_tasks"] = self.counters.get("migrated_tasks", 0) + 1
         self.counters["migration_kv_tokens_pulled"] = (
-            self.counters.get("migration_kv_tokens_pulled", 0) + pulled)
+            self.counters.get("migration_kv_tokens_pulled", 0) + pulled
+        )
         self.counters["migration_tokens_recomputed"] = (
-            self.counters.get("migration_tokens_recomputed", 0) + n - pulled)
+            self.counters.get("migration_tokens_recomputed", 0) + n - pulled
+        )
         metrics.MIGRATION_KV_TOKENS.labels(kind="pulled").inc(pulled)
         metrics.MIGRATION_KV_TOKENS.labels(kind="recomputed").inc(n - pulled)
-        log.info("migrated_request_loaded", pulled_tokens=pulled, recomputed_tokens=n - pulled,
-                 attempt=task.request.migration.attempt if task.request.migration else 0)
+        log.info(
+            "migrated_request_loaded",
+            pulled_tokens=pulled,
+            recomputed_tokens=n - pulled,
+            attempt=task.request.migration.attempt if task.request.migration else 0,
+        )
 
     def _validate(self, task: DecodeTask) -> None:
         n, bs, tx = len(task.request.prompt_token_ids), self.layout.block_size, task.decode_tx
@@ -326,8 +356,10 @@ class DecodeWorker(WorkerBase):
         if tx.node != self.node:
             raise BadTask(f"decode tx is on node {tx.node}, not {self.node}")
         if tx.block_bytes != self.layout.block_bytes:
-            raise BadTask(f"decode tx blocks are {tx.block_bytes} bytes, "
-                          f"the model needs {self.layout.block_bytes}")
+            raise BadTask(
+                f"decode tx blocks are {tx.block_bytes} bytes, "
+                f"the model needs {self.layout.block_bytes}"
+            )
         if len(tx.slots) != num_blocks(n, bs):
             raise BadTask(f"decode tx has {len(tx.slots)} slots for {n} tokens")
 
@@ -335,21 +367,34 @@ class DecodeWorker(WorkerBase):
         if subject:
             await bus.publish(self.nc, subject, event)
 
-    async def _fail(self, task: DecodeTask, code: ErrorCode, message: str,
-                    counter: str = "tasks_failed") -> None:
+    async def _fail(
+        self, task: DecodeTask, code: ErrorCode, message: str, counter: str = "tasks_failed"
+    ) -> None:
         req = task.request
         # The conductor may have settled this request already (the prefill side commits
         # as soon as the KV is handed over), so release the decode slots here too; a
         # second abort is refused harmlessly.
         abort = TxAbort(tx_id=task.decode_tx.tx_id, request_id=req.request_id, reason=message)
-        await self._report_failure(req, task.conductor_id, task.prefill_node,
-                                   task.prefill_tx_id, code, message, counter,
-                                   also=((subjects.store_ctl(self.node, "tx.abort"), abort),))
+        await self._report_failure(
+            req,
+            task.conductor_id,
+            task.prefill_node,
+            task.prefill_tx_id,
+            code,
+            message,
+            counter,
+            also=((subjects.store_ctl(self.node, "tx.abort"), abort),),
+        )
 
     def load_report(self) -> DecodeLoad:
         st = self.engine.stats()
         return DecodeLoad(
-            instance=self.instance, node=self.node, batch_size=st.batch_size,
-            waiting=st.waiting + self._loading, max_batch=self.engine.max_batch,
-            kv_tokens=st.kv_tokens, step_time_s=st.step_time_s, ts=time.time(),
+            instance=self.instance,
+            node=self.node,
+            batch_size=st.batch_size,
+            waiting=st.waiting + self._loading,
+            max_batch=self.engine.max_batch,
+            kv_tokens=st.kv_tokens,
+            step_time_s=st.step_time_s,
+            ts=time.time(),
         )

@@ -68,7 +68,12 @@ def make_engine(
         from services.engine.vllm.options import VllmOptions
 
         layout = layout or KVLayout(spec, 32)
-        return VllmEngine(spec, vllm or VllmOptions(model_dir=str(DEFAULT_MODEL_DIR)), role=role,
-                          hash_block_size=layout.block_size, block_bytes=layout.block_bytes,
-                          max_batch=max_batch)
+        return VllmEngine(
+            spec,
+            vllm or VllmOptions(model_dir=str(DEFAULT_MODEL_DIR)),
+            role=role,
+            hash_block_size=layout.block_size,
+            block_bytes=layout.block_bytes,
+            max_batch=max_batch,
+        )
     raise ValueError(f"unknown engine {kind!r}; choose from {', '.join(ENGINE_KINDS)}")

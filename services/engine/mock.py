@@ -136,7 +136,9 @@ class MockEngine(Engine):
         if not 0 <= p <= n:
             raise EngineError(f"prefix_tokens {p} outside [0, {n}]")
         if n > self.spec.max_model_len:
-            raise EngineError(f"prompt of {n} tokens exceeds max_model_len {self.spec.max_model_len}")
+            raise EngineError(
+                f"prompt of {n} tokens exceeds max_model_len {self.spec.max_model_len}"
+            )
         if job.kv.num_tokens < n:
             raise EngineError(f"kv holds {job.kv.num_tokens} positions, prompt has {n}")
         hashes = synth.prefix_hashes(prompt)

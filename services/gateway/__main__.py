@@ -24,33 +24,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--model-dir", default=None, help="tokenizer + config.json (default models/tiny-llama)")
-    ap.add_argument("--served-model-name", default=None,
-                    help="the model's name in the API (default: the model directory's name)")
-    ap.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per hashed KV block")
+    ap.add_argument(
+        "--model-dir", default=None, help="tokenizer + config.json (default models/tiny-llama)"
+    )
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the model directory's name)",
+    )
+    ap.add_argument(
+        "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per hashed KV block"
+    )
     ap.add_argument("--max-prompt-tokens", type=int, default=8192)
-    ap.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
+    ap.add_argument(
+        "--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted"
+    )
     ap.add_argument("--max-model-len", type=int, default=None, help="default: config.json")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    ap.add_argument("--max-inflight", type=int, default=GatewayConfig.max_inflight,
-                    help="generation requests served at once; the next gets 429 + Retry-After")
-    ap.add_argument("--request-timeout", type=float, default=120.0,
-                    help="seconds without any event before a request fails with 504")
-    ap.add_argument("--dead-after", type=float, default=2.0,
-                    help="seconds without a load report before a worker counts as dead (503)")
-    ap.add_argument("--migration-limit", type=int, default=GatewayConfig.migration_limit,
-                    help="times a request whose prefill or decode instance died is moved to "
-                         "another with the tokens it has (its prompt KV from the stores); "
-                         "past it, or with 0, the request fails with 503")
-    ap.add_argument("--durable-intake", action=argparse.BooleanOptionalAction, default=True,
-                    help="publish requests on the JetStream INTAKE work queue, stored before "
-                         "admission sees them (--no-durable-intake: core NATS perigee.requests)")
-    ap.add_argument("--shutdown-grace", type=float, default=5.0,
-                    help="seconds in-flight requests get to finish on SIGTERM before a 503")
+    ap.add_argument(
+        "--max-inflight",
+        type=int,
+        default=GatewayConfig.max_inflight,
+        help="generation requests served at once; the next gets 429 + Retry-After",
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="seconds without any event before a request fails with 504",
+    )
+    ap.add_argument(
+        "--dead-after",
+        type=float,
+        default=2.0,
+        help="seconds without a load report before a worker counts as dead (503)",
+    )
+    ap.add_argument(
+        "--migration-limit",
+        type=int,
+        default=GatewayConfig.migration_limit,
+        help="times a request whose prefill or decode instance died is moved to "
+        "another with the tokens it has (its prompt KV from the stores); "
+        "past it, or with 0, the request fails with 503",
+    )
+    ap.add_argument(
+        "--durable-intake",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="publish requests on the JetStream INTAKE work queue, stored before "
+        "admission sees them (--no-durable-intake: core NATS perigee.requests)",
+    )
+    ap.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish on SIGTERM before a 503",
+    )
     ap.add_argument("--gateway-id", default="", help="default: random")
-    ap.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                    help=f"accept this Bearer key (repeatable, or a comma list; also ${ENV_VAR}); "
-                         "default: no authentication")
+    ap.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"accept this Bearer key (repeatable, or a comma list; also ${ENV_VAR}); "
+        "default: no authentication",
+    )
     ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 

@@ -18,8 +18,10 @@ from services.gateway.responses import error_response
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 ENV_VAR = "PERIGEE_API_KEY"
 
-MISSING = ("You didn't provide an API key. You need to provide your API key in an "
-           "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+MISSING = (
+    "You didn't provide an API key. You need to provide your API key in an "
+    "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+)
 WRONG = "Incorrect API key provided."
 
 
@@ -59,10 +61,15 @@ def middleware(keys: tuple[str, ...], on_reject: Callable[[int], None] | None = 
             if problem is not None:
                 if on_reject is not None:
                     on_reject(401)
-                return error_response(ApiError(
-                    401, problem, type="invalid_request_error", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                ))
+                return error_response(
+                    ApiError(
+                        401,
+                        problem,
+                        type="invalid_request_error",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                )
         return await handler(request)
 
     return auth

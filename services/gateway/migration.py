@@ -38,7 +38,10 @@ from services.common.hashing import block_hashes
 
 STORE = "store"  # the dead "role" of a request whose KV store failed under it
 REASONS: dict[str, str] = {
-    Role.DECODE: "decode_died", Role.PREFILL: "prefill_died", STORE: "store_died"}
+    Role.DECODE: "decode_died",
+    Role.PREFILL: "prefill_died",
+    STORE: "store_died",
+}
 
 
 def store_failure(code: int, message: str) -> bool:
@@ -48,7 +51,8 @@ def store_failure(code: int, message: str) -> bool:
     if code != ErrorCode.UNAVAILABLE:
         return False
     return message.startswith("kv transfer failed") or (
-        message.startswith("kv reservation failed") and "store unavailable" in message)
+        message.startswith("kv reservation failed") and "store unavailable" in message
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,14 +97,19 @@ def plan(
     k = len(generated)
     if k >= s.max_tokens:
         return Finish("length")
-    if k and (generated[-1] in s.stop_token_ids
-              or (not s.ignore_eos and generated[-1] in eos_token_ids)):
+    if k and (
+        generated[-1] in s.stop_token_ids or (not s.ignore_eos and generated[-1] in eos_token_ids)
+    ):
         return Finish("stop")
     if attempts >= limit:
-        why = ("migration is off (--migration-limit 0)" if limit == 0 else
-               f"the request was migrated {attempts} time(s) already (--migration-limit {limit})")
-        return GiveUp(f"{dead_role} instance {dead_instance} stopped responding and {why}; "
-                      "request aborted")
+        why = (
+            "migration is off (--migration-limit 0)"
+            if limit == 0
+            else f"the request was migrated {attempts} time(s) already (--migration-limit {limit})"
+        )
+        return GiveUp(
+            f"{dead_role} instance {dead_instance} stopped responding and {why}; request aborted"
+        )
     attempt = attempts + 1
     prompt = [*original.prompt_token_ids, *generated]
     bs = original.block_size

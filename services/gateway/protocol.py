@@ -105,28 +105,64 @@ def _no_tool(v: Any) -> bool:
 
 Neutral = Callable[[Any], bool]
 UNSUPPORTED: dict[str, Neutral] = {
-    "logprobs": _off, "top_logprobs": _zero, "prompt_logprobs": _unset,
-    "logprob_token_ids": _empty, "logit_bias": _empty, "echo": _off, "best_of": _one,
-    "suffix": _empty, "use_beam_search": _off, "length_penalty": _one, "min_tokens": _zero,
-    "include_stop_str_in_output": _off, "skip_special_tokens": _on,
-    "spaces_between_special_tokens": _on, "truncate_prompt_tokens": _unset,
-    "truncation_side": _unset, "allowed_token_ids": _unset, "bad_words": _empty,
-    "prompt_embeds": _unset, "response_format": _text_format, "structured_outputs": _unset,
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset, "guided_decoding_backend": _unset,
-    "guided_whitespace_pattern": _unset, "priority": _zero, "logits_processors": _empty,
-    "vllm_xargs": _empty, "kv_transfer_params": _unset, "ec_transfer_params": _unset,
-    "repetition_detection": _unset, "thinking_token_budget": _unset, "watermarking": _off,
-    "return_tokens_as_token_ids": _off, "return_token_ids": _off,
-    "return_token_offsets": _off, "cache_salt": _unset, "stream_interval": _one,
+    "logprobs": _off,
+    "top_logprobs": _zero,
+    "prompt_logprobs": _unset,
+    "logprob_token_ids": _empty,
+    "logit_bias": _empty,
+    "echo": _off,
+    "best_of": _one,
+    "suffix": _empty,
+    "use_beam_search": _off,
+    "length_penalty": _one,
+    "min_tokens": _zero,
+    "include_stop_str_in_output": _off,
+    "skip_special_tokens": _on,
+    "spaces_between_special_tokens": _on,
+    "truncate_prompt_tokens": _unset,
+    "truncation_side": _unset,
+    "allowed_token_ids": _unset,
+    "bad_words": _empty,
+    "prompt_embeds": _unset,
+    "response_format": _text_format,
+    "structured_outputs": _unset,
+    "guided_json": _unset,
+    "guided_regex": _unset,
+    "guided_choice": _unset,
+    "guided_grammar": _unset,
+    "guided_decoding_backend": _unset,
+    "guided_whitespace_pattern": _unset,
+    "priority": _zero,
+    "logits_processors": _empty,
+    "vllm_xargs": _empty,
+    "kv_transfer_params": _unset,
+    "ec_transfer_params": _unset,
+    "repetition_detection": _unset,
+    "thinking_token_budget": _unset,
+    "watermarking": _off,
+    "return_tokens_as_token_ids": _off,
+    "return_token_ids": _off,
+    "return_token_offsets": _off,
+    "cache_salt": _unset,
+    "stream_interval": _one,
 }
 UNSUPPORTED_COMPLETION: dict[str, Neutral] = {**UNSUPPORTED, "add_special_tokens": _on}
 UNSUPPORTED_CHAT: dict[str, Neutral] = {
-    **UNSUPPORTED, "add_special_tokens": _off, "tools": _empty, "tool_choice": _no_tool,
-    "functions": _empty, "function_call": _no_tool, "add_generation_prompt": _on,
-    "continue_final_message": _off, "documents": _empty, "chat_template": _unset,
-    "chat_template_kwargs": _empty, "mm_processor_kwargs": _empty,
-    "media_io_kwargs": _empty, "audio": _unset, "modalities": lambda v: v in (None, ["text"]),
+    **UNSUPPORTED,
+    "add_special_tokens": _off,
+    "tools": _empty,
+    "tool_choice": _no_tool,
+    "functions": _empty,
+    "function_call": _no_tool,
+    "add_generation_prompt": _on,
+    "continue_final_message": _off,
+    "documents": _empty,
+    "chat_template": _unset,
+    "chat_template_kwargs": _empty,
+    "mm_processor_kwargs": _empty,
+    "media_io_kwargs": _empty,
+    "audio": _unset,
+    "modalities": lambda v: v in (None, ["text"]),
     "prediction": _unset,
 }
 MAX_STOP_STRINGS = 32  # each is searched on every token at the gateway
@@ -216,9 +252,15 @@ class ParsedRequest:
     def sampling(self, max_tokens: int) -> SamplingParams:
         """What goes on the bus; :class:`ApiError` (400) when a value is out of bounds."""
         s = SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
         )
         bad = s.problem()
         if bad is not None:
@@ -233,7 +275,9 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder) -> Any:
     except msgspec.ValidationError as e:
         msg = str(e)
         m = _PATH.search(msg) or _MISSING.search(msg)
-        raise ApiError(400, f"invalid request body: {msg}", param=m.group(1) if m else None) from None
+        raise ApiError(
+            400, f"invalid request body: {msg}", param=m.group(1) if m else None
+        ) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
 
@@ -242,8 +286,10 @@ def _unsupported(body: Any, names: dict[str, Neutral]) -> None:
     for name, neutral in names.items():
         if not neutral(getattr(body, name)):
             raise ApiError(
-                400, f"`{name}` is not supported by this server: leave it out or send null",
-                param=name, code="unsupported_parameter",
+                400,
+                f"`{name}` is not supported by this server: leave it out or send null",
+                param=name,
+                code="unsupported_parameter",
             )
 
 
@@ -253,11 +299,17 @@ def _penalty(name: str, v: float | None) -> None:
     if not -PENALTY_RANGE <= v <= PENALTY_RANGE:
         raise ApiError(400, f"{name} must be in [-2, 2], got {v}", param=name)
     if v != 0:
-        raise ApiError(400, f"{name} other than 0 is not supported by this server", param=name,
-                       code="unsupported_parameter")
+        raise ApiError(
+            400,
+            f"{name} other than 0 is not supported by this server",
+            param=name,
+            code="unsupported_parameter",
+        )
 
 
-def _common(body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[str, Neutral]) -> None:
+def _common(
+    body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[str, Neutral]
+) -> None:
     _unsupported(body, names)
     if body.n is not None and body.n != 1:
         raise ApiError(400, "only n=1 is supported", param="n")
@@ -277,14 +329,17 @@ def _common(body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[s
     if body.stop is not None:
         stops = [body.stop] if isinstance(body.stop, str) else body.stop
         if len(stops) > MAX_STOP_STRINGS:
-            raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop")
+            raise ApiError(
+                400, f"at most {MAX_STOP_STRINGS} stop strings are allowed", param="stop"
+            )
         if not all(stops):
             raise ApiError(400, "stop cannot contain an empty string", param="stop")
         parsed.stop = list(stops)
     ids = body.stop_token_ids or ()
     if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ApiError(400, f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed",
-                       param="stop_token_ids")
+        raise ApiError(
+            400, f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed", param="stop_token_ids"
+        )
     for t in ids:
         if not 0 <= t < vocab_size:
             raise ApiError(400, f"stop token id {t} is out of range", param="stop_token_ids")
@@ -294,7 +349,9 @@ def _common(body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[s
     parsed.stream = bool(body.stream)
     if body.stream_options is not None:
         if not parsed.stream:
-            raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+            raise ApiError(
+                400, "stream_options is only allowed with stream=true", param="stream_options"
+            )
         parsed.include_usage = bool(body.stream_options.include_usage)
 
 
@@ -316,13 +373,22 @@ def parse_completion(data: bytes, vocab_size: int) -> ParsedRequest:
     elif _is_ids(prompt) and prompt:
         bad = next((i for i in prompt if not 0 <= i < vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"prompt token id {bad} is out of range [0, {vocab_size})", param="prompt")
+            raise ApiError(
+                400, f"prompt token id {bad} is out of range [0, {vocab_size})", param="prompt"
+            )
         parsed.prompt_ids = prompt
-    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    elif (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str | list) for p in prompt)
+    ):
+        raise ApiError(
+            400, "batched prompts are not supported: send one prompt per request", param="prompt"
+        )
     else:
         raise ApiError(
-            400, "prompt must be a string, a non-empty list of token ids, or a one-element list of either",
+            400,
+            "prompt must be a string, a non-empty list of token ids, or a one-element list of either",
             param="prompt",
         )
     return parsed
@@ -345,7 +411,9 @@ def parse_chat(data: bytes, vocab_size: int) -> ParsedRequest:
             texts = []
             for part in m.content:
                 if part.type != "text" or part.text is None:
-                    raise ApiError(400, f"content part type {part.type!r} is not supported", param="messages")
+                    raise ApiError(
+                        400, f"content part type {part.type!r} is not supported", param="messages"
+                    )
                 texts.append(part.text)
             text = "\n".join(texts)
         msgs.append({"role": m.role, "content": text})
@@ -365,7 +433,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_response(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_response(
+    rid: str, created: int, model: str, text: str, finish: str, use: dict
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",

@@ -89,8 +89,14 @@ class _Flight:
 
 
 class ReplyRouter:
-    def __init__(self, nc: NATS, gateway_id: str, watchdog: Watchdog,
-                 migration_limit: int = 0, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        gateway_id: str,
+        watchdog: Watchdog,
+        migration_limit: int = 0,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
         self.nc = nc
         self.gateway_id = gateway_id
         self.watchdog = watchdog
@@ -124,11 +130,14 @@ class ReplyRouter:
         self.bus_passes = 0
 
     async def start(self, sweep_interval_s: float | None) -> None:
-        self._subs.append(await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply))
+        self._subs.append(
+            await self.nc.subscribe(subjects.gateway_replies(self.gateway_id), cb=self._on_reply)
+        )
         self._subs.append(await self.nc.subscribe(subjects.LOAD_ALL, cb=self._on_load))
         self._subs.append(await self.nc.subscribe(self._echo_subject, cb=self._on_echo))
-        self._subs.append(await self.nc.subscribe(subjects.BUS_RECONNECTED,
-                                                  cb=self._on_bus_reconnected))
+        self._subs.append(
+            await self.nc.subscribe(subjects.BUS_RECONNECTED, cb=self._on_bus_reconnected)
+        )
         # nats-py writes flush()'s PING straight to the socket, ahead of a SUB still in
         # its pending buffer: only the second PONG proves the server has the SUBs.
         await self.nc.flush()
@@ -136,7 +145,9 @@ class ReplyRouter:
         if sweep_interval_s:
             self._sweep_interval = sweep_interval_s
             self._echo_rx = time.monotonic()
-            self._sweeper = asyncio.create_task(self._sweep_loop(sweep_interval_s), name="gateway.sweep")
+            self._sweeper = asyncio.create_task(
+                self._sweep_loop(sweep_interval_s), name="gateway.sweep"
+            )
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -201,14 +212,22 @@ class ReplyRouter:
         if self.durable_intake:
             data, headers = encode(req), inject()
             bus.check_size(self.nc, subjects.INTAKE, data, headers)
-            await bus.js_publish(self.nc.jetstream(), subjects.INTAKE, data,
-                                 msg_id=req.request_id, timeout=10.0, headers=headers)
+            await bus.js_publish(
+                self.nc.jetstream(),
+                subjects.INTAKE,
+                data,
+                msg_id=req.request_id,
+                timeout=10.0,
+                headers=headers,
+            )
             return
         await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
 
     async def cancel(self, request_id: str, reason: str) -> None:
         try:
-            await publish(self.nc, subjects.CANCEL, CancelRequest(request_id=request_id, reason=reason))
+            await publish(
+                self.nc, subjects.CANCEL, CancelRequest(request_id=request_id, reason=reason)
+            )
         except Exception as e:  # noqa: BLE001 - best effort; workers also time out
             log.warning("cancel_publish_failed", request_id=request_id, error=str(e))
 
@@ -224,7 +243,9 @@ class ReplyRouter:
             self.watchdog.untrack(rid)
             q.put_nowait(
                 LocalError(
-                    request_id=rid, code=503, cancel=False,
+                    request_id=rid,
+                    code=503,
+                    cancel=False,
                     message=f"no service is subscribed to {subjects.REQUESTS} (is admission running?)",
                 )
             )
@@ -241,8 +262,11 @@ class ReplyRouter:
             # flight): showing it would cut tokens out of the stream, so it goes on
             # from the tokens the client has instead.
             log.warning("stream_gap", request_id=rid, attempt=f.attempt, have=len(f.generated))
-            self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE, "stream events lost on the bus",
-                                  dead_role=BUS_LOSS))
+            self._resolve(
+                Verdict(
+                    rid, ErrorCode.UNAVAILABLE, "stream events lost on the bus", dead_role=BUS_LOSS
+                )
+            )
             return
         if type(ev) is Tokens:
             wd.tokens(rid, ev.from_prefill)
@@ -252,10 +276,14 @@ class ReplyRouter:
             if f.attempt:
                 return  # the client has its Accepted from the first attempt
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
-            if (type(ev) is Error and f.request is not None
-                    and migration.store_failure(ev.code, ev.message)):
-                self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE, ev.message,
-                                      dead_role=migration.STORE))
+            if (
+                type(ev) is Error
+                and f.request is not None
+                and migration.store_failure(ev.code, ev.message)
+            ):
+                self._resolve(
+                    Verdict(rid, ErrorCode.UNAVAILABLE, ev.message, dead_role=migration.STORE)
+                )
                 return
             wd.untrack(rid)
             if f.attempt:
@@ -288,12 +316,16 @@ class ReplyRouter:
         rid, n = f.request.request_id, len(f.request.prompt_token_ids)
         if isinstance(ev, Finished):
             return msgspec.structs.replace(
-                ev, request_id=rid, prompt_tokens=n,
+                ev,
+                request_id=rid,
+                prompt_tokens=n,
                 completion_tokens=ev.completion_tokens + f.offset,
-                cached_tokens=min(ev.cached_tokens, n))
+                cached_tokens=min(ev.cached_tokens, n),
+            )
         if isinstance(ev, Error):
             return msgspec.structs.replace(
-                ev, request_id=rid, message=f"{ev.message} (after {f.attempt} migration(s))")
+                ev, request_id=rid, message=f"{ev.message} (after {f.attempt} migration(s))"
+            )
         return ev
 
     async def _on_load(self, msg: NatsMsg) -> None:
@@ -338,15 +370,22 @@ class ReplyRouter:
         if f is None:
             return
         message = v.message
-        if (v.dead_instance or v.dead_role in (BUS_LOSS, migration.STORE)) and f.request is not None:
+        if (
+            v.dead_instance or v.dead_role in (BUS_LOSS, migration.STORE)
+        ) and f.request is not None:
             d = migration.plan(
-                f.request, f.generated, attempts=f.attempt,
+                f.request,
+                f.generated,
+                attempts=f.attempt,
                 # A resume after a bus loss is no worker's death: not counted.
-                limit=(f.attempt + 1 if v.dead_role == BUS_LOSS
-                       else self.migration_limit + f.bus_resumes),
-                dead_role=v.dead_role, dead_instance=v.dead_instance,
-                reply_subject=self.reply_subject(
-                    migration.attempt_id(v.request_id, f.attempt + 1)),
+                limit=(
+                    f.attempt + 1
+                    if v.dead_role == BUS_LOSS
+                    else self.migration_limit + f.bus_resumes
+                ),
+                dead_role=v.dead_role,
+                dead_instance=v.dead_instance,
+                reply_subject=self.reply_subject(migration.attempt_id(v.request_id, f.attempt + 1)),
                 eos_token_ids=self.eos_token_ids,
             )
             if isinstance(d, migration.Resume):
@@ -355,10 +394,15 @@ class ReplyRouter:
                 return
             if isinstance(d, migration.Finish):
                 self._spawn(self.cancel(f.current, f"{v.dead_role} instance died"))
-                f.queue.put_nowait(Finished(
-                    request_id=v.request_id, finish_reason=d.finish_reason,
-                    prompt_tokens=len(f.request.prompt_token_ids),
-                    completion_tokens=len(f.generated), cached_tokens=0))
+                f.queue.put_nowait(
+                    Finished(
+                        request_id=v.request_id,
+                        finish_reason=d.finish_reason,
+                        prompt_tokens=len(f.request.prompt_token_ids),
+                        completion_tokens=len(f.generated),
+                        cached_tokens=0,
+                    )
+                )
                 return
             message = d.message
         f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
@@ -392,9 +436,14 @@ class ReplyRouter:
         if sent:
             log.warning("bus_loss_resume", clients=who, requests=len(sent))
         for rid in sent:
-            self._resolve(Verdict(rid, ErrorCode.UNAVAILABLE,
-                                  f"messages lost with a NATS server ({', '.join(who)} "
-                                  "reconnected)", dead_role=BUS_LOSS))
+            self._resolve(
+                Verdict(
+                    rid,
+                    ErrorCode.UNAVAILABLE,
+                    f"messages lost with a NATS server ({', '.join(who)} reconnected)",
+                    dead_role=BUS_LOSS,
+                )
+            )
 
     def _migrate(self, f: _Flight, d: "migration.Resume", v: Verdict) -> None:
         rid, old, new = v.request_id, f.current, d.request.request_id
@@ -403,8 +452,14 @@ class ReplyRouter:
         f.attempt, f.current, f.offset = d.request.migration.attempt, new, d.offset
         self.migrations += 1
         self.watchdog.track(rid)  # queued again: only the idle timeout until Accepted
-        log.warning("migrating", request_id=rid, attempt=f.attempt, dead=v.dead_instance,
-                    role=v.dead_role, resumed_tokens=d.offset)
+        log.warning(
+            "migrating",
+            request_id=rid,
+            attempt=f.attempt,
+            dead=v.dead_instance,
+            role=v.dead_role,
+            resumed_tokens=d.offset,
+        )
 
         async def resend() -> None:
             await self.cancel(old, f"migrated: {v.dead_role} instance {v.dead_instance} died")
@@ -413,9 +468,14 @@ class ReplyRouter:
             except Exception as e:  # noqa: BLE001 - NATS down or closing
                 if self._routes.get(new) == rid:
                     self.watchdog.untrack(rid)
-                    f.queue.put_nowait(LocalError(
-                        request_id=rid, code=503, cancel=False,
-                        message=f"{v.message}; migrating it failed: {e}"))
+                    f.queue.put_nowait(
+                        LocalError(
+                            request_id=rid,
+                            code=503,
+                            cancel=False,
+                            message=f"{v.message}; migrating it failed: {e}",
+                        )
+                    )
 
         self._spawn(resend())
 
@@ -431,8 +491,11 @@ class ReplyRouter:
                 fresh = self.input_fresh()
                 if not fresh:
                     self.stale_sweeps += 1
-                    log.warning("gateway_input_lagging", echo_lag_s=round(self._echo_lag, 3),
-                                since_echo_s=round(time.monotonic() - self._echo_rx, 3))
+                    log.warning(
+                        "gateway_input_lagging",
+                        echo_lag_s=round(self._echo_lag, 3),
+                        since_echo_s=round(time.monotonic() - self._echo_rx, 3),
+                    )
                 self.sweep(judge_liveness=fresh)
                 with contextlib.suppress(Exception):  # NATS closing: the next round retries
                     await self.nc.publish(self._echo_subject, repr(time.monotonic()).encode())

@@ -81,7 +81,9 @@ class StopEarly(Exception):
     """The response ends before the backend finished; ``local``: the backend is still at
     work (client gone, stop string, watchdog) and gets a CancelRequest."""
 
-    def __init__(self, resp: web.StreamResponse, status: int, reason: str, local: bool = True) -> None:
+    def __init__(
+        self, resp: web.StreamResponse, status: int, reason: str, local: bool = True
+    ) -> None:
         super().__init__(reason)
         self.resp, self.status, self.reason, self.local = resp, status, reason, local
 
@@ -93,7 +95,12 @@ class BackendError(ApiError):
     local: bool = False
 
 
-_CODES = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout", 500: "internal_error"}
+_CODES = {
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    504: "timeout",
+    500: "internal_error",
+}
 
 
 def api_error(ev: Error) -> BackendError:
@@ -107,7 +114,9 @@ def api_error(ev: Error) -> BackendError:
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, headers=headers, content_type="application/json")
+    return web.Response(
+        body=_json.encode(body), status=status, headers=headers, content_type="application/json"
+    )
 
 
 def error_response(e: ApiError) -> web.Response:
@@ -140,8 +149,14 @@ async def collect(
 
 
 async def stream(
-    request: web.Request, next_event: NextEvent, p: ParsedRequest, rid: str, model: str,
-    text: TextOutput, out: Outcome, write_timeout_s: float,
+    request: web.Request,
+    next_event: NextEvent,
+    p: ParsedRequest,
+    rid: str,
+    model: str,
+    text: TextOutput,
+    out: Outcome,
+    write_timeout_s: float,
 ) -> web.StreamResponse:
     w = ChunkWriter(rid, int(time.time()), model, p.chat, p.include_usage)
     resp: web.StreamResponse | None = None

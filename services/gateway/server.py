@@ -60,7 +60,9 @@ from tracing import tracer
 
 log = structlog.get_logger()
 OFFLOOP_CHARS = 4096  # tokenize longer prompts in a thread (the Rust encoder drops the GIL)
-LISTEN_BACKLOG = 4096  # a burst of clients connecting at once waits in the kernel, not in SYN retries
+LISTEN_BACKLOG = (
+    4096  # a burst of clients connecting at once waits in the kernel, not in SYN retries
+)
 
 
 @dataclass
@@ -112,8 +114,13 @@ class Gateway:
         self.watchdog = Watchdog(clock or WallClock(), cfg.dead_after_s, cfg.request_timeout_s)
         if cfg.migration_limit < 0:
             raise ValueError("migration_limit must be at least 0")
-        self.router = ReplyRouter(nc, self.gateway_id, self.watchdog, cfg.migration_limit,
-                                  eos_token_ids=(*spec.eos_token_ids, *self.extra_eos))
+        self.router = ReplyRouter(
+            nc,
+            self.gateway_id,
+            self.watchdog,
+            cfg.migration_limit,
+            eos_token_ids=(*spec.eos_token_ids, *self.extra_eos),
+        )
         self.router.durable_intake = cfg.durable_intake
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
@@ -128,7 +135,9 @@ class Gateway:
         model = cfg.served_model_name
         self.app = web.Application(
             client_max_size=cfg.max_body_bytes + 1,
-            middlewares=[auth.middleware(tuple(cfg.api_keys), lambda st: telemetry.rejected(model, st))],
+            middlewares=[
+                auth.middleware(tuple(cfg.api_keys), lambda st: telemetry.rejected(model, st))
+            ],
         )
         self.app.add_routes(
             [
@@ -147,7 +156,9 @@ class Gateway:
     async def start(self) -> "Gateway":
         interval = self.cfg.sweep_interval_s
         if interval is None:
-            interval = min(max(min(self.cfg.dead_after_s, self.cfg.request_timeout_s) / 4, 0.05), 1.0)
+            interval = min(
+                max(min(self.cfg.dead_after_s, self.cfg.request_timeout_s) / 4, 0.05), 1.0
+            )
         await self.router.start(interval)
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -206,8 +217,11 @@ class Gateway:
         live = self.router.live_roles()
         missing = [r for r in ROLES if r not in live]
         ok = self.nc.is_connected and not missing
-        body = {"ready": ok, "gateway_id": self.gateway_id,
-                "missing": missing if self.nc.is_connected else ["bus"]}
+        body = {
+            "ready": ok,
+            "gateway_id": self.gateway_id,
+            "missing": missing if self.nc.is_connected else ["bus"],
+        }
         return json_response(body, 200 if ok else 503)
 
     # ---- generation ----------------------------------------------------------------
@@ -237,8 +251,9 @@ class Gateway:
             try:
                 text = self.tok.apply_chat_template(p.messages or [])
             except Exception as e:  # noqa: BLE001 - the model's template refused the messages
-                raise ApiError(400, f"the chat template cannot render these messages: {e}",
-                               param="messages") from None
+                raise ApiError(
+                    400, f"the chat template cannot render these messages: {e}", param="messages"
+                ) from None
             add_bos = False  # the template writes its own BOS, if the model has one
         else:
             text, add_bos = p.prompt_text or "", True
@@ -251,23 +266,34 @@ class Gateway:
         cfg, where = self.cfg, "messages" if p.chat else "prompt"
         if n > cfg.max_prompt_tokens:
             raise ApiError(
-                400, f"the prompt has {n} tokens; this server accepts at most {cfg.max_prompt_tokens}",
-                param=where, code="context_length_exceeded",
+                400,
+                f"the prompt has {n} tokens; this server accepts at most {cfg.max_prompt_tokens}",
+                param=where,
+                code="context_length_exceeded",
             )
         mt = p.max_tokens
         name = "max_completion_tokens" if p.chat else "max_tokens"
         if mt is None:
-            mt = min(cfg.max_tokens_limit, self.max_model_len - n) if p.chat else cfg.default_max_tokens
+            mt = (
+                min(cfg.max_tokens_limit, self.max_model_len - n)
+                if p.chat
+                else cfg.default_max_tokens
+            )
         if mt < 1 and p.max_tokens is not None:
             raise ApiError(400, f"{name} must be at least 1", param=name)
         if mt > cfg.max_tokens_limit:
-            raise ApiError(400, f"{name} is {mt}; this server allows at most {cfg.max_tokens_limit}", param=name)
+            raise ApiError(
+                400,
+                f"{name} is {mt}; this server allows at most {cfg.max_tokens_limit}",
+                param=name,
+            )
         if mt < 1 or n + mt > self.max_model_len:
             raise ApiError(
                 400,
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
                 f"has {n} prompt tokens and asks for {max(mt, 1)} more",
-                param=where, code="context_length_exceeded",
+                param=where,
+                code="context_length_exceeded",
             )
         return mt
 
@@ -281,10 +307,15 @@ class Gateway:
         if self.inflight >= self.cfg.max_inflight:
             metrics.INFLIGHT_REJECTIONS.inc()
             telemetry.rejected(self.cfg.served_model_name, 429)
-            return error_response(ApiError(
-                429, f"the gateway is serving its limit of {self.cfg.max_inflight} requests; "
-                "retry shortly", code="rate_limit_exceeded", headers={"Retry-After": "1"},
-            ))
+            return error_response(
+                ApiError(
+                    429,
+                    f"the gateway is serving its limit of {self.cfg.max_inflight} requests; "
+                    "retry shortly",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": "1"},
+                )
+            )
         self.inflight += 1
         try:
             return await self._admitted(request, chat)
@@ -297,7 +328,12 @@ class Gateway:
             data = await self._read_body(request)
             p = (parse_chat if chat else parse_completion)(data, self.tok.vocab_size)
             if p.model is not None and p.model != self.cfg.served_model_name:
-                raise ApiError(404, f"the model `{p.model}` does not exist", param="model", code="model_not_found")
+                raise ApiError(
+                    404,
+                    f"the model `{p.model}` does not exist",
+                    param="model",
+                    code="model_not_found",
+                )
             ids = await self._tokenize(p)
             max_tokens = self._max_tokens(p, len(ids))
             sampling = self._stop_on_eos(p.sampling(max_tokens))
@@ -307,13 +343,21 @@ class Gateway:
             return error_response(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         attrs = request_attributes(
-            chat=chat, model=self.cfg.served_model_name, max_tokens=max_tokens,
-            temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop=p.stop,
-            request_id=rid, prompt_tokens=len(ids),
+            chat=chat,
+            model=self.cfg.served_model_name,
+            max_tokens=max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop=p.stop,
+            request_id=rid,
+            prompt_tokens=len(ids),
         )
         with (
             structlog.contextvars.bound_contextvars(request_id=rid),
-            tracer().start_as_current_span("gateway.request", kind=trace.SpanKind.SERVER, attributes=attrs) as span,
+            tracer().start_as_current_span(
+                "gateway.request", kind=trace.SpanKind.SERVER, attributes=attrs
+            ) as span,
         ):
             out = Outcome(prompt_tokens=len(ids), max_tokens=max_tokens)
             try:
@@ -322,8 +366,14 @@ class Gateway:
                 telemetry.finish(span, out, t0, self.cfg.served_model_name)
 
     async def _run(
-        self, request: web.Request, p: ParsedRequest, ids: list[int], sampling: SamplingParams,
-        rid: str, out: Outcome, t0: float,
+        self,
+        request: web.Request,
+        p: ParsedRequest,
+        ids: list[int],
+        sampling: SamplingParams,
+        rid: str,
+        out: Outcome,
+        t0: float,
     ) -> web.StreamResponse:
         bs = self.cfg.block_size
         gen = GenerateRequest(
@@ -343,10 +393,13 @@ class Gateway:
             try:
                 await self.router.send(gen)
             except PayloadTooLarge as e:
-                raise ApiError(413, f"request too large for the message bus: {e}",
-                               code="request_too_large") from None
+                raise ApiError(
+                    413, f"request too large for the message bus: {e}", code="request_too_large"
+                ) from None
             except Exception as e:  # noqa: BLE001 - NATS down or closing
-                raise ApiError(503, f"message bus unavailable: {e}", code="service_unavailable") from None
+                raise ApiError(
+                    503, f"message bus unavailable: {e}", code="service_unavailable"
+                ) from None
             model = self.cfg.served_model_name
 
             span = trace.get_current_span()
@@ -389,4 +442,6 @@ class Gateway:
             async with asyncio.timeout(self._guard_s):
                 return await q.get()
         except TimeoutError:
-            return LocalError(request_id=rid, code=504, message="no response from the serving backend")
+            return LocalError(
+                request_id=rid, code=504, message="no response from the serving backend"
+            )

@@ -22,8 +22,16 @@ log = structlog.get_logger()
 
 
 def request_attributes(
-    *, chat: bool, model: str, max_tokens: int, temperature: float, top_p: float,
-    seed: int | None, stop: list[str], request_id: str, prompt_tokens: int,
+    *,
+    chat: bool,
+    model: str,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    stop: list[str],
+    request_id: str,
+    prompt_tokens: int,
 ) -> dict:
     attrs = {
         "gen_ai.operation.name": "chat" if chat else "text_completion",
@@ -65,11 +73,17 @@ def finish(span: trace.Span, out: Outcome, t0: float, model: str) -> None:
         span.set_status(Status(StatusCode.ERROR, out.error))
     observe(out, e2e, model)
     log.info(
-        "request_done", status=out.status, finish_reason=out.finish or None,
-        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens, prefill=out.prefill or None, decode=out.decode or None,
+        "request_done",
+        status=out.status,
+        finish_reason=out.finish or None,
+        prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens,
+        cached_tokens=out.cached_tokens,
+        prefill=out.prefill or None,
+        decode=out.decode or None,
         ttft_ms=None if out.ttft_s is None else round(out.ttft_s * 1e3, 3),
-        e2e_ms=round(e2e * 1e3, 3), error=out.error or None,
+        e2e_ms=round(e2e * 1e3, 3),
+        error=out.error or None,
     )
 
 

@@ -51,7 +51,9 @@ class Verdict:
 
 
 class Watchdog:
-    def __init__(self, clock: Clock, dead_after_s: float = 2.0, request_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, clock: Clock, dead_after_s: float = 2.0, request_timeout_s: float = 120.0
+    ) -> None:
         self.clock = clock
         self.dead_after_s = dead_after_s
         self.request_timeout_s = request_timeout_s

@@ -63,8 +63,14 @@ def activation_nbytes(cost: CostModel, tokens: int) -> int:
 class StageInbox:
     """Stage s+1's side: ``slots`` registered chunk slots and a ROUTER for the notes."""
 
-    def __init__(self, engine: TransferEngine, ctx: zmq.asyncio.Context, chunk_bytes: int,
-                 slots: int = 2, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        ctx: zmq.asyncio.Context,
+        chunk_bytes: int,
+        slots: int = 2,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.engine, self.chunk_bytes, self.slots = engine, chunk_bytes, slots
         self.buf = bytearray(chunk_bytes * slots)
         self.region = engine.register_local_memory(self.buf)
@@ -78,19 +84,21 @@ class StageInbox:
         try:
             peer, raw = await asyncio.wait_for(self.sock.recv_multipart(), timeout_s)
         except TimeoutError:
-            raise StageError("upstream_silent",
-                             f"no chunk from the previous stage in {timeout_s:g}s") from None
+            raise StageError(
+                "upstream_silent", f"no chunk from the previous stage in {timeout_s:g}s"
+            ) from None
         self._peer = peer
         note = msgspec.msgpack.decode(raw, type=ChunkNote)
         if not (0 <= note.slot < self.slots and 0 <= note.nbytes <= self.chunk_bytes):
             raise StageError("bad_note", f"chunk note out of range: {note}")
         start = note.slot * self.chunk_bytes
-        return note, memoryview(self.buf)[start:start + note.nbytes]
+        return note, memoryview(self.buf)[start : start + note.nbytes]
 
     async def free(self, note: ChunkNote) -> None:
         assert self._peer is not None
         await self.sock.send_multipart(
-            [self._peer, msgspec.msgpack.encode(Freed(note.request_id, note.slot))])
+            [self._peer, msgspec.msgpack.encode(Freed(note.request_id, note.slot))]
+        )
 
     def close(self) -> None:
         self.sock.close(0)
@@ -100,8 +108,16 @@ class StageInbox:
 class StageOutbox:
     """Stage s's side: writes into stage s+1's inbox over its own TransferEngine."""
 
-    def __init__(self, engine: TransferEngine, ctx: zmq.asyncio.Context, inbox_segment: str,
-                 inbox_region: int, inbox_address: str, chunk_bytes: int, slots: int = 2) -> None:
+    def __init__(
+        self,
+        engine: TransferEngine,
+        ctx: zmq.asyncio.Context,
+        inbox_segment: str,
+        inbox_region: int,
+        inbox_address: str,
+        chunk_bytes: int,
+        slots: int = 2,
+    ) -> None:
         self.engine, self.segment, self.region = engine, inbox_segment, inbox_region
         self.chunk_bytes, self.slots = chunk_bytes, slots
         self.staging = bytearray(chunk_bytes * slots)
@@ -116,31 +132,37 @@ class StageOutbox:
             try:
                 raw = await asyncio.wait_for(self.sock.recv(), timeout_s)
             except TimeoutError:
-                raise StageError("downstream_silent",
-                                 f"the next stage freed no slot in {timeout_s:g}s") from None
+                raise StageError(
+                    "downstream_silent", f"the next stage freed no slot in {timeout_s:g}s"
+                ) from None
             self._free.append(msgspec.msgpack.decode(raw, type=Freed).slot)
         return self._free.pop(0)
 
-    async def send(self, request_id: str, chunk: int, data: bytes | memoryview,
-                   timeout_s: float) -> None:
+    async def send(
+        self, request_id: str, chunk: int, data: bytes | memoryview, timeout_s: float
+    ) -> None:
         n = len(data)
         if n > self.chunk_bytes:
             raise StageError("bad_request", f"{n} bytes exceed the {self.chunk_bytes}-byte slot")
         slot = await self._slot(timeout_s)
         off = slot * self.chunk_bytes
-        self.staging[off:off + n] = data
+        self.staging[off : off + n] = data
         bid = self.engine.allocate_batch_id(1)
-        self.engine.submit_transfer(bid, [TransferRequest(Opcode.WRITE, self.local, off, n,
-                                                          self.segment, self.region, off)])
+        self.engine.submit_transfer(
+            bid, [TransferRequest(Opcode.WRITE, self.local, off, n, self.segment, self.region, off)]
+        )
         try:
             (status,) = await self.engine.wait_batch(bid, timeout_s)
         except TimeoutError:
-            raise StageError("downstream_silent",
-                             f"activation write not done in {timeout_s:g}s") from None
+            raise StageError(
+                "downstream_silent", f"activation write not done in {timeout_s:g}s"
+            ) from None
         if status.state != Poll.SUCCESS:
             self.engine.free_batch_id(bid)
-            raise StageError(status.code or "transfer_failed",
-                             f"activation write to the next stage failed: {status.error}")
+            raise StageError(
+                status.code or "transfer_failed",
+                f"activation write to the next stage failed: {status.error}",
+            )
         self.engine.free_batch_id(bid)
         await self.sock.send(msgspec.msgpack.encode(ChunkNote(request_id, chunk, slot, n)))
 
@@ -154,8 +176,9 @@ def first_activations(request_id: str, chunk: int, nbytes: int) -> bytes:
     import zlib
 
     seed = zlib.crc32(f"{request_id}/{chunk}".encode()) & 0xFF  # the same in every process
-    return bytes((seed + i) & 0xFF for i in range(min(nbytes, 256))) * (nbytes // 256) + \
-        bytes((seed + i) & 0xFF for i in range(nbytes % 256))
+    return bytes((seed + i) & 0xFF for i in range(min(nbytes, 256))) * (nbytes // 256) + bytes(
+        (seed + i) & 0xFF for i in range(nbytes % 256)
+    )
 
 
 def stage_transform(data: bytes | memoryview, stage: int) -> bytes:
@@ -166,10 +189,18 @@ def stage_transform(data: bytes | memoryview, stage: int) -> bytes:
     return (arr + np.uint8(stage)).astype(np.uint8).tobytes()
 
 
-async def run_stage(*, request_id: str, stage: int, stages: int,
-                    chunks: Sequence[tuple[int, int]], cost: CostModel,
-                    inbox: StageInbox | None, outbox: StageOutbox | None, sleep: SleepFn,
-                    timeout_s: float = 10.0) -> list[bytes]:
+async def run_stage(
+    *,
+    request_id: str,
+    stage: int,
+    stages: int,
+    chunks: Sequence[tuple[int, int]],
+    cost: CostModel,
+    inbox: StageInbox | None,
+    outbox: StageOutbox | None,
+    sleep: SleepFn,
+    timeout_s: float = 10.0,
+) -> list[bytes]:
     """Run stage ``stage`` of ``stages`` over ``chunks``; returns what the last stage
     produced per chunk (empty for the others)."""
     out: list[bytes] = []
@@ -180,8 +211,10 @@ async def run_stage(*, request_id: str, stage: int, stages: int,
         else:
             note, view = await inbox.recv(timeout_s)
             if (note.request_id, note.chunk, note.nbytes) != (request_id, k, nbytes):
-                raise StageError("out_of_order", f"expected chunk {k} of {request_id} "
-                                 f"({nbytes} bytes), got {note}")
+                raise StageError(
+                    "out_of_order",
+                    f"expected chunk {k} of {request_id} ({nbytes} bytes), got {note}",
+                )
             data = bytes(view)
             await inbox.free(note)
         await sleep(cost.prefill_time(b, a) / stages)
@@ -212,8 +245,9 @@ async def _serve(a) -> int:  # type: ignore[no-untyped-def]
     outbox = None
     if a.next:
         nxt = json.loads(a.next)
-        outbox = StageOutbox(engine, ctx, nxt["segment"], nxt["region"], nxt["address"], nbytes,
-                             a.slots)
+        outbox = StageOutbox(
+            engine, ctx, nxt["segment"], nxt["region"], nxt["address"], nbytes, a.slots
+        )
 
     def say(**kw: object) -> None:
         sys.stdout.write(json.dumps(kw) + "\n")
@@ -232,9 +266,17 @@ async def _serve(a) -> int:  # type: ignore[no-untyped-def]
         await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     try:
-        out = await run_stage(request_id=a.request_id, stage=a.stage, stages=a.stages,
-                              chunks=chunk_bounds(a.n, 0, a.chunk), cost=cost, inbox=inbox,
-                              outbox=outbox, sleep=pace, timeout_s=a.timeout)
+        out = await run_stage(
+            request_id=a.request_id,
+            stage=a.stage,
+            stages=a.stages,
+            chunks=chunk_bounds(a.n, 0, a.chunk),
+            cost=cost,
+            inbox=inbox,
+            outbox=outbox,
+            sleep=pace,
+            timeout_s=a.timeout,
+        )
     except StageError as e:
         say(error=e.code, message=str(e))
         return 3

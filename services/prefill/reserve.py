@@ -47,12 +47,15 @@ class Reservation:
         """Leading blocks whose KV is on the prefill node before compute: the local hit,
         extended by the pulled ones."""
         r = self.remote
-        return plan.prefix_after(self.prefill_tx.hit_blocks,
-                                 (r.first_block, r.num_blocks) if r else None)
+        return plan.prefix_after(
+            self.prefill_tx.hit_blocks, (r.first_block, r.num_blocks) if r else None
+        )
 
     def txs(self) -> list[tuple[str, str]]:
-        out = [(self.prefill_tx.node, self.prefill_tx.tx_id),
-               (self.decode_tx.node, self.decode_tx.tx_id)]
+        out = [
+            (self.prefill_tx.node, self.prefill_tx.tx_id),
+            (self.decode_tx.node, self.decode_tx.tx_id),
+        ]
         if self.remote is not None:
             out.append((self.remote.source_node, self.remote.source_tx.tx_id))
         return out
@@ -68,8 +71,14 @@ class Reserver(Protocol):
 class StoreReserver:
     """:class:`Reserver` over the stores' NATS control endpoints."""
 
-    def __init__(self, tx: StoreTx, *, lease_s: float, wait_s: float = plan.WAIT_S,
-                 retry_s: float = plan.RETRY_S) -> None:
+    def __init__(
+        self,
+        tx: StoreTx,
+        *,
+        lease_s: float,
+        wait_s: float = plan.WAIT_S,
+        retry_s: float = plan.RETRY_S,
+    ) -> None:
         self.tx = tx
         self.leases = LeaseKeeper(tx, lease_s)
         self.lease_s = lease_s
@@ -78,15 +87,30 @@ class StoreReserver:
 
     def _jobs(self, task: PrefillTask, roles: set[str]) -> dict[str, tuple[str, TxAllocate]]:
         req = task.request
-        common = dict(request_id=req.request_id, retention=req.retention,
-                      context_ttl_s=req.context_ttl_s, lease_s=self.lease_s)
-        todo = plan.jobs(prefill_node=task.prefill_node, decode_node=task.decode_node,
-                         source=task.source, block_hashes=req.block_hashes or [],
-                         num_tokens=len(req.prompt_token_ids), block_size=req.block_size,
-                         roles=roles)
-        return {role: (j.node, TxAllocate(role=j.role, block_hashes=j.block_hashes,
-                                          num_tokens=j.num_tokens, **common))
-                for role, j in todo.items()}
+        common = dict(
+            request_id=req.request_id,
+            retention=req.retention,
+            context_ttl_s=req.context_ttl_s,
+            lease_s=self.lease_s,
+        )
+        todo = plan.jobs(
+            prefill_node=task.prefill_node,
+            decode_node=task.decode_node,
+            source=task.source,
+            block_hashes=req.block_hashes or [],
+            num_tokens=len(req.prompt_token_ids),
+            block_size=req.block_size,
+            roles=roles,
+        )
+        return {
+            role: (
+                j.node,
+                TxAllocate(
+                    role=j.role, block_hashes=j.block_hashes, num_tokens=j.num_tokens, **common
+                ),
+            )
+            for role, j in todo.items()
+        }
 
     async def reserve(self, task: PrefillTask) -> Reservation:
         rid = task.request.request_id
@@ -105,16 +129,22 @@ class StoreReserver:
                 if v.drop_source:
                     # The holder no longer has the prefix (evicted while the request
                     # queued, nothing being locked then) or is gone: compute it here.
-                    log.info("source_dropped", node=task.source.node if task.source else "",
-                             reason=att.refused.get("source") or att.failed.get("source"))
+                    log.info(
+                        "source_dropped",
+                        node=task.source.node if task.source else "",
+                        reason=att.refused.get("source") or att.failed.get("source"),
+                    )
                     want.discard(plan.SOURCE)
                 if v.step is plan.Step.FAIL:
                     raise ReserveError("unavailable", f"store unavailable ({v.detail})")
                 if v.step is plan.Step.DONE:
                     break
                 if loop.time() >= give_up:
-                    raise ReserveError("capacity", "no room in the store for the request's "
-                                       f"KV after {self.wait_s:.0f} s ({v.detail})")
+                    raise ReserveError(
+                        "capacity",
+                        "no room in the store for the request's "
+                        f"KV after {self.wait_s:.0f} s ({v.detail})",
+                    )
                 if not waited:
                     log.info("reserve_waiting_for_room", refused=v.detail)
                     waited = True
@@ -135,8 +165,9 @@ class StoreReserver:
                 self.leases.drop(node, stx.tx_id)
                 await self.tx.abort(node, stx.tx_id, rid, "not needed")
             else:
-                remote = RemotePrefix(source_node=node, source_tx=stx, first_block=g.pull[0],
-                                      num_blocks=g.pull[1])
+                remote = RemotePrefix(
+                    source_node=node, source_tx=stx, first_block=g.pull[0], num_blocks=g.pull[1]
+                )
         return Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:

@@ -75,7 +75,12 @@ class PrefillStore(Protocol):
 
     def slot(self, i: int) -> memoryview: ...
     async def ship_layer(
-        self, src: TxHandle, dst: TxHandle, layer: int, blocks: list[int], layer_bytes: int,
+        self,
+        src: TxHandle,
+        dst: TxHandle,
+        layer: int,
+        blocks: list[int],
+        layer_bytes: int,
         layer_offset: int,
     ) -> None: ...
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None: ...
@@ -142,8 +147,9 @@ class PrefillWorker(WorkerBase):
         lease_s: float = 10.0,
         reserver: Reserver | None = None,
     ) -> None:
-        super().__init__(nc, instance=instance, node=node, report_interval=report_interval,
-                         clock=clock)
+        super().__init__(
+            nc, instance=instance, node=node, report_interval=report_interval, clock=clock
+        )
         # Timestamps that leave the process (reports, notices, span starts) are Unix time.
         self.unix: Clock = unix_clock or UnixClock()
         self.store = store
@@ -153,8 +159,15 @@ class PrefillWorker(WorkerBase):
         self.cost = cost
         self.queue = PrefillQueue(cost, self.clock, layout.block_size)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("tasks_done", "tasks_failed", "tasks_cancelled", "computed_tokens",
-             "prefix_tokens_loaded", "remote_tokens_pulled"), 0,
+            (
+                "tasks_done",
+                "tasks_failed",
+                "tasks_cancelled",
+                "computed_tokens",
+                "prefix_tokens_loaded",
+                "remote_tokens_pulled",
+            ),
+            0,
         )
         # Request ids of the tasks taken: a placement a conductor sends again from its
         # claim (services.common.intake_queue) is run once.
@@ -172,7 +185,9 @@ class PrefillWorker(WorkerBase):
     # -- lifecycle --
     async def start(self) -> None:
         await self._subs.serve(
-            subjects.prefill_tasks(self.instance), PrefillTask, self._on_task,
+            subjects.prefill_tasks(self.instance),
+            PrefillTask,
+            self._on_task,
             span_name="prefill.task",
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
@@ -192,7 +207,8 @@ class PrefillWorker(WorkerBase):
         running = self.queue.running
         if self._current is not None and running is not None:
             self._stop_reason[running.request_id] = (
-                ErrorCode.UNAVAILABLE, "prefill instance shutting down",
+                ErrorCode.UNAVAILABLE,
+                "prefill instance shutting down",
             )
             self._current.cancel()
             try:
@@ -215,8 +231,12 @@ class PrefillWorker(WorkerBase):
         """Before a role switch: stop reporting load, then wait until nothing is queued
         or running and no task has arrived for ``quiet_s`` (late placements still run)."""
         self.draining = True
-        while not (len(self.queue) == 0 and self._idle.is_set() and not self._handoffs
-                   and self.clock.now() - self._last_task >= quiet_s):
+        while not (
+            len(self.queue) == 0
+            and self._idle.is_set()
+            and not self._handoffs
+            and self.clock.now() - self._last_task >= quiet_s
+        ):
             if self.dead.is_set():
                 return
             await asyncio.sleep(poll_s)
@@ -250,8 +270,9 @@ class PrefillWorker(WorkerBase):
         item = self.queue.remove(rid)
         if item is not None:
             self._end_queue_span(item)
-            await self._fail(item.task, ErrorCode.CANCELLED, f"cancelled: {c.reason}",
-                             counter="tasks_cancelled")
+            await self._fail(
+                item.task, ErrorCode.CANCELLED, f"cancelled: {c.reason}", counter="tasks_cancelled"
+            )
             return
         running = self.queue.running
         if running is not None and running.request_id == rid and self._current is not None:
@@ -280,8 +301,9 @@ class PrefillWorker(WorkerBase):
                 if not task.cancelled() and task.exception() is None:
                     done = task.result()
                     if rid not in self._stop_reason:
-                        sup = asyncio.create_task(self._finish(item, done),
-                                                  name=f"prefill-handoff:{rid}")
+                        sup = asyncio.create_task(
+                            self._finish(item, done), name=f"prefill-handoff:{rid}"
+                        )
                         self._finishing.add(sup)
                         sup.add_done_callback(self._finishing.discard)
                         continue
@@ -329,8 +351,9 @@ class PrefillWorker(WorkerBase):
     async def _finish(self, item: QueuedPrefill, done: "_Computed") -> None:
         """Supervise one handoff: wait for it (or its cancellation), then settle."""
         rid = item.request_id
-        task = asyncio.create_task(self._in_request(item, self._handoff(item, done)),
-                                   name=f"prefill-ship:{rid}")
+        task = asyncio.create_task(
+            self._in_request(item, self._handoff(item, done)), name=f"prefill-ship:{rid}"
+        )
         self._handoffs[rid] = task
         try:
             await asyncio.wait({task})
@@ -388,7 +411,12 @@ class PrefillWorker(WorkerBase):
                 # the client puts the current context in the ZeroMQ request header.
                 with trace.use_span(done.ship_span, end_on_exit=False):
                     await self.store.ship_layer(
-                        res.prefill_tx, res.decode_tx, first, blocks, end - start, start,
+                        res.prefill_tx,
+                        res.decode_tx,
+                        first,
+                        blocks,
+                        end - start,
+                        start,
                     )
 
         async def on_layer(layer: int) -> None:
@@ -399,28 +427,42 @@ class PrefillWorker(WorkerBase):
                 return
             if done.ship_span is None:
                 done.ship_span = tracer().start_span(
-                    "prefill.ship", context=item.meta.ctx,
+                    "prefill.ship",
+                    context=item.meta.ctx,
                     attributes={"blocks": len(blocks), "decode_node": res.decode_tx.node},
                 )
             ready.append(layer)
             if not ships or ships[-1].done():
                 ships.append(asyncio.create_task(pump()))
 
-        job = PrefillJob(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                         prefix_tokens=p, sampling=req.sampling, kv=kv, on_layer=on_layer)
+        job = PrefillJob(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            prefix_tokens=p,
+            sampling=req.sampling,
+            kv=kv,
+            on_layer=on_layer,
+        )
         try:
             with tracer().start_as_current_span(
-                "prefill.compute", attributes={"prompt_tokens": n, "prefix_tokens": p},
+                "prefill.compute",
+                attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
                 done.first, learn = await self._compute(job, n, p)
             done.first_ts = self.unix.now()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
                 with tracer().start_as_current_span("prefill.first_token"):
-                    await bus.publish(self.nc, req.reply_subject, Tokens(
-                        request_id=req.request_id, token_ids=[done.first], index=0,
-                        from_prefill=True,
-                    ))
+                    await bus.publish(
+                        self.nc,
+                        req.reply_subject,
+                        Tokens(
+                            request_id=req.request_id,
+                            token_ids=[done.first],
+                            index=0,
+                            from_prefill=True,
+                        ),
+                    )
             if learn is not None:  # after the first token: a refit is not on its path
                 learn()
         except BaseException:
@@ -440,29 +482,44 @@ class PrefillWorker(WorkerBase):
                 await asyncio.gather(*done.ships)
         finally:
             await done.stop()
-        await bus.publish(self.nc, subjects.decode_tasks(task.decode_instance), DecodeTask(
-            request=req,
-            conductor_id=task.conductor_id,
-            prefill_instance=self.instance,
-            prefill_node=self.node,
-            prefill_tx_id=res.prefill_tx.tx_id,
-            decode_tx=res.decode_tx,
-            first_token=first,
-            cached_tokens=p,
-            prefill_done_ts=self.unix.now(),
-            first_token_sent=task.stream_first_token,
-        ))
+        await bus.publish(
+            self.nc,
+            subjects.decode_tasks(task.decode_instance),
+            DecodeTask(
+                request=req,
+                conductor_id=task.conductor_id,
+                prefill_instance=self.instance,
+                prefill_node=self.node,
+                prefill_tx_id=res.prefill_tx.tx_id,
+                decode_tx=res.decode_tx,
+                first_token=first,
+                cached_tokens=p,
+                prefill_done_ts=self.unix.now(),
+                first_token_sent=task.stream_first_token,
+            ),
+        )
         # Every layer is acked, so the prefill-side slots are no longer read: commit.
         src = res.remote
-        await bus.publish(self.nc, subjects.conductor_events(task.conductor_id), FirstTokenNotice(
-            request_id=req.request_id, prefill_node=self.node,
-            prefill_tx_id=res.prefill_tx.tx_id, ts=first_ts, handoff_ts=self.unix.now(),
-            source_node=src.source_node if src else "",
-            source_tx_id=src.source_tx.tx_id if src else "",
-        ))
+        await bus.publish(
+            self.nc,
+            subjects.conductor_events(task.conductor_id),
+            FirstTokenNotice(
+                request_id=req.request_id,
+                prefill_node=self.node,
+                prefill_tx_id=res.prefill_tx.tx_id,
+                ts=first_ts,
+                handoff_ts=self.unix.now(),
+                source_node=src.source_node if src else "",
+                source_tx_id=src.source_tx.tx_id if src else "",
+            ),
+        )
         await self.reserver.hand_off(task, res)
-        log.debug("prefill_done", prefix_tokens=p, computed_tokens=item.prompt_tokens - p,
-                  first_token=first)
+        log.debug(
+            "prefill_done",
+            prefix_tokens=p,
+            computed_tokens=item.prompt_tokens - p,
+            first_token=first,
+        )
 
     # -- helpers --
     async def _compute(self, job: PrefillJob, n: int, p: int) -> tuple[int, Any]:
@@ -498,33 +555,55 @@ class PrefillWorker(WorkerBase):
             raise BadTask(f"prefill tx is on node {res.prefill_tx.node}, not {self.node}")
         r = res.remote
         if r is not None and r.first_block > res.prefill_tx.hit_blocks:
-            raise BadTask(f"remote prefix starts at block {r.first_block} but only "
-                          f"{res.prefill_tx.hit_blocks} blocks are local")
+            raise BadTask(
+                f"remote prefix starts at block {r.first_block} but only "
+                f"{res.prefill_tx.hit_blocks} blocks are local"
+            )
         for name, tx in (("prefill", res.prefill_tx), ("decode", res.decode_tx)):
             if tx.block_bytes != self.layout.block_bytes:
-                raise BadTask(f"{name} tx blocks are {tx.block_bytes} bytes, "
-                              f"the model needs {self.layout.block_bytes}")
+                raise BadTask(
+                    f"{name} tx blocks are {tx.block_bytes} bytes, "
+                    f"the model needs {self.layout.block_bytes}"
+                )
             if len(tx.slots) != num_blocks(n, bs):
                 raise BadTask(f"{name} tx has {len(tx.slots)} slots for {n} tokens")
 
     def _end_queue_span(self, item: QueuedPrefill) -> None:
-        span = tracer().start_span("prefill.queue", context=item.meta.ctx,
-                                   start_time=item.meta.enqueued_ns)
+        span = tracer().start_span(
+            "prefill.queue", context=item.meta.ctx, start_time=item.meta.enqueued_ns
+        )
         span.end()
 
-    async def _fail(self, task: PrefillTask, code: ErrorCode, message: str,
-                    counter: str = "tasks_failed", reservation: Reservation | None = None,
-                    ) -> None:
+    async def _fail(
+        self,
+        task: PrefillTask,
+        code: ErrorCode,
+        message: str,
+        counter: str = "tasks_failed",
+        reservation: Reservation | None = None,
+    ) -> None:
         if reservation is not None:
             try:
                 await self.reserver.release(task, reservation, message)
             except Exception as e:  # noqa: BLE001 - the leases end the slots anyway
                 log.warning("release_failed", error=f"{type(e).__name__}: {e}")
         await self._report_failure(
-            task.request, task.conductor_id, self.node,
-            reservation.prefill_tx.tx_id if reservation else "", code, message, counter)
+            task.request,
+            task.conductor_id,
+            self.node,
+            reservation.prefill_tx.tx_id if reservation else "",
+            code,
+            message,
+            counter,
+        )
 
     def load_report(self) -> PrefillLoad:
         qlen, qtokens, work = self.queue.load()
-        return PrefillLoad(instance=self.instance, node=self.node, queue_len=qlen,
-                           queued_tokens=qtokens, queued_work_s=work, ts=self.unix.now())
+        return PrefillLoad(
+            instance=self.instance,
+            node=self.node,
+            queue_len=qlen,
+            queued_tokens=qtokens,
+            queued_work_s=work,
+            ts=self.unix.now(),
+        )

@@ -23,26 +23,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity-blocks", type=int, default=2048, help="slots in the arena")
     p.add_argument("--host", default="127.0.0.1", help="address the data plane binds")
     p.add_argument("--port", type=int, default=0, help="data plane port (0 = any free one)")
-    p.add_argument("--advertise-host", default=None,
-                   help="host peers use to reach this store (default: --host)")
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host peers use to reach this store (default: --host)",
+    )
     p.add_argument("--announce-interval", type=float, default=1.0, help="seconds between announces")
-    p.add_argument("--sweep-interval", type=float, default=0.25,
-                   help="seconds between lease-expiry sweeps")
-    p.add_argument("--peer-timeout", type=float, default=5.0,
-                   help="seconds a peer store may take to answer (plus size-based time)")
-    p.add_argument("--transports", default="rdma,shm,tcp",
-                   help="transports KV bytes may take to and from peer stores (tcp is always "
-                        "on; rdma where a device exists; shm with peers on this host)")
-    p.add_argument("--prefault", action=argparse.BooleanOptionalAction, default=True,
-                   help="map the whole arena at start (commits its memory up front)")
-    p.add_argument("--ssd-dir", default=None,
-                   help="SSD tier: folder for block files and their index (kept across restarts)")
-    p.add_argument("--ssd-capacity-blocks", type=int, default=0,
-                   help="blocks the SSD tier holds (needs --ssd-dir; 0 = no SSD tier)")
-    p.add_argument("--vram-capacity-blocks", type=int, default=0,
-                   help="blocks kept in GPU memory (skipped with a log line without CUDA)")
-    p.add_argument("--replay-batches", type=int, default=1024,
-                   help="recent KV-event batches kept for the replay endpoint")
+    p.add_argument(
+        "--sweep-interval", type=float, default=0.25, help="seconds between lease-expiry sweeps"
+    )
+    p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a peer store may take to answer (plus size-based time)",
+    )
+    p.add_argument(
+        "--transports",
+        default="rdma,shm,tcp",
+        help="transports KV bytes may take to and from peer stores (tcp is always "
+        "on; rdma where a device exists; shm with peers on this host)",
+    )
+    p.add_argument(
+        "--prefault",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="map the whole arena at start (commits its memory up front)",
+    )
+    p.add_argument(
+        "--ssd-dir",
+        default=None,
+        help="SSD tier: folder for block files and their index (kept across restarts)",
+    )
+    p.add_argument(
+        "--ssd-capacity-blocks",
+        type=int,
+        default=0,
+        help="blocks the SSD tier holds (needs --ssd-dir; 0 = no SSD tier)",
+    )
+    p.add_argument(
+        "--vram-capacity-blocks",
+        type=int,
+        default=0,
+        help="blocks kept in GPU memory (skipped with a log line without CUDA)",
+    )
+    p.add_argument(
+        "--replay-batches",
+        type=int,
+        default=1024,
+        help="recent KV-event batches kept for the replay endpoint",
+    )
     p.add_argument("--log-level", default="INFO")
     metrics.add_arguments(p)
     args = p.parse_args(argv)
@@ -71,14 +101,23 @@ async def main(args: argparse.Namespace) -> int:
     install_signal_handlers(stop)
     nc = await connect(args.nats, name=f"store-{args.node}")
     service = StoreService(
-        nc, node=args.node, block_size=args.block_size, block_bytes=args.block_bytes,
-        capacity_blocks=args.capacity_blocks, host=args.host, port=args.port,
-        advertise_host=args.advertise_host, announce_interval_s=args.announce_interval,
-        sweep_interval_s=args.sweep_interval, peer_timeout_s=args.peer_timeout,
+        nc,
+        node=args.node,
+        block_size=args.block_size,
+        block_bytes=args.block_bytes,
+        capacity_blocks=args.capacity_blocks,
+        host=args.host,
+        port=args.port,
+        advertise_host=args.advertise_host,
+        announce_interval_s=args.announce_interval,
+        sweep_interval_s=args.sweep_interval,
+        peer_timeout_s=args.peer_timeout,
         transports=tuple(t for t in args.transports.split(",") if t) + ("tcp",),
-        prefault=args.prefault, ssd_dir=args.ssd_dir,
+        prefault=args.prefault,
+        ssd_dir=args.ssd_dir,
         ssd_capacity_blocks=args.ssd_capacity_blocks,
-        vram_capacity_blocks=args.vram_capacity_blocks, replay_batches=args.replay_batches,
+        vram_capacity_blocks=args.vram_capacity_blocks,
+        replay_batches=args.replay_batches,
     )
     mserver = None
     try:

@@ -114,9 +114,18 @@ class BlockPool(LowerTiers):
         self._tx_owned = 0
         self.counters: dict[str, int] = dict.fromkeys(
             (
-                "tx_allocated", "tx_refused", "tx_committed", "tx_aborted", "tx_expired",
-                "hit_blocks", "new_blocks", "stored_blocks", "duplicate_blocks",
-                "evictions", "unpinned_blocks", *TIER_COUNTERS,
+                "tx_allocated",
+                "tx_refused",
+                "tx_committed",
+                "tx_aborted",
+                "tx_expired",
+                "hit_blocks",
+                "new_blocks",
+                "stored_blocks",
+                "duplicate_blocks",
+                "evictions",
+                "unpinned_blocks",
+                *TIER_COUNTERS,
             ),
             0,
         )
@@ -251,7 +260,9 @@ class BlockPool(LowerTiers):
             for i, h in enumerate(hashes):
                 if not self.on_node(h):
                     self.counters["tx_refused"] += 1
-                    return Refused(reason="missing", message=f"block {i} ({h:#x}) is not on this node")
+                    return Refused(
+                        reason="missing", message=f"block {i} ({h:#x}) is not on this node"
+                    )
             hit = total = len(hashes)
         else:
             hit = self.prefix_hits(hashes)
@@ -273,10 +284,15 @@ class BlockPool(LowerTiers):
             self._unwind(hits, promote)
             self.counters["tx_refused"] += 1
             free, lru = len(self._free), len(self._lru)
-            have = (f"{free} free, {lru} evictable and {room - free - lru} offloadable"
-                    if self.lower else f"{free} free and {lru} evictable")
-            return Refused(reason="capacity",
-                           message=f"need {need} free blocks, have {have} of {self.capacity}")
+            have = (
+                f"{free} free, {lru} evictable and {room - free - lru} offloadable"
+                if self.lower
+                else f"{free} free and {lru} evictable"
+            )
+            return Refused(
+                reason="capacity",
+                message=f"need {need} free blocks, have {have} of {self.capacity}",
+            )
         self._make_room(need)
         for h, t in promote.items():
             self._promote(h, t)
@@ -381,8 +397,9 @@ class BlockPool(LowerTiers):
     # ------------------------------------------------------------------ objects, wipe, remove
 
     @operation
-    def put_blocks(self, hashes: list[int], retention: Retention = Retention.DEFAULT,
-                   writeback: bool = True) -> list[int] | Refused:
+    def put_blocks(
+        self, hashes: list[int], retention: Retention = Retention.DEFAULT, writeback: bool = True
+    ) -> list[int] | Refused:
         """Fresh DRAM slots for new blocks ``hashes`` (none of them on the node), cached at
         once: the caller fills them in the same synchronous step (no transaction, so no
         other call can come between). EPHEMERAL blocks are refused (nothing would keep
@@ -455,7 +472,8 @@ class BlockPool(LowerTiers):
             if not self.on_node(h):
                 continue
             if self._refs.get(h, 0) > (1 if h in self._pins else 0) or any(
-                    h in t.held for t in self.lower):
+                h in t.held for t in self.lower
+            ):
                 busy.append(h)
                 continue
             if h in self._pins:
@@ -517,14 +535,27 @@ class BlockPool(LowerTiers):
         return None
 
     def _open(
-        self, req: TxAllocate, tx_id: str, hashes: list[int], slots: list[int], hit: int,
+        self,
+        req: TxAllocate,
+        tx_id: str,
+        hashes: list[int],
+        slots: list[int],
+        hit: int,
         writable: frozenset[int],
     ) -> None:
         deadline = self.clock.now() + req.lease_s
         self._txs[tx_id] = _Tx(
-            tx_id=tx_id, request_id=req.request_id, role=req.role, retention=req.retention,
-            context_ttl_s=req.context_ttl_s, deadline=deadline, hashes=hashes, slots=slots,
-            hit_blocks=hit, writable=writable, readable=frozenset(slots),
+            tx_id=tx_id,
+            request_id=req.request_id,
+            role=req.role,
+            retention=req.retention,
+            context_ttl_s=req.context_ttl_s,
+            deadline=deadline,
+            hashes=hashes,
+            slots=slots,
+            hit_blocks=hit,
+            writable=writable,
+            readable=frozenset(slots),
         )
         heapq.heappush(self._lease_heap, (deadline, tx_id))
         self.counters["tx_allocated"] += 1

@@ -45,8 +45,9 @@ class TransferError(CodedError, RuntimeError):
 
 
 class StoreClient:
-    def __init__(self, nc: NATS, info: StoreInfo, arena: Arena, channel: Channel,
-                 op_timeout_s: float) -> None:
+    def __init__(
+        self, nc: NATS, info: StoreInfo, arena: Arena, channel: Channel, op_timeout_s: float
+    ) -> None:
         self.nc = nc
         self._info = info
         self.arena = arena
@@ -100,16 +101,28 @@ class StoreClient:
         each block index ``b`` in ``blocks``; returns once that store acked."""
         await self._check_local(src)
         if dst.block_bytes != self._info.block_bytes:
-            raise TransferError("bad_request", f"block size differs: {dst.node} has "
-                                f"{dst.block_bytes} bytes, {self._info.node} {self._info.block_bytes}")
+            raise TransferError(
+                "bad_request",
+                f"block size differs: {dst.node} has "
+                f"{dst.block_bytes} bytes, {self._info.node} {self._info.block_bytes}",
+            )
         if not blocks:
             return
         src_slots = _pick(src, blocks, "src")
         dst_slots = _pick(dst, blocks, "dst")
         header = wire.Ship(
-            id=next_id(), src_tx=src.tx_id, src_epoch=src.epoch, src_slots=src_slots,
-            dst_addr=dst.data_addr, dst_tx=dst.tx_id, dst_epoch=dst.epoch, dst_slots=dst_slots,
-            offset=layer_offset, length=layer_bytes, layer=layer, trace=inject(),
+            id=next_id(),
+            src_tx=src.tx_id,
+            src_epoch=src.epoch,
+            src_slots=src_slots,
+            dst_addr=dst.data_addr,
+            dst_tx=dst.tx_id,
+            dst_epoch=dst.epoch,
+            dst_slots=dst_slots,
+            offset=layer_offset,
+            length=layer_bytes,
+            layer=layer,
+            trace=inject(),
         )
         await self._request(header, len(blocks) * layer_bytes)
 
@@ -123,8 +136,11 @@ class StoreClient:
         await self._check_local(dst)
         src = remote.source_tx
         if src.block_bytes != self._info.block_bytes:
-            raise TransferError("bad_request", f"block size differs: {src.node} has "
-                                f"{src.block_bytes} bytes, {self._info.node} {self._info.block_bytes}")
+            raise TransferError(
+                "bad_request",
+                f"block size differs: {src.node} has "
+                f"{src.block_bytes} bytes, {self._info.node} {self._info.block_bytes}",
+            )
         first, n = remote.first_block, remote.num_blocks
         if n <= 0:
             return
@@ -136,12 +152,21 @@ class StoreClient:
         elif len(src.slots) == n:
             src_slots = list(src.slots)
         else:
-            raise TransferError("bad_request", f"source tx {src.tx_id} has {len(src.slots)} "
-                                f"slots, cannot hold blocks {first}..{first + n - 1}")
+            raise TransferError(
+                "bad_request",
+                f"source tx {src.tx_id} has {len(src.slots)} "
+                f"slots, cannot hold blocks {first}..{first + n - 1}",
+            )
         dst_slots = _pick(dst, blocks, "dst")
         header = wire.Pull(
-            id=next_id(), dst_tx=dst.tx_id, dst_epoch=dst.epoch, dst_slots=dst_slots,
-            src_addr=src.data_addr, src_tx=src.tx_id, src_epoch=src.epoch, src_slots=src_slots,
+            id=next_id(),
+            dst_tx=dst.tx_id,
+            dst_epoch=dst.epoch,
+            dst_slots=dst_slots,
+            src_addr=src.data_addr,
+            src_tx=src.tx_id,
+            src_epoch=src.epoch,
+            src_slots=src_slots,
             trace=inject(),
         )
         await self._request(header, n * self._info.block_bytes)
@@ -184,13 +209,18 @@ class StoreClient:
 
     async def _check_local(self, tx: TxHandle) -> None:
         if tx.node != self._info.node:
-            raise TransferError("wrong_node", f"{tx.tx_id} is on {tx.node}, this client is "
-                                f"attached to {self._info.node}")
+            raise TransferError(
+                "wrong_node",
+                f"{tx.tx_id} is on {tx.node}, this client is attached to {self._info.node}",
+            )
         if tx.epoch > self._info.epoch:  # the store restarted since we attached
             await self._reattach(tx.epoch)
         if tx.epoch != self._info.epoch:
-            raise TransferError("epoch", f"{tx.tx_id} is from epoch {tx.epoch}, the store on "
-                                f"{tx.node} is at {self._info.epoch} (restarted?)")
+            raise TransferError(
+                "epoch",
+                f"{tx.tx_id} is from epoch {tx.epoch}, the store on "
+                f"{tx.node} is at {self._info.epoch} (restarted?)",
+            )
 
     async def _request(self, header: Any, nbytes: int) -> None:
         if self._channel.closed:  # a timeout closed it: reconnect for the next request
@@ -208,8 +238,10 @@ def _pick(tx: TxHandle, blocks: list[int], side: str) -> list[int]:
             raise IndexError
         return [tx.slots[b] for b in blocks]
     except IndexError:
-        raise TransferError("bad_request", f"{side} tx {tx.tx_id} has {len(tx.slots)} slots, "
-                            f"blocks {blocks[:8]} out of range") from None
+        raise TransferError(
+            "bad_request",
+            f"{side} tx {tx.tx_id} has {len(tx.slots)} slots, blocks {blocks[:8]} out of range",
+        ) from None
 
 
 async def fetch_info(nc: NATS, node: str, timeout: float = 10.0) -> StoreInfo:
@@ -221,7 +253,9 @@ async def fetch_info(nc: NATS, node: str, timeout: float = 10.0) -> StoreInfo:
     while True:
         left = deadline - loop.time()
         if left <= 0:
-            raise TransferError("timeout", f"store {node} did not answer info in {timeout}s ({last})")
+            raise TransferError(
+                "timeout", f"store {node} did not answer info in {timeout}s ({last})"
+            )
         try:
             msg = await nc.request(subject, b"", timeout=min(0.5, left))
             return decode(msg.data, StoreInfo)

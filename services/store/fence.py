@@ -63,8 +63,14 @@ class SlotFence:
         self._live_r = [0] * capacity
         self._busy = [0] * capacity
         self._ids = itertools.count(1)
-        self.counters = {"grants": 0, "fenced_grants": 0, "ops": 0, "fenced_ops": 0,
-                         "refused_ops": 0, "parked": 0}
+        self.counters = {
+            "grants": 0,
+            "fenced_grants": 0,
+            "ops": 0,
+            "fenced_ops": 0,
+            "refused_ops": 0,
+            "parked": 0,
+        }
 
     # ------------------------------------------------------------------ free list (pool)
 
@@ -170,7 +176,9 @@ class ArenaGuard:
         self.block_bytes = block_bytes
         self.region: int | None = None  # the arena's region id; other regions pass
 
-    def enter(self, region: int, offset: int, length: int, write: bool) -> tuple[Op | None, str | None]:
+    def enter(
+        self, region: int, offset: int, length: int, write: bool
+    ) -> tuple[Op | None, str | None]:
         if region != self.region:
             return None, None
         if length <= 0:
@@ -178,8 +186,10 @@ class ArenaGuard:
         bb = self.block_bytes
         op = self.fence.enter(range(offset // bb, (offset + length - 1) // bb + 1), write)
         if op is None:
-            return None, (f"bytes {offset}+{length} are not in slots granted for "
-                          f"{'writing' if write else 'reading'} (aborted or expired?)")
+            return None, (
+                f"bytes {offset}+{length} are not in slots granted for "
+                f"{'writing' if write else 'reading'} (aborted or expired?)"
+            )
         return op, None
 
     def leave(self, op: Op) -> str | None:

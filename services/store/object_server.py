@@ -134,8 +134,11 @@ class _Protocol(asyncio.BufferedProtocol):
         except Exception as e:  # noqa: BLE001 - one bad request must not stop the endpoint
             log.exception("object_request_failed")
             reply, out = wire.Err(id=rid, code="internal", message=f"{type(e).__name__}: {e}"), []
-        kind = wire.Kind.ERR if isinstance(reply, wire.Err) else (
-            wire.Kind.DATA if out else wire.Kind.OK)
+        kind = (
+            wire.Kind.ERR
+            if isinstance(reply, wire.Err)
+            else (wire.Kind.DATA if out else wire.Kind.OK)
+        )
         return encode(kind, reply, out)
 
 

@@ -30,8 +30,11 @@ from services.store.core import StoreCore
 
 def object_hashes(key: str, version: int, n: int) -> list[int]:
     base = hashlib.blake2b(f"obj\0{key}\0{version}".encode(), digest_size=8).digest()
-    return [int.from_bytes(hashlib.blake2b(base + i.to_bytes(4, "big"), digest_size=8).digest(),
-                           "big") >> 1 for i in range(n)]
+    return [
+        int.from_bytes(hashlib.blake2b(base + i.to_bytes(4, "big"), digest_size=8).digest(), "big")
+        >> 1
+        for i in range(n)
+    ]
 
 
 @dataclass
@@ -47,8 +50,13 @@ class ObjectService:
         self.block_hashes: set[int] = set()  # of every object: kept out of KV events
         self._version = core.epoch
         self._doomed: set[int] = set()  # blocks of dropped keys, busy when dropped
-        self.counters = {"obj_puts": 0, "obj_gets": 0, "obj_misses": 0, "obj_bytes_in": 0,
-                         "obj_bytes_out": 0}
+        self.counters = {
+            "obj_puts": 0,
+            "obj_gets": 0,
+            "obj_misses": 0,
+            "obj_bytes_in": 0,
+            "obj_bytes_out": 0,
+        }
 
     def _nblocks(self, size: int) -> int:
         return max(1, -(-size // self.core.block_bytes))
@@ -57,7 +65,9 @@ class ObjectService:
         pool = self.core.pool
         got = sum(len(p) for p in payload)
         if got != h.size or h.size < 0:
-            raise wire.WireError(f"payload has {got} bytes, header says {h.size}", "bad_request", h.id)
+            raise wire.WireError(
+                f"payload has {got} bytes, header says {h.size}", "bad_request", h.id
+            )
         self.reap()
         self._version += 1
         n = self._nblocks(h.size)
@@ -67,8 +77,9 @@ class ObjectService:
         slots = pool.put_blocks(hashes, retention)
         if isinstance(slots, Refused):
             self.block_hashes.difference_update(hashes)
-            raise wire.WireError(f"object {h.key!r} ({h.size} bytes): {slots.message}",
-                                 slots.reason, h.id)
+            raise wire.WireError(
+                f"object {h.key!r} ({h.size} bytes): {slots.message}", slots.reason, h.id
+            )
         wire.scatter(payload, _trim(self.core.spans(slots), h.size))
         old = self.table.get(h.key)
         self.table[h.key] = _Meta(h.size, hashes)
@@ -82,7 +93,9 @@ class ObjectService:
         data = self.read(h.key)
         if data is None:  # a miss is an answer, not an error worth a log line
             self.counters["obj_misses"] += 1
-            return wire.Err(id=h.id, code="missing", message=f"object {h.key!r} is not on this node"), []
+            return wire.Err(
+                id=h.id, code="missing", message=f"object {h.key!r} is not on this node"
+            ), []
         self.counters["obj_gets"] += 1
         self.counters["obj_bytes_out"] += sum(len(d) for d in data)
         return wire.Ok(id=h.id, nbytes=sum(len(d) for d in data)), list(data)
@@ -96,8 +109,13 @@ class ObjectService:
         slots = pool.dram_slots(meta.hashes)
         if slots is not None:  # all in DRAM: copy out now, in this same step
             return [memoryview(bytes(v)) for v in _trim(self.core.spans(slots), meta.size)]
-        req = TxAllocate(request_id=f"obj:{key}", role=TxRole.SOURCE, block_hashes=meta.hashes,
-                         num_tokens=0, lease_s=30.0)
+        req = TxAllocate(
+            request_id=f"obj:{key}",
+            role=TxRole.SOURCE,
+            block_hashes=meta.hashes,
+            num_tokens=0,
+            lease_s=30.0,
+        )
         result = pool.allocate(req)  # promotes what is not in DRAM (moves run meanwhile)
         if isinstance(result, Refused):
             self.table.pop(key, None)
@@ -138,15 +156,20 @@ class ObjectService:
 
     def persistable(self, on_ssd: set[int]) -> list[tuple[str, int, list[int]]]:
         """(key, size, hashes) of the objects whose blocks are all in ``on_ssd``."""
-        return [(k, m.size, m.hashes) for k, m in self.table.items()
-                if all(h in on_ssd for h in m.hashes)]
+        return [
+            (k, m.size, m.hashes)
+            for k, m in self.table.items()
+            if all(h in on_ssd for h in m.hashes)
+        ]
 
     def expect(self, object_blocks: set[int]) -> None:
         """Before the pool reloads a previous run's SSD index: these blocks are objects',
         so the reload's BlockStored leaves them out of KV events."""
         self.block_hashes.update(object_blocks)
 
-    def restore(self, objects: list[tuple[str, int, list[int]]], object_blocks: set[int]) -> list[int]:
+    def restore(
+        self, objects: list[tuple[str, int, list[int]]], object_blocks: set[int]
+    ) -> list[int]:
         """After the reload (``expect`` before it): take back the objects a previous run
         saved whose blocks are all on the node again; returns the other object blocks on
         the node (of objects that did not come back whole), for the caller to drop."""
@@ -154,7 +177,11 @@ class ObjectService:
         self.block_hashes.difference_update(h for h in object_blocks if not pool.on_node(h))
         kept: set[int] = set()
         for key, size, hashes in objects:
-            if hashes and len(hashes) == self._nblocks(size) and all(pool.on_node(h) for h in hashes):
+            if (
+                hashes
+                and len(hashes) == self._nblocks(size)
+                and all(pool.on_node(h) for h in hashes)
+            ):
                 self.table[key] = _Meta(size, list(hashes))
                 self.block_hashes.update(hashes)
                 kept.update(hashes)

@@ -70,7 +70,9 @@ class _TcpLink:
         except (TimeoutError, OSError, asyncio.IncompleteReadError, wire.WireError) as e:
             self.close()
             code = "timeout" if isinstance(e, TimeoutError) else "closed"
-            raise ChannelError(code, f"object request to {self.addr}: {e or type(e).__name__}") from None
+            raise ChannelError(
+                code, f"object request to {self.addr}: {e or type(e).__name__}"
+            ) from None
         finally:
             self.busy = False
         if kind == wire.Kind.ERR:
@@ -98,12 +100,14 @@ class ObjectClient:
         link = self._links.get(node)
         if link is not None and not link.busy:
             return await link.request(header, payload, self.timeout_s)
-        return await self.peers.request(self.infos[node].data_addr, header, payload,
-                                        timeout=self.timeout_s)
+        return await self.peers.request(
+            self.infos[node].data_addr, header, payload, timeout=self.timeout_s
+        )
 
     @classmethod
-    async def connect(cls, nc: NATS, nodes: list[str], *, timeout: float = 10.0,
-                      op_timeout_s: float = 5.0) -> "ObjectClient":
+    async def connect(
+        cls, nc: NATS, nodes: list[str], *, timeout: float = 10.0, op_timeout_s: float = 5.0
+    ) -> "ObjectClient":
         infos = await asyncio.gather(*(fetch_info(nc, n, timeout) for n in nodes))
         return cls(nc, {i.node: i for i in infos}, op_timeout_s)
 
@@ -114,11 +118,14 @@ class ObjectClient:
     def placement(self, key: str) -> list[str]:
         return replicas.rank(key, self.nodes)
 
-    async def put(self, key: str, value: bytes | memoryview, replicas: int = 1,
-                  retention: int = 0) -> list[str]:
+    async def put(
+        self, key: str, value: bytes | memoryview, replicas: int = 1, retention: int = 0
+    ) -> list[str]:
         """Store ``value`` on the ``replicas`` top-ranked nodes; returns them."""
         if not 1 <= replicas <= len(self.infos):
-            raise ObjectError("bad_request", f"replicas must be 1..{len(self.infos)}, got {replicas}")
+            raise ObjectError(
+                "bad_request", f"replicas must be 1..{len(self.infos)}, got {replicas}"
+            )
         nodes = self.placement(key)[:replicas]
         if replicas == 1:
             await self._put(nodes[0], key, value, retention)
@@ -146,16 +153,36 @@ class ObjectClient:
         raise KeyError(f"object {key!r} not found ({last})")
 
     async def holders(self, key: str) -> set[str]:
-        replies = await asyncio.gather(*(
-            request(self.nc, subjects.store_ctl(n, "obj.stat"), ObjectKey(key=key), ObjectDone,
-                    timeout=self.timeout_s) for n in self.nodes), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(
+                request(
+                    self.nc,
+                    subjects.store_ctl(n, "obj.stat"),
+                    ObjectKey(key=key),
+                    ObjectDone,
+                    timeout=self.timeout_s,
+                )
+                for n in self.nodes
+            ),
+            return_exceptions=True,
+        )
         return {r.node for r in replies if isinstance(r, ObjectDone) and r.present}
 
     async def remove(self, key: str) -> list[str]:
         """Remove ``key`` everywhere; returns the nodes that had it."""
-        replies = await asyncio.gather(*(
-            request(self.nc, subjects.store_ctl(n, "obj.remove"), ObjectKey(key=key), ObjectDone,
-                    timeout=self.timeout_s) for n in self.nodes), return_exceptions=True)
+        replies = await asyncio.gather(
+            *(
+                request(
+                    self.nc,
+                    subjects.store_ctl(n, "obj.remove"),
+                    ObjectKey(key=key),
+                    ObjectDone,
+                    timeout=self.timeout_s,
+                )
+                for n in self.nodes
+            ),
+            return_exceptions=True,
+        )
         return sorted(r.node for r in replies if isinstance(r, ObjectDone) and r.present)
 
     async def change_replica(self, key: str, n: int) -> list[str]:
@@ -166,24 +193,39 @@ class ObjectClient:
         if not held:
             raise KeyError(f"object {key!r} not found")
         p = replicas.plan(key, self.nodes, held, n)
-        results = await asyncio.gather(*(
-            request(self.nc, subjects.store_ctl(dst, "obj.replicate"),
+        results = await asyncio.gather(
+            *(
+                request(
+                    self.nc,
+                    subjects.store_ctl(dst, "obj.replicate"),
                     ObjectReplicate(key=key, source_node=src, dest_node=dst),
-                    ObjectDone | Refused, timeout=self.timeout_s) for src, dst in p.copies))
+                    ObjectDone | Refused,
+                    timeout=self.timeout_s,
+                )
+                for src, dst in p.copies
+            )
+        )
         bad = [r for r in results if isinstance(r, Refused)]
         if bad:
             raise ObjectError(bad[0].reason, bad[0].message)
-        await asyncio.gather(*(
-            request(self.nc, subjects.store_ctl(node, "obj.remove"), ObjectKey(key=key), ObjectDone,
-                    timeout=self.timeout_s) for node in p.removes))
+        await asyncio.gather(
+            *(
+                request(
+                    self.nc,
+                    subjects.store_ctl(node, "obj.remove"),
+                    ObjectKey(key=key),
+                    ObjectDone,
+                    timeout=self.timeout_s,
+                )
+                for node in p.removes
+            )
+        )
         return p.keep
 
     async def close(self) -> None:
         for link in self._links.values():
             link.close()
         await self.peers.aclose()
-
-
 
 
 class SyncObjectClient:
@@ -238,13 +280,18 @@ class SyncObjectClient:
             raise ObjectError(reply.code, reply.message)
         return data
 
-    def put(self, key: str, value: bytes | memoryview, replicas: int = 1, retention: int = 0) -> list[str]:
+    def put(
+        self, key: str, value: bytes | memoryview, replicas: int = 1, retention: int = 0
+    ) -> list[str]:
         if not 1 <= replicas <= len(self.addrs):
-            raise ObjectError("bad_request", f"replicas must be 1..{len(self.addrs)}, got {replicas}")
+            raise ObjectError(
+                "bad_request", f"replicas must be 1..{len(self.addrs)}, got {replicas}"
+            )
         nodes = self.placement(key)[:replicas]
         for n in nodes:
-            self._request(n, wire.ObjPut(id=next_id(), key=key, size=len(value), retention=retention),
-                          [value])
+            self._request(
+                n, wire.ObjPut(id=next_id(), key=key, size=len(value), retention=retention), [value]
+            )
         return nodes
 
     def get(self, key: str) -> bytes:

@@ -41,8 +41,9 @@ log = structlog.get_logger()
 
 
 class Replicator:
-    def __init__(self, core: StoreCore, nc: NATS, objects: ObjectService, *,
-                 peer_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, core: StoreCore, nc: NATS, objects: ObjectService, *, peer_timeout_s: float = 5.0
+    ) -> None:
         self.core = core
         self.nc = nc
         self.objects = objects
@@ -55,22 +56,40 @@ class Replicator:
         if not want:
             return TxDone(tx_id="", stored_blocks=0)
         rid = f"replicate:{req.source_node}->{core.node}"
-        src = await request(self.nc, subjects.store_ctl(req.source_node, "tx.allocate"),
-                            TxAllocate(request_id=rid, role=TxRole.SOURCE, block_hashes=want,
-                                       num_tokens=0, lease_s=30.0), TxReply, timeout=5.0)
+        src = await request(
+            self.nc,
+            subjects.store_ctl(req.source_node, "tx.allocate"),
+            TxAllocate(
+                request_id=rid, role=TxRole.SOURCE, block_hashes=want, num_tokens=0, lease_s=30.0
+            ),
+            TxReply,
+            timeout=5.0,
+        )
         if not isinstance(src, TxHandle):
             return src
         try:
-            local = pool.allocate(TxAllocate(
-                request_id=rid, role=TxRole.PREFILL, block_hashes=want,
-                num_tokens=len(want) * core.block_size, lease_s=30.0))
+            local = pool.allocate(
+                TxAllocate(
+                    request_id=rid,
+                    role=TxRole.PREFILL,
+                    block_hashes=want,
+                    num_tokens=len(want) * core.block_size,
+                    lease_s=30.0,
+                )
+            )
             if isinstance(local, Refused):
                 return local
             assert self.data is not None
-            pull = wire.Pull(id=next_id(), dst_tx=local.tx_id, dst_epoch=core.epoch,
-                             dst_slots=local.slots[local.hit_blocks :], src_addr=src.data_addr,
-                             src_tx=src.tx_id, src_epoch=src.epoch,
-                             src_slots=src.slots[local.hit_blocks :])
+            pull = wire.Pull(
+                id=next_id(),
+                dst_tx=local.tx_id,
+                dst_epoch=core.epoch,
+                dst_slots=local.slots[local.hit_blocks :],
+                src_addr=src.data_addr,
+                src_tx=src.tx_id,
+                src_epoch=src.epoch,
+                src_slots=src.slots[local.hit_blocks :],
+            )
             try:
                 if pull.dst_slots:
                     await self.data.pull(pull)
@@ -79,8 +98,13 @@ class Replicator:
                 return Refused(reason="transfer", message=str(e))
             return pool.commit(local.tx_id)
         finally:
-            await request(self.nc, subjects.store_ctl(req.source_node, "tx.commit"),
-                          TxCommit(tx_id=src.tx_id, request_id=rid), TxDoneReply, timeout=5.0)
+            await request(
+                self.nc,
+                subjects.store_ctl(req.source_node, "tx.commit"),
+                TxCommit(tx_id=src.tx_id, request_id=rid),
+                TxDoneReply,
+                timeout=5.0,
+            )
 
     async def copy_object(self, req: ObjectReplicate) -> ObjectDone | Refused:
         node = self.core.node
@@ -96,9 +120,12 @@ class Replicator:
         assert self.data is not None
         try:
             _, ok, data = await self.data.peers.request(
-                info.data_addr, wire.ObjGet(id=next_id(), key=req.key), timeout=self.peer_timeout_s)
+                info.data_addr, wire.ObjGet(id=next_id(), key=req.key), timeout=self.peer_timeout_s
+            )
         except ChannelError as e:
-            return Refused(reason="missing" if e.code == "missing" else "transfer", message=e.message)
+            return Refused(
+                reason="missing" if e.code == "missing" else "transfer", message=e.message
+            )
         n = sum(len(d) for d in data)
         try:
             self.objects.put(wire.ObjPut(id=0, key=req.key, size=n), data)

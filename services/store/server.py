@@ -136,15 +136,25 @@ class StoreService:
         if ssd_dir is None:
             ssd_capacity_blocks = 0
         self.pool = BlockPool(
-            capacity_blocks, block_size, self.clock, id_prefix=f"{node}-{self.epoch}-",
+            capacity_blocks,
+            block_size,
+            self.clock,
+            id_prefix=f"{node}-{self.epoch}-",
             ssd_capacity=ssd_capacity_blocks,
             vram_capacity=vram_capacity_blocks if tiering.vram_ok(vram_capacity_blocks) else 0,
         )
-        self.core = StoreCore(node=node, epoch=self.epoch, pool=self.pool, block_size=block_size,
-                              block_bytes=block_bytes, clock=self.clock)
+        self.core = StoreCore(
+            node=node,
+            epoch=self.epoch,
+            pool=self.pool,
+            block_size=block_size,
+            block_bytes=block_bytes,
+            clock=self.clock,
+        )
         self.objects = ObjectService(self.core)
-        self.tiers = tiering.Tiers(self.core, self.objects, ssd_dir=ssd_dir,
-                                   vram_capacity_blocks=vram_capacity_blocks)
+        self.tiers = tiering.Tiers(
+            self.core, self.objects, ssd_dir=ssd_dir, vram_capacity_blocks=vram_capacity_blocks
+        )
         self.replicas = Replicator(self.core, nc, self.objects, peer_timeout_s=peer_timeout_s)
         self.obj_server: ObjectServer | None = None
         self.replay = tiering.ReplayBuffer(replay_batches)
@@ -174,9 +184,16 @@ class StoreService:
         if advertise is None and self.host in ("0.0.0.0", "*"):
             advertise = socket.gethostname()
         self.data = DataPlane(
-            self._ctx, self.pool, self.arena, self.epoch, host=self.host, port=self.port,
-            advertise_host=advertise, peer_timeout_s=self.peer_timeout_s,
-            transports=self.transports, sweep_interval_s=self.sweep_interval_s,
+            self._ctx,
+            self.pool,
+            self.arena,
+            self.epoch,
+            host=self.host,
+            port=self.port,
+            advertise_host=advertise,
+            peer_timeout_s=self.peer_timeout_s,
+            transports=self.transports,
+            sweep_interval_s=self.sweep_interval_s,
         )
         self.data.objects = self.objects
         self.replicas.data = self.data
@@ -203,8 +220,9 @@ class StoreService:
         await self._subs.serve(ctl(self.node, "replay"), ReplayRequest, self._replay)
         await self._subs.serve(ctl(self.node, "obj.stat"), ObjectKey, self._obj_stat)
         await self._subs.serve(ctl(self.node, "obj.remove"), ObjectKey, self._obj_remove)
-        await self._subs.serve(ctl(self.node, "obj.replicate"), ObjectReplicate,
-                               self._obj_replicate, concurrent=True)
+        await self._subs.serve(
+            ctl(self.node, "obj.replicate"), ObjectReplicate, self._obj_replicate, concurrent=True
+        )
         await self._subs.serve(subjects.CTL_REPLICATE, Replicate, self._replicate, concurrent=True)
         for subject, reply in (
             (ctl(self.node, "info"), self.info),
@@ -215,8 +233,13 @@ class StoreService:
         await self.nc.flush()
         self._serving.set()
         log.info(
-            "store_started", node=self.node, epoch=self.epoch, data_addr=self.data.data_addr,
-            shm=self.arena.name, capacity_blocks=self.capacity, block_bytes=self.block_bytes,
+            "store_started",
+            node=self.node,
+            epoch=self.epoch,
+            data_addr=self.data.data_addr,
+            shm=self.arena.name,
+            capacity_blocks=self.capacity,
+            block_bytes=self.block_bytes,
         )
 
     async def stop(self, flush_s: float = 5.0) -> None:
@@ -227,8 +250,9 @@ class StoreService:
                 pass
         await self._subs.close()
         if not await self.tiers.flush(flush_s):
-            log.warning("writeback_not_flushed", node=self.node,
-                        pending=self.pool.writeback_pending())
+            log.warning(
+                "writeback_not_flushed", node=self.node, pending=self.pool.writeback_pending()
+            )
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -249,16 +273,26 @@ class StoreService:
     def info(self) -> StoreInfo:
         assert self.arena is not None and self.data is not None
         return StoreInfo(
-            node=self.node, epoch=self.epoch, seq=self.seq, data_addr=self.data.data_addr,
-            shm_name=self.arena.name, block_size=self.block_size, block_bytes=self.block_bytes,
-            capacity_blocks=self.capacity, used_blocks=self.pool.used_blocks,
-            host=socket.gethostname(), ts=time.time(),
+            node=self.node,
+            epoch=self.epoch,
+            seq=self.seq,
+            data_addr=self.data.data_addr,
+            shm_name=self.arena.name,
+            block_size=self.block_size,
+            block_bytes=self.block_bytes,
+            capacity_blocks=self.capacity,
+            used_blocks=self.pool.used_blocks,
+            host=socket.gethostname(),
+            ts=time.time(),
             obj_addr=self.obj_server.addr if self.obj_server is not None else "",
         )
 
     def stats(self) -> WorkerStats:
-        counters = {**self.pool.stats(), **(self.data.counters if self.data else {}),
-                    **self.objects.counters}
+        counters = {
+            **self.pool.stats(),
+            **(self.data.counters if self.data else {}),
+            **self.objects.counters,
+        }
         counters["seq"] = self.seq
         counters["ssd_index_dirty"] = int(self.pool.ssd_dirty)  # SSD blocks not yet in the index
         return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
@@ -273,18 +307,27 @@ class StoreService:
                 return result
             assert self.arena is not None and self.data is not None
             return TxHandle(
-                tx_id=result.tx_id, node=self.node, epoch=self.epoch, slots=result.slots,
-                hit_blocks=result.hit_blocks, shm_name=self.arena.name,
-                data_addr=self.data.data_addr, block_bytes=self.block_bytes,
+                tx_id=result.tx_id,
+                node=self.node,
+                epoch=self.epoch,
+                slots=result.slots,
+                hit_blocks=result.hit_blocks,
+                shm_name=self.arena.name,
+                data_addr=self.data.data_addr,
+                block_bytes=self.block_bytes,
                 expires_at=time.time() + req.lease_s,
             )
 
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
             # Bytes may still land in its slots: they must not become a cached block.
-            if self.data is not None and not await self.data.settled(req.tx_id, self.peer_timeout_s):
-                return Refused(reason="busy", message=f"transfers into {req.tx_id} are still "
-                               "open; commit once they closed")
+            if self.data is not None and not await self.data.settled(
+                req.tx_id, self.peer_timeout_s
+            ):
+                return Refused(
+                    reason="busy",
+                    message=f"transfers into {req.tx_id} are still open; commit once they closed",
+                )
             result = self.pool.commit(req.tx_id, req.request_id)
             if isinstance(result, Refused):
                 log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)
@@ -293,7 +336,9 @@ class StoreService:
     async def _abort(self, req: TxAbort, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
             result = self.pool.abort(req.tx_id)
-            log.info("tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone))
+            log.info(
+                "tx_aborted", tx_id=req.tx_id, reason=req.reason, ok=isinstance(result, TxDone)
+            )
             return result
 
     async def _renew(self, req: TxRenew, _m: NatsMsg) -> TxRenewed:
@@ -307,19 +352,26 @@ class StoreService:
         hashes, nxt = self.pool.dump(req.cursor, req.limit)
         if self.objects.block_hashes:  # objects are not KV: kept out of dumps as of events
             hashes = [h for h in hashes if h not in self.objects.block_hashes]
-        return DumpPage(node=self.node, epoch=self.epoch, seq=self.seq, block_hashes=hashes,
-                        next_cursor=nxt)
+        return DumpPage(
+            node=self.node, epoch=self.epoch, seq=self.seq, block_hashes=hashes, next_cursor=nxt
+        )
 
     async def _clear(self, req: ClearRequest, _m: NatsMsg) -> ClearDone:
         removed = self.pool.clear()
         log.warning("store_cleared", removed=len(removed), reason=req.reason)
-        return ClearDone(node=self.node, epoch=self.epoch, seq=self.seq, removed_blocks=len(removed),
-                         kept_blocks=self.pool.cached_blocks)
+        return ClearDone(
+            node=self.node,
+            epoch=self.epoch,
+            seq=self.seq,
+            removed_blocks=len(removed),
+            kept_blocks=self.pool.cached_blocks,
+        )
 
     async def _replay(self, req: ReplayRequest, _m: NatsMsg) -> ReplayPage:
         batches, complete = self.replay.after(req.after_seq, req.limit)
-        return ReplayPage(node=self.node, epoch=self.epoch, seq=self.seq, complete=complete,
-                          batches=batches)
+        return ReplayPage(
+            node=self.node, epoch=self.epoch, seq=self.seq, complete=complete, batches=batches
+        )
 
     async def _obj_stat(self, req: ObjectKey, _m: NatsMsg) -> ObjectDone:
         size = self.objects.stat(req.key)
@@ -361,7 +413,9 @@ class StoreService:
         if not events:
             return
         self.seq += 1
-        batch = EventBatch(node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events)
+        batch = EventBatch(
+            node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events
+        )
         self.replay.add(batch)
         self._outbox.put_nowait(batch)
 
@@ -388,16 +442,29 @@ class StoreService:
             while len(window) < PUBLISH_WINDOW and not self._outbox.empty():
                 window.append(self._outbox.get_nowait())
             if durable:
-                acks = await asyncio.gather(*(
-                    js_publish(js, subject, encode(b), headers=inject(),
-                               msg_id=kv_stream.msg_id(self.node, b.epoch, b.seq),
-                               timeout=self.peer_timeout_s) for b in window),
-                    return_exceptions=True)
-                failed = [(b, a) for b, a in zip(window, acks, strict=True)
-                          if isinstance(a, BaseException)]
+                acks = await asyncio.gather(
+                    *(
+                        js_publish(
+                            js,
+                            subject,
+                            encode(b),
+                            headers=inject(),
+                            msg_id=kv_stream.msg_id(self.node, b.epoch, b.seq),
+                            timeout=self.peer_timeout_s,
+                        )
+                        for b in window
+                    ),
+                    return_exceptions=True,
+                )
+                failed = [
+                    (b, a)
+                    for b, a in zip(window, acks, strict=True)
+                    if isinstance(a, BaseException)
+                ]
                 for b, a in failed:  # the live path must not stall
-                    log.warning("kv_stream_publish_failed", seq=b.seq,
-                                error=f"{type(a).__name__}: {a}")
+                    log.warning(
+                        "kv_stream_publish_failed", seq=b.seq, error=f"{type(a).__name__}: {a}"
+                    )
                 window = [b for b, _ in failed]
             for batch in window:
                 try:

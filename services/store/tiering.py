@@ -67,8 +67,14 @@ class ReplayBuffer:
 
 
 class Tiers:
-    def __init__(self, core: StoreCore, objects: ObjectService, *, ssd_dir: str | None = None,
-                 vram_capacity_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        core: StoreCore,
+        objects: ObjectService,
+        *,
+        ssd_dir: str | None = None,
+        vram_capacity_blocks: int = 0,
+    ) -> None:
         self.core = core
         self.objects = objects
         self.ssd_dir = ssd_dir
@@ -88,16 +94,23 @@ class Tiers:
             self.stores[Tier.SSD] = self.ssd
             state = self.ssd.load_state()
             now_wall, now = time.time(), core.clock.now()
-            restored = [(h, slot, None if until is None else now + (until - now_wall))
-                        for h, slot, until in state.entries]
+            restored = [
+                (h, slot, None if until is None else now + (until - now_wall))
+                for h, slot, until in state.entries
+            ]
             self.objects.expect(state.object_blocks)  # object blocks stay out of KV events
             pool.restore(restored)
             orphans = self.objects.restore(state.objects, state.object_blocks)
             if orphans:
                 pool.remove(orphans)
-            log.info("ssd_tier_open", dir=self.ssd_dir, capacity_blocks=pool.ssd.capacity,
-                     restored_blocks=len(pool.ssd), restored_objects=len(self.objects.table),
-                     dropped_object_blocks=len(orphans))
+            log.info(
+                "ssd_tier_open",
+                dir=self.ssd_dir,
+                capacity_blocks=pool.ssd.capacity,
+                restored_blocks=len(pool.ssd),
+                restored_objects=len(self.objects.table),
+                dropped_object_blocks=len(orphans),
+            )
         if any(t.tier == Tier.VRAM for t in pool.lower):
             self.stores[Tier.VRAM] = VramStore(self.vram_capacity_blocks, core.block_bytes)
 
@@ -162,13 +175,14 @@ class Tiers:
         if self.ssd is None:
             return
         now_wall, now = time.time(), self.core.clock.now()
-        entries = [(h, slot, None if until is None else now_wall + (until - now))
-                   for h, slot, until in self.core.pool.ssd_entries()]
+        entries = [
+            (h, slot, None if until is None else now_wall + (until - now))
+            for h, slot, until in self.core.pool.ssd_entries()
+        ]
         on_ssd = {h for h, _, _ in entries}
         objects = self.objects
         try:
-            self.ssd.save_index(entries, objects.persistable(on_ssd),
-                                on_ssd & objects.block_hashes)
+            self.ssd.save_index(entries, objects.persistable(on_ssd), on_ssd & objects.block_hashes)
             self.core.pool.ssd_dirty = False
             self._saved_at = time.monotonic()
         except OSError as e:

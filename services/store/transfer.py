@@ -73,8 +73,9 @@ class _Served:
     same_host: bool
 
 
-def pieces(src: list[int], dst: list[int], offset: int, length: int,
-           block_bytes: int) -> list[tuple[int, int, int]]:
+def pieces(
+    src: list[int], dst: list[int], offset: int, length: int, block_bytes: int
+) -> list[tuple[int, int, int]]:
     """``(src_byte, dst_byte, n)`` runs of the same span of each slot pair, whole slots
     numbered consecutively on both sides merged into one run."""
     out: list[tuple[int, int, int]] = []
@@ -135,8 +136,12 @@ class DataPlane:
             sender: dict[str, Any] = {"streams": tcp_streams} if name == "tcp" else {}
             receiver: dict[str, Any] = {}
             if name == "tcp":
-                receiver = {"host": host, "port": 0, "advertise_host": advertise_host or host,
-                            "guard": self.guard}
+                receiver = {
+                    "host": host,
+                    "port": 0,
+                    "advertise_host": advertise_host or host,
+                    "guard": self.guard,
+                }
             elif name == "rdma":  # its bootstrap socket (it advertises what it binds)
                 receiver = {"host": advertise_host or host}
             engine = TransferEngine(name, sender_opts=sender, receiver_opts=receiver)
@@ -153,10 +158,23 @@ class DataPlane:
         self._visible: dict[str, bool] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             (
-                "ships", "pulls", "writes_in", "reads_in", "blocks_written_remote",
-                "blocks_read_remote", "bytes_in", "bytes_out", "local_copies",
-                "transfer_errors", "bad_frames", "tcp_bytes", "shm_bytes", "rdma_bytes",
-                "grants_served", "grants_expired", "grants_fenced",
+                "ships",
+                "pulls",
+                "writes_in",
+                "reads_in",
+                "blocks_written_remote",
+                "blocks_read_remote",
+                "bytes_in",
+                "bytes_out",
+                "local_copies",
+                "transfer_errors",
+                "bad_frames",
+                "tcp_bytes",
+                "shm_bytes",
+                "rdma_bytes",
+                "grants_served",
+                "grants_expired",
+                "grants_fenced",
             ),
             0,
         )
@@ -185,13 +203,23 @@ class DataPlane:
                 if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
                     # A write (read) grant's span is store.write (store.read), a child
                     # of the peer's store.ship (store.pull).
-                    name = ("store.close" if kind == wire.Kind.CLOSE
-                            else "store.write" if header.write else "store.read")
+                    name = (
+                        "store.close"
+                        if kind == wire.Kind.CLOSE
+                        else "store.write"
+                        if header.write
+                        else "store.read"
+                    )
                     with tracer().start_as_current_span(
                         name,
-                        context=extract(getattr(header, "trace", {})), kind=trace.SpanKind.SERVER,
+                        context=extract(getattr(header, "trace", {})),
+                        kind=trace.SpanKind.SERVER,
                     ):
-                        out = self.serve_open(header) if kind == wire.Kind.OPEN else self.serve_close(header)
+                        out = (
+                            self.serve_open(header)
+                            if kind == wire.Kind.OPEN
+                            else self.serve_close(header)
+                        )
                     await self._reply(ident, out)
                 elif kind in (wire.Kind.OBJ_PUT, wire.Kind.OBJ_GET) and self.objects is not None:
                     if kind == wire.Kind.OBJ_PUT:
@@ -255,7 +283,8 @@ class DataPlane:
         if epoch != self.epoch:
             raise wire.WireError(
                 f"transaction {tx} is from epoch {epoch}, this store is at {self.epoch}",
-                code="epoch", req_id=req_id,
+                code="epoch",
+                req_id=req_id,
             )
         why = (self.pool.check_write if write else self.pool.check_read)(tx, slots)
         if why is not None:
@@ -275,22 +304,34 @@ class DataPlane:
         g = self.fence.open(h.slots, h.write)
         nbytes = len(h.slots) * h.length
         ttl = self._deadline(nbytes) + self.peer_timeout_s
-        self._served[g.id] = _Served(g, h.tx, nbytes, self.clock() + ttl, h.pid,
-                                     bool(h.origin) and self._reachable("shm", h.origin))
+        self._served[g.id] = _Served(
+            g,
+            h.tx,
+            nbytes,
+            self.clock() + ttl,
+            h.pid,
+            bool(h.origin) and self._reachable("shm", h.origin),
+        )
         self._by_tx.setdefault(h.tx, set()).add(g.id)
         self.counters["grants_served"] += 1
-        return wire.Granted(id=h.id, grant=g.id, segments=self.segments, regions=self.regions,
-                            ttl_s=ttl)
+        return wire.Granted(
+            id=h.id, grant=g.id, segments=self.segments, regions=self.regions, ttl_s=ttl
+        )
 
     def serve_close(self, h: wire.Close) -> wire.Ok:
         s = self._end(h.grant)
         if s is None:
-            raise wire.WireError(f"no open grant {h.grant} (it expired)", code="fenced",
-                                 req_id=h.id)
+            raise wire.WireError(
+                f"no open grant {h.grant} (it expired)", code="fenced", req_id=h.id
+            )
         if not self.fence.close(s.grant):
             self.counters["grants_fenced"] += 1
-            raise wire.WireError(f"transaction {s.tx} lost slots while bytes moved (aborted or "
-                                 "expired): fenced, discarded", code="fenced", req_id=h.id)
+            raise wire.WireError(
+                f"transaction {s.tx} lost slots while bytes moved (aborted or "
+                "expired): fenced, discarded",
+                code="fenced",
+                req_id=h.id,
+            )
         if h.ok:
             n = len(s.grant.slots)
             if s.grant.write:
@@ -369,12 +410,27 @@ class DataPlane:
             self.counters["local_copies"] += 1
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * h.length
-        opened = wire.Open(id=next_id(), tx=h.dst_tx, epoch=h.dst_epoch, slots=h.dst_slots,
-                           offset=h.offset, length=h.length, write=True, pid=os.getpid(),
-                           origin=self.segments.get("shm", ""), trace=inject())
+        opened = wire.Open(
+            id=next_id(),
+            tx=h.dst_tx,
+            epoch=h.dst_epoch,
+            slots=h.dst_slots,
+            offset=h.offset,
+            length=h.length,
+            write=True,
+            pid=os.getpid(),
+            origin=self.segments.get("shm", ""),
+            trace=inject(),
+        )
         runs = pieces(h.src_slots, h.dst_slots, h.offset, h.length, self.arena.block_bytes)
-        await self._move(h.dst_addr, opened, self.fence.open(h.src_slots, write=False),
-                         Opcode.WRITE, [(s, d, n) for s, d, n in runs], nbytes)
+        await self._move(
+            h.dst_addr,
+            opened,
+            self.fence.open(h.src_slots, write=False),
+            Opcode.WRITE,
+            [(s, d, n) for s, d, n in runs],
+            nbytes,
+        )
         self.counters["bytes_out"] += nbytes
         return wire.Ok(id=h.id, nbytes=nbytes)
 
@@ -392,17 +448,39 @@ class DataPlane:
             self.counters["local_copies"] += 1
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * bb
-        opened = wire.Open(id=next_id(), tx=h.src_tx, epoch=h.src_epoch, slots=h.src_slots,
-                           offset=0, length=bb, write=False, pid=os.getpid(),
-                           origin=self.segments.get("shm", ""), trace=inject())
+        opened = wire.Open(
+            id=next_id(),
+            tx=h.src_tx,
+            epoch=h.src_epoch,
+            slots=h.src_slots,
+            offset=0,
+            length=bb,
+            write=False,
+            pid=os.getpid(),
+            origin=self.segments.get("shm", ""),
+            trace=inject(),
+        )
         runs = pieces(h.src_slots, h.dst_slots, 0, bb, bb)
-        await self._move(h.src_addr, opened, self.fence.open(h.dst_slots, write=True),
-                         Opcode.READ, [(d, s, n) for s, d, n in runs], nbytes)
+        await self._move(
+            h.src_addr,
+            opened,
+            self.fence.open(h.dst_slots, write=True),
+            Opcode.READ,
+            [(d, s, n) for s, d, n in runs],
+            nbytes,
+        )
         self.counters["bytes_in"] += nbytes
         return wire.Ok(id=h.id, nbytes=nbytes)
 
-    async def _move(self, peer: str, opened: wire.Open, mine: Grant, opcode: Opcode,
-                    runs: list[tuple[int, int, int]], nbytes: int) -> None:
+    async def _move(
+        self,
+        peer: str,
+        opened: wire.Open,
+        mine: Grant,
+        opcode: Opcode,
+        runs: list[tuple[int, int, int]],
+        nbytes: int,
+    ) -> None:
         """OPEN on ``peer``, move ``runs`` (local byte, remote byte, n), CLOSE. ``mine``
         holds our side's slots until no byte of the batch moves any more."""
         timeout = self._deadline(nbytes)
@@ -415,8 +493,18 @@ class DataPlane:
         mine_ok: bool | None = None
         try:
             name = self._pick(granted)
-            reqs = [TransferRequest(opcode, self.regions[name], local, n, granted.segments[name],
-                                    granted.regions[name], remote) for local, remote, n in runs]
+            reqs = [
+                TransferRequest(
+                    opcode,
+                    self.regions[name],
+                    local,
+                    n,
+                    granted.segments[name],
+                    granted.regions[name],
+                    remote,
+                )
+                for local, remote, n in runs
+            ]
             # Copies into a same-host peer's memory must not start once its grant may
             # have expired: the peer gives us ttl_s from when it got our OPEN.
             latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
@@ -424,8 +512,9 @@ class DataPlane:
             if name == "shm" and nbytes <= SHM_ON_LOOP_MAX:
                 err, mine_ok = self._run(*args)  # one memcpy: cheaper than two thread hops
             else:
-                err, mine_ok = await asyncio.get_running_loop().run_in_executor(self._threads,
-                                                                                 self._run, *args)
+                err, mine_ok = await asyncio.get_running_loop().run_in_executor(
+                    self._threads, self._run, *args
+                )
         except wire.WireError as e:
             err = (e.code, str(e))
             mine_ok = self.fence.close(mine)
@@ -444,11 +533,18 @@ class DataPlane:
                 if ok:
                     raise
         if err is not None:
-            raise wire.WireError(f"{opcode.name} via {self._via(granted)}: {err[1]}",
-                                 code=f"transfer_{err[0]}", req_id=opened.id)
+            raise wire.WireError(
+                f"{opcode.name} via {self._via(granted)}: {err[1]}",
+                code=f"transfer_{err[0]}",
+                req_id=opened.id,
+            )
         if not mine_ok:
-            raise wire.WireError("our slots were freed while their bytes moved (transaction "
-                                 "aborted or expired): fenced", code="fenced", req_id=opened.id)
+            raise wire.WireError(
+                "our slots were freed while their bytes moved (transaction "
+                "aborted or expired): fenced",
+                code="fenced",
+                req_id=opened.id,
+            )
         self.counters[f"{name}_bytes"] += nbytes
 
     async def _close_later(self, peer: str, close: wire.Close, timeout: float) -> None:
@@ -462,8 +558,14 @@ class DataPlane:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _run(self, name: str, reqs: list[TransferRequest], timeout: float, latest: float,
-             after: Callable[[], bool]) -> tuple[tuple[str, str] | None, bool | None]:
+    def _run(
+        self,
+        name: str,
+        reqs: list[TransferRequest],
+        timeout: float,
+        latest: float,
+        after: Callable[[], bool],
+    ) -> tuple[tuple[str, str] | None, bool | None]:
         """On a transfer thread: submit one batch and wait; ``after()`` runs once no byte
         of it moves any more (here, or later on the thread that ends it when it outlives
         ``timeout``: then its result is None)."""
@@ -481,6 +583,7 @@ class DataPlane:
             engine.free_batch_id(bid)
             result: bool | None = after()
         else:
+
             def late() -> None:
                 engine.free_batch_id(bid)
                 after()
@@ -497,8 +600,9 @@ class DataPlane:
             seg = g.segments.get(name)
             if seg and name in self.engines and name in g.regions and self._reachable(name, seg):
                 return name
-        raise wire.WireError(f"no transport in common with the peer ({sorted(g.segments)})",
-                             code="unreachable")
+        raise wire.WireError(
+            f"no transport in common with the peer ({sorted(g.segments)})", code="unreachable"
+        )
 
     def _via(self, g: wire.Granted) -> str:
         try:
@@ -523,7 +627,9 @@ class DataPlane:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.peers.aclose()
         self.sock.close(linger=0)
-        self._threads.shutdown(wait=False, cancel_futures=True)  # a stuck peer must not hold up exit
+        self._threads.shutdown(
+            wait=False, cancel_futures=True
+        )  # a stuck peer must not hold up exit
         for name, engine in self.engines.items():
             engine.unregister_local_memory(self.regions[name])
             engine.close()

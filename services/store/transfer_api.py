@@ -63,9 +63,14 @@ class _Batch:
 
 
 class TransferEngine:
-    def __init__(self, backend: str = "tcp", *, serve: bool = True,
-                 sender_opts: dict[str, Any] | None = None,
-                 receiver_opts: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        backend: str = "tcp",
+        *,
+        serve: bool = True,
+        sender_opts: dict[str, Any] | None = None,
+        receiver_opts: dict[str, Any] | None = None,
+    ) -> None:
         avail = transport.availability(backend)
         if not avail.ok:
             raise TransportError("unavailable", f"backend {backend}: {avail.reason}")
@@ -87,16 +92,22 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ memory
 
-    def register_local_memory(self, buf: Any, location: str = "cpu:0", name: str = "",
-                              offset: int = 0) -> int:
+    def register_local_memory(
+        self, buf: Any, location: str = "cpu:0", name: str = "", offset: int = 0
+    ) -> int:
         """Register ``buf`` (anything with the buffer protocol, writable); ``name`` is its
         shared-memory segment name (needed for peers on this host to map it, and
         ``offset`` where ``buf`` starts in that segment). Returns the region id."""
         view = memoryview(buf).cast("B")
         if view.readonly:
             raise TransferApiError("bad_request", "registered memory must be writable")
-        region = Region(id=next(self._region_ids), buf=view, location=location, name=name,
-                        extra={"offset": offset})
+        region = Region(
+            id=next(self._region_ids),
+            buf=view,
+            location=location,
+            name=name,
+            extra={"offset": offset},
+        )
         register = getattr(self.sender, "register", None)
         if register is not None:
             register(region)
@@ -152,8 +163,11 @@ class TransferEngine:
         with self._lock:
             batch = self._batch(batch_id)
             if len(batch.tickets) + len(entries) > batch.size:
-                raise TransferApiError("batch_full", f"batch {batch_id} holds {batch.size} "
-                                       f"entries, {len(batch.tickets)} used, {len(entries)} more")
+                raise TransferApiError(
+                    "batch_full",
+                    f"batch {batch_id} holds {batch.size} "
+                    f"entries, {len(batch.tickets)} used, {len(entries)} more",
+                )
             reqs = [self._request(e) for e in entries]
             tickets = [self.sender.submit(r) for r in reqs]
             batch.tickets.extend(tickets)
@@ -275,18 +289,30 @@ class TransferEngine:
         if r is None:
             raise TransferApiError("bad_request", f"source region {e.source} is not registered")
         if e.length < 0 or e.source_offset < 0 or e.source_offset + e.length > len(r.buf):
-            raise TransferApiError("bad_request", f"span {e.source_offset}+{e.length} outside "
-                                   f"region {e.source} of {len(r.buf)} bytes")
-        return Request(opcode=e.opcode, local=r.buf[e.source_offset : e.source_offset + e.length],
-                       target=e.target, region=e.target_region, offset=e.target_offset,
-                       checksum=e.checksum)
+            raise TransferApiError(
+                "bad_request",
+                f"span {e.source_offset}+{e.length} outside "
+                f"region {e.source} of {len(r.buf)} bytes",
+            )
+        return Request(
+            opcode=e.opcode,
+            local=r.buf[e.source_offset : e.source_offset + e.length],
+            target=e.target,
+            region=e.target_region,
+            offset=e.target_offset,
+            checksum=e.checksum,
+        )
 
 
 def _status(t: Ticket) -> TransferStatus:
     state = t.poll()  # polling also asks a lazy backend to finish the work (Ticket.kicker)
     e = t.error
-    return TransferStatus(state=state, transferred_bytes=t.transferred,
-                          code=e.code if e else "", error=e.message if e else "")
+    return TransferStatus(
+        state=state,
+        transferred_bytes=t.transferred,
+        code=e.code if e else "",
+        error=e.message if e else "",
+    )
 
 
 def _settle(fut: asyncio.Future) -> None:

@@ -93,7 +93,9 @@ class Open(_Header):
     offset: int
     length: int
     write: bool
-    pid: int = 0  # the requester's process: a same-host writer's grant outlives its ttl while it lives
+    pid: int = (
+        0  # the requester's process: a same-host writer's grant outlives its ttl while it lives
+    )
     origin: str = ""  # the requester's shared-memory segment (tells a same-host requester)
     trace: dict[str, str] = {}
 
@@ -130,8 +132,15 @@ HEADER_TYPES: dict[Kind, type[_Header]] = {
     Kind.DATA: Ok,
     Kind.ERR: Err,
 }
-_KIND_OF: dict[type, Kind] = {Ship: Kind.SHIP, Pull: Kind.PULL, Open: Kind.OPEN, Close: Kind.CLOSE,
-                              Granted: Kind.GRANTED, Ok: Kind.OK, Err: Kind.ERR}
+_KIND_OF: dict[type, Kind] = {
+    Ship: Kind.SHIP,
+    Pull: Kind.PULL,
+    Open: Kind.OPEN,
+    Close: Kind.CLOSE,
+    Granted: Kind.GRANTED,
+    Ok: Kind.OK,
+    Err: Kind.ERR,
+}
 _KIND_BYTES = {k: bytes([k]) for k in Kind}
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {k: msgspec.msgpack.Decoder(t) for k, t in HEADER_TYPES.items()}
@@ -151,8 +160,10 @@ ZERO_COPY_MIN_BYTES = 4 << 20
 
 def zero_copy(frames_: Sequence[Any]) -> bool:
     """Whether a message is big enough to be worth sending without a copy."""
-    return sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames_) \
+    return (
+        sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames_)
         >= ZERO_COPY_MIN_BYTES
+    )
 
 
 def parse(parts: Sequence[Any]) -> tuple[Kind, Any, list[memoryview]]:

@@ -36,8 +36,15 @@ class WorkerBase:
     # worker): load reports then carry its fit and fresh measurements.
     calibrator: Any = None
 
-    def __init__(self, nc: NATS, *, instance: str, node: str, report_interval: float,
-                 clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        instance: str,
+        node: str,
+        report_interval: float,
+        clock: Clock | None = None,
+    ) -> None:
         self.nc = nc
         self.clock: Clock = clock or WallClock()  # monotonic: durations and quiet periods
         self.instance = instance
@@ -57,13 +64,21 @@ class WorkerBase:
         """This instance's PrefillLoad / DecodeLoad now."""
         raise NotImplementedError
 
-    async def _fail(self, task: Any, code: ErrorCode, message: str,
-                    counter: str = "tasks_failed") -> None:
+    async def _fail(
+        self, task: Any, code: ErrorCode, message: str, counter: str = "tasks_failed"
+    ) -> None:
         raise NotImplementedError
 
     async def _report_failure(
-        self, req: GenerateRequest, conductor_id: str, prefill_node: str, prefill_tx_id: str,
-        code: ErrorCode, message: str, counter: str, also: tuple[tuple[str, Any], ...] = (),
+        self,
+        req: GenerateRequest,
+        conductor_id: str,
+        prefill_node: str,
+        prefill_tx_id: str,
+        code: ErrorCode,
+        message: str,
+        counter: str,
+        also: tuple[tuple[str, Any], ...] = (),
     ) -> None:
         """Error to the client, RequestFailed to the placing conductor (it rolls the
         transactions back), then ``also``'s (subject, message) pairs; counted under
@@ -71,12 +86,21 @@ class WorkerBase:
         self.counters[counter] += 1
         try:
             if req.reply_subject:
-                await bus.publish(self.nc, req.reply_subject,
-                                  Error(request_id=req.request_id, code=code, message=message))
-            await bus.publish(self.nc, subjects.conductor_events(conductor_id), RequestFailed(
-                request_id=req.request_id, prefill_node=prefill_node,
-                prefill_tx_id=prefill_tx_id, reason=message,
-            ))
+                await bus.publish(
+                    self.nc,
+                    req.reply_subject,
+                    Error(request_id=req.request_id, code=code, message=message),
+                )
+            await bus.publish(
+                self.nc,
+                subjects.conductor_events(conductor_id),
+                RequestFailed(
+                    request_id=req.request_id,
+                    prefill_node=prefill_node,
+                    prefill_tx_id=prefill_tx_id,
+                    reason=message,
+                ),
+            )
             for subject, msg in also:
                 await self.nc.publish(subject, encode(msg))
         except Exception as e:  # noqa: BLE001 - the bus may be gone while shutting down
@@ -124,8 +148,12 @@ class WorkerBase:
 
     async def _on_stats(self, msg: NatsMsg) -> None:
         if msg.reply:
-            stats = WorkerStats(instance=self.instance, node=self.node, role=self.role,
-                                counters=self.stats_counters())
+            stats = WorkerStats(
+                instance=self.instance,
+                node=self.node,
+                role=self.role,
+                counters=self.stats_counters(),
+            )
             await self.nc.publish(msg.reply, encode(stats))
 
     async def _report_loop(self) -> None:

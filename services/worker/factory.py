@@ -28,17 +28,24 @@ class WorkerSettings:
     reserver: Any = None  # PrefillWorker's reservations (None: the stores' endpoints)
 
 
-def settings_from_args(args: argparse.Namespace, layout: KVLayout, cost: CostModel,
-                       calibrator: object = None) -> WorkerSettings:
+def settings_from_args(
+    args: argparse.Namespace, layout: KVLayout, cost: CostModel, calibrator: object = None
+) -> WorkerSettings:
     admit = None
     if args.tbt_gate_slo > 0:
         from services.decode.side_check import DecodeSideCheck
 
         admit = DecodeSideCheck(cost, args.tbt_gate_slo, max_batch=args.max_batch).as_admit_hook()
     return WorkerSettings(
-        instance=args.instance, node=args.node, layout=layout, cost=cost,
-        report_interval=args.report_interval, calibrator=calibrator,
-        commit_timeout=args.commit_timeout, admit=admit, lease_s=args.lease,
+        instance=args.instance,
+        node=args.node,
+        layout=layout,
+        cost=cost,
+        report_interval=args.report_interval,
+        calibrator=calibrator,
+        commit_timeout=args.commit_timeout,
+        admit=admit,
+        lease_s=args.lease,
     )
 
 
@@ -46,15 +53,33 @@ def make_worker(role: str, nc: NATS, store: Any, engine: Any, s: WorkerSettings)
     if role == Role.PREFILL:
         from services.prefill.worker import PrefillWorker
 
-        w: Any = PrefillWorker(nc, store, engine, instance=s.instance, node=s.node,
-                               layout=s.layout, cost=s.cost, report_interval=s.report_interval,
-                               lease_s=s.lease_s, reserver=s.reserver)
+        w: Any = PrefillWorker(
+            nc,
+            store,
+            engine,
+            instance=s.instance,
+            node=s.node,
+            layout=s.layout,
+            cost=s.cost,
+            report_interval=s.report_interval,
+            lease_s=s.lease_s,
+            reserver=s.reserver,
+        )
     elif role == Role.DECODE:
         from services.decode.worker import DecodeWorker
 
-        w = DecodeWorker(nc, store, engine, instance=s.instance, node=s.node,
-                         layout=s.layout, report_interval=s.report_interval,
-                         commit_timeout=s.commit_timeout, admit=s.admit, lease_s=s.lease_s)
+        w = DecodeWorker(
+            nc,
+            store,
+            engine,
+            instance=s.instance,
+            node=s.node,
+            layout=s.layout,
+            report_interval=s.report_interval,
+            commit_timeout=s.commit_timeout,
+            admit=s.admit,
+            lease_s=s.lease_s,
+        )
     else:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")
     w.calibrator = s.calibrator

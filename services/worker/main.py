@@ -32,31 +32,70 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument("--node", default=node, help="node whose store this instance uses")
     p.add_argument("--engine", default="mock", choices=ENGINE_KINDS)
     p.add_argument("--model-dir", default=None, help="model directory with config.json")
-    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block")
-    p.add_argument("--speedup", type=float, default=1.0,
-                   help="divide cost-model times by this (inf: no compute time)")
-    p.add_argument("--report-interval", type=float, default=0.1, help="seconds between load reports")
-    p.add_argument("--engine-speedup", type=float, default=0.0,
-                   help="mock engine: run at this speedup instead of --speedup (a machine "
-                        "slower or faster than the services assume; 0: --speedup)")
-    p.add_argument("--calibration-warmup", type=int, default=-1,
-                   help="prefills (and decode requests) the calibration warm-up runs before "
-                        "the first load report (-1: 6, or 3 when a fit is kept on disk)")
-    p.add_argument("--max-batch", type=int, default=128,
-                   help="decode running batch limit (a prefill instance uses it if switched)")
-    p.add_argument("--switchable", action="store_true",
-                   help="obey RoleSwitch on perigee.ctl.role: drain, then serve the other role "
-                        "with the same engine (dynamic P/D ratio)")
-    p.add_argument("--tbt-gate-slo", type=float, default=0.0,
-                   help="as decode: reject a prefilled request whose step time would exceed "
-                        "this TBT SLO, s (the paper's baseline admission; 0: off)")
-    p.add_argument("--store-timeout", type=float, default=30.0,
-                   help="seconds to wait for the node's store at start")
-    p.add_argument("--commit-timeout", type=float, default=2.0,
-                   help="as decode: seconds to wait for the store to commit decode_tx")
-    p.add_argument("--lease", type=float, default=10.0,
-                   help="lease of the store transactions this worker holds, s; renewed "
-                        "every third of it while the request lives")
+    p.add_argument(
+        "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block"
+    )
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="divide cost-model times by this (inf: no compute time)",
+    )
+    p.add_argument(
+        "--report-interval", type=float, default=0.1, help="seconds between load reports"
+    )
+    p.add_argument(
+        "--engine-speedup",
+        type=float,
+        default=0.0,
+        help="mock engine: run at this speedup instead of --speedup (a machine "
+        "slower or faster than the services assume; 0: --speedup)",
+    )
+    p.add_argument(
+        "--calibration-warmup",
+        type=int,
+        default=-1,
+        help="prefills (and decode requests) the calibration warm-up runs before "
+        "the first load report (-1: 6, or 3 when a fit is kept on disk)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=128,
+        help="decode running batch limit (a prefill instance uses it if switched)",
+    )
+    p.add_argument(
+        "--switchable",
+        action="store_true",
+        help="obey RoleSwitch on perigee.ctl.role: drain, then serve the other role "
+        "with the same engine (dynamic P/D ratio)",
+    )
+    p.add_argument(
+        "--tbt-gate-slo",
+        type=float,
+        default=0.0,
+        help="as decode: reject a prefilled request whose step time would exceed "
+        "this TBT SLO, s (the paper's baseline admission; 0: off)",
+    )
+    p.add_argument(
+        "--store-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the node's store at start",
+    )
+    p.add_argument(
+        "--commit-timeout",
+        type=float,
+        default=2.0,
+        help="as decode: seconds to wait for the store to commit decode_tx",
+    )
+    p.add_argument(
+        "--lease",
+        type=float,
+        default=10.0,
+        help="lease of the store transactions this worker holds, s; renewed "
+        "every third of it while the request lives",
+    )
     p.add_argument("--log-level", default="INFO")
     vllm_options.add_arguments(p)
     metrics.add_arguments(p)
@@ -69,9 +108,11 @@ def store_too_small(capacity_blocks: int, max_model_len: int, block_size: int) -
     need = num_blocks(max_model_len, block_size)
     if capacity_blocks >= need:
         return ""
-    return (f"the store has {capacity_blocks} blocks of {block_size} tokens but one "
-            f"request of max_model_len {max_model_len} tokens needs {need}: start the store "
-            f"with --capacity-blocks {need} or more")
+    return (
+        f"the store has {capacity_blocks} blocks of {block_size} tokens but one "
+        f"request of max_model_len {max_model_len} tokens needs {need}: start the store "
+        f"with --capacity-blocks {need} or more"
+    )
 
 
 async def run(role: str, args: argparse.Namespace) -> int:
@@ -84,12 +125,17 @@ async def run(role: str, args: argparse.Namespace) -> int:
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)
     engine_speedup = args.engine_speedup or args.speedup
-    calib = calibration.for_worker(args.engine, args.model_dir or DEFAULT_MODEL_DIR, spec.name,
-                                   cost, engine_speedup)
+    calib = calibration.for_worker(
+        args.engine, args.model_dir or DEFAULT_MODEL_DIR, spec.name, cost, engine_speedup
+    )
     try:
         engine = make_engine(
-            args.engine, spec, cost.with_speedup(engine_speedup), max_batch=args.max_batch,
-            role=role, layout=layout,
+            args.engine,
+            spec,
+            cost.with_speedup(engine_speedup),
+            max_batch=args.max_batch,
+            role=role,
+            layout=layout,
             vllm=vllm_options.from_args(args, str(args.model_dir or DEFAULT_MODEL_DIR)),
         )
     except NotImplementedError as e:
@@ -106,14 +152,18 @@ async def run(role: str, args: argparse.Namespace) -> int:
         return 1
     info = store.info
     if info.block_size != args.block_size or info.block_bytes != layout.block_bytes:
-        log.error("store_layout_mismatch", store_block_size=info.block_size,
-                  store_block_bytes=info.block_bytes, block_size=args.block_size,
-                  block_bytes=layout.block_bytes)
+        log.error(
+            "store_layout_mismatch",
+            store_block_size=info.block_size,
+            store_block_bytes=info.block_bytes,
+            block_size=args.block_size,
+            block_bytes=layout.block_bytes,
+        )
         await store.close()
         await bus.drain(nc)
         return 2
     max_len = args.max_model_len or spec.max_model_len
-    if (short := store_too_small(info.capacity_blocks, max_len, args.block_size)):
+    if short := store_too_small(info.capacity_blocks, max_len, args.block_size):
         log.error("store_too_small", node=args.node, detail=short)
         await store.close()
         await bus.drain(nc)

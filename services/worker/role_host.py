@@ -35,8 +35,9 @@ log = structlog.get_logger()
 
 
 class RoleHost:
-    def __init__(self, nc: NATS, store: Any, engine: Any, role: str,
-                 settings: WorkerSettings) -> None:
+    def __init__(
+        self, nc: NATS, store: Any, engine: Any, role: str, settings: WorkerSettings
+    ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
         self.nc, self.store, self.engine = nc, store, engine
@@ -67,7 +68,9 @@ class RoleHost:
         sub = await self.nc.subscribe(subjects.CTL_ROLE, cb=self._on_ctl)
         try:
             while True:
-                self.worker = make_worker(self.role, self.nc, self.store, self.engine, self.settings)
+                self.worker = make_worker(
+                    self.role, self.nc, self.store, self.engine, self.settings
+                )
                 await self.worker.start()
                 self.serving.set()
                 log.info("role_serving", role=self.role, switches=self.switches)

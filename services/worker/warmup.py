@@ -33,17 +33,27 @@ def _prompt(k: int, n: int, vocab: int) -> list[int]:
 
 
 def _slots(layout: KVLayout, n: int) -> list[memoryview]:
-    return [memoryview(bytearray(layout.block_bytes)) for _ in range(num_blocks(n, layout.block_size))]
+    return [
+        memoryview(bytearray(layout.block_bytes)) for _ in range(num_blocks(n, layout.block_size))
+    ]
 
 
 def max_prompt(engine: Engine) -> int:
     return int(getattr(engine, "max_model_len", 0) or engine.spec.max_model_len) - 2
 
 
-async def _prefill(engine: Engine, layout: KVLayout, calib: Calibrator | None, rid: str,
-                   prompt: list[int], prefix: int, slots: list[memoryview]) -> int:
-    job = PrefillJob(rid, prompt, prefix, SamplingParams(max_tokens=1),
-                     SlotKV(layout, slots, len(prompt)))
+async def _prefill(
+    engine: Engine,
+    layout: KVLayout,
+    calib: Calibrator | None,
+    rid: str,
+    prompt: list[int],
+    prefix: int,
+    slots: list[memoryview],
+) -> int:
+    job = PrefillJob(
+        rid, prompt, prefix, SamplingParams(max_tokens=1), SlotKV(layout, slots, len(prompt))
+    )
     t0 = time.perf_counter()
     first = await engine.prefill(job)
     if calib is not None:
@@ -51,8 +61,9 @@ async def _prefill(engine: Engine, layout: KVLayout, calib: Calibrator | None, r
     return first
 
 
-async def warm_prefill(engine: Engine, layout: KVLayout, calib: Calibrator, count: int,
-                       budget_s: float = 10.0) -> None:
+async def warm_prefill(
+    engine: Engine, layout: KVLayout, calib: Calibrator, count: int, budget_s: float = 10.0
+) -> None:
     """``count`` prefills of mixed lengths, then one that reuses half of the longest's KV;
     no new prompt starts after ``budget_s`` (a very slow engine calibrates on fewer)."""
     vocab, cap, bs = engine.spec.vocab_size, max_prompt(engine), layout.block_size
@@ -75,9 +86,8 @@ async def warm_prefill(engine: Engine, layout: KVLayout, calib: Calibrator, coun
     n = min(cap, len(prompt) + 256)
     if p > 0:
         longer = prompt + _prompt(len(lengths), n - len(prompt), vocab)
-        more = _slots(layout, n)[len(slots):]
-        await _prefill(engine, layout, calib, "perigee-calibrate-prefix", longer, p,
-                       slots + more)
+        more = _slots(layout, n)[len(slots) :]
+        await _prefill(engine, layout, calib, "perigee-calibrate-prefix", longer, p, slots + more)
 
 
 async def warm_decode(engine: Engine, layout: KVLayout, count: int, steps: int = 6) -> None:
@@ -89,17 +99,22 @@ async def warm_decode(engine: Engine, layout: KVLayout, count: int, steps: int =
         n = min(n, cap)
         prompt, slots = _prompt(100 + k, n, vocab), _slots(layout, n)
         first = await _prefill(engine, layout, None, f"perigee-calibrate-d{k}", prompt, 0, slots)
-        job = DecodeJob(f"perigee-calibrate-d{k}", prompt, first,
-                        SamplingParams(max_tokens=steps + 4 * k, ignore_eos=True),
-                        SlotKV(layout, slots, n))
+        job = DecodeJob(
+            f"perigee-calibrate-d{k}",
+            prompt,
+            first,
+            SamplingParams(max_tokens=steps + 4 * k, ignore_eos=True),
+            SlotKV(layout, slots, n),
+        )
         streams.append(engine.add_request(job))
     for s in await asyncio.gather(*streams):
         async for _ in s:
             pass
 
 
-async def warm_up(engine: Engine, layout: KVLayout, calib: Calibrator, roles: tuple[str, ...],
-                  count: int) -> None:
+async def warm_up(
+    engine: Engine, layout: KVLayout, calib: Calibrator, roles: tuple[str, ...], count: int
+) -> None:
     """Calibrate ``engine`` for ``roles`` with ``count`` prefills (and, for decode,
     ``min(count, 4)`` requests decoded side by side). 0: nothing."""
     if count <= 0:
@@ -110,14 +125,25 @@ async def warm_up(engine: Engine, layout: KVLayout, calib: Calibrator, roles: tu
     if Role.DECODE in roles:
         await warm_decode(engine, layout, min(count, len(DECODE_LENGTHS)))
     f = calib.fit
-    log.info("calibrated", roles=list(roles), seconds=round(time.perf_counter() - t0, 3),
-             prefill_samples=f.prefill_samples, decode_samples=f.decode_samples,
-             prefill_coef=[float(f"{c:.4g}") for c in f.prefill_coef()],
-             decode_coef=[float(f"{c:.4g}") for c in f.decode_coef()])
+    log.info(
+        "calibrated",
+        roles=list(roles),
+        seconds=round(time.perf_counter() - t0, 3),
+        prefill_samples=f.prefill_samples,
+        decode_samples=f.decode_samples,
+        prefill_coef=[float(f"{c:.4g}") for c in f.prefill_coef()],
+        decode_coef=[float(f"{c:.4g}") for c in f.decode_coef()],
+    )
 
 
-async def calibrate(engine: Engine, layout: KVLayout, calib: Calibrator, roles: tuple[str, ...],
-                    count: int, stop: asyncio.Event) -> bool:
+async def calibrate(
+    engine: Engine,
+    layout: KVLayout,
+    calib: Calibrator,
+    roles: tuple[str, ...],
+    count: int,
+    stop: asyncio.Event,
+) -> bool:
     """:func:`warm_up`, unless ``stop`` is set first (then False, the warm-up cancelled).
     A request the engine refuses leaves the fit as far as it got (logged); a dead
     engine raises."""

@@ -30,7 +30,9 @@ class StreamResult:
         return None
 
 
-async def stream(session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions") -> StreamResult:
+async def stream(
+    session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions"
+) -> StreamResult:
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(url + path, json=body) as r:
         res = StreamResult(status=r.status, headers=dict(r.headers))

@@ -18,13 +18,20 @@ GARBAGE = [b"", b"not json", b"[1,2,3]", b'{"unknown_field": 1}', b"\xff\xfe\x00
 
 def targets() -> list[str]:
     return [
-        subjects.REQUESTS, subjects.SCHEDULE, subjects.CANCEL,
-        subjects.prefill_tasks("prefill-0"), subjects.decode_tasks("decode-0"),
+        subjects.REQUESTS,
+        subjects.SCHEDULE,
+        subjects.CANCEL,
+        subjects.prefill_tasks("prefill-0"),
+        subjects.decode_tasks("decode-0"),
         subjects.conductor_events("conductor-0"),
-        subjects.store_ctl("p0", "tx.allocate"), subjects.store_ctl("d0", "tx.commit"),
-        subjects.store_ctl("p0", "tx.abort"), subjects.store_ctl("p0", "dump"),
-        subjects.kv_events("p0"), subjects.load_report("prefill", "prefill-0"),
-        subjects.load_report("decode", "decode-0"), subjects.STORE_ANNOUNCE,
+        subjects.store_ctl("p0", "tx.allocate"),
+        subjects.store_ctl("d0", "tx.commit"),
+        subjects.store_ctl("p0", "tx.abort"),
+        subjects.store_ctl("p0", "dump"),
+        subjects.kv_events("p0"),
+        subjects.load_report("prefill", "prefill-0"),
+        subjects.load_report("decode", "decode-0"),
+        subjects.STORE_ANNOUNCE,
     ]
 
 
@@ -59,7 +66,8 @@ async def test_garbage_everywhere_then_a_normal_request_completes(stack):
     finally:
         await nc.close()
     async with aiohttp.ClientSession() as s:
-        r = await stream(s, stack.url, {"prompt": "after the garbage", "max_tokens": 3,
-                                        "ignore_eos": True})
+        r = await stream(
+            s, stack.url, {"prompt": "after the garbage", "max_tokens": 3, "ignore_eos": True}
+        )
     assert r.status == 200 and r.done, r.error
     assert not stack.exited()

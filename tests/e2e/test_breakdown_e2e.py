@@ -20,10 +20,22 @@ pytestmark = pytest.mark.e2e
 
 PREAMBLE = " ".join(f"Rule {i}: traces follow the request across services." for i in range(40))
 SERVICES = ["admission", "conductor", "decode-0", "gateway", "prefill-0", "store-d0", "store-p0"]
-STAGE_SPANS = ["gateway.request", "admission.request", "conductor.schedule", "conductor.place",
-               "prefill.task", "prefill.queue", "prefill.compute", "prefill.ship", "store.ship",
-               "store.write", "prefill.first_token", "decode.task", "decode.load_kv",
-               "decode.generate"]
+STAGE_SPANS = [
+    "gateway.request",
+    "admission.request",
+    "conductor.schedule",
+    "conductor.place",
+    "prefill.task",
+    "prefill.queue",
+    "prefill.compute",
+    "prefill.ship",
+    "store.ship",
+    "store.write",
+    "prefill.first_token",
+    "decode.task",
+    "decode.load_kv",
+    "decode.generate",
+]
 
 
 async def wait_for_traces(path: str, request_ids: list[str], timeout: float = 30.0):
@@ -55,12 +67,14 @@ async def test_breakdown_of_requests_through_the_stack(stack, tmp_path):
     watcher = await KVEventWatcher().start(stack.nats_url)
     try:
         async with aiohttp.ClientSession() as http:
-            st, _, b1 = await post(http, stack.url, {"prompt": cold, "max_tokens": 8,
-                                                     "ignore_eos": True})
+            st, _, b1 = await post(
+                http, stack.url, {"prompt": cold, "max_tokens": 8, "ignore_eos": True}
+            )
             assert st == 200, b1
             await watcher.wait_for(block_hashes(tok.encode(cold), stack.cfg.block_size)[:-1])
-            st, _, b2 = await post(http, stack.url, {"prompt": warm, "max_tokens": 8,
-                                                     "ignore_eos": True})
+            st, _, b2 = await post(
+                http, stack.url, {"prompt": warm, "max_tokens": 8, "ignore_eos": True}
+            )
             assert st == 200, b2
     finally:
         await watcher.close()
@@ -94,9 +108,22 @@ async def test_breakdown_of_requests_through_the_stack(stack, tmp_path):
 
     out_json, out_png = tmp_path / "breakdown.json", tmp_path / "breakdown.png"
     cli = subprocess.run(
-        [sys.executable, "-m", "perigee.cli", "breakdown", stack.spans_file, "--requests", "0",
-         "--json", str(out_json), "--png", str(out_png)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "perigee.cli",
+            "breakdown",
+            stack.spans_file,
+            "--requests",
+            "0",
+            "--json",
+            str(out_json),
+            "--png",
+            str(out_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert cli.returncode == 0, cli.stderr
     assert ids[0][:21] in cli.stdout and ids[1][:21] in cli.stdout

@@ -39,8 +39,9 @@ class Client:
         async def on_error(e: Exception) -> None:
             self.errors.append(str(e))
 
-        self.nc = await nats.connect(url, user=user, password=password, error_cb=on_error,
-                                     allow_reconnect=False)
+        self.nc = await nats.connect(
+            url, user=user, password=password, error_cb=on_error, allow_reconnect=False
+        )
         return self
 
     async def denied(self, subject: str, op: str = "publish") -> bool:
@@ -64,15 +65,22 @@ class Client:
 
 async def test_a_client_without_credentials_is_refused(stack):
     with pytest.raises(nats.errors.Error) as e:
-        await nats.connect(_server(stack), allow_reconnect=False, max_reconnect_attempts=0,
-                           connect_timeout=5)
+        await nats.connect(
+            _server(stack), allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5
+        )
     assert "authorization" in str(e.value).lower() or isinstance(
-        e.value, (nats.errors.AuthorizationError, nats.errors.NoServersError)), e.value
+        e.value, (nats.errors.AuthorizationError, nats.errors.NoServersError)
+    ), e.value
     logins = _logins(stack)
     with pytest.raises(nats.errors.Error):
-        await nats.connect(_server(stack), user="gateway", password="not-" +
-                           logins["users"]["gateway"], allow_reconnect=False,
-                           max_reconnect_attempts=0, connect_timeout=5)
+        await nats.connect(
+            _server(stack),
+            user="gateway",
+            password="not-" + logins["users"]["gateway"],
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=5,
+        )
 
 
 async def test_each_service_is_logged_in_as_its_own_user(stack):
@@ -80,8 +88,15 @@ async def test_each_service_is_logged_in_as_its_own_user(stack):
     with urllib.request.urlopen(url, timeout=5) as r:
         conns = json.loads(r.read())["connections"]
     users = {c.get("authorized_user") for c in conns}
-    for name in ["gateway", "admission", "conductor", "prefill-0", "decode-0", "store-p0",
-                 "store-d0"]:
+    for name in [
+        "gateway",
+        "admission",
+        "conductor",
+        "prefill-0",
+        "decode-0",
+        "store-p0",
+        "store-d0",
+    ]:
         assert name in users, (name, users)
 
 
@@ -188,8 +203,9 @@ async def test_the_login_reaches_services_through_the_environment(stack, monkeyp
 
 @pytest.fixture(scope="module")
 def small_bus(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "small-bus", engine="mock", speedup="100",
-                   nats_max_payload=8192)
+    s = make_stack(
+        tmp_path_factory, "small-bus", engine="mock", speedup="100", nats_max_payload=8192
+    )
     s.start()
     yield s
     s.stop()
@@ -201,7 +217,9 @@ async def test_a_request_over_the_bus_max_payload_is_413_and_the_stack_serves_on
         big = await stream(http, s.url, {"prompt": "word " * 2500, "max_tokens": 2})
         assert big.status == 413, (big.status, big.error)
         msg = big.error["error"]["message"]
-        assert "max_payload of 8192 bytes" in msg and subjects.INTAKE in msg, msg  # the gateway's door
+        assert "max_payload of 8192 bytes" in msg and subjects.INTAKE in msg, (
+            msg
+        )  # the gateway's door
         ok = await stream(http, s.url, {"prompt": "word " * 20, "max_tokens": 2})
     assert ok.status == 200 and ok.done and ok.error is None, ok.error
     assert not s.exited()

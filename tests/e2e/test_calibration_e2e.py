@@ -35,9 +35,15 @@ class SlowPrefillStack(Stack):
 @pytest.fixture(scope="module")
 def slow_stack(tmp_path_factory):
     cache = tmp_path_factory.mktemp("perigee-cache")
-    cfg = StackConfig(port=free_port(), log_dir=str(tmp_path_factory.mktemp("logs-calib")),
-                      engine="mock", prefill=1, decode=1, speedup="100",
-                      extra_env={"PERIGEE_CACHE_DIR": str(cache)})
+    cfg = StackConfig(
+        port=free_port(),
+        log_dir=str(tmp_path_factory.mktemp("logs-calib")),
+        engine="mock",
+        prefill=1,
+        decode=1,
+        speedup="100",
+        extra_env={"PERIGEE_CACHE_DIR": str(cache)},
+    )
     s = SlowPrefillStack(cfg)
     s.start()
     s.cache_dir = cache
@@ -49,8 +55,11 @@ def place_spans(path: str, request_ids: set[str]) -> dict[str, dict]:
     out = {}
     for s in bd.read_spans(path):
         a = s.get("attributes", {})
-        if s["name"] == "conductor.place" and a.get("request_id") in request_ids \
-                and a.get("outcome") == "placed":
+        if (
+            s["name"] == "conductor.place"
+            and a.get("request_id") in request_ids
+            and a.get("outcome") == "placed"
+        ):
             out[a["request_id"]] = s
     return out
 
@@ -67,8 +76,9 @@ async def test_conductor_estimate_follows_what_the_instance_measures(slow_stack)
     async with aiohttp.ClientSession() as http:
         for i in range(4):  # one at a time: the queue stays empty, the estimate is the fit
             words = " ".join(f"w{i}x{j}" for j in range(700))
-            st, _, body = await post(http, s.url, {"prompt": f"Request {i}: {words}",
-                                                   "max_tokens": 2})
+            st, _, body = await post(
+                http, s.url, {"prompt": f"Request {i}: {words}", "max_tokens": 2}
+            )
             assert st == 200, body
 
     def traced():
@@ -93,15 +103,24 @@ async def test_conductor_estimate_follows_what_the_instance_measures(slow_stack)
         # The prior would say 100x less than what the engine takes.
         assert measured_prefill > 20 * PRIOR.prefill_time(n)
         assert measured_prefill / FACTOR <= est_prefill <= measured_prefill * FACTOR, (
-            n, est_prefill, measured_prefill)
+            n,
+            est_prefill,
+            measured_prefill,
+        )
         assert measured_ttft / FACTOR <= est_ttft <= measured_ttft * FACTOR, (
-            n, est_ttft, measured_ttft)
+            n,
+            est_ttft,
+            measured_ttft,
+        )
 
     # The worker's metric saw every request's prediction, and the fit is kept on disk.
     async with aiohttp.ClientSession() as http:
         async with http.get(s.metrics_urls["prefill-0"]) as resp:
             text = await resp.text()
-    count = next(float(line.split()[-1]) for line in text.splitlines()
-                 if line.startswith("perigee:prefill_time_predicted_over_measured_count"))
+    count = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("perigee:prefill_time_predicted_over_measured_count")
+    )
     assert count >= 4
     assert list(Path(s.cache_dir, "fits").glob("*.json"))

@@ -16,9 +16,24 @@ pytestmark = pytest.mark.e2e
 
 def test_a_chaos_run_loses_no_accepted_request(tmp_path):
     path = tmp_path / "chaos.json"
-    chaos.main(["--requests", "60", "--trace-speedup", "1", "--speedup", "100",
-                "--fault-gap", "1", "--request-timeout", "90",
-                "--log-dir", str(tmp_path / "logs"), "--json", str(path)])
+    chaos.main(
+        [
+            "--requests",
+            "60",
+            "--trace-speedup",
+            "1",
+            "--speedup",
+            "100",
+            "--fault-gap",
+            "1",
+            "--request-timeout",
+            "90",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json",
+            str(path),
+        ]
+    )
     out = json.loads(path.read_text())
     assert out["faults"] == list(chaos.FAULTS)  # every fault was injected
     # The supervisor brought each killed service back.

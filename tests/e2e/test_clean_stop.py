@@ -40,10 +40,23 @@ class Up:
         self.known: list[psutil.Process] = []  # its descendants, killed if a test fails
         self._out = open(self.out_path, "wb")
         self.proc = subprocess.Popen(
-            [*_perigee(), "up", "--engine", "mock", "--speedup", "100",
-             "--port", str(self.port), "--log-dir", str(self.logs)],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=self._out,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                *_perigee(),
+                "up",
+                "--engine",
+                "mock",
+                "--speedup",
+                "100",
+                "--port",
+                str(self.port),
+                "--log-dir",
+                str(self.logs),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def output(self) -> str:
@@ -64,9 +77,12 @@ class Up:
 
     def complete(self) -> dict:
         body = json.dumps({"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 4})
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                     data=body.encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=body.encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status == 200
             return json.loads(r.read())
@@ -75,8 +91,10 @@ class Up:
         try:
             return self.proc.wait(timeout=DEADLINE_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"perigee up still running {DEADLINE_S:g} s after the signal:\n"
-                        f"{self.output()[-3000:]}")
+            pytest.fail(
+                f"perigee up still running {DEADLINE_S:g} s after the signal:\n"
+                f"{self.output()[-3000:]}"
+            )
 
     def close(self) -> None:
         for p in [self.proc, *_alive(self.known)]:
@@ -149,8 +167,9 @@ def _assert_clean(up: Up, rc: int, procs: list[psutil.Process]) -> None:
 def test_ctrl_c_during_start_up_stops_everything(up):
     procs = _whole_stack(up)
     # The stores log first; the workers are still looking for them, nothing is ready.
-    _wait_for(lambda: any('"store_started"' in t for t in up.service_logs().values()),
-              "a store started")
+    _wait_for(
+        lambda: any('"store_started"' in t for t in up.service_logs().values()), "a store started"
+    )
     os.killpg(up.proc.pid, signal.SIGINT)
     rc = up.wait()
     _assert_clean(up, rc, procs)
@@ -192,12 +211,17 @@ def test_sigkilled_perigee_up_leaves_no_orphans(up):
 
 # -- one service, its bus in a bad state ----------------------------------------------
 
+
 def _service(tmp_path: Path, module: str, *args: str) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / f"{module}.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     return proc, log
 
 
@@ -216,15 +240,24 @@ def _stopped_by_sigterm(proc: subprocess.Popen, log: Path) -> None:
 def test_worker_waiting_for_its_store_exits_on_sigterm(tmp_path):
     """No store ever answers, and the worker would wait far longer than the deadline."""
     with NatsServer() as nats:
-        proc, log = _service(tmp_path, "services.prefill", "--nats", nats.url,
-                             "--engine", "mock", "--store-timeout", "600")
+        proc, log = _service(
+            tmp_path,
+            "services.prefill",
+            "--nats",
+            nats.url,
+            "--engine",
+            "mock",
+            "--store-timeout",
+            "600",
+        )
         try:
             port = nats.port
 
             def on_bus() -> bool:
                 conns = psutil.Process(proc.pid).net_connections(kind="tcp")
-                return any(c.raddr and c.raddr.port == port and c.status == "ESTABLISHED"
-                           for c in conns)
+                return any(
+                    c.raddr and c.raddr.port == port and c.status == "ESTABLISHED" for c in conns
+                )
 
             _wait_for(on_bus, "the worker connected to NATS")
             _stopped_by_sigterm(proc, log)
@@ -235,11 +268,14 @@ def test_worker_waiting_for_its_store_exits_on_sigterm(tmp_path):
 
 def test_service_on_a_dead_bus_exits_on_sigterm(tmp_path):
     """Nobody listens at its NATS URL: the connection retries forever."""
-    proc, log = _service(tmp_path, "services.admission", "--nats",
-                         f"nats://127.0.0.1:{free_port()}")
+    proc, log = _service(
+        tmp_path, "services.admission", "--nats", f"nats://127.0.0.1:{free_port()}"
+    )
     try:
-        _wait_for(lambda: "nats_error" in log.read_text(errors="replace"),
-                  "the admission service failed to reach NATS")
+        _wait_for(
+            lambda: "nats_error" in log.read_text(errors="replace"),
+            "the admission service failed to reach NATS",
+        )
         _stopped_by_sigterm(proc, log)
     finally:
         if proc.poll() is None:

@@ -23,8 +23,19 @@ from services.conductor import cpp
 from services.prefill.cpp_stage import activation_nbytes, first_activations, stage_transform
 
 N, CHUNK, SPEEDUP = 8192, 2048, 0.5
-BASE = [sys.executable, "-m", "services.prefill.cpp_stage", "--n", str(N), "--chunk",
-        str(CHUNK), "--speedup", str(SPEEDUP), "--timeout", "20"]
+BASE = [
+    sys.executable,
+    "-m",
+    "services.prefill.cpp_stage",
+    "--n",
+    str(N),
+    "--chunk",
+    str(CHUNK),
+    "--speedup",
+    str(SPEEDUP),
+    "--timeout",
+    "20",
+]
 
 
 def start_pipeline(x: int):
@@ -32,8 +43,13 @@ def start_pipeline(x: int):
     procs, nxt = [], ""
     for s in reversed(range(x)):
         args = BASE + ["--stage", str(s), "--stages", str(x)] + (["--next", nxt] if nxt else [])
-        p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        p = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         procs.insert(0, p)
         if s > 0:
             nxt = own_line(p)
@@ -61,8 +77,12 @@ def finish(procs, timeout=120):
     for p in procs:
         stdout, _ = p.communicate(timeout=timeout)
         # the transfer engine logs to stdout too: the stage's own lines are the JSON ones
-        out.append((p.returncode, [json.loads(line) for line in stdout.splitlines()
-                                   if line.startswith("{")]))
+        out.append(
+            (
+                p.returncode,
+                [json.loads(line) for line in stdout.splitlines() if line.startswith("{")],
+            )
+        )
     return out
 
 

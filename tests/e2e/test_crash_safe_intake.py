@@ -46,9 +46,17 @@ DEADLINE_S = 90.0
 
 @pytest.fixture(scope="module")
 def intake_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "intake", engine="mock", prefill=2, decode=2, conductors=2,
-                   speedup="100", supervise=True,
-                   restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2))
+    s = make_stack(
+        tmp_path_factory,
+        "intake",
+        engine="mock",
+        prefill=2,
+        decode=2,
+        conductors=2,
+        speedup="100",
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
+    )
     s.start()
     yield s
     s.stop()
@@ -82,8 +90,9 @@ class TaskLog:
 
 
 async def prefill_counter(s, name: str) -> int:
-    return sum([(await worker_stats(s.nats_url, "prefill", f"prefill-{i}")).get(name, 0)
-                for i in range(2)])
+    return sum(
+        [(await worker_stats(s.nats_url, "prefill", f"prefill-{i}")).get(name, 0) for i in range(2)]
+    )
 
 
 async def tasks_done(s) -> int:
@@ -103,8 +112,12 @@ async def test_sigkilled_admission_loses_no_accepted_request(intake_stack):
         os.kill(old.pid, signal.SIGSTOP)
         async with aiohttp.ClientSession() as http:
             body = {"prompt": "crash-safe intake", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            burst = [asyncio.ensure_future(stream(http, s.url, {**body, "prompt": f"{i} {body['prompt']}"}))
-                     for i in range(BURST)]
+            burst = [
+                asyncio.ensure_future(
+                    stream(http, s.url, {**body, "prompt": f"{i} {body['prompt']}"})
+                )
+                for i in range(BURST)
+            ]
             # Every request of the burst is stored before admission dies: the stream has them.
             js = nc.jetstream()
 
@@ -137,8 +150,12 @@ async def send(js, nc, rid: str, prompt: list[int]) -> asyncio.Queue:
     q: asyncio.Queue = asyncio.Queue()
     inbox = nc.new_inbox()
     await nc.subscribe(inbox, cb=q.put)
-    req = GenerateRequest(request_id=rid, prompt_token_ids=prompt, reply_subject=inbox,
-                          sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        reply_subject=inbox,
+        sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
     await bus.js_publish(js, subjects.INTAKE, encode(req), msg_id=rid)
     return q
 
@@ -173,6 +190,7 @@ async def test_sigkilled_conductor_loses_no_request_and_places_none_twice(intake
         os.kill(victim.pid, signal.SIGSTOP)
         rids = [f"intake-{uuid.uuid4().hex[:10]}" for _ in range(BURST)]
         queues = [await send(js, nc, rid, [7 + i, *range(100, 160)]) for i, rid in enumerate(rids)]
+
         # Wait until the stopped conductor holds some of the burst (its pull was open).
         async def held() -> None:
             while True:
@@ -212,20 +230,31 @@ async def test_a_worker_can_neither_feed_nor_drain_the_intake_queues(intake_stac
     async def on_error(e: Exception) -> None:
         errors.append(str(e).lower())
 
-    nc = await nats.connect(s.nats.url, user="prefill-0", password=login["users"]["prefill-0"],
-                            allow_reconnect=False, error_cb=on_error)
+    nc = await nats.connect(
+        s.nats.url,
+        user="prefill-0",
+        password=login["users"]["prefill-0"],
+        allow_reconnect=False,
+        error_cb=on_error,
+    )
     js = nc.jetstream()
     try:
         for subject in (subjects.INTAKE, subjects.SCHEDULE_QUEUE):
             with pytest.raises(nats.errors.Error):  # no ack: the publish never got there
                 await js.publish(subject, b"{}", timeout=2)
         with pytest.raises(nats.errors.Error):
-            await js.pull_subscribe(subjects.SCHEDULE_QUEUE, durable="thief",
-                                    stream=intake_queue.SCHEDULE_STREAM)
+            await js.pull_subscribe(
+                subjects.SCHEDULE_QUEUE, durable="thief", stream=intake_queue.SCHEDULE_STREAM
+            )
         # ... because the server refused each, not for want of an answer.
-        for subject in (subjects.INTAKE, subjects.SCHEDULE_QUEUE,
-                        f"$js.api.consumer.info.{intake_queue.SCHEDULE_STREAM.lower()}.thief"):
+        for subject in (
+            subjects.INTAKE,
+            subjects.SCHEDULE_QUEUE,
+            f"$js.api.consumer.info.{intake_queue.SCHEDULE_STREAM.lower()}.thief",
+        ):
             assert any(f'permissions violation for publish to "{subject}"' in e for e in errors), (
-                subject, errors)
+                subject,
+                errors,
+            )
     finally:
         await nc.close()

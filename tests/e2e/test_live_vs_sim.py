@@ -35,8 +35,15 @@ CAPACITY_BLOCKS = 4096
 
 @pytest.fixture(scope="module")
 def live_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "live-vs-sim", prefill=2, decode=1, speedup=str(SPEEDUP),
-                   block_size=BLOCK, store_capacity_blocks=CAPACITY_BLOCKS)
+    s = make_stack(
+        tmp_path_factory,
+        "live-vs-sim",
+        prefill=2,
+        decode=1,
+        speedup=str(SPEEDUP),
+        block_size=BLOCK,
+        store_capacity_blocks=CAPACITY_BLOCKS,
+    )
     s.start()
     yield s
     s.stop()
@@ -45,17 +52,35 @@ def live_stack(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(live_stack):
     trace = spread_ties(load_trace(limit=SLICE))
-    outs, wall = asyncio.run(replay(
-        trace, live_stack.url, speedup=SPEED, builder=PromptBuilder(BLOCK, 1024),
-        model=None, output_scale=OUTPUT_SCALE, max_output=4096, api_key=None,
-        progress=False))
+    outs, wall = asyncio.run(
+        replay(
+            trace,
+            live_stack.url,
+            speedup=SPEED,
+            builder=PromptBuilder(BLOCK, 1024),
+            model=None,
+            output_scale=OUTPUT_SCALE,
+            max_output=4096,
+            api_key=None,
+            progress=False,
+        )
+    )
     live = summarize(outs, wall, ttft_slo=30.0, tbt_slo=1.0)
-    sim = simulate_slice(trace, speedup=SPEEDUP, block_size=BLOCK, prefill=2, decode=1,
-                         speed=SPEED, output_scale=OUTPUT_SCALE,
-                         cache_tokens_per_node=CAPACITY_BLOCKS * BLOCK)
-    print(f"hit rate live {live['cached_token_ratio']:.4f} sim {sim['cache_hit_rate']:.4f}; "
-          f"TTFT p50 live {live['ttft_s']['p50']:.4f}s sim {sim['ttft_s']['p50']:.4f}s "
-          f"({live['ttft_s']['p50'] / sim['ttft_s']['p50'] - 1:+.1%})")
+    sim = simulate_slice(
+        trace,
+        speedup=SPEEDUP,
+        block_size=BLOCK,
+        prefill=2,
+        decode=1,
+        speed=SPEED,
+        output_scale=OUTPUT_SCALE,
+        cache_tokens_per_node=CAPACITY_BLOCKS * BLOCK,
+    )
+    print(
+        f"hit rate live {live['cached_token_ratio']:.4f} sim {sim['cache_hit_rate']:.4f}; "
+        f"TTFT p50 live {live['ttft_s']['p50']:.4f}s sim {sim['ttft_s']['p50']:.4f}s "
+        f"({live['ttft_s']['p50'] / sim['ttft_s']['p50'] - 1:+.1%})"
+    )
     return live, sim
 
 

@@ -51,8 +51,14 @@ class _Stack(Stack):
 
 
 def _start(tmp_path_factory, name: str, gateway_args=(), prefill_args=(), **kw) -> _Stack:
-    cfg = StackConfig(port=free_port(), log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")),
-                      engine="mock", prefill=1, decode=1, **kw)
+    cfg = StackConfig(
+        port=free_port(),
+        log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")),
+        engine="mock",
+        prefill=1,
+        decode=1,
+        **kw,
+    )
     s = _Stack(cfg, gateway_args, prefill_args)
     s.start(timeout=240)  # a slowed engine calibrates slowly before it reports ready
     return s
@@ -94,9 +100,16 @@ async def _until(cond, what: str, timeout: float = 60.0, every: float = 0.1):
 def crowd(tmp_path_factory):
     # speedup 0.1: a request streams for ~1.4 s of decode after a 7.6 ms prefill, and
     # prefills run one at a time, so the crowd is in flight together and meets the cap.
-    s = _start(tmp_path_factory, "crowd", gateway_args=["--max-inflight", str(CAP)],
-               speedup="0.1", max_batch=1024, tbt_slo=5.0, ttft_slo=120.0,
-               store_capacity_blocks=8192)
+    s = _start(
+        tmp_path_factory,
+        "crowd",
+        gateway_args=["--max-inflight", str(CAP)],
+        speedup="0.1",
+        max_batch=1024,
+        tbt_slo=5.0,
+        ttft_slo=120.0,
+        store_capacity_blocks=8192,
+    )
     yield s
     s.stop()
 
@@ -111,8 +124,9 @@ async def test_a_thousand_streaming_clients(crowd):
         assert warm.status == 200 and warm.done, warm.error
         before = _rss_kib(pid)
         refused_before = await _metric(s, url, "perigee:gateway_requests_over_inflight_cap_total")
-        results = await asyncio.gather(*(stream(s, url, body) for _ in range(N_CLIENTS)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(stream(s, url, body) for _ in range(N_CLIENTS)), return_exceptions=True
+        )
         after = _rss_kib(pid)
         refused_metric = await _metric(s, url, "perigee:gateway_requests_over_inflight_cap_total")
         cap_metric = await _metric(s, url, "perigee:gateway_max_requests_in_flight")
@@ -135,10 +149,12 @@ async def test_a_thousand_streaming_clients(crowd):
         if r.status == 429:
             assert int(r.headers["Retry-After"]) >= 1
     by_cap = [r for r in refused if CAP_MESSAGE in r.error["error"]["message"]]
-    print(f"\n{N_CLIENTS} clients, cap {CAP}: {len(served)} served, {len(by_cap)} refused "
-          f"by the cap, {len(refused) - len(by_cap)} refused by the backend; gateway VmRSS "
-          f"{before['VmRSS'] / 1024:.1f} -> {after['VmRSS'] / 1024:.1f} MiB, "
-          f"peak {after['VmHWM'] / 1024:.1f} MiB")
+    print(
+        f"\n{N_CLIENTS} clients, cap {CAP}: {len(served)} served, {len(by_cap)} refused "
+        f"by the cap, {len(refused) - len(by_cap)} refused by the backend; gateway VmRSS "
+        f"{before['VmRSS'] / 1024:.1f} -> {after['VmRSS'] / 1024:.1f} MiB, "
+        f"peak {after['VmHWM'] / 1024:.1f} MiB"
+    )
     assert len(served) + len(refused) == N_CLIENTS
     assert served, "nothing was served"
     assert by_cap, "the in-flight cap refused nobody"
@@ -159,8 +175,15 @@ async def test_a_thousand_streaming_clients(crowd):
 def slow_prefill(tmp_path_factory):
     # The prefill engine runs 100x slower than the A800 the cost model describes: a
     # short prompt takes ~0.1 s, an 8000-token one ~45 s.
-    s = _start(tmp_path_factory, "hangup", prefill_args=["--engine-speedup", "0.01"],
-               speedup="1", lease_s=LEASE_S, ttft_slo=100000.0, tbt_slo=10.0)
+    s = _start(
+        tmp_path_factory,
+        "hangup",
+        prefill_args=["--engine-speedup", "0.01"],
+        speedup="1",
+        lease_s=LEASE_S,
+        ttft_slo=100000.0,
+        tbt_slo=10.0,
+    )
     yield s
     s.stop()
 
@@ -194,8 +217,9 @@ async def test_hang_up_mid_stream_aborts_the_decode(slow_prefill):
         dec0 = await worker_stats(nats_url, "decode", "decode-0")
         tx0 = await _stores(nats_url)
         # ~35 s of decode at 8.6 ms a token: hung up after 3 chunks, long before its end
-        await _hang_up_after(s, url, {"prompt": "hang up", "max_tokens": 4000,
-                                      "ignore_eos": True}, chunks=3)
+        await _hang_up_after(
+            s, url, {"prompt": "hang up", "max_tokens": 4000, "ignore_eos": True}, chunks=3
+        )
 
         async def aborted():
             d = await worker_stats(nats_url, "decode", "decode-0")

@@ -17,21 +17,42 @@ pytestmark = pytest.mark.e2e
 N = 3
 MAX_TOKENS = 5
 EXPECTED = {
-    "gateway": ["perigee:time_to_first_token_seconds", "perigee:inter_token_latency_seconds",
-                "perigee:e2e_request_latency_seconds", "perigee:request_success",
-                "perigee:prompt_tokens", "perigee:generation_tokens",
-                "perigee:gateway_requests_in_flight"],
+    "gateway": [
+        "perigee:time_to_first_token_seconds",
+        "perigee:inter_token_latency_seconds",
+        "perigee:e2e_request_latency_seconds",
+        "perigee:request_success",
+        "perigee:prompt_tokens",
+        "perigee:generation_tokens",
+        "perigee:gateway_requests_in_flight",
+    ],
     "admission": ["perigee:requests_admitted", "perigee:requests_rejected"],
-    "conductor": ["perigee:request_scheduling_time_seconds", "perigee:requests_rejected",
-                  "perigee:conductor_pending_requests"],
-    "prefill-0": ["perigee:num_requests_waiting", "perigee:num_requests_running",
-                  "perigee:prefix_cache_queries", "perigee:prefix_cache_hits",
-                  "perigee:request_queue_time_seconds", "perigee:request_prefill_time_seconds",
-                  "perigee:kv_transfer_time_seconds"],
-    "decode-0": ["perigee:num_requests_waiting", "perigee:num_requests_running",
-                 "perigee:request_decode_load_time_seconds", "perigee:request_decode_time_seconds"],
-    "store-p0": ["perigee:store_bytes", "perigee:transfer_bytes", "perigee:transfer_errors",
-                 "perigee:kv_cache_usage_perc"],
+    "conductor": [
+        "perigee:request_scheduling_time_seconds",
+        "perigee:requests_rejected",
+        "perigee:conductor_pending_requests",
+    ],
+    "prefill-0": [
+        "perigee:num_requests_waiting",
+        "perigee:num_requests_running",
+        "perigee:prefix_cache_queries",
+        "perigee:prefix_cache_hits",
+        "perigee:request_queue_time_seconds",
+        "perigee:request_prefill_time_seconds",
+        "perigee:kv_transfer_time_seconds",
+    ],
+    "decode-0": [
+        "perigee:num_requests_waiting",
+        "perigee:num_requests_running",
+        "perigee:request_decode_load_time_seconds",
+        "perigee:request_decode_time_seconds",
+    ],
+    "store-p0": [
+        "perigee:store_bytes",
+        "perigee:transfer_bytes",
+        "perigee:transfer_errors",
+        "perigee:kv_cache_usage_perc",
+    ],
     "store-d0": ["perigee:store_bytes", "perigee:transfer_bytes", "perigee:transfer_errors"],
 }
 
@@ -66,8 +87,9 @@ async def test_every_service_serves_metrics_that_follow_requests(stack):
     async with aiohttp.ClientSession() as http:
         before = await scrape_all(http, stack)
         for p in prompts:
-            status, _, body = await post(http, stack.url, {"prompt": p, "max_tokens": MAX_TOKENS,
-                                                           "ignore_eos": True})
+            status, _, body = await post(
+                http, stack.url, {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+            )
             assert status == 200, body
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         after = await scrape_all(http, stack)
@@ -75,8 +97,10 @@ async def test_every_service_serves_metrics_that_follow_requests(stack):
         # than assume it ended before the answer came back.
         sched = "perigee:request_scheduling_time_seconds"
         async with asyncio.timeout(10):
-            while (val(after["conductor"], sched, sched + "_count")
-                   - val(before["conductor"], sched, sched + "_count")) < N:
+            while (
+                val(after["conductor"], sched, sched + "_count")
+                - val(before["conductor"], sched, sched + "_count")
+            ) < N:
                 await asyncio.sleep(0.05)
                 after["conductor"] = await scrape(http, stack.metrics_urls["conductor"])
 
@@ -85,8 +109,9 @@ async def test_every_service_serves_metrics_that_follow_requests(stack):
             assert name in after[service], (service, name)
 
     def d(service, family, sample=None, **labels):
-        return val(after[service], family, sample, **labels) - val(before[service], family, sample,
-                                                                    **labels)
+        return val(after[service], family, sample, **labels) - val(
+            before[service], family, sample, **labels
+        )
 
     model = {"model_name": "tiny-llama"}
     gw = "perigee:time_to_first_token_seconds"
@@ -96,12 +121,23 @@ async def test_every_service_serves_metrics_that_follow_requests(stack):
     assert d("gateway", itl, itl + "_count", **model) == N * (MAX_TOKENS - 1)
     e2e = "perigee:e2e_request_latency_seconds"
     assert d("gateway", e2e, e2e + "_count", **model) == N
-    assert d("gateway", "perigee:request_success", "perigee:request_success_total",
-             finished_reason="length", **model) == N
-    assert d("gateway", "perigee:generation_tokens", "perigee:generation_tokens_total",
-             **model) == N * MAX_TOKENS
-    assert d("gateway", "perigee:prompt_tokens", "perigee:prompt_tokens_total",
-             **model) == sum(prompt_tokens)
+    assert (
+        d(
+            "gateway",
+            "perigee:request_success",
+            "perigee:request_success_total",
+            finished_reason="length",
+            **model,
+        )
+        == N
+    )
+    assert (
+        d("gateway", "perigee:generation_tokens", "perigee:generation_tokens_total", **model)
+        == N * MAX_TOKENS
+    )
+    assert d("gateway", "perigee:prompt_tokens", "perigee:prompt_tokens_total", **model) == sum(
+        prompt_tokens
+    )
     assert val(after["gateway"], "perigee:gateway_requests_in_flight") == 0
 
     assert d("admission", "perigee:requests_admitted", "perigee:requests_admitted_total") == N
@@ -109,28 +145,44 @@ async def test_every_service_serves_metrics_that_follow_requests(stack):
 
     pf = "prefill-0"
     assert d(pf, "perigee:prefix_cache_queries", "perigee:prefix_cache_queries_total") == sum(
-        prompt_tokens)
+        prompt_tokens
+    )
     assert d(pf, "perigee:prefix_cache_hits", "perigee:prefix_cache_hits_total") == 0
-    for h in ("perigee:request_queue_time_seconds", "perigee:request_prefill_time_seconds",
-              "perigee:kv_transfer_time_seconds"):
+    for h in (
+        "perigee:request_queue_time_seconds",
+        "perigee:request_prefill_time_seconds",
+        "perigee:kv_transfer_time_seconds",
+    ):
         assert d(pf, h, h + "_count") == N, h
     assert val(after[pf], "perigee:num_requests_running") == 0
 
     dc = "decode-0"
     for h in ("perigee:request_decode_load_time_seconds", "perigee:request_decode_time_seconds"):
         assert d(dc, h, h + "_count") == N, h
-    assert d(dc, "perigee:decode_tokens_generated",
-             "perigee:decode_tokens_generated_total") == N * MAX_TOKENS
+    assert (
+        d(dc, "perigee:decode_tokens_generated", "perigee:decode_tokens_generated_total")
+        == N * MAX_TOKENS
+    )
 
     # The KV of every block went from the prefill node's store to the decode node's.
-    block_bytes = after["store-d0"]["perigee:store_capacity_bytes"][
-        ("perigee:store_capacity_bytes", (("tier", "dram"),))] / stack.cfg.store_capacity_blocks
+    block_bytes = (
+        after["store-d0"]["perigee:store_capacity_bytes"][
+            ("perigee:store_capacity_bytes", (("tier", "dram"),))
+        ]
+        / stack.cfg.store_capacity_blocks
+    )
     shipped = sum(math.ceil(n / bs) for n in prompt_tokens) * block_bytes
-    assert d("store-d0", "perigee:transfer_bytes", "perigee:transfer_bytes_total",
-             direction="in") == shipped
-    assert d("store-p0", "perigee:transfer_bytes", "perigee:transfer_bytes_total",
-             direction="out") == shipped
+    assert (
+        d("store-d0", "perigee:transfer_bytes", "perigee:transfer_bytes_total", direction="in")
+        == shipped
+    )
+    assert (
+        d("store-p0", "perigee:transfer_bytes", "perigee:transfer_bytes_total", direction="out")
+        == shipped
+    )
     for store in ("store-p0", "store-d0"):
-        assert d(store, "perigee:transfer_errors", "perigee:transfer_errors_total",
-                 kind="transfer") == 0
+        assert (
+            d(store, "perigee:transfer_errors", "perigee:transfer_errors_total", kind="transfer")
+            == 0
+        )
         assert val(after[store], "perigee:store_bytes", tier="dram") > 0

@@ -26,16 +26,16 @@ def two_prefill_stack(tmp_path_factory):
     # 20x slower than the paper's A800: a ~1.5k-token prefill takes over a second, so
     # prefill-0 holds queued requests when it is killed (and decode steps, slower too,
     # must not trip admission's TBT check).
-    s = make_stack(tmp_path_factory, "mig-prefill", prefill=2, decode=1, speedup="0.05",
-                   tbt_slo=10.0)
+    s = make_stack(
+        tmp_path_factory, "mig-prefill", prefill=2, decode=1, speedup="0.05", tbt_slo=10.0
+    )
     s.start()
     yield s
     s.stop()
 
 
 def prompts(n: int) -> list[str]:
-    return [f"story {i}: " + "the quick brown fox jumps over the lazy dog " * 60
-            for i in range(n)]
+    return [f"story {i}: " + "the quick brown fox jumps over the lazy dog " * 60 for i in range(n)]
 
 
 async def test_killed_prefill_worker_has_its_requests_placed_again(two_prefill_stack):
@@ -58,8 +58,9 @@ async def test_killed_prefill_worker_has_its_requests_placed_again(two_prefill_s
             for r in results:
                 assert r.status == 200 and r.done and r.error is None, r.error
                 assert r.usage["completion_tokens"] == 4
-            migrated = await metric(http, s.metrics_urls["conductor"],
-                                    "perigee:migrations_total", reason="prefill_died")
+            migrated = await metric(
+                http, s.metrics_urls["conductor"], "perigee:migrations_total", reason="prefill_died"
+            )
             assert migrated >= 2, "prefill-0 held queued requests: they must have been placed again"
             # Undisturbed runs of the same prompts give the same tokens.
             for b, r in zip(bodies, results, strict=True):
@@ -73,8 +74,7 @@ async def test_killed_prefill_worker_has_its_requests_placed_again(two_prefill_s
 
 @pytest.fixture(scope="module")
 def no_migration_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "mig-off", prefill=1, decode=2, speedup="1",
-                   migration_limit=0)
+    s = make_stack(tmp_path_factory, "mig-off", prefill=1, decode=2, speedup="1", migration_limit=0)
     s.start()
     yield s
     s.stop()
@@ -102,5 +102,9 @@ async def test_migration_limit_0_fails_a_dead_decode_workers_streams(no_migratio
         for r in results:
             if r not in failed:
                 assert r.done and r.usage["completion_tokens"] == 400
-        assert await metric(http, s.metrics_urls["conductor"], "perigee:migrations_total",
-                            reason="decode_died") == 0
+        assert (
+            await metric(
+                http, s.metrics_urls["conductor"], "perigee:migrations_total", reason="decode_died"
+            )
+            == 0
+        )

@@ -73,7 +73,7 @@ LOAD_A = SHARED + _ids(3072)  # keeps the prefix's host busy while CROSS2 is pla
 
 def _namespaces_work() -> str:
     """Why this machine cannot build the hosts ("" when it can): tried, not guessed."""
-    if (why := unavailable()):
+    if why := unavailable():
         return why
     probe = f"pgmh-probe-{uuid.uuid4().hex[:6]}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
@@ -92,17 +92,30 @@ def multihost(tmp_path_factory):
     # One hand-given cost model for both prefill instances: placement then follows the
     # caches and the queues, not which instance measured faster in its warm-up.
     cost_model = tmp_path_factory.mktemp("cost") / "analytic.json"
-    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
-                    for n in (256, 1024, 4096, 8192) for p in (0, n // 4, n // 2)]).save(cost_model)
+    fit_cost_model(
+        [
+            PrefillSample(n, p, CostModel().prefill_time(n, p))
+            for n in (256, 1024, 4096, 8192)
+            for p in (0, n // 4, n // 2)
+        ]
+    ).save(cost_model)
     hosts = Hosts(3, shm_size="256m")
     try:
         hosts.open()
         # speedup 0.1: the mock computes 10x the paper's A800 times, so LOAD_A keeps its
         # host busy for ~2 s, long enough that CROSS2 is placed while it computes.
-        cfg = StackConfig(port=8000, prefill=2, decode=1, engine="mock", model_dir=str(MODEL),
-                          speedup="0.1", tbt_slo=1.0, store_capacity_blocks=512,
-                          cost_model=str(cost_model),
-                          log_dir=str(tmp_path_factory.mktemp("logs-multihost")))
+        cfg = StackConfig(
+            port=8000,
+            prefill=2,
+            decode=1,
+            engine="mock",
+            model_dir=str(MODEL),
+            speedup="0.1",
+            tbt_slo=1.0,
+            store_capacity_blocks=512,
+            cost_model=str(cost_model),
+            log_dir=str(tmp_path_factory.mktemp("logs-multihost")),
+        )
         s = MultiHostStack(cfg, hosts)
         s.start()
         try:
@@ -121,12 +134,16 @@ class Run:
         self.error: Error | None = None
 
 
-async def generate(nc, prompt: list[int], max_tokens: int = MAX_TOKENS,
-                   accepted: asyncio.Event | None = None) -> Run:
+async def generate(
+    nc, prompt: list[int], max_tokens: int = MAX_TOKENS, accepted: asyncio.Event | None = None
+) -> Run:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     run = Run()
     try:
@@ -204,8 +221,9 @@ def delta(after: dict, before: dict, key: str) -> int:
 
 
 def shm_files(host) -> set[str]:
-    r = subprocess.run([*host.nsenter(), "ls", "/dev/shm"], capture_output=True, text=True,
-                       check=True, timeout=10)
+    r = subprocess.run(
+        [*host.nsenter(), "ls", "/dev/shm"], capture_output=True, text=True, check=True, timeout=10
+    )
     return set(r.stdout.split())
 
 
@@ -258,8 +276,15 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
             r2 = await generate(nc, CROSS2)
             loaded = await load
             after = await snapshot(nc, b)
-            return {"a": a, "b": b, "r1": r1, "r2": r2, "loaded": loaded,
-                    "before": before, "after": after}
+            return {
+                "a": a,
+                "b": b,
+                "r1": r1,
+                "r2": r2,
+                "loaded": loaded,
+                "before": before,
+                "after": after,
+            }
         finally:
             await nc.close()
 
@@ -273,8 +298,9 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
     assert r2.accepted.prefill_instance == b, r2.accepted
     # Greedy output equals one process computing everything from scratch.
     for prompt, run in ((CROSS1, r1), (CROSS2, r2)):
-        assert run.tokens == synth.reference_generate(prompt, MAX_TOKENS, SPEC.vocab_size,
-                                                      SPEC.eos_token_id)
+        assert run.tokens == synth.reference_generate(
+            prompt, MAX_TOKENS, SPEC.vocab_size, SPEC.eos_token_id
+        )
     shared = len(SHARED)
     pulled_bytes = (shared // BS) * block_bytes
     assert r2.accepted.cached_tokens == shared
@@ -288,8 +314,10 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
     # tcp_bytes also counts what B's store shipped on to the decode host meanwhile.
     assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "tcp_bytes") >= pulled_bytes
     assert delta(after[f"store_{nb}"], before[f"store_{nb}"], "shm_bytes") == 0
-    read = {n: delta(after[f"store_{n}"], before[f"store_{n}"], "blocks_read_remote")
-            for n in ("p0", "p1", "d0")}
+    read = {
+        n: delta(after[f"store_{n}"], before[f"store_{n}"], "blocks_read_remote")
+        for n in ("p0", "p1", "d0")
+    }
     sources = [n for n, blocks in read.items() if blocks]
     assert len(sources) == 1 and read[sources[0]] == shared // BS, read
     src = sources[0]
@@ -299,5 +327,14 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
     tx_src = delta(after[f"link_{src}"], before[f"link_{src}"], "tx_bytes")
     assert rx_b >= pulled_bytes, (rx_b, pulled_bytes)
     assert tx_src >= pulled_bytes, (tx_src, pulled_bytes)
-    print(json.dumps({"pulled_bytes": pulled_bytes, "source": src, "prefilled_on": b,
-                      "source_eth0_tx_bytes": tx_src, "b_eth0_rx_bytes": rx_b}))
+    print(
+        json.dumps(
+            {
+                "pulled_bytes": pulled_bytes,
+                "source": src,
+                "prefilled_on": b,
+                "source_eth0_tx_bytes": tx_src,
+                "b_eth0_rx_bytes": rx_b,
+            }
+        )
+    )

@@ -21,15 +21,23 @@ from tests.e2e.sse import StreamResult, stream
 
 pytestmark = pytest.mark.e2e
 
-SERVICES = {"gateway", "admission", "conductor-0", "prefill-prefill-0", "decode-decode-0",
-            "store-p0", "store-d0"}
+SERVICES = {
+    "gateway",
+    "admission",
+    "conductor-0",
+    "prefill-prefill-0",
+    "decode-decode-0",
+    "store-p0",
+    "store-d0",
+}
 DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def clustered(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "cluster", engine="mock", prefill=1, decode=1,
-                   speedup="1", nats_cluster=3)
+    s = make_stack(
+        tmp_path_factory, "cluster", engine="mock", prefill=1, decode=1, speedup="1", nats_cluster=3
+    )
     s.start()
     yield s
     s.stop()
@@ -140,10 +148,13 @@ async def test_killing_one_server_mid_load_loses_nothing(clustered):
             assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
             assert r.usage["completion_tokens"] == max_tokens
             assert r.text == ref.text
-        await _until(lambda: SERVICES <= set(_names(survivors)),
-                     "every service reconnected to a surviving server")
-        after = await stream(http, s.url, {"prompt": "and another", "max_tokens": 5,
-                                           "ignore_eos": True})
+        await _until(
+            lambda: SERVICES <= set(_names(survivors)),
+            "every service reconnected to a surviving server",
+        )
+        after = await stream(
+            http, s.url, {"prompt": "and another", "max_tokens": 5, "ignore_eos": True}
+        )
     assert after.status == 200 and after.done and after.error is None, after.error
     info = await js.stream_info("CHAOS")
     assert info.state.messages == acked == 40

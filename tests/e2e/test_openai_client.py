@@ -14,7 +14,9 @@ pytestmark = pytest.mark.e2e
 
 MODEL = "tiny-llama"
 NO_EOS = {"ignore_eos": True}  # vLLM's extension, through extra_body
-LONG = " ".join(f"Section {i}: the client shares this preamble with every request." for i in range(40))
+LONG = " ".join(
+    f"Section {i}: the client shares this preamble with every request." for i in range(40)
+)
 
 
 def client(url: str, key: str = "no-key-needed") -> openai.AsyncOpenAI:
@@ -25,8 +27,9 @@ async def test_models_and_completion(stack):
     async with client(stack.url) as c:
         models = await c.models.list()
         assert [m.id for m in models.data] == [MODEL]
-        r = await c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
-                                       extra_body=NO_EOS)
+        r = await c.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=6, extra_body=NO_EOS
+        )
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
     assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
     assert isinstance(r.choices[0].text, str)
@@ -39,9 +42,13 @@ async def test_models_and_completion(stack):
 async def test_chat_completion(stack):
     async with client(stack.url) as c:
         r = await c.chat.completions.create(
-            model=MODEL, max_completion_tokens=5, extra_body=NO_EOS,
-            messages=[{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "Say hello."}],
+            model=MODEL,
+            max_completion_tokens=5,
+            extra_body=NO_EOS,
+            messages=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say hello."},
+            ],
         )
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     msg = r.choices[0].message
@@ -52,17 +59,33 @@ async def test_chat_completion(stack):
 
 async def test_streaming_completion_and_chat_with_usage(stack):
     async with client(stack.url) as c:
-        chunks = [ch async for ch in await c.completions.create(
-            model=MODEL, prompt="Stream me", max_tokens=7, stream=True,
-            stream_options={"include_usage": True}, extra_body=NO_EOS)]
+        chunks = [
+            ch
+            async for ch in await c.completions.create(
+                model=MODEL,
+                prompt="Stream me",
+                max_tokens=7,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=NO_EOS,
+            )
+        ]
         text_chunks = [ch for ch in chunks if ch.choices]
         assert all(ch.object == "text_completion" for ch in chunks)
         assert text_chunks[-1].choices[0].finish_reason == "length"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
 
-        chat = [ch async for ch in await c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Stream a chat"}],
-            max_tokens=4, stream=True, stream_options={"include_usage": True}, extra_body=NO_EOS)]
+        chat = [
+            ch
+            async for ch in await c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Stream a chat"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=NO_EOS,
+            )
+        ]
     assert chat[0].choices[0].delta.role == "assistant"
     assert all(ch.object == "chat.completion.chunk" for ch in chat)
     assert [ch.choices[0].finish_reason for ch in chat if ch.choices][-1] == "length"
@@ -77,12 +100,14 @@ async def test_usage_reports_cached_prefix_tokens(stack):
     watcher = await KVEventWatcher().start(stack.nats_url)
     try:
         async with client(stack.url) as c:
-            r1 = await c.completions.create(model=MODEL, prompt=first, max_tokens=2,
-                                            extra_body=NO_EOS)
+            r1 = await c.completions.create(
+                model=MODEL, prompt=first, max_tokens=2, extra_body=NO_EOS
+            )
             assert r1.usage.prompt_tokens_details.cached_tokens == 0
             await watcher.wait_for(shared[:-1])  # the prefill node committed the prefix
-            r2 = await c.completions.create(model=MODEL, prompt=second, max_tokens=2,
-                                            extra_body=NO_EOS)
+            r2 = await c.completions.create(
+                model=MODEL, prompt=second, max_tokens=2, extra_body=NO_EOS
+            )
     finally:
         await watcher.close()
     cached = r2.usage.prompt_tokens_details.cached_tokens
@@ -92,8 +117,15 @@ async def test_usage_reports_cached_prefix_tokens(stack):
 
 @pytest.fixture(scope="module")
 def keyed_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "keyed", engine="mock", prefill=1, decode=1, speedup="100",
-                   api_key="sk-perigee-1,sk-perigee-2")
+    s = make_stack(
+        tmp_path_factory,
+        "keyed",
+        engine="mock",
+        prefill=1,
+        decode=1,
+        speedup="100",
+        api_key="sk-perigee-1,sk-perigee-2",
+    )
     s.start()
     yield s
     s.stop()
@@ -104,8 +136,11 @@ async def test_api_key_required_and_accepted(keyed_stack):
     for key in ("sk-perigee-1", "sk-perigee-2"):
         async with client(url, key) as c:
             r = await c.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
-                extra_body=NO_EOS)
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                extra_body=NO_EOS,
+            )
         assert r.usage.completion_tokens == 3
     async with client(url, "sk-wrong") as c:
         with pytest.raises(openai.AuthenticationError) as e:
@@ -126,5 +161,8 @@ async def test_no_key_is_401_health_stays_open(keyed_stack):
             err = (await r.json())["error"]
         async with http.get(url + "/health") as r:
             assert r.status == 200
-    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", "invalid_api_key",
-                                                        None)
+    assert (err["type"], err["code"], err["param"]) == (
+        "invalid_request_error",
+        "invalid_api_key",
+        None,
+    )

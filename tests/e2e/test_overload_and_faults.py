@@ -67,20 +67,23 @@ async def test_killed_decode_worker_streams_continue_on_the_other(two_decode_sta
             assert r.status == 200 and r.done and r.error is None, r.error
             assert r.usage["completion_tokens"] == 400
             assert r.text == ref.text
-        migrated = await metric(http, s.metrics_urls["conductor"], "perigee:migrations_total",
-                                reason="decode_died")
+        migrated = await metric(
+            http, s.metrics_urls["conductor"], "perigee:migrations_total", reason="decode_died"
+        )
         assert migrated >= 1, "decode-0 had requests: they must have migrated"
         d1 = await worker_stats(s.nats_url, "decode", "decode-1")
         assert d1["migrated_tasks"] == migrated
         # The prompt's full blocks came from a store, not from a new prefill.
         full = ref.usage["prompt_tokens"] // 32 * 32
         assert d1["migration_kv_tokens_pulled"] == migrated * full
-        pulled = await metric(http, s.metrics_urls["decode-1"], "perigee:migration_kv_tokens_total",
-                              kind="pulled")
+        pulled = await metric(
+            http, s.metrics_urls["decode-1"], "perigee:migration_kv_tokens_total", kind="pulled"
+        )
         assert pulled == migrated * full
         # New work is placed on the surviving decode instance.
-        after = await stream(http, s.url, {"prompt": "after the crash", "max_tokens": 3,
-                                           "ignore_eos": True})
+        after = await stream(
+            http, s.url, {"prompt": "after the crash", "max_tokens": 3, "ignore_eos": True}
+        )
     assert after.status == 200 and after.done, after.error
 
 

@@ -35,11 +35,14 @@ from tests.e2e.helpers import KVEventWatcher, worker_stats
 MODEL_DIR = models.default_model_dir()
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (make install-vllm)"),
-    pytest.mark.skipif(not models.is_prepared(MODEL_DIR),
-                       reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-                              "(make install, or perigee model prepare)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
+    ),
+    pytest.mark.skipif(
+        not models.is_prepared(MODEL_DIR),
+        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
+        "(make install, or perigee model prepare)",
+    ),
 ]
 
 NAME = models.DEFAULT_MODEL_NAME
@@ -47,20 +50,31 @@ BS = 32
 MAX_TOKENS = 24
 EOS = 2  # <|im_end|>
 PREFILLS = ("prefill-0", "prefill-1")
-DOC = " ".join(f"Survey station {i} lies {i * 7 % 31} km north of the river and "
-               f"records {i * 13 % 47} birds a day." for i in range(45))
+DOC = " ".join(
+    f"Survey station {i} lies {i * 7 % 31} km north of the river and "
+    f"records {i * 13 % 47} birds a day."
+    for i in range(45)
+)
 
 CHATS = {
     "france": [{"role": "user", "content": "What is the capital of France?"}],
     "haiku": [{"role": "user", "content": "Write a haiku about the moon."}],
-    "colors": [{"role": "system", "content": "Answer in one short sentence."},
-               {"role": "user", "content": "Name three primary colors. 🎨"}],
+    "colors": [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "Name three primary colors. 🎨"},
+    ],
 }
-LONG = {name: [{"role": "system", "content": "Use this survey.\n" + DOC},
-               {"role": "user", "content": q}]
-        for name, q in (("first", "Which station records the most birds?"),
-                        ("local", "How far north is station 3?"),
-                        ("pulled", "Summarise the survey in one sentence."))}
+LONG = {
+    name: [
+        {"role": "system", "content": "Use this survey.\n" + DOC},
+        {"role": "user", "content": q},
+    ]
+    for name, q in (
+        ("first", "Which station records the most birds?"),
+        ("local", "How far north is station 3?"),
+        ("pulled", "Summarise the survey in one sentence."),
+    )
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +86,10 @@ def hf():
 
 @pytest.fixture(scope="module")
 def prompts(hf):
-    return {k: hf.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False)
-            for k, m in {**CHATS, **LONG}.items()}
+    return {
+        k: hf.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False)
+        for k, m in {**CHATS, **LONG}.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +98,39 @@ def real_env(prompts, tmp_path_factory):
     from services.engine.vllm.reference import Reference
 
     names = list(prompts)
-    ref = Reference({
-        "model_dir": str(MODEL_DIR), "prefix_caching": False, "max_model_len": 8192,
-        "requests": [{"prompt": prompts[k], "max_tokens": MAX_TOKENS} for k in names],
-    }, tmp_path_factory.mktemp("reference")).start()
+    ref = Reference(
+        {
+            "model_dir": str(MODEL_DIR),
+            "prefix_caching": False,
+            "max_model_len": 8192,
+            "requests": [{"prompt": prompts[k], "max_tokens": MAX_TOKENS} for k in names],
+        },
+        tmp_path_factory.mktemp("reference"),
+    ).start()
     # One hand-given cost model for both prefill instances (as test_vllm_stack): placement
     # follows caches and queues, not which instance measured faster in its warm-up.
     cost_model = tmp_path_factory.mktemp("cost") / "analytic.json"
-    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
-                    for n in (256, 1024, 4096, 8192) for p in (0, n // 4, n // 2)]).save(cost_model)
-    s = make_stack(tmp_path_factory, "real", engine="vllm", prefill=2, decode=1,
-                   model_dir=str(MODEL_DIR), served_model_name=NAME, speedup="0.1",
-                   tbt_slo=1.0, store_capacity_blocks=512, cost_model=str(cost_model),
-                   extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
+    fit_cost_model(
+        [
+            PrefillSample(n, p, CostModel().prefill_time(n, p))
+            for n in (256, 1024, 4096, 8192)
+            for p in (0, n // 4, n // 2)
+        ]
+    ).save(cost_model)
+    s = make_stack(
+        tmp_path_factory,
+        "real",
+        engine="vllm",
+        prefill=2,
+        decode=1,
+        model_dir=str(MODEL_DIR),
+        served_model_name=NAME,
+        speedup="0.1",
+        tbt_slo=1.0,
+        store_capacity_blocks=512,
+        cost_model=str(cost_model),
+        extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))},
+    )
     try:
         s.start()
         expected = {}
@@ -114,13 +150,19 @@ def client(url: str) -> openai.AsyncOpenAI:
 async def ask(c: openai.AsyncOpenAI, messages: list[dict], stream: bool = False):
     """(text, finish_reason, usage) of one greedy chat request."""
     if not stream:
-        r = await c.chat.completions.create(model=NAME, messages=messages, temperature=0,
-                                            max_tokens=MAX_TOKENS)
+        r = await c.chat.completions.create(
+            model=NAME, messages=messages, temperature=0, max_tokens=MAX_TOKENS
+        )
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
     parts, finish, use = [], None, None
     async for ch in await c.chat.completions.create(
-            model=NAME, messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True,
-            stream_options={"include_usage": True}):
+        model=NAME,
+        messages=messages,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if ch.choices:
             parts.append(ch.choices[0].delta.content or "")
             finish = ch.choices[0].finish_reason or finish
@@ -140,9 +182,11 @@ def check(hf, name: str, got, expected: list[int], prompt: list[int]) -> None:
 async def test_chat_answers_equal_monolithic_vllm(real_env, hf, prompts):
     s, expected = real_env
     async with client(s.url) as c:
-        got = {"france": await ask(c, CHATS["france"]),
-               "haiku": await ask(c, CHATS["haiku"], stream=True),
-               "colors": await ask(c, CHATS["colors"], stream=True)}
+        got = {
+            "france": await ask(c, CHATS["france"]),
+            "haiku": await ask(c, CHATS["haiku"], stream=True),
+            "colors": await ask(c, CHATS["colors"], stream=True),
+        }
     assert got["france"][0] == "The capital of France is Paris."
     assert len({tuple(expected[k]) for k in CHATS}) == len(CHATS)  # real, prompt-dependent text
     assert any(expected[k][-1] == EOS for k in CHATS)  # and a turn ended on <|im_end|>
@@ -170,8 +214,11 @@ async def bus_request(nc, prompt: list[int], placed: asyncio.Event) -> str:
     """A 1-token request on the bus, to keep an instance busy; returns where it ran."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    req = GenerateRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=1, ignore_eos=True),
+    )
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     instance = ""
     try:
@@ -232,6 +279,11 @@ async def test_shared_prefix_cached_and_pulled_equals_monolithic_vllm(real_env, 
     assert r_local[2].prompt_tokens_details.cached_tokens == shared
     assert busy_on == a
     assert r_pulled[2].prompt_tokens_details.cached_tokens == shared
-    assert b_after.get("remote_tokens_pulled", 0) - b_before.get("remote_tokens_pulled", 0) == shared
-    assert (b_after.get("vllm_prompt_tokens_computed", 0) - b_before.get("vllm_prompt_tokens_computed", 0)
-            == len(pulled) - shared)
+    assert (
+        b_after.get("remote_tokens_pulled", 0) - b_before.get("remote_tokens_pulled", 0) == shared
+    )
+    assert (
+        b_after.get("vllm_prompt_tokens_computed", 0)
+        - b_before.get("vllm_prompt_tokens_computed", 0)
+        == len(pulled) - shared
+    )

@@ -27,28 +27,46 @@ from tests.e2e.helpers import worker_stats
 MODEL_DIR = models.default_model_dir()
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (make install-vllm)"),
-    pytest.mark.skipif(not models.is_prepared(MODEL_DIR),
-                       reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-                              "(make install, or perigee model prepare)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
+    ),
+    pytest.mark.skipif(
+        not models.is_prepared(MODEL_DIR),
+        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
+        "(make install, or perigee model prepare)",
+    ),
 ]
 
 NAME = models.DEFAULT_MODEL_NAME
 BS = 32
 MAX_TOKENS = 96
 KILL_AFTER = 8  # SSE chunks the client has read when its decode instance is killed
-MESSAGES = [{"role": "user", "content": "Write a long, detailed story about an old lighthouse "
-             "keeper and the storm that changed his life. Describe the sea, the light, the "
-             "ships and the people of the village."}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": "Write a long, detailed story about an old lighthouse "
+        "keeper and the storm that changed his life. Describe the sea, the light, the "
+        "ships and the people of the village.",
+    }
+]
 
 
 @pytest.fixture(scope="module")
 def real_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "real-mig", engine="vllm", prefill=1, decode=2,
-                   model_dir=str(MODEL_DIR), served_model_name=NAME, speedup="0.1",
-                   ttft_slo=60.0, tbt_slo=5.0, store_capacity_blocks=512,
-                   extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))})
+    s = make_stack(
+        tmp_path_factory,
+        "real-mig",
+        engine="vllm",
+        prefill=1,
+        decode=2,
+        model_dir=str(MODEL_DIR),
+        served_model_name=NAME,
+        speedup="0.1",
+        ttft_slo=60.0,
+        tbt_slo=5.0,
+        store_capacity_blocks=512,
+        extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))},
+    )
     try:
         s.start()
         yield s
@@ -86,18 +104,25 @@ class Tap:
         out: list[int] = []
         for ev in self.events.get(rid, []):
             if isinstance(ev, Tokens):
-                out[ev.index:] = ev.token_ids
+                out[ev.index :] = ev.token_ids
         return out
 
     def decode_instance(self, rid: str) -> str:
-        return next(ev.decode_instance for ev in self.events.get(rid, [])
-                    if isinstance(ev, Accepted))
+        return next(
+            ev.decode_instance for ev in self.events.get(rid, []) if isinstance(ev, Accepted)
+        )
 
 
 async def chat(http: aiohttp.ClientSession, url: str, on_chunk=None) -> dict:
     """Stream one greedy chat answer; ``on_chunk(n, rid)`` after the n-th SSE chunk."""
-    body = {"model": NAME, "messages": MESSAGES, "temperature": 0, "max_tokens": MAX_TOKENS,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": NAME,
+        "messages": MESSAGES,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text, finish, usage, rid, n, done = [], None, None, "", 0, False
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -145,8 +170,11 @@ async def test_killed_decode_worker_greedy_stream_equals_undisturbed(real_stack)
         want = tap.tokens(ref["id"])
         assert len(want) == ref["usage"]["completion_tokens"] > KILL_AFTER
         original = tap.requests[got["id"]]
-        [migrated] = [r for r in tap.requests.values()
-                      if r.migration and r.migration.of_request_id == got["id"]]
+        [migrated] = [
+            r
+            for r in tap.requests.values()
+            if r.migration and r.migration.of_request_id == got["id"]
+        ]
         n = len(original.prompt_token_ids)
         k = migrated.migration.resumed_tokens
         assert migrated.migration.reason == "decode_died"

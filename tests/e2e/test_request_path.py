@@ -16,8 +16,11 @@ LONG = " ".join(f"paragraph {i} of a long shared system prompt about KV caches."
 
 async def test_streaming_completion_openai_shape(stack):
     async with aiohttp.ClientSession() as s:
-        r = await stream(s, stack.url, {"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 8,
-                                        "ignore_eos": True})
+        r = await stream(
+            s,
+            stack.url,
+            {"model": "tiny-llama", "prompt": "Hello there", "max_tokens": 8, "ignore_eos": True},
+        )
     assert r.status == 200, r.error
     assert r.done and r.error is None
     assert all(c["object"] == "text_completion" for c in r.chunks)
@@ -28,9 +31,17 @@ async def test_streaming_completion_openai_shape(stack):
 
 async def test_chat_non_streaming(stack):
     async with aiohttp.ClientSession() as s:
-        status, _, body = await post(s, stack.url, {
-            "model": "tiny-llama", "max_tokens": 5, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
+        status, _, body = await post(
+            s,
+            stack.url,
+            {
+                "model": "tiny-llama",
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+            path="/v1/chat/completions",
+        )
     assert status == 200, body
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
@@ -69,6 +80,8 @@ async def test_malformed_body_is_400_and_stack_keeps_serving(stack):
         assert body["error"]["type"] == "invalid_request_error"
         status, _, body = await post(s, stack.url, {"prompt": 42})
         assert status == 400
-        r = await stream(s, stack.url, {"prompt": "still alive?", "max_tokens": 2, "ignore_eos": True})
+        r = await stream(
+            s, stack.url, {"prompt": "still alive?", "max_tokens": 2, "ignore_eos": True}
+        )
     assert r.status == 200 and r.done
     assert not stack.exited()

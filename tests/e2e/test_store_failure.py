@@ -37,8 +37,15 @@ MAX_TOKENS = 30
 
 @pytest.fixture(scope="module")
 def ssd_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "store-fail", prefill=1, decode=1, speedup="1",
-                   tbt_slo=10.0, store_ssd_blocks=1024)
+    s = make_stack(
+        tmp_path_factory,
+        "store-fail",
+        prefill=1,
+        decode=1,
+        speedup="1",
+        tbt_slo=10.0,
+        store_ssd_blocks=1024,
+    )
     s.start()
     yield s
     s.stop()
@@ -51,8 +58,13 @@ def prompt(i: int) -> str:
 async def dump(nc, node: str) -> list[int]:
     hashes, cursor = [], 0
     while True:
-        page = await bus.request(nc, subjects.store_ctl(node, "dump"),
-                                 DumpRequest(cursor=cursor, limit=500), DumpPage, timeout=5)
+        page = await bus.request(
+            nc,
+            subjects.store_ctl(node, "dump"),
+            DumpRequest(cursor=cursor, limit=500),
+            DumpPage,
+            timeout=5,
+        )
         hashes.extend(page.block_hashes)
         if page.next_cursor is None:
             return hashes
@@ -74,10 +86,16 @@ async def until(pred, timeout: float, every: float = 0.1):
 
 async def quiet(url: str, node: str) -> dict[str, int]:
     """The node's counters once nothing is open and its SSD tier and index are written."""
+
     async def ok():
         st = await worker_stats(url, "store", node)
-        done = (st["open_txs"] == 0 and st["locked_blocks"] == 0 and st["writeback_queued"] == 0
-                and st["writeback_inflight"] == 0 and st["ssd_index_dirty"] == 0)
+        done = (
+            st["open_txs"] == 0
+            and st["locked_blocks"] == 0
+            and st["writeback_queued"] == 0
+            and st["writeback_inflight"] == 0
+            and st["ssd_index_dirty"] == 0
+        )
         return st if done else None
 
     return await until(ok, 60)
@@ -102,8 +120,9 @@ async def test_a_killed_store_comes_back_with_its_ssd_and_the_stream_rebuilds_th
         async with aiohttp.ClientSession() as http:
             # Warm: four prompts whose blocks p0 commits and writes back to its SSD tier.
             for i in range(4):
-                r = await stream(http, s.url, {"prompt": prompt(i), "max_tokens": 2,
-                                               "ignore_eos": True})
+                r = await stream(
+                    http, s.url, {"prompt": prompt(i), "max_tokens": 2, "ignore_eos": True}
+                )
                 assert r.status == 200 and r.done and r.error is None, r.error
             st = await quiet(s.nats_url, "p0")
             before = set(await dump(nc, "p0"))
@@ -118,8 +137,10 @@ async def test_a_killed_store_comes_back_with_its_ssd_and_the_stream_rebuilds_th
                     decoding.set()
 
             await nc.subscribe(subjects.load_report("decode", "decode-0"), cb=on_load)
-            bodies = [{"prompt": prompt(100 + i), "max_tokens": MAX_TOKENS, "ignore_eos": True}
-                      for i in range(6)]
+            bodies = [
+                {"prompt": prompt(100 + i), "max_tokens": MAX_TOKENS, "ignore_eos": True}
+                for i in range(6)
+            ]
             tasks = [asyncio.create_task(stream(http, s.url, b)) for b in bodies]
             await asyncio.wait_for(decoding.wait(), 60)
             s.kill("store-p0", signal.SIGKILL)
@@ -162,11 +183,16 @@ async def test_a_killed_store_comes_back_with_its_ssd_and_the_stream_rebuilds_th
             starts = len(log_events(s, "conductor", "kv_stream_replayed"))
             s.kill("conductor", signal.SIGKILL)
             s.restart("conductor")
-            replayed = await until(lambda: _async(
-                (e := log_events(s, "conductor", "kv_stream_replayed"))[starts:] and e), 60)
+            replayed = await until(
+                lambda: _async(
+                    (e := log_events(s, "conductor", "kv_stream_replayed"))[starts:] and e
+                ),
+                60,
+            )
             assert replayed[-1]["batches"] > 0 and set(NODES) <= set(replayed[-1]["nodes"])
-            r = await asyncio.wait_for(stream(http, s.url, {"prompt": prompt(0), "max_tokens": 2,
-                                                            "ignore_eos": True}), 60)
+            r = await asyncio.wait_for(
+                stream(http, s.url, {"prompt": prompt(0), "max_tokens": 2, "ignore_eos": True}), 60
+            )
             assert r.status == 200 and r.done and r.error is None, r.error
     finally:
         await nc.close()
@@ -186,4 +212,3 @@ async def _synced(view: ShadowView, node: str, st: StoreInfo) -> bool:
 
 async def _async(x):
     return x
-

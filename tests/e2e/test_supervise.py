@@ -21,9 +21,16 @@ DEADLINE_S = 60.0
 
 @pytest.fixture(scope="module")
 def supervised(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "supervised", engine="mock", prefill=1, decode=1,
-                   speedup="100", supervise=True,
-                   restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2))
+    s = make_stack(
+        tmp_path_factory,
+        "supervised",
+        engine="mock",
+        prefill=1,
+        decode=1,
+        speedup="100",
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
+    )
     events = []
     s.on_supervised = events.append
     s.events = events
@@ -65,8 +72,9 @@ def _ready(s) -> bool:
 
 async def _serves(s) -> None:
     async with aiohttp.ClientSession() as http:
-        r = await stream(http, s.url, {"prompt": "after the restart", "max_tokens": 5,
-                                       "ignore_eos": True})
+        r = await stream(
+            http, s.url, {"prompt": "after the restart", "max_tokens": 5, "ignore_eos": True}
+        )
     assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
     assert r.usage["completion_tokens"] == 5
 
@@ -119,8 +127,10 @@ async def test_a_crash_loop_is_given_up_and_the_rest_keep_serving(supervised):
             break
         n = s.restarts.get("decode-0", 0)
         s.kill("decode-0", signal.SIGKILL)
-        await _until(lambda n=n: s.restarts.get("decode-0", 0) > n
-                     or "decode-0" in s.supervisor.given_up, "decode-0 restarted or given up")
+        await _until(
+            lambda n=n: s.restarts.get("decode-0", 0) > n or "decode-0" in s.supervisor.given_up,
+            "decode-0 restarted or given up",
+        )
     assert "decode-0" in s.supervisor.given_up
     assert s.restarts["decode-0"] == 3
     gave_up = [e for e in s.events if e.kind == "gave_up"]

@@ -44,8 +44,17 @@ def two_conductor_stack(tmp_path_factory):
     # 16 blocks per store, 10-block prompts: a node holds one request's slots and part
     # of another's, so in a burst of 24 the stores are often short of room (TxAllocate
     # refused with "capacity") and the prefill instances wait for running work to end.
-    s = make_stack(tmp_path_factory, "two-conductors", engine="mock", prefill=2, decode=2, conductors=2,
-                   speedup="1", store_capacity_blocks=16, max_model_len=512)
+    s = make_stack(
+        tmp_path_factory,
+        "two-conductors",
+        engine="mock",
+        prefill=2,
+        decode=2,
+        conductors=2,
+        speedup="1",
+        store_capacity_blocks=16,
+        max_model_len=512,
+    )
     s.start()
     yield s
     s.stop()
@@ -53,7 +62,9 @@ def two_conductor_stack(tmp_path_factory):
 
 def prompts(rng: random.Random, vocab: int) -> list[list[int]]:
     shared = [[rng.randrange(3, vocab) for _ in range(4 * BS)] for _ in range(4)]
-    return [shared[i % 4] + [rng.randrange(3, vocab) for _ in range(6 * BS)] for i in range(REQUESTS)]
+    return [
+        shared[i % 4] + [rng.randrange(3, vocab) for _ in range(6 * BS)] for i in range(REQUESTS)
+    ]
 
 
 async def generate(nc, ids: list[int], rng: random.Random, log: dict) -> Finished:
@@ -63,8 +74,12 @@ async def generate(nc, ids: list[int], rng: random.Random, log: dict) -> Finishe
         rid = f"two-{uuid.uuid4().hex[:10]}"
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        req = GenerateRequest(request_id=rid, prompt_token_ids=ids, reply_subject=inbox,
-                              sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        req = GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=ids,
+            reply_subject=inbox,
+            sampling=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+        )
         try:
             await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
             while True:
@@ -86,8 +101,13 @@ async def generate(nc, ids: list[int], rng: random.Random, log: dict) -> Finishe
 async def dump(nc, node: str) -> list[int]:
     hashes, cursor = [], 0
     while True:
-        page = await bus.request(nc, subjects.store_ctl(node, "dump"),
-                                 DumpRequest(cursor=cursor, limit=7), DumpPage, timeout=5)
+        page = await bus.request(
+            nc,
+            subjects.store_ctl(node, "dump"),
+            DumpRequest(cursor=cursor, limit=7),
+            DumpPage,
+            timeout=5,
+        )
         hashes.extend(page.block_hashes)
         if page.next_cursor is None:
             return hashes
@@ -96,6 +116,7 @@ async def dump(nc, node: str) -> list[int]:
 
 async def idle_stats(url: str, timeout: float = 20.0) -> dict[str, dict[str, int]]:
     """Store counters once every node is idle (the last commits follow the last tokens)."""
+
     async def poll():
         while True:
             stats = {n: await worker_stats(url, "store", n) for n in NODES}
@@ -120,13 +141,19 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
     log: dict[str, list] = {"cached": [], "errors": []}
     try:
         results = await asyncio.wait_for(
-            asyncio.gather(*(generate(nc, ids, random.Random(i), log)
-                             for i, ids in enumerate(prompts(rng, 1024)))),
+            asyncio.gather(
+                *(
+                    generate(nc, ids, random.Random(i), log)
+                    for i, ids in enumerate(prompts(rng, 1024))
+                )
+            ),
             240,
         )
         # none lost: every request finished in full
         assert len(results) == REQUESTS
-        assert all(r.finish_reason == "length" and r.completion_tokens == MAX_TOKENS for r in results)
+        assert all(
+            r.finish_reason == "length" and r.completion_tokens == MAX_TOKENS for r in results
+        )
         # both conductors placed work
         assert set(placed_by) == {"conductor-0", "conductor-1"}
 
@@ -143,15 +170,20 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
             assert st["locked_blocks"] == 0 and st["tx_owned_blocks"] == 0, (node, st)
             # every used slot holds exactly one cached block, each hash at most once
             held = await dump(nc, node)
-            assert len(held) == len(set(held)) == st["cached_blocks"] == st["used_blocks"], (node, st)
+            assert len(held) == len(set(held)) == st["cached_blocks"] == st["used_blocks"], (
+                node,
+                st,
+            )
 
         # a conductor that starts now rebuilds the same view (from the KV-event stream,
         # a node's dump where the stream falls short)
         subs = bus.Subscriptions(nc)
         view = ShadowView(nc, subs, WallClock())
         await view.start(discover_window_s=1.0)
-        infos = {n: await bus.request(nc, subjects.store_ctl(n, "info"), b"", StoreInfo, timeout=5)
-                 for n in NODES}
+        infos = {
+            n: await bus.request(nc, subjects.store_ctl(n, "info"), b"", StoreInfo, timeout=5)
+            for n in NODES
+        }
 
         async def synced():
             while not view.caught_up.is_set() or any(
@@ -173,8 +205,15 @@ async def test_two_conductors_share_the_stores_without_double_allocation(two_con
 
 @pytest.fixture(scope="module")
 def switchable_stack(tmp_path_factory):
-    s = make_stack(tmp_path_factory, "switchable", engine="mock", prefill=2, decode=1, speedup="100",
-                   switchable=True)
+    s = make_stack(
+        tmp_path_factory,
+        "switchable",
+        engine="mock",
+        prefill=2,
+        decode=1,
+        speedup="100",
+        switchable=True,
+    )
     s.start()
     yield s
     s.stop()
@@ -202,9 +241,12 @@ async def test_a_switchable_prefill_worker_becomes_a_decode_instance(switchable_
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
             ids = [3 + (i * 7 + k) % 1000 for k in range(100)]
-            req = GenerateRequest(request_id=f"sw-{i}-{uuid.uuid4().hex[:6]}", prompt_token_ids=ids,
-                                  reply_subject=inbox,
-                                  sampling=SamplingParams(max_tokens=20, ignore_eos=True))
+            req = GenerateRequest(
+                request_id=f"sw-{i}-{uuid.uuid4().hex[:6]}",
+                prompt_token_ids=ids,
+                reply_subject=inbox,
+                sampling=SamplingParams(max_tokens=20, ignore_eos=True),
+            )
             await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
             try:
                 while True:

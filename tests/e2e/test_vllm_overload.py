@@ -27,12 +27,23 @@ MAX_OUTPUT = 8
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
     try:
-        cfg = up.parse(["--engine", "vllm", "--port", str(free_port()),
-                        "--log-dir", str(tmp_path_factory.mktemp("logs-vllm-overload"))])
+        cfg = up.parse(
+            [
+                "--engine",
+                "vllm",
+                "--port",
+                str(free_port()),
+                "--log-dir",
+                str(tmp_path_factory.mktemp("logs-vllm-overload")),
+            ]
+        )
     except SystemExit:
         pytest.skip(f"the default model is not prepared: {models.FIX}")
-    s = Stack(dataclasses.replace(cfg, extra_env={
-        "PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}))
+    s = Stack(
+        dataclasses.replace(
+            cfg, extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+        )
+    )
     s.start()
     yield s
     s.stop()
@@ -45,9 +56,17 @@ async def test_overload_is_refused_before_acceptance_and_the_rest_is_served(vllm
     assert (s.cfg.ttft_slo, s.cfg.tbt_slo) == default_slos("vllm")
     reqs = spread_ties(load_trace(DEFAULT_TRACE, REQUESTS))
     outs, _ = await asyncio.wait_for(
-        replay(reqs, s.url, speedup=SPEEDUP, builder=PromptBuilder(32, spec.vocab_size),
-               model=s.cfg.served_model_name, output_scale=1.0, max_output=MAX_OUTPUT, api_key=None,
-               progress=False),
+        replay(
+            reqs,
+            s.url,
+            speedup=SPEEDUP,
+            builder=PromptBuilder(32, spec.vocab_size),
+            model=s.cfg.served_model_name,
+            output_scale=1.0,
+            max_output=MAX_OUTPUT,
+            api_key=None,
+            progress=False,
+        ),
         600,
     )
     refused = [o for o in outs if o.status == 429]

@@ -44,8 +44,9 @@ from tests.e2e.sse import stream
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (make install-vllm)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
+    ),
 ]
 
 BS = 32
@@ -92,20 +93,39 @@ def vllm_env(random_model, tmp_path_factory):
     from services.engine.vllm.reference import Reference
 
     names = list(REFERENCE_SET)
-    ref = Reference({
-        "model_dir": random_model, "prefix_caching": False, "max_model_len": 8192,
-        "requests": [{"prompt": REFERENCE_SET[k], "max_tokens": MAX_TOKENS} for k in names],
-    }, tmp_path_factory.mktemp("reference")).start()
+    ref = Reference(
+        {
+            "model_dir": random_model,
+            "prefix_caching": False,
+            "max_model_len": 8192,
+            "requests": [{"prompt": REFERENCE_SET[k], "max_tokens": MAX_TOKENS} for k in names],
+        },
+        tmp_path_factory.mktemp("reference"),
+    ).start()
     # One hand-given cost model for both prefill instances (the analytic one; speedup
     # 0.1: 10x the A800 times, closer to this CPU and large enough that a queued 4k
     # prefill outweighs any transfer): placement then depends on the caches and the
     # queues alone, not on which instance happened to measure faster (cross-instance test).
     cost_model = tmp_path_factory.mktemp("cost") / "analytic.json"
-    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
-                    for n in (256, 1024, 4096, 8192) for p in (0, n // 4, n // 2)]).save(cost_model)
-    s = make_stack(tmp_path_factory, "vllm", engine="vllm", prefill=2, decode=1,
-                   model_dir=random_model, speedup="0.1", tbt_slo=1.0, lease_s=LEASE_S,
-                   cost_model=str(cost_model))
+    fit_cost_model(
+        [
+            PrefillSample(n, p, CostModel().prefill_time(n, p))
+            for n in (256, 1024, 4096, 8192)
+            for p in (0, n // 4, n // 2)
+        ]
+    ).save(cost_model)
+    s = make_stack(
+        tmp_path_factory,
+        "vllm",
+        engine="vllm",
+        prefill=2,
+        decode=1,
+        model_dir=random_model,
+        speedup="0.1",
+        tbt_slo=1.0,
+        lease_s=LEASE_S,
+        cost_model=str(cost_model),
+    )
     try:
         s.start()
         expected = dict(zip(names, (r["tokens"] for r in ref.result()["results"]), strict=True))
@@ -123,13 +143,21 @@ class Run:
         self.error: Error | None = None
 
 
-async def generate(nc, prompt: list[int], max_tokens: int = MAX_TOKENS,
-                   accepted: asyncio.Event | None = None, rid: str | None = None) -> Run:
+async def generate(
+    nc,
+    prompt: list[int],
+    max_tokens: int = MAX_TOKENS,
+    accepted: asyncio.Event | None = None,
+    rid: str | None = None,
+) -> Run:
     """One request on the bus (no HTTP): every StreamEvent until finished or error."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    req = GenerateRequest(request_id=rid or uuid.uuid4().hex, prompt_token_ids=prompt,
-                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    req = GenerateRequest(
+        request_id=rid or uuid.uuid4().hex,
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     run = Run()
     try:
@@ -288,8 +316,9 @@ async def test_cancel_during_prefill_stops_the_request_and_frees_its_slots(vllm_
     rid = uuid.uuid4().hex
     try:
         placed = asyncio.Event()
-        task = asyncio.create_task(generate(nc, [1, *_ids(4095)], max_tokens=64,
-                                            accepted=placed, rid=rid))
+        task = asyncio.create_task(
+            generate(nc, [1, *_ids(4095)], max_tokens=64, accepted=placed, rid=rid)
+        )
         await asyncio.wait_for(placed.wait(), 60)
         await nc.publish(subjects.CANCEL, encode(CancelRequest(request_id=rid, reason="test")))
         run = await asyncio.wait_for(task, 120)
@@ -314,8 +343,7 @@ async def _no_open_transactions(s, nodes: list[str]) -> dict[str, dict]:
         await asyncio.sleep(0.5)
 
 
-async def test_decode_worker_dying_during_transfer_fails_the_request_and_leaks_no_locks(
-        vllm_env):
+async def test_decode_worker_dying_during_transfer_fails_the_request_and_leaks_no_locks(vllm_env):
     s, _ = vllm_env
     nc = await nats.connect(s.nats_url)
     placed = asyncio.Event()
@@ -327,8 +355,9 @@ async def test_decode_worker_dying_during_transfer_fails_the_request_and_leaks_n
     prompt = [1, *_ids(3000)]
     try:
         async with aiohttp.ClientSession() as http:
-            req = asyncio.create_task(stream(http, s.url, {
-                "prompt": prompt, "max_tokens": 16, "ignore_eos": True}))
+            req = asyncio.create_task(
+                stream(http, s.url, {"prompt": prompt, "max_tokens": 16, "ignore_eos": True})
+            )
             await asyncio.wait_for(placed.wait(), 60)  # transactions open, prefill starting
             s.kill("decode-0", signal.SIGKILL)
             r = await asyncio.wait_for(req, 120)

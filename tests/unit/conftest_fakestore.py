@@ -71,8 +71,15 @@ class FakeStore:
         bb = self.block_bytes
         return memoryview(self.mem)[i * bb : (i + 1) * bb]
 
-    async def ship_layer(self, src: TxHandle, dst: TxHandle, layer: int, blocks: list[int],
-                         layer_bytes: int, layer_offset: int) -> None:
+    async def ship_layer(
+        self,
+        src: TxHandle,
+        dst: TxHandle,
+        layer: int,
+        blocks: list[int],
+        layer_bytes: int,
+        layer_offset: int,
+    ) -> None:
         assert src.node == self.node
         await asyncio.sleep(0)
         if self.gate is not None:
@@ -102,9 +109,16 @@ class FakeStore:
 
 
 def handle(node: str, slots: Sequence[int], hit_blocks: int, block_bytes: int) -> TxHandle:
-    return TxHandle(tx_id=f"tx-{node}-{uuid.uuid4().hex[:6]}", node=node, epoch=1,
-                    slots=list(slots), hit_blocks=hit_blocks, shm_name="", data_addr="",
-                    block_bytes=block_bytes)
+    return TxHandle(
+        tx_id=f"tx-{node}-{uuid.uuid4().hex[:6]}",
+        node=node,
+        epoch=1,
+        slots=list(slots),
+        hit_blocks=hit_blocks,
+        shm_name="",
+        data_addr="",
+        block_bytes=block_bytes,
+    )
 
 
 def slot_kv(store: FakeStore, layout: KVLayout, slots: Sequence[int], n: int) -> SlotKV:
@@ -115,8 +129,9 @@ def write_expected(kv: SlotKV, tokens: Sequence[int], start: int, end: int) -> N
     """Write the mock engine's KV of positions [start, end) of ``tokens``, all layers."""
     hashes = synth.prefix_hashes(tokens[:end])
     for layer in range(kv.layout.spec.num_layers):
-        kv.write(layer, start, synth.layer_kv(hashes[start:end], layer, kv.layout.row,
-                                              kv.layout.dtype))
+        kv.write(
+            layer, start, synth.layer_kv(hashes[start:end], layer, kv.layout.row, kv.layout.dtype)
+        )
 
 
 def assert_expected(kv: SlotKV, tokens: Sequence[int]) -> None:
@@ -153,13 +168,20 @@ class FakeReserver:
 
 # -- an in-process prefill + decode pair on a real nats-server ----------------------
 
+
 class Rig:
     """A PrefillWorker and a DecodeWorker in this process, fake stores for nodes
     p/d/r, a fake decode-store commit endpoint, and the test's own NATS connection
     playing gateway and conductor."""
 
-    def __init__(self, speedup: float = math.inf, prefill_sleep=None, block_size: int = 32,
-                 commit_reply: Any = None, max_batch: int = 8) -> None:
+    def __init__(
+        self,
+        speedup: float = math.inf,
+        prefill_sleep=None,
+        block_size: int = 32,
+        commit_reply: Any = None,
+        max_batch: int = 8,
+    ) -> None:
         sfx = uuid.uuid4().hex[:8]
         self.spec = ModelSpec.from_dir()
         self.layout = KVLayout(self.spec, block_size)
@@ -189,11 +211,26 @@ class Rig:
         self.pengine = make_engine("mock", self.spec, self.cost, sleep=self.prefill_sleep)
         self.dengine = make_engine("mock", self.spec, self.cost, max_batch=self.max_batch)
         await self.dengine.start()
-        self.prefill = PrefillWorker(self.nc, self.p, self.pengine, instance=self.pi, node=self.pn,
-                                     layout=self.layout, cost=self.cost, report_interval=0.05,
-                                     reserver=self.reserver)
-        self.decode = DecodeWorker(self.nc, self.d, self.dengine, instance=self.di, node=self.dn,
-                                   layout=self.layout, report_interval=0.05)
+        self.prefill = PrefillWorker(
+            self.nc,
+            self.p,
+            self.pengine,
+            instance=self.pi,
+            node=self.pn,
+            layout=self.layout,
+            cost=self.cost,
+            report_interval=0.05,
+            reserver=self.reserver,
+        )
+        self.decode = DecodeWorker(
+            self.nc,
+            self.d,
+            self.dengine,
+            instance=self.di,
+            node=self.dn,
+            layout=self.layout,
+            report_interval=0.05,
+        )
 
         async def on_commit(m):
             c = decode(m.data, TxCommit)
@@ -205,9 +242,16 @@ class Rig:
             r = decode(m.data, TxRenew)
             self.renewals.append(r)
             ok = self.renew_known
-            await self.tnc.publish(m.reply, encode(TxRenewed(
-                expires_at=time.time() + r.lease_s, renewed=r.tx_ids if ok else [],
-                unknown=[] if ok else r.tx_ids)))
+            await self.tnc.publish(
+                m.reply,
+                encode(
+                    TxRenewed(
+                        expires_at=time.time() + r.lease_s,
+                        renewed=r.tx_ids if ok else [],
+                        unknown=[] if ok else r.tx_ids,
+                    )
+                ),
+            )
 
         async def on_conductor(m):
             await self.conductor.put(decode(m.data, ConductorEvent))
@@ -244,9 +288,18 @@ class Rig:
     def reference(self, prompt: Sequence[int], n: int) -> list[int]:
         return synth.reference_generate(prompt, n, self.spec.vocab_size, self.spec.eos_token_id)
 
-    def task(self, prompt: Sequence[int], *, p_hit: int = 0, d_hit: int = 0,
-             remote_blocks: int = 0, max_tokens: int = 8, write_prefix: bool = True,
-             rid: str | None = None, **sampling: Any) -> PrefillTask:
+    def task(
+        self,
+        prompt: Sequence[int],
+        *,
+        p_hit: int = 0,
+        d_hit: int = 0,
+        remote_blocks: int = 0,
+        max_tokens: int = 8,
+        write_prefix: bool = True,
+        rid: str | None = None,
+        **sampling: Any,
+    ) -> PrefillTask:
         """A PrefillTask as a conductor would place it, and the reservation its prefill
         will get (:meth:`res`); cached blocks already hold the right KV on their nodes
         (unless ``write_prefix`` is False)."""
@@ -257,25 +310,41 @@ class Rig:
         dtx = handle(self.dn, self.alloc(self.dn, nb), d_hit, bb)
         remote = None
         if remote_blocks:
-            src = handle(self.rn, self.alloc(self.rn, p_hit + remote_blocks),
-                         p_hit + remote_blocks, bb)
+            src = handle(
+                self.rn, self.alloc(self.rn, p_hit + remote_blocks), p_hit + remote_blocks, bb
+            )
             if write_prefix:
                 held = min(n, (p_hit + remote_blocks) * bs)
                 write_expected(slot_kv(self.r, self.layout, src.slots, held), prompt, 0, held)
-            remote = RemotePrefix(source_node=self.rn, source_tx=src, first_block=p_hit,
-                                  num_blocks=remote_blocks)
+            remote = RemotePrefix(
+                source_node=self.rn, source_tx=src, first_block=p_hit, num_blocks=remote_blocks
+            )
         if write_prefix:
             write_expected(slot_kv(self.p, self.layout, ptx.slots, n), prompt, 0, p_hit * bs)
             write_expected(slot_kv(self.d, self.layout, dtx.slots, n), prompt, 0, d_hit * bs)
-        req = GenerateRequest(request_id=rid, prompt_token_ids=list(prompt),
-                              sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-                              block_size=bs, reply_subject=f"test.reply.{rid}")
+        req = GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=list(prompt),
+            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+            block_size=bs,
+            reply_subject=f"test.reply.{rid}",
+        )
         self.reserver.planned[rid] = Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
-        source = PrefixSource(node=self.rn, first_block=p_hit, num_blocks=remote_blocks) \
-            if remote_blocks else None
-        return PrefillTask(request=req, conductor_id=self.cid, prefill_instance=self.pi,
-                           decode_instance=self.di, prefill_node=self.pn, decode_node=self.dn,
-                           expected_hit_blocks=p_hit, source=source)
+        source = (
+            PrefixSource(node=self.rn, first_block=p_hit, num_blocks=remote_blocks)
+            if remote_blocks
+            else None
+        )
+        return PrefillTask(
+            request=req,
+            conductor_id=self.cid,
+            prefill_instance=self.pi,
+            decode_instance=self.di,
+            prefill_node=self.pn,
+            decode_node=self.dn,
+            expected_hit_blocks=p_hit,
+            source=source,
+        )
 
     def res(self, t: PrefillTask) -> Reservation:
         """The reservation ``t``'s prefill gets when its compute starts."""
@@ -327,5 +396,8 @@ def shipped_layers(store: "FakeStore", layer_bytes: int) -> list[tuple[int, tupl
     together in one span, but each must go exactly once."""
     out = []
     for offset, length, blocks in store.spans:
-        out += [(layer, blocks) for layer in range(offset // layer_bytes, (offset + length) // layer_bytes)]
+        out += [
+            (layer, blocks)
+            for layer in range(offset // layer_bytes, (offset + length) // layer_bytes)
+        ]
     return out

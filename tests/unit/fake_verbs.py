@@ -23,9 +23,16 @@ def make(devices: tuple[str, ...] = ("fake_mlx5_0",)) -> types.SimpleNamespace:
     qpns = itertools.count(10)
 
     enums = types.SimpleNamespace(
-        IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2, IBV_ACCESS_REMOTE_READ=4,
-        IBV_QPT_RC=2, IBV_MTU_1024=3, IBV_WR_RDMA_WRITE=0, IBV_WR_RDMA_READ=4,
-        IBV_SEND_SIGNALED=2, IBV_WC_SUCCESS=0, IBV_WC_REM_ACCESS_ERR=10,
+        IBV_ACCESS_LOCAL_WRITE=1,
+        IBV_ACCESS_REMOTE_WRITE=2,
+        IBV_ACCESS_REMOTE_READ=4,
+        IBV_QPT_RC=2,
+        IBV_MTU_1024=3,
+        IBV_WR_RDMA_WRITE=0,
+        IBV_WR_RDMA_READ=4,
+        IBV_SEND_SIGNALED=2,
+        IBV_WC_SUCCESS=0,
+        IBV_WC_REM_ACCESS_ERR=10,
         IBV_WC_RETRY_EXC_ERR=12,
     )
 
@@ -105,9 +112,12 @@ def make(devices: tuple[str, ...] = ("fake_mlx5_0",)) -> types.SimpleNamespace:
             else:
                 sge = wr.sg[0]
                 local, remote = state.mrs.get(sge.lkey), state.mrs.get(wr.rkey)
-                if (local is None or remote is None
-                        or not remote.addr <= wr.raddr <= remote.addr + remote.length - sge.length
-                        or not local.addr <= sge.addr <= local.addr + local.length - sge.length):
+                if (
+                    local is None
+                    or remote is None
+                    or not remote.addr <= wr.raddr <= remote.addr + remote.length - sge.length
+                    or not local.addr <= sge.addr <= local.addr + local.length - sge.length
+                ):
                     status = enums.IBV_WC_REM_ACCESS_ERR
                 elif wr.opcode == enums.IBV_WR_RDMA_WRITE:
                     ctypes.memmove(wr.raddr, sge.addr, sge.length)
@@ -144,9 +154,13 @@ def make(devices: tuple[str, ...] = ("fake_mlx5_0",)) -> types.SimpleNamespace:
 
     ns = types.SimpleNamespace
     return ns(
-        state=state, enums=enums,
+        state=state,
+        enums=enums,
         device=ns(get_device_list=get_device_list, Context=Context),
-        pd=ns(PD=PD), mr=ns(MR=MR), cq=ns(CQ=CQ),
+        pd=ns(PD=PD),
+        mr=ns(MR=MR),
+        cq=ns(CQ=CQ),
         qp=ns(QP=QP, QPCap=QPCap, QPInitAttr=QPInitAttr, QPAttr=QPAttr),
-        wr=ns(SGE=SGE, SendWR=SendWR), addr=ns(GID=GID, GlobalRoute=GlobalRoute, AHAttr=AHAttr),
+        wr=ns(SGE=SGE, SendWR=SendWR),
+        addr=ns(GID=GID, GlobalRoute=GlobalRoute, AHAttr=AHAttr),
     )

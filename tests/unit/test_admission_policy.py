@@ -20,7 +20,14 @@ N = 500
 
 
 def pload(instance: str, work: float) -> PrefillLoad:
-    return PrefillLoad(instance=instance, node="n-" + instance, queue_len=1, queued_tokens=0, queued_work_s=work, ts=0.0)
+    return PrefillLoad(
+        instance=instance,
+        node="n-" + instance,
+        queue_len=1,
+        queued_tokens=0,
+        queued_work_s=work,
+        ts=0.0,
+    )
 
 
 def dload(instance: str, batch: int = 0, kv: int = 0, waiting: int = 0) -> DecodeLoad:
@@ -57,7 +64,9 @@ def test_accepts_when_both_pools_are_under_their_slo_load():
     pol.observe_prefill(pload("p1", 6.0))
     pol.observe_decode(dload("d0", batch=3, kv=4000, waiting=1))
     d = pol.decide(req())
-    assert d == Accept(prefill_load=6.0 / 30.0, decode_load=COST.decode_step_time(5, 4000 + N) / 0.1)
+    assert d == Accept(
+        prefill_load=6.0 / 30.0, decode_load=COST.decode_step_time(5, 4000 + N) / 0.1
+    )
 
 
 def test_prefill_pool_overloaded_is_429_with_the_excess_as_retry_after():
@@ -95,7 +104,9 @@ def test_request_ttft_slo_overrides_the_default():
     pol.observe_prefill(pload("p0", 45.0))
     pol.observe_decode(dload("d0"))
     assert isinstance(pol.decide(req()), Rejection)
-    assert pol.decide(req(ttft_slo_s=90.0)) == Accept(prefill_load=0.5, decode_load=COST.decode_step_time(1, N) / 0.1)
+    assert pol.decide(req(ttft_slo_s=90.0)) == Accept(
+        prefill_load=0.5, decode_load=COST.decode_step_time(1, N) / 0.1
+    )
 
 
 def test_dead_instances_do_not_count():
@@ -121,7 +132,9 @@ def test_baseline_accepts_everything():
 
 def test_selector():
     clock = ManualClock()
-    assert isinstance(make_admission_policy("early", clock, COST, ttft_slo_s=5.0), EarlyRejectionPolicy)
+    assert isinstance(
+        make_admission_policy("early", clock, COST, ttft_slo_s=5.0), EarlyRejectionPolicy
+    )
     assert make_admission_policy("early", clock, COST, ttft_slo_s=5.0).ttft_slo_s == 5.0
     assert isinstance(make_admission_policy("baseline", clock, COST), BaselinePolicy)
     with pytest.raises(ValueError, match="unknown admission policy"):

@@ -26,12 +26,27 @@ OWN = COST.prefill_time(N)
 
 
 def pload(instance: str, work: float) -> PrefillLoad:
-    return PrefillLoad(instance=instance, node="n-" + instance, queue_len=1, queued_tokens=0, queued_work_s=work, ts=0.0)
+    return PrefillLoad(
+        instance=instance,
+        node="n-" + instance,
+        queue_len=1,
+        queued_tokens=0,
+        queued_work_s=work,
+        ts=0.0,
+    )
 
 
 def dload(instance: str, batch: int = 0, kv: int = 0, waiting: int = 0) -> DecodeLoad:
-    return DecodeLoad(instance=instance, node="n-" + instance, batch_size=batch, waiting=waiting, max_batch=64,
-                      kv_tokens=kv, step_time_s=0.0, ts=0.0)
+    return DecodeLoad(
+        instance=instance,
+        node="n-" + instance,
+        batch_size=batch,
+        waiting=waiting,
+        max_batch=64,
+        kv_tokens=kv,
+        step_time_s=0.0,
+        ts=0.0,
+    )
 
 
 def req(rid: str = "r", n: int = N, **kw) -> AdmissionRequest:
@@ -81,8 +96,10 @@ def test_admitted_requests_join_at_their_prefill_completion_and_queue_prefill_wo
     # at fb: 8 unknown-age residents (scaled), a (joined at fa <= fb), and b itself
     assert pol.predicted_decode(fb, N) == (8 * s + 1 + 1, 12000.0 * s + N + N)
     d = pol.decide(req("b"))
-    assert d == Accept(prefill_load=wait_b / 30.0,
-                       decode_load=COST.decode_step_time((8 * s + 2) / 2, (12000.0 * s + 2 * N) / 2) / 0.1)
+    assert d == Accept(
+        prefill_load=wait_b / 30.0,
+        decode_load=COST.decode_step_time((8 * s + 2) / 2, (12000.0 * s + 2 * N) / 2) / 0.1,
+    )
     # a fresh report from p0 covers a's work there (p1 has not reported since)
     clock.set(0.6)
     pol.observe_prefill(pload("p0", 1.0 + OWN))
@@ -126,7 +143,10 @@ def test_prediction_accepts_what_early_rejection_refuses_when_decode_will_have_d
     assert isinstance(e, Rejection) and e.code == ErrorCode.REJECTED
     s = 1.0 - (8.0 + OWN) / TD
     p = pred.decide(req())
-    assert p == Accept(prefill_load=8.0 / 30.0, decode_load=COST.decode_step_time(40 * s + 1, 800_000.0 * s + N) / slo)
+    assert p == Accept(
+        prefill_load=8.0 / 30.0,
+        decode_load=COST.decode_step_time(40 * s + 1, 800_000.0 * s + N) / slo,
+    )
     assert p.decode_load < 1.0
 
 
@@ -168,7 +188,9 @@ def test_selector_builds_predict_with_its_parameters():
 def test_decode_side_check_rejects_over_the_tbt_slo():
     slo = COST.decode_step_time(3, 1000 + N)
     gate = DecodeSideCheck(COST, tbt_slo_s=slo)
-    assert gate.check(batch_size=1, waiting=1, kv_tokens=1000, num_tokens=N) is None  # exactly at the SLO
+    assert (
+        gate.check(batch_size=1, waiting=1, kv_tokens=1000, num_tokens=N) is None
+    )  # exactly at the SLO
     r = gate.check(batch_size=1, waiting=1, kv_tokens=1001, num_tokens=N)
     assert isinstance(r, Rejection) and r.code == ErrorCode.REJECTED and r.retry_after_s == 1.0
     assert "over its TBT SLO" in r.reason
@@ -207,8 +229,18 @@ def test_decode_prediction_counts_turns_past_max_batch():
     clock = ManualClock()
     pol = predict(clock)
     pol.observe_prefill(pload("p0", 0.0))
-    pol.observe_decode(DecodeLoad(instance="d0", node="n-d0", batch_size=0, waiting=0,
-                                  max_batch=4, kv_tokens=0, step_time_s=0.0, ts=0.0))
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="n-d0",
+            batch_size=0,
+            waiting=0,
+            max_batch=4,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
     for i in range(10):
         pol.on_accepted(req(f"a{i}", n=100))
     f = pol.prefill_done_at(req(n=100))
@@ -252,9 +284,16 @@ def test_decode_side_hook_uses_the_engines_max_batch_when_it_reports_one():
 def _ref_wait(pol):
     live = pol.live_prefill()
     share = 1.0 / len(live)
-    return min(p.queued_work_s + sum(a.work_s for a in pol.admitted.values()
-                                     if a.accepted_at + pol.report_grace_s > pol._seen_at[p.instance])
-               * share for p in live)
+    return min(
+        p.queued_work_s
+        + sum(
+            a.work_s
+            for a in pol.admitted.values()
+            if a.accepted_at + pol.report_grace_s > pol._seen_at[p.instance]
+        )
+        * share
+        for p in live
+    )
 
 
 def _ref_in_decode(pol, at):
@@ -264,17 +303,24 @@ def _ref_in_decode(pol, at):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.one_of(
-    st.tuples(st.just("accept"), st.integers(0, 12), st.integers(1, 4000)),
-    st.tuples(st.just("report"), st.sampled_from(["p0", "p1", "p2"]), st.floats(0, 5)),
-    st.tuples(st.just("forget"), st.integers(0, 12), st.just(0)),
-    st.tuples(st.just("tick"), st.floats(0, 3), st.just(0)),
-    st.tuples(st.just("decide"), st.integers(1, 4000), st.just(0)),
-), max_size=40), st.sampled_from([0.0, 0.05, 1.0]))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("accept"), st.integers(0, 12), st.integers(1, 4000)),
+            st.tuples(st.just("report"), st.sampled_from(["p0", "p1", "p2"]), st.floats(0, 5)),
+            st.tuples(st.just("forget"), st.integers(0, 12), st.just(0)),
+            st.tuples(st.just("tick"), st.floats(0, 3), st.just(0)),
+            st.tuples(st.just("decide"), st.integers(1, 4000), st.just(0)),
+        ),
+        max_size=40,
+    ),
+    st.sampled_from([0.0, 0.05, 1.0]),
+)
 def test_running_sums_match_the_brute_force(ops, grace):
     clock = ManualClock(1000.0)
-    pol = PredictiveRejectionPolicy(clock, COST, decode_time_s=2.0, report_grace_s=grace,
-                                    dead_after_s=1e9)
+    pol = PredictiveRejectionPolicy(
+        clock, COST, decode_time_s=2.0, report_grace_s=grace, dead_after_s=1e9
+    )
     for p in ("p0", "p1", "p2"):
         pol.observe_prefill(pload(p, 0.0))
     pol.observe_decode(dload("d0", batch=3, kv=3000))

@@ -34,10 +34,22 @@ class Harness:
 
     async def loads(self, prefill_work: float) -> None:
         p = PrefillLoad(
-            instance="prefill-0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=prefill_work, ts=time.time()
+            instance="prefill-0",
+            node="n0",
+            queue_len=0,
+            queued_tokens=0,
+            queued_work_s=prefill_work,
+            ts=time.time(),
         )
         d = DecodeLoad(
-            instance="decode-0", node="n1", batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0, ts=time.time()
+            instance="decode-0",
+            node="n1",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0,
+            ts=time.time(),
         )
         await self.nc.publish(subjects.load_report("prefill", "prefill-0"), encode(p))
         await self.nc.publish(subjects.load_report("decode", "decode-0"), encode(d))
@@ -50,7 +62,9 @@ class Harness:
         await asyncio.wait_for(seen(), 5)
 
     async def send(self, payload: bytes, reply: str | None = None) -> None:
-        await self.nc.publish(subjects.REQUESTS, payload, reply=self.inbox if reply is None else reply)
+        await self.nc.publish(
+            subjects.REQUESTS, payload, reply=self.inbox if reply is None else reply
+        )
 
     async def event(self):
         m = await self.events.next_msg(timeout=5)
@@ -66,7 +80,9 @@ class Harness:
 
 @pytest.fixture
 async def admission(nats_url):
-    h = await Harness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early")
+    h = await Harness().start(
+        nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early"
+    )
     yield h
     await h.close()
 
@@ -80,7 +96,9 @@ async def test_malformed_json_gets_a_400_error_event(admission):
     err = await admission.event()
     assert (err.request_id, err.code) == ("r-bad", ErrorCode.BAD_REQUEST) and "bogus" in err.message
     # No NATS reply, but the struct names where events go.
-    await admission.send(b'{"request_id": "r-b2", "reply_subject": "%s"}' % admission.inbox.encode(), reply="")
+    await admission.send(
+        b'{"request_id": "r-b2", "reply_subject": "%s"}' % admission.inbox.encode(), reply=""
+    )
     err = await admission.event()
     assert (err.request_id, err.code) == ("r-b2", ErrorCode.BAD_REQUEST)
 
@@ -89,9 +107,14 @@ async def test_empty_prompt_and_bad_hashes_are_400(admission):
     await admission.send(encode(GenerateRequest(request_id="e", prompt_token_ids=[])))
     err = await admission.event()
     assert (err.request_id, err.code, err.message) == ("e", ErrorCode.BAD_REQUEST, "empty prompt")
-    await admission.send(encode(GenerateRequest(request_id="h", prompt_token_ids=PROMPT, block_hashes=[1])))
+    await admission.send(
+        encode(GenerateRequest(request_id="h", prompt_token_ids=PROMPT, block_hashes=[1]))
+    )
     err = await admission.event()
-    assert (err.request_id, err.code) == ("h", ErrorCode.BAD_REQUEST) and "block_hashes" in err.message
+    assert (err.request_id, err.code) == (
+        "h",
+        ErrorCode.BAD_REQUEST,
+    ) and "block_hashes" in err.message
 
 
 async def test_no_live_instance_is_503(admission):
@@ -132,7 +155,10 @@ async def test_accepted_request_is_forwarded_filled_in(admission):
 async def test_predict_policy_tracks_what_it_forwards(nats_url):
     h = await Harness().start(nats_url, block_size=32, policy="predict", decode_time_s=7.0)
     try:
-        assert isinstance(h.svc.policy, PredictiveRejectionPolicy) and h.svc.policy.decode_time_s == 7.0
+        assert (
+            isinstance(h.svc.policy, PredictiveRejectionPolicy)
+            and h.svc.policy.decode_time_s == 7.0
+        )
         await h.loads(0.0)
         req = GenerateRequest(request_id="p1", prompt_token_ids=PROMPT)
         await h.send(encode(req))
@@ -145,8 +171,13 @@ async def test_predict_policy_tracks_what_it_forwards(nats_url):
 
 def test_cost_model_option_loads_a_fitted_model(tmp_path):
     path = tmp_path / "cm.json"
-    fit_cost_model([PrefillSample(n, p, CostModel().prefill_time(n, p))
-                    for n in (256, 1024, 4096) for p in (0, n // 4, n // 2)]).save(path)
+    fit_cost_model(
+        [
+            PrefillSample(n, p, CostModel().prefill_time(n, p))
+            for n in (256, 1024, 4096)
+            for p in (0, n // 4, n // 2)
+        ]
+    ).save(path)
     svc = AdmissionService(None, AdmissionConfig(cost_model=str(path), speedup=5.0))
     assert isinstance(svc.policy.cost, FittedCostModel) and svc.policy.cost.speedup == 5.0
 
@@ -157,7 +188,9 @@ async def test_role_switch_on_the_bus_drops_the_instance_old_role(nats_url):
     h = await Harness().start(nats_url)
     try:
         await h.loads(prefill_work=0.0)
-        await h.nc.publish(subjects.CTL_ROLE, encode(RoleSwitch(instance="prefill-0", role="decode")))
+        await h.nc.publish(
+            subjects.CTL_ROLE, encode(RoleSwitch(instance="prefill-0", role="decode"))
+        )
         await h.nc.flush()
 
         async def gone():

@@ -35,9 +35,18 @@ def test_remove_and_replace():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 30), st.floats(-5, 50, allow_nan=False),
-                          st.integers(0, 1000), st.booleans()), max_size=60),
-       st.lists(st.floats(-10, 60, allow_nan=False), min_size=1, max_size=10))
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 30),
+            st.floats(-5, 50, allow_nan=False),
+            st.integers(0, 1000),
+            st.booleans(),
+        ),
+        max_size=60,
+    ),
+    st.lists(st.floats(-10, 60, allow_nan=False), min_size=1, max_size=10),
+)
 def test_matches_brute_force(ops, queries):
     ix = TimeIndex(origin=0.0, resolution=0.25)
     ref: dict[int, tuple[float, int]] = {}

@@ -61,6 +61,7 @@ async def test_a_reply_over_max_payload_is_an_error_reply_not_a_timeout(small_se
     cli = await bus.connect(small_server.url, name="client")
     subs = bus.Subscriptions(srv)
     try:
+
         async def handler(ask: Ask, _m) -> Blob:
             return Blob(data=b"y" * ask.size)
 
@@ -86,6 +87,7 @@ async def test_a_handler_whose_own_publish_is_too_large_answers_why(small_server
     cli = await bus.connect(small_server.url, name="client")
     subs = bus.Subscriptions(srv)
     try:
+
         async def handler(ask: Ask, _m) -> Ask:
             await bus.publish(srv, "t.fanout", Blob(data=b"w" * ask.size))
             return ask

@@ -46,9 +46,16 @@ async def test_a_client_that_reconnects_announces_it():
 
 @pytest.fixture
 async def env(nats_url):
-    cfg = GatewayConfig(port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
-                        dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
-                        migration_limit=0)  # even with migration off
+    cfg = GatewayConfig(
+        port=0,
+        max_prompt_tokens=64,
+        max_tokens_limit=100,
+        max_model_len=128,
+        dead_after_s=2.0,
+        request_timeout_s=10.0,
+        sweep_interval_s=0,
+        migration_limit=0,
+    )  # even with migration off
     nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
     gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=ManualClock()).start()
     backend = await FakeBackend(nc_be, serve_nothing).start()
@@ -68,13 +75,22 @@ async def send(b: FakeBackend, reply: str, *events) -> None:
 async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env):
     gw, b, http = env
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
-    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": len(OUT),
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT[:2], index=0, from_prefill=True))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:2], index=0, from_prefill=True),
+    )
     async with await asyncio.wait_for(post, 5) as r:
         # Tokens 2.. went through the server that died; the decode worker reconnects.
         await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="decode-d0")))
@@ -86,12 +102,19 @@ async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env
         assert again.sampling.max_tokens == len(OUT) - 2
         assert again.migration.dead_instance == ""  # nobody died: no instance excluded
         aid = again.request_id
-        await send(b, reply2,
-                   Accepted(request_id=aid, prefill_instance="p0", decode_instance="d0"),
-                   Tokens(request_id=aid, token_ids=OUT[2:], index=0),
-                   Finished(request_id=aid, finish_reason="length",
-                            prompt_tokens=len(again.prompt_token_ids),
-                            completion_tokens=len(OUT) - 2, cached_tokens=0))
+        await send(
+            b,
+            reply2,
+            Accepted(request_id=aid, prefill_instance="p0", decode_instance="d0"),
+            Tokens(request_id=aid, token_ids=OUT[2:], index=0),
+            Finished(
+                request_id=aid,
+                finish_reason="length",
+                prompt_tokens=len(again.prompt_token_ids),
+                completion_tokens=len(OUT) - 2,
+                cached_tokens=0,
+            ),
+        )
         chunks, done = await read_sse(r)
     assert done
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
@@ -118,8 +141,12 @@ async def test_a_burst_of_notices_resends_a_request_once(env):
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
+    )
     async with await asyncio.wait_for(post, 5) as r:
         for who in ("decode-d0", "store-d0", "gateway", "conductor-0"):
             await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client=who)))
@@ -128,10 +155,18 @@ async def test_a_burst_of_notices_resends_a_request_once(env):
         assert again.request_id == f"{rid}-m1"
         assert gw.router.migrations == 1 and gw.router.bus_passes == 1
         aid = again.request_id
-        await send(b, reply2, Tokens(request_id=aid, token_ids=OUT[1:], index=0),
-                   Finished(request_id=aid, finish_reason="length",
-                            prompt_tokens=len(again.prompt_token_ids),
-                            completion_tokens=len(OUT) - 1, cached_tokens=0))
+        await send(
+            b,
+            reply2,
+            Tokens(request_id=aid, token_ids=OUT[1:], index=0),
+            Finished(
+                request_id=aid,
+                finish_reason="length",
+                prompt_tokens=len(again.prompt_token_ids),
+                completion_tokens=len(OUT) - 1,
+                cached_tokens=0,
+            ),
+        )
         chunks, done = await read_sse(r)
     assert done and b.requests.empty()
     assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)
@@ -146,19 +181,40 @@ async def test_a_gap_in_the_stream_is_never_shown_the_request_goes_on_instead(en
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
+    )
     async with await asyncio.wait_for(post, 5) as r:
-        await send(b, reply, Tokens(request_id=rid, token_ids=OUT[3:], index=3),
-                   Finished(request_id=rid, finish_reason="length", prompt_tokens=3,
-                            completion_tokens=len(OUT), cached_tokens=0))
+        await send(
+            b,
+            reply,
+            Tokens(request_id=rid, token_ids=OUT[3:], index=3),
+            Finished(
+                request_id=rid,
+                finish_reason="length",
+                prompt_tokens=3,
+                completion_tokens=len(OUT),
+                cached_tokens=0,
+            ),
+        )
         again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
         assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:1]]
         aid = again.request_id
-        await send(b, reply2, Tokens(request_id=aid, token_ids=OUT[1:], index=0),
-                   Finished(request_id=aid, finish_reason="length",
-                            prompt_tokens=len(again.prompt_token_ids),
-                            completion_tokens=len(OUT) - 1, cached_tokens=0))
+        await send(
+            b,
+            reply2,
+            Tokens(request_id=aid, token_ids=OUT[1:], index=0),
+            Finished(
+                request_id=aid,
+                finish_reason="length",
+                prompt_tokens=len(again.prompt_token_ids),
+                completion_tokens=len(OUT) - 1,
+                cached_tokens=0,
+            ),
+        )
         chunks, done = await read_sse(r)
     assert done
     assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)

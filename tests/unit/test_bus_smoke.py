@@ -6,7 +6,9 @@ from bus_schemas.requests import GenerateRequest, SamplingParams
 
 
 def test_roundtrip_and_strict_decode():
-    req = GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+    req = GenerateRequest(
+        request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4)
+    )
     assert decode(encode(req), GenerateRequest) == req
     try:
         decode(b'{"request_id": "r1", "prompt_token_ids": [1], "bogus": 1}', GenerateRequest)

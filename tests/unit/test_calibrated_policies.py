@@ -32,15 +32,29 @@ def t_step(d, b: float, ctx: float) -> float:
 
 
 def pload(inst: str, node: str, work: float = 0.0, fit=None) -> PrefillLoad:
-    return PrefillLoad(instance=inst, node=node, queue_len=0, queued_tokens=0,
-                       queued_work_s=work, ts=0.0,
-                       fit=None if fit is None else CostFit(prefill=list(fit), prefill_samples=9))
+    return PrefillLoad(
+        instance=inst,
+        node=node,
+        queue_len=0,
+        queued_tokens=0,
+        queued_work_s=work,
+        ts=0.0,
+        fit=None if fit is None else CostFit(prefill=list(fit), prefill_samples=9),
+    )
 
 
 def dload(inst: str, node: str, batch: int = 0, kv: int = 0, fit=None) -> DecodeLoad:
-    return DecodeLoad(instance=inst, node=node, batch_size=batch, waiting=0, max_batch=64,
-                      kv_tokens=kv, step_time_s=0.0, ts=0.0,
-                      fit=None if fit is None else CostFit(decode=list(fit), decode_samples=9))
+    return DecodeLoad(
+        instance=inst,
+        node=node,
+        batch_size=batch,
+        waiting=0,
+        max_batch=64,
+        kv_tokens=kv,
+        step_time_s=0.0,
+        ts=0.0,
+        fit=None if fit is None else CostFit(decode=list(fit), decode_samples=9),
+    )
 
 
 def req(n: int = 1000) -> PlacementRequest:
@@ -71,8 +85,9 @@ def test_decode_placement_balances_instances_whose_fits_differ_by_noise():
     pol.observe_decode(dload("d1", "m1", fit=flat))
     picks = []
     for i in range(6):
-        d = pol.place(PlacementRequest(request_id=f"r{i}", num_tokens=100, block_hashes=(),
-                                       block_size=BS), {})
+        d = pol.place(
+            PlacementRequest(request_id=f"r{i}", num_tokens=100, block_hashes=(), block_size=BS), {}
+        )
         picks.append(d.decode_instance)
     assert picks.count("d0") == 3 and picks.count("d1") == 3, picks
 
@@ -89,8 +104,7 @@ def test_decode_placement_skips_an_instance_over_the_tbt_slo():
 def test_placement_keeps_the_prior_for_silent_instances_and_when_fixed():
     fixed = CalibrationBook(PRIOR, fixed=True)
     for book, want in ((None, t_prefill(SLOW, 1000)), (fixed, PRIOR.prefill_time(1000))):
-        pol = PlacementPolicy(ManualClock(0.0), PRIOR, ttft_slo_s=100.0, tbt_slo_s=100.0,
-                              book=book)
+        pol = PlacementPolicy(ManualClock(0.0), PRIOR, ttft_slo_s=100.0, tbt_slo_s=100.0, book=book)
         pol.observe_prefill(pload("p0", "n0", fit=SLOW))
         pol.observe_decode(dload("d0", "m0"))
         d = pol.place(req(1000), {})

@@ -157,10 +157,21 @@ def test_one_model_per_instance_in_the_book():
 
 def test_book_from_a_load_report_on_the_wire():
     book = CalibrationBook(CostModel())
-    load = decode(encode(PrefillLoad(
-        instance="p", node="n", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0,
-        fit=CostFit(prefill=list(TRUE_P), prefill_samples=7), measured=[(1000, 0, 0.3)],
-    )), PrefillLoad)
+    load = decode(
+        encode(
+            PrefillLoad(
+                instance="p",
+                node="n",
+                queue_len=0,
+                queued_tokens=0,
+                queued_work_s=0.0,
+                ts=0.0,
+                fit=CostFit(prefill=list(TRUE_P), prefill_samples=7),
+                measured=[(1000, 0, 0.3)],
+            )
+        ),
+        PrefillLoad,
+    )
     book.observe_fit(load.instance, load.fit)
     assert book.cost("p").prefill_time(1000) == pytest.approx(t_prefill(1000))
     book.observe("p", prefill=[-1.0, 0.0, 0.0])  # malformed: ignored

@@ -20,8 +20,9 @@ LAYOUT = KVLayout(SPEC, 32)
 
 
 def pload() -> PrefillLoad:
-    return PrefillLoad(instance="p", node="n", queue_len=0, queued_tokens=0,
-                       queued_work_s=0.0, ts=0.0)
+    return PrefillLoad(
+        instance="p", node="n", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0
+    )
 
 
 async def test_warm_up_feeds_prefill_and_decode_samples_through_the_engine():
@@ -51,8 +52,18 @@ def test_reports_carry_the_fit_and_the_fresh_measurements_once():
     assert r.fit.prefill == list(calib.fit.prefill_coef()) and r.fit.prefill_samples == 2
     assert r.fit.decode == list(calib.fit.decode_coef())
     assert calib.annotate(pload()).measured == []
-    d = calib.annotate(DecodeLoad(instance="d", node="n", batch_size=0, waiting=0, max_batch=8,
-                                  kv_tokens=0, step_time_s=0.0, ts=0.0))
+    d = calib.annotate(
+        DecodeLoad(
+            instance="d",
+            node="n",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
     assert d.measured == [(3, 900, 0.02)]
 
 

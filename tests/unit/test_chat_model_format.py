@@ -27,12 +27,17 @@ SMOLLM2_TEMPLATE = (
 )
 SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 REAL = models.default_model_dir()
-needs_real = pytest.mark.skipif(not models.is_prepared(REAL),
-                                reason=f"{models.DEFAULT_MODEL_NAME} not prepared (make install)")
+needs_real = pytest.mark.skipif(
+    not models.is_prepared(REAL), reason=f"{models.DEFAULT_MODEL_NAME} not prepared (make install)"
+)
 
 
-def chatml_folder(tmp_path: Path, template: str = SMOLLM2_TEMPLATE,
-                  generation: dict | None = None, max_len: int = 2048) -> Path:
+def chatml_folder(
+    tmp_path: Path,
+    template: str = SMOLLM2_TEMPLATE,
+    generation: dict | None = None,
+    max_len: int = 2048,
+) -> Path:
     """The tiny tokenizer, ChatML's template in ``chat_template.jinja`` (transformers 5's
     layout), ``</s>`` as EOS, and a generation config that may add EOS ids."""
     d = tmp_path / "chatml"
@@ -40,8 +45,9 @@ def chatml_folder(tmp_path: Path, template: str = SMOLLM2_TEMPLATE,
     shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", d)
     cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": max_len}))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": {"content": "</s>"}, "unk_token": "<unk>"}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "unk_token": "<unk>"})
+    )
     (d / "chat_template.jinja").write_text(template)
     if generation is not None:
         (d / "generation_config.json").write_text(json.dumps(generation))
@@ -52,23 +58,36 @@ def test_template_from_chat_template_jinja_renders_exactly(tmp_path):
     tok = Tokenizer.from_dir(chatml_folder(tmp_path))
     user = [{"role": "user", "content": "What is the capital of France?"}]
     assert tok.apply_chat_template(user) == (
-        SYSTEM + "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-    own = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-           {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Ünïcode ✓"}]
+        SYSTEM
+        + "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    own = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Ünïcode ✓"},
+    ]
     assert tok.apply_chat_template(own, add_generation_prompt=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nÜnïcode ✓<|im_end|>\n")
+        "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nÜnïcode ✓<|im_end|>\n"
+    )
 
 
 def test_template_globals_as_transformers_gives_them(tmp_path):
-    tmpl = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
-            "{% endif %}{{ m | tojson }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
-            "{{ eos_token }}{{ unk_token }}")
+    tmpl = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{{ m | tojson }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
+        "{{ eos_token }}{{ unk_token }}"
+    )
     tok = Tokenizer.from_dir(chatml_folder(tmp_path, tmpl))
-    msgs = [{"role": "user", "content": "é"}, {"role": "user", "content": "b"},
-            {"role": "user", "content": "never rendered"}]
+    msgs = [
+        {"role": "user", "content": "é"},
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": "never rendered"},
+    ]
     assert tok.apply_chat_template(msgs) == (
-        '{"role": "user", "content": "é"}{"role": "user", "content": "b"}</s><unk>')
+        '{"role": "user", "content": "é"}{"role": "user", "content": "b"}</s><unk>'
+    )
     with pytest.raises(ValueError, match="no tools"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
 
@@ -125,7 +144,12 @@ def test_split_multibyte_characters_stream_whole(tmp_path):
 @needs_real
 def test_real_model_folder_is_what_vllm_and_the_gateway_need():
     spec = ModelSpec.from_dir(REAL)
-    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (30, 3, 64, 49152)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.vocab_size) == (
+        30,
+        3,
+        64,
+        49152,
+    )
     assert spec.max_model_len == 8192 and spec.eos_token_ids == (2,)
     assert spec.kv_bytes_per_token == 46080 and spec.block_bytes(32) == 1474560
     cfg = json.loads((REAL / "config.json").read_text())
@@ -142,9 +166,13 @@ def test_real_template_and_ids_equal_transformers():
 
     hf = AutoTokenizer.from_pretrained(str(REAL))
     tok = Tokenizer.from_dir(REAL)
-    for msgs in ([{"role": "user", "content": "What is the capital of France?"}],
-                 [{"role": "system", "content": "Answer in French."},
-                  {"role": "user", "content": "Où est 🗼 ?"}]):
+    for msgs in (
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [
+            {"role": "system", "content": "Answer in French."},
+            {"role": "user", "content": "Où est 🗼 ?"},
+        ],
+    ):
         text = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         assert tok.apply_chat_template(msgs) == text
         ids = hf(text, add_special_tokens=False)["input_ids"]
@@ -157,11 +185,31 @@ def test_real_tokenizer_splits_emoji_across_tokens_and_streams_them_whole():
     tok = Tokenizer.from_dir(REAL)
     ids = tok.encode("Paris 🇫🇷 🌊", add_bos=False)
     assert [tok.token_bytes(i) for i in ids] == [
-        b"Paris", b" \xf0\x9f", b"\x87", b"\xab", b"\xf0\x9f", b"\x87", b"\xb7",
-        b" \xf0\x9f", b"\x8c", b"\x8a"]
+        b"Paris",
+        b" \xf0\x9f",
+        b"\x87",
+        b"\xab",
+        b"\xf0\x9f",
+        b"\x87",
+        b"\xb7",
+        b" \xf0\x9f",
+        b"\x8c",
+        b"\x8a",
+    ]
     det = tok.detokenizer()
     assert [det.push([i]) for i in ids + [tok.eos_id]] == [
-        "Paris", " ", "", "\U0001f1eb", "", "", "\U0001f1f7", " ", "", "🌊", ""]
+        "Paris",
+        " ",
+        "",
+        "\U0001f1eb",
+        "",
+        "",
+        "\U0001f1f7",
+        " ",
+        "",
+        "🌊",
+        "",
+    ]
     assert det.flush() == ""
 
 

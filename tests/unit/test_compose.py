@@ -22,19 +22,46 @@ def compose_bin() -> str:
 
 @pytest.fixture(scope="module")
 def config() -> dict:
-    out = subprocess.run([compose_bin(), "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    out = subprocess.run(
+        [compose_bin(), "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 def test_every_service_is_there_with_a_healthcheck(config):
     services = config["services"]
-    for name in ["nats-0", "nats-1", "nats-2", "otel-collector", "jaeger", "gateway",
-                 "admission", "conductor", "prefill-0", "decode-0", "store-p0", "store-d0"]:
+    for name in [
+        "nats-0",
+        "nats-1",
+        "nats-2",
+        "otel-collector",
+        "jaeger",
+        "gateway",
+        "admission",
+        "conductor",
+        "prefill-0",
+        "decode-0",
+        "store-p0",
+        "store-d0",
+    ]:
         assert name in services, name
-    for name in ["nats-0", "nats-1", "nats-2", "gateway", "admission", "conductor", "prefill-0", "decode-0",
-                 "store-p0", "store-d0"]:
+    for name in [
+        "nats-0",
+        "nats-1",
+        "nats-2",
+        "gateway",
+        "admission",
+        "conductor",
+        "prefill-0",
+        "decode-0",
+        "store-p0",
+        "store-d0",
+    ]:
         assert services[name].get("healthcheck", {}).get("test"), name
 
 
@@ -54,8 +81,12 @@ def test_nats_is_a_cluster_of_three_with_jetstream(config):
     assert "jetstream" in conf and "cluster" in conf
     names = {services[f"nats-{i}"]["environment"]["SERVER_NAME"] for i in range(3)}
     assert names == {"nats-0", "nats-1", "nats-2"}
-    volumes = {v["source"] for i in range(3) for v in services[f"nats-{i}"]["volumes"]
-               if v["type"] == "volume"}
+    volumes = {
+        v["source"]
+        for i in range(3)
+        for v in services[f"nats-{i}"]["volumes"]
+        if v["type"] == "volume"
+    }
     assert len(volumes) == 3  # a JetStream store each
     every = "--nats=nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222"
     for name in PERIGEE:
@@ -64,7 +95,8 @@ def test_nats_is_a_cluster_of_three_with_jetstream(config):
         assert s["environment"]["PERIGEE_JS_REPLICAS"] == "3"
         deps = s["depends_on"]
         assert all(f"nats-{i}" in deps for i in range(3)) or any(
-            d.startswith("store-") for d in deps), name
+            d.startswith("store-") for d in deps
+        ), name
 
 
 def test_each_service_has_its_own_nats_user_with_permissions(config):
@@ -89,8 +121,14 @@ def test_nats_conf_is_valid_for_each_server(config, tmp_path):
 
     for i in range(3):
         env = {k: str(v) for k, v in config["services"][f"nats-{i}"]["environment"].items()}
-        out = subprocess.run([nats_server_binary(), "-t", "-c", str(ROOT / "deploy" / "nats.conf")],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+        out = subprocess.run(
+            [nats_server_binary(), "-t", "-c", str(ROOT / "deploy" / "nats.conf")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -122,9 +122,28 @@ def test_bad_bounds_are_refused():
 
 
 def report(pol: PlacementPolicy, ts: float) -> None:
-    pol.observe_prefill(PrefillLoad(instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=ts))
-    pol.observe_prefill(PrefillLoad(instance="p1", node="n1", queue_len=0, queued_tokens=0, queued_work_s=10.0, ts=ts))
-    pol.observe_decode(DecodeLoad(instance="d0", node="m0", batch_size=0, waiting=0, max_batch=64, kv_tokens=0, step_time_s=0.0, ts=ts))
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=ts
+        )
+    )
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p1", node="n1", queue_len=0, queued_tokens=0, queued_work_s=10.0, ts=ts
+        )
+    )
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=64,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=ts,
+        )
+    )
 
 
 def policy(clock, adaptive) -> PlacementPolicy:

@@ -19,20 +19,37 @@ HASHES = (11, 12, 13)
 
 
 def info(node: str, epoch: int = 5, seq: int = 1) -> StoreInfo:
-    return StoreInfo(node=node, epoch=epoch, seq=seq, data_addr="tcp://x:1", shm_name="s",
-                     block_size=BS, block_bytes=1, capacity_blocks=10, used_blocks=0)
+    return StoreInfo(
+        node=node,
+        epoch=epoch,
+        seq=seq,
+        data_addr="tcp://x:1",
+        shm_name="s",
+        block_size=BS,
+        block_bytes=1,
+        capacity_blocks=10,
+        used_blocks=0,
+    )
 
 
 def batch(node: str, seq: int, *hashes: int, epoch: int = 5) -> EventBatch:
-    return EventBatch(node=node, epoch=epoch, seq=seq, ts=0.0,
-                      events=[BlockStored(block_hashes=list(hashes))])
+    return EventBatch(
+        node=node, epoch=epoch, seq=seq, ts=0.0, events=[BlockStored(block_hashes=list(hashes))]
+    )
 
 
 def test_away_from_stores_adds_the_down_nodes_instances_and_sources():
-    ex = away_from_stores({"exclude_decode": ("decode-9",)}, {"p0"},
-                          {"prefill-0": "p0", "prefill-1": "p1"}, {"decode-0": "d0"})
-    assert ex == {"exclude_decode": ("decode-9",), "exclude_prefill": ("prefill-0",),
-                  "exclude_sources": ("p0",)}
+    ex = away_from_stores(
+        {"exclude_decode": ("decode-9",)},
+        {"p0"},
+        {"prefill-0": "p0", "prefill-1": "p1"},
+        {"decode-0": "d0"},
+    )
+    assert ex == {
+        "exclude_decode": ("decode-9",),
+        "exclude_prefill": ("prefill-0",),
+        "exclude_sources": ("p0",),
+    }
     assert away_from_stores({}, set(), {"prefill-0": "p0"}, {}) == {}
 
 
@@ -58,18 +75,41 @@ def test_a_silent_store_is_down_until_it_shows_up_again():
 def policy(clock: ManualClock, prefills: dict[str, str]) -> PlacementPolicy:
     pol = PlacementPolicy(clock, CostModel())
     for inst, node in prefills.items():
-        pol.observe_prefill(PrefillLoad(instance=inst, node=node, queue_len=0, queued_tokens=0,
-                                        queued_work_s=0.0, ts=clock.now()))
-    pol.observe_decode(DecodeLoad(instance="decode-0", node="d0", batch_size=0, waiting=0,
-                                  max_batch=8, kv_tokens=0, step_time_s=0.0, ts=clock.now()))
+        pol.observe_prefill(
+            PrefillLoad(
+                instance=inst,
+                node=node,
+                queue_len=0,
+                queued_tokens=0,
+                queued_work_s=0.0,
+                ts=clock.now(),
+            )
+        )
+    pol.observe_decode(
+        DecodeLoad(
+            instance="decode-0",
+            node="d0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=clock.now(),
+        )
+    )
     return pol
 
 
 def place(pol: PlacementPolicy, down: set[str], matches: dict[str, int]):
-    ex = away_from_stores({}, down, {i: ld.node for i, ld in pol.loads.prefill.items()},
-                          {i: ld.node for i, ld in pol.loads.decode.items()})
-    req = PlacementRequest(request_id="r", num_tokens=3 * BS + 5, block_hashes=HASHES,
-                           block_size=BS)
+    ex = away_from_stores(
+        {},
+        down,
+        {i: ld.node for i, ld in pol.loads.prefill.items()},
+        {i: ld.node for i, ld in pol.loads.decode.items()},
+    )
+    req = PlacementRequest(
+        request_id="r", num_tokens=3 * BS + 5, block_hashes=HASHES, block_size=BS
+    )
     return pol.place(req, matches, **ex)
 
 

@@ -11,8 +11,9 @@ from services.conductor.shadow import ShadowView
 
 
 def batch(node: str, seq: int, *hashes: int, epoch: int = 7) -> EventBatch:
-    return EventBatch(node=node, epoch=epoch, seq=seq, ts=0.0,
-                      events=[BlockStored(block_hashes=list(hashes))])
+    return EventBatch(
+        node=node, epoch=epoch, seq=seq, ts=0.0, events=[BlockStored(block_hashes=list(hashes))]
+    )
 
 
 def test_an_empty_stream_is_caught_up_at_once_and_every_message_is_live():

@@ -27,12 +27,19 @@ class Node:
     def emit(self, events) -> None:
         if events:
             self.seq += 1
-            self.index.apply(EventBatch(node=self.name, epoch=1, seq=self.seq, ts=0.0, events=events))
+            self.index.apply(
+                EventBatch(node=self.name, epoch=1, seq=self.seq, ts=0.0, events=events)
+            )
 
     def allocate(self, rid: str, role: TxRole, hashes, num_tokens: int) -> Allocation:
-        res, events = with_events(self.pool, self.pool.allocate(
-            TxAllocate(request_id=rid, role=role, block_hashes=list(hashes), num_tokens=num_tokens)
-        ))
+        res, events = with_events(
+            self.pool,
+            self.pool.allocate(
+                TxAllocate(
+                    request_id=rid, role=role, block_hashes=list(hashes), num_tokens=num_tokens
+                )
+            ),
+        )
         self.emit(events)
         assert isinstance(res, Allocation), res
         return res
@@ -54,13 +61,36 @@ def test_the_pulling_instance_becomes_a_replica_of_the_hot_prefix():
     assert index.match(HASHES) == {"n1": 4}
 
     pol = PlacementPolicy(clock, CostModel())
-    pol.observe_prefill(PrefillLoad(instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0))
-    pol.observe_prefill(PrefillLoad(instance="p1", node="n1", queue_len=9, queued_tokens=0, queued_work_s=10.0, ts=0.0))
-    pol.observe_decode(DecodeLoad(instance="d0", node="m0", batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0.0, ts=0.0))
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0
+        )
+    )
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p1", node="n1", queue_len=9, queued_tokens=0, queued_work_s=10.0, ts=0.0
+        )
+    )
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
 
     def place(rid: str) -> Placement:
-        d = pol.place(PlacementRequest(request_id=rid, num_tokens=N, block_hashes=tuple(HASHES), block_size=BS),
-                      index.match(HASHES))
+        d = pol.place(
+            PlacementRequest(
+                request_id=rid, num_tokens=N, block_hashes=tuple(HASHES), block_size=BS
+            ),
+            index.match(HASHES),
+        )
         assert isinstance(d, Placement), d
         return d
 
@@ -72,7 +102,9 @@ def test_the_pulling_instance_becomes_a_replica_of_the_hot_prefix():
     dst = n0.allocate("r1", TxRole.PREFILL, HASHES, N)
     src = n1.allocate("r1", TxRole.SOURCE, HASHES[:4], 4 * BS)
     assert dst.hit_blocks == 0 and len(dst.slots) == 5
-    assert n0.pool.check_write(dst.tx_id, dst.slots[:4]) is None  # the pull lands in dst's own new slots
+    assert (
+        n0.pool.check_write(dst.tx_id, dst.slots[:4]) is None
+    )  # the pull lands in dst's own new slots
     assert n1.pool.check_read(src.tx_id, src.slots) is None
     assert all(n1.pool.lock_count(h) == 1 for h in HASHES)
     assert index.match(HASHES) == {"n1": 4}  # nothing announced before the commit
@@ -100,11 +132,32 @@ def test_partial_local_prefix_pulls_only_the_missing_blocks_and_stores_them():
     n0.commit(n0.allocate("w0", TxRole.PREFILL, HASHES[:1], BS), "w0")
     assert index.match(HASHES) == {"n0": 1, "n1": 4}
     pol = PlacementPolicy(clock, CostModel())
-    pol.observe_prefill(PrefillLoad(instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0))
-    pol.observe_prefill(PrefillLoad(instance="p1", node="n1", queue_len=9, queued_tokens=0, queued_work_s=10.0, ts=0.0))
-    pol.observe_decode(DecodeLoad(instance="d0", node="m0", batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0.0, ts=0.0))
-    p = pol.place(PlacementRequest(request_id="r", num_tokens=N, block_hashes=tuple(HASHES), block_size=BS),
-                  index.match(HASHES))
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p0", node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0
+        )
+    )
+    pol.observe_prefill(
+        PrefillLoad(
+            instance="p1", node="n1", queue_len=9, queued_tokens=0, queued_work_s=10.0, ts=0.0
+        )
+    )
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
+    p = pol.place(
+        PlacementRequest(request_id="r", num_tokens=N, block_hashes=tuple(HASHES), block_size=BS),
+        index.match(HASHES),
+    )
     assert isinstance(p, Placement) and p.remote == RemoteSource("n1", 1, 3)  # 4/1 > 2
     dst = n0.allocate("r", TxRole.PREFILL, HASHES, N)
     assert dst.hit_blocks == 1  # block 0 is local and locked; blocks 1..3 come from n1

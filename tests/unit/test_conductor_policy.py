@@ -29,10 +29,14 @@ def req(rid: str = "r1", n: int = N, **kw) -> PlacementRequest:
 
 
 def pload(instance: str, node: str, work: float = 0.0, ts: float = 0.0) -> PrefillLoad:
-    return PrefillLoad(instance=instance, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=ts)
+    return PrefillLoad(
+        instance=instance, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=ts
+    )
 
 
-def dload(instance: str, node: str, batch: int = 0, kv: int = 0, waiting: int = 0, ts: float = 0.0) -> DecodeLoad:
+def dload(
+    instance: str, node: str, batch: int = 0, kv: int = 0, waiting: int = 0, ts: float = 0.0
+) -> DecodeLoad:
     return DecodeLoad(
         instance=instance,
         node=node,
@@ -45,7 +49,9 @@ def dload(instance: str, node: str, batch: int = 0, kv: int = 0, waiting: int = 
     )
 
 
-def make_policy(clock=None, prefills=(("p0", "n0", 0.0), ("p1", "n1", 0.0)), decodes=(("d0", "m0"),), **kw):
+def make_policy(
+    clock=None, prefills=(("p0", "n0", 0.0), ("p1", "n1", 0.0)), decodes=(("d0", "m0"),), **kw
+):
     clock = clock or ManualClock(0.0)
     pol = PlacementPolicy(clock, COST, **kw)
     for inst, node, work in prefills:
@@ -288,11 +294,19 @@ def test_unknown_strategy_is_refused():
 
 def test_request_adapter_recomputes_hashes_for_another_block_size():
     tokens = list(range(100))
-    g = GenerateRequest(request_id="g", prompt_token_ids=tokens, block_size=16, block_hashes=[1, 2, 3])
+    g = GenerateRequest(
+        request_id="g", prompt_token_ids=tokens, block_size=16, block_hashes=[1, 2, 3]
+    )
     p = PlacementRequest.from_request(g, BS)
     assert p.block_hashes == tuple(block_hashes(tokens, BS))
     assert p.num_tokens == 100 and p.block_size == BS
-    g = GenerateRequest(request_id="g", prompt_token_ids=tokens, block_size=BS, block_hashes=[1, 2, 3], ttft_slo_s=5.0)
+    g = GenerateRequest(
+        request_id="g",
+        prompt_token_ids=tokens,
+        block_size=BS,
+        block_hashes=[1, 2, 3],
+        ttft_slo_s=5.0,
+    )
     p = PlacementRequest.from_request(g, BS)
     assert p.block_hashes == (1, 2, 3) and p.ttft_slo_s == 5.0
 
@@ -374,7 +388,8 @@ def test_ttft_margin_plans_placements_below_the_slo():
     full = make_policy(clock, prefills=(("p0", "n0", 4.6),), ttft_slo_s=5.0)
     est = placed(full.place(req("a"), {})).est_ttft_s
     assert 4.5 < est < 5.0
-    tight = make_policy(ManualClock(0.0), prefills=(("p0", "n0", 4.6),), ttft_slo_s=5.0,
-                        ttft_margin=0.9)
+    tight = make_policy(
+        ManualClock(0.0), prefills=(("p0", "n0", 4.6),), ttft_slo_s=5.0, ttft_margin=0.9
+    )
     d = tight.place(req("a"), {})
     assert isinstance(d, Rejection) and "(planned to 90%)" in d.reason

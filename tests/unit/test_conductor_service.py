@@ -118,12 +118,22 @@ class FakeStore:
             # Two pages when there is more than one block, to exercise the cursor.
             page = self.held[d.cursor : d.cursor + 1] if d.cursor == 0 else self.held[d.cursor :]
             nxt = 1 if d.cursor == 0 and len(self.held) > 1 else None
-            await reply(m, DumpPage(node=self.node, epoch=EPOCH, seq=self.seq, block_hashes=page, next_cursor=nxt))
+            await reply(
+                m,
+                DumpPage(
+                    node=self.node, epoch=EPOCH, seq=self.seq, block_hashes=page, next_cursor=nxt
+                ),
+            )
 
         async def discover(m):
             await reply(m, self.info())
 
-        for ep, cb in (("tx.allocate", allocate), ("tx.commit", commit), ("tx.abort", abort), ("dump", dump)):
+        for ep, cb in (
+            ("tx.allocate", allocate),
+            ("tx.commit", commit),
+            ("tx.abort", abort),
+            ("dump", dump),
+        ):
             await self.nc.subscribe(ctl(self.node, ep), cb=cb)
         await self.nc.subscribe(subjects.STORE_DISCOVER, cb=discover)
         return self
@@ -145,7 +155,9 @@ class Harness:
     def __init__(self, nats_url: str) -> None:
         self.url = nats_url
 
-    async def start(self, stores: list[FakeStore], prefills, decodes, clock=None, **cfg) -> "Harness":
+    async def start(
+        self, stores: list[FakeStore], prefills, decodes, clock=None, **cfg
+    ) -> "Harness":
         self.nc = await nats.connect(self.url)
         try:  # the server outlives a test: no test replays another's KV events
             await self.nc.jetstream().delete_stream(kv_stream.STREAM)
@@ -168,19 +180,30 @@ class Harness:
         self.prefills, self.decodes = prefills, decodes
         await self.report()
         await wait_until(
-            lambda: self.svc.policy.live_prefill() == sorted(i for i, _, _ in prefills)
-            and self.svc.policy.live_decode() == sorted(i for i, _ in decodes)
+            lambda: (
+                self.svc.policy.live_prefill() == sorted(i for i, _, _ in prefills)
+                and self.svc.policy.live_decode() == sorted(i for i, _ in decodes)
+            )
         )
         return self
 
     async def report(self) -> None:
         now = time.time()
         for inst, node, work in self.prefills:
-            load = PrefillLoad(instance=inst, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=now)
+            load = PrefillLoad(
+                instance=inst, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=now
+            )
             await self.nc.publish(subjects.load_report("prefill", inst), encode(load))
         for inst, node in self.decodes:
             load = DecodeLoad(
-                instance=inst, node=node, batch_size=0, waiting=0, max_batch=8, kv_tokens=0, step_time_s=0.0, ts=now
+                instance=inst,
+                node=node,
+                batch_size=0,
+                waiting=0,
+                max_batch=8,
+                kv_tokens=0,
+                step_time_s=0.0,
+                ts=now,
             )
             await self.nc.publish(subjects.load_report("decode", inst), encode(load))
         await self.nc.flush()
@@ -226,13 +249,17 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     assert task.request.block_hashes == HASHES and task.request.block_size == BS
     assert task.request.reply_subject == h.inbox
     acc = await h.event()
-    assert acc == Accepted(request_id="r1", prefill_instance="prefill-1", decode_instance="decode-0", cached_tokens=64)
+    assert acc == Accepted(
+        request_id="r1", prefill_instance="prefill-1", decode_instance="decode-0", cached_tokens=64
+    )
     # A placed request waits in its prefill queue holding no store slot: the prefill
     # instance reserves when its compute starts.
     assert all(s.allocs.empty() for s in h.stores.values())
     assert set(h.svc.pending) == {"r1"}
 
-    notice = FirstTokenNotice(request_id="r1", prefill_node="np1", prefill_tx_id="np1-tx-a", ts=time.time())
+    notice = FirstTokenNotice(
+        request_id="r1", prefill_node="np1", prefill_tx_id="np1-tx-a", ts=time.time()
+    )
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
     assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id="np1-tx-a", request_id="r1")
     await wait_until(lambda: not h.svc.pending)
@@ -252,8 +279,14 @@ async def test_busy_holder_makes_another_node_pull_the_prefix(harness):
     assert isinstance(acc, Accepted) and acc.cached_tokens == 96
     assert all(s.allocs.empty() for s in h.stores.values())
 
-    notice = FirstTokenNotice(request_id="r2", prefill_node="np0", prefill_tx_id="np0-tx-b", ts=time.time(),
-                              source_node="np1", source_tx_id="np1-tx-c")
+    notice = FirstTokenNotice(
+        request_id="r2",
+        prefill_node="np0",
+        prefill_tx_id="np0-tx-b",
+        ts=time.time(),
+        source_node="np1",
+        source_tx_id="np1-tx-c",
+    )
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
     assert (await next_of(h.stores["np0"].commits)).tx_id == "np0-tx-b"
     assert (await next_of(h.stores["np1"].commits)).tx_id == "np1-tx-c"
@@ -268,7 +301,9 @@ async def test_request_failed_releases_the_request_and_aborts_the_named_tx(harne
     await h.schedule("r5")
     await h.task()
     assert h.svc.policy.dispatched() == ["r5"]
-    fail = RequestFailed(request_id="r5", prefill_node="np0", prefill_tx_id="np0-tx-d", reason="boom")
+    fail = RequestFailed(
+        request_id="r5", prefill_node="np0", prefill_tx_id="np0-tx-d", reason="boom"
+    )
     await h.nc.publish(subjects.conductor_events(CID), encode(fail))
     assert (await next_of(h.stores["np0"].aborts)).tx_id == "np0-tx-d"
     await wait_until(lambda: not h.svc.pending and h.svc.policy.dispatched() == [])
@@ -292,19 +327,30 @@ async def test_no_instances_is_503_and_bad_payload_is_400(harness):
     await h.schedule("r7")
     err = await h.event()
     assert isinstance(err, Error) and err.code == ErrorCode.UNAVAILABLE
-    await h.nc.publish(subjects.SCHEDULE, b'{"request_id": "r8", "reply_subject": "%s", "bogus": 1}' % h.inbox.encode())
+    await h.nc.publish(
+        subjects.SCHEDULE,
+        b'{"request_id": "r8", "reply_subject": "%s", "bogus": 1}' % h.inbox.encode(),
+    )
     err = await h.event()
     assert isinstance(err, Error) and (err.request_id, err.code) == ("r8", ErrorCode.BAD_REQUEST)
 
 
 async def test_kv_event_gap_triggers_a_dump(harness):
     store = FakeStore(None, "np0", held=HASHES[:1])
-    h = await harness.start([store, FakeStore(None, "nd0")], prefills=[("prefill-0", "np0", 0.0)], decodes=[])
+    h = await harness.start(
+        [store, FakeStore(None, "nd0")], prefills=[("prefill-0", "np0", 0.0)], decodes=[]
+    )
     while not store.dumps.empty():
         store.dumps.get_nowait()
     store.held = HASHES[:3]
     store.seq = 5
-    batch = EventBatch(node="np0", epoch=EPOCH, seq=5, ts=time.time(), events=[BlockStored(block_hashes=HASHES[2:3])])
+    batch = EventBatch(
+        node="np0",
+        epoch=EPOCH,
+        seq=5,
+        ts=time.time(),
+        events=[BlockStored(block_hashes=HASHES[2:3])],
+    )
     await h.nc.publish(subjects.kv_events("np0"), encode(batch))
     assert (await next_of(store.dumps)).cursor == 0
     await wait_until(lambda: h.svc.shadow.index.state("np0") == (EPOCH, 5))
@@ -313,7 +359,9 @@ async def test_kv_event_gap_triggers_a_dump(harness):
 
 async def test_notice_for_a_request_placed_before_a_restart_still_commits(harness):
     h = await harness.start([FakeStore(None, "np0")], prefills=[], decodes=[])
-    notice = FirstTokenNotice(request_id="old", prefill_node="np0", prefill_tx_id="np0-tx-old", ts=time.time())
+    notice = FirstTokenNotice(
+        request_id="old", prefill_node="np0", prefill_tx_id="np0-tx-old", ts=time.time()
+    )
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
     assert await next_of(h.stores["np0"].commits) == TxCommit(tx_id="np0-tx-old", request_id="old")
 
@@ -376,14 +424,27 @@ async def test_role_switch_from_another_conductor_takes_the_instance_out_of_its_
 
 
 def test_config_selects_cost_model_adaptive_threshold_and_tbt_check(tmp_path):
-    samples = [PrefillSample(n, p, CostModel().prefill_time(n, p)) for n in (256, 1024, 4096) for p in (0, n // 2, n // 4)]
+    samples = [
+        PrefillSample(n, p, CostModel().prefill_time(n, p))
+        for n in (256, 1024, 4096)
+        for p in (0, n // 2, n // 4)
+    ]
     path = tmp_path / "cm.json"
     fit_cost_model(samples).save(path)
-    cfg = ConductorConfig(cost_model=str(path), speedup=10.0, adaptive_threshold=True, balancing_threshold=3.0,
-                          tbt_check=False)
+    cfg = ConductorConfig(
+        cost_model=str(path),
+        speedup=10.0,
+        adaptive_threshold=True,
+        balancing_threshold=3.0,
+        tbt_check=False,
+    )
     svc = ConductorService(None, cfg)
     assert isinstance(svc.cost, FittedCostModel) and svc.cost.speedup == 10.0
     assert svc.policy.adaptive is not None and svc.policy.threshold() == 3.0
     assert svc.policy.tbt_check is False and svc.roles.pd is None
     plain = ConductorService(None, ConductorConfig())
-    assert type(plain.cost) is CostModel and plain.policy.adaptive is None and plain.policy.threshold() == 2.0
+    assert (
+        type(plain.cost) is CostModel
+        and plain.policy.adaptive is None
+        and plain.policy.threshold() == 2.0
+    )

@@ -70,7 +70,9 @@ def test_fitted_model_is_a_drop_in_cost_model():
     assert m.transfer_time(640, 1e6) == COST.transfer_time(640, 1e6)
     assert m.kv_bytes(10) == COST.kv_bytes(10)
     fast = m.with_speedup(10.0)
-    assert fast.prefill_time(3000, 1000) == pytest.approx(COST.prefill_time(3000, 1000) / 10, rel=1e-9)
+    assert fast.prefill_time(3000, 1000) == pytest.approx(
+        COST.prefill_time(3000, 1000) / 10, rel=1e-9
+    )
     assert m.with_speedup(math.inf).prefill_time(3000, 0) == 0.0
 
 
@@ -79,16 +81,26 @@ def test_fitted_speedup_gives_measured_seconds_back_at_the_same_speedup():
     measured = [PrefillSample(n, p, COST.with_speedup(100).prefill_time(n, p)) for n, p in GRID]
     m = fit_cost_model(measured, fitted_speedup=100.0)
     at_100 = m.with_speedup(100.0)
-    assert at_100.prefill_time(2048, 512) == pytest.approx(COST.with_speedup(100).prefill_time(2048, 512), rel=1e-9)
+    assert at_100.prefill_time(2048, 512) == pytest.approx(
+        COST.with_speedup(100).prefill_time(2048, 512), rel=1e-9
+    )
     assert m.prefill_time(2048, 512) == pytest.approx(COST.prefill_time(2048, 512), rel=1e-9)
 
 
 def test_decode_step_time_depends_on_batch_and_context():
     cost = CostModel(decode_seq_s=1e-4)
     assert cost.decode_step_time(0, 100) == 0.0
-    assert cost.decode_step_time(8, 1000) == pytest.approx(CostModel().decode_step_time(8, 1000) + 8e-4, rel=1e-12)
-    assert CostModel().decode_step_time(8, 1000) == CostModel().decode_step_time(1, 1000)  # default: memory-bound
-    samples = [DecodeSample(b, c, cost.decode_step_time(b, c)) for b in (1, 4, 16, 64) for c in (100, 5000, 40000)]
+    assert cost.decode_step_time(8, 1000) == pytest.approx(
+        CostModel().decode_step_time(8, 1000) + 8e-4, rel=1e-12
+    )
+    assert CostModel().decode_step_time(8, 1000) == CostModel().decode_step_time(
+        1, 1000
+    )  # default: memory-bound
+    samples = [
+        DecodeSample(b, c, cost.decode_step_time(b, c))
+        for b in (1, 4, 16, 64)
+        for c in (100, 5000, 40000)
+    ]
     poly, _ = fit_decode(samples)
     assert poly.coef(1, 0) == pytest.approx(1e-4, rel=1e-9)
     assert poly.coef(0, 1) == pytest.approx(cost.kv_bytes(1) / cost.hbm_bw, rel=1e-9)
@@ -99,9 +111,13 @@ def test_decode_step_time_depends_on_batch_and_context():
 
 
 def test_json_round_trip(tmp_path):
-    m = fit_cost_model(analytic_samples(), [DecodeSample(b, c, 0.01 + b * 1e-4 + c * 1e-8)
-                                            for b in (1, 8) for c in (10, 1000)],
-                       base=CostModel(layers=40), fitted_speedup=2.0, meta={"source": "test"})
+    m = fit_cost_model(
+        analytic_samples(),
+        [DecodeSample(b, c, 0.01 + b * 1e-4 + c * 1e-8) for b in (1, 8) for c in (10, 1000)],
+        base=CostModel(layers=40),
+        fitted_speedup=2.0,
+        meta={"source": "test"},
+    )
     path = tmp_path / "cm.json"
     m.save(path)
     back = FittedCostModel.load(path)
@@ -118,9 +134,18 @@ def test_json_round_trip(tmp_path):
     [
         ({"format": "other"}, "not a perigee-cost-model"),
         ({"format": "perigee-cost-model", "version": 9}, "unsupported"),
-        ({"format": "perigee-cost-model", "version": 1, "analytic": {"bogus": 1}}, "unknown analytic"),
-        ({"format": "perigee-cost-model", "version": 1, "prefill": {"terms": [[1, 0]]}}, "bad polynomial term"),
-        ({"format": "perigee-cost-model", "version": 1, "prefill": {"terms": [[-1, 0, 1.0]]}}, "bad exponents"),
+        (
+            {"format": "perigee-cost-model", "version": 1, "analytic": {"bogus": 1}},
+            "unknown analytic",
+        ),
+        (
+            {"format": "perigee-cost-model", "version": 1, "prefill": {"terms": [[1, 0]]}},
+            "bad polynomial term",
+        ),
+        (
+            {"format": "perigee-cost-model", "version": 1, "prefill": {"terms": [[-1, 0, 1.0]]}},
+            "bad exponents",
+        ),
         ({"format": "perigee-cost-model", "version": 1, "fitted_speedup": 0}, "fitted_speedup"),
     ],
 )
@@ -143,7 +168,12 @@ def test_poly_evaluation():
 
 
 def test_default_grid_rounds_prefixes_to_blocks_and_caps_lengths():
-    assert profile.default_grid(32, 8192, (100, 9000), (0.0, 0.5)) == [(100, 0), (100, 32), (8191, 0), (8191, 4064)]
+    assert profile.default_grid(32, 8192, (100, 9000), (0.0, 0.5)) == [
+        (100, 0),
+        (100, 32),
+        (8191, 0),
+        (8191, 4064),
+    ]
 
 
 # ----------------------------------------------------------------- profile collection
@@ -182,7 +212,9 @@ async def test_profile_decode_in_process_fits_the_step_time():
     engine = make_engine("mock", spec, cost, sleep=ClockSleep(clock))
     await engine.start()
     try:
-        samples = await profile.profile_decode_engine(engine, layout, (1, 3, 6), (64, 160), steps=4, now=clock.now)
+        samples = await profile.profile_decode_engine(
+            engine, layout, (1, 3, 6), (64, 160), steps=4, now=clock.now
+        )
     finally:
         await engine.stop()
     assert [(s.batch) for s in samples] == [1, 1, 3, 3, 6, 6]
@@ -227,7 +259,14 @@ async def test_profile_live_warms_prefixes_until_cached_and_skips_failures():
 
     grid = [(256, 0), (256, 128), (512, 256), (999, 0), (1024, 512), (2048, 1024), (2048, 0)]
     samples = await profile.profile_live(target, grid, vocab=1024, pause=pause)
-    assert [(s.n, s.p) for s in samples] == [(256, 0), (256, 128), (512, 256), (1024, 512), (2048, 1024), (2048, 0)]
+    assert [(s.n, s.p) for s in samples] == [
+        (256, 0),
+        (256, 128),
+        (512, 256),
+        (1024, 512),
+        (2048, 1024),
+        (2048, 0),
+    ]
     # each prefix: sent, not yet cached; sent again, cached -> then the prompt
     assert target.sent[:1] == [256]
     assert target.sent[1:4] == [128, 128, 256]
@@ -239,13 +278,27 @@ async def test_profile_live_warms_prefixes_until_cached_and_skips_failures():
 def test_profile_cli_in_process_writes_a_loadable_model(tmp_path):
     out = tmp_path / "cm.json"
     raw = tmp_path / "samples.json"
-    rc = profile.main(["--json", str(out), "--samples-json", str(raw), "--speedup", "1000",
-                       "--lengths", "64,128,256", "--fractions", "0,0.25,0.5,0.75"])
+    rc = profile.main(
+        [
+            "--json",
+            str(out),
+            "--samples-json",
+            str(raw),
+            "--speedup",
+            "1000",
+            "--lengths",
+            "64,128,256",
+            "--fractions",
+            "0,0.25,0.5,0.75",
+        ]
+    )
     assert rc == 0
     m = load_cost_model(out, speedup=1000.0)
     assert isinstance(m, FittedCostModel) and m.fitted_speedup == 1000.0
     assert m.meta["source"] == "in-process mock engine"
-    assert len(json.loads(raw.read_text())["prefill"]) == 10  # (64, 16) and (64, 48) round onto others
+    assert (
+        len(json.loads(raw.read_text())["prefill"]) == 10
+    )  # (64, 16) and (64, 48) round onto others
 
 
 def test_decode_tbt_counts_a_backlog_past_max_batch():

@@ -95,19 +95,35 @@ def test_ready_times_and_member_work():
 
 
 def pload(instance, node, work=0.0, ts=0.0):
-    return PrefillLoad(instance=instance, node=node, queue_len=0, queued_tokens=0,
-                       queued_work_s=work, ts=ts)
+    return PrefillLoad(
+        instance=instance, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=ts
+    )
 
 
 def make_policy(works=(0.0, 0.0), group=2, chunk=4, cost=LIN, min_tokens=1, **kw):
     clock = ManualClock(0.0)
-    pol = PlacementPolicy(clock, cost, ttft_slo_s=1000.0, tbt_slo_s=10.0,
-                          cpp=cpp.CppConfig(group_size=group, chunk_tokens=chunk,
-                                            min_tokens=min_tokens), **kw)
+    pol = PlacementPolicy(
+        clock,
+        cost,
+        ttft_slo_s=1000.0,
+        tbt_slo_s=10.0,
+        cpp=cpp.CppConfig(group_size=group, chunk_tokens=chunk, min_tokens=min_tokens),
+        **kw,
+    )
     for i, w in enumerate(works):
         pol.observe_prefill(pload(f"p{i}", f"n{i}", w))
-    pol.observe_decode(DecodeLoad(instance="d0", node="m0", batch_size=0, waiting=0,
-                                  max_batch=8, kv_tokens=0, step_time_s=0.0, ts=0.0))
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
     return pol, clock
 
 
@@ -142,8 +158,9 @@ def test_a_one_chunk_request_stays_on_one_instance():
 
 
 def test_a_tie_keeps_the_request_single():
-    free_link = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=1, elem_bytes=1, gpu_flops=1.0,
-                          nic_bw=float("inf"))
+    free_link = CostModel(
+        layers=1, d=1, a=0.0, b=1.0, gqa=1, elem_bytes=1, gpu_flops=1.0, nic_bw=float("inf")
+    )
     pol, _ = make_policy(cost=free_link)
     d = placed(pol.place(req(4), {}))  # group: 2 + 2 s with a free hand-off, single: 4 s
     assert d.cpp_stages == () and d.est_ttft_s == 4.0
@@ -216,8 +233,18 @@ def test_dead_member_breaks_the_group():
     pol, clock = make_policy(dead_after_s=2.0)
     clock.advance(3.0)
     pol.observe_prefill(pload("p0", "n0", 0.0, ts=3.0))  # p1 silent: dead
-    pol.observe_decode(DecodeLoad(instance="d0", node="m0", batch_size=0, waiting=0,
-                                  max_batch=8, kv_tokens=0, step_time_s=0.0, ts=3.0))
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=3.0,
+        )
+    )
     d = placed(pol.place(req(8), {}))
     assert d.cpp_stages == () and d.prefill_instance == "p0"
     # and an excluded member (a refused store) breaks it too

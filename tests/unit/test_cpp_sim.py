@@ -63,7 +63,12 @@ def test_buckets_report_mean_ttft_per_group_size():
     four = run([(0.0, LONG, 0), (0.0, SHORT, 1000)], 4, prefill=8)
     b = ttft_buckets({1: one.requests, 4: four.requests})
     assert [(r["min_tokens"], r["max_tokens"], r["requests"]) for r in b] == [
-        (0, 8192, 1), (8192, 16384, 0), (16384, 32768, 0), (32768, 65536, 0), (65536, None, 1)]
+        (0, 8192, 1),
+        (8192, 16384, 0),
+        (16384, 32768, 0),
+        (32768, 65536, 0),
+        (65536, None, 1),
+    ]
     assert b[4]["ttft_s"]["1"] == COST.prefill_time(LONG)
     assert b[4]["ttft_s"]["4"] == four.requests[0].ttft_s
     assert b[0]["ttft_s"]["4"] == b[0]["ttft_s"]["1"] == COST.prefill_time(SHORT)

@@ -31,9 +31,18 @@ def build(stages: int, slots: int = 2):
     engines = [TransferEngine("tcp") for _ in range(stages)]
     nbytes = activation_nbytes(COST, CHUNK)
     inboxes = [None] + [StageInbox(engines[s], ctx, nbytes, slots) for s in range(1, stages)]
-    outboxes = [StageOutbox(engines[s], ctx, engines[s + 1].segment, inboxes[s + 1].region,
-                            inboxes[s + 1].address, nbytes, slots)
-                for s in range(stages - 1)] + [None]
+    outboxes = [
+        StageOutbox(
+            engines[s],
+            ctx,
+            engines[s + 1].segment,
+            inboxes[s + 1].region,
+            inboxes[s + 1].address,
+            nbytes,
+            slots,
+        )
+        for s in range(stages - 1)
+    ] + [None]
     return ctx, engines, inboxes, outboxes
 
 
@@ -53,7 +62,9 @@ def pacing():
         async def sleep(s):
             asked.append((stage, s))
             await asyncio.sleep(0)
+
         return sleep
+
     return asked, sleeper
 
 
@@ -64,10 +75,21 @@ def test_four_stages_chain_every_chunk_and_pace_by_their_layer_share():
     asked, sleeper = pacing()
 
     async def main():
-        return await asyncio.gather(*[
-            run_stage(request_id="r1", stage=s, stages=x, chunks=chunks, cost=COST,
-                      inbox=inboxes[s], outbox=outboxes[s], sleep=sleeper(s))
-            for s in range(x)])
+        return await asyncio.gather(
+            *[
+                run_stage(
+                    request_id="r1",
+                    stage=s,
+                    stages=x,
+                    chunks=chunks,
+                    cost=COST,
+                    inbox=inboxes[s],
+                    outbox=outboxes[s],
+                    sleep=sleeper(s),
+                )
+                for s in range(x)
+            ]
+        )
 
     try:
         results = asyncio.run(main())
@@ -81,8 +103,7 @@ def test_four_stages_chain_every_chunk_and_pace_by_their_layer_share():
             want = stage_transform(want, s)
         assert last[k] == want
     for s in range(x):
-        assert [t for st, t in asked if st == s] == [COST.prefill_time(b, a) / x
-                                                     for a, b in chunks]
+        assert [t for st, t in asked if st == s] == [COST.prefill_time(b, a) / x for a, b in chunks]
 
 
 def test_a_dead_next_stage_fails_the_write_at_once_with_the_transport_error():
@@ -93,8 +114,17 @@ def test_a_dead_next_stage_fails_the_write_at_once_with_the_transport_error():
     engines[1].close()  # stage 1 is gone: its segment refuses the write
 
     async def upstream():
-        await run_stage(request_id="r1", stage=0, stages=2, chunks=chunks, cost=COST,
-                        inbox=None, outbox=outboxes[0], sleep=sleeper(0), timeout_s=30.0)
+        await run_stage(
+            request_id="r1",
+            stage=0,
+            stages=2,
+            chunks=chunks,
+            cost=COST,
+            inbox=None,
+            outbox=outboxes[0],
+            sleep=sleeper(0),
+            timeout_s=30.0,
+        )
 
     try:
         with pytest.raises(StageError) as e:
@@ -115,10 +145,26 @@ def test_an_out_of_order_or_foreign_chunk_is_refused():
 
     async def main():
         # the upstream runs another request's chunks into this stage's inbox
-        send = run_stage(request_id="other", stage=0, stages=2, chunks=chunks, cost=COST,
-                         inbox=None, outbox=outboxes[0], sleep=sleeper(0))
-        recv = run_stage(request_id="r1", stage=1, stages=2, chunks=chunks, cost=COST,
-                         inbox=inboxes[1], outbox=None, sleep=sleeper(1))
+        send = run_stage(
+            request_id="other",
+            stage=0,
+            stages=2,
+            chunks=chunks,
+            cost=COST,
+            inbox=None,
+            outbox=outboxes[0],
+            sleep=sleeper(0),
+        )
+        recv = run_stage(
+            request_id="r1",
+            stage=1,
+            stages=2,
+            chunks=chunks,
+            cost=COST,
+            inbox=inboxes[1],
+            outbox=None,
+            sleep=sleeper(1),
+        )
         return await asyncio.gather(send, recv, return_exceptions=True)
 
     try:

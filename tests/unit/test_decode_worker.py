@@ -19,12 +19,22 @@ def decode_task(rig: Rig, prompt, *, max_tokens=8, write_kv=True, **sampling) ->
     """A DecodeTask whose prompt KV already sits in decode_tx's slots (prefill done)."""
     t = rig.task(prompt, max_tokens=max_tokens, **sampling)
     if write_kv:
-        write_expected(slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, len(prompt)), prompt, 0,
-                       len(prompt))
-    return DecodeTask(request=t.request, conductor_id=rig.cid, prefill_instance=rig.pi,
-                      prefill_node=rig.pn, prefill_tx_id=rig.res(t).prefill_tx.tx_id,
-                      decode_tx=rig.res(t).decode_tx, first_token=rig.reference(prompt, 1)[0],
-                      cached_tokens=5)
+        write_expected(
+            slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, len(prompt)),
+            prompt,
+            0,
+            len(prompt),
+        )
+    return DecodeTask(
+        request=t.request,
+        conductor_id=rig.cid,
+        prefill_instance=rig.pi,
+        prefill_node=rig.pn,
+        prefill_tx_id=rig.res(t).prefill_tx.tx_id,
+        decode_tx=rig.res(t).decode_tx,
+        first_token=rig.reference(prompt, 1)[0],
+        cached_tokens=5,
+    )
 
 
 async def send(rig: Rig, dt: DecodeTask) -> asyncio.Queue:
@@ -54,18 +64,23 @@ async def slow_rig(nats_url):
 async def test_concurrent_requests_each_get_their_reference_tokens(rig):
     # Odd requests had their first token streamed by prefill: decode starts at index 1.
     prompts = [rig.prompt(20 + 13 * i, seed=i) for i in range(5)]
-    dts = [msgspec.structs.replace(decode_task(rig, p, max_tokens=4 + i),
-                                   first_token_sent=i % 2 == 1)
-           for i, p in enumerate(prompts)]
+    dts = [
+        msgspec.structs.replace(decode_task(rig, p, max_tokens=4 + i), first_token_sent=i % 2 == 1)
+        for i, p in enumerate(prompts)
+    ]
     queues = [await send(rig, dt) for dt in dts]
     for i, (p, q) in enumerate(zip(prompts, queues, strict=True)):
         events = await until_terminal(q)
         skip = i % 2
         assert tokens_of(events, start=skip) == rig.reference(p, 4 + i)[skip:]
         assert next(e for e in events if isinstance(e, Tokens)).index == skip
-        assert events[-1] == Finished(request_id=dts[i].request.request_id,
-                                      finish_reason="length", prompt_tokens=len(p),
-                                      completion_tokens=4 + i, cached_tokens=5)
+        assert events[-1] == Finished(
+            request_id=dts[i].request.request_id,
+            finish_reason="length",
+            prompt_tokens=len(p),
+            completion_tokens=4 + i,
+            cached_tokens=5,
+        )
     assert sorted(c.tx_id for c in rig.commits) == sorted(dt.decode_tx.tx_id for dt in dts)
     assert rig.conductor.empty()  # the prefill instance notifies the conductor, not decode
 
@@ -97,7 +112,10 @@ async def test_cancel_mid_stream_finishes_with_abort(slow_rig):
     assert fin.completion_tokens == len(tokens_of(events)) >= 2
     c = await rig.stats("decode", rig.di)
     assert (c["tasks_aborted"], c["tasks_done"], c["tokens_generated"]) == (
-        1, 0, fin.completion_tokens)
+        1,
+        0,
+        fin.completion_tokens,
+    )
     assert rig.dengine.stats().batch_size == 0
 
 
@@ -135,7 +153,8 @@ async def test_refused_commit_does_not_fail_the_request(nats_url):
     # The KV is in the engine before the commit: a store that rolled the tx back only
     # loses the cache entry, so the client still gets its whole answer.
     rig = await Rig(commit_reply=Refused(reason="unknown_tx", message="lease expired")).start(
-        nats_url)
+        nats_url
+    )
     try:
         p = rig.prompt(33, seed=24)
         dt = decode_task(rig, p, max_tokens=5)
@@ -190,5 +209,3 @@ async def test_a_renewed_lease_keeps_the_kv_however_old_the_handle(rig):
     events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=soon)))
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
     assert [r.tx_ids for r in rig.renewals] == [[dt.decode_tx.tx_id]]
-
-

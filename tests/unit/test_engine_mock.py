@@ -78,8 +78,13 @@ async def drain(stream) -> list[int]:
 
 def decode_job(rid, prompt, kv, max_tokens=8, **sampling):
     first = synth.reference_generate(prompt, 1, SPEC.vocab_size, SPEC.eos_token_id)[0]
-    return DecodeJob(request_id=rid, prompt_token_ids=prompt, first_token=first,
-                     sampling=SamplingParams(max_tokens=max_tokens, **sampling), kv=kv)
+    return DecodeJob(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        first_token=first,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        kv=kv,
+    )
 
 
 def prefilled(prompt) -> SlotKV:
@@ -91,6 +96,7 @@ def prefilled(prompt) -> SlotKV:
 
 
 # -- prefill --
+
 
 async def test_prefill_writes_deterministic_kv_and_first_token():
     prompt = prompt_of(100)
@@ -194,6 +200,7 @@ async def test_prefill_rejects_bad_jobs():
 
 # -- decode --
 
+
 async def test_decode_tokens_follow_the_reference_and_honour_max_tokens():
     eng = MockEngine(SPEC, INF)
     await eng.start()
@@ -214,11 +221,13 @@ async def test_stop_token_ids_and_eos():
     ref = synth.reference_generate(prompt, 40, SPEC.vocab_size, SPEC.eos_token_id)
     k = next(i for i in range(2, 40) if ref[i] not in ref[:i])
     stream = await eng.add_request(
-        decode_job("r", prompt, prefilled(prompt), max_tokens=40, stop_token_ids=[ref[k]]))
+        decode_job("r", prompt, prefilled(prompt), max_tokens=40, stop_token_ids=[ref[k]])
+    )
     assert await drain(stream) == ref[1 : k + 1] and stream.finish_reason == "stop"
     # the first token may stop the request at once
     first = await eng.add_request(
-        decode_job("s", prompt, prefilled(prompt), max_tokens=40, stop_token_ids=[ref[0]]))
+        decode_job("s", prompt, prefilled(prompt), max_tokens=40, stop_token_ids=[ref[0]])
+    )
     assert await drain(first) == [] and first.finish_reason == "stop"
     # an EOS first token stops it unless ignore_eos
     job = decode_job("t", prompt, prefilled(prompt), max_tokens=3)

@@ -38,8 +38,13 @@ def test_cli_flag_and_env(monkeypatch):
 
 @pytest.fixture
 async def keyed(nats_url):
-    cfg = GatewayConfig(port=0, max_model_len=128, max_tokens_limit=100, sweep_interval_s=0,
-                        api_keys=("sk-good", "sk-other"))
+    cfg = GatewayConfig(
+        port=0,
+        max_model_len=128,
+        max_tokens_limit=100,
+        sweep_interval_s=0,
+        api_keys=("sk-good", "sk-other"),
+    )
     nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
     gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=ManualClock()).start()
     backend = await FakeBackend(nc_be, serve_ok).start()
@@ -53,14 +58,22 @@ async def keyed(nats_url):
 async def test_401_without_or_with_a_wrong_key(keyed):
     gw, backend, http, base = keyed
     body = {"prompt": "hi", "max_tokens": 2}
-    for headers, message in ((None, MISSING), ({"Authorization": "Bearer sk-bad"}, WRONG),
-                             ({"Authorization": "sk-good"}, MISSING)):
+    for headers, message in (
+        (None, MISSING),
+        ({"Authorization": "Bearer sk-bad"}, WRONG),
+        ({"Authorization": "sk-good"}, MISSING),
+    ):
         async with http.post(base + "/v1/completions", json=body, headers=headers) as r:
             assert r.status == 401
             assert r.headers["WWW-Authenticate"] == "Bearer"
-            assert await r.json() == {"error": {
-                "message": message, "type": "invalid_request_error", "param": None,
-                "code": "invalid_api_key"}}
+            assert await r.json() == {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
     async with http.get(base + "/v1/models") as r:
         assert r.status == 401
     assert backend.requests.empty()  # nothing reached the bus
@@ -69,13 +82,15 @@ async def test_401_without_or_with_a_wrong_key(keyed):
 async def test_right_key_passes_and_health_metrics_stay_open(keyed):
     gw, backend, http, base = keyed
     for key in ("sk-good", "sk-other"):
-        async with http.post(base + "/v1/chat/completions",
-                             json={"messages": [{"role": "user", "content": "hi"}]},
-                             headers={"Authorization": f"Bearer {key}"}) as r:
+        async with http.post(
+            base + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {key}"},
+        ) as r:
             assert r.status == 200
             assert (await r.json())["object"] == "chat.completion"
     async with http.get(base + "/health") as r:
         assert r.status == 200
     async with http.get(base + "/metrics") as r:
         assert r.status == 200
-        assert 'perigee:request_errors_total' in await r.text()
+        assert "perigee:request_errors_total" in await r.text()

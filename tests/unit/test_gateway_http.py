@@ -71,14 +71,29 @@ class FakeBackend:
     async def load(self, prefill: str = "p0", decode_: str = "d0") -> None:
         await self.nc.publish(
             subjects.load_report("prefill", prefill),
-            encode(PrefillLoad(instance=prefill, node="n0", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0)),
+            encode(
+                PrefillLoad(
+                    instance=prefill,
+                    node="n0",
+                    queue_len=0,
+                    queued_tokens=0,
+                    queued_work_s=0.0,
+                    ts=0.0,
+                )
+            ),
         )
         await self.nc.publish(
             subjects.load_report("decode", decode_),
             encode(
                 DecodeLoad(
-                    instance=decode_, node="n0", batch_size=0, waiting=0, max_batch=8, kv_tokens=0,
-                    step_time_s=0.0, ts=0.0,
+                    instance=decode_,
+                    node="n0",
+                    batch_size=0,
+                    waiting=0,
+                    max_batch=8,
+                    kv_tokens=0,
+                    step_time_s=0.0,
+                    ts=0.0,
                 )
             ),
         )
@@ -87,24 +102,40 @@ class FakeBackend:
 
 async def serve_ok(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
     rid = req.request_id
-    await b.send(reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0", cached_tokens=CACHED))
+    await b.send(
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0", cached_tokens=CACHED),
+    )
     await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[:1], index=0))
     await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[1:] + [TOK.eos_id], index=1))
     await b.send(
         reply,
         Finished(
-            request_id=rid, finish_reason="stop", prompt_tokens=len(req.prompt_token_ids),
-            completion_tokens=len(OUT_IDS) + 1, cached_tokens=CACHED,
+            request_id=rid,
+            finish_reason="stop",
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(OUT_IDS) + 1,
+            cached_tokens=CACHED,
         ),
     )
 
 
 async def serve_reject(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
-    await b.send(reply, Error(request_id=req.request_id, code=ErrorCode.REJECTED, message="overloaded", retry_after_s=1.2))
+    await b.send(
+        reply,
+        Error(
+            request_id=req.request_id,
+            code=ErrorCode.REJECTED,
+            message="overloaded",
+            retry_after_s=1.2,
+        ),
+    )
 
 
 async def serve_accept_then_silence(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
-    await b.send(reply, Accepted(request_id=req.request_id, prefill_instance="p0", decode_instance="d0"))
+    await b.send(
+        reply, Accepted(request_id=req.request_id, prefill_instance="p0", decode_instance="d0")
+    )
 
 
 async def serve_first_token_then_silence(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
@@ -129,13 +160,17 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 class Env:
-    def __init__(self, gw: Gateway, backend: FakeBackend, http: aiohttp.ClientSession, clock) -> None:
+    def __init__(
+        self, gw: Gateway, backend: FakeBackend, http: aiohttp.ClientSession, clock
+    ) -> None:
         self.gw, self.backend, self.http, self.clock = gw, backend, http, clock
         self.base = f"http://127.0.0.1:{gw.port}"
 
     def post(self, path: str, body, **kw):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return self.http.post(self.base + path, data=data, headers={"Content-Type": "application/json"}, **kw)
+        return self.http.post(
+            self.base + path, data=data, headers={"Content-Type": "application/json"}, **kw
+        )
 
     def set_behaviour(self, behaviour: Behaviour) -> None:
         self.backend.behaviour = behaviour
@@ -145,8 +180,14 @@ class Env:
 async def env(nats_url):
     clock = ManualClock()
     cfg = GatewayConfig(
-        port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
-        max_body_bytes=4096, dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
+        port=0,
+        max_prompt_tokens=64,
+        max_tokens_limit=100,
+        max_model_len=128,
+        max_body_bytes=4096,
+        dead_after_s=2.0,
+        request_timeout_s=10.0,
+        sweep_interval_s=0,
         migration_limit=0,  # a dead worker fails its requests (migration: test_gateway_migration)
     )
     nc_gw = await nats.connect(nats_url)
@@ -194,8 +235,17 @@ async def test_completion_non_stream(env, monkeypatch):
     assert trace.get_tracer_provider() is provider
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     prompt = "The quick brown fox " * 5
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 20, "temperature": 0.5, "seed": 7,
-            "stop_token_ids": [5], "ignore_eos": True, "user": "x", "frobnicate": 1}
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": 20,
+        "temperature": 0.5,
+        "seed": 7,
+        "stop_token_ids": [5],
+        "ignore_eos": True,
+        "user": "x",
+        "frobnicate": 1,
+    }
     async with env.post("/v1/completions", body) as r:
         assert r.status == 200
         out = await r.json()
@@ -205,7 +255,13 @@ async def test_completion_non_stream(env, monkeypatch):
     assert req.block_size == 32 and req.block_hashes == block_hashes(ids, 32)
     assert reply == req.reply_subject == f"perigee.gw.{env.gw.gateway_id}.{req.request_id}"
     s = req.sampling
-    assert (s.max_tokens, s.temperature, s.seed, s.stop_token_ids, s.ignore_eos) == (20, 0.5, 7, [5], True)
+    assert (s.max_tokens, s.temperature, s.seed, s.stop_token_ids, s.ignore_eos) == (
+        20,
+        0.5,
+        7,
+        [5],
+        True,
+    )
     assert req.model == "tiny-llama" and req.arrival_ts > 0
     assert req.request_id.startswith("cmpl-") and len(req.request_id) == 5 + 32
     assert out == {
@@ -221,11 +277,18 @@ async def test_completion_non_stream(env, monkeypatch):
     [span] = [sp for sp in exporter.get_finished_spans() if sp.name == "gateway.request"]
     a = span.attributes
     assert a["gen_ai.request.model"] == "tiny-llama"
-    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (len(ids), len(OUT_IDS) + 1)
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (
+        len(ids),
+        len(OUT_IDS) + 1,
+    )
 
 
 async def test_completion_token_prompt_stream_with_usage(env):
-    body = {"prompt": [[1, 300, 301, 302]], "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": [[1, 300, 301, 302]],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with env.post("/v1/completions", body) as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         chunks, done = await read_sse(r)
@@ -242,7 +305,10 @@ async def test_completion_token_prompt_stream_with_usage(env):
 
 async def test_chat_non_stream_and_stream(env):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    async with env.post("/v1/chat/completions", {"model": "tiny-llama", "messages": msgs, "max_completion_tokens": 9}) as r:
+    async with env.post(
+        "/v1/chat/completions",
+        {"model": "tiny-llama", "messages": msgs, "max_completion_tokens": 9},
+    ) as r:
         assert r.status == 200
         out = await r.json()
     req, _ = env.backend.requests.get_nowait()
@@ -255,7 +321,12 @@ async def test_chat_non_stream_and_stream(env):
         "created": out["created"],
         "model": "tiny-llama",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": OUT_TEXT}, "logprobs": None, "finish_reason": "stop"}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": OUT_TEXT},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
         ],
         "usage": usage_of(len(ids)),
     }
@@ -311,23 +382,35 @@ async def test_rate_limited_gets_429_with_retry_after(env):
 
 async def test_error_after_stream_started_is_an_sse_chunk(env):
     env.set_behaviour(serve_tokens_then_429)
-    async with env.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+    async with env.post(
+        "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    ) as r:
         assert r.status == 200
         chunks, done = await read_sse(r)
     assert not done
     assert chunks[-1]["error"]["type"] == "rate_limit_exceeded"
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == TOK.decode(OUT_IDS[:3])
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == TOK.decode(
+        OUT_IDS[:3]
+    )
 
 
 async def test_other_backend_errors_keep_their_status(env):
     async def serve_503(b, req, reply):
-        await b.send(reply, Error(request_id=req.request_id, code=ErrorCode.UNAVAILABLE, message="no prefill"))
+        await b.send(
+            reply,
+            Error(request_id=req.request_id, code=ErrorCode.UNAVAILABLE, message="no prefill"),
+        )
 
     env.set_behaviour(serve_503)
     async with env.post("/v1/completions", {"prompt": "hi"}) as r:
         assert r.status == 503
         err = (await r.json())["error"]
-    assert err == {"message": "no prefill", "type": "server_error", "param": None, "code": "service_unavailable"}
+    assert err == {
+        "message": "no prefill",
+        "type": "server_error",
+        "param": None,
+        "code": "service_unavailable",
+    }
 
 
 @pytest.mark.parametrize(
@@ -365,7 +448,9 @@ async def test_stop_string_truncates_and_cancels(env):
 
     env.set_behaviour(serve_forever)
     for stream in (False, True):
-        async with env.post("/v1/completions", {"prompt": "hi", "stop": ["!", "zzz"], "stream": stream}) as r:
+        async with env.post(
+            "/v1/completions", {"prompt": "hi", "stop": ["!", "zzz"], "stream": stream}
+        ) as r:
             assert r.status == 200
             if stream:
                 chunks, done = await read_sse(r)
@@ -408,7 +493,11 @@ async def test_watchdog_prefill_death_is_http_503(env):
     env.set_behaviour(serve_accept_then_silence)
     await env.backend.load("p0", "d0")
     await until(lambda: env.gw.watchdog.liveness.known("p0"))
-    task = asyncio.ensure_future(env.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}).__aenter__())
+    task = asyncio.ensure_future(
+        env.post(
+            "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+        ).__aenter__()
+    )
     req, _ = await asyncio.wait_for(env.backend.requests.get(), 5)
     await until(lambda: env.gw.watchdog.stage(req.request_id) == "prefill")
     env.clock.advance(2.5)
@@ -424,7 +513,9 @@ async def test_watchdog_prefill_death_is_http_503(env):
 
 async def test_request_timeout_is_504(env):
     env.set_behaviour(serve_nothing)
-    task = asyncio.ensure_future(env.post("/v1/completions", {"prompt": "hi", "stream": True}).__aenter__())
+    task = asyncio.ensure_future(
+        env.post("/v1/completions", {"prompt": "hi", "stream": True}).__aenter__()
+    )
     req, _ = await asyncio.wait_for(env.backend.requests.get(), 5)
     env.clock.advance(10.5)
     await until(lambda: env.gw.router.sweep() == 1 or req.request_id not in env.gw.watchdog)
@@ -506,9 +597,17 @@ def test_cli_args():
     assert args.nats == "nats://h:4222"
     cfg = config_from_args(args)
     assert (cfg.port, cfg.host, cfg.model_dir, cfg.served_model_name, cfg.block_size) == (
-        8000, "127.0.0.1", "models/tiny-llama", "tiny-llama", 32,
+        8000,
+        "127.0.0.1",
+        "models/tiny-llama",
+        "tiny-llama",
+        32,
     )
-    assert (cfg.max_prompt_tokens, cfg.max_tokens_limit, cfg.max_body_bytes) == (8192, 4096, 1048576)
+    assert (cfg.max_prompt_tokens, cfg.max_tokens_limit, cfg.max_body_bytes) == (
+        8192,
+        4096,
+        1048576,
+    )
     assert (cfg.request_timeout_s, cfg.dead_after_s) == (120.0, 2.0)
 
 

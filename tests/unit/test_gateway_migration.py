@@ -31,18 +31,31 @@ from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothi
 BS = 4
 PROMPT = list(range(10, 20))  # two full blocks of 4 and a tail of 2
 ORIGINAL = GenerateRequest(
-    request_id="cmpl-1", prompt_token_ids=PROMPT, block_size=BS,
-    block_hashes=block_hashes(PROMPT, BS), sampling=SamplingParams(max_tokens=8),
-    reply_subject="perigee.gw.g.cmpl-1", arrival_ts=5.0,
+    request_id="cmpl-1",
+    prompt_token_ids=PROMPT,
+    block_size=BS,
+    block_hashes=block_hashes(PROMPT, BS),
+    sampling=SamplingParams(max_tokens=8),
+    reply_subject="perigee.gw.g.cmpl-1",
+    arrival_ts=5.0,
 )
 
 
 def plan(generated, attempts=0, limit=3, role="decode", **kw):
-    return migration.plan(ORIGINAL, generated, attempts=attempts, limit=limit, dead_role=role,
-                          dead_instance=f"{role}-0", reply_subject="perigee.gw.g.cmpl-1-m1", **kw)
+    return migration.plan(
+        ORIGINAL,
+        generated,
+        attempts=attempts,
+        limit=limit,
+        dead_role=role,
+        dead_instance=f"{role}-0",
+        reply_subject="perigee.gw.g.cmpl-1-m1",
+        **kw,
+    )
 
 
 # ---------------------------------------------------------------- the pure plan
+
 
 def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
     d = plan([7, 8, 9])
@@ -54,9 +67,15 @@ def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
     # The prompt's block hashes are a prefix of the new ones: placement finds its KV.
     assert r.block_hashes == block_hashes([*PROMPT, 7, 8, 9], BS)
     assert r.block_hashes[:2] == ORIGINAL.block_hashes
-    assert r.migration == Migration(of_request_id="cmpl-1", attempt=1, reason="decode_died",
-                                    dead_instance="decode-0", resumed_tokens=3, prompt_tokens=10,
-                                    dead_request_id="cmpl-1")
+    assert r.migration == Migration(
+        of_request_id="cmpl-1",
+        attempt=1,
+        reason="decode_died",
+        dead_instance="decode-0",
+        resumed_tokens=3,
+        prompt_tokens=10,
+        dead_request_id="cmpl-1",
+    )
 
 
 def test_prefill_death_before_the_first_token_resends_the_prompt_as_it_was():
@@ -77,14 +96,26 @@ def test_nothing_is_resent_when_the_client_has_every_token():
     assert plan([7, 2], eos_token_ids=(2,)) == migration.Finish("stop")
     s = SamplingParams(max_tokens=8, ignore_eos=True)
     d = migration.plan(
-        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s), [7, 2],
-        attempts=0, limit=3, dead_role="decode", dead_instance="d", reply_subject="x",
-        eos_token_ids=(2,))
+        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s),
+        [7, 2],
+        attempts=0,
+        limit=3,
+        dead_role="decode",
+        dead_instance="d",
+        reply_subject="x",
+        eos_token_ids=(2,),
+    )
     assert isinstance(d, migration.Resume)  # EOS does not end an ignore_eos request
     s = SamplingParams(max_tokens=8, stop_token_ids=[9])
     d = migration.plan(
-        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s), [7, 9],
-        attempts=0, limit=3, dead_role="decode", dead_instance="d", reply_subject="x")
+        GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s),
+        [7, 9],
+        attempts=0,
+        limit=3,
+        dead_role="decode",
+        dead_instance="d",
+        reply_subject="x",
+    )
     assert d == migration.Finish("stop")
 
 
@@ -94,7 +125,10 @@ def test_past_the_limit_is_a_clear_error():
     assert "decode instance decode-0 stopped responding" in d.message
     assert "migrated 2 time(s) already (--migration-limit 2)" in d.message
     off = plan([7], limit=0)
-    assert isinstance(off, migration.GiveUp) and "migration is off (--migration-limit 0)" in off.message
+    assert (
+        isinstance(off, migration.GiveUp)
+        and "migration is off (--migration-limit 0)" in off.message
+    )
 
 
 def test_a_death_verdict_names_the_role_and_instance_a_timeout_does_not():
@@ -116,9 +150,16 @@ def test_a_death_verdict_names_the_role_and_instance_a_timeout_does_not():
 
 # ---------------------------------------------------------------- conductor placement
 
+
 def mig(reason="decode_died", dead="d0") -> Migration:
-    return Migration(of_request_id="r", attempt=1, reason=reason, dead_instance=dead,
-                     resumed_tokens=3, prompt_tokens=100)
+    return Migration(
+        of_request_id="r",
+        attempt=1,
+        reason=reason,
+        dead_instance=dead,
+        resumed_tokens=3,
+        prompt_tokens=100,
+    )
 
 
 def test_a_migration_is_placed_where_an_slo_would_reject_a_new_request():
@@ -152,9 +193,16 @@ OUT = TOK.encode("one two three four five six", add_bos=False)
 @pytest.fixture
 async def env(nats_url):
     clock = ManualClock()
-    cfg = GatewayConfig(port=0, max_prompt_tokens=64, max_tokens_limit=100, max_model_len=128,
-                        dead_after_s=2.0, request_timeout_s=10.0, sweep_interval_s=0,
-                        migration_limit=1)
+    cfg = GatewayConfig(
+        port=0,
+        max_prompt_tokens=64,
+        max_tokens_limit=100,
+        max_model_len=128,
+        dead_after_s=2.0,
+        request_timeout_s=10.0,
+        sweep_interval_s=0,
+        migration_limit=1,
+    )
     nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
     gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
     backend = await FakeBackend(nc_be, serve_nothing).start()
@@ -174,15 +222,24 @@ async def send(b: FakeBackend, reply: str, *events) -> None:
 async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
     gw, b, http, clock = env
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
-    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": len(OUT),
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     # The response starts with the first token: post in a task, play the backend here.
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
-               Tokens(request_id=rid, token_ids=OUT[1:3], index=1))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
+        Tokens(request_id=rid, token_ids=OUT[1:3], index=1),
+    )
     async with await asyncio.wait_for(post, 5) as r:
         await until(lambda: gw.watchdog.stage(rid) == "decode")
         # p0 and a new d1 keep reporting; d0 went silent.
@@ -201,13 +258,20 @@ async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
         # client's token 3, and a repeat of it (index 0 again) is not shown twice.
         aid = again.request_id
         await send(b, reply, Tokens(request_id=rid, token_ids=[OUT[0]], index=3))
-        await send(b, reply2,
-                   Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
-                   Tokens(request_id=aid, token_ids=OUT[3:4], index=0, from_prefill=True),
-                   Tokens(request_id=aid, token_ids=OUT[3:], index=0),
-                   Finished(request_id=aid, finish_reason="length",
-                            prompt_tokens=len(again.prompt_token_ids),
-                            completion_tokens=len(OUT) - 3, cached_tokens=0))
+        await send(
+            b,
+            reply2,
+            Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
+            Tokens(request_id=aid, token_ids=OUT[3:4], index=0, from_prefill=True),
+            Tokens(request_id=aid, token_ids=OUT[3:], index=0),
+            Finished(
+                request_id=aid,
+                finish_reason="length",
+                prompt_tokens=len(again.prompt_token_ids),
+                completion_tokens=len(OUT) - 3,
+                cached_tokens=0,
+            ),
+        )
         chunks, done = await read_sse(r)
     assert done
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
@@ -221,21 +285,33 @@ async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
 async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     gw, b, http, clock = env
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
-    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": len(OUT),
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT[:2], index=0))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:2], index=0),
+    )
     async with await asyncio.wait_for(post, 5) as r:
         await until(lambda: gw.watchdog.stage(rid) == "decode")
         clock.advance(2.5)
         gw.watchdog.seen("p0")
         assert gw.router.sweep() == 1
         again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
-        await send(b, reply2, Accepted(request_id=again.request_id, prefill_instance="p0",
-                                       decode_instance="d1"))
+        await send(
+            b,
+            reply2,
+            Accepted(request_id=again.request_id, prefill_instance="p0", decode_instance="d1"),
+        )
         await until(lambda: gw.watchdog.stage(rid) == "prefill")
         clock.advance(2.5)  # d1 dies too, before its first token
         gw.watchdog.seen("p0")
@@ -252,26 +328,38 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
 
 # ---------------------------------------------------------------- the conductor service
 
-async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead_attempt(
-        nats_url):
+
+async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead_attempt(nats_url):
     from bus_schemas import subjects
     from services.common import metrics
     from tests.unit.test_conductor_service import HASHES, PROMPT, FakeStore, Harness
 
     h = Harness(nats_url)
     try:
-        await h.start([FakeStore(None, "np0", held=HASHES), FakeStore(None, "nd0"),
-                       FakeStore(None, "nd1")],
-                      prefills=[("prefill-0", "np0", 0.0)],
-                      decodes=[("decode-0", "nd0"), ("decode-1", "nd1")])
+        await h.start(
+            [FakeStore(None, "np0", held=HASHES), FakeStore(None, "nd0"), FakeStore(None, "nd1")],
+            prefills=[("prefill-0", "np0", 0.0)],
+            decodes=[("decode-0", "nd0"), ("decode-1", "nd1")],
+        )
         await h.schedule("r1")
         dead = (await h.task()).decode_instance
         assert set(h.svc.pending) == {"r1"}
         before = metrics.sample(metrics.MIGRATIONS, reason="decode_died")
-        m = Migration(of_request_id="r1", attempt=1, reason="decode_died", dead_instance=dead,
-                      resumed_tokens=5, prompt_tokens=len(PROMPT), dead_request_id="r1")
-        again = GenerateRequest(request_id="r1-m1", prompt_token_ids=[*PROMPT, 1, 2, 3, 4, 5],
-                                reply_subject=h.inbox, migration=m)
+        m = Migration(
+            of_request_id="r1",
+            attempt=1,
+            reason="decode_died",
+            dead_instance=dead,
+            resumed_tokens=5,
+            prompt_tokens=len(PROMPT),
+            dead_request_id="r1",
+        )
+        again = GenerateRequest(
+            request_id="r1-m1",
+            prompt_token_ids=[*PROMPT, 1, 2, 3, 4, 5],
+            reply_subject=h.inbox,
+            migration=m,
+        )
         await h.nc.publish(subjects.SCHEDULE, encode(again))
         task = await h.task()
         assert task.request.request_id == "r1-m1"
@@ -286,14 +374,23 @@ async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead
 async def test_a_death_after_the_last_token_ends_the_stream_without_a_resend(env):
     gw, b, http, clock = env
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
-    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "hi",
+        "max_tokens": len(OUT),
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
     first, reply = await asyncio.wait_for(b.requests.get(), 5)
     rid = first.request_id
     # Every token arrived; the Finished died with the decode instance.
-    await send(b, reply, Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
-               Tokens(request_id=rid, token_ids=OUT, index=0))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT, index=0),
+    )
     async with await asyncio.wait_for(post, 5) as r:
         await until(lambda: gw.watchdog.stage(rid) == "decode")
         clock.advance(2.5)

@@ -47,7 +47,9 @@ def test_completion_errors():
     assert _err(parse_completion, {"prompt": "x", "temperature": 3}).param == "temperature"
     assert _err(parse_completion, {"prompt": "x", "top_p": 0}).param == "top_p"
     assert _err(parse_completion, {"prompt": "x", "stream_options": {}}).param == "stream_options"
-    assert _err(parse_completion, {"prompt": "x", "stop_token_ids": [1024]}).param == "stop_token_ids"
+    assert (
+        _err(parse_completion, {"prompt": "x", "stop_token_ids": [1024]}).param == "stop_token_ids"
+    )
     _err(parse_completion, [1, 2])
 
 
@@ -57,7 +59,10 @@ def test_chat_parse():
             {
                 "messages": [
                     {"role": "system", "content": "s"},
-                    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    },
                     {"role": "assistant", "content": None, "tool_calls": []},
                 ],
                 "max_completion_tokens": 7,
@@ -72,7 +77,12 @@ def test_chat_parse():
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
     ]
-    assert parse_chat(b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}', V).max_tokens == 3
+    assert (
+        parse_chat(
+            b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 3}', V
+        ).max_tokens
+        == 3
+    )
     assert _err(parse_chat, {"messages": []}).param == "messages"
     assert _err(parse_chat, {"messages": [{"role": "wizard", "content": "x"}]}).param == "messages"
     img = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}
@@ -116,7 +126,14 @@ def test_chunk_shapes():
         "object": "chat.completion.chunk",
         "created": 5,
         "model": "m",
-        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
         "usage": None,
     }
     assert json.loads(w.text("", "stop")[6:])["choices"][0]["delta"] == {}

@@ -144,6 +144,9 @@ def test_the_ground_floor_imports_nothing_above_it():
     for mod, deps in sorted(graph.items()):
         for layer, allowed in LAYERS.items():
             if mod == layer or mod.startswith(layer + "."):
-                bad += [(mod, d) for d in sorted(deps)
-                        if not any(d == a or d.startswith(a + ".") for a in allowed)]
+                bad += [
+                    (mod, d)
+                    for d in sorted(deps)
+                    if not any(d == a or d.startswith(a + ".") for a in allowed)
+                ]
     assert not bad, f"imports from above the module's layer: {bad}"

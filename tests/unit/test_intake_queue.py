@@ -45,10 +45,11 @@ async def test_the_first_claim_of_a_request_id_holds_and_a_later_one_gets_it_bac
 @pytest.fixture
 async def conductor(nats_url):
     h = ConductorHarness(nats_url)
-    await h.start([FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]),
-                   FakeStore(None, "nd0")],
-                  prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
-                  decodes=[("decode-0", "nd0")])
+    await h.start(
+        [FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
     yield h
     await h.close()
 
@@ -90,19 +91,31 @@ async def test_a_claimed_request_is_sent_again_as_placed_not_placed_again(conduc
     delivery that follows re-sends that placement, though the policy would pick the
     cached prefill-1 now."""
     h, r = conductor, rid()
-    req = GenerateRequest(request_id=r, prompt_token_ids=PROMPT, reply_subject=h.inbox,
-                          block_size=32, block_hashes=HASHES)
-    earlier = PrefillTask(request=req, conductor_id="conductor-dead",
-                          prefill_instance="prefill-0", decode_instance="decode-0",
-                          prefill_node="np0", decode_node="nd0", expected_hit_blocks=0,
-                          placed_ts=time.time())
+    req = GenerateRequest(
+        request_id=r,
+        prompt_token_ids=PROMPT,
+        reply_subject=h.inbox,
+        block_size=32,
+        block_hashes=HASHES,
+    )
+    earlier = PrefillTask(
+        request=req,
+        conductor_id="conductor-dead",
+        prefill_instance="prefill-0",
+        decode_instance="decode-0",
+        prefill_node="np0",
+        decode_node="nd0",
+        expected_hit_blocks=0,
+        placed_ts=time.time(),
+    )
     assert (await intake_queue.claim(h.nc.jetstream(), r, encode(earlier)))[1]
     await queue(h, r)
     task = await h.task()
     assert task == earlier
     acc = await h.event()
-    assert acc == Accepted(request_id=r, prefill_instance="prefill-0", decode_instance="decode-0",
-                           cached_tokens=0)
+    assert acc == Accepted(
+        request_id=r, prefill_instance="prefill-0", decode_instance="decode-0", cached_tokens=0
+    )
     await queue_drained(h)
     assert h.svc.resent == 1
     assert r not in h.svc.pending  # booked by nobody here: the dead conductor placed it
@@ -113,15 +126,21 @@ async def test_admission_forwards_a_redelivered_request_without_deciding_again(n
     before (it may have accepted it before dying)."""
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    await intake_queue.ensure_streams(js, [intake_queue.INTAKE_STREAM, intake_queue.SCHEDULE_STREAM])
+    await intake_queue.ensure_streams(
+        js, [intake_queue.INTAKE_STREAM, intake_queue.SCHEDULE_STREAM]
+    )
     await js.purge_stream(intake_queue.INTAKE_STREAM)
     # Play the admission that died: take the request and never ack it (nak: at once again).
     got: asyncio.Queue = asyncio.Queue()
-    dead = await js.subscribe(subjects.INTAKE, queue=subjects.Q_ADMISSION,
-                              durable=subjects.Q_ADMISSION, stream=intake_queue.INTAKE_STREAM,
-                              cb=got.put, manual_ack=True,
-                              config=intake_queue.consumer_config(subjects.Q_ADMISSION,
-                                                                  subjects.INTAKE))
+    dead = await js.subscribe(
+        subjects.INTAKE,
+        queue=subjects.Q_ADMISSION,
+        durable=subjects.Q_ADMISSION,
+        stream=intake_queue.INTAKE_STREAM,
+        cb=got.put,
+        manual_ack=True,
+        config=intake_queue.consumer_config(subjects.Q_ADMISSION, subjects.INTAKE),
+    )
     h = AdmissionHarness()
     again, fresh = rid(), rid()
     scheduled = await nc.subscribe(subjects.SCHEDULE_QUEUE)
@@ -183,8 +202,9 @@ class _Redelivery:
 
 
 async def test_a_redelivered_request_this_admission_rejected_stays_rejected(nats_url):
-    h = await AdmissionHarness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1,
-                                       policy="early")
+    h = await AdmissionHarness().start(
+        nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early"
+    )
     try:
         await h.loads(prefill_work=100.0)
         js = h.nc.jetstream()
@@ -207,8 +227,14 @@ async def test_a_redelivered_request_this_admission_rejected_stays_rejected(nats
 async def test_without_the_durable_intake_admission_forwards_on_core_schedule(nats_url):
     nc = await nats.connect(nats_url)
     core = await nc.subscribe(subjects.SCHEDULE)
-    h = await AdmissionHarness().start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1,
-                                       policy="early", durable_intake=False)
+    h = await AdmissionHarness().start(
+        nats_url,
+        block_size=32,
+        ttft_slo_s=30.0,
+        tbt_slo_s=0.1,
+        policy="early",
+        durable_intake=False,
+    )
     try:
         await h.loads(prefill_work=0.0)
         r = rid()

@@ -26,19 +26,30 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 TREES = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
 K8S_VERSION = "1.32.0"  # the kubectl on these machines (client v1.32)
-PARSERS = {m: f"{m}.__main__" for m in (
-    "services.gateway", "services.admission", "services.conductor",
-    "services.prefill", "services.decode", "services.store")}
+PARSERS = {
+    m: f"{m}.__main__"
+    for m in (
+        "services.gateway",
+        "services.admission",
+        "services.conductor",
+        "services.prefill",
+        "services.decode",
+        "services.store",
+    )
+}
 # Stand-ins for what the kubelet fills in (downward API).
 FIELD_REFS = {"metadata.name": "perigee-prefill-0", "status.podIP": "10.0.0.7"}
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl is not installed (kubectl kustomize renders deploy/k8s)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="kubectl is not installed (kubectl kustomize renders deploy/k8s)",
+)
 
 
 def render(tree: Path) -> list[dict]:
-    out = subprocess.run(["kubectl", "kustomize", str(tree)], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(tree)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -74,10 +85,14 @@ def by_name(docs: list[dict], kind: str, prefix: str) -> dict:
 
 # -- the kubelet's view of a container: its environment and expanded arguments -----------
 
+
 def expand(s: str, env: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: known names are replaced, $$ escapes a $."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), s)
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        s,
+    )
 
 
 def environment(docs: list[dict], c: dict) -> dict[str, str]:
@@ -124,10 +139,12 @@ def port_number(c: dict, port) -> int:
 
 # -- schemas ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tree", list(TREES))
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, tree):
-    kv = pytest.importorskip("kubernetes_validate",
-                             reason="kubernetes-validate is not installed (make install)")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (make install)"
+    )
     docs = rendered[tree]
     assert len(docs) > 20
     for d in docs:
@@ -148,6 +165,7 @@ def test_validation_catches_a_broken_object(rendered):
 
 
 # -- NATS ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tree", list(TREES))
 def test_nats_is_a_cluster_of_three_with_jetstream_on_persistent_volumes(rendered, tree, tmp_path):
@@ -172,12 +190,18 @@ def test_nats_is_a_cluster_of_three_with_jetstream_on_persistent_volumes(rendere
     path = tmp_path / "nats.conf"
     path.write_text(conf.replace(store_dir, str(tmp_path / "js")))
     env = environment(docs, c)
-    r = subprocess.run([nats_server_binary(), "-t", "-c", str(path)], capture_output=True,
-                       text=True, timeout=30, env={**os.environ, **env})
+    r = subprocess.run(
+        [nats_server_binary(), "-t", "-c", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
     assert r.returncode == 0, r.stderr + r.stdout
 
 
 # -- probes, metrics -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tree", list(TREES))
 def test_probes_point_at_what_each_service_serves(rendered, tree):
@@ -205,8 +229,9 @@ def test_probes_point_at_what_each_service_serves(rendered, tree):
             cmd = c["readinessProbe"]["exec"]["command"][-1]
             for role in ("prefill", "decode"):
                 subject = subjects.worker_stats(role, "$POD_NAME")
-                assert (f'python -m perigee.healthcheck --nats "$NATS_URL" '
-                        f'--subject "{subject}"') in cmd
+                assert (
+                    f'python -m perigee.healthcheck --nats "$NATS_URL" --subject "{subject}"'
+                ) in cmd
             assert expand(flag(c, "--instance"), {"POD_NAME": "$POD_NAME"}) == "$POD_NAME"
         else:
             assert c["readinessProbe"]["httpGet"]["path"] == "/metrics"
@@ -231,6 +256,7 @@ def test_every_perigee_pod_is_annotated_for_prometheus_on_a_metrics_port(rendere
 
 # -- resources, GPUs, shared memory ----------------------------------------------------
 
+
 @pytest.mark.parametrize("tree", list(TREES))
 def test_every_container_has_requests_and_limits(rendered, tree):
     for w, c in containers(rendered[tree]):
@@ -249,9 +275,14 @@ def test_only_the_gpu_overlay_asks_for_gpus(rendered):
         r = c["resources"]
         assert r["requests"]["nvidia.com/gpu"] == r["limits"]["nvidia.com/gpu"] == 1
         assert parsed(rendered["gpu"], c)[1].engine == "vllm"
-        assert any(t["key"] == "nvidia.com/gpu" for t in w["spec"]["template"]["spec"]["tolerations"])
-    gpu_containers = [c["name"] for _, c in containers(rendered["gpu"])
-                      if "nvidia.com/gpu" in str(c.get("resources"))]
+        assert any(
+            t["key"] == "nvidia.com/gpu" for t in w["spec"]["template"]["spec"]["tolerations"]
+        )
+    gpu_containers = [
+        c["name"]
+        for _, c in containers(rendered["gpu"])
+        if "nvidia.com/gpu" in str(c.get("resources"))
+    ]
     assert sorted(gpu_containers) == ["worker", "worker"]
     for _, c in containers(rendered["cpu"]):
         if c["name"] == "worker":
@@ -297,6 +328,7 @@ def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(render
 
 # -- credentials -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tree", list(TREES))
 def test_credentials_come_from_secrets(rendered, tree):
     docs = rendered[tree]
@@ -327,9 +359,14 @@ def test_credentials_come_from_secrets(rendered, tree):
         assert "REPLACE-ME" in base64.b64decode(data[k]).decode(), k
 
 
-ROLE_USER = {"services.gateway": "gateway", "services.admission": "admission",
-             "services.conductor": "conductor", "services.prefill": "worker",
-             "services.decode": "worker", "services.store": "store"}
+ROLE_USER = {
+    "services.gateway": "gateway",
+    "services.admission": "admission",
+    "services.conductor": "conductor",
+    "services.prefill": "worker",
+    "services.decode": "worker",
+    "services.store": "store",
+}
 
 
 @pytest.mark.parametrize("tree", list(TREES))
@@ -356,6 +393,7 @@ def test_each_role_logs_in_as_its_own_nats_user_with_permissions(rendered, tree)
 
 # -- scaling ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("tree", list(TREES))
 def test_each_role_scales_by_the_operators_tools(rendered, tree):
     docs = rendered[tree]
@@ -363,10 +401,15 @@ def test_each_role_scales_by_the_operators_tools(rendered, tree):
     pdbs = objs(docs, "PodDisruptionBudget")
     # Gateways: stateless, the HPA owns the replica count.
     [hpa] = objs(docs, "HorizontalPodAutoscaler").values()
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": "perigee-gateway"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "perigee-gateway",
+    }
     assert "replicas" not in deps["perigee-gateway"]["spec"]
-    assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    assert (
+        hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
+    )
     # Admission and conductors: two replicas each, kept by a PodDisruptionBudget.
     for name in ("perigee-admission", "perigee-conductor", "perigee-gateway"):
         if name != "perigee-gateway":
@@ -375,9 +418,13 @@ def test_each_role_scales_by_the_operators_tools(rendered, tree):
         sel = pdbs[name]["spec"]["selector"]["matchLabels"]
         assert sel.items() <= labels.items() and pdbs[name]["spec"]["minAvailable"] == 1
     # Two conductors in one queue group need distinct ids: the pod name.
-    _, conductor = parsed(docs, deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0])
-    assert flag(deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0], "--id") \
+    _, conductor = parsed(
+        docs, deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0]
+    )
+    assert (
+        flag(deps["perigee-conductor"]["spec"]["template"]["spec"]["containers"][0], "--id")
         == "$(POD_NAME)"
+    )
     assert not conductor.pd_controller
     # The P/D controller: exactly one, in a single-replica Deployment that never overlaps.
     pd = [(w, c) for w, c in perigee_containers(docs) if "--pd-controller" in c["args"]]
@@ -391,7 +438,9 @@ def test_each_role_scales_by_the_operators_tools(rendered, tree):
     for role in ("prefill", "decode"):
         s = sts[f"perigee-{role}"]
         assert s["spec"]["replicas"] >= 1
-        worker = next(c for c in s["spec"]["template"]["spec"]["containers"] if c["name"] == "worker")
+        worker = next(
+            c for c in s["spec"]["template"]["spec"]["containers"] if c["name"] == "worker"
+        )
         assert flag(worker, "--instance") == flag(worker, "--node") == "$(POD_NAME)"
         assert parsed(docs, worker)[1].switchable
         assert pdbs[f"perigee-{role}"]["spec"]["maxUnavailable"] == 1
@@ -403,10 +452,15 @@ def test_kubectl_scale_would_find_the_scale_subresources(rendered):
     kinds = {d["kind"] for d in rendered["base"]}
     assert "Pod" not in kinds and "ReplicaSet" not in kinds
     names = {w["metadata"]["name"]: w["kind"] for w in workloads(rendered["base"])}
-    assert names == {"perigee-nats": "StatefulSet", "perigee-gateway": "Deployment",
-                     "perigee-admission": "Deployment", "perigee-conductor": "Deployment",
-                     "perigee-pd-controller": "Deployment", "perigee-prefill": "StatefulSet",
-                     "perigee-decode": "StatefulSet"}
+    assert names == {
+        "perigee-nats": "StatefulSet",
+        "perigee-gateway": "Deployment",
+        "perigee-admission": "Deployment",
+        "perigee-conductor": "Deployment",
+        "perigee-pd-controller": "Deployment",
+        "perigee-prefill": "StatefulSet",
+        "perigee-decode": "StatefulSet",
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,13 +10,22 @@ from services.conductor.policy import PlacementPolicy
 
 
 def p(name: str, work: float, ts: float) -> PrefillLoad:
-    return PrefillLoad(instance=name, node="n-" + name, queue_len=1, queued_tokens=10,
-                       queued_work_s=work, ts=ts)
+    return PrefillLoad(
+        instance=name, node="n-" + name, queue_len=1, queued_tokens=10, queued_work_s=work, ts=ts
+    )
 
 
 def d(name: str, ts: float) -> DecodeLoad:
-    return DecodeLoad(instance=name, node="n-" + name, batch_size=1, waiting=0, max_batch=8,
-                      kv_tokens=100, step_time_s=0.01, ts=ts)
+    return DecodeLoad(
+        instance=name,
+        node="n-" + name,
+        batch_size=1,
+        waiting=0,
+        max_batch=8,
+        kv_tokens=100,
+        step_time_s=0.01,
+        ts=ts,
+    )
 
 
 def test_latest_report_liveness_and_forgetting():

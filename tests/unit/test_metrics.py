@@ -29,8 +29,9 @@ def test_span_metrics_observe_stage_durations():
     h = Histogram("t_prefill_seconds", "x", buckets=(0.01, 0.1, 1.0), registry=reg)
     ops = Histogram("t_store_seconds", "x", ["op"], buckets=(0.01, 0.1, 1.0), registry=reg)
     provider = TracerProvider()
-    provider.add_span_processor(m.SpanMetrics({"prefill.compute": (h, {}),
-                                               "store.ship": (ops, {"op": "ship"})}))
+    provider.add_span_processor(
+        m.SpanMetrics({"prefill.compute": (h, {}), "store.ship": (ops, {"op": "ship"})})
+    )
     tr = provider.get_tracer("t")
     ms = 1_000_000
     tr.start_span("prefill.compute", start_time=0).end(end_time=40 * ms)
@@ -47,8 +48,15 @@ def test_span_metrics_observe_stage_durations():
 
 
 def test_every_stage_span_has_a_histogram():
-    for name in ("conductor.place", "prefill.queue", "prefill.load_prefix", "prefill.compute",
-                 "prefill.ship", "decode.load_kv", "decode.generate"):
+    for name in (
+        "conductor.place",
+        "prefill.queue",
+        "prefill.load_prefix",
+        "prefill.compute",
+        "prefill.ship",
+        "decode.load_kv",
+        "decode.generate",
+    ):
         assert name in m.SPAN_HISTOGRAMS
 
 
@@ -58,9 +66,10 @@ def test_reason_labels_are_low_cardinality():
     assert m.reason_label("prefill pool overloaded (load 1.37 > 1)") == "prefill_overloaded"
     assert m.reason_label("decode pool overloaded (load 2.00 > 1)") == "decode_overloaded"
     assert m.reason_label("no live decode instance") == "no_decode_instance"
-    assert m.reason_label(
-        "decode instance over its TBT SLO after prefill (predicted 0.2s > 0.1s)"
-    ) == "tbt_slo_after_prefill"
+    assert (
+        m.reason_label("decode instance over its TBT SLO after prefill (predicted 0.2s > 0.1s)")
+        == "tbt_slo_after_prefill"
+    )
     assert m.reason_label("no store could take the request (prefill: capacity)") == "store"
     assert m.reason_label("Something 12 new, happened!") == "something_new_happened"
     assert m.reason_label("42") == "unknown"
@@ -78,16 +87,26 @@ def test_count_rejection():
 
 def _prefill_worker():
     q = PrefillQueue(CostModel(), ManualClock(), 32)
-    return SimpleNamespace(queue=q, counters={
-        "tasks_done": 3, "computed_tokens": 700, "prefix_tokens_loaded": 300,
-        "remote_tokens_pulled": 64})
+    return SimpleNamespace(
+        queue=q,
+        counters={
+            "tasks_done": 3,
+            "computed_tokens": 700,
+            "prefix_tokens_loaded": 300,
+            "remote_tokens_pulled": 64,
+        },
+    )
 
 
 def _decode_worker(batch=5, waiting=2, loading=1):
-    engine = SimpleNamespace(stats=lambda: EngineStats(batch_size=batch, waiting=waiting,
-                                                       kv_tokens=1234, step_time_s=0.02))
-    return SimpleNamespace(engine=engine, _loading=loading,
-                           counters={"tokens_generated": 99, "tasks_done": 4})
+    engine = SimpleNamespace(
+        stats=lambda: EngineStats(
+            batch_size=batch, waiting=waiting, kv_tokens=1234, step_time_s=0.02
+        )
+    )
+    return SimpleNamespace(
+        engine=engine, _loading=loading, counters={"tokens_generated": 99, "tasks_done": 4}
+    )
 
 
 def test_worker_collector_prefill_and_decode():
@@ -121,11 +140,29 @@ def test_track_worker():
 
 def test_store_collector_bytes_per_tier_and_transfers():
     pool = BlockPool(10, 32, ManualClock())
-    svc = SimpleNamespace(pool=pool, block_bytes=1000, data=SimpleNamespace(counters={
-        "bytes_in": 4096, "bytes_out": 8192, "transfer_errors": 2, "bad_frames": 1, "ships": 3,
-        "pulls": 1, "writes_in": 5, "reads_in": 0, "local_copies": 0,
-        "blocks_written_remote": 7, "blocks_read_remote": 0, "new_counter": 9,
-        "tcp_bytes": 4096, "shm_bytes": 8192, "rdma_bytes": 0}))
+    svc = SimpleNamespace(
+        pool=pool,
+        block_bytes=1000,
+        data=SimpleNamespace(
+            counters={
+                "bytes_in": 4096,
+                "bytes_out": 8192,
+                "transfer_errors": 2,
+                "bad_frames": 1,
+                "ships": 3,
+                "pulls": 1,
+                "writes_in": 5,
+                "reads_in": 0,
+                "local_copies": 0,
+                "blocks_written_remote": 7,
+                "blocks_read_remote": 0,
+                "new_counter": 9,
+                "tcp_bytes": 4096,
+                "shm_bytes": 8192,
+                "rdma_bytes": 0,
+            }
+        ),
+    )
     reg = CollectorRegistry()
     reg.register(m.store_collector(svc))
     assert value(reg, "perigee:store_bytes", tier="dram") == 0
@@ -148,14 +185,22 @@ def test_store_collector_bytes_per_tier_and_transfers():
 
 
 def test_store_tiers_from_tiered_pool_stats():
-    stats = {"capacity_blocks": 100, "used_blocks": 10, "ssd_capacity_blocks": 1000,
-             "ssd_blocks": 40, "ssd_pinned_blocks": 2, "vram_capacity_blocks": 8, "vram_blocks": 8}
+    stats = {
+        "capacity_blocks": 100,
+        "used_blocks": 10,
+        "ssd_capacity_blocks": 1000,
+        "ssd_blocks": 40,
+        "ssd_pinned_blocks": 2,
+        "vram_capacity_blocks": 8,
+        "vram_blocks": 8,
+    }
     assert m.store_tiers(stats, 2) == {"dram": (20, 200), "ssd": (80, 2000), "vram": (16, 16)}
 
 
 def test_conductor_collector():
-    svc = SimpleNamespace(pending={"a": 1, "b": 2},
-                          policy=SimpleNamespace(stats={"placed": 7, "pulls": 2}))
+    svc = SimpleNamespace(
+        pending={"a": 1, "b": 2}, policy=SimpleNamespace(stats={"placed": 7, "pulls": 2})
+    )
     reg = CollectorRegistry()
     reg.register(m.conductor_collector(svc))
     assert value(reg, "perigee:conductor_pending_requests") == 2

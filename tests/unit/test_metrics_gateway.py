@@ -24,8 +24,9 @@ def snapshot() -> dict[str, float]:
         "gen": m.sample(m.GENERATION_TOKENS, **lab),
         "ok_length": m.sample(m.REQUEST_SUCCESS, model_name=MODEL, finished_reason="length"),
         "err_429": m.sample(m.REQUEST_ERRORS, model_name=MODEL, status="429"),
-        "max_tokens_sum": m.sample(m.REQUEST_MAX_TOKENS, "perigee:request_params_max_tokens_sum",
-                                   **lab),
+        "max_tokens_sum": m.sample(
+            m.REQUEST_MAX_TOKENS, "perigee:request_params_max_tokens_sum", **lab
+        ),
     }
 
 
@@ -35,8 +36,11 @@ def delta(before: dict, after: dict) -> dict:
 
 def test_outcome_times_first_token_and_inter_token_gaps():
     out = Outcome(prompt_tokens=10, max_tokens=8)
-    out.note(Accepted(request_id="r", prefill_instance="p", decode_instance="d",
-                      cached_tokens=4), t0=100.0, now=100.5)
+    out.note(
+        Accepted(request_id="r", prefill_instance="p", decode_instance="d", cached_tokens=4),
+        t0=100.0,
+        now=100.5,
+    )
     out.note(Tokens(request_id="r", token_ids=[1], index=0), t0=100.0, now=101.0)
     out.note(Tokens(request_id="r", token_ids=[2, 3], index=1), t0=100.0, now=101.5)
     out.note(Tokens(request_id="r", token_ids=[4], index=3), t0=100.0, now=101.75)
@@ -51,8 +55,17 @@ def test_observe_a_finished_request_exactly():
     before = snapshot()
     telemetry.observe(out, e2e_s=2.0, model=MODEL)
     assert delta(before, snapshot()) == {
-        "ttft_n": 1, "ttft_sum": 0.5, "itl_n": 3, "itl_sum": 0.75, "e2e_n": 1, "e2e_sum": 2.0,
-        "tpot_sum": 0.5, "prompt": 10, "gen": 4, "ok_length": 1, "max_tokens_sum": 8,
+        "ttft_n": 1,
+        "ttft_sum": 0.5,
+        "itl_n": 3,
+        "itl_sum": 0.75,
+        "e2e_n": 1,
+        "e2e_sum": 2.0,
+        "tpot_sum": 0.5,
+        "prompt": 10,
+        "gen": 4,
+        "ok_length": 1,
+        "max_tokens_sum": 8,
     }
 
 
@@ -66,8 +79,16 @@ def test_observe_a_rejected_request():
 def test_finished_after_tokens_counts_once():
     out = Outcome(prompt_tokens=3)
     out.note(Tokens(request_id="r", token_ids=[1], index=0), t0=0.0, now=0.1)
-    out.finished(Finished(request_id="r", finish_reason="stop", prompt_tokens=3,
-                          completion_tokens=1, cached_tokens=0), text=_Text(1))
+    out.finished(
+        Finished(
+            request_id="r",
+            finish_reason="stop",
+            prompt_tokens=3,
+            completion_tokens=1,
+            cached_tokens=0,
+        ),
+        text=_Text(1),
+    )
     assert (out.finish, out.completion_tokens, out.itl) == ("stop", 1, [])
 
 

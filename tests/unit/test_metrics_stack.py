@@ -25,16 +25,27 @@ def test_metrics_ports_targets_and_api_key(tmp_path, monkeypatch):
     assert len(set(ports.values())) == len(ports) == len(children) - 1
     targets = json.loads((tmp_path / "logs" / "metrics-targets.json").read_text())
     assert {t["labels"]["service"]: t["targets"] for t in targets} == {
-        **{n: [f"127.0.0.1:{p}"] for n, p in ports.items()}, "gateway": ["127.0.0.1:18000"]}
+        **{n: [f"127.0.0.1:{p}"] for n, p in ports.items()},
+        "gateway": ["127.0.0.1:18000"],
+    }
     assert {t["labels"]["role"] for t in targets} == {
-        "store", "prefill", "decode", "admission", "conductor", "gateway"}
+        "store",
+        "prefill",
+        "decode",
+        "admission",
+        "conductor",
+        "gateway",
+    }
     assert s.metrics_urls["gateway"] == "http://127.0.0.1:18000/metrics"
     assert s.spans_file == str(tmp_path / "logs" / "spans.jsonl")
 
 
 def test_metrics_off_and_spans_file_from_extra_env(tmp_path):
-    cfg = StackConfig(log_dir=str(tmp_path), metrics=False,
-                      extra_env={"PERIGEE_SPANS_FILE": str(tmp_path / "x.jsonl")})
+    cfg = StackConfig(
+        log_dir=str(tmp_path),
+        metrics=False,
+        extra_env={"PERIGEE_SPANS_FILE": str(tmp_path / "x.jsonl")},
+    )
     s = Stack(cfg)
     children = s.observability(s.plan())
     assert all("--metrics-port" not in c.argv for c in children)

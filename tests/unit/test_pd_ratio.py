@@ -40,7 +40,10 @@ def test_decode_heavy_switches_the_least_loaded_prefill_instances():
     # still helps: f'(1,3) = (2/3+1)/1.3 is closer to 1; max_step stops there.
     assert plan.prefill_delta == -2 and plan.decode_delta == 2
     # latest loads: p0 9.0, p1 0.1, p2 0.1 -> p1 and p2 go
-    assert plan.switches == (RoleChange("p1", "prefill", "decode"), RoleChange("p2", "prefill", "decode"))
+    assert plan.switches == (
+        RoleChange("p1", "prefill", "decode"),
+        RoleChange("p2", "prefill", "decode"),
+    )
     assert plan.f_im == 3.0 / 1.1 and plan.changed
     assert c.history == [(100.0, plan)]
 
@@ -131,9 +134,25 @@ def test_scale_in_removes_from_the_lighter_side_least_loaded_first():
 
 def test_load_reports_in_slo_units():
     c = PDRatioController(ManualClock(), min_samples=1)
-    c.observe_prefill(PrefillLoad(instance="p0", node="n", queue_len=1, queued_tokens=1, queued_work_s=3.0, ts=0.0), 30.0)
-    c.observe_decode(DecodeLoad(instance="d0", node="m", batch_size=1, waiting=0, max_batch=8, kv_tokens=1,
-                                step_time_s=0.05, ts=0.0), 0.1)
+    c.observe_prefill(
+        PrefillLoad(
+            instance="p0", node="n", queue_len=1, queued_tokens=1, queued_work_s=3.0, ts=0.0
+        ),
+        30.0,
+    )
+    c.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m",
+            batch_size=1,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=1,
+            step_time_s=0.05,
+            ts=0.0,
+        ),
+        0.1,
+    )
     assert c.loads() == (0.1, 0.5)
     with pytest.raises(ValueError):
         c.observe("router", "x", 1.0)

@@ -54,14 +54,30 @@ async def host(nats_url):
     nc = await nats.connect(nats_url)
     tnc = await nats.connect(nats_url)
     reserver = FakeReserver()
-    settings = WorkerSettings(instance=f"sw-{sfx}", node=pn, layout=layout, cost=cost,
-                              report_interval=0.02, drain_quiet_s=0.1, reserver=reserver)
+    settings = WorkerSettings(
+        instance=f"sw-{sfx}",
+        node=pn,
+        layout=layout,
+        cost=cost,
+        report_interval=0.02,
+        drain_quiet_s=0.1,
+        reserver=reserver,
+    )
     h = RoleHost(nc, store, engine, "prefill", settings)
     stop = asyncio.Event()
     run = asyncio.create_task(h.run(stop))
     await asyncio.wait_for(h.serving.wait(), 5)
-    h.t = dict(tnc=tnc, gate=gate, layout=layout, pn=pn, dn=dn, stop=stop, run=run, sfx=sfx,
-               reserver=reserver)
+    h.t = dict(
+        tnc=tnc,
+        gate=gate,
+        layout=layout,
+        pn=pn,
+        dn=dn,
+        stop=stop,
+        run=run,
+        sfx=sfx,
+        reserver=reserver,
+    )
     yield h
     stop.set()
     await asyncio.wait_for(run, 10)
@@ -74,13 +90,24 @@ def prefill_task(h, n: int = 70) -> PrefillTask:
     t = h.t
     bb, nb = t["layout"].block_bytes, -(-n // 32)
     rid = f"req-{uuid.uuid4().hex[:6]}"
-    req = GenerateRequest(request_id=rid, prompt_token_ids=[5 + i % 50 for i in range(n)],
-                          sampling=SamplingParams(max_tokens=2), block_size=32,
-                          reply_subject=f"test.reply.{rid}")
-    t["reserver"].planned[rid] = Reservation(prefill_tx=handle(t["pn"], range(nb), 0, bb),
-                                             decode_tx=handle(t["dn"], range(nb), 0, bb))
-    return PrefillTask(request=req, conductor_id=f"c-{t['sfx']}", prefill_instance=h.settings.instance,
-                       decode_instance=f"dec-{t['sfx']}", prefill_node=t["pn"], decode_node=t["dn"])
+    req = GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=[5 + i % 50 for i in range(n)],
+        sampling=SamplingParams(max_tokens=2),
+        block_size=32,
+        reply_subject=f"test.reply.{rid}",
+    )
+    t["reserver"].planned[rid] = Reservation(
+        prefill_tx=handle(t["pn"], range(nb), 0, bb), decode_tx=handle(t["dn"], range(nb), 0, bb)
+    )
+    return PrefillTask(
+        request=req,
+        conductor_id=f"c-{t['sfx']}",
+        prefill_instance=h.settings.instance,
+        decode_instance=f"dec-{t['sfx']}",
+        prefill_node=t["pn"],
+        decode_node=t["dn"],
+    )
 
 
 async def test_switch_drains_the_running_prefill_then_serves_decode(host):

@@ -14,8 +14,13 @@ def task(rid: str, n: int, hit: int = 0, remote: tuple[int, int] | None = None) 
     src = PrefixSource(node="r0", first_block=remote[0], num_blocks=remote[1]) if remote else None
     return PrefillTask(
         request=GenerateRequest(request_id=rid, prompt_token_ids=[7] * n),
-        conductor_id="c", prefill_instance="p", decode_instance="d",
-        prefill_node="p0", decode_node="d0", expected_hit_blocks=hit, source=src,
+        conductor_id="c",
+        prefill_instance="p",
+        decode_instance="d",
+        prefill_node="p0",
+        decode_node="d0",
+        expected_hit_blocks=hit,
+        source=src,
     )
 
 

@@ -11,28 +11,45 @@ SRC = PrefixSource(node="n9", first_block=1, num_blocks=3)  # holder has blocks 
 
 
 def test_jobs_lock_the_holders_whole_prefix_and_cap_its_tokens():
-    j = plan.jobs(prefill_node="p", decode_node="d", source=SRC, block_hashes=[1, 2, 3, 4, 5],
-                  num_tokens=70, block_size=16, roles=plan.wanted(SRC))
+    j = plan.jobs(
+        prefill_node="p",
+        decode_node="d",
+        source=SRC,
+        block_hashes=[1, 2, 3, 4, 5],
+        num_tokens=70,
+        block_size=16,
+        roles=plan.wanted(SRC),
+    )
     assert {r: (x.node, x.role, x.block_hashes, x.num_tokens) for r, x in j.items()} == {
         "prefill": ("p", TxRole.PREFILL, [1, 2, 3, 4, 5], 70),
         "decode": ("d", TxRole.DECODE, [1, 2, 3, 4, 5], 70),
         "source": ("n9", TxRole.SOURCE, [1, 2, 3, 4], 64),
     }
-    only = plan.jobs(prefill_node="p", decode_node="d", source=SRC, block_hashes=[1],
-                     num_tokens=20, block_size=16, roles={"decode"})
+    only = plan.jobs(
+        prefill_node="p",
+        decode_node="d",
+        source=SRC,
+        block_hashes=[1],
+        num_tokens=20,
+        block_size=16,
+        roles={"decode"},
+    )
     assert list(only) == ["decode"]
     assert plan.wanted(None) == {"prefill", "decode"}
 
 
-@pytest.mark.parametrize(("refused", "failed", "step", "drop"), [
-    ({}, {}, plan.Step.DONE, False),
-    ({"source": "missing"}, {}, plan.Step.DONE, True),
-    ({}, {"source": "timeout"}, plan.Step.DONE, True),
-    ({"decode": "capacity"}, {}, plan.Step.WAIT, False),
-    ({"decode": "capacity", "source": "capacity"}, {}, plan.Step.WAIT, True),
-    ({"prefill": "bad_request"}, {}, plan.Step.FAIL, False),
-    ({"prefill": "capacity"}, {"decode": "timeout"}, plan.Step.FAIL, False),
-])
+@pytest.mark.parametrize(
+    ("refused", "failed", "step", "drop"),
+    [
+        ({}, {}, plan.Step.DONE, False),
+        ({"source": "missing"}, {}, plan.Step.DONE, True),
+        ({}, {"source": "timeout"}, plan.Step.DONE, True),
+        ({"decode": "capacity"}, {}, plan.Step.WAIT, False),
+        ({"decode": "capacity", "source": "capacity"}, {}, plan.Step.WAIT, True),
+        ({"prefill": "bad_request"}, {}, plan.Step.FAIL, False),
+        ({"prefill": "capacity"}, {"decode": "timeout"}, plan.Step.FAIL, False),
+    ],
+)
 def test_next_step(refused, failed, step, drop):
     v = plan.next_step(refused, failed)
     assert (v.step, v.drop_source) == (step, drop)

@@ -48,14 +48,24 @@ class Store:
             self.allocs.append(a)
             if self.refuse > 0:
                 self.refuse -= 1
-                return await self.nc.publish(m.reply, encode(Refused(reason="capacity", message="")))
+                return await self.nc.publish(
+                    m.reply, encode(Refused(reason="capacity", message=""))
+                )
             hit = 0
             while hit < len(a.block_hashes) and a.block_hashes[hit] in self.held:
                 hit += 1
             n = len(a.block_hashes) if a.role == TxRole.SOURCE else -(-a.num_tokens // BS)
-            h = TxHandle(tx_id=f"{self.node}-tx{next(_ids)}", node=self.node, epoch=1,
-                         slots=list(range(n)), hit_blocks=hit, shm_name="", data_addr="",
-                         block_bytes=1, expires_at=time.time() + a.lease_s)
+            h = TxHandle(
+                tx_id=f"{self.node}-tx{next(_ids)}",
+                node=self.node,
+                epoch=1,
+                slots=list(range(n)),
+                hit_blocks=hit,
+                shm_name="",
+                data_addr="",
+                block_bytes=1,
+                expires_at=time.time() + a.lease_s,
+            )
             self.open.add(h.tx_id)
             await self.nc.publish(m.reply, encode(h))
 
@@ -69,9 +79,16 @@ class Store:
             r = decode(m.data, TxRenew)
             self.renewals.append(r)
             ok = [t for t in r.tx_ids if t in self.open]
-            await self.nc.publish(m.reply, encode(TxRenewed(
-                expires_at=time.time() + r.lease_s, renewed=ok,
-                unknown=[t for t in r.tx_ids if t not in ok])))
+            await self.nc.publish(
+                m.reply,
+                encode(
+                    TxRenewed(
+                        expires_at=time.time() + r.lease_s,
+                        renewed=ok,
+                        unknown=[t for t in r.tx_ids if t not in ok],
+                    )
+                ),
+            )
 
         for ep, cb in (("tx.allocate", allocate), ("tx.abort", abort), ("tx.renew", renew)):
             await self.nc.subscribe(subjects.store_ctl(self.node, ep), cb=cb)
@@ -80,11 +97,18 @@ class Store:
 
 
 def task(source: PrefixSource | None = None, nodes=("p0", "d0")) -> PrefillTask:
-    req = GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, block_hashes=HASHES,
-                          block_size=BS)
-    return PrefillTask(request=req, conductor_id="c", prefill_instance="prefill-0",
-                       decode_instance="decode-0", prefill_node=nodes[0], decode_node=nodes[1],
-                       source=source)
+    req = GenerateRequest(
+        request_id="r1", prompt_token_ids=PROMPT, block_hashes=HASHES, block_size=BS
+    )
+    return PrefillTask(
+        request=req,
+        conductor_id="c",
+        prefill_instance="prefill-0",
+        decode_instance="decode-0",
+        prefill_node=nodes[0],
+        decode_node=nodes[1],
+        source=source,
+    )
 
 
 @pytest.fixture
@@ -96,8 +120,9 @@ async def conns(nats_url):
 
 
 def reserver(nc, **kw) -> StoreReserver:
-    return StoreReserver(StoreTx(nc, timeout_s=1.0), lease_s=kw.pop("lease_s", 30.0),
-                         retry_s=0.01, **kw)
+    return StoreReserver(
+        StoreTx(nc, timeout_s=1.0), lease_s=kw.pop("lease_s", 30.0), retry_s=0.01, **kw
+    )
 
 
 async def test_reserve_opens_prefill_decode_and_source_and_pulls_from_the_local_hit(conns):
@@ -110,7 +135,8 @@ async def test_reserve_opens_prefill_decode_and_source_and_pulls_from_the_local_
     assert [a.role for a in p.allocs] == [TxRole.PREFILL]
     assert [a.role for a in d.allocs] == [TxRole.DECODE]
     assert [(a.role, a.block_hashes, a.num_tokens) for a in r.allocs] == [
-        (TxRole.SOURCE, HASHES, 96)]
+        (TxRole.SOURCE, HASHES, 96)
+    ]
     assert res.prefill_tx.hit_blocks == 1 and res.remote is not None
     assert (res.remote.first_block, res.remote.num_blocks) == (1, 2)  # from the local hit on
     assert res.prefix_blocks == 3

@@ -42,7 +42,8 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
 
     # every layer shipped, blocks the decode node already had skipped
     assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
-        (layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)]
+        (layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)
+    ]
     assert_expected(slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, 100), prompt)
     assert_expected(slot_kv(rig.p, rig.layout, rig.res(t).prefill_tx.slots, 100), prompt)
 
@@ -51,22 +52,43 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert events[0].from_prefill and events[0].index == 0 and dt.first_token_sent
     assert not any(e.from_prefill for e in events[1:] if isinstance(e, Tokens))
     assert tokens_of(events) == ref
-    assert events[-1] == Finished(request_id=t.request.request_id, finish_reason="length",
-                                  prompt_tokens=100, completion_tokens=7, cached_tokens=32)
+    assert events[-1] == Finished(
+        request_id=t.request.request_id,
+        finish_reason="length",
+        prompt_tokens=100,
+        completion_tokens=7,
+        cached_tokens=32,
+    )
     assert [(c.tx_id, c.request_id) for c in rig.commits] == [
-        (rig.res(t).decode_tx.tx_id, t.request.request_id)]
+        (rig.res(t).decode_tx.tx_id, t.request.request_id)
+    ]
     ev = await asyncio.wait_for(rig.conductor.get(), 5)
     assert isinstance(ev, FirstTokenNotice)
     assert (ev.request_id, ev.prefill_node, ev.prefill_tx_id) == (
-        t.request.request_id, rig.pn, rig.res(t).prefill_tx.tx_id)
+        t.request.request_id,
+        rig.pn,
+        rig.res(t).prefill_tx.tx_id,
+    )
 
     pc = await rig.stats("prefill", rig.pi)
-    assert pc == {"tasks_done": 1, "tasks_failed": 0, "tasks_cancelled": 0,
-                  "computed_tokens": 68, "prefix_tokens_loaded": 32, "remote_tokens_pulled": 0}
+    assert pc == {
+        "tasks_done": 1,
+        "tasks_failed": 0,
+        "tasks_cancelled": 0,
+        "computed_tokens": 68,
+        "prefix_tokens_loaded": 32,
+        "remote_tokens_pulled": 0,
+    }
     dc = await rig.stats("decode", rig.di)
-    assert dc == {"tasks_done": 1, "tasks_failed": 0, "tasks_aborted": 0,
-                  "tokens_generated": 7, "kv_tokens_loaded": 100, "commits_failed": 0,
-                  "running": 0}
+    assert dc == {
+        "tasks_done": 1,
+        "tasks_failed": 0,
+        "tasks_aborted": 0,
+        "tokens_generated": 7,
+        "kv_tokens_loaded": 100,
+        "commits_failed": 0,
+        "running": 0,
+    }
 
 
 async def test_first_token_waits_for_decode_when_prefill_may_not_stream_it(rig):
@@ -90,10 +112,14 @@ async def test_remote_prefix_is_pulled_before_compute(rig):
     assert events[-1].cached_tokens == 64
     assert rig.p.pulls == [rig.res(t).remote]
     assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
-        (layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)]
+        (layer, (0, 1, 2)) for layer in range(rig.spec.num_layers)
+    ]
     pc = await rig.stats("prefill", rig.pi)
     assert (pc["remote_tokens_pulled"], pc["prefix_tokens_loaded"], pc["computed_tokens"]) == (
-        64, 64, 16)
+        64,
+        64,
+        16,
+    )
 
 
 async def test_full_hit_on_both_nodes_ships_nothing(rig):
@@ -131,7 +157,8 @@ async def test_bad_task_is_refused_before_queueing(rig):
     bad = msgspec.structs.replace(t, prefill_node="elsewhere")
     (err,) = await until_terminal(await rig.submit(bad))
     assert err.code == ErrorCode.INTERNAL and err.message == (
-        f"bad prefill task: placed for node elsewhere, this instance is on {rig.pn}")
+        f"bad prefill task: placed for node elsewhere, this instance is on {rig.pn}"
+    )
     assert rig.reserver.reserved == []  # nothing was reserved for it
 
 
@@ -140,10 +167,12 @@ async def test_reservation_that_does_not_fit_is_released(rig):
     rid = t.request.request_id
     res = rig.res(t)
     rig.reserver.planned[rid] = dataclasses.replace(
-        res, prefill_tx=msgspec.structs.replace(res.prefill_tx, slots=[0]))
+        res, prefill_tx=msgspec.structs.replace(res.prefill_tx, slots=[0])
+    )
     (err,) = await until_terminal(await rig.submit(t))
     assert err.code == ErrorCode.INTERNAL and err.message == (
-        "bad prefill task: prefill tx has 1 slots for 40 tokens")
+        "bad prefill task: prefill tx has 1 slots for 40 tokens"
+    )
     assert rig.reserver.released == [(rid, err.message)] and rig.reserver.handed_off == []
 
 
@@ -202,10 +231,14 @@ async def test_queue_is_fifo_reports_load_and_honours_cancel(nats_url):
         want = rig.cost.prefill_time(60) + rig.cost.prefill_time(70)
         assert want <= load.queued_work_s <= want + rig.cost.prefill_time(50)
 
-        await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=b.request.request_id)))
+        await rig.tnc.publish(
+            subjects.CANCEL, encode(CancelRequest(request_id=b.request.request_id))
+        )
         (err,) = await until_terminal(qb)
         assert err.code == ErrorCode.CANCELLED
-        await rig.tnc.publish(subjects.CANCEL, encode(CancelRequest(request_id=a.request.request_id)))
+        await rig.tnc.publish(
+            subjects.CANCEL, encode(CancelRequest(request_id=a.request.request_id))
+        )
         (err,) = await until_terminal(qa)
         assert err.code == ErrorCode.CANCELLED
         failed = {(await asyncio.wait_for(rig.conductor.get(), 5)).request_id for _ in range(2)}
@@ -247,7 +280,6 @@ async def test_shutdown_fails_queued_and_running_tasks(nats_url):
     await rig.close()
 
 
-
 async def test_next_request_computes_while_the_previous_kv_is_shipping(rig):
     # The link is stalled: request a's KV cannot leave, yet b is computed and streams
     # its first token; a is handed to decode only once its ships are through.
@@ -263,8 +295,9 @@ async def test_next_request_computes_while_the_previous_kv_is_shipping(rig):
     rig.p.gate.set()
     assert tokens_of([first_a, *await until_terminal(qa)]) == rig.reference(pa, 2)
     assert tokens_of([first_b, *await until_terminal(qb)]) == rig.reference(pb, 2)
-    handed = {(await asyncio.wait_for(rig.decode_tasks.get(), 5)).request.request_id
-              for _ in range(2)}
+    handed = {
+        (await asyncio.wait_for(rig.decode_tasks.get(), 5)).request.request_id for _ in range(2)
+    }
     assert handed == {ta.request.request_id, tb.request.request_id}
     assert (await rig.stats("prefill", rig.pi))["tasks_done"] == 2
 

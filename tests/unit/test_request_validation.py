@@ -35,28 +35,51 @@ def _problem(**kw) -> str | None:
 # ------------------------------------------------------------------ SamplingParams.problem
 
 
-@pytest.mark.parametrize(("kw", "field"), [
-    ({}, None),
-    ({"max_tokens": 1}, None), ({"max_tokens": INT32_MAX}, None),
-    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": INT32_MAX + 1}, "max_tokens"),
-    ({"temperature": 0.0}, None), ({"temperature": 2.0}, None),
-    ({"temperature": -0.01}, "temperature"), ({"temperature": 2.01}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-    ({"top_p": 1.0}, None), ({"top_p": 1e-9}, None),
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.0001}, "top_p"), ({"top_p": float("nan")}, "top_p"),
-    ({"seed": INT64_MAX}, None), ({"seed": INT64_MIN}, None), ({"seed": None}, None),
-    ({"seed": 2**70}, "seed"), ({"seed": INT64_MAX + 1}, "seed"), ({"seed": INT64_MIN - 1}, "seed"),
-    ({"stop_token_ids": [0, INT32_MAX]}, None),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [2**40]}, "stop_token_ids"),
-    ({"top_k": -1}, None), ({"top_k": 0}, None), ({"top_k": INT32_MAX}, None),
-    ({"top_k": -2}, "top_k"), ({"top_k": INT32_MAX + 1}, "top_k"),
-    ({"min_p": 0.0}, None), ({"min_p": 1.0}, None),
-    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"), ({"min_p": float("nan")}, "min_p"),
-    ({"repetition_penalty": 1e-6}, None), ({"repetition_penalty": 50.0}, None),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"),
-    ({"repetition_penalty": -1.0}, "repetition_penalty"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
-])
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({}, None),
+        ({"max_tokens": 1}, None),
+        ({"max_tokens": INT32_MAX}, None),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": INT32_MAX + 1}, "max_tokens"),
+        ({"temperature": 0.0}, None),
+        ({"temperature": 2.0}, None),
+        ({"temperature": -0.01}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": 1.0}, None),
+        ({"top_p": 1e-9}, None),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.0001}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": INT64_MAX}, None),
+        ({"seed": INT64_MIN}, None),
+        ({"seed": None}, None),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": INT64_MAX + 1}, "seed"),
+        ({"seed": INT64_MIN - 1}, "seed"),
+        ({"stop_token_ids": [0, INT32_MAX]}, None),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"top_k": -1}, None),
+        ({"top_k": 0}, None),
+        ({"top_k": INT32_MAX}, None),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": INT32_MAX + 1}, "top_k"),
+        ({"min_p": 0.0}, None),
+        ({"min_p": 1.0}, None),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"repetition_penalty": 1e-6}, None),
+        ({"repetition_penalty": 50.0}, None),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ],
+)
 def test_sampling_bounds(kw, field):
     assert _problem(**kw) == field
 
@@ -66,8 +89,9 @@ def test_admission_refuses_out_of_bounds_sampling_on_the_bus():
     from services.admission.service import AdmissionConfig, AdmissionService
 
     svc = AdmissionService(None, AdmissionConfig(block_size=4))
-    req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
-                          sampling=SamplingParams(seed=2**70))
+    req = GenerateRequest(
+        request_id="r", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(seed=2**70)
+    )
     _, problem = svc.fill(req, "reply")
     assert problem == f"seed must be a 64-bit signed integer, got {2**70}"
     _, problem = svc.fill(GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3]), "reply")
@@ -91,49 +115,98 @@ def _err(body: dict, chat: bool = False) -> ApiError:
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_served_sampling_fields_pass_through(chat):
-    p = _parse({"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05,
-                "repetition_penalty": 1.1, "seed": INT64_MIN, "presence_penalty": 0,
-                "frequency_penalty": 0.0, "stop": ["a", "b"], "stop_token_ids": [5]}, chat)
+    p = _parse(
+        {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "seed": INT64_MIN,
+            "presence_penalty": 0,
+            "frequency_penalty": 0.0,
+            "stop": ["a", "b"],
+            "stop_token_ids": [5],
+        },
+        chat,
+    )
     s = p.sampling(7)
-    assert s == SamplingParams(max_tokens=7, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05,
-                               repetition_penalty=1.1, seed=INT64_MIN, stop_token_ids=[5])
+    assert s == SamplingParams(
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        seed=INT64_MIN,
+        stop_token_ids=[5],
+    )
     assert p.stop == ["a", "b"]
     assert _parse({"seed": -1}, chat).seed is None  # vLLM: -1 means no seed
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize(("body", "param"), [
-    ({"seed": 2**70}, "seed"), ({"seed": INT64_MAX + 1}, "seed"), ({"seed": "1"}, "seed"),
-    ({"temperature": 2.5}, "temperature"), ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"), ({"top_p": 2}, "top_p"),
-    ({"top_k": -5}, "top_k"), ({"top_k": 2**40}, "top_k"), ({"top_k": 1.5}, "top_k"),
-    ({"min_p": 2}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"stop": [""]}, "stop"), ({"stop": ""}, "stop"), ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
-    ({"stop": [1]}, "stop"),
-    ({"stop_token_ids": [V]}, "stop_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
-    ({"n": 2}, "n"), ({"n": 0}, "n"),
-    ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": True}}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"seed": 2**70}, "seed"),
+        ({"seed": INT64_MAX + 1}, "seed"),
+        ({"seed": "1"}, "seed"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 2}, "top_p"),
+        ({"top_k": -5}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop_token_ids": [V]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
+        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
 def test_out_of_bounds_is_a_400_naming_the_field(body, param, chat):
     assert _err(body, chat).param == param
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize(("body", "param"), [
-    ({"logprobs": 5}, "logprobs"), ({"logprobs": 0}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"top_logprobs": 3}, "top_logprobs"), ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"echo": True}, "echo"), ({"best_of": 2}, "best_of"), ({"suffix": "s"}, "suffix"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"min_tokens": 3}, "min_tokens"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"guided_json": {}}, "guided_json"), ({"priority": 1}, "priority"),
-    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
-    ({"allowed_token_ids": [1]}, "allowed_token_ids"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"logprobs": "junk"}, "logprobs"), ({"echo": [1, {"a": None}]}, "echo"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"logprobs": 5}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"echo": True}, "echo"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "s"}, "suffix"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"min_tokens": 3}, "min_tokens"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {}}, "guided_json"),
+        ({"priority": 1}, "priority"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"allowed_token_ids": [1]}, "allowed_token_ids"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logprobs": "junk"}, "logprobs"),
+        ({"echo": [1, {"a": None}]}, "echo"),
+    ],
+)
 def test_known_but_unserved_fields_are_refused_by_name(body, param, chat):
     e = _err(body, chat)
     assert (e.param, e.code) == (param, "unsupported_parameter")
@@ -141,13 +214,34 @@ def test_known_but_unserved_fields_are_refused_by_name(body, param, chat):
 
 
 def test_unserved_fields_at_their_neutral_values_pass():
-    neutral = {"logprobs": None, "top_logprobs": 0, "logit_bias": {}, "echo": False, "best_of": 1,
-               "suffix": None, "presence_penalty": 0, "frequency_penalty": 0, "min_tokens": 0,
-               "response_format": {"type": "text"}, "priority": 0, "skip_special_tokens": True,
-               "length_penalty": 1.0, "bad_words": []}
+    neutral = {
+        "logprobs": None,
+        "top_logprobs": 0,
+        "logit_bias": {},
+        "echo": False,
+        "best_of": 1,
+        "suffix": None,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "min_tokens": 0,
+        "response_format": {"type": "text"},
+        "priority": 0,
+        "skip_special_tokens": True,
+        "length_penalty": 1.0,
+        "bad_words": [],
+    }
     _parse(neutral)
-    _parse({**neutral, "logprobs": False, "tools": [], "tool_choice": "none",
-            "add_generation_prompt": True, "modalities": ["text"]}, chat=True)
+    _parse(
+        {
+            **neutral,
+            "logprobs": False,
+            "tools": [],
+            "tool_choice": "none",
+            "add_generation_prompt": True,
+            "modalities": ["text"],
+        },
+        chat=True,
+    )
     with pytest.raises(ApiError) as ei:
         _parse({"tools": [{"type": "function", "function": {"name": "f"}}]}, chat=True)
     assert ei.value.param == "tools"
@@ -155,10 +249,14 @@ def test_unserved_fields_at_their_neutral_values_pass():
 
 
 def test_raw_json_vllm_would_not_take():
-    for raw, param in [(b'{"prompt": "x", "temperature": 1e999}', "temperature"),
-                       (b'{"prompt": "x", "temperature": NaN}', None),
-                       (b'{"prompt": "x", "seed": 1180591620717411303424}', "seed"),
-                       (b'{"prompt": "x", "max_tokens": 4', None), (b"", None), (b"[]", None)]:
+    for raw, param in [
+        (b'{"prompt": "x", "temperature": 1e999}', "temperature"),
+        (b'{"prompt": "x", "temperature": NaN}', None),
+        (b'{"prompt": "x", "seed": 1180591620717411303424}', "seed"),
+        (b'{"prompt": "x", "max_tokens": 4', None),
+        (b"", None),
+        (b"[]", None),
+    ]:
         with pytest.raises(ApiError) as ei:
             parse_completion(raw, V)
         assert (ei.value.status, ei.value.param) == (400, param), raw
@@ -212,9 +310,16 @@ def test_vllm_engine_fails_the_request_not_itself():
     from services.engine.vllm.options import VllmOptions
 
     spec = ModelSpec.from_dir(DEFAULT_MODEL_DIR)
-    eng = VllmEngine(spec, VllmOptions(str(DEFAULT_MODEL_DIR)), role="prefill",
-                     hash_block_size=32, block_bytes=spec.block_bytes(32))
-    ok = eng._request_params([1, 2, 3], SamplingParams(seed=INT64_MAX, top_k=10**6, temperature=0.5), 1, "k")
+    eng = VllmEngine(
+        spec,
+        VllmOptions(str(DEFAULT_MODEL_DIR)),
+        role="prefill",
+        hash_block_size=32,
+        block_bytes=spec.block_bytes(32),
+    )
+    ok = eng._request_params(
+        [1, 2, 3], SamplingParams(seed=INT64_MAX, top_k=10**6, temperature=0.5), 1, "k"
+    )
     assert ok.seed == INT64_MAX and ok.top_k == spec.vocab_size
     for prompt, s, words in [
         ([1, spec.vocab_size], SamplingParams(), "outside the vocabulary"),

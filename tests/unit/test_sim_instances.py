@@ -16,8 +16,18 @@ from services.common.cost_model import CostModel
 
 # 1 KV byte per token, prefill 1 flop per token at 20 flop/s (0.05 s/token), decode step
 # = context tokens / 1000 s, transfers free.
-TOY = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=2, elem_bytes=1, gpu_flops=20.0,
-                hbm_bw=1000.0, weight_bytes=0.0, nic_bw=math.inf)
+TOY = CostModel(
+    layers=1,
+    d=1,
+    a=0.0,
+    b=1.0,
+    gqa=2,
+    elem_bytes=1,
+    gpu_flops=20.0,
+    hbm_bw=1000.0,
+    weight_bytes=0.0,
+    nic_bw=math.inf,
+)
 
 
 def req(i: int, n: int, out: int, t: float = 0.0) -> SimRequest:
@@ -128,8 +138,9 @@ def test_prefill_fifo_queue_and_load():
     loop = EventLoop()
     out = []
     link = Link(TOY)
-    p = PrefillInstance("P", "n0", loop, TOY, link, {"n0": link},
-                        lambda r, t: out.append((r.rid, t)))
+    p = PrefillInstance(
+        "P", "n0", loop, TOY, link, {"n0": link}, lambda r, t: out.append((r.rid, t))
+    )
     a, b = req(0, 20, 1), req(1, 40, 1)
     loop.at(0.0, p.push, a)
     loop.at(0.0, p.push, b)
@@ -191,9 +202,14 @@ def reference_decode(cost: CostModel, arrivals: list[tuple[float, int, int]], ma
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.floats(0, 3), st.integers(1, 2000), st.integers(1, 12)),
-                min_size=1, max_size=12),
-       st.integers(1, 4))
+@given(
+    st.lists(
+        st.tuples(st.floats(0, 3), st.integers(1, 2000), st.integers(1, 12)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 4),
+)
 def test_segments_match_per_step_batching(arrivals, max_batch):
     loop = EventLoop()
     dec = DecodeInstance("D", "n1", loop, TOY, lambda r: None, max_batch=max_batch)
@@ -217,9 +233,17 @@ def test_prefill_handoff_holds_the_instance_after_each_compute():
     loop = EventLoop()
     out, freed = [], []
     link = Link(TOY)
-    p = PrefillInstance("P", "n0", loop, TOY, link, {"n0": link},
-                        lambda r, t: out.append((r.rid, t)), handoff_s=0.25,
-                        on_free=lambda inst: freed.append(loop.now()))
+    p = PrefillInstance(
+        "P",
+        "n0",
+        loop,
+        TOY,
+        link,
+        {"n0": link},
+        lambda r, t: out.append((r.rid, t)),
+        handoff_s=0.25,
+        on_free=lambda inst: freed.append(loop.now()),
+    )
     a, b = req(0, 20, 1), req(1, 40, 1)
     loop.at(0.0, p.push, a)
     loop.at(0.0, p.push, b)

@@ -20,8 +20,12 @@ def test_a_queued_request_holds_no_store_slots():
 
     def probe():
         r0, r1 = sim.requests
-        seen.update(running=set(r0.txs), queued=dict(r1.txs), r1=r1.state,
-                    open=len(sim.cluster.nodes["n00"].pool.open_txs()))
+        seen.update(
+            running=set(r0.txs),
+            queued=dict(r1.txs),
+            r1=r1.state,
+            open=len(sim.cluster.nodes["n00"].pool.open_txs()),
+        )
 
     sim.loop.at(2.0, probe)
     sim.run()

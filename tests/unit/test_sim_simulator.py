@@ -16,12 +16,42 @@ from services.common.cost_model import CostModel
 from services.conductor.policy import PlacementPolicy
 
 # prefill 0.05 s/token, decode step = context tokens / 1000 s, KV 1 byte/token, free links
-TOY = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=2, elem_bytes=1, gpu_flops=20.0,
-                hbm_bw=1000.0, weight_bytes=0.0, nic_bw=math.inf)
-FAST = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=2, elem_bytes=1, gpu_flops=1e4,
-                 hbm_bw=1e6, weight_bytes=0.0, nic_bw=math.inf)
-PULL = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=2, elem_bytes=1, gpu_flops=2000.0,
-                 hbm_bw=1e6, weight_bytes=0.0, nic_bw=math.inf)
+TOY = CostModel(
+    layers=1,
+    d=1,
+    a=0.0,
+    b=1.0,
+    gqa=2,
+    elem_bytes=1,
+    gpu_flops=20.0,
+    hbm_bw=1000.0,
+    weight_bytes=0.0,
+    nic_bw=math.inf,
+)
+FAST = CostModel(
+    layers=1,
+    d=1,
+    a=0.0,
+    b=1.0,
+    gqa=2,
+    elem_bytes=1,
+    gpu_flops=1e4,
+    hbm_bw=1e6,
+    weight_bytes=0.0,
+    nic_bw=math.inf,
+)
+PULL = CostModel(
+    layers=1,
+    d=1,
+    a=0.0,
+    b=1.0,
+    gqa=2,
+    elem_bytes=1,
+    gpu_flops=2000.0,
+    hbm_bw=1e6,
+    weight_bytes=0.0,
+    nic_bw=math.inf,
+)
 B = 512
 
 
@@ -60,8 +90,11 @@ def test_global_policy_pulls_the_prefix_to_an_idle_node_and_replicates_it():
 
 
 def test_local_policy_never_pulls():
-    trace = [tr(0.0, 4 * B, 1, (1, 2, 3, 4)), tr(1.5, 40 * B, 1, tuple(range(100, 140))),
-             tr(2.0, 4 * B, 1, (1, 2, 3, 5))]
+    trace = [
+        tr(0.0, 4 * B, 1, (1, 2, 3, 4)),
+        tr(1.5, 40 * B, 1, tuple(range(100, 140))),
+        tr(2.0, 4 * B, 1, (1, 2, 3, 5)),
+    ]
     sim = run(trace, prefill=2, decode=1, decode_cache_tokens=0, cost=PULL, policy="local")
     r0, r1, r2 = sim.requests
     assert (r2.prefill_node, r2.pulled_tokens, r2.cached_tokens) == ("n01", 0, 0)
@@ -127,20 +160,31 @@ class SpyAdmission(EarlyRejectionPolicy):
 def test_the_simulator_calls_the_live_policy_classes():
     SpyPlacement.calls, SpyAdmission.decided = [], []
     trace = [tr(0.0, 3 * B, 1, (1, 2, 3)), tr(5.0, 3 * B, 1, (1, 2, 7))]
-    sim = Simulator(trace, SimConfig(prefill=2, decode=1, cost=FAST),
-                    placement_cls=SpyPlacement,
-                    admission=lambda name, clock, cost, **kw: SpyAdmission(clock, cost, **kw))
+    sim = Simulator(
+        trace,
+        SimConfig(prefill=2, decode=1, cost=FAST),
+        placement_cls=SpyPlacement,
+        admission=lambda name, clock, cost, **kw: SpyAdmission(clock, cost, **kw),
+    )
     sim.run()
     assert isinstance(sim.placement, SpyPlacement) and isinstance(sim.admission, SpyAdmission)
     assert SpyAdmission.decided == ["r0", "r1"]
-    assert SpyPlacement.calls == [("r0", {}, "Placement"), ("r1", {"n00": 2, "n02": 2}, "Placement")]
+    assert SpyPlacement.calls == [
+        ("r0", {}, "Placement"),
+        ("r1", {"n00": 2, "n02": 2}, "Placement"),
+    ]
     assert sim.placement.clock is sim.loop.clock is sim.admission.clock
     assert sim.placement.dispatched() == []  # every dispatch released at the end
 
 
 def test_simulate_returns_the_summary_dict():
-    s = simulate([tr(0.0, 600, 3, (1, 2)), tr(0.5, 600, 3, (1, 3))], SimConfig(cost=FAST),
-                 prefill=2, decode=2, block_size=B)
+    s = simulate(
+        [tr(0.0, 600, 3, (1, 2)), tr(0.5, 600, 3, (1, 3))],
+        SimConfig(cost=FAST),
+        prefill=2,
+        decode=2,
+        block_size=B,
+    )
     for key in ("requests", "completed", "rejected", "cache_hit_rate", "wall_s"):
         assert key in s
     assert set(s["ttft_s"]) >= {"mean", "p50", "p99"} and set(s["tbt_s"]) >= {"mean", "p99"}
@@ -162,11 +206,25 @@ def test_pd_controller_moves_an_idle_decode_node_to_prefill():
     # 2P2D; 2.5 s prompts flood the prefill pool, 1-token outputs leave decode idle. The
     # switched node drains the requests already placed on it (they land by ~30 s), then
     # serves prefill: the late requests spread over three prefill instances.
-    trace = [tr(0.05 * i, 50, 1) for i in range(30)] + [tr(40.0 + 0.01 * i, 50, 1) for i in range(3)]
-    sim = Simulator(trace, SimConfig(
-        prefill=2, decode=2, cost=replace(TOY, hbm_bw=1e5), pd_controller=True,
-        pd_kw={"sample_s": 1.0, "interval_s": 2.0, "window_s": 4.0, "cooldown_s": 1e9,
-               "min_samples": 2})).run()
+    trace = [tr(0.05 * i, 50, 1) for i in range(30)] + [
+        tr(40.0 + 0.01 * i, 50, 1) for i in range(3)
+    ]
+    sim = Simulator(
+        trace,
+        SimConfig(
+            prefill=2,
+            decode=2,
+            cost=replace(TOY, hbm_bw=1e5),
+            pd_controller=True,
+            pd_kw={
+                "sample_s": 1.0,
+                "interval_s": 2.0,
+                "window_s": 4.0,
+                "cooldown_s": 1e9,
+                "min_samples": 2,
+            },
+        ),
+    ).run()
     assert sim.resizer.switches == [(2.0, "n02", "decode", "prefill")]
     assert sorted(sim.prefills) == ["P-n00", "P-n01", "P-n02"] and sorted(sim.decodes) == ["D-n03"]
     assert sim.cluster.nodes["n02"].role == "prefill"
@@ -198,8 +256,13 @@ def test_baseline_first_token_waits_for_decode_to_take_the_request():
 
 
 def test_dispatch_and_handoff_delay_the_prefill_queue():
-    sim = run([tr(0.0, 20, 1), tr(0.0, 40, 1)], cost=TOY, dispatch_s=0.5,
-              prefill_handoff_s=0.25, first_token_hop_s=0.1)
+    sim = run(
+        [tr(0.0, 20, 1), tr(0.0, 40, 1)],
+        cost=TOY,
+        dispatch_s=0.5,
+        prefill_handoff_s=0.25,
+        first_token_hop_s=0.1,
+    )
     r0, r1 = sim.requests
     assert (r0.started, r0.prefill_end, r0.ttft_s) == (0.5, 1.5, 1.6)
     # r1 waits for r0's compute and handoff (1.75), then computes 2 s
@@ -234,14 +297,18 @@ class ReportSpy(PlacementPolicy):
 def test_load_reports_come_on_timers_and_decisions_see_the_last_one():
     ReportSpy.reports, ReportSpy.seen = [], []
     trace = [tr(0.0, 20, 1), tr(2.5, 20, 1), tr(5.0, 20, 1)]
-    sim = Simulator(trace, SimConfig(prefill=2, decode=1, cost=TOY, report_interval_s=1.0),
-                    placement_cls=ReportSpy).run()
+    sim = Simulator(
+        trace,
+        SimConfig(prefill=2, decode=1, cost=TOY, report_interval_s=1.0),
+        placement_cls=ReportSpy,
+    ).run()
     assert all(r.state == "DONE" for r in sim.requests)
     for inst in ("P-n00", "P-n01"):
         times = [t for i, t in ReportSpy.reports if i == inst]
         assert times[0] == 0.0 and 0.0 <= times[1] <= 1.0  # at the first arrival, then a phase
         assert [b - a for a, b in zip(times[1:], times[2:], strict=False)] == pytest.approx(
-            [1.0] * (len(times) - 2))
+            [1.0] * (len(times) - 2)
+        )
         assert times[-1] <= sim.requests[-1].finished  # the timers stop when all is done
     # a decision sees each instance's latest report, at most one interval old
     for at, seen in zip((0.0, 2.5, 5.0), ReportSpy.seen, strict=True):
@@ -265,8 +332,24 @@ def test_cli_report_interval_gives_the_policies_stale_views(tmp_path, monkeypatc
 
     monkeypatch.setattr(sim_mod, "Simulator", Spy)
     out = tmp_path / "s.json"
-    assert cli.main(["--limit", "30", "--prefill", "2", "--decode", "1", "--report-interval",
-                     "0.1", "--no-progress", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "--limit",
+                "30",
+                "--prefill",
+                "2",
+                "--decode",
+                "1",
+                "--report-interval",
+                "0.1",
+                "--no-progress",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     cfg = seen["cfg"]
     assert cfg.report_interval_s == 0.1 and cfg.placement_kw == {"report_grace_s": 0.05}
     assert json.loads(out.read_text())["completed"] == 30

@@ -8,7 +8,9 @@ from services.store.block_pool import Allocation, BlockPool
 from services.store.eviction import LRUEviction
 
 
-def make_pool(capacity: int = 8, block_size: int = 4, clock: ManualClock | None = None) -> BlockPool:
+def make_pool(
+    capacity: int = 8, block_size: int = 4, clock: ManualClock | None = None
+) -> BlockPool:
     return BlockPool(capacity, block_size, clock or ManualClock(), id_prefix="t-")
 
 
@@ -20,8 +22,13 @@ def with_events(pool: BlockPool, result):
 
 
 def req(hashes: list[int], num_tokens: int, role: TxRole = TxRole.PREFILL, **kw) -> TxAllocate:
-    return TxAllocate(request_id=kw.pop("request_id", "r"), role=role, block_hashes=hashes,
-                      num_tokens=num_tokens, **kw)
+    return TxAllocate(
+        request_id=kw.pop("request_id", "r"),
+        role=role,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        **kw,
+    )
 
 
 def alloc(pool: BlockPool, hashes: list[int], num_tokens: int, **kw) -> Allocation:
@@ -99,7 +106,9 @@ def test_lru_eviction_order_and_reuse_moves_block_to_newest():
 def test_locked_block_is_never_evicted_and_refusal_changes_nothing():
     pool = make_pool(capacity=2, block_size=1)
     committed(pool, [1, 2], 2)
-    b, events = with_events(pool, pool.allocate(req([1], 2)))  # hits 1, needs one more slot: evicts 2
+    b, events = with_events(
+        pool, pool.allocate(req([1], 2))
+    )  # hits 1, needs one more slot: evicts 2
     assert events == [BlockRemoved(block_hashes=[2])]
     assert b == Allocation(tx_id="t-2", slots=[0, 1], hit_blocks=1)
     refused, events = with_events(pool, pool.allocate(req([5], 1)))
@@ -185,7 +194,10 @@ def test_duplicate_commit_frees_the_later_copy():
     a = alloc(pool, [11], 4)
     b = alloc(pool, [11], 4)
     assert (a.slots, b.slots) == ([0], [1])
-    assert with_events(pool, pool.commit(a.tx_id)) == (TxDone(tx_id=a.tx_id, stored_blocks=1), [BlockStored(block_hashes=[11])])
+    assert with_events(pool, pool.commit(a.tx_id)) == (
+        TxDone(tx_id=a.tx_id, stored_blocks=1),
+        [BlockStored(block_hashes=[11])],
+    )
     assert with_events(pool, pool.commit(b.tx_id)) == (TxDone(tx_id=b.tx_id, stored_blocks=0), [])
     assert pool.slot_of(11) == 0 and pool.used_blocks == 1
     assert pool.counters["duplicate_blocks"] == 1
@@ -250,7 +262,12 @@ def test_stats_account_for_every_slot():
     alloc(pool, [11], 6)
     s = pool.stats()
     assert s["free_blocks"] + s["cached_blocks"] + s["tx_owned_blocks"] == s["capacity_blocks"] == 8
-    assert (s["cached_blocks"], s["tx_owned_blocks"], s["locked_blocks"], s["open_txs"]) == (2, 1, 1, 1)
+    assert (s["cached_blocks"], s["tx_owned_blocks"], s["locked_blocks"], s["open_txs"]) == (
+        2,
+        1,
+        1,
+        1,
+    )
 
 
 def test_each_operation_hands_its_owner_one_batch_of_its_own_events():
@@ -267,8 +284,14 @@ def test_each_operation_hands_its_owner_one_batch_of_its_own_events():
     assert pool.remove([2, 9]) == ([2], [])
     assert pool.clear() == []  # nothing left to drop
     assert batches == [
-        [], [BlockStored(block_hashes=[1])], [], [BlockStored(block_hashes=[2])],
-        [BlockRemoved(block_hashes=[1])], [], [], [BlockRemoved(block_hashes=[2])],
+        [],
+        [BlockStored(block_hashes=[1])],
+        [],
+        [BlockStored(block_hashes=[2])],
+        [BlockRemoved(block_hashes=[1])],
+        [],
+        [],
+        [BlockRemoved(block_hashes=[2])],
         [AllBlocksCleared()],
     ]
     pool.renew("nope", 1.0)  # reads and renewals are not operations: no call

@@ -34,10 +34,22 @@ BS = 2  # tokens per block
 SLOTS = 6
 
 
-def alloc(pool: BlockPool, rid: str, hashes: list[int], role: TxRole = TxRole.DECODE,
-          lease_s: float = 30.0):
-    out = pool.allocate(TxAllocate(request_id=rid, role=role, block_hashes=hashes,
-                                   num_tokens=len(hashes) * BS, lease_s=lease_s))
+def alloc(
+    pool: BlockPool,
+    rid: str,
+    hashes: list[int],
+    role: TxRole = TxRole.DECODE,
+    lease_s: float = 30.0,
+):
+    out = pool.allocate(
+        TxAllocate(
+            request_id=rid,
+            role=role,
+            block_hashes=hashes,
+            num_tokens=len(hashes) * BS,
+            lease_s=lease_s,
+        )
+    )
     return out[0] if isinstance(out, tuple) else out  # pools that still return events too
 
 
@@ -190,9 +202,11 @@ class FenceMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 50), k=st.integers(0, 2))
     def start_write(self, i, k):
         _, tag, g = self.grants[i % len(self.grants)]
-        op = self.fence.enter(g.slots[k % len(g.slots):][:1], write=True)
+        op = self.fence.enter(g.slots[k % len(g.slots) :][:1], write=True)
         if op is None:
-            assert any(self.fence.generation(s) != gen for s, gen in zip(g.slots, g.gens, strict=True))
+            assert any(
+                self.fence.generation(s) != gen for s, gen in zip(g.slots, g.gens, strict=True)
+            )
             return
         self.ops.append((tag, op, False))
 
@@ -246,8 +260,7 @@ class FenceMachine(RuleBasedStateMachine):
         assert s["free_blocks"] == len(self.fence)
 
 
-FenceMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,
-                                          deadline=None)
+FenceMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestFenceInterleavings = FenceMachine.TestCase
 
 
@@ -283,7 +296,7 @@ def test_a_tcp_write_held_across_an_abort_is_refused_and_never_reaches_a_reader(
     try:
         a = alloc(pool, "victim", [1, 2])
         victim = a.slots[0]
-        arena[victim * bb:(victim + 1) * bb] = b"\x11" * bb
+        arena[victim * bb : (victim + 1) * bb] = b"\x11" * bb
         fence.open(a.slots, write=True)  # what serving OPEN does
         host, port = rx.address.removeprefix("tcp://").rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
@@ -295,7 +308,7 @@ def test_a_tcp_write_held_across_an_abort_is_refused_and_never_reaches_a_reader(
         b = alloc(pool, "next", [3, 4])
         assert victim not in b.slots
         for s in b.slots:
-            arena[s * bb:(s + 1) * bb] = b"\x22" * bb
+            arena[s * bb : (s + 1) * bb] = b"\x22" * bb
         guard.go.set()
         sock.sendall(b"\x99" * bb)
         hdr = memoryview(bytearray(REP.size))
@@ -305,7 +318,7 @@ def test_a_tcp_write_held_across_an_abort_is_refused_and_never_reaches_a_reader(
         recv_exact(sock, msg)
         assert (status, seq) == (Status.REFUSED, 1) and b"fenced" in bytes(msg)
         for s in b.slots:  # the reader of the new transaction sees its own bytes only
-            assert bytes(arena[s * bb:(s + 1) * bb]) == b"\x22" * bb
+            assert bytes(arena[s * bb : (s + 1) * bb]) == b"\x22" * bb
         sock.close()
     finally:
         rx.close()
@@ -318,8 +331,15 @@ async def planes():
     for _ in range(2):
         arena = Arena.create(8, 256 * 1024)
         pool = BlockPool(8, BS, ManualClock(), id_prefix=f"p{len(made)}-")
-        plane = DataPlane(ctx, pool, arena, epoch=1, transports=("tcp",), peer_timeout_s=5.0,
-                          clock=ManualClock().now)
+        plane = DataPlane(
+            ctx,
+            pool,
+            arena,
+            epoch=1,
+            transports=("tcp",),
+            peer_timeout_s=5.0,
+            clock=ManualClock().now,
+        )
         made.append((plane, pool, arena))
     tasks = [asyncio.create_task(p.run()) for p, _, _ in made]
     yield made
@@ -343,9 +363,18 @@ async def test_a_ship_whose_destination_is_aborted_mid_receive_is_fenced(planes)
     dst = alloc(pb, "r", [1, 2])
     for s in src.slots:
         arena_a.slot(s)[:] = b"\x5a" * bb
-    ship = wire.Ship(id=1, src_tx=src.tx_id, src_epoch=1, src_slots=src.slots,
-                     dst_addr=b.data_addr, dst_tx=dst.tx_id, dst_epoch=1, dst_slots=dst.slots,
-                     offset=0, length=bb)
+    ship = wire.Ship(
+        id=1,
+        src_tx=src.tx_id,
+        src_epoch=1,
+        src_slots=src.slots,
+        dst_addr=b.data_addr,
+        dst_tx=dst.tx_id,
+        dst_epoch=1,
+        dst_slots=dst.slots,
+        offset=0,
+        length=bb,
+    )
     task = asyncio.create_task(a.ship(ship))
     assert await asyncio.to_thread(held.entered.wait, 20)
     assert b.open_grants(dst.tx_id) == 1
@@ -370,12 +399,21 @@ async def test_a_ship_into_a_live_tx_lands_and_is_counted_per_transport(planes):
     dst = alloc(pb, "r", [1, 2, 3])
     for i, s in enumerate(src.slots):
         arena_a.slot(s)[:] = bytes([i + 1]) * bb
-    ship = wire.Ship(id=1, src_tx=src.tx_id, src_epoch=1, src_slots=src.slots,
-                     dst_addr=b.data_addr, dst_tx=dst.tx_id, dst_epoch=1, dst_slots=dst.slots,
-                     offset=bb // 2, length=bb // 2)
+    ship = wire.Ship(
+        id=1,
+        src_tx=src.tx_id,
+        src_epoch=1,
+        src_slots=src.slots,
+        dst_addr=b.data_addr,
+        dst_tx=dst.tx_id,
+        dst_epoch=1,
+        dst_slots=dst.slots,
+        offset=bb // 2,
+        length=bb // 2,
+    )
     assert (await a.ship(ship)).nbytes == 3 * bb // 2
     for i, s in enumerate(dst.slots):
-        assert bytes(arena_b.slot(s)[bb // 2:]) == bytes([i + 1]) * (bb // 2)
+        assert bytes(arena_b.slot(s)[bb // 2 :]) == bytes([i + 1]) * (bb // 2)
         assert bytes(arena_b.slot(s)[: bb // 2]) == bytes(bb // 2)
     assert a.counters["tcp_bytes"] == 3 * bb // 2
     # over TCP the close goes out without being waited for: a commit waits for it
@@ -384,8 +422,16 @@ async def test_a_ship_into_a_live_tx_lands_and_is_counted_per_transport(planes):
     assert b.counters["blocks_written_remote"] == 3
     # and back: pull those whole slots into a new transaction of the first store
     back = alloc(pa, "p", [4, 5, 6])
-    pull = wire.Pull(id=2, dst_tx=back.tx_id, dst_epoch=1, dst_slots=back.slots,
-                     src_addr=b.data_addr, src_tx=dst.tx_id, src_epoch=1, src_slots=dst.slots)
+    pull = wire.Pull(
+        id=2,
+        dst_tx=back.tx_id,
+        dst_epoch=1,
+        dst_slots=back.slots,
+        src_addr=b.data_addr,
+        src_tx=dst.tx_id,
+        src_epoch=1,
+        src_slots=dst.slots,
+    )
     assert (await a.pull(pull)).nbytes == 3 * bb
     for s_b, s_a in zip(dst.slots, back.slots, strict=True):
         assert bytes(arena_a.slot(s_a)) == bytes(arena_b.slot(s_b))
@@ -396,14 +442,26 @@ async def test_a_ship_into_a_live_tx_lands_and_is_counted_per_transport(planes):
 async def test_a_commit_waits_for_open_grants_and_an_unclosed_grant_expires(planes):
     _, (b, pb, arena_b) = planes
     dst = alloc(pb, "r", [1, 2])
-    g = b.serve_open(wire.Open(id=1, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0,
-                               length=arena_b.block_bytes, write=True))
+    g = b.serve_open(
+        wire.Open(
+            id=1,
+            tx=dst.tx_id,
+            epoch=1,
+            slots=dst.slots,
+            offset=0,
+            length=arena_b.block_bytes,
+            write=True,
+        )
+    )
     assert not await b.settled(dst.tx_id, timeout=0.01)  # the store refuses the commit (busy)
     b.serve_close(wire.Close(id=2, grant=g.grant, ok=True))
     assert await b.settled(dst.tx_id, timeout=0)
     # a peer that never closes: its grant ends after its ttl (injected clock), as failed
-    g = b.serve_open(wire.Open(id=3, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0,
-                               length=16, write=True, pid=0))
+    g = b.serve_open(
+        wire.Open(
+            id=3, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0, length=16, write=True, pid=0
+        )
+    )
     assert b.expire_grants(now=b.clock() + g.ttl_s - 0.001) == []
     assert b.expire_grants(now=b.clock() + g.ttl_s) == [g.grant]
     assert b.open_grants(dst.tx_id) == 0 and not b.fence.writing(dst.slots)
@@ -411,10 +469,12 @@ async def test_a_commit_waits_for_open_grants_and_an_unclosed_grant_expires(plan
         b.serve_close(wire.Close(id=4, grant=g.grant, ok=True))
     assert e.value.code == "fenced"
     with pytest.raises(wire.WireError) as e:  # a write grant on slots the tx does not own
-        b.serve_open(wire.Open(id=5, tx=dst.tx_id, epoch=1, slots=[7], offset=0, length=16,
-                               write=True))
+        b.serve_open(
+            wire.Open(id=5, tx=dst.tx_id, epoch=1, slots=[7], offset=0, length=16, write=True)
+        )
     assert e.value.code == "forbidden"
     with pytest.raises(wire.WireError) as e:
-        b.serve_open(wire.Open(id=6, tx=dst.tx_id, epoch=2, slots=dst.slots, offset=0,
-                               length=16, write=True))
+        b.serve_open(
+            wire.Open(id=6, tx=dst.tx_id, epoch=2, slots=dst.slots, offset=0, length=16, write=True)
+        )
     assert e.value.code == "epoch"

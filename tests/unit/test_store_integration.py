@@ -51,10 +51,31 @@ def start_store(nats_url: str, node: str, log_dir: str) -> subprocess.Popen:
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
     with open(os.path.join(log_dir, f"{node}.log"), "wb") as log:  # the child keeps its own fd
         return subprocess.Popen(
-            [sys.executable, "-m", "services.store", "--nats", nats_url, "--node", node,
-             "--block-size", str(BS), "--block-bytes", str(BB), "--capacity-blocks", "32",
-             "--peer-timeout", "1.0", "--announce-interval", "0.5", "--log-level", "INFO"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "services.store",
+                "--nats",
+                nats_url,
+                "--node",
+                node,
+                "--block-size",
+                str(BS),
+                "--block-bytes",
+                str(BB),
+                "--capacity-blocks",
+                "32",
+                "--peer-timeout",
+                "1.0",
+                "--announce-interval",
+                "0.5",
+                "--log-level",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
 
@@ -95,8 +116,13 @@ async def env(stores, nats_url):
 
 
 async def tx(nc, node: str, role: TxRole, hashes: list[int], num_tokens: int, **kw) -> TxHandle:
-    msg = TxAllocate(request_id=kw.pop("request_id", "r"), role=role, block_hashes=hashes,
-                     num_tokens=num_tokens, **kw)
+    msg = TxAllocate(
+        request_id=kw.pop("request_id", "r"),
+        role=role,
+        block_hashes=hashes,
+        num_tokens=num_tokens,
+        **kw,
+    )
     reply = await request(nc, subjects.store_ctl(node, "tx.allocate"), msg, TxReply)
     assert isinstance(reply, TxHandle), reply
     return reply
@@ -172,7 +198,9 @@ async def test_transfer_into_a_closed_tx_is_refused_by_the_peer(env):
     src = await tx(nc, "sa", TxRole.PREFILL, [301], BS)
     dst = await tx(nc, "sb", TxRole.DECODE, [301], BS)
     msg = TxAbort(tx_id=dst.tx_id, request_id="r", reason="test")
-    assert await request(nc, subjects.store_ctl("sb", "tx.abort"), msg, TxDoneReply) == TxDone(tx_id=dst.tx_id)
+    assert await request(nc, subjects.store_ctl("sb", "tx.abort"), msg, TxDoneReply) == TxDone(
+        tx_id=dst.tx_id
+    )
     with pytest.raises(TransferError) as e:
         await a.ship_layer(src, dst, 0, [0], LAYER, 0)
     assert e.value.code == "peer_forbidden"
@@ -184,8 +212,16 @@ async def test_transfer_into_a_closed_tx_is_refused_by_the_peer(env):
 async def test_ship_to_a_dead_peer_fails_within_a_bounded_wait(env):
     nc, a, _ = env
     src = await tx(nc, "sa", TxRole.PREFILL, [401], BS)
-    dead = TxHandle(tx_id="x", node="gone", epoch=1, slots=[0], hit_blocks=0, shm_name="",
-                    data_addr=f"tcp://127.0.0.1:{free_port()}", block_bytes=BB)
+    dead = TxHandle(
+        tx_id="x",
+        node="gone",
+        epoch=1,
+        slots=[0],
+        hit_blocks=0,
+        shm_name="",
+        data_addr=f"tcp://127.0.0.1:{free_port()}",
+        block_bytes=BB,
+    )
     with pytest.raises(TransferError) as e:
         await asyncio.wait_for(a.ship_layer(src, dead, 0, [0], LAYER, 0), timeout=20)
     assert e.value.code == "timeout" and "tcp://127.0.0.1" in e.value.message
@@ -201,8 +237,10 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     resp = await nc.request(subjects.store_ctl("sa", "tx.allocate"), bad, timeout=5)
     assert resp.headers and resp.headers.get(ERROR_HEADER) == "bad_request"
     refused = await request(
-        nc, subjects.store_ctl("sa", "tx.allocate"),
-        TxAllocate(request_id="r", role=TxRole.PREFILL, block_hashes=[1, 2], num_tokens=1), TxReply,
+        nc,
+        subjects.store_ctl("sa", "tx.allocate"),
+        TxAllocate(request_id="r", role=TxRole.PREFILL, block_hashes=[1, 2], num_tokens=1),
+        TxReply,
     )
     assert isinstance(refused, Refused) and refused.reason == "bad_request"
     # garbage on the data plane: an ERR reply, the ROUTER goes on
@@ -210,8 +248,9 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(a.info.data_addr)
-    write = wire.Open(id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4,
-                      write=True)
+    write = wire.Open(
+        id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4, write=True
+    )
     for parts, code in (
         ([b"\x99", b"junk"], "bad_frame"),
         (wire.frames(write), "forbidden"),
@@ -260,7 +299,10 @@ async def test_client_follows_a_restarted_store_and_same_node_ship_is_a_local_co
             assert got[2 * LAYER : 3 * LAYER] == data[0][2 * LAYER : 3 * LAYER]
             assert got[: 2 * LAYER] == bytes(2 * LAYER)
             stats = await request(nc, subjects.worker_stats("store", "sd"), {}, WorkerStats)
-            assert (stats.counters["local_copies"], stats.counters["blocks_written_remote"]) == (2, 0)
+            assert (stats.counters["local_copies"], stats.counters["blocks_written_remote"]) == (
+                2,
+                0,
+            )
         finally:
             await client.close()
             await nc.close()

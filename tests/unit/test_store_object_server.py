@@ -52,15 +52,24 @@ async def test_pipelined_small_and_big_frames(endpoint):
     srv, reader, writer = endpoint
     big = bytes(range(256)) * (3 * object_server.SCRATCH // 256 + 7)  # bigger than the scratch
     enc = object_server.encode
-    got = await roundtrip(reader, writer, [
-        enc(wire.Kind.OBJ_PUT, wire.ObjPut(id=1, key="a", size=3), [b"abc"]),
-        enc(wire.Kind.OBJ_PUT, wire.ObjPut(id=2, key="big", size=len(big)), [big]),
-        enc(wire.Kind.OBJ_GET, wire.ObjGet(id=3, key="a")),
-        enc(wire.Kind.OBJ_GET, wire.ObjGet(id=4, key="big")),
-        enc(wire.Kind.OBJ_GET, wire.ObjGet(id=5, key="nope")),
-    ])
+    got = await roundtrip(
+        reader,
+        writer,
+        [
+            enc(wire.Kind.OBJ_PUT, wire.ObjPut(id=1, key="a", size=3), [b"abc"]),
+            enc(wire.Kind.OBJ_PUT, wire.ObjPut(id=2, key="big", size=len(big)), [big]),
+            enc(wire.Kind.OBJ_GET, wire.ObjGet(id=3, key="a")),
+            enc(wire.Kind.OBJ_GET, wire.ObjGet(id=4, key="big")),
+            enc(wire.Kind.OBJ_GET, wire.ObjGet(id=5, key="nope")),
+        ],
+    )
     assert [(k, h.id) for k, h, _ in got] == [
-        (wire.Kind.OK, 1), (wire.Kind.OK, 2), (wire.Kind.DATA, 3), (wire.Kind.DATA, 4), (wire.Kind.ERR, 5)]
+        (wire.Kind.OK, 1),
+        (wire.Kind.OK, 2),
+        (wire.Kind.DATA, 3),
+        (wire.Kind.DATA, 4),
+        (wire.Kind.ERR, 5),
+    ]
     assert got[2][2] == b"abc" and got[3][2] == big and got[4][1].code == "missing"
     assert srv.objects.kv["big"] == big
 
@@ -69,15 +78,22 @@ async def test_bad_frames_get_errors_and_the_connection_goes_on(endpoint):
     _, reader, writer = endpoint
     bad_kind = (3).to_bytes(4, "little") + bytes([99, 0, 0])
     bad_header = object_server.PREFIX.pack(1 + 2 + 2, wire.Kind.OBJ_GET, 2) + b"\xc1\xc1"
-    write_kind = object_server.encode(wire.Kind.OPEN, wire.Open(id=7, tx="t", epoch=1, slots=[],
-                                                                offset=0, length=0, write=True))
+    write_kind = object_server.encode(
+        wire.Kind.OPEN, wire.Open(id=7, tx="t", epoch=1, slots=[], offset=0, length=0, write=True)
+    )
     wrong_size = object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=8, key="k", size=9), [b"x"])
     got = await roundtrip(reader, writer, [bad_kind, bad_header, write_kind, wrong_size])
     assert [(k, h.code) for k, h, _ in got] == [
-        (wire.Kind.ERR, "bad_frame"), (wire.Kind.ERR, "bad_frame"), (wire.Kind.ERR, "bad_request"),
-        (wire.Kind.ERR, "bad_request")]
-    ok = await roundtrip(reader, writer, [object_server.encode(
-        wire.Kind.OBJ_PUT, wire.ObjPut(id=9, key="k", size=1), [b"x"])])
+        (wire.Kind.ERR, "bad_frame"),
+        (wire.Kind.ERR, "bad_frame"),
+        (wire.Kind.ERR, "bad_request"),
+        (wire.Kind.ERR, "bad_request"),
+    ]
+    ok = await roundtrip(
+        reader,
+        writer,
+        [object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=9, key="k", size=1), [b"x"])],
+    )
     assert ok[0][0] == wire.Kind.OK
 
 

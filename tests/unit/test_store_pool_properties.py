@@ -22,7 +22,9 @@ request = st.tuples(
     st.integers(0, 6),
     st.integers(0, BLOCK - 1),
     st.sampled_from([TxRole.PREFILL, TxRole.PREFILL, TxRole.DECODE, TxRole.SOURCE]),
-    st.sampled_from([Retention.DEFAULT, Retention.DEFAULT, Retention.EPHEMERAL, Retention.CONTEXT_CACHE]),
+    st.sampled_from(
+        [Retention.DEFAULT, Retention.DEFAULT, Retention.EPHEMERAL, Retention.CONTEXT_CACHE]
+    ),
     st.sampled_from([1.0, 5.0, 30.0]),
 )
 op = st.one_of(
@@ -33,7 +35,9 @@ op = st.one_of(
 )
 
 
-def check(pool: BlockPool, open_txs: dict[str, tuple[Allocation, list[int]]], pins: set[int]) -> None:
+def check(
+    pool: BlockPool, open_txs: dict[str, tuple[Allocation, list[int]]], pins: set[int]
+) -> None:
     s = pool.stats()
     assert s["free_blocks"] + s["used_blocks"] == CAPACITY
     cached = {h: pool.slot_of(h) for h in pool._cached}
@@ -61,10 +65,20 @@ def test_random_operations_keep_the_books(ops):
             chain, full, tail, role, retention, lease = arg
             hashes = [chain * 100 + i for i in range(full)]
             locked_before = set(pool._refs)
-            result, events = with_events(pool, pool.allocate(TxAllocate(
-                request_id="r", role=role, block_hashes=hashes, num_tokens=full * BLOCK + tail,
-                retention=retention, context_ttl_s=3.0, lease_s=lease,
-            )))
+            result, events = with_events(
+                pool,
+                pool.allocate(
+                    TxAllocate(
+                        request_id="r",
+                        role=role,
+                        block_hashes=hashes,
+                        num_tokens=full * BLOCK + tail,
+                        retention=retention,
+                        context_ttl_s=3.0,
+                        lease_s=lease,
+                    )
+                ),
+            )
             for ev in events:
                 assert isinstance(ev, BlockRemoved)
                 assert not set(ev.block_hashes) & locked_before, "evicted a locked block"
@@ -78,7 +92,9 @@ def test_random_operations_keep_the_books(ops):
                 continue
             tx_id = sorted(open_txs)[arg % len(open_txs)]
             a, hashes = open_txs.pop(tx_id)
-            done, events = with_events(pool, (pool.commit if kind == "commit" else pool.abort)(tx_id))
+            done, events = with_events(
+                pool, (pool.commit if kind == "commit" else pool.abort)(tx_id)
+            )
             assert isinstance(done, TxDone)
             assert all(isinstance(e, BlockStored) for e in events)
             if kind == "abort":

@@ -15,8 +15,16 @@ BS, BB = 4, 16 * 1024
 
 
 def service(nc, ssd: str) -> StoreService:
-    return StoreService(nc, node="flush-1", block_size=BS, block_bytes=BB, capacity_blocks=8,
-                        prefault=False, ssd_dir=ssd, ssd_capacity_blocks=16)
+    return StoreService(
+        nc,
+        node="flush-1",
+        block_size=BS,
+        block_bytes=BB,
+        capacity_blocks=8,
+        prefault=False,
+        ssd_dir=ssd,
+        ssd_capacity_blocks=16,
+    )
 
 
 async def test_stop_flushes_pending_writebacks_to_ssd(nats_url):
@@ -27,9 +35,18 @@ async def test_stop_flushes_pending_writebacks_to_ssd(nats_url):
         await svc.start()
         try:
             hashes = list(range(100, 106))
-            h = await request(nc, subjects.store_ctl("flush-1", "tx.allocate"), TxAllocate(
-                request_id="r", role=TxRole.PREFILL, block_hashes=hashes,
-                num_tokens=len(hashes) * BS), TxReply, timeout=5)
+            h = await request(
+                nc,
+                subjects.store_ctl("flush-1", "tx.allocate"),
+                TxAllocate(
+                    request_id="r",
+                    role=TxRole.PREFILL,
+                    block_hashes=hashes,
+                    num_tokens=len(hashes) * BS,
+                ),
+                TxReply,
+                timeout=5,
+            )
             assert isinstance(h, TxHandle)
             # The commit handler itself, then stop in the same step: the write-back task
             # has been woken but has not run yet.

@@ -15,20 +15,34 @@ D, S, V = Tier.DRAM, Tier.SSD, Tier.VRAM
 
 
 def test_the_store_and_the_simulator_build_the_same_pool():
-    node = Cluster(cost=CostModel(), clock=ManualClock(), block_size=4).add_node("p0", 64, "prefill")
+    node = Cluster(cost=CostModel(), clock=ManualClock(), block_size=4).add_node(
+        "p0", 64, "prefill"
+    )
     store = StoreService(None, node="s0", capacity_blocks=4)  # type: ignore[arg-type]
     assert type(node.pool) is type(store.pool) is BlockPool
     assert node.pool.lower == [] and store.pool.lower == []  # no tier: the simple case
 
 
 def make(dram=2, ssd=2, vram=0, clock=None, writeback=False) -> BlockPool:
-    return BlockPool(dram, 1, clock or ManualClock(), "t-", ssd_capacity=ssd,
-                     vram_capacity=vram, writeback=writeback)
+    return BlockPool(
+        dram,
+        1,
+        clock or ManualClock(),
+        "t-",
+        ssd_capacity=ssd,
+        vram_capacity=vram,
+        writeback=writeback,
+    )
 
 
 def req(hashes, n=None, role=TxRole.PREFILL, **kw) -> TxAllocate:
-    return TxAllocate(request_id="r", role=role, block_hashes=hashes,
-                      num_tokens=len(hashes) if n is None else n, **kw)
+    return TxAllocate(
+        request_id="r",
+        role=role,
+        block_hashes=hashes,
+        num_tokens=len(hashes) if n is None else n,
+        **kw,
+    )
 
 
 def put(pool, hashes, **kw):
@@ -67,9 +81,13 @@ def test_context_cache_is_offloaded_not_evicted_and_never_lost_while_pinned():
     assert events == [BlockStored(block_hashes=[8])]
     assert pool.take_moves() == [Move(7, D, 0, S, 0)]
     assert pool.where(7) == [S] and pool.ssd.pinned == {7}
-    refused, events = with_events(pool, pool.allocate(req([9, 10])))  # SSD holds only a pinned block
+    refused, events = with_events(
+        pool, pool.allocate(req([9, 10]))
+    )  # SSD holds only a pinned block
     assert isinstance(refused, Refused) and refused.reason == "capacity" and events == []
-    b, events = with_events(pool, pool.allocate(req([9])))  # 8 has no lower room: it is evicted, 7 stays
+    b, events = with_events(
+        pool, pool.allocate(req([9]))
+    )  # 8 has no lower room: it is evicted, 7 stays
     assert events == [BlockRemoved(block_hashes=[8])]
     pool.abort(b.tx_id)
     c, _ = with_events(pool, pool.allocate(req([7])))  # a hit on the pinned SSD block promotes it
@@ -93,7 +111,9 @@ def test_writeback_locks_the_dram_copy_then_eviction_is_free():
     moves, events = with_events(pool, pool.writebacks())
     assert (moves, events) == ([Move(1, D, 0, S, 0)], [])
     assert pool.lock_count(1) == 1
-    refused, _ = with_events(pool, pool.allocate(req([2])))  # the only DRAM block is being written back
+    refused, _ = with_events(
+        pool, pool.allocate(req([2]))
+    )  # the only DRAM block is being written back
     assert isinstance(refused, Refused)
     pool.writeback_done(1, ok=True)
     assert pool.lock_count(1) == 0 and pool.where(1) == [D, S] and pool.ssd_dirty
@@ -169,8 +189,9 @@ def test_remove_skips_blocks_in_use():
 def test_restore_loads_ssd_entries_and_their_pins():
     clock = ManualClock(100.0)
     pool = make(dram=1, ssd=3, clock=clock)
-    loaded, events = with_events(pool, pool.restore([(5, 2, None), (6, 0, 150.0), (7, 1, 50.0),
-                                                     (5, 1, None)]))
+    loaded, events = with_events(
+        pool, pool.restore([(5, 2, None), (6, 0, 150.0), (7, 1, 50.0), (5, 1, None)])
+    )
     assert (loaded, events) == ([5, 6, 7], [BlockStored(block_hashes=[5, 6, 7])])
     assert pool.ssd.pinned == {6} and pool.prefix_hits([5, 6, 7]) == 3
     assert sorted(pool.ssd_entries()) == [(5, 2, None), (6, 0, 150.0), (7, 1, None)]

@@ -48,10 +48,31 @@ def start(nats_url: str, node: str, logs: str, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
     with open(os.path.join(logs, f"{node}.log"), "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.store", "--nats", nats_url, "--node", node,
-             "--block-size", str(BS), "--block-bytes", str(BB), "--capacity-blocks", "4",
-             "--peer-timeout", "1.0", "--announce-interval", "0.5", *extra],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "services.store",
+                "--nats",
+                nats_url,
+                "--node",
+                node,
+                "--block-size",
+                str(BS),
+                "--block-bytes",
+                str(BB),
+                "--capacity-blocks",
+                "4",
+                "--peer-timeout",
+                "1.0",
+                "--announce-interval",
+                "0.5",
+                *extra,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def stop(proc: subprocess.Popen) -> int:
@@ -67,20 +88,31 @@ def stop(proc: subprocess.Popen) -> int:
 
 async def alloc(nc, node, hashes, role=TxRole.PREFILL, **kw) -> TxHandle:
     n = kw.pop("num_tokens", len(hashes) * BS)
-    r = await request(nc, subjects.store_ctl(node, "tx.allocate"),
-                      TxAllocate(request_id="r", role=role, block_hashes=hashes, num_tokens=n, **kw),
-                      TxReply, timeout=5)
+    r = await request(
+        nc,
+        subjects.store_ctl(node, "tx.allocate"),
+        TxAllocate(request_id="r", role=role, block_hashes=hashes, num_tokens=n, **kw),
+        TxReply,
+        timeout=5,
+    )
     assert isinstance(r, TxHandle), r
     return r
 
 
 async def commit(nc, node, h: TxHandle):
-    return await request(nc, subjects.store_ctl(node, "tx.commit"),
-                         TxCommit(tx_id=h.tx_id, request_id="r"), TxDoneReply, timeout=5)
+    return await request(
+        nc,
+        subjects.store_ctl(node, "tx.commit"),
+        TxCommit(tx_id=h.tx_id, request_id="r"),
+        TxDoneReply,
+        timeout=5,
+    )
 
 
 async def counters(nc, node) -> dict[str, int]:
-    return (await request(nc, subjects.worker_stats("store", node), {}, WorkerStats, timeout=5)).counters
+    return (
+        await request(nc, subjects.worker_stats("store", node), {}, WorkerStats, timeout=5)
+    ).counters
 
 
 async def until(pred, what: str, timeout: float = 20.0):
@@ -104,7 +136,9 @@ async def test_ssd_tier_survives_a_restart_and_promotes_on_hit(nats_url):
             client = await StoreClient.connect(nc, "t1", timeout=30)
             first_epoch = client.info.epoch
             hashes = [11, 12, 13]
-            h = await alloc(nc, "t1", hashes, retention=Retention.CONTEXT_CACHE, context_ttl_s=3600.0)
+            h = await alloc(
+                nc, "t1", hashes, retention=Retention.CONTEXT_CACHE, context_ttl_s=3600.0
+            )
             blobs = [os.urandom(BB) for _ in hashes]
             for s, b in zip(h.slots, blobs, strict=True):
                 client.slot(s)[:] = b
@@ -122,17 +156,24 @@ async def test_ssd_tier_survives_a_restart_and_promotes_on_hit(nats_url):
             page = await request(nc, subjects.store_ctl("t1", "dump"), DumpRequest(), DumpPage)
             assert page.block_hashes == hashes
             st = await counters(nc, "t1")
-            assert (st["ssd_blocks"], st["ssd_pinned_blocks"], st["dram_cached_blocks"]) == (3, 3, 0)
+            assert (st["ssd_blocks"], st["ssd_pinned_blocks"], st["dram_cached_blocks"]) == (
+                3,
+                3,
+                0,
+            )
             client = await StoreClient.connect(nc, "t1", timeout=30)
             src = await alloc(nc, "t1", hashes, role=TxRole.SOURCE, num_tokens=0)
             assert [bytes(client.slot(s)) for s in src.slots] == blobs  # promoted from SSD
             assert isinstance(await commit(nc, "t1", src), TxDone)
             assert (await counters(nc, "t1"))["promoted"] == 3
 
-            replay = await request(nc, subjects.store_ctl("t1", "replay"), ReplayRequest(), ReplayPage)
+            replay = await request(
+                nc, subjects.store_ctl("t1", "replay"), ReplayRequest(), ReplayPage
+            )
             assert replay.complete and [b.seq for b in replay.batches] == [1]
-            cleared = await request(nc, subjects.store_ctl("t1", "clear"), ClearRequest(reason="test"),
-                                    ClearDone)
+            cleared = await request(
+                nc, subjects.store_ctl("t1", "clear"), ClearRequest(reason="test"), ClearDone
+            )
             assert (cleared.removed_blocks, cleared.kept_blocks, cleared.seq) == (3, 0, 2)
             batch = decode((await events.next_msg(timeout=10)).data, EventBatch)
             assert (batch.seq, batch.events) == (2, [AllBlocksCleared()])
@@ -225,9 +266,13 @@ async def test_objects_replicas_and_block_replication(nats_url):
             for s in h.slots:
                 client.slot(s)[:] = bytes([s % 251]) * BB
             await commit(nc, "oa", h)
-            done = await request(nc, subjects.CTL_REPLICATE,
-                                 Replicate(block_hashes=[71, 72], source_node="oa", dest_node="ob"),
-                                 TxDoneReply, timeout=10)
+            done = await request(
+                nc,
+                subjects.CTL_REPLICATE,
+                Replicate(block_hashes=[71, 72], source_node="oa", dest_node="ob"),
+                TxDoneReply,
+                timeout=10,
+            )
             assert isinstance(done, TxDone) and done.stored_blocks == 2
             page = await request(nc, subjects.store_ctl("ob", "dump"), DumpRequest(), DumpPage)
             assert page.block_hashes == [71, 72]

@@ -22,7 +22,9 @@ from services.store.tiers import Tier
 DRAM, SSD, VRAM = 6, 4, 2
 
 request = st.tuples(
-    st.integers(0, 3), st.integers(0, 4), st.integers(0, 1),
+    st.integers(0, 3),
+    st.integers(0, 4),
+    st.integers(0, 1),
     st.sampled_from([TxRole.PREFILL, TxRole.PREFILL, TxRole.DECODE, TxRole.SOURCE]),
     st.sampled_from([Retention.DEFAULT, Retention.EPHEMERAL, Retention.CONTEXT_CACHE]),
 )
@@ -106,23 +108,38 @@ class Model:
 @given(st.lists(op, min_size=1, max_size=50), st.booleans())
 def test_random_operations_keep_the_books_across_tiers(ops, vram):
     clock = ManualClock()
-    pool = BlockPool(DRAM, 2, clock, "p-", ssd_capacity=SSD,
-                     vram_capacity=VRAM if vram else 0, writeback=True)
+    pool = BlockPool(
+        DRAM, 2, clock, "p-", ssd_capacity=SSD, vram_capacity=VRAM if vram else 0, writeback=True
+    )
     m = Model(pool)
     for kind, arg in ops:
-        held_before = {h for a, hs, _ in m.open.values() for h in hs[: a.hit_blocks]} | set(pool._pins)
+        held_before = {h for a, hs, _ in m.open.values() for h in hs[: a.hit_blocks]} | set(
+            pool._pins
+        )
         events = []
         if kind == "alloc":
             chain, full, tail, role, retention = arg
             hashes = [chain * 100 + i for i in range(full)]
-            result, events = m.ran(pool.allocate(TxAllocate(
-                request_id="r", role=role, block_hashes=hashes, num_tokens=full * 2 + tail,
-                retention=retention, context_ttl_s=3.0, lease_s=30.0)))
+            result, events = m.ran(
+                pool.allocate(
+                    TxAllocate(
+                        request_id="r",
+                        role=role,
+                        block_hashes=hashes,
+                        num_tokens=full * 2 + tail,
+                        retention=retention,
+                        context_ttl_s=3.0,
+                        lease_s=30.0,
+                    )
+                )
+            )
             m.run_moves(pool.take_moves())
             if isinstance(result, Allocation):
                 m.open[result.tx_id] = (result, hashes, role)
                 for i, s in enumerate(result.slots[result.hit_blocks :], result.hit_blocks):
-                    m.data[(Tier.DRAM, s)] = hashes[i] if i < len(hashes) else -2  # the worker writes
+                    m.data[(Tier.DRAM, s)] = (
+                        hashes[i] if i < len(hashes) else -2
+                    )  # the worker writes
         elif kind in ("commit", "abort"):
             if not m.open:
                 continue
@@ -148,7 +165,9 @@ def test_random_operations_keep_the_books_across_tiers(ops, vram):
         for ev in events:
             if isinstance(ev, BlockRemoved):
                 if kind not in ("remove", "clear"):
-                    assert not set(ev.block_hashes) & held_before, "evicted a block in use or pinned"
+                    assert not set(ev.block_hashes) & held_before, (
+                        "evicted a block in use or pinned"
+                    )
                 assert not any(pool.on_node(h) for h in ev.block_hashes)
             elif isinstance(ev, BlockStored):
                 assert all(pool.on_node(h) for h in ev.block_hashes)

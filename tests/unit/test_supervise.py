@@ -59,7 +59,8 @@ def test_restarts_the_dead_one_after_its_backoff_and_leaves_the_rest():
     sup.step()
     assert spawned == []
     assert [(e.name, e.kind, e.returncode, e.delay_s) for e in events] == [
-        ("decode-0", "exited", -9, 0.5)]
+        ("decode-0", "exited", -9, 0.5)
+    ]
     clock.now += 0.4
     sup.step()
     assert spawned == []
@@ -75,7 +76,8 @@ def test_restarts_the_dead_one_after_its_backoff_and_leaves_the_rest():
 
 def test_a_crash_loop_is_given_up_and_said():
     sup, clock, procs, spawned, events = _supervisor(
-        RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=1.0, max_backoff_s=100.0))
+        RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=1.0, max_backoff_s=100.0)
+    )
     for _ in range(3):
         procs["decode-0"].returncode = 1
         sup.step()
@@ -106,7 +108,8 @@ def test_nothing_is_restarted_once_held():
 
 def test_a_restart_that_cannot_fork_is_retried_and_bounded():
     sup, clock, procs, spawned, events = _supervisor(
-        RestartPolicy(max_restarts=2, window_s=60.0, backoff_s=1.0))
+        RestartPolicy(max_restarts=2, window_s=60.0, backoff_s=1.0)
+    )
 
     def broken(name: str) -> None:
         raise OSError("no more processes")

@@ -107,7 +107,9 @@ def test_chat_template_matches_jinja():
     tmpl = env.from_string(CHAT_TEMPLATE)
     msgs = [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
     for gen in (True, False):
-        want = tmpl.render(messages=msgs, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>")
+        want = tmpl.render(
+            messages=msgs, add_generation_prompt=gen, bos_token="<s>", eos_token="</s>"
+        )
         assert render_chat(msgs, gen) == want
 
 

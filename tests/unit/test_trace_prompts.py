@@ -20,7 +20,9 @@ def test_trace_loads_and_is_ms_timestamps():
 
 
 def test_tbt_is_mean_of_longest_tenth_and_goodput():
-    o = Outcome(ok=True, ttft_s=1.0, gaps=[0.01] * 18 + [0.5, 0.3], prompt_tokens=100, cached_tokens=40)
+    o = Outcome(
+        ok=True, ttft_s=1.0, gaps=[0.01] * 18 + [0.5, 0.3], prompt_tokens=100, cached_tokens=40
+    )
     assert abs(o.tbt_s - 0.4) < 1e-12  # the two longest of 20 gaps
     s = summarize([o, Outcome(ok=False, status=429)], wall_s=2.0, ttft_slo=30, tbt_slo=0.5)
     assert s["completed"] == 1 and s["rejected"] == 1
@@ -29,13 +31,25 @@ def test_tbt_is_mean_of_longest_tenth_and_goodput():
 
 
 def test_spread_ties_spreads_each_step_evenly_in_file_order():
-    reqs = [TraceRequest(t, n, 1, ()) for t, n in
-            [(0.0, 1), (0.0, 2), (0.0, 3), (0.0, 4), (3.0, 5), (6.0, 6), (6.0, 7), (12.0, 8)]]
+    reqs = [
+        TraceRequest(t, n, 1, ())
+        for t, n in [
+            (0.0, 1),
+            (0.0, 2),
+            (0.0, 3),
+            (0.0, 4),
+            (3.0, 5),
+            (6.0, 6),
+            (6.0, 7),
+            (12.0, 8),
+        ]
+    ]
     out = spread_ties(reqs)
     # steps 3, 3, 6: the last one (12.0) alone; 6.0's pair spans [6, 12)
     assert [r.timestamp_s for r in out] == [0.0, 0.75, 1.5, 2.25, 3.0, 6.0, 9.0, 12.0]
     assert [r.input_length for r in out] == list(range(1, 9))
-    tail = spread_ties([TraceRequest(0.0, 1, 1, ()), TraceRequest(3.0, 1, 1, ()),
-                        TraceRequest(3.0, 1, 1, ())])
+    tail = spread_ties(
+        [TraceRequest(0.0, 1, 1, ()), TraceRequest(3.0, 1, 1, ()), TraceRequest(3.0, 1, 1, ())]
+    )
     assert [r.timestamp_s for r in tail] == [0.0, 3.0, 4.5]  # the last step: the median one
     assert spread_ties([]) == []

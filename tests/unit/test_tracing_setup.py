@@ -40,8 +40,15 @@ def test_exporter_selection():
 def test_otlp_protocol_defaults_to_http_protobuf():
     assert otlp_protocol({}) == "http/protobuf"
     assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
-    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    assert (
+        otlp_protocol(
+            {
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            }
+        )
+        == "http/protobuf"
+    )
     assert isinstance(make_exporter("otlp", {}), OTLPSpanExporter)
 
 
@@ -50,7 +57,9 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).received.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+        type(self).received.append(
+            (self.path, {k.lower(): v for k, v in self.headers.items()}, body)
+        )
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.end_headers()
@@ -89,7 +98,11 @@ def test_otlp_http_protobuf_exports_spans(monkeypatch):
     svc = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
     [ss] = rs.scope_spans
     [s] = ss.spans
-    assert (svc, s.name, [e.name for e in s.events]) == ("unit-gw", "gateway.request", ["first_token"])
+    assert (svc, s.name, [e.name for e in s.events]) == (
+        "unit-gw",
+        "gateway.request",
+        ["first_token"],
+    )
     assert {a.key: a.value.string_value for a in s.attributes} == {"gen_ai.system": "perigee"}
 
 
@@ -98,7 +111,9 @@ def test_jsonl_keeps_kind_and_events(tmp_path):
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
     provider.add_span_processor(SimpleSpanProcessor(JsonlSpanExporter(str(path))))
     tr = provider.get_tracer("t")
-    with tr.start_as_current_span("outer", attributes={"gen_ai.response.finish_reasons": ["stop"]}) as s:
+    with tr.start_as_current_span(
+        "outer", attributes={"gen_ai.response.finish_reasons": ["stop"]}
+    ) as s:
         s.add_event("first_token", {"n": 1})
         with tr.start_as_current_span("inner"):
             pass

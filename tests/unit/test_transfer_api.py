@@ -7,18 +7,23 @@ from services.store.transport import Opcode, Poll
 from services.store.transport.fake import FakeNetwork, FakeReceiver, FakeSender
 
 
-def make(manual: bool = False, paths: int = 2) -> tuple[FakeNetwork, TransferEngine, TransferEngine]:
+def make(
+    manual: bool = False, paths: int = 2
+) -> tuple[FakeNetwork, TransferEngine, TransferEngine]:
     net = FakeNetwork()
     engines = []
     for name in ("a", "b"):
-        e = TransferEngine("fake", serve=False, sender_opts={"network": net, "paths": paths,
-                                                              "manual": manual})
+        e = TransferEngine(
+            "fake", serve=False, sender_opts={"network": net, "paths": paths, "manual": manual}
+        )
         e.receiver = FakeReceiver(net, name)
         engines.append(e)
     return net, engines[0], engines[1]
 
 
-def regions(a: TransferEngine, b: TransferEngine, n: int = 16) -> tuple[int, bytearray, int, bytearray]:
+def regions(
+    a: TransferEngine, b: TransferEngine, n: int = 16
+) -> tuple[int, bytearray, int, bytearray]:
     src, dst = bytearray(range(n)), bytearray(n)
     return a.register_local_memory(src), src, b.register_local_memory(dst), dst
 
@@ -53,8 +58,10 @@ def test_read_and_batch_capacity_and_bad_entries():
         a.submit_transfer(bid, [TransferRequest(Opcode.READ, ra, 0, 1, b.segment, rb, 0)])
     assert e.value.code == "batch_full"
     bid2 = a.allocate_batch_id(4)
-    for bad in (TransferRequest(Opcode.WRITE, 99, 0, 1, b.segment, rb, 0),
-                TransferRequest(Opcode.WRITE, ra, 10, 7, b.segment, rb, 0)):
+    for bad in (
+        TransferRequest(Opcode.WRITE, 99, 0, 1, b.segment, rb, 0),
+        TransferRequest(Opcode.WRITE, ra, 10, 7, b.segment, rb, 0),
+    ):
         with pytest.raises(TransferApiError) as e:
             a.submit_transfer(bid2, [bad])
         assert e.value.code == "bad_request"
@@ -87,9 +94,13 @@ def test_dead_peer_fails_and_checksum_mismatch_is_rejected_untouched():
     bid = a.allocate_batch_id(3)
     a.submit_transfer(bid, [TransferRequest(Opcode.WRITE, ra, 0, 4, "fake://gone", rb, 0)])
     assert (a.get_transfer_status(bid, 0).state, a.get_transfer_status(bid, 0).code) == (
-        Poll.FAILED, "unreachable")
+        Poll.FAILED,
+        "unreachable",
+    )
     net.corrupt = {"b"}
-    a.submit_transfer(bid, [TransferRequest(Opcode.WRITE, ra, 1, 4, b.segment, rb, 0, checksum=True)])
+    a.submit_transfer(
+        bid, [TransferRequest(Opcode.WRITE, ra, 1, 4, b.segment, rb, 0, checksum=True)]
+    )
     s = a.get_transfer_status(bid, 1)
     assert (s.state, s.code) == (Poll.FAILED, "checksum")
     assert dst == bytearray(16)
@@ -114,8 +125,13 @@ async def test_wait_batch_completes_from_another_thread():
     _, a, b = make(manual=True)
     ra, src, rb, dst = regions(a, b)
     bid = a.allocate_batch_id(2)
-    a.submit_transfer(bid, [TransferRequest(Opcode.WRITE, ra, 0, 8, b.segment, rb, 0),
-                            TransferRequest(Opcode.WRITE, ra, 8, 8, b.segment, rb, 8)])
+    a.submit_transfer(
+        bid,
+        [
+            TransferRequest(Opcode.WRITE, ra, 0, 8, b.segment, rb, 0),
+            TransferRequest(Opcode.WRITE, ra, 8, 8, b.segment, rb, 8),
+        ],
+    )
     threading.Thread(target=a.sender.pump).start()
     statuses = await a.wait_batch(bid, timeout=10)
     assert [s.state for s in statuses] == [Poll.SUCCESS, Poll.SUCCESS]

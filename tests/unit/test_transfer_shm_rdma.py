@@ -20,18 +20,24 @@ def test_shm_write_read_and_checksum_between_two_engines():
         rb, vb = b.allocate_managed_buffer(1 << 20)
         data = os.urandom(1 << 19)
         va[: len(data)] = data
-        a.transfer_sync([TransferRequest(Opcode.WRITE, ra, 0, len(data), b.segment, rb, 4096,
-                                         checksum=True)], timeout=WAIT)
+        a.transfer_sync(
+            [TransferRequest(Opcode.WRITE, ra, 0, len(data), b.segment, rb, 4096, checksum=True)],
+            timeout=WAIT,
+        )
         assert vb[4096 : 4096 + len(data)] == data
         vb[:16] = b"0123456789abcdef"
         a.transfer_sync([TransferRequest(Opcode.READ, ra, 100, 16, b.segment, rb, 0)], timeout=WAIT)
         assert va[100:116] == b"0123456789abcdef"
         with pytest.raises(TransportError) as e:
-            a.transfer_sync([TransferRequest(Opcode.WRITE, ra, 0, 16, b.segment, rb, (1 << 20) - 8)],
-                            timeout=WAIT)
+            a.transfer_sync(
+                [TransferRequest(Opcode.WRITE, ra, 0, 16, b.segment, rb, (1 << 20) - 8)],
+                timeout=WAIT,
+            )
         assert e.value.code == "refused"
         with pytest.raises(TransportError) as e:
-            a.transfer_sync([TransferRequest(Opcode.WRITE, ra, 0, 16, "shm://nobody", 1, 0)], timeout=WAIT)
+            a.transfer_sync(
+                [TransferRequest(Opcode.WRITE, ra, 0, 16, "shm://nobody", 1, 0)], timeout=WAIT
+            )
         assert e.value.code == "unreachable"
         assert a.open_batches == 0
     finally:
@@ -98,7 +104,10 @@ def test_rdma_refuses_unregistered_memory_checksums_and_bad_spans(rdma):
     v, rx, tx, remote, local = rdma
     cases = [
         (Request(Opcode.WRITE, memoryview(bytearray(8)), rx.address, 3, 0), "bad_request"),
-        (Request(Opcode.WRITE, memoryview(local)[:8], rx.address, 3, 0, checksum=True), "bad_request"),
+        (
+            Request(Opcode.WRITE, memoryview(local)[:8], rx.address, 3, 0, checksum=True),
+            "bad_request",
+        ),
         (Request(Opcode.WRITE, memoryview(local)[:8], rx.address, 9, 0), "refused"),
         (Request(Opcode.WRITE, memoryview(local)[:8], rx.address, 3, 1 << 16), "refused"),
         (Request(Opcode.WRITE, memoryview(local)[:8], "rdma://127.0.0.1:1", 3, 0), "unreachable"),

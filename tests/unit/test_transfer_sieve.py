@@ -51,9 +51,17 @@ def test_sieve_remove_keeps_the_hand_in_place():
 
 def test_slicing_spreads_evenly_within_bounds_round_robin():
     assert slicing.plan(10, 4, min_bytes=2, max_bytes=4) == [
-        slicing.Slice(0, 3, 0), slicing.Slice(3, 3, 1), slicing.Slice(6, 3, 2), slicing.Slice(9, 1, 3)]
+        slicing.Slice(0, 3, 0),
+        slicing.Slice(3, 3, 1),
+        slicing.Slice(6, 3, 2),
+        slicing.Slice(9, 1, 3),
+    ]
     assert slicing.plan(10, 2, start=1, min_bytes=1, max_bytes=3) == [
-        slicing.Slice(0, 3, 1), slicing.Slice(3, 3, 0), slicing.Slice(6, 3, 1), slicing.Slice(9, 1, 0)]
+        slicing.Slice(0, 3, 1),
+        slicing.Slice(3, 3, 0),
+        slicing.Slice(6, 3, 1),
+        slicing.Slice(9, 1, 0),
+    ]
     assert slicing.plan(5, 4, min_bytes=64) == [slicing.Slice(0, 5, 0)]
     assert slicing.plan(0, 4, start=6) == [slicing.Slice(0, 0, 2)]
     with pytest.raises(ValueError):

@@ -81,7 +81,9 @@ def test_refused_span_keeps_the_stream_in_step(rx):
 def test_dead_peer_is_unreachable():
     tx = TcpSender(streams=3)
     try:
-        t = tx.submit(Request(Opcode.WRITE, memoryview(b"x" * 1024), f"tcp://127.0.0.1:{free_port()}", 1, 0))
+        t = tx.submit(
+            Request(Opcode.WRITE, memoryview(b"x" * 1024), f"tcp://127.0.0.1:{free_port()}", 1, 0)
+        )
         assert t.wait(WAIT) == Poll.FAILED
         assert t.error.code == "unreachable" and "all 3 streams" in t.error.message
     finally:
@@ -140,7 +142,10 @@ def test_endpoint_pool_is_capped():
     try:
         for r in rxs:
             expose(r, 16)
-            assert tx.submit(Request(Opcode.WRITE, memoryview(b"1"), r.address, 1, 0)).wait(WAIT) == Poll.SUCCESS
+            assert (
+                tx.submit(Request(Opcode.WRITE, memoryview(b"1"), r.address, 1, 0)).wait(WAIT)
+                == Poll.SUCCESS
+            )
         assert tx.endpoints == [rxs[1].address, rxs[2].address]
         assert tx.endpoint_evictions() == 1
     finally:
@@ -167,10 +172,15 @@ async def test_engine_batch_to_a_dead_peer_ends_failed_and_frees():
         dst_buf = bytearray(4096)
         dst = b.register_local_memory(dst_buf)
         bid = a.allocate_batch_id(2)
-        a.submit_transfer(bid, [
-            TransferRequest(Opcode.WRITE, src, 0, 4096, b.segment, dst, 0, checksum=True),
-            TransferRequest(Opcode.WRITE, src, 0, 4096, f"tcp://127.0.0.1:{free_port()}", dst, 0),
-        ])
+        a.submit_transfer(
+            bid,
+            [
+                TransferRequest(Opcode.WRITE, src, 0, 4096, b.segment, dst, 0, checksum=True),
+                TransferRequest(
+                    Opcode.WRITE, src, 0, 4096, f"tcp://127.0.0.1:{free_port()}", dst, 0
+                ),
+            ],
+        )
         statuses = await a.wait_batch(bid, timeout=WAIT)
         assert [s.state for s in statuses] == [Poll.SUCCESS, Poll.FAILED]
         assert statuses[1].code == "unreachable" and dst_buf == b"z" * 4096
@@ -331,11 +341,14 @@ def test_unobserved_reads_beyond_the_peer_buffers_do_not_stall_later_writes(rx):
         remote[:] = os.urandom(4 << 20)
         orig = bytes(remote)
         backs = [bytearray(1 << 20) for _ in range(40)]
-        reads = [tx.submit(Request(Opcode.READ, memoryview(b), rx.address, 1, (i % 4) << 20))
-                 for i, b in enumerate(backs)]
+        reads = [
+            tx.submit(Request(Opcode.READ, memoryview(b), rx.address, 1, (i % 4) << 20))
+            for i, b in enumerate(backs)
+        ]
         data = os.urandom(4 << 20)
-        writes = [tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 0))
-                  for _ in range(6)]
+        writes = [
+            tx.submit(Request(Opcode.WRITE, memoryview(data), rx.address, 1, 0)) for _ in range(6)
+        ]
         assert [t.wait(WAIT) for t in writes] == [Poll.SUCCESS] * 6
         assert [t.wait(WAIT) for t in reads] == [Poll.SUCCESS] * 40
         assert all(b == orig[(i % 4) << 20 : ((i % 4) + 1) << 20] for i, b in enumerate(backs))

@@ -37,16 +37,20 @@ def bridge():
 def connector(bridge: Bridge, role: KVConnectorRole, vllm_bs: int = 32) -> PerigeeConnector:
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"registry_key": bridge.registry_key}),
+            kv_connector_extra_config={"registry_key": bridge.registry_key}
+        ),
         cache_config=SimpleNamespace(block_size=vllm_bs),
     )
     return PerigeeConnector(cfg, role, None)
 
 
 def request(rid: str, key: str, prompt_len: int, extra_tokens: int = 0):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(prompt_len)),
-                           num_tokens=prompt_len + extra_tokens,
-                           kv_transfer_params={"perigee": {"key": key}})
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=list(range(prompt_len)),
+        num_tokens=prompt_len + extra_tokens,
+        kv_transfer_params={"perigee": {"key": key}},
+    )
 
 
 def blocks(ids: list[int]):
@@ -55,10 +59,12 @@ def blocks(ids: list[int]):
 
 def step_new(rid: str, ids: list[int], computed: int, scheduled: int):
     return SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=rid, block_ids=(ids,),
-                                            num_computed_tokens=computed)],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
-                                              new_block_ids=[], num_computed_tokens=[]),
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=rid, block_ids=(ids,), num_computed_tokens=computed)
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
         num_scheduled_tokens={rid: scheduled},
     )
 
@@ -66,16 +72,22 @@ def step_new(rid: str, ids: list[int], computed: int, scheduled: int):
 def step_cached(rid: str, new_ids: list[int], computed: int, scheduled: int):
     return SimpleNamespace(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid], resumed_req_ids=set(),
-                                              new_block_ids=[(new_ids,)],
-                                              num_computed_tokens=[computed]),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[rid],
+            resumed_req_ids=set(),
+            new_block_ids=[(new_ids,)],
+            num_computed_tokens=[computed],
+        ),
         num_scheduled_tokens={rid: scheduled},
     )
 
 
 def plan(key: str, n_blocks: int, **kw) -> Plan:
-    return Plan(key=key, slots=[memoryview(bytearray(LAYERS * HBS * HEADS * CONTENT * 4))
-                                for _ in range(n_blocks)], **kw)
+    return Plan(
+        key=key,
+        slots=[memoryview(bytearray(LAYERS * HBS * HEADS * CONTENT * 4)) for _ in range(n_blocks)],
+        **kw,
+    )
 
 
 def test_vllm_block_size_must_divide_the_hash_block_size(bridge):
@@ -84,42 +96,53 @@ def test_vllm_block_size_must_divide_the_hash_block_size(bridge):
 
 
 def test_unknown_registry_key_is_a_clear_error():
-    cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
-                          cache_config=SimpleNamespace(block_size=32))
+    cfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}),
+        cache_config=SimpleNamespace(block_size=32),
+    )
     with pytest.raises(ValueError, match="registry_key"):
         PerigeeConnector(cfg, KVConnectorRole.SCHEDULER, None)
 
 
 def test_prefill_loads_the_prefix_saves_the_rest_and_ships_once(bridge):
     c = connector(bridge, KVConnectorRole.SCHEDULER)
-    bridge.add(plan("a", 4, load_tokens=64, save_from=2, save_tokens=100,
-                    on_layer=lambda layer: None))
+    bridge.add(
+        plan("a", 4, load_tokens=64, save_from=2, save_tokens=100, on_layer=lambda layer: None)
+    )
     req = request("a-x", "a", 100)
     assert c.get_num_new_matched_tokens(req, 0) == (64, False)
     c.update_state_after_alloc(req, blocks([10, 11, 12, 13]), 64)
     meta = c.build_connector_meta(step_new("a-x", [10, 11, 12, 13], 64, 36))
     assert [(x.block_id, x.block, x.sub, x.eager) for x in meta.loads] == [
-        (10, 0, 0, False), (11, 1, 0, False)]
+        (10, 0, 0, False),
+        (11, 1, 0, False),
+    ]
     assert [(x.block_id, x.block) for x in meta.saves] == [(12, 2), (13, 3)]
     assert meta.ship == ["a"] and meta.loaded == ["a"]
     # Loaded once: a later query (preemption, recompute) gets nothing from the slots.
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)
     done, params = c.request_finished(req, [])
     assert done is False
-    assert params == {"perigee": {"loaded_tokens": 64, "computed_prompt_tokens": 36,
-                                  "saved_blocks": 2}}
+    assert params == {
+        "perigee": {"loaded_tokens": 64, "computed_prompt_tokens": 36, "saved_blocks": 2}
+    }
 
 
 def test_full_hit_loads_all_but_the_last_token_eagerly_into_the_last_block(bridge):
     c = connector(bridge, KVConnectorRole.SCHEDULER)
-    bridge.add(plan("b", 4, load_tokens=128, save_from=4, save_tokens=128,
-                    on_layer=lambda layer: None))
+    bridge.add(
+        plan("b", 4, load_tokens=128, save_from=4, save_tokens=128, on_layer=lambda layer: None)
+    )
     req = request("b-x", "b", 128)
     assert c.get_num_new_matched_tokens(req, 0) == (127, False)
     c.update_state_after_alloc(req, blocks([5, 6, 7, 8]), 127)
     meta = c.build_connector_meta(step_new("b-x", [5, 6, 7, 8], 127, 1))
     assert [(x.block_id, x.eager) for x in meta.loads] == [
-        (5, False), (6, False), (7, False), (8, True)]
+        (5, False),
+        (6, False),
+        (7, False),
+        (8, True),
+    ]
     assert meta.saves == [] and meta.ship == ["b"]
 
 
@@ -136,8 +159,9 @@ def test_decode_loads_every_prompt_position_and_saves_nothing(bridge):
 
 def test_chunked_prefill_saves_each_chunk_and_ships_after_the_last(bridge):
     c = connector(bridge, KVConnectorRole.SCHEDULER)
-    bridge.add(plan("c", 4, load_tokens=0, save_from=0, save_tokens=100,
-                    on_layer=lambda layer: None))
+    bridge.add(
+        plan("c", 4, load_tokens=0, save_from=0, save_tokens=100, on_layer=lambda layer: None)
+    )
     req = request("c-x", "c", 100)
     assert c.get_num_new_matched_tokens(req, 0) == (0, False)
     m1 = c.build_connector_meta(step_new("c-x", [20, 21], 0, 64))
@@ -148,23 +172,31 @@ def test_chunked_prefill_saves_each_chunk_and_ships_after_the_last(bridge):
 
 def test_vllm_blocks_of_16_map_onto_sub_blocks_of_perigee_blocks(bridge):
     c = connector(bridge, KVConnectorRole.SCHEDULER, vllm_bs=16)
-    bridge.add(plan("r", 3, load_tokens=64, save_from=2, save_tokens=80,
-                    on_layer=lambda layer: None))
+    bridge.add(
+        plan("r", 3, load_tokens=64, save_from=2, save_tokens=80, on_layer=lambda layer: None)
+    )
     req = request("r-x", "r", 80)
     assert c.get_num_new_matched_tokens(req, 0) == (64, False)
     ids = [30, 31, 32, 33, 34]
     c.update_state_after_alloc(req, blocks(ids), 64)
     meta = c.build_connector_meta(step_new("r-x", ids, 64, 16))
     assert [(x.block_id, x.block, x.sub) for x in meta.loads] == [
-        (30, 0, 0), (31, 0, 1), (32, 1, 0), (33, 1, 1)]
+        (30, 0, 0),
+        (31, 0, 1),
+        (32, 1, 0),
+        (33, 1, 1),
+    ]
     assert [(x.block_id, x.block, x.sub) for x in meta.saves] == [(34, 2, 0)]
 
 
 # ---------------------------------------------------------------------- worker side
 
+
 def kv_caches(num_blocks: int = 16, bs: int = 32) -> dict[str, torch.Tensor]:
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, HEADS, bs, CONTENT)
-            for i in range(LAYERS)}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(num_blocks, HEADS, bs, CONTENT)
+        for i in range(LAYERS)
+    }
 
 
 def test_register_rejects_a_store_block_of_another_size():
@@ -213,7 +245,7 @@ def test_saved_pages_land_layer_major_in_the_slots_and_load_back(bridge):
     lb = page_bytes(32)
     raw = torch.frombuffer(p.slots[0], dtype=torch.float32)
     for layer in range(LAYERS):
-        span = raw[layer * lb // 4:(layer + 1) * lb // 4]
+        span = raw[layer * lb // 4 : (layer + 1) * lb // 4]
         assert torch.all(span == layer + 1)
     # Another engine loads them into block 7 of its cache, one layer at a time.
     dst = kv_caches()

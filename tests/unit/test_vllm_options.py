@@ -45,23 +45,45 @@ def test_vllm_block_size_defaults_to_32_when_it_divides():
 def test_service_flags_build_the_options():
     p = argparse.ArgumentParser()
     options.add_arguments(p)
-    a = p.parse_args(["--load-format", "dummy", "--kv-blocks", "300", "--vllm-block-size", "16",
-                      "--max-model-len", "4096"])
+    a = p.parse_args(
+        [
+            "--load-format",
+            "dummy",
+            "--kv-blocks",
+            "300",
+            "--vllm-block-size",
+            "16",
+            "--max-model-len",
+            "4096",
+        ]
+    )
     o = options.from_args(a, "/models/x")
-    assert o == options.VllmOptions("/models/x", load_format="dummy", kv_blocks=300,
-                                    block_size=16, max_model_len=4096)
+    assert o == options.VllmOptions(
+        "/models/x", load_format="dummy", kv_blocks=300, block_size=16, max_model_len=4096
+    )
 
 
 def test_make_engine_vllm_checks_block_sizes_without_starting_vllm():
     spec = ModelSpec.from_dir(DEFAULT_MODEL_DIR)
     cost = CostModel.llama3_70b_a800()
-    eng = make_engine("vllm", spec, cost, role="prefill", layout=KVLayout(spec, 64),
-                      vllm=options.VllmOptions(str(DEFAULT_MODEL_DIR)))
+    eng = make_engine(
+        "vllm",
+        spec,
+        cost,
+        role="prefill",
+        layout=KVLayout(spec, 64),
+        vllm=options.VllmOptions(str(DEFAULT_MODEL_DIR)),
+    )
     assert eng.vllm_block_size == 32 and eng.hash_block_size == 64
     assert eng.bridge.block_bytes == spec.block_bytes(64)
     with pytest.raises(ValueError, match="must divide"):
-        make_engine("vllm", spec, cost, layout=KVLayout(spec, 48),
-                    vllm=options.VllmOptions(str(DEFAULT_MODEL_DIR), block_size=32))
+        make_engine(
+            "vllm",
+            spec,
+            cost,
+            layout=KVLayout(spec, 48),
+            vllm=options.VllmOptions(str(DEFAULT_MODEL_DIR), block_size=32),
+        )
     with pytest.raises(ValueError, match="role"):
         make_engine("vllm", spec, cost, role="both")
 
@@ -85,8 +107,9 @@ def test_bridge_registry_and_plans():
     assert bridge.request_key({"other": 1}) is None
 
 
-@pytest.mark.skipif(importlib.util.find_spec("safetensors") is None,
-                    reason="safetensors comes with vLLM")
+@pytest.mark.skipif(
+    importlib.util.find_spec("safetensors") is None, reason="safetensors comes with vLLM"
+)
 def test_random_checkpoint_is_byte_identical_for_a_seed(tmp_path):
     from services.engine.vllm.weights import write_random_checkpoint
 

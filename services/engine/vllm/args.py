@@ -7,8 +7,16 @@ from bus_schemas.roles import Role
 from services.engine.vllm.options import VllmOptions
 
 
-def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_model_len: int,
-                max_batch: int, registry_key: str) -> Any:
+def engine_args(
+    o: VllmOptions,
+    *,
+    role: str,
+    dtype: str,
+    block_size: int,
+    max_model_len: int,
+    max_batch: int,
+    registry_key: str,
+) -> Any:
     """In-process engine ("uni" executor), the PerigeeConnector, vLLM's prefix cache off
     (the node store is the cache). Prefill: 2 sequences, a whole prompt per step;
     decode: ``max_batch`` sequences, chunked prefill for recomputation after preemption."""
@@ -23,11 +31,20 @@ def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_m
         seqs, kv_blocks = max_batch, o.kv_blocks or max(2 * per_seq, 1024)
         batched = o.max_num_batched_tokens or 2048
     return EngineArgs(
-        model=o.model_dir, skip_tokenizer_init=True, load_format=o.resolved_load_format(),
-        dtype=dtype, block_size=block_size, max_model_len=max_model_len, max_num_seqs=seqs,
-        max_num_batched_tokens=max(batched, seqs), enable_chunked_prefill=True,
-        num_gpu_blocks_override=kv_blocks, enable_prefix_caching=False,
-        enforce_eager=o.enforce_eager, seed=o.seed, distributed_executor_backend="uni",
+        model=o.model_dir,
+        skip_tokenizer_init=True,
+        load_format=o.resolved_load_format(),
+        dtype=dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=max(batched, seqs),
+        enable_chunked_prefill=True,
+        num_gpu_blocks_override=kv_blocks,
+        enable_prefix_caching=False,
+        enforce_eager=o.enforce_eager,
+        seed=o.seed,
+        distributed_executor_backend="uni",
         disable_log_stats=True,
         kv_transfer_config=KVTransferConfig(
             kv_connector="PerigeeConnector",
@@ -38,8 +55,9 @@ def engine_args(o: VllmOptions, *, role: str, dtype: str, block_size: int, max_m
     )
 
 
-def sampling_params(s: SamplingParams, max_tokens: int, key: str | None,
-                    eos_token_id: int | None, vocab_size: int) -> Any:
+def sampling_params(
+    s: SamplingParams, max_tokens: int, key: str | None, eos_token_id: int | None, vocab_size: int
+) -> Any:
     """Greedy when temperature is 0; tokens come back as deltas. The tokenizer is not
     loaded (prompts are token ids), so EOS is a stop token id unless ``ignore_eos``.
     ``key`` names the request's plan for the connector. A ``top_k`` above the
@@ -52,8 +70,17 @@ def sampling_params(s: SamplingParams, max_tokens: int, key: str | None,
         stop.append(eos_token_id)
     extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
     return VllmSampling(
-        n=1, temperature=s.temperature, top_p=s.top_p, seed=s.seed, max_tokens=max_tokens,
-        top_k=min(s.top_k, vocab_size), min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-        stop_token_ids=stop, ignore_eos=True, detokenize=False,
-        output_kind=RequestOutputKind.DELTA, extra_args=extra,
+        n=1,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=max_tokens,
+        top_k=min(s.top_k, vocab_size),
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        stop_token_ids=stop,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
     )

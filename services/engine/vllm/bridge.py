@@ -74,9 +74,15 @@ class Bridge:
         self.plans: dict[str, Plan] = {}
         # Connector-side counters (engine thread writes, anyone reads).
         self.counters: dict[str, int] = dict.fromkeys(
-            ("connector_tokens_loaded", "connector_layer_blocks_loaded",
-             "connector_layer_blocks_saved", "connector_blocks_saved", "connector_layers_shipped",
-             "connector_errors"), 0,
+            (
+                "connector_tokens_loaded",
+                "connector_layer_blocks_loaded",
+                "connector_layer_blocks_saved",
+                "connector_blocks_saved",
+                "connector_layers_shipped",
+                "connector_errors",
+            ),
+            0,
         )
         self.layer_block_bytes = 0  # vLLM's bytes per block per layer, set by the worker
 

@@ -66,8 +66,9 @@ class _Active:
     tokens: list[int] = field(default_factory=list)
 
 
-def _settle(fut: asyncio.Future | None, result: Any = None,
-            error: BaseException | None = None) -> None:
+def _settle(
+    fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None
+) -> None:
     if fut is None or fut.done():
         return
     if error is not None:
@@ -106,8 +107,14 @@ class VllmEngine(Engine):
         self.hash_block_size = hash_block_size
         self.bridge = Bridge(block_bytes, hash_block_size)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("vllm_requests", "vllm_steps", "vllm_prompt_tokens_computed", "vllm_cached_tokens",
-             "vllm_tokens_generated"), 0,
+            (
+                "vllm_requests",
+                "vllm_steps",
+                "vllm_prompt_tokens_computed",
+                "vllm_cached_tokens",
+                "vllm_tokens_generated",
+            ),
+            0,
         )
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -126,8 +133,9 @@ class VllmEngine(Engine):
             return
         self._loop = asyncio.get_running_loop()
         ready = self._loop.create_future()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name="vllm-engine",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name="vllm-engine", daemon=True
+        )
         self._thread.start()
         try:
             await asyncio.wait_for(ready, START_TIMEOUT_S)
@@ -157,9 +165,14 @@ class VllmEngine(Engine):
         self._cmds.put(("add", WARMUP_ID, prompt, self._sampling(SamplingParams(), 2, None)))
         t = time.perf_counter()
         await asyncio.wait_for(fut, START_TIMEOUT_S)
-        log.info("vllm_ready", role=self.role, warmup_s=round(time.perf_counter() - t, 3),
-                 block_size=self.vllm_block_size, max_model_len=self.max_model_len,
-                 load_format=self.opts.resolved_load_format())
+        log.info(
+            "vllm_ready",
+            role=self.role,
+            warmup_s=round(time.perf_counter() - t, 3),
+            block_size=self.vllm_block_size,
+            max_model_len=self.max_model_len,
+            load_format=self.opts.resolved_load_format(),
+        )
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -188,8 +201,9 @@ class VllmEngine(Engine):
         if not 0 <= p <= n or (p % hbs and p != n):
             raise EngineError(f"prefix_tokens {p} must be a multiple of {hbs} in [0, {n}]")
         if n >= self.max_model_len:
-            raise EngineError(f"prompt of {n} tokens leaves no room in max_model_len "
-                              f"{self.max_model_len}")
+            raise EngineError(
+                f"prompt of {n} tokens leaves no room in max_model_len {self.max_model_len}"
+            )
         slots = self._slots(job.kv, n)
         if rid in self._active:
             raise EngineError(f"request {rid} is already running")
@@ -202,8 +216,14 @@ class VllmEngine(Engine):
             def on_layer(layer: int) -> Any:  # engine thread
                 return asyncio.run_coroutine_threadsafe(hook(layer), loop)
 
-        plan = Plan(key=rid, slots=slots, load_tokens=p, save_from=p // hbs, save_tokens=n,
-                    on_layer=on_layer)
+        plan = Plan(
+            key=rid,
+            slots=slots,
+            load_tokens=p,
+            save_from=p // hbs,
+            save_tokens=n,
+            on_layer=on_layer,
+        )
         fut = loop.create_future()
         self.bridge.add(plan)
         self._active[rid] = _Active("prefill", fut=fut)
@@ -250,7 +270,9 @@ class VllmEngine(Engine):
         if rid in self._active:
             raise EngineError(f"request {rid} is already decoding")
         slots = self._slots(job.kv, n)
-        params = self._request_params(prompt, job.sampling, max(job.sampling.max_tokens - 1, 1), rid)
+        params = self._request_params(
+            prompt, job.sampling, max(job.sampling.max_tokens - 1, 1), rid
+        )
         stream = RequestStream(rid)
         reason = self._first_token_finish(job.sampling, first, n + 1)
         if reason is not None:
@@ -276,8 +298,9 @@ class VllmEngine(Engine):
     def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
         return sampling_params(s, max_tokens, key, self.spec.eos_token_id, self.spec.vocab_size)
 
-    def _request_params(self, prompt: list[int], s: SamplingParams, max_tokens: int,
-                        key: str) -> Any:
+    def _request_params(
+        self, prompt: list[int], s: SamplingParams, max_tokens: int, key: str
+    ) -> Any:
         """vLLM's SamplingParams for one request, or :class:`EngineError`: a value that
         would fail inside ``step()`` (a token id off the embedding table, a seed beyond
         64 bits) takes the whole engine down, so nothing reaches it unchecked, whoever
@@ -314,8 +337,12 @@ class VllmEngine(Engine):
         dec = [a for a in self._active.values() if a.kind == "decode"]
         running = [a for a in dec if a.loaded is not None and a.loaded.done()]
         batch = min(len(running), self.max_batch)
-        return EngineStats(batch_size=batch, waiting=len(dec) - batch,
-                           kv_tokens=sum(a.context for a in running), step_time_s=self._step_ema)
+        return EngineStats(
+            batch_size=batch,
+            waiting=len(dec) - batch,
+            kv_tokens=sum(a.context for a in running),
+            step_time_s=self._step_ema,
+        )
 
     # ------------------------------------------------------------------ engine thread
 
@@ -330,16 +357,26 @@ class VllmEngine(Engine):
         try:
             from vllm.v1.engine.llm_engine import LLMEngine
 
-            engine = LLMEngine.from_engine_args(engine_args(
-                self.opts, role=self.role, dtype=self.opts.dtype or self.spec.dtype,
-                block_size=self.vllm_block_size, max_model_len=self.max_model_len,
-                max_batch=self.max_batch, registry_key=self._key,
-            ))
+            engine = LLMEngine.from_engine_args(
+                engine_args(
+                    self.opts,
+                    role=self.role,
+                    dtype=self.opts.dtype or self.spec.dtype,
+                    block_size=self.vllm_block_size,
+                    max_model_len=self.max_model_len,
+                    max_batch=self.max_batch,
+                    registry_key=self._key,
+                )
+            )
         except BaseException as e:  # noqa: BLE001 - reported to start()
             log.exception("vllm_start_failed")
             unregister(self._key)
-            self._post(_settle, ready, None,
-                       EngineDeadError(f"vLLM failed to start: {type(e).__name__}: {e}"))
+            self._post(
+                _settle,
+                ready,
+                None,
+                EngineDeadError(f"vLLM failed to start: {type(e).__name__}: {e}"),
+            )
             return
         self._post(_settle, ready, None)
         try:
@@ -424,8 +461,14 @@ class VllmEngine(Engine):
 
     # ------------------------------------------------------------------ event-loop side
 
-    def _on_output(self, rid: str, toks: list[int], finished: bool, reason: str | None,
-                   err: BaseException | None) -> None:
+    def _on_output(
+        self,
+        rid: str,
+        toks: list[int],
+        finished: bool,
+        reason: str | None,
+        err: BaseException | None,
+    ) -> None:
         a = self._active.get(rid)
         if a is None:
             return
@@ -453,8 +496,11 @@ class VllmEngine(Engine):
                 _settle(a.fut, a.tokens)
 
     def _on_step(self, dt: float) -> None:
-        running = [a for a in self._active.values()
-                   if a.kind == "decode" and a.loaded is not None and a.loaded.done()]
+        running = [
+            a
+            for a in self._active.values()
+            if a.kind == "decode" and a.loaded is not None and a.loaded.done()
+        ]
         if running and self.on_decode_step is not None:
             self.on_decode_step(len(running), sum(a.context for a in running), dt)
 

@@ -70,22 +70,41 @@ class VllmOptions:
 def add_arguments(p: Any) -> None:
     """The ``--engine vllm`` flags of the prefill and decode services."""
     g = p.add_argument_group("vllm engine (--engine vllm)")
-    g.add_argument("--load-format", default=None,
-                   help="vLLM load format: auto (the model directory's safetensors) or dummy "
-                        "(random constants); default: auto if the directory holds weights")
-    g.add_argument("--kv-blocks", type=int, default=0,
-                   help="vLLM paged-cache blocks (0: two max-length sequences for prefill, "
-                        "at least 1024 for decode)")
-    g.add_argument("--vllm-block-size", type=int, default=0,
-                   help="vLLM block size; must divide --block-size (0: 32 if it does)")
-    g.add_argument("--max-model-len", type=int, default=0,
-                   help="longest request served, tokens; the node's store must hold one "
-                        "(0: the model's max_position_embeddings)")
+    g.add_argument(
+        "--load-format",
+        default=None,
+        help="vLLM load format: auto (the model directory's safetensors) or dummy "
+        "(random constants); default: auto if the directory holds weights",
+    )
+    g.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="vLLM paged-cache blocks (0: two max-length sequences for prefill, "
+        "at least 1024 for decode)",
+    )
+    g.add_argument(
+        "--vllm-block-size",
+        type=int,
+        default=0,
+        help="vLLM block size; must divide --block-size (0: 32 if it does)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="longest request served, tokens; the node's store must hold one "
+        "(0: the model's max_position_embeddings)",
+    )
     g.add_argument("--vllm-seed", type=int, default=0, help="vLLM sampling seed")
 
 
 def from_args(args: Any, model_dir: str) -> VllmOptions:
     return VllmOptions(
-        model_dir=model_dir, load_format=args.load_format, kv_blocks=args.kv_blocks,
-        block_size=args.vllm_block_size, max_model_len=args.max_model_len, seed=args.vllm_seed,
+        model_dir=model_dir,
+        load_format=args.load_format,
+        kv_blocks=args.kv_blocks,
+        block_size=args.vllm_block_size,
+        max_model_len=args.max_model_len,
+        seed=args.vllm_seed,
     )

@@ -27,14 +27,24 @@ def build_engine(spec: dict):
     opts = VllmOptions(model_dir=spec["model_dir"], load_format=spec.get("load_format"))
     max_len = int(spec.get("max_model_len") or 8192)
     bs = int(spec.get("block_size") or 32)
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=opts.model_dir, skip_tokenizer_init=True, load_format=opts.resolved_load_format(),
-        dtype=spec.get("dtype") or "float32", block_size=bs, max_model_len=max_len,
-        max_num_seqs=4, max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or max_len),
-        num_gpu_blocks_override=int(spec.get("kv_blocks") or 2 * (-(-max_len // bs) + 1)),
-        enable_prefix_caching=bool(spec.get("prefix_caching", False)), enforce_eager=True,
-        seed=0, distributed_executor_backend="uni", disable_log_stats=True,
-    ))
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=opts.model_dir,
+            skip_tokenizer_init=True,
+            load_format=opts.resolved_load_format(),
+            dtype=spec.get("dtype") or "float32",
+            block_size=bs,
+            max_model_len=max_len,
+            max_num_seqs=4,
+            max_num_batched_tokens=int(spec.get("max_num_batched_tokens") or max_len),
+            num_gpu_blocks_override=int(spec.get("kv_blocks") or 2 * (-(-max_len // bs) + 1)),
+            enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+            enforce_eager=True,
+            seed=0,
+            distributed_executor_backend="uni",
+            disable_log_stats=True,
+        )
+    )
 
 
 def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
@@ -42,8 +52,13 @@ def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            detokenize=False, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
     t0 = time.perf_counter()
     engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     tokens: list[int] = []
@@ -56,8 +71,12 @@ def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
                 ttft = time.perf_counter() - t0
             tokens += new
             cached = max(cached, out.num_cached_tokens or 0)
-    return {"tokens": tokens, "num_cached_tokens": cached, "ttft_s": ttft,
-            "total_s": time.perf_counter() - t0}
+    return {
+        "tokens": tokens,
+        "num_cached_tokens": cached,
+        "ttft_s": ttft,
+        "total_s": time.perf_counter() - t0,
+    }
 
 
 class Reference:
@@ -77,8 +96,17 @@ class Reference:
         env = {**os.environ, "PYTHONPATH": str(root)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "services.engine.vllm.reference", str(self.spec_path),
-                 str(self.out_path)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "services.engine.vllm.reference",
+                    str(self.spec_path),
+                    str(self.out_path),
+                ],
+                cwd=root,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         return self
 
@@ -103,8 +131,10 @@ def main(argv: list[str]) -> int:
     engine = build_engine(spec)
     start_s = time.perf_counter() - t
     run_one(engine, "warmup", [3 + i % 100 for i in range(64)], 2)  # first forward is slow
-    results = [run_one(engine, f"r{i}", list(r["prompt"]), int(r.get("max_tokens", 1)))
-               for i, r in enumerate(spec["requests"])]
+    results = [
+        run_one(engine, f"r{i}", list(r["prompt"]), int(r.get("max_tokens", 1)))
+        for i, r in enumerate(spec["requests"])
+    ]
     Path(argv[1]).write_text(json.dumps({"start_s": start_s, "results": results}))
     return 0
 

@@ -160,19 +160,26 @@ class SsdStore(TierStore):
             view, off = view[n:], off + n
         self.crcs[slot] = crc32(src)
 
-    def save_index(self, entries: list[tuple[int, int, float | None]],
-                   objects: Iterable[tuple[str, int, list[int]]] = (),
-                   object_blocks: Iterable[int] = ()) -> None:
+    def save_index(
+        self,
+        entries: list[tuple[int, int, float | None]],
+        objects: Iterable[tuple[str, int, list[int]]] = (),
+        object_blocks: Iterable[int] = (),
+    ) -> None:
         """Persist (hash, slot, pinned until as wall clock or None) for clean blocks, and
         the objects (key, size, hashes) whose blocks are among them."""
-        kept = [_Entry(h, s, self.crcs.get(s, 0), until) for h, s, until in entries
-                if s in self.crcs]
+        kept = [
+            _Entry(h, s, self.crcs.get(s, 0), until) for h, s, until in entries if s in self.crcs
+        ]
         on = {e.block_hash for e in kept}
-        idx = _Index(block_bytes=self.bb, capacity=self.capacity, saved_at=time.time(),
-                     entries=kept,
-                     objects=[_Object(k, n, list(hs)) for k, n, hs in objects
-                              if all(h in on for h in hs)],
-                     object_blocks=sorted(h for h in object_blocks if h in on))
+        idx = _Index(
+            block_bytes=self.bb,
+            capacity=self.capacity,
+            saved_at=time.time(),
+            entries=kept,
+            objects=[_Object(k, n, list(hs)) for k, n, hs in objects if all(h in on for h in hs)],
+            object_blocks=sorted(h for h in object_blocks if h in on),
+        )
         tmp = self.index_path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(msgspec.msgpack.encode(idx))
@@ -211,8 +218,9 @@ class SsdStore(TierStore):
             out.append((e.block_hash, e.slot, e.pinned_until))
         if dropped:
             log.warning("ssd_blocks_dropped", count=dropped, reason="crc or slot mismatch")
-        return SsdState(out, [(o.key, o.size, list(o.hashes)) for o in idx.objects],
-                        set(idx.object_blocks))
+        return SsdState(
+            out, [(o.key, o.size, list(o.hashes)) for o in idx.objects], set(idx.object_blocks)
+        )
 
     def wipe(self) -> None:
         self.crcs.clear()

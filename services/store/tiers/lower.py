@@ -108,8 +108,9 @@ class LowerTiers:
         """Clean SSD blocks: (hash, SSD slot, pinned until or None)."""
         if self.ssd is None:
             return []
-        return [(h, s, self._pins.get(h)) for h, s in self.ssd.slots.items()
-                if h not in self.ssd.held]
+        return [
+            (h, s, self._pins.get(h)) for h, s in self.ssd.slots.items() if h not in self.ssd.held
+        ]
 
     def writeback_pending(self) -> int:
         """Write-backs queued or on their way to the SSD."""
@@ -310,4 +311,3 @@ class LowerTiers:
         if loaded:
             self._queue(BlockStored(block_hashes=loaded))
         return loaded
-

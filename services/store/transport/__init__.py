@@ -74,6 +74,18 @@ def make_receiver(name: str, **opts: Any) -> Receiver:
 
 
 __all__ = [
-    "BACKENDS", "Availability", "Opcode", "Poll", "Receiver", "Region", "Request", "Sender",
-    "Ticket", "TransportError", "availability", "backends", "make_receiver", "make_sender",
+    "BACKENDS",
+    "Availability",
+    "Opcode",
+    "Poll",
+    "Receiver",
+    "Region",
+    "Request",
+    "Sender",
+    "Ticket",
+    "TransportError",
+    "availability",
+    "backends",
+    "make_receiver",
+    "make_sender",
 ]

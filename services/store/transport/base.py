@@ -92,8 +92,19 @@ class Ticket:
     other look (``poll``, ``done``, ``on_done``) to have the backend's threads do it.
     Read ``state`` through ``poll()`` for that reason."""
 
-    __slots__ = ("length", "_lock", "_finished", "_event", "_left", "state", "transferred",
-                 "error", "_callbacks", "driver", "kicker")
+    __slots__ = (
+        "length",
+        "_lock",
+        "_finished",
+        "_event",
+        "_left",
+        "state",
+        "transferred",
+        "error",
+        "_callbacks",
+        "driver",
+        "kicker",
+    )
 
     def __init__(self, length: int, slices: int = 1) -> None:
         self.length = length
@@ -248,7 +259,9 @@ class Sender(ABC):
             return
         if t.error is not None:
             raise t.error
-        raise TransportError("timeout", f"{req.opcode.name} to {req.target} did not end in {timeout}s")
+        raise TransportError(
+            "timeout", f"{req.opcode.name} to {req.target} did not end in {timeout}s"
+        )
 
 
 def check_span(region: Region, offset: int, length: int) -> str | None:

@@ -19,8 +19,9 @@ class Slice:
     path: int
 
 
-def plan(length: int, paths: int, start: int = 0, min_bytes: int = MIN_SLICE,
-         max_bytes: int = MAX_SLICE) -> list[Slice]:
+def plan(
+    length: int, paths: int, start: int = 0, min_bytes: int = MIN_SLICE, max_bytes: int = MAX_SLICE
+) -> list[Slice]:
     if length < 0 or paths <= 0:
         raise ValueError("length must be >= 0 and paths positive")
     if length == 0:

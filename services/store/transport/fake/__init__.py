@@ -64,8 +64,9 @@ class FakeReceiver(Receiver):
 class FakeSender(Sender):
     scheme = "fake"
 
-    def __init__(self, network: FakeNetwork, paths: int = 2, slice_bytes: int = 4,
-                 manual: bool = False) -> None:
+    def __init__(
+        self, network: FakeNetwork, paths: int = 2, slice_bytes: int = 4, manual: bool = False
+    ) -> None:
         self.network = network
         self.paths = paths
         self.slice_bytes = slice_bytes
@@ -101,8 +102,14 @@ class FakeSender(Sender):
         rx = self.network.receivers.get(name)
         if rx is None:
             raise TransportError("unreachable", f"no fake target {name!r}")
-        path = next((q % self.paths for q in range(p.path, p.path + self.paths)
-                     if q % self.paths not in self.network.broken), None)
+        path = next(
+            (
+                q % self.paths
+                for q in range(p.path, p.path + self.paths)
+                if q % self.paths not in self.network.broken
+            ),
+            None,
+        )
         if path is None:
             raise TransportError("broken", f"all {self.paths} paths to {req.target} failed")
         region = rx.regions.get(req.region)
@@ -117,7 +124,9 @@ class FakeSender(Sender):
             if name in self.network.corrupt and data:
                 data[0] ^= 0xFF
             if req.checksum and crc32(data) != crc32(local):
-                raise TransportError("checksum", f"{req.target} rejected a slice: checksum mismatch")
+                raise TransportError(
+                    "checksum", f"{req.target} rejected a slice: checksum mismatch"
+                )
             remote[:] = data
         else:
             local[:] = remote

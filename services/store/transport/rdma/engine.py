@@ -81,12 +81,18 @@ class _QPSet:
         self.gid = str(ctx.query_gid(port_num, gid_index))
 
     def describe(self) -> dict:
-        return {"qpns": [q.qp_num for q in self.qps], "psns": self.psns, "lid": self.lid,
-                "gid": self.gid}
+        return {
+            "qpns": [q.qp_num for q in self.qps],
+            "psns": self.psns,
+            "lid": self.lid,
+            "gid": self.gid,
+        }
 
     def connect(self, peer: dict) -> None:
         v = self.v
-        for qp, psn, rqpn, rpsn in zip(self.qps, self.psns, peer["qpns"], peer["psns"], strict=True):
+        for qp, psn, rqpn, rpsn in zip(
+            self.qps, self.psns, peer["qpns"], peer["psns"], strict=True
+        ):
             attr = v.qp.QPAttr(port_num=self.port_num)
             attr.qp_access_flags = _access(v)
             attr.dest_qp_num = rqpn
@@ -96,8 +102,9 @@ class _QPSet:
             attr.max_dest_rd_atomic = 16
             attr.max_rd_atomic = 16
             gr = v.addr.GlobalRoute(dgid=v.addr.GID(peer["gid"]), sgid_index=self.gid_index)
-            attr.ah_attr = v.addr.AHAttr(port_num=self.port_num, is_global=1, gr=gr,
-                                         dlid=peer["lid"])
+            attr.ah_attr = v.addr.AHAttr(
+                port_num=self.port_num, is_global=1, gr=gr, dlid=peer["lid"]
+            )
             qp.to_rts(attr)
 
 
@@ -118,9 +125,15 @@ def _recv_json(sock: socket.socket) -> dict:
 class RdmaReceiver(Receiver):
     scheme = "rdma"
 
-    def __init__(self, v: types.SimpleNamespace | None = None, device: str | None = None,
-                 host: str = "127.0.0.1", port: int = 0, port_num: int = 1,
-                 gid_index: int = 0) -> None:
+    def __init__(
+        self,
+        v: types.SimpleNamespace | None = None,
+        device: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        port_num: int = 1,
+        gid_index: int = 0,
+    ) -> None:
         self.v = v or verbs_mod.load()
         self.ctx, self.pd = _open(self.v, device)
         self.port_num, self.gid_index = port_num, gid_index
@@ -149,8 +162,9 @@ class RdmaReceiver(Receiver):
             try:
                 with conn:
                     hello = _recv_json(conn)
-                    qs = _QPSet(self.v, self.ctx, self.pd, len(hello["qpns"]), self.port_num,
-                                self.gid_index)
+                    qs = _QPSet(
+                        self.v, self.ctx, self.pd, len(hello["qpns"]), self.port_num, self.gid_index
+                    )
                     qs.connect(hello)
                     self._qpsets.append(qs)
                     regions = {str(rid): [a, mr.rkey, n] for rid, (mr, a, n) in self._mrs.items()}
@@ -192,7 +206,9 @@ class _Endpoint:
                 _send_json(s, self.qs.describe())
                 peer = _recv_json(s)
         except (OSError, ValueError, ConnectionError) as e:
-            raise TransportError("unreachable", f"RDMA bootstrap with {target} failed: {e}") from None
+            raise TransportError(
+                "unreachable", f"RDMA bootstrap with {target} failed: {e}"
+            ) from None
         self.qs.connect(peer)
         self.regions = {int(k): tuple(val) for k, val in peer["regions"].items()}
         self.down: set[int] = set()
@@ -222,9 +238,12 @@ class _Endpoint:
                 self._ops[wr_id] = (op, p)
                 self._cv.notify()
             sge = v.wr.SGE(op.laddr, op.length, op.lkey)
-            code = v.enums.IBV_WR_RDMA_WRITE if op.opcode == Opcode.WRITE else v.enums.IBV_WR_RDMA_READ
-            wr = v.wr.SendWR(wr_id=wr_id, opcode=code, num_sge=1, sg=[sge],
-                             send_flags=v.enums.IBV_SEND_SIGNALED)
+            code = (
+                v.enums.IBV_WR_RDMA_WRITE if op.opcode == Opcode.WRITE else v.enums.IBV_WR_RDMA_READ
+            )
+            wr = v.wr.SendWR(
+                wr_id=wr_id, opcode=code, num_sge=1, sg=[sge], send_flags=v.enums.IBV_SEND_SIGNALED
+            )
             wr.set_wr_rdma(rkey, raddr + op.offset)
             try:
                 self.qs.qps[p].post_send(wr)
@@ -276,9 +295,17 @@ class _Endpoint:
 class RdmaSender(Sender):
     scheme = "rdma"
 
-    def __init__(self, v: types.SimpleNamespace | None = None, device: str | None = None,
-                 paths: int = 2, max_endpoints: int = 64, slice_bytes: int = 1 << 20,
-                 port_num: int = 1, gid_index: int = 0, connect_timeout_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        v: types.SimpleNamespace | None = None,
+        device: str | None = None,
+        paths: int = 2,
+        max_endpoints: int = 64,
+        slice_bytes: int = 1 << 20,
+        port_num: int = 1,
+        gid_index: int = 0,
+        connect_timeout_s: float = 3.0,
+    ) -> None:
         self.v = v or verbs_mod.load()
         self.ctx, self.pd = _open(self.v, device)
         self.paths = max(1, paths)
@@ -287,7 +314,9 @@ class RdmaSender(Sender):
         self.connect_timeout_s = connect_timeout_s
         self._local: list[tuple[int, int, object]] = []  # (addr, size, mr)
         self._lock = threading.Lock()
-        self._pool: SievePool[str, _Endpoint] = SievePool(max_endpoints, busy=lambda e: e.in_flight > 0)
+        self._pool: SievePool[str, _Endpoint] = SievePool(
+            max_endpoints, busy=lambda e: e.in_flight > 0
+        )
 
     def register(self, region: Region) -> None:
         addr = address_of(region.buf)
@@ -315,14 +344,25 @@ class RdmaSender(Sender):
             if raddr is None:
                 raise TransportError("refused", f"{req.target} has no region {req.region}")
             if req.offset < 0 or req.offset + req.length > raddr[2]:
-                raise TransportError("refused", f"span {req.offset}+{req.length} outside region "
-                                     f"{req.region} of {raddr[2]} bytes")
+                raise TransportError(
+                    "refused",
+                    f"span {req.offset}+{req.length} outside region "
+                    f"{req.region} of {raddr[2]} bytes",
+                )
         except TransportError as e:
             t.fail(e)
             return t
         for p in plan:
-            op = _Op(t, req.opcode, laddr + p.offset, lkey, p.length, req.region,
-                     req.offset + p.offset, set())
+            op = _Op(
+                t,
+                req.opcode,
+                laddr + p.offset,
+                lkey,
+                p.length,
+                req.region,
+                req.offset + p.offset,
+                set(),
+            )
             ep.post(op, p.path)
         return t
 

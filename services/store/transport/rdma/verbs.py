@@ -10,8 +10,10 @@ import types
 
 from services.store.transport.base import Availability
 
-INSTALL_HINT = ("apt-get install -y python3-pyverbs, and make it importable in the venv "
-                "(a .pth naming a folder that holds only a pyverbs symlink)")
+INSTALL_HINT = (
+    "apt-get install -y python3-pyverbs, and make it importable in the venv "
+    "(a .pth naming a folder that holds only a pyverbs symlink)"
+)
 
 
 def load() -> types.SimpleNamespace:
@@ -26,8 +28,9 @@ def load() -> types.SimpleNamespace:
         import pyverbs.wr as wr
     except ImportError as e:
         raise ImportError(f"pyverbs is not importable ({e}); {INSTALL_HINT}") from None
-    return types.SimpleNamespace(addr=addr, cq=cq, device=device, enums=enums, mr=mr, pd=pd,
-                                 qp=qp, wr=wr)
+    return types.SimpleNamespace(
+        addr=addr, cq=cq, device=device, enums=enums, mr=mr, pd=pd, qp=qp, wr=wr
+    )
 
 
 def device_names(v: types.SimpleNamespace) -> list[str]:
@@ -51,6 +54,9 @@ def discover(v: types.SimpleNamespace | None = None) -> tuple[Availability, list
             return Availability(False, str(e)), []
     names = device_names(v)
     if not names:
-        return Availability(False, "no RDMA device found (ibv_get_device_list is empty: no "
-                                   "NIC with RDMA, or no rdma-core provider for it)"), []
+        return Availability(
+            False,
+            "no RDMA device found (ibv_get_device_list is empty: no "
+            "NIC with RDMA, or no rdma-core provider for it)",
+        ), []
     return Availability(True), names

@@ -54,7 +54,7 @@ def reachable(target: str) -> bool:
     a store in another network namespace with its own /dev/shm is not)."""
     if not target.startswith("shm://"):
         return False
-    return os.path.exists(_descriptor_path(target[len("shm://"):]))
+    return os.path.exists(_descriptor_path(target[len("shm://") :]))
 
 
 def map_segment(name: str, size: int) -> mmap.mmap:
@@ -108,8 +108,10 @@ class ShmReceiver(Receiver):
         self._publish()
 
     def _publish(self) -> None:
-        desc = {str(r.id): {"name": r.name, "offset": int(r.extra.get("offset", 0)),
-                            "size": len(r.buf)} for r in self._regions.values()}
+        desc = {
+            str(r.id): {"name": r.name, "offset": int(r.extra.get("offset", 0)), "size": len(r.buf)}
+            for r in self._regions.values()
+        }
         path = _descriptor_path(self.token)
         tmp = f"{path}.{secrets.token_hex(3)}.tmp"
         with open(tmp, "w") as f:
@@ -140,7 +142,9 @@ class _Mapping:
             with open(_descriptor_path(self.token)) as f:
                 desc = json.load(f)
         except FileNotFoundError:
-            raise TransportError("unreachable", f"no shm target {self.token!r} on this host") from None
+            raise TransportError(
+                "unreachable", f"no shm target {self.token!r} on this host"
+            ) from None
         except (OSError, ValueError) as e:
             raise TransportError("unreachable", f"shm target {self.token!r}: {e}") from None
         for rid, d in desc.items():
@@ -176,15 +180,18 @@ class _Mapping:
 class ShmSender(Sender):
     scheme = "shm"
 
-    def __init__(self, max_targets: int = 64, copy_threads: int = 1,
-                 inline_below: int = 1 << 62) -> None:
+    def __init__(
+        self, max_targets: int = 64, copy_threads: int = 1, inline_below: int = 1 << 62
+    ) -> None:
         self.inline_below = inline_below
         self._lock = threading.Lock()
         self._pool: SievePool[str, _Mapping] = SievePool(max_targets)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._run, name=f"shm-copy-{i}", daemon=True)
-                         for i in range(max(1, copy_threads))]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"shm-copy-{i}", daemon=True)
+            for i in range(max(1, copy_threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -202,7 +209,7 @@ class ShmSender(Sender):
     def _mapping(self, target: str) -> _Mapping:
         if not target.startswith("shm://"):
             raise TransportError("bad_request", f"not a shm target: {target!r}")
-        token = target[len("shm://"):]
+        token = target[len("shm://") :]
         with self._lock:
             m = self._pool.get(token)
             if m is None:
@@ -224,14 +231,18 @@ class ShmSender(Sender):
             remote = self._mapping(req.target).region(req.region)
             n = req.length
             if req.offset < 0 or req.offset + n > len(remote):
-                raise TransportError("refused", f"span {req.offset}+{n} outside region "
-                                     f"{req.region} of {len(remote)} bytes")
+                raise TransportError(
+                    "refused",
+                    f"span {req.offset}+{n} outside region {req.region} of {len(remote)} bytes",
+                )
             span = remote[req.offset : req.offset + n]
             src, dst = (req.local, span) if req.opcode == Opcode.WRITE else (span, req.local)
             copy(dst, src)
             if req.checksum and crc32(src) != crc32(dst):
-                raise TransportError("checksum", f"copy to {req.target} region {req.region} "
-                                     "does not match its source")
+                raise TransportError(
+                    "checksum",
+                    f"copy to {req.target} region {req.region} does not match its source",
+                )
             t.slice_done(n)
         except TransportError as e:
             t.fail(e)

@@ -31,8 +31,14 @@ log = structlog.get_logger()
 class TcpReceiver(Receiver):
     scheme = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 io_timeout_s: float | None = None, guard: Any = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        io_timeout_s: float | None = None,
+        guard: Any = None,
+    ) -> None:
         self.guard = guard
         self._regions: dict[int, Region] = {}
         self._lsock = socket.create_server((host, port), backlog=128, reuse_port=False)
@@ -42,8 +48,15 @@ class TcpReceiver(Receiver):
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.counters = {"streams": 0, "writes": 0, "reads": 0, "bytes_in": 0, "bytes_out": 0,
-                         "refused": 0, "checksum_mismatches": 0}
+        self.counters = {
+            "streams": 0,
+            "writes": 0,
+            "reads": 0,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "refused": 0,
+            "checksum_mismatches": 0,
+        }
         self._acceptor = threading.Thread(target=self._accept, name="tcp-recv-accept", daemon=True)
         self._acceptor.start()
 
@@ -87,8 +100,9 @@ class TcpReceiver(Receiver):
             with self._lock:
                 self._conns.add(conn)
                 self.counters["streams"] += 1
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-recv-stream",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="tcp-recv-stream", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         hdr = memoryview(bytearray(REQ.size))
@@ -102,8 +116,11 @@ class TcpReceiver(Receiver):
                 frames.recv_exact(conn, hdr)
                 op, flags, _, region_id, seq, offset, length, crc = REQ.unpack(hdr)
                 region = self._regions.get(region_id)
-                why = (f"no region {region_id}" if region is None
-                       else check_span(region, offset, length))
+                why = (
+                    f"no region {region_id}"
+                    if region is None
+                    else check_span(region, offset, length)
+                )
                 held = None
                 if why is None and self.guard is not None and op in (0, 1):
                     held, why = self.guard.enter(region_id, offset, length, op == 1)

@@ -48,7 +48,7 @@ INLINE_SLICE = 512 << 10
 def parse_addr(target: str) -> tuple[str, int]:
     if not target.startswith("tcp://"):
         raise TransportError("bad_request", f"not a tcp target: {target!r}")
-    host, _, port = target[len("tcp://"):].rpartition(":")
+    host, _, port = target[len("tcp://") :].rpartition(":")
     if not host or not port.isdigit():
         raise TransportError("bad_request", f"not host:port: {target!r}")
     return host.strip("[]"), int(port)
@@ -57,8 +57,9 @@ def parse_addr(target: str) -> tuple[str, int]:
 class _Endpoint:
     """All streams to one target."""
 
-    def __init__(self, target: str, streams: int, connect_timeout_s: float,
-                 io_timeout_s: float) -> None:
+    def __init__(
+        self, target: str, streams: int, connect_timeout_s: float, io_timeout_s: float
+    ) -> None:
         self.target = target
         self.addr = parse_addr(target)
         self.connect_timeout_s = connect_timeout_s
@@ -83,7 +84,9 @@ class _Endpoint:
                 if s.broken and not self.closed:
                     self.streams[i] = Stream(self, i)
 
-    def dispatch(self, slices: list[Slice], plan: list[slicing.Slice], inline: bool = False) -> None:
+    def dispatch(
+        self, slices: list[Slice], plan: list[slicing.Slice], inline: bool = False
+    ) -> None:
         """``inline``: send each slice on the calling thread when its stream is free
         (else queue it); otherwise queue them all for the streams' threads."""
         for s, p in zip(slices, plan, strict=True):
@@ -112,8 +115,11 @@ class _Endpoint:
         if failed is not None:
             errors.add(failed.error)
         code = "unreachable" if not any(st.connected for st in self.streams) else "broken"
-        s.ticket.fail(TransportError(code, f"all {n} streams to {self.target} failed: "
-                                     + "; ".join(sorted(errors))[:500]))
+        s.ticket.fail(
+            TransportError(
+                code, f"all {n} streams to {self.target} failed: " + "; ".join(sorted(errors))[:500]
+            )
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -124,10 +130,17 @@ class _Endpoint:
 class TcpSender(Sender):
     scheme = "tcp"
 
-    def __init__(self, streams: int = 4, max_endpoints: int = 64,
-                 min_slice: int = slicing.MIN_SLICE, max_slice: int = slicing.MAX_SLICE,
-                 connect_timeout_s: float = 3.0, io_timeout_s: float = 30.0,
-                 inline_max: int = INLINE_MAX, inline_slice: int = INLINE_SLICE) -> None:
+    def __init__(
+        self,
+        streams: int = 4,
+        max_endpoints: int = 64,
+        min_slice: int = slicing.MIN_SLICE,
+        max_slice: int = slicing.MAX_SLICE,
+        connect_timeout_s: float = 3.0,
+        io_timeout_s: float = 30.0,
+        inline_max: int = INLINE_MAX,
+        inline_slice: int = INLINE_SLICE,
+    ) -> None:
         self.streams = max(1, streams)
         self.inline_max = inline_max
         self.inline_slice = inline_slice
@@ -136,7 +149,9 @@ class TcpSender(Sender):
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
         self._lock = threading.Lock()
-        self._pool: SievePool[str, _Endpoint] = SievePool(max_endpoints, busy=lambda e: e.in_flight > 0)
+        self._pool: SievePool[str, _Endpoint] = SievePool(
+            max_endpoints, busy=lambda e: e.in_flight > 0
+        )
         self._rr = 0
         self._closed = False
 
@@ -150,8 +165,9 @@ class TcpSender(Sender):
     def submit(self, req: Request) -> Ticket:
         inline = req.length <= self.inline_max
         if inline:
-            plan = slicing.plan(req.length, self.streams, self._rr, self.inline_slice,
-                                self.inline_slice)
+            plan = slicing.plan(
+                req.length, self.streams, self._rr, self.inline_slice, self.inline_slice
+            )
         else:
             plan = slicing.plan(req.length, self.streams, self._rr, self.min_slice, self.max_slice)
         self._rr += 1
@@ -162,8 +178,14 @@ class TcpSender(Sender):
             t.fail(e)
             return t
         slices = [
-            Slice(t, req.opcode, req.local[p.offset : p.offset + p.length], req.region,
-                  req.offset + p.offset, req.checksum)
+            Slice(
+                t,
+                req.opcode,
+                req.local[p.offset : p.offset + p.length],
+                req.region,
+                req.offset + p.offset,
+                req.checksum,
+            )
             for p in plan
         ]
         ep.dispatch(slices, plan, inline)

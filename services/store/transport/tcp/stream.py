@@ -66,7 +66,7 @@ def _sendmsg_all(sock: socket.socket, hdr: bytes, view: memoryview) -> None:
     if n < len(hdr):
         sock.sendall(hdr[n:])
         n = len(hdr)
-    sock.sendall(view.cast("B")[n - len(hdr):])
+    sock.sendall(view.cast("B")[n - len(hdr) :])
 
 
 def why(e: BaseException, io_timeout_s: float | None) -> str:
@@ -260,23 +260,34 @@ class Stream:
                 frames.recv_exact(sock, s.view)
                 if s.checksum and crc32(s.view) != crc:
                     self._pop(s)
-                    s.ticket.fail(TransportError(
-                        "checksum", f"READ from {self.ep.target} region {s.region} "
-                        f"offset {s.offset}: checksum mismatch"))
+                    s.ticket.fail(
+                        TransportError(
+                            "checksum",
+                            f"READ from {self.ep.target} region {s.region} "
+                            f"offset {s.offset}: checksum mismatch",
+                        )
+                    )
                     return
             self._pop(s)
             s.ticket.slice_done(len(s.view))
         elif status == Status.CHECKSUM:
             self._pop(s)
-            s.ticket.fail(TransportError(
-                "checksum", f"{self.ep.target} rejected WRITE to region {s.region} "
-                f"offset {s.offset}: checksum mismatch"))
+            s.ticket.fail(
+                TransportError(
+                    "checksum",
+                    f"{self.ep.target} rejected WRITE to region {s.region} "
+                    f"offset {s.offset}: checksum mismatch",
+                )
+            )
         else:
             msg = memoryview(bytearray(length))
             frames.recv_exact(sock, msg)
             self._pop(s)
-            s.ticket.fail(TransportError("refused", f"{self.ep.target}: "
-                                         f"{bytes(msg).decode(errors='replace')}"))
+            s.ticket.fail(
+                TransportError(
+                    "refused", f"{self.ep.target}: {bytes(msg).decode(errors='replace')}"
+                )
+            )
 
     def _pop(self, s: Slice) -> None:
         with self._cv:
