@@ -213,7 +213,7 @@ COMPOSE = Deployment(
 
 
 def compose_authorization() -> str:
-    """deploy/nats.conf's authorization block (tests/unit/test_compose.py holds them
+    """deploy/nats.conf's authorization block (tests/unit/perigee/test_compose.py holds them
     equal): passwords from each server's environment."""
     return render(
         users(COMPOSE, {u: "-" for u in [ADMIN, *(m.name for m in COMPOSE.members)]}),
@@ -237,7 +237,7 @@ K8S = Deployment(
 
 
 def k8s_authorization() -> str:
-    """deploy/k8s/base/nats.conf's authorization block (tests/unit/test_k8s_manifests.py
+    """deploy/k8s/base/nats.conf's authorization block (tests/unit/perigee/test_k8s_manifests.py
     holds them equal): names and passwords from the Secret, through each server's env."""
     return render(
         users(K8S, {u: "-" for u in [ADMIN, *(m.name for m in K8S.members)]}),

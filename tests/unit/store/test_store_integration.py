@@ -40,7 +40,7 @@ from services.common.bus import ERROR_HEADER, request
 from services.store import wire
 from services.store.client import StoreClient, TransferError, fetch_info
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BS = 4  # tokens per block
 BB = 64 * 1024  # bytes per block: 4 "layers" of 16 KiB
 LAYER = BB // 4

@@ -398,6 +398,9 @@ async def test_pd_controller_publishes_role_switches_and_the_old_role_is_forgott
         pd_interval_s=3600.0,  # stepped by hand below
         pd_min_samples=1,
         pd_cooldown_s=0.0,
+        # Held still: the instances report once, and must stay alive however slowly
+        # this test runs (only the role switch may take decode-0 out of its pool).
+        clock=ManualClock(time.time()),
     )
     ctl = await h.nc.subscribe(subjects.CTL_ROLE)
     await h.nc.flush()

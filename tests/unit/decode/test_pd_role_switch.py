@@ -7,7 +7,6 @@ import uuid
 
 import nats
 import pytest
-from conftest_fakestore import FakeNet, FakeReserver, FakeStore, handle
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -23,6 +22,7 @@ from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
 from services.worker.factory import WorkerSettings, make_worker
 from services.worker.role_host import RoleHost
+from tests.unit.conftest_fakestore import FakeNet, FakeReserver, FakeStore, handle
 
 
 async def wait_until(pred, timeout: float = 5.0) -> None:

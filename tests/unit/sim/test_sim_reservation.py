@@ -6,7 +6,7 @@ compute starts, never while it queues; a store short of room is waited for, up t
 from bus_schemas.control import Refused, TxRole
 from perigee.sim.metrics import summarize
 from perigee.sim.simulator import SimConfig, Simulator
-from tests.unit.test_sim_simulator import FAST, PULL, TOY, B, tr
+from tests.unit.sim.test_sim_simulator import FAST, PULL, TOY, B, tr
 
 
 def sim_of(trace, **kw) -> Simulator:

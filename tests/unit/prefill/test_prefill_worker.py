@@ -5,7 +5,13 @@ import dataclasses
 
 import msgspec
 import pytest
-from conftest_fakestore import (
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode, encode
+from bus_schemas.load import PrefillLoad
+from bus_schemas.placement import FirstTokenNotice, RequestFailed
+from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from tests.unit.conftest_fakestore import (
     Rig,
     assert_expected,
     shipped_layers,
@@ -13,12 +19,6 @@ from conftest_fakestore import (
     tokens_of,
     until_terminal,
 )
-
-from bus_schemas import subjects
-from bus_schemas.codec import decode, encode
-from bus_schemas.load import PrefillLoad
-from bus_schemas.placement import FirstTokenNotice, RequestFailed
-from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
 
 
 @pytest.fixture

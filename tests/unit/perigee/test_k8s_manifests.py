@@ -22,7 +22,7 @@ from bus_schemas import subjects
 from perigee.natsd import nats_server_binary
 from services.common.model_spec import ModelSpec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 K8S = ROOT / "deploy" / "k8s"
 TREES = {"base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
 K8S_VERSION = "1.32.0"  # the kubectl on these machines (client v1.32)

@@ -5,7 +5,7 @@ from bus_schemas.requests import Accepted, Finished, Tokens
 from services.common import metrics as m
 from services.gateway import telemetry
 from services.gateway.responses import Outcome
-from tests.unit.test_gateway_http import env, serve_reject  # noqa: F401 - fixture
+from tests.unit.gateway.test_gateway_http import env, serve_reject  # noqa: F401 - fixture
 
 MODEL = "unit-model"
 

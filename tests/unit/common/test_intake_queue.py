@@ -9,16 +9,16 @@ import uuid
 
 import nats
 import pytest
-from conftest_fakestore import Rig, tokens_of, until_terminal
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.placement import PrefillTask
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
 from services.common import bus, intake_queue
-from tests.unit.test_admission_service import Harness as AdmissionHarness
-from tests.unit.test_conductor_service import HASHES, PROMPT, FakeStore
-from tests.unit.test_conductor_service import Harness as ConductorHarness
+from tests.unit.admission.test_admission_service import Harness as AdmissionHarness
+from tests.unit.conductor.test_conductor_service import HASHES, PROMPT, FakeStore
+from tests.unit.conductor.test_conductor_service import Harness as ConductorHarness
+from tests.unit.conftest_fakestore import Rig, tokens_of, until_terminal
 
 
 def rid() -> str:

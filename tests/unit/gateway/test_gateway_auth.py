@@ -8,7 +8,7 @@ from services.common.clock import ManualClock
 from services.gateway.__main__ import config_from_args, parse_args
 from services.gateway.auth import MISSING, WRONG, check, parse_keys
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.test_gateway_http import TOK, FakeBackend, serve_ok
+from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, serve_ok
 
 
 def test_parse_keys_repeated_comma_and_env():

@@ -21,7 +21,7 @@ from services.gateway.protocol import (
     parse_chat,
     parse_completion,
 )
-from tests.unit.test_gateway_http import env, serve_nothing, until  # noqa: F401 - fixture
+from tests.unit.gateway.test_gateway_http import env, serve_nothing, until  # noqa: F401 - fixture
 
 V = 1024
 MSG = [{"role": "user", "content": "x"}]
@@ -294,7 +294,9 @@ async def test_inflight_cap_answers_429_with_retry_after_before_acceptance(env):
     assert "perigee:gateway_requests_in_flight 1.0" in text
     first.cancel()
     await until(lambda: env.gw.inflight == 0)
-    env.set_behaviour(__import__("tests.unit.test_gateway_http", fromlist=["serve_ok"]).serve_ok)
+    env.set_behaviour(
+        __import__("tests.unit.gateway.test_gateway_http", fromlist=["serve_ok"]).serve_ok
+    )
     async with env.post("/v1/completions", {"prompt": "hi"}) as r:
         assert r.status == 200
 

@@ -116,7 +116,7 @@ def test_chat_template_matches_jinja():
 def test_build_is_reproducible(tmp_path: Path):
     import importlib.util
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "build_tokenizer.py"
+    script = Path(__file__).resolve().parents[3] / "scripts" / "build_tokenizer.py"
     spec = importlib.util.spec_from_file_location("build_tokenizer", script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

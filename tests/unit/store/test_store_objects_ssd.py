@@ -14,7 +14,7 @@ from services.store.tiering import ReplayBuffer
 from services.store.tiers import Move, Tier
 from services.store.tiers.backends import MemoryStore, SsdStore, execute
 from services.store.transport.base import crc32
-from tests.unit.test_store_block_pool import with_events
+from tests.unit.store.test_store_block_pool import with_events
 
 
 def test_rendezvous_rank_is_stable_and_replicas_are_distinct():

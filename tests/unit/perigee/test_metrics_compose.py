@@ -3,9 +3,9 @@
 import re
 from pathlib import Path
 
-from tests.unit.test_compose import config  # noqa: F401 - fixture
+from tests.unit.perigee.test_compose import config  # noqa: F401 - fixture
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_every_service_has_a_metrics_port_that_prometheus_scrapes(config):  # noqa: F811

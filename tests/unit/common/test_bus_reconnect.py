@@ -17,7 +17,7 @@ from perigee.natsd import NatsCluster
 from services.common import bus
 from services.common.clock import ManualClock
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
 
 OUT = TOK.encode("one two three four five six", add_bos=False)
 

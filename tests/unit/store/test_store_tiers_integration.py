@@ -39,7 +39,7 @@ from services.common.bus import request
 from services.store.client import StoreClient, fetch_info
 from services.store.objects import ObjectClient, SyncObjectClient
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BS, BB = 4, 16 * 1024
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,8 +25,8 @@ from services.conductor.migration import placement_for
 from services.conductor.policy import Placement, Rejection
 from services.gateway import migration
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.test_conductor_policy import make_policy, req
-from tests.unit.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+from tests.unit.conductor.test_conductor_policy import make_policy, req
+from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
 
 BS = 4
 PROMPT = list(range(10, 20))  # two full blocks of 4 and a tail of 2
@@ -332,7 +332,7 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
 async def test_conductor_places_a_migration_on_another_decode_and_drops_the_dead_attempt(nats_url):
     from bus_schemas import subjects
     from services.common import metrics
-    from tests.unit.test_conductor_service import HASHES, PROMPT, FakeStore, Harness
+    from tests.unit.conductor.test_conductor_service import HASHES, PROMPT, FakeStore, Harness
 
     h = Harness(nats_url)
     try:

@@ -10,7 +10,7 @@ from bus_schemas.kv_events import BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
 from services.store.block_pool import Allocation, BlockPool
-from tests.unit.test_store_block_pool import with_events
+from tests.unit.store.test_store_block_pool import with_events
 
 BLOCK = 2
 CAPACITY = 12

@@ -5,7 +5,6 @@ import time
 
 import msgspec
 import pytest
-from conftest_fakestore import Rig, slot_kv, tokens_of, until_terminal, write_expected
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -13,6 +12,7 @@ from bus_schemas.control import Refused
 from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from tests.unit.conftest_fakestore import Rig, slot_kv, tokens_of, until_terminal, write_expected
 
 
 def decode_task(rig: Rig, prompt, *, max_tokens=8, write_kv=True, **sampling) -> DecodeTask:

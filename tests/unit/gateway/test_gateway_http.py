@@ -364,7 +364,7 @@ async def test_models_and_health(env):
         assert r.status == 400
     async with env.http.get(env.base + "/metrics") as r:
         text = await r.text()
-    # Exact counts are in tests/unit/test_metrics_gateway.py (the registry is per process).
+    # Exact counts are in tests/unit/gateway/test_metrics_gateway.py (the registry is per process).
     assert 'perigee:request_success_total{finished_reason="stop",model_name="tiny-llama"}' in text
     assert 'perigee:request_errors_total{model_name="tiny-llama",status="400"}' in text
     assert "perigee:gateway_requests_in_flight 0.0" in text

@@ -9,7 +9,7 @@ from services.common.cost_model import CostModel
 from services.store.block_pool import Allocation, BlockPool
 from services.store.server import StoreService
 from services.store.tiers import Move, Tier
-from tests.unit.test_store_block_pool import with_events
+from tests.unit.store.test_store_block_pool import with_events
 
 D, S, V = Tier.DRAM, Tier.SSD, Tier.VRAM
 
