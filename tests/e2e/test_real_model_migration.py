@@ -95,6 +95,8 @@ class Tap:
             ev = decode(m.data, StreamEvent)
             self.events.setdefault(ev.request_id, []).append(ev)
 
+        # The gateway sends a request on the durable intake, a migration on core REQUESTS.
+        await self.nc.subscribe(subjects.INTAKE, cb=on_req)
         await self.nc.subscribe(subjects.REQUESTS, cb=on_req)
         await self.nc.subscribe("perigee.gw.>", cb=on_event)
         await self.nc.flush()
