@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from bus_schemas.requests import ErrorCode, GenerateRequest, Migration
+from bus_schemas.requests import GenerateRequest, Migration
 from bus_schemas.roles import Role
 from services.common.hashing import block_hashes
 
@@ -42,17 +42,6 @@ REASONS: dict[str, str] = {
     Role.PREFILL: "prefill_died",
     STORE: "store_died",
 }
-
-
-def store_failure(code: int, message: str) -> bool:
-    """Whether a worker's error says the request's KV store failed under it (died, or
-    was cut off mid-transfer): the request can go on elsewhere, from the tokens its
-    client has, as after a worker's death. A store that refused for room is not one."""
-    if code != ErrorCode.UNAVAILABLE:
-        return False
-    return message.startswith("kv transfer failed") or (
-        message.startswith("kv reservation failed") and "store unavailable" in message
-    )
 
 
 @dataclass(frozen=True, slots=True)

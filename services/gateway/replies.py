@@ -55,6 +55,7 @@ from bus_schemas.requests import (
 )
 from services.common import bus
 from services.common.bus import publish
+from services.common.kv_errors import store_failure
 from services.gateway import migration
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
@@ -276,11 +277,7 @@ class ReplyRouter:
             if f.attempt:
                 return  # the client has its Accepted from the first attempt
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
-            if (
-                type(ev) is Error
-                and f.request is not None
-                and migration.store_failure(ev.code, ev.message)
-            ):
+            if type(ev) is Error and f.request is not None and store_failure(ev.code, ev.message):
                 self._resolve(
                     Verdict(rid, ErrorCode.UNAVAILABLE, ev.message, dead_role=migration.STORE)
                 )

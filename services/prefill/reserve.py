@@ -22,6 +22,7 @@ import structlog
 from bus_schemas.control import TxAllocate, TxHandle
 from bus_schemas.placement import PrefillTask, RemotePrefix
 from services.common import reservation as plan
+from services.common.kv_errors import STORE_UNAVAILABLE
 from services.common.store_tx import AllocationRound, LeaseKeeper, StoreTx
 
 log = structlog.get_logger()
@@ -136,7 +137,7 @@ class StoreReserver:
                     )
                     want.discard(plan.SOURCE)
                 if v.step is plan.Step.FAIL:
-                    raise ReserveError("unavailable", f"store unavailable ({v.detail})")
+                    raise ReserveError("unavailable", f"{STORE_UNAVAILABLE} ({v.detail})")
                 if v.step is plan.Step.DONE:
                     break
                 if loop.time() >= give_up:

@@ -56,6 +56,7 @@ from services.common import bus, metrics
 from services.common.clock import Clock, UnixClock
 from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
+from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
@@ -122,9 +123,9 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     if isinstance(exc, EngineError):
         return ErrorCode.INTERNAL, f"prefill failed: {exc}"
     if isinstance(exc, ReserveError):
-        return ErrorCode.UNAVAILABLE, f"kv reservation failed: {exc}"
+        return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
     if isinstance(exc, TransferError | TimeoutError | ConnectionError):
-        return ErrorCode.UNAVAILABLE, f"kv transfer failed: {exc}"
+        return ErrorCode.UNAVAILABLE, f"{KV_TRANSFER_FAILED}: {exc}"
     return ErrorCode.INTERNAL, "prefill failed: internal error"
 
 

@@ -405,7 +405,7 @@ async def test_a_death_after_the_last_token_ends_the_stream_without_a_resend(env
 
 
 def test_a_store_that_failed_under_a_request_is_a_reason_to_migrate_it():
-    from services.gateway.migration import store_failure
+    from services.common.kv_errors import store_failure
 
     assert store_failure(503, "kv transfer failed: closed: channel tcp://p1 closed")
     assert store_failure(503, "kv transfer failed: timeout: no reply in 10.0s (peer down?)")
