@@ -52,7 +52,7 @@ from bus_schemas.requests import Retention
 from services.common.clock import Clock
 from services.common.hashing import num_blocks
 from services.store.eviction import LRUEviction
-from services.store.tiers.lower import TIER_COUNTERS, LowerTiers, operation
+from services.store.tiers.lower import TIER_COUNTERS, FreeList, LowerTiers, operation
 from services.store.tiers.policy import TierIndex
 
 
@@ -103,7 +103,7 @@ class BlockPool(LowerTiers):
         self.on_change: Callable[[], None] | None = None
         self._events: list[KVEvent] = []
         self._next_id = 1
-        self._free: deque[int] = deque(range(capacity))
+        self._free: FreeList = deque(range(capacity))
         self._cached: dict[int, int] = {}  # block hash -> DRAM slot
         self._refs: dict[int, int] = {}  # block hash -> lock count (absent = 0)
         self._lru: LRUEviction[int] = LRUEviction()
@@ -131,7 +131,7 @@ class BlockPool(LowerTiers):
         )
         self._init_lower(vram_capacity, ssd_capacity, writeback)
 
-    def use_free_list(self, free: "deque[int]") -> None:
+    def use_free_list(self, free: FreeList) -> None:
         """Keep free DRAM slots in ``free`` (``append`` / ``popleft`` / ``len``): the live
         store's :class:`~services.store.fence.SlotFence`, through which every freed slot
         passes so that a transfer still open on it fences it. ``free`` must hold exactly

@@ -21,8 +21,8 @@ it touches the pool again (see :mod:`services.store.tiers.policy` for the lifecy
 
 import functools
 from collections import deque
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 from bus_schemas.kv_events import BlockRemoved, BlockStored, KVEvent
 from services.common.clock import Clock
@@ -48,9 +48,22 @@ def operation(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
+class FreeList(Protocol):
+    """The pool's free DRAM slots: a deque, or the live store's
+    :class:`~services.store.fence.SlotFence` (which fences a slot freed under a transfer)."""
+
+    def append(self, slot: int, /) -> None: ...
+
+    def popleft(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[int]: ...
+
+
 class LowerTiers:
     # DRAM's books and helpers, kept by BlockPool (declared here for the reader).
-    _free: deque[int]
+    _free: "FreeList"
     _cached: dict[int, int]
     _refs: dict[int, int]
     _lru: LRUEviction[int]
