@@ -74,6 +74,11 @@ class LocalError(Error, tag="error"):
 
 
 NO_RESPONDERS = "503"  # NATS status header on a reply subject: nobody subscribes the subject
+# A migration answered "no responders" is sent again this many times (backing off from
+# 0.1 s to 1 s: about 10 s in all). Its client was accepted, and the usual cause is the
+# bus healing: admission reconnecting to another NATS server after one died, its
+# subscription not yet known cluster-wide.
+RESEND_TRIES = 14
 
 
 @dataclass(slots=True)
@@ -87,6 +92,8 @@ class _Flight:
     current: str = ""  # the attempt id whose events are routed
     offset: int = 0  # the current attempt's index 0 is this generated token
     bus_resumes: int = 0  # attempts resent after a bus loss (not a worker's death)
+    resent: GenerateRequest | None = None  # the current attempt, when it is a migration
+    resend_tries: int = 0  # its sends answered "no responders" so far
 
 
 class ReplyRouter:
@@ -104,6 +111,7 @@ class ReplyRouter:
         self.migration_limit = migration_limit
         self.eos_token_ids = tuple(eos_token_ids)
         self.migrations = 0
+        self.resends_unanswered = 0  # migration sends answered "no responders"
         # Requests go on the INTAKE work queue (stored before send returns: crash-safe,
         # services.common.intake_queue) rather than core NATS REQUESTS.
         self.durable_intake = False
@@ -210,6 +218,11 @@ class ReplyRouter:
         f = self._flights.get(req.request_id)
         if f is not None:
             f.request = req
+        await self._dispatch(req)
+
+    async def _dispatch(self, req: GenerateRequest) -> None:
+        """Send a request (or a migration's attempt) to admission: on the INTAKE work
+        queue when durable (stored before this returns), else on core REQUESTS."""
         if self.durable_intake:
             data, headers = encode(req), inject()
             bus.check_size(self.nc, subjects.INTAKE, data, headers)
@@ -241,6 +254,9 @@ class ReplyRouter:
             return  # finished, cancelled, timed out, or an attempt migrated away from
         q = f.queue
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            if f.resent is not None and f.resend_tries < RESEND_TRIES:
+                self._spawn(self._resend_later(f, f.resent))
+                return
             self.watchdog.untrack(rid)
             q.put_nowait(
                 LocalError(
@@ -447,6 +463,7 @@ class ReplyRouter:
         self._routes.pop(old, None)
         self._routes[new] = rid
         f.attempt, f.current, f.offset = d.request.migration.attempt, new, d.offset
+        f.resent, f.resend_tries = d.request, 0
         self.migrations += 1
         self.watchdog.track(rid)  # queued again: only the idle timeout until Accepted
         log.warning(
@@ -461,7 +478,7 @@ class ReplyRouter:
         async def resend() -> None:
             await self.cancel(old, f"migrated: {v.dead_role} instance {v.dead_instance} died")
             try:
-                await publish(self.nc, subjects.REQUESTS, d.request, reply=d.request.reply_subject)
+                await self._dispatch(d.request)
             except Exception as e:  # noqa: BLE001 - NATS down or closing
                 if self._routes.get(new) == rid:
                     self.watchdog.untrack(rid)
@@ -475,6 +492,18 @@ class ReplyRouter:
                     )
 
         self._spawn(resend())
+
+    async def _resend_later(self, f: _Flight, req: GenerateRequest) -> None:
+        f.resend_tries += 1
+        self.resends_unanswered += 1
+        log.warning("migration_no_responders", request_id=req.request_id, tries=f.resend_tries)
+        await asyncio.sleep(min(1.0, 0.1 * 2 ** (f.resend_tries - 1)))
+        if f.resent is not req or self._flights.get(self._routes.get(req.request_id, "")) is not f:
+            return  # migrated again, finished or cancelled meanwhile
+        try:
+            await self._dispatch(req)
+        except Exception as e:  # noqa: BLE001 - NATS down or closing: the watchdog ends it
+            log.warning("migration_resend_failed", request_id=req.request_id, error=str(e))
 
     def _spawn(self, coro) -> None:
         t = asyncio.get_running_loop().create_task(coro)

@@ -326,6 +326,71 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     await until(lambda: gw.router.in_flight == 0)
 
 
+async def test_a_migration_nobody_takes_yet_is_sent_again_until_admission_is_back(nats_url):
+    """A NATS server died: the resend of an accepted request can find admission still
+    reconnecting (no responders on perigee.requests). It is sent again, not failed."""
+    clock = ManualClock()
+    cfg = GatewayConfig(
+        port=0,
+        max_prompt_tokens=64,
+        max_tokens_limit=100,
+        max_model_len=128,
+        dead_after_s=2.0,
+        request_timeout_s=30.0,
+        sweep_interval_s=0,
+        migration_limit=1,
+    )
+    nc_gw, nc_b1, nc_b2 = [await nats.connect(nats_url) for _ in range(3)]
+    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
+    b1 = await FakeBackend(nc_b1, serve_nothing).start()
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            url = f"http://127.0.0.1:{gw.port}/v1/completions"
+            post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+            first, reply = await asyncio.wait_for(b1.requests.get(), 5)
+            rid = first.request_id
+            await send(
+                b1,
+                reply,
+                Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+                Tokens(request_id=rid, token_ids=OUT[:2], index=0),
+            )
+            async with await asyncio.wait_for(post, 5) as r:
+                await until(lambda: gw.watchdog.stage(rid) == "decode")
+                await nc_b1.close()  # admission is gone from the bus for now
+                clock.advance(2.5)
+                gw.watchdog.seen("p0")
+                assert gw.router.sweep() == 1
+                await until(lambda: gw.router.resends_unanswered >= 1)
+                b2 = await FakeBackend(nc_b2, serve_nothing).start()  # admission is back
+                again, reply2 = await asyncio.wait_for(b2.requests.get(), 10)
+                assert again.request_id == f"{rid}-m1" and again.migration.resumed_tokens == 2
+                aid = again.request_id
+                await send(
+                    b2,
+                    reply2,
+                    Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
+                    Tokens(request_id=aid, token_ids=OUT[2:], index=0),
+                    Finished(
+                        request_id=aid,
+                        finish_reason="length",
+                        prompt_tokens=len(again.prompt_token_ids),
+                        completion_tokens=len(OUT) - 2,
+                        cached_tokens=0,
+                    ),
+                )
+                chunks, done = await read_sse(r)
+        assert done  # the stream was not cut with "no service is subscribed"
+        assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (
+            TOK.decode(OUT)
+        )
+    finally:
+        await gw.close()
+        for nc in (nc_gw, nc_b1, nc_b2):
+            await nc.close()
+
+
 # ---------------------------------------------------------------- the conductor service
 
 
