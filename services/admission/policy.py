@@ -44,7 +44,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.load_book import LoadBook
-from services.common.rejection import Rejection, slo_share
+from services.common.rejection import Rejection, idle_capped, slo_share
 
 
 @dataclass(frozen=True)
@@ -136,17 +136,26 @@ class AdmissionPolicy(ABC):
         return min(slo_share(p.queued_work_s, self.ttft_slo(req)) for p in live)
 
     def decode_load(self, req: AdmissionRequest) -> float | None:
-        """Least-loaded live decode instance's TBT with this request over the TBT SLO."""
+        """Least-loaded live decode instance's TBT with this request over the TBT SLO.
+
+        An idle instance (nothing running or waiting) counts as at most ``max_load``:
+        the request alone is the best TBT it can ever get, so waiting would not help it,
+        and rejecting it there would leave a model that predicts too slow with no
+        samples to correct it (every request turned away, the engine idle)."""
         live = self.live_decode()
         if not live:
             return None
         slo = self.tbt_slo(req)
         return min(
-            slo_share(
-                self.book.cost(d.instance).tbt_joining(
-                    d.batch_size, d.waiting, d.kv_tokens, req.num_tokens, d.max_batch
+            idle_capped(
+                slo_share(
+                    self.book.cost(d.instance).tbt_joining(
+                        d.batch_size, d.waiting, d.kv_tokens, req.num_tokens, d.max_batch
+                    ),
+                    slo,
                 ),
-                slo,
+                d.batch_size + d.waiting == 0,
+                self.max_load,
             )
             for d in live
         )
@@ -401,7 +410,8 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             )
             / n
         )
-        return slo_share(tbt, self.tbt_slo(req))
+        # Alone in the predicted pool: as an idle instance in Early Rejection.
+        return idle_capped(slo_share(tbt, self.tbt_slo(req)), batch <= 1.0, self.max_load)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         self._gc(self.clock.now())

@@ -18,3 +18,10 @@ def slo_share(value: float, slo: float) -> float:
     if slo <= 0:
         return 0.0 if value <= 0 else float("inf")
     return value / slo
+
+
+def idle_capped(share: float, idle: bool, max_load: float) -> float:
+    """An idle decode instance's share, capped at ``max_load``: a request alone on it
+    gets the best TBT it can ever get, so turning it away helps nobody (and a cost
+    model that predicts too slow would never see a sample to correct it)."""
+    return min(share, max_load) if idle else share

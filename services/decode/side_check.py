@@ -7,7 +7,7 @@ from typing import Any
 
 from bus_schemas.requests import ErrorCode
 from services.common.cost_model import CostModel
-from services.common.rejection import Rejection, slo_share
+from services.common.rejection import Rejection, idle_capped, slo_share
 
 
 @dataclass
@@ -16,7 +16,7 @@ class DecodeSideCheck:
     with the request would exceed the TBT SLO::
 
         tbt = cost.tbt_joining(batch, waiting, kv_tokens, n, max_batch)
-        reject (429) iff tbt > tbt_slo * max_load
+        reject (429) iff tbt > tbt_slo * max_load and the instance is not idle
 
     ``waiting`` counts requests already loading or queued on the instance (the
     request itself excluded); past ``max_batch`` (0: no cap) the sequences take turns,
@@ -42,8 +42,10 @@ class DecodeSideCheck:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         cap = self.max_batch if max_batch is None else max_batch
         tbt = self.cost.tbt_joining(batch_size, waiting, kv_tokens, num_tokens, cap)
-        if slo_share(tbt, slo) <= self.max_load:
-            return None
+        if idle_capped(slo_share(tbt, slo), batch_size + waiting == 0, self.max_load) <= (
+            self.max_load
+        ):
+            return None  # within the SLO, or alone on an idle instance (its best TBT)
         self.rejected += 1
         return Rejection(
             ErrorCode.REJECTED,

@@ -16,7 +16,14 @@ from bus_schemas.roles import Role
 from services.common.calibrator import Calibrator
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
-from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.engine import (
+    DecodeJob,
+    Engine,
+    EngineDeadError,
+    EngineError,
+    PrefillJob,
+    SlotKV,
+)
 
 log = structlog.get_logger()
 
@@ -24,6 +31,7 @@ log = structlog.get_logger()
 # warm-up spans the range (capped below the engine's max_model_len).
 LENGTHS = (64, 1536, 256, 3072, 128, 768, 2048, 512)
 DECODE_LENGTHS = (64, 256, 128, 512)
+LONG_DECODE = 2048  # decoded alone first (capped below max_model_len)
 FIRST_TOKEN_ID = 3  # skip pad/bos/eos
 
 
@@ -90,26 +98,43 @@ async def warm_prefill(
         await _prefill(engine, layout, calib, "perigee-calibrate-prefix", longer, p, slots + more)
 
 
-async def warm_decode(engine: Engine, layout: KVLayout, count: int, steps: int = 6) -> None:
-    """``count`` requests decoding together, finishing one after another (batch
-    ``count`` down to 1); the engine reports each step to the calibrator."""
-    vocab, cap = engine.spec.vocab_size, max_prompt(engine)
-    streams = []
-    for k, n in enumerate(DECODE_LENGTHS[:count]):
-        n = min(n, cap)
-        prompt, slots = _prompt(100 + k, n, vocab), _slots(layout, n)
-        first = await _prefill(engine, layout, None, f"perigee-calibrate-d{k}", prompt, 0, slots)
-        job = DecodeJob(
-            f"perigee-calibrate-d{k}",
-            prompt,
-            first,
-            SamplingParams(max_tokens=steps + 4 * k, ignore_eos=True),
-            SlotKV(layout, slots, n),
-        )
-        streams.append(engine.add_request(job))
-    for s in await asyncio.gather(*streams):
+async def _decode_job(engine: Engine, layout: KVLayout, k: int, n: int, steps: int) -> DecodeJob:
+    """A private prompt of ``n`` tokens prefilled, to decode ``steps`` tokens."""
+    prompt, slots = _prompt(100 + k, n, engine.spec.vocab_size), _slots(layout, n)
+    first = await _prefill(engine, layout, None, f"perigee-calibrate-d{k}", prompt, 0, slots)
+    return DecodeJob(
+        f"perigee-calibrate-d{k}",
+        prompt,
+        first,
+        SamplingParams(max_tokens=steps, ignore_eos=True),
+        SlotKV(layout, slots, n),
+    )
+
+
+async def _decode_together(engine: Engine, jobs: list[DecodeJob]) -> None:
+    for s in await asyncio.gather(*(engine.add_request(j) for j in jobs)):
         async for _ in s:
             pass
+
+
+async def warm_decode(engine: Engine, layout: KVLayout, count: int, steps: int = 6) -> None:
+    """One long request decoded alone, then ``count`` short ones decoding together,
+    finishing one after another (batch ``count`` down to 1); the engine reports each
+    step to the calibrator.
+
+    The long one alone is what separates the two slopes of the fit: in the batch the
+    context shrinks with the batch size, so the fit cannot tell a step's cost per
+    sequence from its cost per context token, and it put it all on the context (on a
+    CPU: 1.4 s predicted for a 3k-token request alone, 0.24 s measured)."""
+    cap = max_prompt(engine)
+    long = min(LONG_DECODE, cap)
+    if long > max(DECODE_LENGTHS):
+        await _decode_together(engine, [await _decode_job(engine, layout, 99, long, steps)])
+    jobs = [
+        await _decode_job(engine, layout, k, min(n, cap), steps + 4 * k)
+        for k, n in enumerate(DECODE_LENGTHS[:count])
+    ]
+    await _decode_together(engine, jobs)
 
 
 async def warm_up(

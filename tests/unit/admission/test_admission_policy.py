@@ -155,3 +155,19 @@ def test_role_switch_drops_the_old_role_report_at_once():
     assert [p.instance for p in pol.live_prefill()] == ["p0"]
     pol.observe_decode(dload("x"))  # reports in its new role count as usual
     assert [d.instance for d in pol.live_decode()] == ["d0", "x"]
+
+
+def test_an_idle_decode_instance_takes_a_request_its_model_predicts_over_the_slo():
+    """A model that predicts too slow must not turn every request away from an idle
+    engine (nothing would ever correct it): alone is the best TBT the request gets."""
+    pol = early()
+    pol.observe_prefill(pload("p0", 0.0))
+    huge = 10 * int(0.1 * COST.hbm_bw / COST.kv_bytes(1))  # one step of it alone > 0.1 s
+    pol.observe_decode(dload("d0"))
+    assert COST.decode_step_time(1, huge) > 0.1
+    d = pol.decide(AdmissionRequest(request_id="r", num_tokens=huge))
+    assert isinstance(d, Accept) and d.decode_load == 1.0
+    # The same request where one other sequence decodes is over the SLO: 429.
+    pol.observe_decode(dload("d0", batch=1, kv=10))
+    d = pol.decide(AdmissionRequest(request_id="r", num_tokens=huge))
+    assert isinstance(d, Rejection) and d.code == ErrorCode.REJECTED

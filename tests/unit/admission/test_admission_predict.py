@@ -357,3 +357,25 @@ def test_role_switch_forgets_the_instance_and_its_unseen_work():
     clock.advance(1.0)
     pol.observe_prefill(pload("p1", 0.5))  # a fresh report has seen both
     assert pol.prefill_wait() == pytest.approx(0.5)
+
+
+def test_decode_side_check_lets_an_idle_instance_take_any_request():
+    slo = COST.decode_step_time(1, 1000 + N) / 2  # the request alone misses it
+    gate = DecodeSideCheck(COST, tbt_slo_s=slo)
+    assert gate.check(batch_size=0, waiting=0, kv_tokens=0, num_tokens=1000 + N) is None
+    assert isinstance(
+        gate.check(batch_size=0, waiting=1, kv_tokens=0, num_tokens=1000 + N), Rejection
+    )
+
+
+def test_predict_lets_a_request_alone_in_the_predicted_pool_in():
+    clock = ManualClock()
+    pol = predict(clock, tbt_slo_s=COST.decode_step_time(1, N) / 2)  # alone it misses
+    pol.observe_prefill(pload("p0", 0.0))
+    pol.observe_decode(dload("d0"))
+    d = pol.decide(req())
+    assert isinstance(d, Accept) and d.decode_load == 1.0
+    pol.on_accepted(req())
+    # A second one would share the pool with the first at its prefill's end: 429.
+    r = pol.decide(req("r2"))
+    assert isinstance(r, Rejection) and r.code == ErrorCode.REJECTED

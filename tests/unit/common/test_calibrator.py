@@ -13,7 +13,7 @@ from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.engine.mock import MockEngine
-from services.worker.warmup import warm_up
+from services.worker.warmup import LONG_DECODE, warm_up
 
 SPEC = ModelSpec.from_dir(None)
 LAYOUT = KVLayout(SPEC, 32)
@@ -38,6 +38,8 @@ async def test_warm_up_feeds_prefill_and_decode_samples_through_the_engine():
     # four requests decoding side by side, finishing one after another: every batch size
     batches = {b for b, _, _ in calib._steps}
     assert batches == {1, 2, 3, 4}
+    # and one long request alone, so context and batch size do not move together
+    assert any(b == 1 and ctx >= LONG_DECODE for b, ctx, _ in calib._steps)
 
 
 def test_reports_carry_the_fit_and_the_fresh_measurements_once():
