@@ -106,6 +106,9 @@ class StackConfig:
     cost_model: str = ""  # fitted cost model JSON for admission and conductors
     balancing_threshold: str = ""  # "": the conductor's default; a number or "adaptive"
     pd_controller: bool = False  # conductor-0 runs the dynamic P/D ratio controller
+    # False: the conductor rejects what misses the SLO even on an idle instance (the
+    # paper's Algorithm 1); True: an idle instance takes it (PlacementPolicy).
+    serve_when_idle: bool = True
     switchable: bool = False  # workers obey RoleSwitch (--switchable)
     decode_time: float = 5.0  # predict admission: uniform decode time t_d, s
     max_batch: int = 128
@@ -289,6 +292,8 @@ class Stack:
                 args += ["--tbt-check", "none"]
             if c.pd_controller and i == 0:
                 args += ["--pd-controller"]
+            if not c.serve_when_idle:
+                args += ["--no-serve-when-idle"]
             out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
         out.append(
             Child(

@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="predict TTFT from the fitted costs alone (no observed/predicted correction)",
     )
     ap.add_argument(
+        "--no-serve-when-idle",
+        action="store_true",
+        help="reject a request predicted over its SLO even on an idle instance (the "
+        "paper's Algorithm 1; default: an idle instance takes it, best effort)",
+    )
+    ap.add_argument(
         "--tbt-check",
         choices=("placement", "none"),
         default="placement",
@@ -127,6 +133,7 @@ async def amain(args: argparse.Namespace) -> int:
         tbt_check=args.tbt_check == "placement",
         ttft_feedback=not args.no_ttft_feedback,
         ttft_margin=args.ttft_margin,
+        serve_when_idle=not args.no_serve_when_idle,
         pd_controller=args.pd_controller,
         pd_interval_s=args.pd_interval,
         pd_window_s=args.pd_window,

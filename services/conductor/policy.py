@@ -280,6 +280,12 @@ class PlacementPolicy:
     # actual TTFT around the prediction, so the accepted requests' p90 (not their
     # mean) meets the SLO. 1.0 in the simulator, whose instances run the model exactly.
     ttft_margin: float = 1.0
+    # Place a request on an idle instance whatever its predicted TTFT or TBT: nothing
+    # queues ahead of it, so no later placement is faster and a 429 "retry later" would
+    # be false; and a model predicting too slow (a CPU under load at warm-up) would
+    # otherwise turn every request away and never get the sample that corrects it.
+    # False (the paper's Algorithm 1, the simulator): reject what misses the SLO.
+    serve_when_idle: bool = False
     # Chunked pipeline parallelism: groups of cpp.group_size prefill instances compete
     # with the single instances (group_size 1: off).
     cpp: cpp_.CppConfig = field(default_factory=cpp_.CppConfig)
@@ -386,6 +392,11 @@ class PlacementPolicy:
         taken = load.batch_size + load.waiting + len(self._by_decode.get(instance, {})) + 1
         return taken / max(1, load.max_batch)
 
+    def decode_idle(self, instance: str) -> bool:
+        """Nothing runs, waits or is placed on ``instance`` (as far as this policy knows)."""
+        load = self._decode[instance]
+        return load.batch_size + load.waiting + len(self._by_decode.get(instance, {})) == 0
+
     def _pick_decode(self, decodes: list[str], tbts: Mapping[str, float], slo: float) -> str:
         # Balance load among the instances that meet the TBT SLO (the paper's
         # SelectDecodingInstance). Picking the smallest predicted TBT instead sends every
@@ -456,7 +467,8 @@ class PlacementPolicy:
         decode = self._pick_decode(decodes, tbts, tbt_slo)
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
         waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
-        if waited + chosen.ttft_s > ttft_slo * self.ttft_margin:
+        idle_prefill = self.serve_when_idle and chosen.queue_s <= 0
+        if waited + chosen.ttft_s > ttft_slo * self.ttft_margin and not idle_prefill:
             self.stats["rejected_ttft"] += 1
             late = f" after {waited:.3f}s before placement" if waited >= 0.001 else ""
             return Rejection(
@@ -465,7 +477,8 @@ class PlacementPolicy:
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
                 max(self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin),
             )
-        if self.tbt_check and tbts[decode] > tbt_slo:
+        idle_decode = self.serve_when_idle and self.decode_idle(decode)
+        if self.tbt_check and tbts[decode] > tbt_slo and not idle_decode:
             self.stats["rejected_tbt"] += 1
             return Rejection(
                 ErrorCode.REJECTED,

@@ -99,6 +99,7 @@ class ConductorConfig:
     adaptive_threshold: bool = False  # tune balancing_threshold online (from its value)
     ttft_feedback: bool = True  # scale TTFT predictions by each instance's observed ratio
     ttft_margin: float = 0.9  # plan placements to this share of the TTFT SLO (p90, not mean)
+    serve_when_idle: bool = True  # an idle instance takes any request (PlacementPolicy)
     tbt_check: bool = True  # False: no TBT rejection at placement (baseline admission)
     pd_controller: bool = False  # publish the dynamic P/D ratio's role switches
     pd_interval_s: float = 10.0
@@ -159,6 +160,7 @@ class ConductorService:
             # A hand-given cost model is taken as it is: no per-instance correction.
             feedback=TtftFeedback() if cfg.ttft_feedback and not cfg.cost_model else None,
             ttft_margin=cfg.ttft_margin,
+            serve_when_idle=cfg.serve_when_idle,
         )
         self.roles = RoleControl(
             nc,

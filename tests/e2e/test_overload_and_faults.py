@@ -17,11 +17,38 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def tight_slo_stack(tmp_path_factory):
     # At the paper's A800 speed a 200-token prefill alone is predicted at ~9 ms: a
-    # 1 ms TTFT SLO can never be met, so every request must be rejected up front.
-    s = make_stack(tmp_path_factory, "tight", engine="mock", speedup="1", ttft_slo=0.001)
+    # 1 ms TTFT SLO can never be met, so with the paper's Algorithm 1 (no serving on an
+    # idle instance) every request must be rejected up front.
+    s = make_stack(
+        tmp_path_factory,
+        "tight",
+        engine="mock",
+        speedup="1",
+        ttft_slo=0.001,
+        serve_when_idle=False,
+    )
     s.start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def tight_idle_stack(tmp_path_factory):
+    s = make_stack(tmp_path_factory, "tight-idle", engine="mock", speedup="1", ttft_slo=0.001)
+    s.start()
+    yield s
+    s.stop()
+
+
+async def test_an_idle_stack_serves_a_request_its_slo_cannot_fit(tight_idle_stack):
+    """The default: an idle instance takes a request predicted over the SLO (no later
+    placement could be faster, so a 429 "retry later" would be false)."""
+    s = tight_idle_stack
+    async with aiohttp.ClientSession() as http:
+        r = await stream(http, s.url, {"prompt": "word " * 200, "max_tokens": 4})
+    assert r.status == 200 and r.done, (r.status, r.error)
+    stats = await worker_stats(s.nats_url, "prefill", "prefill-0")
+    assert stats.get("tasks_done", 0) == 1
 
 
 async def test_unmeetable_slo_gets_429_and_no_prefill_work(tight_slo_stack):

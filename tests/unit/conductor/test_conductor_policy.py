@@ -393,3 +393,26 @@ def test_ttft_margin_plans_placements_below_the_slo():
     )
     d = tight.place(req("a"), {})
     assert isinstance(d, Rejection) and "(planned to 90%)" in d.reason
+
+
+def test_an_idle_instance_serves_a_request_its_model_predicts_over_the_slo():
+    """serve_when_idle (the live conductor): nothing queues ahead, so no later placement
+    is faster; the request is placed (and its prefill corrects a model too slow)."""
+    slo = COST.prefill_time(N) / 2  # the request alone misses it
+    strict = make_policy(prefills=(("p0", "n0", 0.0),), ttft_slo_s=slo)
+    assert isinstance(strict.place(req("a"), {}), Rejection)  # the paper's Algorithm 1
+    pol = make_policy(prefills=(("p0", "n0", 0.0),), ttft_slo_s=slo, serve_when_idle=True)
+    assert placed(pol.place(req("a"), {})).est_ttft_s > slo
+    # p0 now has a's work queued: b would wait behind it, and is turned away.
+    b = pol.place(req("b"), {})
+    assert isinstance(b, Rejection) and b.code == ErrorCode.REJECTED
+
+
+def test_an_idle_decode_instance_serves_a_request_predicted_over_the_tbt_slo():
+    slo = COST.decode_step_time(1, N) / 2
+    pol = make_policy(
+        prefills=(("p0", "n0", 0.0), ("p1", "n1", 0.0)), tbt_slo_s=slo, serve_when_idle=True
+    )
+    assert placed(pol.place(req("a"), {})).decode_instance == "d0"
+    b = pol.place(req("b"), {})  # d0 holds a now (placed, not yet in its reports)
+    assert isinstance(b, Rejection) and "predicted TBT" in b.reason

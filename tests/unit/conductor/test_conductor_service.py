@@ -312,7 +312,7 @@ async def test_request_failed_releases_the_request_and_aborts_the_named_tx(harne
 async def test_unmeetable_ttft_slo_is_429_before_any_allocation(harness):
     h = await harness.start(
         [FakeStore(None, "np0"), FakeStore(None, "nd0")],
-        prefills=[("prefill-0", "np0", 0.0)],
+        prefills=[("prefill-0", "np0", 0.5)],  # busy: an idle one would serve it anyway
         decodes=[("decode-0", "nd0")],
         ttft_slo_s=0.0001,
     )
