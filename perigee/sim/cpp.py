@@ -49,6 +49,28 @@ class StageTask:
     def __init__(self, gang: "Gang", stage: int, est_work_s: float, tokens: int) -> None:
         self.gang, self.stage, self.est_work_s, self.tokens = gang, stage, est_work_s, tokens
 
+    # What services.prefill.queue.PrefillQueue reads of it (QueueItem): priced at the
+    # member's share the conductor booked, its prefix slices read inside that share.
+    @property
+    def request_id(self) -> str:
+        return self.gang.req.rid
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.gang.req.num_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.gang.prefix
+
+    @property
+    def pulled_tokens(self) -> int:
+        return 0
+
+    @property
+    def stage_work_s(self) -> float | None:
+        return self.est_work_s
+
 
 class Gang:
     def __init__(

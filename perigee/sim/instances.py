@@ -11,22 +11,19 @@ Prefill instance (one GPU node, like ``services/prefill``)::
         --> handing over for ``handoff_s`` (0: none) --> free: on_free, next task
 
 A pipelined request (chunked pipeline parallelism) puts a :class:`StageTask` in each
-of its group's queues instead (:mod:`perigee.sim.cpp`): the instance holds it at the
-head until the whole group has, then computes its stage.
+of its group's queues instead (:mod:`perigee.sim.cpp`): an instance that reaches it
+holds it as its running work, idle until every stage before it is ready too, then
+computes its stage.
 
 ``handoff_s`` is the live worker's time between its compute's end and taking the next
 task (the last layers' acks, the DecodeTask and FirstTokenNotice publishes); meanwhile
-the request still counts in the instance's load (queue_len, no remaining work), as
-``services.prefill.queue.PrefillQueue`` reports it.
+the request still counts in the instance's load (queue_len, no remaining work).
 
-The FIFO here is its own, not a ``PrefillQueue``: that queue holds ``PrefillTask`` bus
-messages (each carrying its prompt's token ids: the whole trace would be built as
-gigabytes of token lists), one per request, while this one also holds a pipelined
-request's :class:`StageTask`, kept at the head until its whole group is there. What the
-two share is written once elsewhere: the reservation and pull arithmetic
-(``services.common.reservation``) and the cost model. They differ in the work they
-report: this one charges the pull's transfer and ``chunk_tokens`` chunking to a queued
-request, ``PrefillQueue`` prices ``cost.prefill_time`` of the expected suffix only.
+The queue is the live worker's own ``services.prefill.queue.PrefillQueue``: it orders,
+prices and reports what waits here (requests and stage tasks alike are its items), so
+the load the policies see is computed as the live instance computes it. The instance
+adds what only a simulation knows: when the running work ends (the pull's place on its
+link, a stage's pipeline timing: ``PrefillQueue.runs_until``).
 
 Decode instance (continuous batching, like the mock engine)::
 
@@ -54,22 +51,9 @@ from perigee.sim.cpp import StageTask
 from perigee.sim.events import EventLoop
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
+from services.prefill.queue import PrefillQueue, compute_time
 
 TBT_TOP_FRACTION = 0.10  # paper §7.1: TBT = mean of the longest 10% token gaps
-
-
-def chunked_prefill_time(cost: CostModel, n: int, prefix: int, chunk: int) -> float:
-    """GPU seconds to compute tokens [prefix, n) in chunks of ``chunk`` (0: one chunk)."""
-    if prefix >= n:
-        return 0.0
-    if chunk <= 0:
-        return cost.prefill_time(n, prefix)
-    total, a = 0.0, prefix
-    while a < n:
-        b = min(n, a + chunk)
-        total += cost.prefill_time(b, a)
-        a = b
-    return total
 
 
 class PrefillInstance:
@@ -97,31 +81,35 @@ class PrefillInstance:
         self.reserve = reserve
         self.chunk_tokens = chunk_tokens
         self.handoff_s = handoff_s
-        self.waiting: deque[SimRequest | StageTask] = deque()
-        self.running: SimRequest | StageTask | None = None
-        self.running_end = 0.0
-        self.queued_work = 0.0  # est_work_s of the waiting requests
-        self.queued_tokens = 0
+        # The live worker's queue (services.prefill.queue): order, admission and price.
+        self.queue: PrefillQueue[SimRequest | StageTask] = PrefillQueue(
+            cost, loop.clock, chunk_tokens
+        )
         self.gpu_s = 0.0
         self.done = 0
         self.draining = False  # a P/D switch waits for the queue to empty
 
+    @property
+    def running(self) -> SimRequest | StageTask | None:
+        return self.queue.running
+
+    @property
+    def running_end(self) -> float:
+        """When the running work ends (a pipeline sets it once its stage is timed)."""
+        return self.queue.running_ends_at()
+
+    @running_end.setter
+    def running_end(self, t: float) -> None:
+        self.queue.runs_until(t)
+
     def push(self, req: SimRequest) -> None:
-        n = req.num_tokens
-        computed_prefix = min(req.cached_tokens, n - 1)
-        req.compute_s = chunked_prefill_time(self.cost, n, computed_prefix, self.chunk_tokens)
-        req.est_work_s = req.compute_s + self.cost.transfer_time(req.pulled_tokens)
         req.state = "QUEUED"
-        self.waiting.append(req)
-        self.queued_work += req.est_work_s
-        self.queued_tokens += n - computed_prefix
+        self.queue.push(req)
         if self.running is None:
             self._start()
 
     def push_stage(self, task: StageTask) -> None:
-        self.waiting.append(task)
-        self.queued_work += task.est_work_s
-        self.queued_tokens += task.tokens
+        self.queue.push(task)
         if self.running is None:
             self._start()
 
@@ -135,24 +123,17 @@ class PrefillInstance:
             self._free()
 
     def __len__(self) -> int:
-        return len(self.waiting) + (self.running is not None)
+        return len(self.queue)
 
     def _start(self) -> None:
-        if not self.waiting:
-            self.queued_work = 0.0  # drop float residue
+        req = self.queue.pop()
+        if req is None:
             return
-        req = self.waiting.popleft()
-        self.queued_work -= req.est_work_s
         if isinstance(req, StageTask):
-            self.queued_tokens -= req.tokens
-            self.running, self.running_end = req, self.loop.now() + req.est_work_s
             req.gang.arrive(req)  # sets running_end once the stages before it are ready
             return
-        self.queued_tokens -= req.num_tokens - min(req.cached_tokens, req.num_tokens - 1)
-        now = self.loop.now()
         req.state = "PREFILLING"
-        req.started = now
-        self.running, self.running_end = req, now + req.est_work_s
+        req.started = self.loop.now()
         if self.reserve is None:
             self.compute(req)
         else:
@@ -162,15 +143,12 @@ class PrefillInstance:
         """The running request's slots are held: pull what its node lacks, compute the
         rest (``cached_tokens`` / ``pulled_tokens`` now say what the reservation found)."""
         now = self.loop.now()
-        n = req.num_tokens
-        req.compute_s = chunked_prefill_time(
-            self.cost, n, min(req.cached_tokens, n - 1), self.chunk_tokens
-        )
+        req.compute_s = compute_time(self.cost, req, self.chunk_tokens)
         begin = now
         if req.pulled_tokens:
             begin = self.links[req.pull_source].transfer(req.pulled_tokens, now)
         end = begin + req.compute_s
-        self.running_end = end
+        self.queue.runs_until(end)
         self.loop.at(end, self._done, req, begin)
 
     def abandon(self, req: SimRequest) -> None:
@@ -189,31 +167,26 @@ class PrefillInstance:
             self.on_prefilled(req, arrive)
             self.loop.after(self.handoff_s, self._free)
         else:
-            self.running = None
+            self.queue.done(req.rid)
             self.on_prefilled(req, arrive)
             self._free()
 
     def _free(self) -> None:
-        self.running = None
+        r = self.running
+        if r is not None:
+            self.queue.done(r.request_id)
         if self.on_free is not None:
             self.on_free(self)
         self._start()
 
     def load(self, now: float) -> PrefillLoad:
-        work, tokens = self.queued_work, self.queued_tokens
-        r = self.running
-        if isinstance(r, StageTask):
-            work += max(0.0, self.running_end - now)
-            tokens += r.tokens
-        elif r is not None:
-            work += max(0.0, self.running_end - now)
-            tokens += r.num_tokens - min(r.cached_tokens, r.num_tokens - 1)
+        queue_len, tokens, work = self.queue.load()
         return PrefillLoad(
             instance=self.name,
             node=self.node,
-            queue_len=len(self),
+            queue_len=queue_len,
             queued_tokens=tokens,
-            queued_work_s=max(0.0, work),
+            queued_work_s=work,
             ts=now,
         )
 

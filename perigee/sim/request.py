@@ -31,7 +31,6 @@ class SimRequest:
     pull_source: str = ""
     ship_tokens: int = 0  # tokens whose KV goes to the decode node
     compute_s: float = 0.0  # prefill GPU time
-    est_work_s: float = 0.0  # what this request adds to its prefill instance's queue
     started: float = -1.0
     prefill_end: float = -1.0
     first_token: float = -1.0
@@ -46,6 +45,23 @@ class SimRequest:
     # decode bookkeeping (set by the decode instance)
     join_step: int = -1
     join_time: float = -1.0
+
+    # What services.prefill.queue.PrefillQueue reads of a queued request (QueueItem).
+    @property
+    def request_id(self) -> str:
+        return self.rid
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.num_tokens
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.cached_tokens
+
+    @property
+    def stage_work_s(self) -> float | None:
+        return None
 
     @property
     def ttft_s(self) -> float:

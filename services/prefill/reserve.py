@@ -47,9 +47,17 @@ class Reservation:
     def prefix_blocks(self) -> int:
         """Leading blocks whose KV is on the prefill node before compute: the local hit,
         extended by the pulled ones."""
+        return self.grant.prefix_blocks
+
+    @property
+    def grant(self) -> plan.Grant:
+        """What the transactions mean for the compute (services.common.reservation)."""
         r = self.remote
-        return plan.prefix_after(
-            self.prefill_tx.hit_blocks, (r.first_block, r.num_blocks) if r else None
+        pull = (r.first_block, r.num_blocks) if r else None
+        return plan.Grant(
+            prefix_blocks=plan.prefix_after(self.prefill_tx.hit_blocks, pull),
+            pull=pull,
+            ship_from_block=self.decode_tx.hit_blocks,
         )
 
     def txs(self) -> list[tuple[str, str]]:

@@ -158,7 +158,7 @@ class PrefillWorker(WorkerBase):
         self.reserver = reserver or StoreReserver(StoreTx(nc), lease_s=lease_s)
         self.layout = layout
         self.cost = cost
-        self.queue = PrefillQueue(cost, self.clock, layout.block_size)
+        self.queue: PrefillQueue[QueuedPrefill] = PrefillQueue(cost, self.clock)
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "tasks_done",
@@ -257,7 +257,8 @@ class PrefillWorker(WorkerBase):
                 return
             try:
                 self._validate(task)
-                self.queue.push(task, _Meta(otel_context.get_current(), int(self.unix.now() * 1e9)))
+                meta = _Meta(otel_context.get_current(), int(self.unix.now() * 1e9))
+                self.queue.push(QueuedPrefill.of(task, self.layout.block_size, meta))
             except BadTask as e:
                 log.warning("bad_prefill_task", error=str(e))
                 await self._fail(task, *classify(e))
@@ -372,13 +373,14 @@ class PrefillWorker(WorkerBase):
             res = await self.reserver.reserve(item.task)
         item.meta.reservation = res
         self._check_reservation(item.task, res)
-        self.queue.start_with(item, res.prefix_blocks)
+        item.settle(res.grant, self.layout.block_size)
+        self.queue.reprice_running()
         return res
 
     async def _prefill(self, item: QueuedPrefill) -> "_Computed":
         task, req = item.task, item.task.request
         res = await self._reserve(item)
-        n, p, bs = item.prompt_tokens, item.prefix_tokens, self.layout.block_size
+        n, p = item.prompt_tokens, item.prefix_tokens
         r = res.remote
         if r is not None and r.num_blocks > 0:
             with tracer().start_as_current_span(
@@ -386,8 +388,7 @@ class PrefillWorker(WorkerBase):
                 attributes={"source_node": r.source_node, "blocks": r.num_blocks},
             ):
                 await self.store.pull(res.prefill_tx, r)
-            pulled = min(n, (r.first_block + r.num_blocks) * bs) - min(n, r.first_block * bs)
-            self.counters["remote_tokens_pulled"] += pulled
+            self.counters["remote_tokens_pulled"] += item.pulled_tokens
         await self.store.attached(res.prefill_tx)  # its store may have restarted
         slots = [self.store.slot(s) for s in res.prefill_tx.slots]
         kv = SlotKV(self.layout, slots, n)

@@ -45,7 +45,7 @@ def test_a_slow_stage_sets_the_pace_and_hand_offs_wait_for_it():
 
 
 def test_one_stage_is_the_chunked_prefill_of_one_instance():
-    from perigee.sim.instances import chunked_prefill_time
+    from services.prefill.queue import chunked_prefill_time
 
     cost = CostModel()
     for n, prefix in ((100_000, 0), (70_000, 20_000), (3000, 0)):

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from perigee.sim.cluster import Link
 from perigee.sim.events import EventLoop
-from perigee.sim.instances import DecodeInstance, PrefillInstance, chunked_prefill_time, top_mean
+from perigee.sim.instances import DecodeInstance, PrefillInstance, top_mean
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
+from services.prefill.queue import chunked_prefill_time
 
 # 1 KV byte per token, prefill 1 flop per token at 20 flop/s (0.05 s/token), decode step
 # = context tokens / 1000 s, transfers free.
