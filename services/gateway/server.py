@@ -88,9 +88,9 @@ class GatewayConfig:
     # Times a request whose prefill or decode instance died is resent with the tokens
     # it has (services.gateway.migration); 0: such a request fails with 503.
     migration_limit: int = 3
-    # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue;
-    # the default of python -m services.gateway), not core NATS REQUESTS.
-    durable_intake: bool = False
+    # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue),
+    # not core NATS REQUESTS (False: a bus without JetStream, or a test's fake admission).
+    durable_intake: bool = True
 
 
 class Gateway:

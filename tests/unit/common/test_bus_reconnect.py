@@ -48,6 +48,7 @@ async def test_a_client_that_reconnects_announces_it():
 async def env(nats_url):
     cfg = GatewayConfig(
         port=0,
+        durable_intake=False,  # the fake admission is on core NATS
         max_prompt_tokens=64,
         max_tokens_limit=100,
         max_model_len=128,

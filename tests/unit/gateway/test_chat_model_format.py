@@ -105,7 +105,9 @@ def test_template_is_sandboxed(tmp_path):
 
 
 def gateway(folder: Path) -> Gateway:
-    return Gateway(GatewayConfig(model_dir=str(folder), sweep_interval_s=0), nc=None)
+    return Gateway(
+        GatewayConfig(model_dir=str(folder), sweep_interval_s=0, durable_intake=False), nc=None
+    )
 
 
 async def test_gateway_stops_on_every_eos_id_and_takes_max_model_len(tmp_path):

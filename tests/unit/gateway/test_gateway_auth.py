@@ -40,6 +40,7 @@ def test_cli_flag_and_env(monkeypatch):
 async def keyed(nats_url):
     cfg = GatewayConfig(
         port=0,
+        durable_intake=False,  # the fake admission is on core NATS
         max_model_len=128,
         max_tokens_limit=100,
         sweep_interval_s=0,

@@ -181,6 +181,7 @@ async def env(nats_url):
     clock = ManualClock()
     cfg = GatewayConfig(
         port=0,
+        durable_intake=False,  # the fake admission is on core NATS
         max_prompt_tokens=64,
         max_tokens_limit=100,
         max_model_len=128,
@@ -549,7 +550,9 @@ async def test_no_responders_is_a_fast_503():
 
     with NatsServer() as server:  # a private server: nobody subscribes perigee.requests
         nc = await nats.connect(server.url)
-        gw = await Gateway(GatewayConfig(port=0, sweep_interval_s=0), nc, tokenizer=TOK).start()
+        gw = await Gateway(
+            GatewayConfig(port=0, sweep_interval_s=0, durable_intake=False), nc, tokenizer=TOK
+        ).start()
         try:
             async with aiohttp.ClientSession() as http:
                 url = f"http://127.0.0.1:{gw.port}/v1/completions"

@@ -195,6 +195,7 @@ async def env(nats_url):
     clock = ManualClock()
     cfg = GatewayConfig(
         port=0,
+        durable_intake=False,  # the fake admission is on core NATS
         max_prompt_tokens=64,
         max_tokens_limit=100,
         max_model_len=128,
@@ -332,6 +333,7 @@ async def test_a_migration_nobody_takes_yet_is_sent_again_until_admission_is_bac
     clock = ManualClock()
     cfg = GatewayConfig(
         port=0,
+        durable_intake=False,  # the fake admission is on core NATS
         max_prompt_tokens=64,
         max_tokens_limit=100,
         max_model_len=128,
