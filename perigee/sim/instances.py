@@ -83,7 +83,7 @@ class PrefillInstance:
         self.handoff_s = handoff_s
         # The live worker's queue (services.prefill.queue): order, admission and price.
         self.queue: PrefillQueue[SimRequest | StageTask] = PrefillQueue(
-            cost, loop.clock, chunk_tokens
+            cost, loop.clock, chunk_tokens=chunk_tokens
         )
         self.gpu_s = 0.0
         self.done = 0

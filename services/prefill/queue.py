@@ -117,7 +117,7 @@ class _Entry(Generic[T]):
 
 
 class PrefillQueue(Generic[T]):
-    def __init__(self, cost: CostModel, clock: Clock, chunk_tokens: int = 0) -> None:
+    def __init__(self, cost: CostModel, clock: Clock, *, chunk_tokens: int = 0) -> None:
         self.cost = cost
         self.clock = clock
         self.chunk_tokens = chunk_tokens

@@ -86,7 +86,7 @@ def test_count_rejection():
 
 
 def _prefill_worker():
-    q = PrefillQueue(CostModel(), ManualClock(), 32)
+    q = PrefillQueue(CostModel(), ManualClock())
     return SimpleNamespace(
         queue=q,
         counters={
