@@ -35,6 +35,7 @@ from perigee import natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
+from services.common import bus
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -495,15 +496,17 @@ class Stack:
                     await asyncio.wait_for(ready.wait(), 0.5)
                 except TimeoutError:
                     pass
-            # Admission and conductor answer a malformed message with an error reply:
-            # a reply proves their subscription is live before the first request.
+            # Admission and conductor answer a probe: a reply proves their subscription
+            # is live before the first request.
             for subject in (subjects.REQUESTS, subjects.SCHEDULE):
                 while True:
                     self._check_alive()
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"nobody serves {subject}")
                     try:
-                        await nc.request(subject, b"{}", timeout=0.5)
+                        await nc.request(
+                            subject, b"", timeout=0.5, headers={bus.PROBE_HEADER: "ready"}
+                        )
                         break
                     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                         await asyncio.sleep(0.05)

@@ -33,6 +33,9 @@ from tracing import extract, inject, tracer
 T = TypeVar("T")
 
 log = structlog.get_logger()
+# A message with this header is a readiness probe (perigee.stack): answered empty, not
+# decoded, not logged as bad input.
+PROBE_HEADER = "Perigee-Probe"
 
 Handler = Callable[[Any, NatsMsg], Awaitable[Any]]
 # Called instead of the default error reply when a payload does not decode.
@@ -307,6 +310,10 @@ class Subscriptions:
             traced = traced_subject(subject)
 
         async def run(m: NatsMsg) -> None:
+            if m.headers and PROBE_HEADER in m.headers:
+                if m.reply:  # a readiness probe: the reply proves the subscription is live
+                    await self.nc.publish(m.reply, b"")
+                return
             try:
                 obj = decode(m.data, msg_type)
             except BadMessage as e:

@@ -25,3 +25,27 @@ async def test_real_nats_server(nats_url):
     msg = await sub.next_msg(timeout=2)
     assert msg.data == b"x"
     await nc.close()
+
+
+async def test_a_readiness_probe_is_answered_empty_and_never_reaches_the_handler(nats_url):
+    from services.common import bus
+    from services.common.bus import ERROR_HEADER
+
+    srv, cli = await bus.connect(nats_url, name="srv"), await bus.connect(nats_url, name="cli")
+    subs = bus.Subscriptions(srv)
+    handled: list = []
+
+    async def handler(req, _m):
+        handled.append(req)
+
+    try:
+        await subs.serve("t.probe", dict, handler)
+        m = await cli.request("t.probe", b"", timeout=5, headers={bus.PROBE_HEADER: "ready"})
+        assert m.data == b"" and not (m.headers and ERROR_HEADER in m.headers)
+        bad = await cli.request("t.probe", b"", timeout=5)  # the same bytes, no header
+        assert bad.headers and ERROR_HEADER in bad.headers
+        assert handled == []
+    finally:
+        await subs.close()
+        await srv.close()
+        await cli.close()
