@@ -1,19 +1,25 @@
 """A pipelined prefill (chunked pipeline parallelism, paper §3.3) across simulated
-prefill instances, timed by :func:`services.conductor.cpp.pipeline_timing`.
+prefill instances, chunk by chunk.
 
-The conductor placed the request on a group (``Placement.cpp_stages``). Each member
-gets one :class:`StageTask` in its FIFO. A member that reaches its task is ready; once
-it and every stage before it are, its stage is scheduled chunk by chunk::
+The conductor placed the request on a group (``Placement.cpp_stages``). Stage s of
+chunk k is one :class:`StageTask` in member s's FIFO, queued once the member is done
+with chunk k-1 of its stage and chunk k's activations have arrived from stage s-1
+(stage 0: at once; the hand-off crosses the link in ``handoff_time``). Stages other
+than the anchor (the member holding the prefix) queue their first chunk no earlier
+than the prefix slices they read from the anchor's store (over the anchor's link,
+from the placement on)::
 
-    chunk k on stage s: max(chunk k done on stage s-1 + hand-off, chunk k-1 done on
-                            stage s, member s ready) + chunk_time(k) / X
+    chunk k queued on stage s at max(chunk k done on stage s-1 + hand-off,
+                                     chunk k-1 done on stage s, slices ready)
+    and computed, when the member's FIFO reaches it, in chunk_time(k) / X
 
-Stages other than the anchor (the member holding the prefix) are ready no earlier than
-the prefix slices they read from the anchor's store (over the anchor's link, from the placement on). When stage s is done,
-member s ships its 1/X of the layers' KV to the decode node (overlapped with its stage,
-as a single instance does) and is free again; the last stage's end is the first token,
-and the KV has landed once every stage's ship has. A member that is ready before its
-input arrives idles, as a real stage would.
+A member is therefore held one chunk at a time, never while it waits for input: work
+placed on it meanwhile (a short request) runs between two of the pipeline's chunks,
+waiting at most for the chunk in progress, and the pipeline's stage stretches by it.
+With nothing else queued this is :func:`services.conductor.cpp.pipeline_timing`
+exactly. When stage s is done, member s ships its 1/X of the layers' KV to the decode
+node (overlapped with its stage, as a single instance does); the last stage's end is
+the first token, and the KV has landed once every stage's ship has.
 """
 
 from collections.abc import Callable, Sequence
@@ -42,18 +48,23 @@ class StageMember(Protocol):
 
 
 class StageTask:
-    """Member ``stage``'s share of a pipelined request, as it sits in the member's queue."""
+    """Chunk ``chunk`` of member ``stage``'s share of a pipelined request (``tokens``
+    computed in ``est_work_s``), as it sits in the member's queue."""
 
-    __slots__ = ("gang", "stage", "est_work_s", "tokens")
+    __slots__ = ("gang", "stage", "est_work_s", "tokens", "chunk")
 
-    def __init__(self, gang: "Gang", stage: int, est_work_s: float, tokens: int) -> None:
+    def __init__(
+        self, gang: "Gang", stage: int, est_work_s: float, tokens: int, chunk: int = 0
+    ) -> None:
         self.gang, self.stage, self.est_work_s, self.tokens = gang, stage, est_work_s, tokens
+        self.chunk = chunk
 
     # What services.prefill.queue.PrefillQueue reads of it (QueueItem): priced at the
-    # member's share the conductor booked, its prefix slices read inside that share.
+    # chunk's stage time, ``tokens`` of the prompt computed. One id per (stage, chunk):
+    # the stage's next chunk is queued while this one is still the running item.
     @property
     def request_id(self) -> str:
-        return self.gang.req.rid
+        return f"{self.gang.req.rid}/{self.stage}/{self.chunk}"
 
     @property
     def prompt_tokens(self) -> int:
@@ -61,7 +72,7 @@ class StageTask:
 
     @property
     def prefix_tokens(self) -> int:
-        return self.gang.prefix
+        return self.gang.req.num_tokens - self.tokens
 
     @property
     def pulled_tokens(self) -> int:
@@ -84,72 +95,70 @@ class Gang:
         on_prefilled: Callable[[SimRequest, float], None],
     ) -> None:
         self.req, self.members, self.loop, self.cost = req, list(members), loop, cost
-        self.chunk_tokens, self.on_prefilled = chunk_tokens, on_prefilled
+        self.on_prefilled = on_prefilled
         n, x = req.num_tokens, len(members)
         self.prefix = min(req.cached_tokens, n - 1)
+        self.chunks = cpp.chunk_bounds(n, self.prefix, chunk_tokens)
+        self.chunk_s = [cost.prefill_time(b, a) / x for a, b in self.chunks]
+        self.handoff_s = [cpp.handoff_time(cost, b - a) for a, b in self.chunks]
+        req.compute_s = x * sum(self.chunk_s)
         now = loop.now()
         slices = cpp.slice_tokens(self.prefix, x)
-        self.slices_at = anchor_link.transfer(slices, now) if slices else now
-        self.anchor = next(i for i, m in enumerate(self.members) if m.link is anchor_link)
-        # The estimate the members report until they run it (as the conductor booked it).
-        queues = [m.load(now).queued_work_s for m in self.members]
-        est = cpp.pipeline_timing(
-            [cost] * x,
-            n,
-            self.prefix,
-            chunk_tokens,
-            ready=cpp.ready_times(queues, self.slices_at - now, self.anchor),
-        )
-        req.compute_s = sum(est.stage_compute_s)
-        self.tasks = [
-            StageTask(self, s, w, n - self.prefix)
-            for s, w in enumerate(cpp.member_work(queues, est))
-        ]
-        self.ready: list[float | None] = [None] * x
-        self.scheduled = 0  # stages 0..scheduled-1 have their timing
-        self.timing: cpp.PipelineTiming | None = None
+        slices_at = anchor_link.transfer(slices, now) if slices else now
+        anchor = next(i for i, m in enumerate(self.members) if m.link is anchor_link)
+        self.ready_at = [now if s == anchor else slices_at for s in range(x)]
+        self.arrived = [len(self.chunks)] + [0] * (x - 1)  # chunks whose input is there
+        self.next = [0] * x  # the next chunk each stage queues
+        self.busy = [False] * x  # a chunk of the stage is queued or running
+        self.started = [-1.0] * x
         self.left = x
         self.arrive_at = 0.0  # when the last stage's KV has landed on the decode node
 
     def push(self) -> None:
         self.req.state = "QUEUED"
-        for inst, task in zip(self.members, self.tasks, strict=True):
-            inst.push_stage(task)
+        for s in range(len(self.members)):
+            self._queue_next(s)
+
+    def _queue_next(self, s: int) -> None:
+        """Queue stage s's next chunk if its input is there and its last one is done."""
+        k = self.next[s]
+        if self.busy[s] or k >= len(self.chunks) or k >= self.arrived[s]:
+            return
+        now = self.loop.now()
+        if now < self.ready_at[s]:
+            self.loop.at(self.ready_at[s], self._queue_next, s)
+            return
+        self.busy[s] = True
+        a, b = self.chunks[k]
+        self.members[s].push_stage(StageTask(self, s, self.chunk_s[k], b - a, k))
 
     def arrive(self, task: StageTask) -> None:
-        """Member ``task.stage`` has reached its task at the head of its queue."""
-        now = self.loop.now()
-        s = task.stage
-        self.ready[s] = now if s == self.anchor else max(now, self.slices_at)
-        if s == 0:
+        """Member ``task.stage`` has reached the chunk at the head of its queue: compute."""
+        now, s = self.loop.now(), task.stage
+        if self.started[s] < 0:
+            self.started[s] = now
+        if s == 0 and task.chunk == 0:
             self.req.state, self.req.started = "PREFILLING", now
-        x = len(self.members)
-        while self.scheduled < x and self.ready[self.scheduled] is not None:
-            k = self.scheduled + 1
-            ready = [r for r in self.ready[:k] if r is not None]
-            self.timing = cpp.pipeline_timing(
-                [self.cost] * k,
-                self.req.num_tokens,
-                self.prefix,
-                self.chunk_tokens,
-                ready=ready,
-                parts=x,
-            )
-            member, end = self.members[self.scheduled], self.timing.stage_end_s[self.scheduled]
-            member.running_end = end
-            self.loop.at(end, member.stage_done, self.tasks[self.scheduled])
-            self.scheduled = k
+        member = self.members[s]
+        member.running_end = now + task.est_work_s
+        self.loop.at(member.running_end, member.stage_done, task)
 
     def stage_compute_s(self, stage: int) -> float:
-        assert self.timing is not None
-        return self.timing.stage_compute_s[stage]
+        """Compute seconds of the chunk stage ``stage`` is finishing (one at a time)."""
+        return self.chunk_s[self.next[stage]]
 
     def stage_done(self, inst: StageMember, task: StageTask) -> None:
-        assert self.timing is not None
-        now, x = self.loop.now(), len(self.members)
-        start = self.timing.stage_start_s[task.stage]
+        """Member ``inst`` has computed ``task``'s chunk on its stage."""
+        now, s, k, x = self.loop.now(), task.stage, task.chunk, len(self.members)
+        self.busy[s] = False
+        self.next[s] = k + 1
+        if s + 1 < x:
+            self.loop.after(self.handoff_s[k], self._input, s + 1)
+        if k + 1 < len(self.chunks):
+            self._queue_next(s)
+            return
         landed = inst.link.ship_overlapped(
-            self.req.ship_tokens / x, start, now, max(1, self.cost.layers // x)
+            self.req.ship_tokens / x, self.started[s], now, max(1, self.cost.layers // x)
         )
         self.arrive_at = max(self.arrive_at, landed)
         self.left -= 1
@@ -157,6 +166,10 @@ class Gang:
             self.req.prefill_end = now
             self.req.state = "SHIPPING"
             self.on_prefilled(self.req, self.arrive_at)
+
+    def _input(self, s: int) -> None:
+        self.arrived[s] += 1
+        self._queue_next(s)
 
 
 # Prompt-length buckets of ``perigee sim repro cpp`` (tokens, [min, max)).

@@ -19,10 +19,18 @@ it on a single instance: short requests never pay for the group.
 
 Groups (``--cpp-group X``): every X live prefill instances in name order form one
 (:func:`form_groups`), as the paper groups every X nodes of the prefill pool. There is
-no barrier: each member takes its stage when its own queue reaches it, and a busy
-downstream member only delays the chunks behind it (upstream stages run ahead, their
-activations wait). Member s is held from its ``ready[s]`` until its last chunk is done
-(:func:`member_work`), its wait for the first chunk's input included.
+no barrier: each member takes its stage's chunks as its own queue reaches them, and a
+busy downstream member only delays the chunks behind it (upstream stages run ahead,
+their activations wait). The placement books member s from its ``ready[s]`` until its
+last chunk is done (:func:`member_work`) until a load report covers it.
+
+A member is held one chunk at a time, not for its whole stage: a request placed on it
+meanwhile runs between two of the pipeline's chunks and stretches the stage by its
+compute. Algorithm 1 lets only short requests do that (at most
+``CppConfig.interleave_tokens`` computed): they see a member's queue as its report
+shows it (the chunk in progress); a longer request, and another group, also count
+the member's stages still to run. Holding a member for its whole stage cost the
+requests that are never pipelined up to 21% of their TTFT (``BENCHMARKS.md``, CPP).
 
 Stage order: the member free first is stage 0, the busiest last (:func:`order_stages`),
 so a busy member's wait overlaps the stages before it instead of holding them idle.
@@ -43,6 +51,13 @@ DEFAULT_CHUNK_TOKENS = 4096
 # instances for the whole pipeline, so a small gain in one TTFT would cost the requests
 # queued behind them more than it saves (the paper pipelines only above a threshold).
 DEFAULT_MIN_TOKENS = 65536
+# Requests computing at most this many tokens are placed on a pipeline's member as if
+# the pipeline were not there: they run between two of its chunks and stretch its stage
+# by their compute. Longer ones would stretch it by seconds: they count its stages
+# still to run as queued work. 8k (two chunks) keeps the prompts under 8k tokens no
+# slower than without groups and a 64k+ prompt at 0.39x on a group of 4 (4k: 0.385x
+# but 8k-16k prompts 2% slower; 16k: 0.42x), ``perigee sim repro cpp``.
+DEFAULT_INTERLEAVE_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,9 @@ class CppConfig:
     group_size: int = 1  # X; 1: no groups
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the paper's prefill_chunk
     min_tokens: int = DEFAULT_MIN_TOKENS  # computed tokens below which no group is tried
+    # Requests computing at most this many tokens run on a member between two of a
+    # pipeline's chunks; longer ones wait for its stage (see the module's docstring).
+    interleave_tokens: int = DEFAULT_INTERLEAVE_TOKENS
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

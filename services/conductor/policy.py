@@ -46,7 +46,10 @@ live prefill instances form a group (:mod:`services.conductor.cpp`), and for the
 cache-aware strategies each group is one more candidate: its anchor's own prefix, the
 members' queues and the pipeline timing; the argmin takes it only when strictly
 faster, so a one-chunk request stays on one instance. The dispatch records each
-member's work until its stage is done.
+member's work until its stage is done. A short request (``cpp.interleave_tokens``)
+runs on a member between two of the pipeline's chunks, so it sees only the member's
+report; a longer one also waits for the member's stages still to run, and on a tie a
+short one goes to an instance that is no stage.
 
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
@@ -187,6 +190,8 @@ class _Dispatch:
     decode_since: float | None = None  # first-token time; None: not yet
     # A pipelined request's work per member (empty: all of work_s on prefill_instance).
     stage_work: dict[str, float] = field(default_factory=dict)
+    # And when each member's stage is expected done (the policy clock's time).
+    stage_end_at: dict[str, float] = field(default_factory=dict)
 
     def work_on(self, instance: str) -> float:
         return self.stage_work.get(instance, self.work_s) if self.stage_work else self.work_s
@@ -210,6 +215,7 @@ class _Candidate:
     stage_nodes: tuple[str, ...] = ()
     stage_end_s: tuple[float, ...] = ()
     stage_work: tuple[float, ...] = ()  # what each member is held for (cpp.member_work)
+    in_pipeline: bool = False  # a single instance that is a stage of a running pipeline
 
     @property
     def raw_ttft_s(self) -> float:
@@ -303,6 +309,7 @@ class PlacementPolicy:
         self._by_prefill: dict[str, dict[str, _Dispatch]] = {}
         self._by_decode: dict[str, dict[str, _Dispatch]] = {}
         self._by_source: dict[str, dict[str, _Dispatch]] = {}
+        self._pipelines: dict[str, _Dispatch] = {}  # pipelined, first token not out yet
         self.stats: dict[str, int] = dict.fromkeys(
             ("placed", "pulls", "pulled_blocks", "rejected_ttft", "rejected_tbt", "unavailable"),
             0,
@@ -337,6 +344,7 @@ class PlacementPolicy:
         over; the decode instance carries the request until a report at or after the
         handoff includes it."""
         ts = self.clock.now() if ts is None else ts
+        self._pipelines.pop(request_id, None)
         if self.adaptive is not None:
             self.adaptive.first_token(request_id, ts)
         d = self._dispatches.get(request_id)
@@ -352,6 +360,7 @@ class PlacementPolicy:
         """Forget a dispatch entirely (rolled back, failed or finished)."""
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
+        self._pipelines.pop(request_id, None)
         d = self._dispatches.get(request_id)
         if d is None:
             return
@@ -366,10 +375,29 @@ class PlacementPolicy:
     def live_decode(self) -> list[str]:
         return [load.instance for load in self.loads.live_decode()]
 
-    def queue_s(self, instance: str) -> float:
+    def queue_s(self, instance: str, interleave: bool = False) -> float:
+        """Seconds of prefill work ahead of a new request on ``instance``: its report
+        plus what this policy dispatched there since. A pipeline's stage holds a member
+        one chunk at a time (cpp module), so a request that ``interleave``s (one that
+        computes at most ``cpp.interleave_tokens``) waits only for what the report shows
+        queued; any other waits for the stages still to run there too."""
         load = self._prefill.get(instance)
         base = load.queued_work_s if load else 0.0
-        return base + sum(d.work_on(instance) for d in self._by_prefill.get(instance, {}).values())
+        own = self._by_prefill.get(instance, {})
+        for d in own.values():
+            if not (interleave and d.stage_work):
+                base += d.work_on(instance)
+        if not interleave:
+            now = self.clock.now()
+            for d in self._pipelines.values():
+                end = d.stage_end_at.get(instance)
+                if end is not None and d.request_id not in own:
+                    base += max(0.0, end - now)
+        return base
+
+    def in_pipeline(self, instance: str) -> bool:
+        """``instance`` is a stage of a pipeline whose first token is not out yet."""
+        return any(instance in d.stage_end_at for d in self._pipelines.values())
 
     def inflight_bytes(self, node: str) -> float:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
@@ -457,8 +485,16 @@ class PlacementPolicy:
         else:
             # A group wins only when strictly faster: on a tie the request stays single.
             cands += self._group_candidates(req, prefills, own)
+            # On a tie a short request goes where no pipeline would be stretched by it.
             chosen = min(
-                cands, key=lambda c: (c.ttft_s, len(c.stages), -c.prefix_blocks, c.instance)
+                cands,
+                key=lambda c: (
+                    c.ttft_s,
+                    len(c.stages),
+                    c.in_pipeline,
+                    -c.prefix_blocks,
+                    c.instance,
+                ),
             )
 
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
@@ -500,8 +536,14 @@ class PlacementPolicy:
             placed_at=self.clock.now(),
             est_ttft_s=chosen.raw_ttft_s,
             stage_work=dict(zip(chosen.stages, chosen.stage_work, strict=True)),
+            stage_end_at={
+                m: self.clock.now() + e
+                for m, e in zip(chosen.stages, chosen.stage_end_s, strict=True)
+            },
         )
         self._record(d)
+        if chosen.stages:
+            self._pipelines[req.request_id] = d
         self.stats["placed"] += 1
         if remote is not None:
             self.stats["pulls"] += 1
@@ -563,8 +605,10 @@ class PlacementPolicy:
                     )
                 opt = options[own_len] = (prefix, remote, transfer_s)
             prefix, remote, transfer_s = opt
-            prefill_s = self._book.cost(instance).prefill_time(
-                req.num_tokens, _computed_prefix(req, prefix)
+            computed_prefix = _computed_prefix(req, prefix)
+            prefill_s = self._book.cost(instance).prefill_time(req.num_tokens, computed_prefix)
+            interleave = (
+                self.cpp.enabled and req.num_tokens - computed_prefix <= self.cpp.interleave_tokens
             )
             out.append(
                 _Candidate(
@@ -573,10 +617,11 @@ class PlacementPolicy:
                     own_blocks=own_len,
                     prefix_blocks=prefix,
                     remote=remote,
-                    queue_s=self.queue_s(instance),
+                    queue_s=self.queue_s(instance, interleave),
                     transfer_s=transfer_s,
                     prefill_s=prefill_s,
                     factor=self.feedback.factor(instance) if self.feedback else 1.0,
+                    in_pipeline=self.cpp.enabled and self.in_pipeline(instance),
                 )
             )
         return out

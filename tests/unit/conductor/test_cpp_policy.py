@@ -100,14 +100,19 @@ def pload(instance, node, work=0.0, ts=0.0):
     )
 
 
-def make_policy(works=(0.0, 0.0), group=2, chunk=4, cost=LIN, min_tokens=1, **kw):
+def make_policy(works=(0.0, 0.0), group=2, chunk=4, cost=LIN, min_tokens=1, interleave=4, **kw):
     clock = ManualClock(0.0)
     pol = PlacementPolicy(
         clock,
         cost,
         ttft_slo_s=1000.0,
         tbt_slo_s=10.0,
-        cpp=cpp.CppConfig(group_size=group, chunk_tokens=chunk, min_tokens=min_tokens),
+        cpp=cpp.CppConfig(
+            group_size=group,
+            chunk_tokens=chunk,
+            min_tokens=min_tokens,
+            interleave_tokens=interleave,
+        ),
         **kw,
     )
     for i, w in enumerate(works):
@@ -264,3 +269,40 @@ def test_an_slo_the_group_cannot_meet_is_still_rejected():
     pol, _ = make_policy()
     d = pol.place(PlacementRequest("r1", 8, tuple(range(2)), BS, ttft_slo_s=6.0), {})
     assert isinstance(d, Rejection) and "7.000s" in d.reason
+
+
+def test_a_short_request_runs_between_a_pipelines_chunks_a_longer_one_waits_for_it():
+    # r1 pipelines on (p0, p1): stage ends at 4 and 7 s; p2 is on its own (3 instances)
+    pol, clock = make_policy(works=(0.0, 0.0, 0.0), min_tokens=8)
+    assert placed(pol.place(req(8), {})).cpp_stages == ("p0", "p1")
+    assert pol.in_pipeline("p0") and pol.in_pipeline("p1") and not pol.in_pipeline("p2")
+    clock.advance(1.0)
+    # reports at 1 s: p0 has 1 s of its chunk left, p1 waits for its first input, p2 is
+    # busy for 5 s with other work
+    for i, w in enumerate((1.0, 0.0, 5.0)):
+        pol.observe_prefill(pload(f"p{i}", f"n{i}", w, ts=1.0))
+    # 4 tokens (interleave_tokens): it waits only for what the members report queued
+    d = placed(pol.place(req(4, rid="short", hashes=(1,)), {}))
+    assert d.prefill_instance == "p1" and d.est_queue_s == 0.0 and d.est_ttft_s == 4.0
+    # 6 tokens: it also waits for the stages still to run (p0: 4 - 1 s, p1: 7 - 1 s,
+    # on top of the reports, which count the chunk in progress too)
+    assert pol.queue_s("p0") == 4.0 and pol.queue_s("p1") == 4.0 + 6.0
+    assert pol.queue_s("p0", interleave=True) == 1.0
+    d = placed(pol.place(req(6, rid="longer", hashes=(2,)), {}))
+    assert d.prefill_instance == "p0" and d.est_queue_s == 4.0 and d.est_ttft_s == 10.0
+    # once r1's first token is out its stages count no more
+    pol.prefill_done("r1")
+    assert not pol.in_pipeline("p1") and pol.queue_s("p1") == 4.0  # the short one
+
+
+def test_on_a_tie_a_short_request_keeps_off_a_pipeline():
+    pol, _ = make_policy(works=(0.0, 0.0, 0.0), min_tokens=8)
+    placed(pol.place(req(8), {}))
+    for i in range(3):
+        pol.observe_prefill(pload(f"p{i}", f"n{i}", 0.0))
+    # p0 and p1 report nothing queued (p1 waits for input): all three tie at 4 s
+    d = placed(pol.place(req(4, rid="short", hashes=(1,)), {}))
+    assert d.prefill_instance == "p2" and d.est_ttft_s == 4.0
+    # and a release drops the pipeline too
+    pol.release("r1")
+    assert not pol.in_pipeline("p0") and pol.queue_s("p0") == 0.0

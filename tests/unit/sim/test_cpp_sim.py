@@ -54,8 +54,10 @@ def test_a_busy_member_delays_its_stage_and_frees_the_others():
     assert sim.pipelined == {"r1"}
     busy = sim.requests[0].prefill_instance
     assert sim.placement.stats["placed"] == 2
-    # the long request's last stage is the instance the short one occupied
-    assert sim.prefills[busy].done == 2
+    # the long request's last stage is the instance the short one occupied: it ran the
+    # short request, then the stage's chunks one by one
+    chunks = cpp.chunk_bounds(LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    assert sim.prefills[busy].done == 1 + len(chunks)
 
 
 def test_buckets_report_mean_ttft_per_group_size():
@@ -74,3 +76,18 @@ def test_buckets_report_mean_ttft_per_group_size():
     assert b[0]["ttft_s"]["4"] == b[0]["ttft_s"]["1"] == COST.prefill_time(SHORT)
     assert b[1]["ttft_s"] == {"1": None, "4": None}
     assert b[4]["within_ttft"] == {"1": 0.0, "4": 1.0}  # 13.3 s on one node, 4.0 s on four
+
+
+def test_a_short_request_on_a_member_runs_between_two_chunks_of_the_pipeline():
+    # every instance is a stage: the short request arriving mid-pipeline lands on one
+    sim = run([(0.0, LONG, 0), (2.0, SHORT, 1000)], 4, prefill=4)
+    long_, short = sim.requests
+    assert [long_.state, short.state] == ["DONE", "DONE"] and sim.pipelined == {"r0"}
+    chunks = cpp.chunk_bounds(LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    one_chunk = max(COST.prefill_time(b, a) / 4 for a, b in chunks)
+    # it waits at most for the chunk in progress on its member, not for the stage
+    assert short.ttft_s <= one_chunk + COST.prefill_time(SHORT)
+    # and the pipeline is stretched by at most its compute (here not at all: its member
+    # was stage 0, which runs ahead of the stages after it)
+    timing = cpp.pipeline_timing([COST] * 4, LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    assert timing.ttft_s <= long_.ttft_s <= timing.ttft_s + COST.prefill_time(SHORT)
