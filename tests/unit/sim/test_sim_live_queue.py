@@ -1,7 +1,8 @@
 """The simulator's prefill instance and the live prefill worker queue with the same
 object (services.prefill.queue.PrefillQueue): the same placed requests, one fed through
 the worker's bus handler and one through the simulator's instance, wait in the same
-order and are priced and reported alike (issue 15: no second copy of the queue)."""
+order and are priced and reported alike (issue 15: no second copy of the queue), at the
+price the conductor booked them."""
 
 from bus_schemas.placement import PrefillTask, PrefixSource
 from bus_schemas.requests import CancelRequest, GenerateRequest
@@ -14,7 +15,7 @@ from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import ModelSpec
-from services.prefill.queue import PrefillQueue
+from services.prefill.queue import PrefillQueue, QueuedPrefill
 from services.prefill.worker import PrefillWorker
 
 BS = 32
@@ -135,3 +136,48 @@ async def test_the_simulator_and_the_live_worker_queue_and_price_alike():
     assert failed == [("c", "cancelled: client gone")]
     assert state(worker.queue) == state(sim.queue)
     assert state(sim.queue)[1] == ["b", "d"] and sim.queue.load()[2] > 0
+
+
+def test_the_queue_prices_a_placement_as_the_conductor_booked_it():
+    """A load report that covers a dispatch replaces the conductor's booking with the
+    queue's price: the two are one rule (the pull holds the instance too)."""
+    from bus_schemas.load import DecodeLoad, PrefillLoad
+    from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
+
+    clock = ManualClock(0.0)
+    pol = PlacementPolicy(clock, COST, ttft_slo_s=1e9, tbt_slo_s=1e9)
+    for inst, node, work in (("P-n0", "n0", 0.0), ("P-n9", "n9", 100.0)):  # n9 is busy
+        pol.observe_prefill(
+            PrefillLoad(
+                instance=inst, node=node, queue_len=0, queued_tokens=0, queued_work_s=work, ts=0.0
+            )
+        )
+    pol.observe_decode(
+        DecodeLoad(
+            instance="D-n1",
+            node="n1",
+            batch_size=0,
+            waiting=0,
+            max_batch=64,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=0.0,
+        )
+    )
+    n = 50 * BS + 7
+    p = pol.place(PlacementRequest("r", n, tuple(range(50)), BS), {"n0": 2, "n9": 40})
+    assert isinstance(p, Placement) and p.prefill_instance == "P-n0"
+    assert p.source is not None and (p.expected_hit_blocks, p.source.num_blocks) == (2, 38)
+    booked = pol.queue_s("P-n0")  # no report yet: what the conductor dispatched to it
+    assert booked == p.est_transfer_s + p.est_prefill_s and p.est_transfer_s > 0
+
+    live: PrefillQueue[QueuedPrefill] = PrefillQueue(COST, ManualClock(0.0))
+    t = task("r", n, p.expected_hit_blocks, (p.source.first_block, p.source.num_blocks))
+    live.push(QueuedPrefill.of(t, BS))
+    loop = EventLoop()
+    link = Link(COST)
+    links = {"n0": link, "n9": Link(COST)}
+    sim = PrefillInstance("P-n0", "n0", loop, COST, link, links, lambda r, t: None)
+    sim.push(sim_request(0, "r", n, 2, (2, 38)))
+    sim.push(sim_request(1, "s", n, 2, (2, 38)))  # waits: priced, not yet running
+    assert live.work_s("r") == sim.queue.work_s("s") == booked
