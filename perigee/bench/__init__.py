@@ -14,6 +14,7 @@ BENCHES = {
     "slo": "perigee.bench.slo",
     "migration": "perigee.bench.migration",
     "chaos": "perigee.bench.chaos",
+    "agreement": "perigee.bench.agreement",
 }
 
 
