@@ -16,7 +16,8 @@ class DecodeSideCheck:
     with the request would exceed the TBT SLO::
 
         tbt = cost.tbt_joining(batch, waiting, kv_tokens, n, max_batch)
-        reject (429) iff tbt > tbt_slo * max_load and the instance is not idle
+        reject (429) iff tbt > tbt_slo * max_load (and, serve_when_idle, the
+                          instance is not idle)
 
     ``waiting`` counts requests already loading or queued on the instance (the
     request itself excluded); past ``max_batch`` (0: no cap) the sequences take turns,
@@ -28,6 +29,9 @@ class DecodeSideCheck:
     tbt_slo_s: float
     max_load: float = 1.0
     max_batch: int = 0  # the instance's running-batch cap (0: none)
+    # An idle instance takes any request (the live worker: see
+    # PlacementPolicy.serve_when_idle); False, the paper's baseline and the simulator.
+    serve_when_idle: bool = False
     rejected: int = field(default=0)
 
     def check(
@@ -42,9 +46,8 @@ class DecodeSideCheck:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         cap = self.max_batch if max_batch is None else max_batch
         tbt = self.cost.tbt_joining(batch_size, waiting, kv_tokens, num_tokens, cap)
-        if idle_capped(slo_share(tbt, slo), batch_size + waiting == 0, self.max_load) <= (
-            self.max_load
-        ):
+        idle = self.serve_when_idle and batch_size + waiting == 0
+        if idle_capped(slo_share(tbt, slo), idle, self.max_load) <= self.max_load:
             return None  # within the SLO, or alone on an idle instance (its best TBT)
         self.rejected += 1
         return Rejection(

@@ -35,7 +35,9 @@ def settings_from_args(
     if args.tbt_gate_slo > 0:
         from services.decode.side_check import DecodeSideCheck
 
-        admit = DecodeSideCheck(cost, args.tbt_gate_slo, max_batch=args.max_batch).as_admit_hook()
+        admit = DecodeSideCheck(
+            cost, args.tbt_gate_slo, max_batch=args.max_batch, serve_when_idle=True
+        ).as_admit_hook()
     return WorkerSettings(
         instance=args.instance,
         node=args.node,

@@ -361,7 +361,8 @@ def test_role_switch_forgets_the_instance_and_its_unseen_work():
 
 def test_decode_side_check_lets_an_idle_instance_take_any_request():
     slo = COST.decode_step_time(1, 1000 + N) / 2  # the request alone misses it
-    gate = DecodeSideCheck(COST, tbt_slo_s=slo)
+    assert isinstance(DecodeSideCheck(COST, tbt_slo_s=slo).check(0, 0, 0, 1000 + N), Rejection)
+    gate = DecodeSideCheck(COST, tbt_slo_s=slo, serve_when_idle=True)  # the live worker's
     assert gate.check(batch_size=0, waiting=0, kv_tokens=0, num_tokens=1000 + N) is None
     assert isinstance(
         gate.check(batch_size=0, waiting=1, kv_tokens=0, num_tokens=1000 + N), Rejection
