@@ -47,6 +47,12 @@ def prefill_tasks(instance: str) -> str:
     return f"{NS}.prefill.{instance}.tasks"
 
 
+def cpp_stage(instance: str, op: str) -> str:
+    """Where a pipeline's anchor opens (``op`` "open") and runs ("run") ``instance``'s
+    stage (bus_schemas.cpp)."""
+    return f"{NS}.prefill.{instance}.cpp.{op}"
+
+
 def decode_tasks(instance: str) -> str:
     return f"{NS}.decode.{instance}.tasks"
 

@@ -110,6 +110,11 @@ class StackConfig:
     # False: the conductor rejects what misses the SLO even on an idle instance (the
     # paper's Algorithm 1); True: an idle instance takes it (PlacementPolicy).
     serve_when_idle: bool = True
+    # Chunked pipeline parallelism: the conductors' --cpp-group, --cpp-chunk-tokens and
+    # --cpp-min-tokens (0: their defaults).
+    cpp_group: int = 1
+    cpp_chunk_tokens: int = 0
+    cpp_min_tokens: int = 0
     switchable: bool = False  # workers obey RoleSwitch (--switchable)
     decode_time: float = 5.0  # predict admission: uniform decode time t_d, s
     max_batch: int = 128
@@ -295,6 +300,12 @@ class Stack:
                 args += ["--pd-controller"]
             if not c.serve_when_idle:
                 args += ["--no-serve-when-idle"]
+            if c.cpp_group > 1:
+                args += ["--cpp-group", str(c.cpp_group)]
+                if c.cpp_chunk_tokens:
+                    args += ["--cpp-chunk-tokens", str(c.cpp_chunk_tokens)]
+                if c.cpp_min_tokens:
+                    args += ["--cpp-min-tokens", str(c.cpp_min_tokens)]
             out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
         out.append(
             Child(

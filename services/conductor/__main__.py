@@ -8,6 +8,7 @@ import structlog
 from services.common import bus, defaults, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
+from services.conductor import cpp
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
 from tracing import setup_tracing, shutdown_tracing
@@ -64,6 +65,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="reject a request predicted over its SLO even on an idle instance (the "
         "paper's Algorithm 1; default: an idle instance takes it, best effort)",
+    )
+    ap.add_argument(
+        "--cpp-group",
+        type=int,
+        default=1,
+        help="chunked pipeline parallelism: prefill instances per group (1: none)",
+    )
+    ap.add_argument(
+        "--cpp-chunk-tokens",
+        type=int,
+        default=cpp.DEFAULT_CHUNK_TOKENS,
+        help="a pipeline's chunk (the paper's prefill_chunk), tokens",
+    )
+    ap.add_argument(
+        "--cpp-min-tokens",
+        type=int,
+        default=cpp.DEFAULT_MIN_TOKENS,
+        help="tokens to compute below which a request is not offered to a group",
     )
     ap.add_argument(
         "--tbt-check",
@@ -134,6 +153,9 @@ async def amain(args: argparse.Namespace) -> int:
         ttft_feedback=not args.no_ttft_feedback,
         ttft_margin=args.ttft_margin,
         serve_when_idle=not args.no_serve_when_idle,
+        cpp_group=args.cpp_group,
+        cpp_chunk_tokens=args.cpp_chunk_tokens,
+        cpp_min_tokens=args.cpp_min_tokens,
         pd_controller=args.pd_controller,
         pd_interval_s=args.pd_interval,
         pd_window_s=args.pd_window,

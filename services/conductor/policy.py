@@ -351,7 +351,8 @@ class PlacementPolicy:
         if d is None:
             return
         if self.feedback is not None:
-            self.feedback.observe(d.prefill_instance, d.est_ttft_s, ts - d.placed_at)
+            key = _group_key(d.stage_work) if d.stage_work else d.prefill_instance
+            self.feedback.observe(key, d.est_ttft_s, ts - d.placed_at)
         self._close_prefill(d, source_too=True)
         if d.request_id in self._dispatches:
             d.decode_since = ts if handoff_ts is None else max(ts, handoff_ts)
@@ -672,7 +673,7 @@ class PlacementPolicy:
                     queue_s=queues[0],
                     transfer_s=0.0,
                     prefill_s=timing.ttft_s - queues[0],
-                    factor=max(self.feedback.factor(m) for m in stages) if self.feedback else 1.0,
+                    factor=self._group_factor(stages),
                     stages=stages,
                     stage_nodes=tuple(node_of[m] for m in stages),
                     stage_end_s=timing.stage_end_s,
@@ -680,6 +681,15 @@ class PlacementPolicy:
                 )
             )
         return out
+
+    def _group_factor(self, members: Sequence[str]) -> float:
+        """A group's TTFT feedback: its pipelines' own observed/predicted ratio (their
+        hand-offs and stage coordination are no part of a member's requests alone), and
+        until it has served one, its slowest member's."""
+        if self.feedback is None:
+            return 1.0
+        own = self.feedback.factors.get(_group_key(members))
+        return own if own is not None else max(self.feedback.factor(m) for m in members)
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -713,6 +723,11 @@ class PlacementPolicy:
         in_decode = d.request_id in self._by_decode.get(d.decode_instance, {})
         if not d.prefill_open and d.source_node is None and not in_decode:
             self._dispatches.pop(d.request_id, None)
+
+
+def _group_key(members: Iterable[str]) -> str:
+    """The TTFT feedback's key of a CPP group (any stage order)."""
+    return "cpp:" + "+".join(sorted(members))
 
 
 def _ratio(best: int, own: int) -> float:

@@ -63,6 +63,7 @@ from services.common.cost_model import CostModel
 from services.common.intake import hashes_for, reply_to, salvage
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
+from services.conductor import cpp as cpp_
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.migration import away_from_stores, placement_for
 from services.conductor.pd_ratio import PDRatioController
@@ -113,6 +114,11 @@ class ConductorConfig:
     # At start, wait up to this long for a load report from each pool before placing
     # (services.common.pools_heard).
     pools_wait_s: float = 2.0
+    # Chunked pipeline parallelism (services.conductor.cpp): groups of this many prefill
+    # instances (1: none), their chunk size and the computed tokens a group needs.
+    cpp_group: int = 1
+    cpp_chunk_tokens: int = cpp_.DEFAULT_CHUNK_TOKENS
+    cpp_min_tokens: int = cpp_.DEFAULT_MIN_TOKENS
 
     @property
     def forget_after_s(self) -> float:
@@ -161,6 +167,7 @@ class ConductorService:
             feedback=TtftFeedback() if cfg.ttft_feedback and not cfg.cost_model else None,
             ttft_margin=cfg.ttft_margin,
             serve_when_idle=cfg.serve_when_idle,
+            cpp=cpp_.CppConfig(cfg.cpp_group, cfg.cpp_chunk_tokens, cfg.cpp_min_tokens),
         )
         self.roles = RoleControl(
             nc,
@@ -377,6 +384,8 @@ class ConductorService:
             # The baseline (no TBT check here) may still reject at decode, after prefill:
             # then the first token must wait for decode to take the request.
             stream_first_token=self.cfg.tbt_check,
+            cpp_stages=list(p.cpp_stages),
+            cpp_chunk_tokens=p.cpp_chunk_tokens,
         )
         if claim:
             held, ours = await intake_queue.claim(self.js, req.request_id, encode(task))
@@ -417,6 +426,7 @@ class ConductorService:
             prefix_tokens=p.prefix_tokens,
             remote=r.node if r else None,
             est_ttft_s=round(p.est_ttft_s, 6),
+            cpp_stages=list(p.cpp_stages) or None,
         )
 
     async def _resend(self, task: PrefillTask, reply: str) -> None:

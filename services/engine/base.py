@@ -115,6 +115,10 @@ class PrefillJob:
     sampling: SamplingParams
     kv: KVAccess
     on_layer: Callable[[int], Awaitable[None]] | None = None
+    # False: the compute already happened elsewhere (a chunked pipeline's stages,
+    # services.prefill.cpp_pipeline): write the KV and give the first token without
+    # the engine's own time. Only the mock engine paces; vLLM computes either way.
+    paced: bool = True
 
 
 @dataclass

@@ -142,7 +142,7 @@ class MockEngine(Engine):
         if job.kv.num_tokens < n:
             raise EngineError(f"kv holds {job.kv.num_tokens} positions, prompt has {n}")
         hashes = synth.prefix_hashes(prompt)
-        per_layer = self.cost.prefill_time(n, p) / self.spec.num_layers
+        per_layer = self.cost.prefill_time(n, p) / self.spec.num_layers if job.paced else 0.0
         big = n * job.kv.layout.row * 2 >= THREAD_ELEMENTS
         start = self._now()
         for layer in range(self.spec.num_layers):

@@ -20,9 +20,9 @@ fails the write (the transfer engine's error code), a silent one fails the wait 
 free slot after ``timeout_s``; a dead upstream stage fails the wait for the next chunk
 after ``timeout_s``.
 
-What is not here yet: the conductor's dispatch of a placed group to these stages, each
-stage's KV shipped to the decode node's store and the first token's stream (the prefill
-worker's path), and the e2e test over a live stack.
+The prefill workers serve these stages for the conductor's pipelines
+(:mod:`services.prefill.cpp_pipeline`); ``python -m services.prefill.cpp_stage`` runs
+one stage on its own (tests/e2e/test_cpp_stages.py).
 """
 
 import asyncio
@@ -200,9 +200,10 @@ async def run_stage(
     outbox: StageOutbox | None,
     sleep: SleepFn,
     timeout_s: float = 10.0,
+    keep_output: bool = True,
 ) -> list[bytes]:
     """Run stage ``stage`` of ``stages`` over ``chunks``; returns what the last stage
-    produced per chunk (empty for the others)."""
+    produced per chunk (empty for the others, and with ``keep_output`` False)."""
     out: list[bytes] = []
     for k, (a, b) in enumerate(chunks):
         nbytes = activation_nbytes(cost, b - a)
@@ -220,7 +221,8 @@ async def run_stage(
         await sleep(cost.prefill_time(b, a) / stages)
         result = stage_transform(data, stage)
         if outbox is None:
-            out.append(result)
+            if keep_output:
+                out.append(result)
         else:
             await outbox.send(request_id, k, result, timeout_s)
     return out

@@ -60,6 +60,7 @@ from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
 from services.store.client import TransferError
@@ -122,6 +123,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.UNAVAILABLE, "prefill engine is down"
     if isinstance(exc, EngineError):
         return ErrorCode.INTERNAL, f"prefill failed: {exc}"
+    if isinstance(exc, PipelineError):
+        return ErrorCode.UNAVAILABLE, f"cpp pipeline failed: {exc.message}"
     if isinstance(exc, ReserveError):
         return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
     if isinstance(exc, TransferError | TimeoutError | ConnectionError):
@@ -182,9 +185,15 @@ class PrefillWorker(WorkerBase):
         self._finishing: set[asyncio.Task] = set()  # their supervisors (settle when done)
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
         self._runner: asyncio.Task | None = None
+        # The stages of chunked pipelines this instance is a member of (any anchor's).
+        self.stages = StageServer(nc, instance, self._model, self.clock, self.counters)
+
+    def _model(self) -> CostModel:
+        return self.calibrator.model() if self.calibrator is not None else self.cost
 
     # -- lifecycle --
     async def start(self) -> None:
+        await self.stages.start()
         await self._subs.serve(
             subjects.prefill_tasks(self.instance),
             PrefillTask,
@@ -225,6 +234,7 @@ class PrefillWorker(WorkerBase):
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
         await self._close_common()
+        await self.stages.close()
         await self.reserver.close()
         await self._subs.close()
 
@@ -446,11 +456,30 @@ class PrefillWorker(WorkerBase):
             on_layer=on_layer,
         )
         try:
+            if task.cpp_stages:
+                # The group computes it as a pipeline; the engine then only writes the
+                # KV here, unpaced (and the compute is no sample of this instance's).
+                with tracer().start_as_current_span(
+                    "prefill.cpp_pipeline", attributes={"stages": len(task.cpp_stages)}
+                ):
+                    await run_pipeline(
+                        self.nc,
+                        req.request_id,
+                        list(task.cpp_stages),
+                        n,
+                        p,
+                        task.cpp_chunk_tokens,
+                        expected_s=self._model().prefill_time(n, p),
+                    )
+                job.paced = False
             with tracer().start_as_current_span(
                 "prefill.compute",
                 attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
-                done.first, learn = await self._compute(job, n, p)
+                if task.cpp_stages:
+                    done.first, learn = await self.engine.prefill(job), None
+                else:
+                    done.first, learn = await self._compute(job, n, p)
             done.first_ts = self.unix.now()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
@@ -550,6 +579,8 @@ class PrefillWorker(WorkerBase):
             raise BadTask(f"placed for node {task.prefill_node}, this instance is on {self.node}")
         if req.block_size not in (0, bs):
             raise BadTask(f"request block size {req.block_size}, instance uses {bs}")
+        if task.cpp_stages and (self.instance not in task.cpp_stages or task.cpp_chunk_tokens < 1):
+            raise BadTask(f"pipeline {task.cpp_stages} (chunks of {task.cpp_chunk_tokens})")
 
     def _check_reservation(self, task: PrefillTask, res: Reservation) -> None:
         n, bs = len(task.request.prompt_token_ids), self.layout.block_size

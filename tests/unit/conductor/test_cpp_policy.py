@@ -306,3 +306,32 @@ def test_on_a_tie_a_short_request_keeps_off_a_pipeline():
     # and a release drops the pipeline too
     pol.release("r1")
     assert not pol.in_pipeline("p0") and pol.queue_s("p0") == 0.0
+
+
+def test_a_pipelines_ttft_feedback_is_its_groups_not_its_anchors():
+    from services.conductor.policy import TtftFeedback
+
+    pol, clock = make_policy(feedback=TtftFeedback())
+    d = placed(pol.place(req(8), {}))
+    assert d.cpp_stages == ("p0", "p1") and d.est_ttft_s == 7.0
+    clock.advance(14.0)
+    pol.prefill_done("r1")  # observed 14 s for 7 predicted
+    fb = pol.feedback
+    assert fb is not None and fb.factors == {"cpp:p0+p1": 2.0}
+    for i in range(2):
+        pol.observe_prefill(pload(f"p{i}", f"n{i}", 0.0, ts=14.0))
+    pol.observe_decode(
+        DecodeLoad(
+            instance="d0",
+            node="m0",
+            batch_size=0,
+            waiting=0,
+            max_batch=8,
+            kv_tokens=0,
+            step_time_s=0.0,
+            ts=14.0,
+        )
+    )
+    # the group now predicts 14 s and loses to p0 alone (8 s, its own factor still 1)
+    d = placed(pol.place(req(8, rid="r2"), {}))
+    assert d.cpp_stages == () and d.prefill_instance == "p0" and d.est_ttft_s == 8.0
