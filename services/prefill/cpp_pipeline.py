@@ -17,7 +17,12 @@ drives the pipeline (:func:`run_pipeline`) in place of its engine's paced comput
                                      and the first token streams, as for one instance
 
 Every member serves its stages with a :class:`StageServer` beside its queue (its own
-TransferEngine over TCP for the activations); the anchor's own stage is one of them.
+TransferEngine over TCP for the activations); the anchor's own stage is one of them. A
+member computes one thing at a time (its worker's ``compute_lock``, fair): a chunk of
+a stage, or a request of its own queue, so a request placed on a member while its
+stage runs is computed between two chunks, as the simulator and the policy assume
+(services.conductor.cpp). Its load report does not show the stage's chunks; the
+conductor counts the stages still to run on a member for what is not that short.
 
 Failure is explicit, never a hang: a stage that is not serving answers no one (NATS
 "no responders": at once), a stage killed while running fails its upstream's write
@@ -79,6 +84,7 @@ class StageServer:
         cost: Callable[[], CostModel],
         clock: Clock,
         counters: dict[str, int],
+        compute: asyncio.Lock,
         slots: int = 2,
         host: str = "127.0.0.1",
     ) -> None:
@@ -91,6 +97,7 @@ class StageServer:
         # The worker's (its stats reply): cpp_stages_run and cpp_stages_failed, once
         # there is one.
         self.counters = counters
+        self.compute = compute  # the instance's one compute at a time (its worker's)
 
     async def start(self) -> None:
         for op, typ, handler in (
@@ -175,8 +182,9 @@ class StageServer:
 
         async def pace(seconds: float) -> None:  # by deadline: the bookkeeping is inside it
             nonlocal deadline
-            deadline = max(deadline, self.clock.now()) + seconds
-            await asyncio.sleep(max(0.0, deadline - self.clock.now()))
+            async with self.compute:  # one chunk; the instance's own requests between
+                deadline = max(deadline, self.clock.now()) + seconds
+                await asyncio.sleep(max(0.0, deadline - self.clock.now()))
 
         chunks = chunk_bounds(o.num_tokens, o.prefix_tokens, o.chunk_tokens)
         try:

@@ -60,6 +60,9 @@ from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.prefill.cpp_pipeline import (
+    DEFAULT_TIMEOUT_S as DEFAULT_STAGE_TIMEOUT_S,
+)
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
@@ -185,8 +188,13 @@ class PrefillWorker(WorkerBase):
         self._finishing: set[asyncio.Task] = set()  # their supervisors (settle when done)
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
         self._runner: asyncio.Task | None = None
-        # The stages of chunked pipelines this instance is a member of (any anchor's).
-        self.stages = StageServer(nc, instance, self._model, self.clock, self.counters)
+        # One compute at a time on this instance: a request's prefill or one chunk of a
+        # pipeline stage it is a member of (any anchor's), in the order they ask (the
+        # lock is fair), so a request placed here meanwhile runs between two chunks.
+        self.compute_lock = asyncio.Lock()
+        self.stages = StageServer(
+            nc, instance, self._model, self.clock, self.counters, self.compute_lock
+        )
 
     def _model(self) -> CostModel:
         return self.calibrator.model() if self.calibrator is not None else self.cost
@@ -470,16 +478,19 @@ class PrefillWorker(WorkerBase):
                         p,
                         task.cpp_chunk_tokens,
                         expected_s=self._model().prefill_time(n, p),
+                        # a stage may wait for its member's queue first: the estimate
+                        timeout_s=DEFAULT_STAGE_TIMEOUT_S + task.est_ttft_s,
                     )
                 job.paced = False
             with tracer().start_as_current_span(
                 "prefill.compute",
                 attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
-                if task.cpp_stages:
-                    done.first, learn = await self.engine.prefill(job), None
-                else:
-                    done.first, learn = await self._compute(job, n, p)
+                async with self.compute_lock:
+                    if task.cpp_stages:
+                        done.first, learn = await self.engine.prefill(job), None
+                    else:
+                        done.first, learn = await self._compute(job, n, p)
             done.first_ts = self.unix.now()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
