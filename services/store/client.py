@@ -5,6 +5,7 @@ Lifecycle::
     client = await StoreClient.connect(nc, node)   # waits for the store's "info",
                                                     # attaches the arena, opens a DEALER
     client.slot(i)                                  # read/write slot i in place
+    await client.lease(src, dst, blocks)                 # optional: OPEN ahead of the ships
     await client.ship_layer(src, dst, layer, blocks, layer_bytes, layer_offset)
     await client.pull(dst, remote)
     await client.close()
@@ -98,7 +99,11 @@ class StoreClient:
     ) -> None:
         """Send bytes ``[layer_offset, layer_offset + layer_bytes)`` of ``src.slots[b]``
         (this node) into the same span of ``dst.slots[b]`` on ``dst.node``'s store, for
-        each block index ``b`` in ``blocks``; returns once that store acked."""
+        each block index ``b`` in ``blocks``; returns once that store acked.
+
+        Ships of the same blocks share one write grant on the far store; the span that
+        reaches the end of the slot (the last layer: slots are layer-major) ends it, and
+        its return says the far store accepted every byte shipped under the grant."""
         await self._check_local(src)
         if dst.block_bytes != self._info.block_bytes:
             raise TransferError(
@@ -123,8 +128,27 @@ class StoreClient:
             length=layer_bytes,
             layer=layer,
             trace=inject(),
+            last=layer_offset + layer_bytes >= self._info.block_bytes,
         )
         await self._request(header, len(blocks) * layer_bytes)
+
+    async def lease(self, src: TxHandle, dst: TxHandle, blocks: list[int]) -> None:
+        """Have the store open, ahead of the ships, the grant that :meth:`ship_layer` of
+        ``blocks`` into ``dst`` will use (a prefill worker calls it as the compute starts,
+        so that round trip overlaps the compute); returns once granted. Optional: the
+        first ship opens the grant itself."""
+        await self._check_local(src)
+        if not blocks:
+            return
+        header = wire.Lease(
+            id=next_id(),
+            dst_addr=dst.data_addr,
+            dst_tx=dst.tx_id,
+            dst_epoch=dst.epoch,
+            dst_slots=_pick(dst, blocks, "dst"),
+            trace=inject(),
+        )
+        await self._request(header, 0)
 
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None:
         """Copy request blocks ``remote.first_block .. + remote.num_blocks`` from the

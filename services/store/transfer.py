@@ -10,11 +10,16 @@ Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames)
       CLOSE (from a peer store): the grant ends: OK when its slots stayed live, else
             ERR ``fenced`` (the transaction was aborted or expired meanwhile: the bytes
             are discarded, the slots are reused only now that nothing moves into them).
-      SHIP / PULL (from a local worker): run as their own task:
-            SHIP  hold our source slots (a read grant on our fence), OPEN a write grant
-                  on the peer, WRITE the spans into its arena, CLOSE; OK once the bytes
-                  are in (over TCP the peer's receiver acked each write after checking
-                  its slots were live); the CLOSE goes out without being waited for.
+      SHIP / PULL / LEASE (from a local worker): run as their own task:
+            SHIP  hold our source slots (a read grant on our fence), take the lease on
+                  the peer's destination slots (a write grant OPENed once per
+                  destination transaction and reused by its ships, see ``_Lease``),
+                  WRITE the spans into its arena; OK once the bytes are in: over TCP
+                  the peer's receiver acked each write after checking its slots were
+                  live. The ``last`` ship CLOSEs the lease; over shared memory or RDMA
+                  (no receiver checks a write) its OK waits for the CLOSE verdict, so
+                  the request's last OK says the peer accepted every byte of the lease.
+            LEASE OPEN the lease ahead of the ships (OK once granted).
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
             A ship or pull whose other end is this very store is a local memcpy.
@@ -59,6 +64,27 @@ SECONDS_PER_BYTE = 1 / 50e6
 # A shared-memory copy up to this size runs on the event loop (a few ms at most); a
 # bigger one on a transfer thread, so the store keeps answering meanwhile.
 SHM_ON_LOOP_MAX = 64 << 20
+# A lease no ship used for this long is closed (its request stopped between ships).
+LEASE_IDLE_S = 1.0
+
+
+@dataclass
+class _Lease:
+    """A write grant a peer gave us on slots of one of its transactions, reused by every
+    ship into those slots until the ``last`` one (a request's layer ships: one OPEN and
+    one CLOSE instead of one each per ship). Ships through it take turns (``lock``).
+    The peer revokes it when the transaction ends: over TCP its receiver then refuses
+    the next write; over shared memory the bytes land in slots the peer keeps parked
+    until our CLOSE, whose verdict is ``fenced``."""
+
+    key: tuple[str, str, int, tuple[int, ...]]  # peer, tx, epoch, slots
+    opened: wire.Open
+    granted: "asyncio.Task[wire.Granted]"
+    lock: asyncio.Lock
+    latest: float = 0.0  # monotonic: no copy starts after this (the peer's ttl runs out)
+    used: float = 0.0  # monotonic: last ship through it
+    moved: int = 0  # bytes written under it
+    closed: bool = False
 
 
 @dataclass
@@ -153,6 +179,9 @@ class DataPlane:
         self.segments = {name: e.segment for name, e in self.engines.items()}
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-xfer")
         self._served: dict[int, _Served] = {}
+        self._leases: dict[tuple[str, str, int, tuple[int, ...]], _Lease] = {}
+        # A peer's commit waits up to peer_timeout_s for open grants: close ours well before.
+        self.lease_idle_s = min(LEASE_IDLE_S, peer_timeout_s / 4)
         self._by_tx: dict[str, set[int]] = {}
         self._settle: dict[str, asyncio.Event] = {}
         self._visible: dict[str, bool] = {}
@@ -227,8 +256,14 @@ class DataPlane:
                     else:
                         out, data = self.objects.get(header)
                     await self._reply(ident, out, data)
-                elif kind in (wire.Kind.SHIP, wire.Kind.PULL):
-                    op = self.ship if kind == wire.Kind.SHIP else self.pull
+                elif kind in (wire.Kind.SHIP, wire.Kind.PULL, wire.Kind.LEASE):
+                    op = (
+                        self.ship
+                        if kind == wire.Kind.SHIP
+                        else self.pull
+                        if kind == wire.Kind.PULL
+                        else self.lease
+                    )
                     self._spawn(self._serve_op(ident, op, header))
                 else:
                     raise wire.WireError(f"{kind.name} is a reply, not a request", req_id=header.id)
@@ -247,7 +282,13 @@ class DataPlane:
         await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
 
     async def _serve_op(self, ident: bytes, op: Callable, header: Any) -> None:
-        name = "store.ship" if isinstance(header, wire.Ship) else "store.pull"
+        name = (
+            "store.ship"
+            if isinstance(header, wire.Ship)
+            else "store.pull"
+            if isinstance(header, wire.Pull)
+            else "store.lease"
+        )
         try:
             with tracer().start_as_current_span(
                 name, context=extract(header.trace), kind=trace.SpanKind.SERVER
@@ -332,17 +373,19 @@ class DataPlane:
                 code="fenced",
                 req_id=h.id,
             )
+        # A lease's CLOSE says how many bytes its ships moved (several spans, or none).
+        nbytes = h.nbytes if h.ok else 0
         if h.ok:
             n = len(s.grant.slots)
             if s.grant.write:
                 self.counters["writes_in"] += 1
                 self.counters["blocks_written_remote"] += n
-                self.counters["bytes_in"] += s.nbytes
+                self.counters["bytes_in"] += nbytes
             else:
                 self.counters["reads_in"] += 1
                 self.counters["blocks_read_remote"] += n
-                self.counters["bytes_out"] += s.nbytes
-        return wire.Ok(id=h.id, nbytes=s.nbytes if h.ok else 0)
+                self.counters["bytes_out"] += nbytes
+        return wire.Ok(id=h.id, nbytes=nbytes)
 
     def open_grants(self, tx: str) -> int:
         """Grants peers hold on ``tx``'s slots."""
@@ -394,6 +437,7 @@ class DataPlane:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
             self.expire_grants()
+            self.retire_leases()
 
     # ---------------------------------------------------------------- worker -> store
 
@@ -410,29 +454,149 @@ class DataPlane:
             self.counters["local_copies"] += 1
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * h.length
-        opened = wire.Open(
-            id=next_id(),
-            tx=h.dst_tx,
-            epoch=h.dst_epoch,
-            slots=h.dst_slots,
-            offset=h.offset,
-            length=h.length,
-            write=True,
-            pid=os.getpid(),
-            origin=self.segments.get("shm", ""),
-            trace=inject(),
-        )
         runs = pieces(h.src_slots, h.dst_slots, h.offset, h.length, self.arena.block_bytes)
-        await self._move(
-            h.dst_addr,
-            opened,
-            self.fence.open(h.src_slots, write=False),
-            Opcode.WRITE,
-            [(s, d, n) for s, d, n in runs],
-            nbytes,
-        )
+        while True:
+            lease = self._lease(h.dst_addr, h.dst_tx, h.dst_epoch, h.dst_slots)
+            await lease.lock.acquire()
+            if not lease.closed:
+                break
+            lease.lock.release()  # a ship ahead of us ended it: take a new one
+        mine = self.fence.open(h.src_slots, write=False)
+        try:
+            try:
+                granted = await self._granted(lease)
+            except BaseException:
+                self.fence.close(mine)
+                raise
+            name, err, mine_ok = await self._transfer(
+                granted, mine, Opcode.WRITE, runs, nbytes, lease.latest
+            )
+            ok = err is None and mine_ok is True
+            lease.used = time.monotonic()
+            if ok:
+                lease.moved += nbytes
+            if not ok or h.last:
+                # Over TCP the peer's receiver checked each write as it landed: the
+                # verdict is in, the CLOSE need not be waited for. A copy into its
+                # memory (shm, RDMA) was checked by nobody: the CLOSE verdict is the OK.
+                await self._end_lease(lease, ok, wait=not ok or name != "tcp")
+        finally:
+            lease.lock.release()
+        self._raise(Opcode.WRITE, granted, err, mine_ok, lease.opened.id)
+        self.counters[f"{name}_bytes"] += nbytes
         self.counters["bytes_out"] += nbytes
         return wire.Ok(id=h.id, nbytes=nbytes)
+
+    async def lease(self, h: wire.Lease) -> wire.Ok:
+        """Open the lease that ships into ``h.dst_slots`` will use (see ``_Lease``)."""
+        if h.dst_addr != self.data_addr:  # a ship within this store needs no grant
+            await self._granted(self._lease(h.dst_addr, h.dst_tx, h.dst_epoch, h.dst_slots))
+        return wire.Ok(id=h.id)
+
+    def _lease(self, peer: str, tx: str, epoch: int, slots: list[int]) -> _Lease:
+        """The lease on ``slots`` of ``tx`` at ``peer``: the open one while its grant has
+        time left, else a new one (its OPEN goes out now)."""
+        key = (peer, tx, epoch, tuple(slots))
+        lease = self._leases.get(key)
+        if lease is not None and lease.granted.done() and time.monotonic() > lease.latest:
+            self._retire(lease)  # the peer may expire it: start over
+            lease = None
+        if lease is None:
+            whole = self.arena.block_bytes
+            opened = wire.Open(
+                id=next_id(),
+                tx=tx,
+                epoch=epoch,
+                slots=list(slots),
+                offset=0,
+                length=whole,
+                write=True,
+                pid=os.getpid(),
+                origin=self.segments.get("shm", ""),
+                trace=inject(),
+            )
+            task = asyncio.get_running_loop().create_task(self._open(peer, opened))
+            lease = _Lease(key, opened, task, asyncio.Lock(), used=time.monotonic())
+            self._leases[key] = lease
+        return lease
+
+    async def _open(self, peer: str, opened: wire.Open) -> wire.Granted:
+        timeout = self._deadline(len(opened.slots) * opened.length)
+        _, granted, _ = await self.peers.request(peer, opened, timeout=timeout)
+        return granted
+
+    async def _granted(self, lease: _Lease) -> wire.Granted:
+        """The lease's grant (waiting for its OPEN); a refused OPEN drops the lease."""
+        try:
+            granted = await asyncio.shield(lease.granted)
+        except BaseException:
+            if lease.granted.done() and self._leases.get(lease.key) is lease:
+                del self._leases[lease.key]
+                lease.closed = True
+            raise
+        if not lease.latest:
+            # Copies into a same-host peer's memory must not start once its grant may
+            # have expired: the peer gives us ttl_s from when it got our OPEN.
+            lease.latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
+        return granted
+
+    async def _end_lease(self, lease: _Lease, ok: bool, wait: bool) -> None:
+        """CLOSE the lease (its ``moved`` bytes, or failed); with ``wait``, an ERR verdict
+        (``fenced``: the transaction lost its slots meanwhile) raises."""
+        if lease.closed:
+            return
+        lease.closed = True
+        if self._leases.get(lease.key) is lease:
+            del self._leases[lease.key]
+        if not lease.granted.done() or lease.granted.cancelled():
+            return
+        if lease.granted.exception() is not None:
+            return  # never granted: nothing to close
+        peer = lease.key[0]
+        close = wire.Close(
+            id=next_id(),
+            grant=lease.granted.result().grant,
+            ok=ok,
+            nbytes=lease.moved if ok else 0,
+        )
+        timeout = self._deadline(lease.moved)
+        if not wait:
+            self._spawn(self._close_later(peer, close, timeout))
+            return
+        try:
+            await self.peers.request(peer, close, timeout=timeout)
+        except ChannelError as e:
+            if not ok:
+                return  # the ship failed already; the grant expires over there
+            if e.code == "fenced":
+                raise wire.WireError(
+                    f"the peer discarded the bytes: {e.message}", code="fenced", req_id=close.id
+                ) from None
+            raise
+
+    def _retire(self, lease: _Lease) -> None:
+        """Close a lease no ship will finish (idle, or out of time) once it is free."""
+        if self._leases.get(lease.key) is lease:
+            del self._leases[lease.key]
+
+        async def close() -> None:
+            async with lease.lock:
+                await self._end_lease(lease, ok=lease.moved > 0, wait=False)
+
+        self._spawn(close())
+
+    def retire_leases(self, now: float | None = None) -> int:
+        """Close leases idle for ``lease_idle_s`` (their request stopped between ships:
+        the peer's commit must not wait on them) or past their grant's time; how many."""
+        now = time.monotonic() if now is None else now
+        n = 0
+        for lease in list(self._leases.values()):
+            if lease.lock.locked() or not lease.granted.done():
+                continue
+            if now - lease.used >= self.lease_idle_s or (lease.latest and now > lease.latest):
+                self._retire(lease)
+                n += 1
+        return n
 
     async def pull(self, h: wire.Pull) -> wire.Ok:
         """The peer's whole slots -> ours (see module doc)."""
@@ -481,16 +645,39 @@ class DataPlane:
         runs: list[tuple[int, int, int]],
         nbytes: int,
     ) -> None:
-        """OPEN on ``peer``, move ``runs`` (local byte, remote byte, n), CLOSE. ``mine``
-        holds our side's slots until no byte of the batch moves any more."""
+        """OPEN on ``peer``, move ``runs`` (local byte, remote byte, n), CLOSE (waited
+        for). ``mine`` holds our side's slots until no byte of the batch moves any more."""
         timeout = self._deadline(nbytes)
         try:
             _, granted, _ = await self.peers.request(peer, opened, timeout=timeout)
         except BaseException:
             self.fence.close(mine)
             raise
-        err: tuple[str, str] | None = None
-        mine_ok: bool | None = None
+        latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
+        name, err, mine_ok = await self._transfer(granted, mine, opcode, runs, nbytes, latest)
+        ok = err is None and mine_ok is True
+        close = wire.Close(id=next_id(), grant=granted.grant, ok=ok, nbytes=nbytes if ok else 0)
+        try:
+            await self.peers.request(peer, close, timeout=timeout)
+        except ChannelError:
+            if ok:
+                raise
+        self._raise(opcode, granted, err, mine_ok, opened.id)
+        self.counters[f"{name}_bytes"] += nbytes
+
+    async def _transfer(
+        self,
+        granted: wire.Granted,
+        mine: Grant,
+        opcode: Opcode,
+        runs: list[tuple[int, int, int]],
+        nbytes: int,
+        latest: float,
+    ) -> tuple[str, tuple[str, str] | None, bool | None]:
+        """Move ``runs`` (local byte, remote byte, n) under ``granted``; closes ``mine``
+        once no byte moves any more. (transport, error, whether ``mine`` held)."""
+        timeout = self._deadline(nbytes)
+        name = "?"
         try:
             name = self._pick(granted)
             reqs = [
@@ -505,9 +692,6 @@ class DataPlane:
                 )
                 for local, remote, n in runs
             ]
-            # Copies into a same-host peer's memory must not start once its grant may
-            # have expired: the peer gives us ttl_s from when it got our OPEN.
-            latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
             args = (name, reqs, timeout, latest, lambda: self.fence.close(mine))
             if name == "shm" and nbytes <= SHM_ON_LOOP_MAX:
                 err, mine_ok = self._run(*args)  # one memcpy: cheaper than two thread hops
@@ -518,34 +702,29 @@ class DataPlane:
         except wire.WireError as e:
             err = (e.code, str(e))
             mine_ok = self.fence.close(mine)
-        ok = err is None and mine_ok is True
-        close = wire.Close(id=next_id(), grant=granted.grant, ok=ok, nbytes=nbytes if ok else 0)
-        if ok and opcode == Opcode.WRITE:
-            # Our bytes are in: over TCP the peer's receiver checked each write against its
-            # fence as it landed; over shm/RDMA the grant holds the slots (parked if the
-            # transaction ended meanwhile) until this close, whose verdict only the peer
-            # needs (a fenced grant is counted there, and its transaction is gone).
-            self._spawn(self._close_later(peer, close, timeout))
-        else:
-            try:
-                await self.peers.request(peer, close, timeout=timeout)
-            except ChannelError:
-                if ok:
-                    raise
+        return name, err, mine_ok
+
+    def _raise(
+        self,
+        opcode: Opcode,
+        granted: wire.Granted,
+        err: tuple[str, str] | None,
+        mine_ok: bool | None,
+        rid: int,
+    ) -> None:
         if err is not None:
             raise wire.WireError(
                 f"{opcode.name} via {self._via(granted)}: {err[1]}",
                 code=f"transfer_{err[0]}",
-                req_id=opened.id,
+                req_id=rid,
             )
         if not mine_ok:
             raise wire.WireError(
                 "our slots were freed while their bytes moved (transaction "
                 "aborted or expired): fenced",
                 code="fenced",
-                req_id=opened.id,
+                req_id=rid,
             )
-        self.counters[f"{name}_bytes"] += nbytes
 
     async def _close_later(self, peer: str, close: wire.Close, timeout: float) -> None:
         try:

@@ -7,8 +7,14 @@ across hosts, RDMA where a device exists).
 
 Worker -> its node's store (DEALER -> ROUTER):
     SHIP  send span [offset, offset+length) of my slots ``src_slots`` into the same span
-          of ``dst_slots`` on the store at ``dst_addr``; answered OK once that store
-          confirmed the bytes landed in live slots.
+          of ``dst_slots`` on the store at ``dst_addr``. The ships into one destination
+          transaction's slots share one write grant (a *lease*: one OPEN, one CLOSE);
+          ``last`` ends it. Answered OK once the bytes are in live slots: over TCP the
+          far receiver checked every write; over shared memory (or RDMA) the last
+          ship's OK waits for the CLOSE verdict, which covers every ship of the lease.
+    LEASE open the lease for ships into ``dst_slots`` of ``dst_tx`` ahead of them (a
+          prefill worker sends it when its transactions are reserved, so the OPEN
+          round trip overlaps the compute); answered OK once granted.
     PULL  fetch whole slots ``src_slots`` from the store at ``src_addr`` into my
           ``dst_slots``; answered OK once written.
 Store -> store:
@@ -42,6 +48,7 @@ class Kind(IntEnum):
     CLOSE = 4
     OBJ_PUT = 5
     OBJ_GET = 6
+    LEASE = 7
     OK = 16
     ERR = 17
     DATA = 18
@@ -73,6 +80,15 @@ class Ship(_Header):
     length: int
     layer: int = -1
     trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
+    last: bool = True  # the last ship into these slots: it closes their lease
+
+
+class Lease(_Header):
+    dst_addr: str
+    dst_tx: str
+    dst_epoch: int
+    dst_slots: list[int]
+    trace: dict[str, str] = {}
 
 
 class Pull(_Header):
@@ -127,6 +143,7 @@ HEADER_TYPES: dict[Kind, type[_Header]] = {
     Kind.PULL: Pull,
     Kind.OPEN: Open,
     Kind.CLOSE: Close,
+    Kind.LEASE: Lease,
     Kind.GRANTED: Granted,
     Kind.OK: Ok,
     Kind.DATA: Ok,
@@ -137,6 +154,7 @@ _KIND_OF: dict[type, Kind] = {
     Pull: Kind.PULL,
     Open: Kind.OPEN,
     Close: Kind.CLOSE,
+    Lease: Kind.LEASE,
     Granted: Kind.GRANTED,
     Ok: Kind.OK,
     Err: Kind.ERR,

@@ -12,6 +12,7 @@ never read, and the slots are reused only once nothing moves into them any more.
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 import zmq.asyncio
@@ -25,7 +26,7 @@ from services.store import wire
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
 from services.store.fence import ArenaGuard, SlotFence
-from services.store.transfer import DataPlane
+from services.store.transfer import LEASE_IDLE_S, DataPlane
 from services.store.transport import Region
 from services.store.transport.tcp import TcpReceiver
 from services.store.transport.tcp.frames import HELLO, REP, REQ, Status, recv_exact
@@ -324,8 +325,7 @@ def test_a_tcp_write_held_across_an_abort_is_refused_and_never_reaches_a_reader(
         rx.close()
 
 
-@pytest.fixture
-async def planes():
+async def _planes(transports):
     ctx = zmq.asyncio.Context()
     made = []
     for _ in range(2):
@@ -336,7 +336,7 @@ async def planes():
             pool,
             arena,
             epoch=1,
-            transports=("tcp",),
+            transports=transports,
             peer_timeout_s=5.0,
             clock=ManualClock().now,
         )
@@ -351,6 +351,20 @@ async def planes():
         arena.close()
         arena.unlink()
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+async def planes():
+    async for made in _planes(("tcp",)):
+        yield made
+
+
+@pytest.fixture(params=["tcp", "shm"])
+async def both_planes(request):
+    """(kind, planes): a TCP-only pair, then a pair that copies through shared memory."""
+    transports = ("tcp",) if request.param == "tcp" else ("shm", "tcp")
+    async for made in _planes(transports):
+        yield request.param, made
 
 
 async def test_a_ship_whose_destination_is_aborted_mid_receive_is_fenced(planes):
@@ -478,3 +492,96 @@ async def test_a_commit_waits_for_open_grants_and_an_unclosed_grant_expires(plan
             wire.Open(id=6, tx=dst.tx_id, epoch=2, slots=dst.slots, offset=0, length=16, write=True)
         )
     assert e.value.code == "epoch"
+
+
+# ---------------------------------------------------------------------- leases
+
+
+def _ship(a, b, src, dst, half: int, bb: int, last: bool) -> wire.Ship:
+    """Half ``half`` (0 or 1) of every slot, as a layer ship would send it."""
+    return wire.Ship(
+        id=10 + half,
+        src_tx=src.tx_id,
+        src_epoch=1,
+        src_slots=src.slots,
+        dst_addr=b.data_addr,
+        dst_tx=dst.tx_id,
+        dst_epoch=1,
+        dst_slots=dst.slots,
+        offset=half * bb // 2,
+        length=bb // 2,
+        last=last,
+    )
+
+
+def _fill(arena, slots, bb):
+    for i, s in enumerate(slots):
+        arena.slot(s)[:] = bytes([i + 1]) * bb
+
+
+async def test_the_ships_into_a_tx_share_one_grant_which_the_last_ship_closes(both_planes):
+    kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1, 2])
+    _fill(arena_a, src.slots, bb)
+    await a.lease(
+        wire.Lease(id=1, dst_addr=b.data_addr, dst_tx=dst.tx_id, dst_epoch=1, dst_slots=dst.slots)
+    )
+    assert b.counters["grants_served"] == 1 and b.open_grants(dst.tx_id) == 1
+    assert (await a.ship(_ship(a, b, src, dst, 0, bb, last=False))).nbytes == bb
+    # the grant stays open between the ships (a commit would wait for it)
+    assert b.counters["grants_served"] == 1 and b.open_grants(dst.tx_id) == 1
+    assert (await a.ship(_ship(a, b, src, dst, 1, bb, last=True))).nbytes == bb
+    assert b.counters["grants_served"] == 1  # one OPEN for both ships
+    if kind == "shm":  # no receiver checked the copies: the OK waited for the CLOSE verdict
+        assert b.open_grants(dst.tx_id) == 0
+    assert await b.settled(dst.tx_id, timeout=10)
+    for a_s, b_s in zip(src.slots, dst.slots, strict=True):
+        assert bytes(arena_b.slot(b_s)) == bytes(arena_a.slot(a_s))
+    assert b.counters["writes_in"] == 1 and b.counters["bytes_in"] == 2 * bb
+    assert a.counters[f"{kind}_bytes"] == 2 * bb
+    assert not a.fence.writing(src.slots) and not b.fence.writing(dst.slots)
+
+
+async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_planes):
+    kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1, 2])
+    _fill(arena_a, src.slots, bb)
+    await a.ship(_ship(a, b, src, dst, 0, bb, last=False))
+    assert b.open_grants(dst.tx_id) == 1
+    assert isinstance(result(pb.abort(dst.tx_id)), TxDone)  # between two ships
+    assert b.fence.parked == len(dst.slots)  # the lease holds them: no one else gets them
+    again = alloc(pb, "r2", [7, 8, 9])
+    assert not set(again.slots) & set(dst.slots)
+    with pytest.raises(wire.WireError) as e:
+        await a.ship(_ship(a, b, src, dst, 1, bb, last=True))
+    # TCP: the receiver refuses the write into revoked slots; shm: the bytes were copied
+    # into the parked slots and the CLOSE verdict discards them
+    assert e.value.code == ("transfer_refused" if kind == "tcp" else "fenced")
+    assert ("not in slots granted" if kind == "tcp" else "discarded") in str(e.value)
+    # the failed ship closed the lease: the slots are free again, nothing is counted in
+    assert b.open_grants(dst.tx_id) == 0 and b.fence.parked == 0
+    assert b.counters["writes_in"] == 0 and b.counters["grants_fenced"] == 1
+    assert not a.fence.writing(src.slots) and a._leases == {}
+    # a ship into a new transaction opens a new grant
+    fresh = alloc(pb, "r3", [4, 5])
+    assert (await a.ship(_ship(a, b, src, fresh, 0, bb, last=True))).nbytes == bb
+    assert b.counters["grants_served"] == 2
+
+
+async def test_an_idle_lease_is_closed_so_a_commit_does_not_wait_on_it(planes):
+    (a, pa, arena_a), (b, pb, arena_b) = planes
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1])
+    await a.ship(_ship(a, b, src, dst, 0, bb, last=False))
+    now = time.monotonic()
+    assert a.retire_leases(now=now) == 0  # just used
+    assert b.open_grants(dst.tx_id) == 1
+    assert a.retire_leases(now=now + LEASE_IDLE_S + 1) == 1  # its request stopped shipping
+    assert await b.settled(dst.tx_id, timeout=10)
+    assert a._leases == {} and not b.fence.writing(dst.slots)
+    assert isinstance(result(pb.commit(dst.tx_id)), TxDone)

@@ -158,6 +158,10 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     for i, s in enumerate(dst.slots):
         assert bytes(b.slot(s)[: 2 * LAYER]) == data[i][: 2 * LAYER]
         assert bytes(b.slot(s)[2 * LAYER :]) == bytes(2 * LAYER)  # layers 2, 3 not shipped
+    # layers 2 and 3 in one span: it reaches the slots' end, so it closes their grant
+    await a.ship_layer(src, dst, 2, blocks, 2 * LAYER, 2 * LAYER)
+    for i, s in enumerate(dst.slots):
+        assert bytes(b.slot(s)) == data[i]
 
     assert await commit(nc, "sa", src) == TxDone(tx_id=src.tx_id, stored_blocks=3)
     batch = decode((await events.next_msg(timeout=5)).data, EventBatch)
@@ -165,14 +169,16 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     assert batch.events == [BlockStored(block_hashes=hashes)]
     page = await request(nc, subjects.store_ctl("sa", "dump"), DumpRequest(), DumpPage)
     assert (page.block_hashes, page.seq, page.next_cursor) == (hashes, 1, None)
-    # the destination's commit waits for the ships' grants to close (their CLOSE is not
-    # waited for by the sender), so its counters are final once it answered
+    # every ship went under one grant (one OPEN); over shared memory the last ship's OK
+    # waited for its CLOSE, so the commit finds nothing open and the counters are final
     assert await commit(nc, "sb", dst) == TxDone(tx_id=dst.tx_id, stored_blocks=3)
     stats = await request(nc, subjects.worker_stats("store", "sb"), {}, WorkerStats)
     assert stats.role == "store"
-    assert stats.counters["blocks_written_remote"] == 8  # 2 layers x 4 blocks
+    assert stats.counters["grants_served"] == 1
+    assert stats.counters["blocks_written_remote"] == 4  # one grant on 4 blocks
+    assert stats.counters["bytes_in"] == 4 * BB  # 4 layers x 4 blocks
     sent = await request(nc, subjects.worker_stats("store", "sa"), {}, WorkerStats)
-    assert sent.counters["shm_bytes"] >= 8 * LAYER  # same host: through shared memory
+    assert sent.counters["shm_bytes"] == 4 * BB  # same host: through shared memory
     await events.unsubscribe()
 
 
