@@ -88,6 +88,7 @@ class PrefillStore(Protocol):
         layer_bytes: int,
         layer_offset: int,
     ) -> None: ...
+    async def lease(self, src: TxHandle, dst: TxHandle, blocks: list[int]) -> None: ...
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None: ...
 
 
@@ -99,6 +100,7 @@ class _Computed:
     first_ts: float
     ships: list[asyncio.Task]
     ship_span: Any = None  # prefill.ship, opened with the first layer to ship
+    lease: "asyncio.Task[None] | None" = None  # the ships' write grant, opened as compute starts
 
     async def stop(self) -> None:
         """Cancel what is still on the wire (nothing, once every ship is acked) and
@@ -116,6 +118,11 @@ class _Meta:
     ctx: Any  # trace context of the consumer span that received the task
     enqueued_ns: int
     reservation: Reservation | None = None  # once the compute has started
+
+
+def _ignore_result(task: "asyncio.Task[None]") -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def classify(exc: BaseException) -> tuple[ErrorCode, str]:
@@ -413,6 +420,14 @@ class PrefillWorker(WorkerBase):
         blocks = [b for b in range(len(slots)) if b >= res.decode_tx.hit_blocks]
         ships: list[asyncio.Task] = []
         done = _Computed(first=0, first_ts=0.0, ships=ships)
+        if blocks:
+            # The store opens the decode node's write grant for these ships while the
+            # layers compute, instead of on the first ship. Only a head start: should it
+            # fail, the first ship opens it again and reports why.
+            done.lease = asyncio.create_task(
+                self.store.lease(res.prefill_tx, res.decode_tx, blocks)
+            )
+            done.lease.add_done_callback(_ignore_result)
         ready: list[int] = []  # computed layers not yet handed to the store
 
         async def pump() -> None:

@@ -54,6 +54,7 @@ class FakeStore:
         self.ships: list[tuple[int, tuple[int, ...]]] = []  # (first layer, blocks) per ship
         self.spans: list[tuple[int, int, tuple[int, ...]]] = []  # (offset, bytes, blocks)
         self.pulls: list[RemotePrefix] = []
+        self.leases: list[tuple[str, tuple[int, ...]]] = []  # (decode tx, blocks)
         self.gate: asyncio.Event | None = None  # set: ships wait until it is set
         self.at_gate = 0  # ships waiting on the gate right now
         net[node] = self
@@ -96,6 +97,10 @@ class FakeStore:
             peer.slot(dst.slots[b])[span] = self.slot(src.slots[b])[span]
         self.ships.append((layer, tuple(blocks)))
         self.spans.append((layer_offset, layer_bytes, tuple(blocks)))
+
+    async def lease(self, src: TxHandle, dst: TxHandle, blocks: list[int]) -> None:
+        assert src.node == self.node
+        self.leases.append((dst.tx_id, tuple(blocks)))
 
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None:
         assert dst.node == self.node

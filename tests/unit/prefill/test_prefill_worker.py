@@ -40,7 +40,9 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     assert dt.prefill_tx_id == rig.res(t).prefill_tx.tx_id
     assert dt.first_token == ref[0] and dt.cached_tokens == 32 and dt.prefill_done_ts > 0
 
-    # every layer shipped, blocks the decode node already had skipped
+    # every layer shipped, blocks the decode node already had skipped, under one grant
+    # whose opening the worker asked for as the compute started
+    assert rig.p.leases == [(rig.res(t).decode_tx.tx_id, (1, 2, 3))]
     assert shipped_layers(rig.p, rig.layout.layer_bytes) == [
         (layer, (1, 2, 3)) for layer in range(rig.spec.num_layers)
     ]
@@ -127,7 +129,7 @@ async def test_full_hit_on_both_nodes_ships_nothing(rig):
     t = rig.task(prompt, p_hit=2, d_hit=2, max_tokens=2)
     events = await until_terminal(await rig.submit(t))
     assert tokens_of(events) == rig.reference(prompt, 2)
-    assert rig.p.ships == []
+    assert rig.p.ships == [] and rig.p.leases == []
 
 
 async def test_corrupt_prefix_fails_the_request_with_kv_mismatch(rig):
