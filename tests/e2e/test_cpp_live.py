@@ -9,7 +9,8 @@ transfer engine; the anchor's store ships the KV to the decode node's store (the
 decode engine verifies every position of it) and the first token streams through the
 gateway. A short prompt stays on one instance, as the simulator orders it. A stage
 SIGKILLed while its pipeline runs fails the request with an explicit error, never a
-hang, and the stack serves on. No timing is asserted: the orders compared are the
+hang, and the stack serves on; the anchor SIGKILLed is a prefill worker's death, and
+the gateway's migration re-places the request, which completes on the survivor. No timing is asserted: the orders compared are the
 placements' (which the cost model's estimates decide), not measured TTFTs.
 """
 
@@ -148,5 +149,34 @@ async def test_a_stage_killed_mid_pipeline_fails_the_request_explicitly(fresh_cp
                     assert "cpp pipeline failed" in json.dumps(r.error), r.error
 
             await asyncio.wait_for(served(), 60)
+    finally:
+        await nc.close()
+
+
+async def test_the_anchor_killed_mid_pipeline_is_migrated_and_completes(fresh_cpp_stack):
+    """The anchor holds the request: its death is a prefill worker's death, which the
+    gateway migrates (--migration-limit); the conductor re-places the request on the
+    survivor alone (the group has lost a member) and it completes there."""
+    s = fresh_cpp_stack
+    nc = await nats.connect(s.nats_url)
+    running = asyncio.Event()
+
+    async def on_run(m) -> None:
+        running.set()
+
+    await nc.subscribe(subjects.cpp_stage("prefill-0", "run"), cb=on_run)
+    await nc.flush()
+    try:
+        async with aiohttp.ClientSession() as http:
+            before = await worker_stats(s.nats_url, "prefill", "prefill-1")
+            req = asyncio.ensure_future(stream(http, s.url, body(prompt(LONG, 5))))
+            await asyncio.wait_for(running.wait(), 60)
+            s.kill("prefill-0")
+            r = await asyncio.wait_for(req, 120)
+            assert r.done and r.error is None, r.error
+            assert r.usage["prompt_tokens"] == LONG and r.usage["completion_tokens"] == 4
+            after = await worker_stats(s.nats_url, "prefill", "prefill-1")
+            # prefill-1 computed it alone after the migration
+            assert after["tasks_done"] == before.get("tasks_done", 0) + 1, after
     finally:
         await nc.close()
