@@ -19,9 +19,13 @@ import time
 from pathlib import Path
 
 import aiohttp
+import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bus_schemas import subjects  # noqa: E402
+from bus_schemas.codec import decode  # noqa: E402
+from bus_schemas.load import WorkerStats  # noqa: E402
 from perigee.natsd import free_port  # noqa: E402
 from perigee.stack import Stack, StackConfig  # noqa: E402
 from services.common.cost_model import CostModel  # noqa: E402
@@ -42,6 +46,19 @@ async def ttft(url: str, ids: list[int]) -> tuple[float, bool]:
             if line == "data: [DONE]":
                 return first if first is not None else -1.0, True
     return -1.0, False
+
+
+async def pipelined(nats_url: str, prefill: int) -> int:
+    """Stages run so far over the prefill instances (a pipeline of X counts X)."""
+    nc = await nats.connect(nats_url)
+    try:
+        n = 0
+        for i in range(prefill):
+            m = await nc.request(subjects.worker_stats("prefill", f"prefill-{i}"), b"{}", 5)
+            n += decode(m.data, WorkerStats).counters.get("cpp_stages_run", 0)
+        return n
+    finally:
+        await nc.close()
 
 
 def main() -> int:
@@ -73,14 +90,21 @@ def main() -> int:
                 cpp_min_tokens=a.chunk + 1,
             )
             with Stack(cfg).start() as s:
-                got = []
+                got, stages = [], 0
                 for _ in range(a.runs):
                     ids = [rng.randrange(3, 1000) for _ in range(a.tokens)]
-                    got.append(asyncio.run(ttft(s.url, ids)))
-        ok = [t for t, done in got if done and t >= 0]
-        out["groups"][str(x)] = {"est_ttft_s": est, "ttft_s": ok, "failed": len(got) - len(ok)}
-        mean = sum(ok) / len(ok) if ok else float("nan")
-        print(f"X={x}: est {est:.3f} s, live TTFT {[round(t, 3) for t in ok]} (mean {mean:.3f})")
+                    t, done = asyncio.run(ttft(s.url, ids))
+                    now = asyncio.run(pipelined(s.nats_url, a.prefill))
+                    got.append((t, done, now > stages))
+                    stages = now
+        ok = [(round(t, 3), p) for t, done, p in got if done and t >= 0]
+        out["groups"][str(x)] = {
+            "est_ttft_s": est,
+            "ttft_s": [t for t, _ in ok],
+            "pipelined": [p for _, p in ok],
+            "failed": len(got) - len(ok),
+        }
+        print(f"X={x}: est {est:.3f} s, live TTFT (s, pipelined) {ok}, failed {len(got) - len(ok)}")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
