@@ -15,7 +15,10 @@ Lifecycle of a request on this instance:
                    that layer of every block >= decode_tx.hit_blocks into decode_tx's
                    slots, overlapping the later layers
                    the first token goes to the client as soon as it is computed
-                   (``stream_first_token``), while the last layers are still on the wire
+                   (``stream_first_token``), while the last layers are still on the wire;
+                   a request placed on a CPP group (``task.cpp_stages``) is computed by
+                   the group's stages first (services.prefill.cpp_pipeline), then the
+                   engine writes its KV here unpaced
       -> Handoff   every ship acked -> DecodeTask(first_token, decode_tx) on
                    decode_tasks(instance) and FirstTokenNotice to the conductor (it
                    commits the prefill and source transactions: the slots are free).
