@@ -31,7 +31,6 @@ Each figure is the median over ``--repeats`` rounds after a warm-up; gbps is GB/
 """
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -459,7 +458,9 @@ def main(argv: list[str]) -> int:
         "mooncake-transfer-engine-non-cuda in a separate venv and pass --mooncake-python"
     )
     block_bytes = BLOCK_TOKENS * args.token_bytes
-    runs, mc_runs, why, tokens_of, moved = asyncio.run(
+    from services.common import runner  # uvloop where installed, as a worker runs
+
+    runs, mc_runs, why, tokens_of, moved = runner.run(
         _run(tokens, max(1, args.repeats), block_bytes, max(1, args.streams), py, why)
     )
     rep = report(runs, mc_runs, why, tokens_of, max(1, args.repeats), block_bytes)

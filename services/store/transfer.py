@@ -176,6 +176,10 @@ class DataPlane:
         if "tcp" not in self.engines:
             raise TransportError("unavailable", "the TCP transport is needed across hosts")
         self.guard.region = self.regions["tcp"]
+        # TCP targets whose streams are connected (a transfer to them went through), and
+        # the size above which a submit only queues slices for the stream threads.
+        self._tcp_warm: set[str] = set()
+        self._tcp_inline_max = int(getattr(self.engines["tcp"].sender, "inline_max", 1 << 62))
         self.segments = {name: e.segment for name, e in self.engines.items()}
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-xfer")
         self._served: dict[int, _Served] = {}
@@ -693,12 +697,21 @@ class DataPlane:
                 for local, remote, n in runs
             ]
             args = (name, reqs, timeout, latest, lambda: self.fence.close(mine))
+            target = granted.segments[name]
             if name == "shm" and nbytes <= SHM_ON_LOOP_MAX:
                 err, mine_ok = self._run(*args)  # one memcpy: cheaper than two thread hops
+            elif name == "tcp" and target in self._tcp_warm and nbytes > self._tcp_inline_max:
+                # Submitting only queues the slices for the stream threads (connected
+                # already): no transfer thread between them and the loop.
+                err, mine_ok = await self._run_on_loop(*args)
+                if err is not None:
+                    self._tcp_warm.discard(target)
             else:
                 err, mine_ok = await asyncio.get_running_loop().run_in_executor(
                     self._threads, self._run, *args
                 )
+                if name == "tcp" and err is None:
+                    self._tcp_warm.add(target)
         except wire.WireError as e:
             err = (e.code, str(e))
             mine_ok = self.fence.close(mine)
@@ -774,6 +787,47 @@ class DataPlane:
             return None, result
         return (bad.code or "timeout", bad.error or f"did not end within {timeout:.1f}s"), result
 
+    async def _run_on_loop(
+        self,
+        name: str,
+        reqs: list[TransferRequest],
+        timeout: float,
+        latest: float,
+        after: Callable[[], bool],
+    ) -> tuple[tuple[str, str] | None, bool | None]:
+        """``_run`` from the event loop, for a batch whose submit does not block (TCP
+        requests above the sender's inline size: the stream threads send them)."""
+        engine = self.engines[name]
+        bid = engine.allocate_batch_id(max(1, len(reqs)))
+        try:
+            engine.submit_transfer(bid, reqs)
+        except (TransferApiError, TransportError) as e:
+            engine.free_batch_id(bid)
+            return (e.code, e.message), after()
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[None] = loop.create_future()
+        engine.on_batch_done(bid, lambda: loop.call_soon_threadsafe(_settle, ended))
+
+        def late(_f: object) -> None:  # no byte of the batch moves any more
+            engine.free_batch_id(bid)
+            after()
+
+        try:
+            await asyncio.wait_for(asyncio.shield(ended), timeout)
+        except TimeoutError:
+            ended.add_done_callback(late)
+            return ("timeout", f"did not end within {timeout:.1f}s"), None
+        except BaseException:  # cancelled: our slots stay held until the batch ends
+            ended.add_done_callback(late)
+            raise
+        statuses = engine.wait_batch_sync(bid, 0)
+        engine.free_batch_id(bid)
+        result = after()
+        bad = next((s for s in statuses if s.state != Poll.SUCCESS), None)
+        if bad is None:
+            return None, result
+        return (bad.code or "failed", bad.error or "transfer failed"), result
+
     def _pick(self, g: wire.Granted) -> str:
         for name in TRANSPORTS:
             seg = g.segments.get(name)
@@ -812,6 +866,11 @@ class DataPlane:
         for name, engine in self.engines.items():
             engine.unregister_local_memory(self.regions[name])
             engine.close()
+
+
+def _settle(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _alive(pid: int) -> bool:

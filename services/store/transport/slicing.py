@@ -4,6 +4,10 @@ Mooncake slices every request (16 KiB for RDMA) so that all NICs work on one big
 transfer together. Over TCP each slice costs a header and a Python hop, so slices
 are bigger: a transfer is split evenly over the paths, at least ``min_bytes`` and at
 most ``max_bytes`` a slice, and slices are dealt round robin starting at ``start``.
+A transfer above ``paths * max_bytes`` gives each path the same number of equal
+slices: capping the slice alone left a short extra slice on one path, which then
+carried more than the others and ended last (16.9 MiB over 4 paths of 4 MiB slices:
+4.9 MiB on one path instead of 4.2).
 """
 
 from dataclasses import dataclass
@@ -27,7 +31,10 @@ def plan(
     if length == 0:
         return [Slice(0, 0, start % paths)]
     size = -(-length // paths)
-    size = max(min_bytes, min(max_bytes, size))
+    if size > max_bytes:
+        rounds = -(-size // max_bytes)  # slices per path
+        size = -(-length // (paths * rounds))
+    size = max(min_bytes, size)
     out = []
     for k, off in enumerate(range(0, length, size)):
         out.append(Slice(off, min(size, length - off), (start + k) % paths))

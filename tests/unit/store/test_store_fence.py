@@ -521,6 +521,7 @@ def _fill(arena, slots, bb):
 
 async def test_the_ships_into_a_tx_share_one_grant_which_the_last_ship_closes(both_planes):
     kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    a._tcp_inline_max = 0  # TCP: once a ship connected the streams, submit from the loop
     bb = arena_a.block_bytes
     src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
     dst = alloc(pb, "r", [1, 2])
@@ -541,11 +542,13 @@ async def test_the_ships_into_a_tx_share_one_grant_which_the_last_ship_closes(bo
         assert bytes(arena_b.slot(b_s)) == bytes(arena_a.slot(a_s))
     assert b.counters["writes_in"] == 1 and b.counters["bytes_in"] == 2 * bb
     assert a.counters[f"{kind}_bytes"] == 2 * bb
+    assert a._tcp_warm == ({b.segments["tcp"]} if kind == "tcp" else set())
     assert not a.fence.writing(src.slots) and not b.fence.writing(dst.slots)
 
 
 async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_planes):
     kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    a._tcp_inline_max = 0  # TCP: once a ship connected the streams, submit from the loop
     bb = arena_a.block_bytes
     src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
     dst = alloc(pb, "r", [1, 2])
@@ -566,6 +569,7 @@ async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_pl
     assert b.open_grants(dst.tx_id) == 0 and b.fence.parked == 0
     assert b.counters["writes_in"] == 0 and b.counters["grants_fenced"] == 1
     assert not a.fence.writing(src.slots) and a._leases == {}
+    assert a._tcp_warm == set()  # a failed TCP transfer goes through a thread again
     # a ship into a new transaction opens a new grant
     fresh = alloc(pb, "r3", [4, 5])
     assert (await a.ship(_ship(a, b, src, fresh, 0, bb, last=True))).nbytes == bb

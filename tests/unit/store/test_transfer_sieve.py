@@ -62,6 +62,10 @@ def test_slicing_spreads_evenly_within_bounds_round_robin():
         slicing.Slice(6, 3, 1),
         slicing.Slice(9, 1, 0),
     ]
+    # over paths * max_bytes: every path gets the same slices (not 3, 3, 3, 3, 3, 1)
+    assert slicing.plan(16, 4, min_bytes=1, max_bytes=3) == [
+        slicing.Slice(o, 2, k % 4) for k, o in enumerate(range(0, 16, 2))
+    ]
     assert slicing.plan(5, 4, min_bytes=64) == [slicing.Slice(0, 5, 0)]
     assert slicing.plan(0, 4, start=6) == [slicing.Slice(0, 0, 2)]
     with pytest.raises(ValueError):
