@@ -363,6 +363,7 @@ SPAN_HISTOGRAMS: dict[str, tuple[Histogram, dict[str, str]]] = {
     "store.write": (STORE_TRANSFER_TIME, {"op": "write"}),
     "store.read": (STORE_TRANSFER_TIME, {"op": "read"}),
     "store.close": (STORE_TRANSFER_TIME, {"op": "close"}),
+    "store.lease": (STORE_TRANSFER_TIME, {"op": "lease"}),
 }
 
 GROUPS: dict[str, list[Any]] = {
