@@ -205,26 +205,38 @@ async def run_stage(
     """Run stage ``stage`` of ``stages`` over ``chunks``; returns what the last stage
     produced per chunk (empty for the others, and with ``keep_output`` False)."""
     out: list[bytes] = []
-    for k, (a, b) in enumerate(chunks):
-        nbytes = activation_nbytes(cost, b - a)
-        if inbox is None:
-            data: bytes | memoryview = first_activations(request_id, k, nbytes)
-        else:
-            note, view = await inbox.recv(timeout_s)
-            if (note.request_id, note.chunk, note.nbytes) != (request_id, k, nbytes):
-                raise StageError(
-                    "out_of_order",
-                    f"expected chunk {k} of {request_id} ({nbytes} bytes), got {note}",
-                )
-            data = bytes(view)
-            await inbox.free(note)
-        await sleep(cost.prefill_time(b, a) / stages)
-        result = stage_transform(data, stage)
-        if outbox is None:
-            if keep_output:
-                out.append(result)
-        else:
-            await outbox.send(request_id, k, result, timeout_s)
+    # Chunk k's hand-off overlaps chunk k+1's compute, as the paper's stage boundaries
+    # do; hand-offs stay in chunk order (the next waits for the one before).
+    sending: asyncio.Future[None] | None = None
+    try:
+        for k, (a, b) in enumerate(chunks):
+            nbytes = activation_nbytes(cost, b - a)
+            if inbox is None:
+                data: bytes | memoryview = first_activations(request_id, k, nbytes)
+            else:
+                note, view = await inbox.recv(timeout_s)
+                if (note.request_id, note.chunk, note.nbytes) != (request_id, k, nbytes):
+                    raise StageError(
+                        "out_of_order",
+                        f"expected chunk {k} of {request_id} ({nbytes} bytes), got {note}",
+                    )
+                data = bytes(view)
+                await inbox.free(note)
+            await sleep(cost.prefill_time(b, a) / stages)
+            result = stage_transform(data, stage)
+            if outbox is None:
+                if keep_output:
+                    out.append(result)
+            else:
+                if sending is not None:
+                    await sending
+                sending = asyncio.ensure_future(outbox.send(request_id, k, result, timeout_s))
+        if sending is not None:
+            await sending
+    finally:
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
     return out
 
 
