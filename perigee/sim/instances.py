@@ -10,10 +10,10 @@ Prefill instance (one GPU node, like ``services/prefill``)::
             layer by layer, the last layer's share trailing the compute
         --> handing over for ``handoff_s`` (0: none) --> free: on_free, next task
 
-A pipelined request (chunked pipeline parallelism) puts a :class:`StageTask` in each
-of its group's queues instead (:mod:`perigee.sim.cpp`): an instance that reaches it
-holds it as its running work, idle until every stage before it is ready too, then
-computes its stage.
+A pipelined request (chunked pipeline parallelism) puts a :class:`StageTask` per chunk
+in its group's queues instead (:mod:`perigee.sim.cpp`): each is queued once its input
+is there, and an instance that reaches it computes that chunk of its stage, so work
+queued meanwhile runs between two chunks.
 
 ``handoff_s`` is the live worker's time between its compute's end and taking the next
 task (the last layers' acks, the DecodeTask and FirstTokenNotice publishes); meanwhile
