@@ -21,8 +21,9 @@ TransferEngine over TCP for the activations); the anchor's own stage is one of t
 member computes one thing at a time (its worker's ``compute_lock``, fair): a chunk of
 a stage, or a request of its own queue, so a request placed on a member while its
 stage runs is computed between two chunks, as the simulator and the policy assume
-(services.conductor.cpp). Its load report does not show the stage's chunks; the
-conductor counts the stages still to run on a member for what is not that short.
+(services.conductor.cpp). Its load report shows the chunk in progress, not the
+stage's later chunks; the conductor counts the stages still to run on a member for
+what is not that short.
 
 Failure is explicit, never a hang: a stage that is not serving answers no one (NATS
 "no responders": at once), a stage killed while running fails its upstream's write
@@ -50,6 +51,7 @@ from services.common.cost_model import CostModel
 from services.common.errors import CodedError
 from services.conductor.cpp import chunk_bounds
 from services.prefill.cpp_stage import (
+    SleepFn,
     StageError,
     StageInbox,
     StageOutbox,
@@ -87,6 +89,7 @@ class StageServer:
         compute: asyncio.Lock,
         slots: int = 2,
         host: str = "127.0.0.1",
+        sleep: SleepFn = asyncio.sleep,
     ) -> None:
         self.nc, self.instance, self.cost, self.clock = nc, instance, cost, clock
         self.slots, self.host = slots, host
@@ -98,6 +101,8 @@ class StageServer:
         # there is one.
         self.counters = counters
         self.compute = compute  # the instance's one compute at a time (its worker's)
+        self._chunk_ends = 0.0  # when the chunk in progress is done (clock time; 0: none)
+        self._sleep = sleep
 
     async def start(self) -> None:
         for op, typ, handler in (
@@ -121,6 +126,12 @@ class StageServer:
         if self._engine is None or self._ctx is None:
             self._engine, self._ctx = TransferEngine("tcp"), zmq.asyncio.Context()
         return self._engine, self._ctx
+
+    def busy_s(self) -> float:
+        """What is left of the stage chunk in progress here (its load report adds it, as
+        the simulator's member reports the chunk it runs; the stage's later chunks
+        are not queued yet)."""
+        return max(0.0, self._chunk_ends - self.clock.now())
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
@@ -184,7 +195,11 @@ class StageServer:
             nonlocal deadline
             async with self.compute:  # one chunk; the instance's own requests between
                 deadline = max(deadline, self.clock.now()) + seconds
-                await asyncio.sleep(max(0.0, deadline - self.clock.now()))
+                self._chunk_ends = deadline
+                try:
+                    await self._sleep(max(0.0, deadline - self.clock.now()))
+                finally:
+                    self._chunk_ends = 0.0
 
         chunks = chunk_bounds(o.num_tokens, o.prefix_tokens, o.chunk_tokens)
         try:

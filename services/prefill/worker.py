@@ -666,6 +666,6 @@ class PrefillWorker(WorkerBase):
             node=self.node,
             queue_len=qlen,
             queued_tokens=qtokens,
-            queued_work_s=work,
+            queued_work_s=work + self.stages.busy_s(),
             ts=self.unix.now(),
         )

@@ -8,7 +8,7 @@ import asyncio
 import nats
 import pytest
 
-from services.common.clock import WallClock
+from services.common.clock import ManualClock, WallClock
 from services.common.cost_model import CostModel
 from services.conductor import cpp
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
@@ -78,3 +78,26 @@ async def test_a_bad_stage_request_is_an_explicit_error(nats_url):
     finally:
         await anchor.close()
         await close(ms)
+
+
+async def test_the_chunk_in_progress_is_what_the_member_reports_busy(nats_url):
+    clock = ManualClock()
+    seen: list[tuple[float, float]] = []
+    nc = await nats.connect(nats_url)
+
+    async def sleep(t: float) -> None:  # the member's view mid-chunk, then time moves
+        seen.append((t, srv.busy_s()))
+        clock.advance(t)
+        await asyncio.sleep(0)
+
+    srv = StageServer(nc, "a", lambda: COST, clock, {}, asyncio.Lock(), sleep=sleep)
+    await srv.start()
+    try:
+        await run_pipeline(nc, "r1", ["a"], N, 0, CHUNK, expected_s=1.0)
+        chunk_s = [COST.prefill_time(b, a) for a, b in cpp.chunk_bounds(N, 0, CHUNK)]
+        assert [t for t, _ in seen] == pytest.approx(chunk_s)
+        assert [busy for _, busy in seen] == pytest.approx(chunk_s)
+        assert srv.busy_s() == 0.0
+    finally:
+        await srv.close()
+        await nc.close()
