@@ -64,7 +64,9 @@ SECONDS_PER_BYTE = 1 / 50e6
 # A shared-memory copy up to this size runs on the event loop (a few ms at most); a
 # bigger one on a transfer thread, so the store keeps answering meanwhile.
 SHM_ON_LOOP_MAX = 64 << 20
-# A lease no ship used for this long is closed (its request stopped between ships).
+# A lease no ship used for this long is closed: its request stopped between ships (a
+# request's ships follow its layers' compute, milliseconds apart; its last ship closes
+# the lease at once). Until then the peer keeps the aborted transaction's slots parked.
 LEASE_IDLE_S = 1.0
 
 
@@ -184,8 +186,7 @@ class DataPlane:
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="store-xfer")
         self._served: dict[int, _Served] = {}
         self._leases: dict[tuple[str, str, int, tuple[int, ...]], _Lease] = {}
-        # A peer's commit waits up to peer_timeout_s for open grants: close ours well before.
-        self.lease_idle_s = min(LEASE_IDLE_S, peer_timeout_s / 4)
+        self.lease_idle_s = LEASE_IDLE_S
         self._by_tx: dict[str, set[int]] = {}
         self._settle: dict[str, asyncio.Event] = {}
         self._visible: dict[str, bool] = {}
