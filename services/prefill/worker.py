@@ -195,6 +195,9 @@ class PrefillWorker(WorkerBase):
         self._idle.set()
         self._current: asyncio.Task | None = None
         self._handoffs: dict[str, asyncio.Task] = {}  # computed, KV still shipping
+        # Anchored pipelines (task.cpp_stages) run beside the queue: their compute is
+        # the stages' chunks (compute_lock), so the next request need not wait for them.
+        self._pipelined: dict[str, asyncio.Task] = {}
         self._finishing: set[asyncio.Task] = set()  # their supervisors (settle when done)
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
         self._runner: asyncio.Task | None = None
@@ -243,7 +246,7 @@ class PrefillWorker(WorkerBase):
                 await asyncio.wait_for(self._idle.wait(), timeout=5)
             except TimeoutError:
                 log.warning("prefill_close_timeout")
-        for rid, t in list(self._handoffs.items()):
+        for rid, t in [*self._handoffs.items(), *self._pipelined.items()]:
             self._stop_reason[rid] = (ErrorCode.UNAVAILABLE, "prefill instance shutting down")
             t.cancel()
         if self._finishing:
@@ -264,6 +267,7 @@ class PrefillWorker(WorkerBase):
             len(self.queue) == 0
             and self._idle.is_set()
             and not self._handoffs
+            and not self._pipelined
             and self.clock.now() - self._last_task >= quiet_s
         ):
             if self.dead.is_set():
@@ -308,6 +312,9 @@ class PrefillWorker(WorkerBase):
         if running is not None and running.request_id == rid and self._current is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
             self._current.cancel()
+        elif (t := self._pipelined.get(rid)) is not None:
+            self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
+            t.cancel()
         elif (handoff := self._handoffs.get(rid)) is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
             handoff.cancel()
@@ -322,6 +329,14 @@ class PrefillWorker(WorkerBase):
                 continue
             self._idle.clear()
             rid = item.request_id
+            if item.task.cpp_stages:
+                self.queue.done(rid)
+                self._end_queue_span(item)
+                sup = asyncio.create_task(self._pipeline(item), name=f"prefill-cpp:{rid}")
+                self._finishing.add(sup)
+                sup.add_done_callback(self._finishing.discard)
+                self._idle.set()
+                continue
             try:
                 self._end_queue_span(item)
                 self._current = asyncio.create_task(self._process(item), name=f"prefill:{rid}")
@@ -347,6 +362,28 @@ class PrefillWorker(WorkerBase):
                 self.queue.done(rid)
             finally:
                 self._idle.set()
+
+    async def _pipeline(self, item: QueuedPrefill) -> None:
+        """Run an anchored pipeline beside the queue, then hand it off or settle it as
+        the runner does a request of its own."""
+        rid = item.request_id
+        task = asyncio.create_task(self._process(item), name=f"prefill:{rid}")
+        self._pipelined[rid] = task
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._pipelined.pop(rid, None)
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                if not task.cancelled() and task.exception() is None:
+                    done = task.result()
+                    if rid not in self._stop_reason:
+                        await self._finish(item, done)
+                        return
+                    await done.stop()
+                await self._settle(item, task)
+            except Exception:  # noqa: BLE001 - a bug here must not go unnoticed
+                log.exception("prefill_pipeline_settle_error")
 
     async def _settle(self, item: QueuedPrefill, task: asyncio.Task) -> None:
         stop = self._stop_reason.pop(item.request_id, None)
