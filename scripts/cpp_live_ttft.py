@@ -89,7 +89,7 @@ def main() -> int:
                 cpp_chunk_tokens=a.chunk,
                 cpp_min_tokens=a.chunk + 1,
             )
-            with Stack(cfg).start() as s:
+            with Stack(cfg) as s:
                 got, stages = [], 0
                 for _ in range(a.runs):
                     ids = [rng.randrange(3, 1000) for _ in range(a.tokens)]
