@@ -146,6 +146,22 @@ def parse(argv: list[str]) -> StackConfig:
     )
     p.add_argument("--switchable", action="store_true", help="workers obey RoleSwitch")
     p.add_argument(
+        "--cpp-group",
+        type=int,
+        default=1,
+        help="chunked pipeline parallelism: prefill instances per group (1: none; "
+        "the mock engine only)",
+    )
+    p.add_argument(
+        "--cpp-chunk-tokens", type=int, default=0, help="a pipeline's chunk (0: default)"
+    )
+    p.add_argument(
+        "--cpp-min-tokens",
+        type=int,
+        default=0,
+        help="tokens to compute below which no group is offered (0: default)",
+    )
+    p.add_argument(
         "--decode-time",
         type=float,
         default=d.decode_time,
@@ -180,6 +196,9 @@ def parse(argv: list[str]) -> StackConfig:
         help="seconds (default: %(default)s)",
     )
     a = p.parse_args(argv)
+    if a.cpp_group > 1 and a.engine != "mock":
+        # A vLLM anchor would compute the whole prompt again after the stages.
+        p.error("--cpp-group runs on the mock engine only (vLLM stages: issue 16 item 4)")
     try:
         # The mock engine's tokens are synthetic: real weights would serve nothing there.
         model = models.resolve(a.model_dir or (TINY_NAME if a.engine == "mock" else None))
@@ -219,6 +238,9 @@ def parse(argv: list[str]) -> StackConfig:
         balancing_threshold=a.balancing_threshold,
         pd_controller=a.pd_controller,
         switchable=a.switchable or a.pd_controller,
+        cpp_group=a.cpp_group,
+        cpp_chunk_tokens=a.cpp_chunk_tokens,
+        cpp_min_tokens=a.cpp_min_tokens,
         decode_time=a.decode_time,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=a.max_restarts, window_s=a.restart_window),
