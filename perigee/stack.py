@@ -507,9 +507,13 @@ class Stack:
                     await asyncio.wait_for(ready.wait(), 0.5)
                 except TimeoutError:
                     pass
-            # Admission and conductor answer a probe: a reply proves their subscription
-            # is live before the first request.
-            for subject in (subjects.REQUESTS, subjects.SCHEDULE):
+            # Admission and every conductor answer a probe: a reply proves their
+            # subscriptions are live before the first request (a conductor's own events
+            # subject is the last it subscribes, after its share of the intake queue).
+            conductors = [
+                subjects.conductor_events(f"conductor-{i}") for i in range(self.cfg.conductors)
+            ]
+            for subject in (subjects.REQUESTS, subjects.SCHEDULE, *conductors):
                 while True:
                     self._check_alive()
                     if time.monotonic() > deadline:

@@ -30,6 +30,7 @@ Request ids are free text; the claim's subject is a digest of the id.
 """
 
 import asyncio
+import copy
 import hashlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -54,6 +55,7 @@ ACK_WAIT_S = 5.0
 # nats-server's JSStreamWrongLastSequence: the claim's subject already has a message.
 WRONG_LAST_SEQUENCE = 10071
 STREAM_NAME_IN_USE = 10058
+CONSUMER_NAME_IN_USE = 10013
 
 
 def placed_subject(request_id: str) -> str:
@@ -161,6 +163,11 @@ def consumer_config(
     return api.ConsumerConfig(
         durable_name=durable,
         deliver_group=durable,
+        # One deliver subject for every copy: nats-py would otherwise draw an inbox per
+        # copy, and of two copies starting at once the second's create replaced the
+        # first's subject (or failed: "consumer name already in use"), so one copy got
+        # every message and the other none.
+        deliver_subject=f"_INBOX.perigee-deliver.{durable}",
         ack_policy=api.AckPolicy.EXPLICIT,
         ack_wait=ack_wait_s,
         max_deliver=-1,
@@ -205,15 +212,23 @@ class QueueConsumer:
             else:
                 await self._run(m)
 
-        self._sub = await self.js.subscribe(
-            self.subject,
-            queue=self.durable,
-            durable=self.durable,
-            stream=self.stream,
-            cb=cb,
-            manual_ack=True,
-            config=self.cfg,
-        )
+        for attempt in range(3):
+            try:
+                self._sub = await self.js.subscribe(
+                    self.subject,
+                    queue=self.durable,
+                    durable=self.durable,
+                    stream=self.stream,
+                    cb=cb,
+                    manual_ack=True,
+                    config=copy.copy(self.cfg),
+                )
+                return
+            except nats.js.errors.BadRequestError as e:
+                # Another copy created the consumer between our lookup and our create:
+                # the next try finds it and binds to it.
+                if e.err_code != CONSUMER_NAME_IN_USE or attempt == 2:
+                    raise
 
     async def close(self) -> None:
         """Stop taking messages (the durable consumer stays for the other copies)."""

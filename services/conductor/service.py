@@ -203,13 +203,6 @@ class ConductorService:
         await s.serve(
             subjects.LOAD_DECODE_ALL, DecodeLoad, self._on_decode_load, span_name="conductor.load"
         )
-        await s.serve(
-            subjects.conductor_events(self.cfg.conductor_id),
-            ConductorEvent,
-            self._on_event,
-            concurrent=True,
-            span_name="conductor.event",
-        )
         await self.roles.start(s)
         await self.shadow.start(self.cfg.discover_window_s)  # discovery runs in the background
         await self.heard.wait(self.cfg.pools_wait_s)
@@ -236,6 +229,15 @@ class ConductorService:
                 ack_wait_s=self.cfg.intake_ack_wait_s,
             )
             await self.intake.start(s)
+        # Last: nothing is sent here before this conductor places a request, and a reply
+        # to a probe on it (perigee.stack) proves every other subscription is live.
+        await s.serve(
+            subjects.conductor_events(self.cfg.conductor_id),
+            ConductorEvent,
+            self._on_event,
+            concurrent=True,
+            span_name="conductor.event",
+        )
         s.spawn(self._sweeper(), name="conductor:sweeper")
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)

@@ -245,3 +245,46 @@ async def test_without_the_durable_intake_admission_forwards_on_core_schedule(na
     finally:
         await h.close()
         await nc.close()
+
+
+async def test_two_copies_starting_at_once_share_the_work_queue(nats_url):
+    """Both copies bind to one consumer and one deliver subject: each gets messages
+    (with a deliver inbox drawn per copy, one copy's create replaced the other's
+    subject, or failed with "consumer name already in use", and one got nothing)."""
+    ncs = [await nats.connect(nats_url) for _ in range(3)]
+    got: dict[int, list[bytes]] = {0: [], 1: []}
+    subs = [bus.Subscriptions(nc) for nc in ncs[:2]]
+    durable = f"twins-{uuid.uuid4().hex[:6]}"
+    try:
+        js = ncs[2].jetstream()
+        await intake_queue.ensure_streams(js, [intake_queue.SCHEDULE_STREAM])
+
+        def handler(k):
+            async def handle(m):
+                got[k].append(m.data)
+                await m.ack()
+
+            return handle
+
+        copies = [
+            intake_queue.QueueConsumer(
+                ncs[k], intake_queue.SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE, durable, handler(k)
+            )
+            for k in (0, 1)
+        ]
+        await asyncio.gather(*(c.start(s) for c, s in zip(copies, subs, strict=True)))
+        for nc in ncs[:2]:
+            await nc.flush()
+        n = 64
+        for i in range(n):
+            await bus.js_publish(js, subjects.SCHEDULE_QUEUE, b"m%d" % i, msg_id=f"{durable}-{i}")
+        async with asyncio.timeout(10):
+            while len(got[0]) + len(got[1]) < n:
+                await asyncio.sleep(0.01)
+        assert got[0] and got[1], {k: len(v) for k, v in got.items()}
+        assert sorted(got[0] + got[1]) == sorted(b"m%d" % i for i in range(n))  # each once
+    finally:
+        for s in subs:
+            await s.close()
+        for nc in ncs:
+            await nc.close()
