@@ -63,7 +63,7 @@ def cpp_stack(tmp_path_factory):
 def fresh_cpp_stack(tmp_path_factory):
     """A stack of its own: whether the conductor still prefers the group after some
     pipelines depends on their observed TTFT (its feedback), which this machine sets."""
-    s = group_stack(tmp_path_factory, "cpp-kill")
+    s = group_stack(tmp_path_factory, "cpp-fresh")
     s.start()
     yield s
     s.stop()
@@ -114,6 +114,33 @@ async def test_a_long_prompt_runs_on_the_group_and_a_short_one_on_one_instance(c
         assert again.usage["prompt_tokens_details"]["cached_tokens"] > LONG - MIN_TOKENS
         assert again.text == first.text
         assert await stages_run(s.nats_url) == after
+
+
+async def test_short_requests_sent_while_a_pipeline_runs_complete_beside_it(fresh_cpp_stack):
+    """Both members are stages; the short requests placed meanwhile are computed between
+    the pipeline's chunks (each member's compute_lock), the anchor's included: nothing
+    waits on anything else for good."""
+    s = fresh_cpp_stack
+    nc = await nats.connect(s.nats_url)
+    running = asyncio.Event()
+
+    async def on_run(m) -> None:
+        running.set()
+
+    await nc.subscribe(subjects.cpp_stage("prefill-1", "run"), cb=on_run)
+    await nc.flush()
+    try:
+        async with aiohttp.ClientSession() as http:
+            before = await stages_run(s.nats_url)
+            long_req = asyncio.ensure_future(stream(http, s.url, body(prompt(LONG, 6))))
+            await asyncio.wait_for(running.wait(), 60)
+            shorts = [stream(http, s.url, body(prompt(SHORT, 10 + i))) for i in range(4)]
+            rs = await asyncio.wait_for(asyncio.gather(long_req, *shorts), 120)
+            assert all(r.done and r.error is None for r in rs), [r.error for r in rs]
+            after = await stages_run(s.nats_url)
+            assert {m: after[m] - before[m] for m in MEMBERS} == dict.fromkeys(MEMBERS, 1)
+    finally:
+        await nc.close()
 
 
 async def test_a_stage_killed_mid_pipeline_fails_the_request_explicitly(fresh_cpp_stack):
