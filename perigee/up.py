@@ -27,6 +27,7 @@ from perigee import models
 from perigee.models import DEFAULT_MODEL_NAME, TINY_NAME
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
 from perigee.supervise import RestartPolicy
+from services.common.kv_layout import store_too_small
 from services.common.model_spec import ModelSpec
 
 # Shared memory per node store when --store-capacity-blocks is not given: 4096 blocks of
@@ -204,10 +205,15 @@ def parse(argv: list[str]) -> StackConfig:
         model = models.resolve(a.model_dir or (TINY_NAME if a.engine == "mock" else None))
     except models.ModelNotReady as e:
         p.exit(2, f"perigee up: {e}\n")
+    spec = ModelSpec.from_dir(model.path)
     capacity = a.store_capacity_blocks
     if capacity is None:  # a real model's blocks are large: bound each store's memory
-        block = ModelSpec.from_dir(model.path).block_bytes(a.block_size)
+        block = spec.block_bytes(a.block_size)
         capacity = max(1, min(d.store_capacity_blocks, STORE_BUDGET_BYTES // block))
+    # Each worker refuses such a store too, but under supervision that would be a
+    # restart loop; here the user hears it once, before anything starts.
+    if short := store_too_small(capacity, spec.max_model_len, a.block_size):
+        p.exit(2, f"perigee up: {short.replace('--capacity-blocks', '--store-capacity-blocks')}\n")
     slos = default_slos(a.engine)
     return StackConfig(
         nats_url=a.nats,

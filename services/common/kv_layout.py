@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from services.common.hashing import num_blocks
 from services.common.model_spec import ModelSpec
 
 
@@ -63,3 +64,16 @@ class KVLayout:
                 :, pos - start : pos - start + n
             ]
             pos += n
+
+
+def store_too_small(capacity_blocks: int, max_model_len: int, block_size: int) -> str:
+    """Why a store of ``capacity_blocks`` cannot hold one maximum-length request ("" when
+    it can): such a store would refuse that request after it was accepted."""
+    need = num_blocks(max_model_len, block_size)
+    if capacity_blocks >= need:
+        return ""
+    return (
+        f"the store has {capacity_blocks} blocks of {block_size} tokens but one "
+        f"request of max_model_len {max_model_len} tokens needs {need}: start the store "
+        f"with --capacity-blocks {need} or more"
+    )

@@ -11,8 +11,7 @@ from bus_schemas.roles import Role
 from services.common import bus, defaults, metric_collectors, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
-from services.common.hashing import num_blocks
-from services.common.kv_layout import KVLayout
+from services.common.kv_layout import KVLayout, store_too_small
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shutdown import StopEvent
@@ -100,19 +99,6 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     vllm_options.add_arguments(p)
     metrics.add_arguments(p)
     return p
-
-
-def store_too_small(capacity_blocks: int, max_model_len: int, block_size: int) -> str:
-    """Why a store of ``capacity_blocks`` cannot hold one maximum-length request ("" when
-    it can): such a store would refuse that request after it was accepted."""
-    need = num_blocks(max_model_len, block_size)
-    if capacity_blocks >= need:
-        return ""
-    return (
-        f"the store has {capacity_blocks} blocks of {block_size} tokens but one "
-        f"request of max_model_len {max_model_len} tokens needs {need}: start the store "
-        f"with --capacity-blocks {need} or more"
-    )
 
 
 async def run(role: str, args: argparse.Namespace) -> int:
