@@ -9,6 +9,7 @@ import uuid
 
 import nats
 import pytest
+from nats.js import api
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
@@ -255,9 +256,14 @@ async def test_two_copies_starting_at_once_share_the_work_queue(nats_url):
     got: dict[int, list[bytes]] = {0: [], 1: []}
     subs = [bus.Subscriptions(nc) for nc in ncs[:2]]
     durable = f"twins-{uuid.uuid4().hex[:6]}"
+    # A work queue of its own: a work-queue stream takes one consumer per subject, and
+    # the server is shared with the tests above, whose conductors' consumer stays.
+    stream, subject = durable.upper(), f"{durable}.queue"
     try:
         js = ncs[2].jetstream()
-        await intake_queue.ensure_streams(js, [intake_queue.SCHEDULE_STREAM])
+        await js.add_stream(
+            name=stream, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE
+        )
 
         def handler(k):
             async def handle(m):
@@ -267,17 +273,14 @@ async def test_two_copies_starting_at_once_share_the_work_queue(nats_url):
             return handle
 
         copies = [
-            intake_queue.QueueConsumer(
-                ncs[k], intake_queue.SCHEDULE_STREAM, subjects.SCHEDULE_QUEUE, durable, handler(k)
-            )
-            for k in (0, 1)
+            intake_queue.QueueConsumer(ncs[k], stream, subject, durable, handler(k)) for k in (0, 1)
         ]
         await asyncio.gather(*(c.start(s) for c, s in zip(copies, subs, strict=True)))
         for nc in ncs[:2]:
             await nc.flush()
         n = 64
         for i in range(n):
-            await bus.js_publish(js, subjects.SCHEDULE_QUEUE, b"m%d" % i, msg_id=f"{durable}-{i}")
+            await bus.js_publish(js, subject, b"m%d" % i, msg_id=f"{durable}-{i}")
         async with asyncio.timeout(10):
             while len(got[0]) + len(got[1]) < n:
                 await asyncio.sleep(0.01)
