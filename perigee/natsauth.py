@@ -27,12 +27,14 @@ import sys
 from dataclasses import dataclass, field
 
 from bus_schemas import subjects as s
+from bus_schemas.roles import ROLES as WORKER_ROLES
+from bus_schemas.roles import Role
 
 ADMIN = "perigee"
 ALL = f"{s.NS}.>"
 INBOX = "_INBOX.>"
 JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
-ROLES = ("gateway", "admission", "conductor", "prefill", "decode", "store")
+ROLES = ("gateway", "admission", "conductor", Role.PREFILL, Role.DECODE, "store")
 
 _TASKS = [s.prefill_tasks("*"), s.decode_tasks("*")]
 _CTL = f"{s.NS}.ctl.>"
@@ -94,7 +96,7 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
         return [s.REQUESTS, s.INTAKE, s.placed("*"), *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
     if m.role == "conductor":
         return [s.REQUESTS, s.INTAKE, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
-    if m.role in ("prefill", "decode"):
+    if m.role in WORKER_ROLES:
         deny = [
             s.REQUESTS,
             s.SCHEDULE,
@@ -105,7 +107,7 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
             _KV_EVENTS,
             s.STORE_ANNOUNCE,
         ]
-        if m.role == "decode" and not d.switchable:
+        if m.role == Role.DECODE and not d.switchable:
             deny.append(s.decode_tasks("*"))
         for other in d.instances():
             if other != m.instance:
@@ -128,7 +130,7 @@ def publish_deny(m: Member, d: Deployment) -> list[str]:
 
 
 def subscribe_deny(m: Member) -> list[str]:
-    if m.role in ("prefill", "decode", "store"):
+    if m.role in (*WORKER_ROLES, "store"):
         return [s.REQUESTS, s.SCHEDULE, s.INTAKE, s.SCHEDULE_QUEUE]
     return []
 
@@ -191,7 +193,7 @@ def member(name: str, argv: list[str]) -> Member:
     def flag(f: str) -> str:
         return argv[argv.index(f) + 1] if f in argv else ""
 
-    if role in ("prefill", "decode"):
+    if role in WORKER_ROLES:
         return Member(name, role, instance=flag("--instance"))
     if role == "store":
         return Member(name, role, node=flag("--node"))
@@ -204,8 +206,8 @@ COMPOSE = Deployment(
         Member("gateway", "gateway"),
         Member("admission", "admission"),
         Member("conductor", "conductor"),
-        Member("prefill-0", "prefill", instance="prefill-0"),
-        Member("decode-0", "decode", instance="decode-0"),
+        Member("prefill-0", Role.PREFILL, instance="prefill-0"),
+        Member("decode-0", Role.DECODE, instance="decode-0"),
         Member("store-p0", "store", node="p0"),
         Member("store-d0", "store", node="d0"),
     ]
@@ -229,7 +231,7 @@ K8S = Deployment(
         Member("gateway", "gateway"),
         Member("admission", "admission"),
         Member("conductor", "conductor"),
-        Member("worker", "decode"),
+        Member("worker", Role.DECODE),
         Member("store", "store"),
     ],
     switchable=True,

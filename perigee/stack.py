@@ -35,7 +35,7 @@ from perigee import natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
-from services.common import bus
+from services.common import bus, defaults
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,13 +93,13 @@ class StackConfig:
     engine: str = "mock"
     model_dir: str = str(DEFAULT_MODEL_DIR)  # perigee up: the real model (perigee.models)
     served_model_name: str = ""  # the gateway's name for it ("": the directory's name)
-    block_size: int = 32
+    block_size: int = defaults.BLOCK_SIZE
     speedup: str = "1.0"
     store_capacity_blocks: int = 4096
     # Each store's SSD tier, blocks (0: none): <log_dir>/ssd/<node>, kept across restarts.
     store_ssd_blocks: int = 0
-    ttft_slo: float = 30.0
-    tbt_slo: float = 0.1
+    ttft_slo: float = defaults.TTFT_SLO_S
+    tbt_slo: float = defaults.TBT_SLO_S
     admission_policy: str = "early"  # baseline | early | predict
     # Conductors conductor-0..N-1 in one queue group against the same stores (§5.3);
     # the child is named "conductor" when there is one, "conductor-<i>" otherwise.

@@ -41,6 +41,7 @@ from perigee.replay import Outcome, send
 from perigee.stack import Stack, StackConfig
 from perigee.supervise import RestartPolicy, SupervisedEvent
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, TraceRequest, load_trace, spread_ties
+from services.common import defaults
 from services.common.model_spec import ModelSpec
 
 # What each fault kills, in the order they come.
@@ -376,7 +377,7 @@ def main(argv: list[str]) -> int:
         nats_cluster=3,
         model_dir=str(model.path),
         served_model_name=model.name,
-        block_size=32,
+        block_size=defaults.BLOCK_SIZE,
         speedup=a.speedup,
         store_ssd_blocks=1024,
         log_dir=a.log_dir,

@@ -40,10 +40,12 @@ from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.load import WorkerStats
 from bus_schemas.requests import Error, Finished, GenerateRequest, SamplingParams
+from bus_schemas.roles import Role
 from perigee import models
 from perigee.bench.stats import summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
+from services.common import defaults
 from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
 
@@ -144,7 +146,7 @@ async def reprefill(nc, tokens: list[int], block_size: int, salt: str) -> float:
 
 
 async def stats(nc, instance: str) -> dict[str, int]:
-    m = await nc.request(subjects.worker_stats("decode", instance), b"{}", timeout=10)
+    m = await nc.request(subjects.worker_stats(Role.DECODE, instance), b"{}", timeout=10)
     return decode(m.data, WorkerStats).counters
 
 
@@ -156,7 +158,7 @@ async def wait_reporting(nc, instance: str, timeout: float) -> None:
         if json.loads(m.data).get("ts", 0) > since:
             seen.set()
 
-    sub = await nc.subscribe(subjects.load_report("decode", instance), cb=cb)
+    sub = await nc.subscribe(subjects.load_report(Role.DECODE, instance), cb=cb)
     try:
         await asyncio.wait_for(seen.wait(), timeout)
     finally:
@@ -287,7 +289,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--kill-after", type=int, default=16, help="tokens out before the kill")
     p.add_argument("--trials", type=int, default=None, help="default 5 (mock), 2 (vllm)")
     p.add_argument("--dead-after", type=float, default=2.0)
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     p.add_argument("--restart-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--log-dir", default=".perigee/bench-logs/migration")

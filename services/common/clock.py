@@ -1,7 +1,11 @@
 """Injected clocks: policy code never reads time itself."""
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Protocol
+
+# An injected sleep (asyncio.sleep live; one that moves a ManualClock in tests).
+SleepFn = Callable[[float], Awaitable[object]]
 
 
 class Clock(Protocol):

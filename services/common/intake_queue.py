@@ -141,9 +141,11 @@ async def claim(js: Any, request_id: str, task: bytes) -> tuple[bytes, bool]:
 async def claimed(js: Any, request_id: str) -> bytes | None:
     """The task that holds ``request_id``'s claim, or None."""
     try:
-        return (await js.get_last_msg(PLACED_STREAM, placed_subject(request_id))).data
+        stored = await js.get_last_msg(PLACED_STREAM, placed_subject(request_id))
     except nats.js.errors.NotFoundError:
         return None
+    data: bytes = stored.data
+    return data
 
 
 def redelivered(m: NatsMsg) -> bool:

@@ -84,7 +84,7 @@ from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
-from services.common.hashing import block_hashes as compute_block_hashes
+from services.common.intake import hashes_for
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
 from services.conductor import cpp as cpp_
@@ -109,9 +109,9 @@ class PlacementRequest:
 
     @classmethod
     def from_request(cls, req: GenerateRequest, block_size: int) -> "PlacementRequest":
-        hashes = req.block_hashes
-        if hashes is None or (req.block_size and req.block_size != block_size):
-            hashes = compute_block_hashes(req.prompt_token_ids, block_size)
+        # Admission's rule (services.common.intake): a count that does not match the
+        # prompt is a ValueError, which the service answers as a bad request first.
+        hashes = hashes_for(req.prompt_token_ids, req.block_hashes, req.block_size, block_size)
         return cls(
             request_id=req.request_id,
             num_tokens=len(req.prompt_token_ids),

@@ -17,12 +17,13 @@ every step still yields to the event loop.
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import structlog
 
+from services.common.clock import SleepFn
 from services.common.cost_model import CostModel
 from services.common.model_spec import ModelSpec
 from services.engine import synth
@@ -39,7 +40,6 @@ from services.engine.base import (
 
 log = structlog.get_logger()
 
-SleepFn = Callable[[float], Awaitable[object]]
 
 # Above this many KV elements per layer the numpy work runs in a thread, so a long
 # prompt does not stall the event loop (ships, load reports, the decode loop).

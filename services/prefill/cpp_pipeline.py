@@ -46,12 +46,11 @@ from nats.errors import TimeoutError as NatsTimeout
 from bus_schemas import subjects
 from bus_schemas.cpp import StageDone, StageOpen, StageOpened, StageRun
 from services.common import bus
-from services.common.clock import Clock
+from services.common.clock import Clock, SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
 from services.conductor.cpp import chunk_bounds
 from services.prefill.cpp_stage import (
-    SleepFn,
     StageError,
     StageInbox,
     StageOutbox,

@@ -26,18 +26,17 @@ one stage on its own (tests/e2e/test_cpp_stages.py).
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from services.common.clock import SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
 from services.store.transfer_api import TransferEngine, TransferRequest
 from services.store.transport import Opcode, Poll
-
-SleepFn = Callable[[float], Awaitable[object]]
 
 
 class StageError(CodedError, RuntimeError):

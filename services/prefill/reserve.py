@@ -22,6 +22,7 @@ import structlog
 from bus_schemas.control import TxAllocate, TxHandle
 from bus_schemas.placement import PrefillTask, RemotePrefix
 from services.common import reservation as plan
+from services.common.clock import Clock, SleepFn, WallClock
 from services.common.kv_errors import STORE_UNAVAILABLE
 from services.common.store_tx import AllocationRound, LeaseKeeper, StoreTx
 
@@ -87,8 +88,12 @@ class StoreReserver:
         lease_s: float,
         wait_s: float = plan.WAIT_S,
         retry_s: float = plan.RETRY_S,
+        clock: Clock | None = None,
+        sleep: SleepFn = asyncio.sleep,
     ) -> None:
         self.tx = tx
+        self.clock: Clock = clock or WallClock()
+        self.sleep = sleep
         self.leases = LeaseKeeper(tx, lease_s)
         self.lease_s = lease_s
         self.wait_s = wait_s
@@ -125,8 +130,7 @@ class StoreReserver:
         rid = task.request.request_id
         want = plan.wanted(task.source)
         got = AllocationRound()
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.wait_s
+        give_up = self.clock.now() + self.wait_s
         waited = False
         try:
             while True:
@@ -148,7 +152,7 @@ class StoreReserver:
                     raise ReserveError("unavailable", f"{STORE_UNAVAILABLE} ({v.detail})")
                 if v.step is plan.Step.DONE:
                     break
-                if loop.time() >= give_up:
+                if self.clock.now() >= give_up:
                     raise ReserveError(
                         "capacity",
                         "no room in the store for the request's "
@@ -157,7 +161,7 @@ class StoreReserver:
                 if not waited:
                     log.info("reserve_waiting_for_room", refused=v.detail)
                     waited = True
-                await asyncio.sleep(self.retry_s)
+                await self.sleep(self.retry_s)
         except BaseException:
             await self._abort(got, rid, "reservation failed")
             raise
@@ -165,7 +169,7 @@ class StoreReserver:
 
     async def _finish(self, task: PrefillTask, got: AllocationRound) -> Reservation:
         rid = task.request.request_id
-        ptx, dtx = got.handles["prefill"][1], got.handles["decode"][1]
+        ptx, dtx = got.handles[plan.PREFILL][1], got.handles[plan.DECODE][1]
         remote = None
         if plan.SOURCE in got.handles:
             node, stx = got.handles[plan.SOURCE]

@@ -171,7 +171,7 @@ class PrefillWorker(WorkerBase):
         self.unix: Clock = unix_clock or UnixClock()
         self.store = store
         self.engine = engine
-        self.reserver = reserver or StoreReserver(StoreTx(nc), lease_s=lease_s)
+        self.reserver = reserver or StoreReserver(StoreTx(nc), lease_s=lease_s, clock=self.clock)
         self.layout = layout
         self.cost = cost
         self.queue: PrefillQueue[QueuedPrefill] = PrefillQueue(cost, self.clock)
@@ -658,7 +658,7 @@ class PrefillWorker(WorkerBase):
                 f"remote prefix starts at block {r.first_block} but only "
                 f"{res.prefill_tx.hit_blocks} blocks are local"
             )
-        for name, tx in (("prefill", res.prefill_tx), ("decode", res.decode_tx)):
+        for name, tx in ((Role.PREFILL, res.prefill_tx), (Role.DECODE, res.decode_tx)):
             if tx.block_bytes != self.layout.block_bytes:
                 raise BadTask(
                     f"{name} tx blocks are {tx.block_bytes} bytes, "

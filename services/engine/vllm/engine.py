@@ -195,11 +195,11 @@ class VllmEngine(Engine):
     async def prefill(self, job: PrefillJob) -> int:
         self._check_alive()
         rid, prompt = job.request_id, list(job.prompt_token_ids)
-        n, p, hbs = len(prompt), job.prefix_tokens, self.hash_block_size
+        n, p, hash_block = len(prompt), job.prefix_tokens, self.hash_block_size
         if n == 0:
             raise EngineError("empty prompt")
-        if not 0 <= p <= n or (p % hbs and p != n):
-            raise EngineError(f"prefix_tokens {p} must be a multiple of {hbs} in [0, {n}]")
+        if not 0 <= p <= n or (p % hash_block and p != n):
+            raise EngineError(f"prefix_tokens {p} must be a multiple of {hash_block} in [0, {n}]")
         if n >= self.max_model_len:
             raise EngineError(
                 f"prompt of {n} tokens leaves no room in max_model_len {self.max_model_len}"
@@ -220,7 +220,7 @@ class VllmEngine(Engine):
             key=rid,
             slots=slots,
             load_tokens=p,
-            save_from=p // hbs,
+            save_from=p // hash_block,
             save_tokens=n,
             on_layer=on_layer,
         )

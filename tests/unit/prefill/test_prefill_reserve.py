@@ -21,6 +21,7 @@ from bus_schemas.control import (
 )
 from bus_schemas.placement import PrefillTask, PrefixSource
 from bus_schemas.requests import GenerateRequest
+from services.common.clock import ManualClock
 from services.common.hashing import block_hashes
 from services.common.store_tx import StoreTx
 from services.prefill.reserve import ReserveError, StoreReserver
@@ -121,7 +122,10 @@ async def conns(nats_url):
 
 def reserver(nc, **kw) -> StoreReserver:
     return StoreReserver(
-        StoreTx(nc, timeout_s=1.0), lease_s=kw.pop("lease_s", 30.0), retry_s=0.01, **kw
+        StoreTx(nc, timeout_s=1.0),
+        lease_s=kw.pop("lease_s", 30.0),
+        retry_s=kw.pop("retry_s", 0.01),
+        **kw,
     )
 
 
@@ -173,10 +177,19 @@ async def test_still_no_room_after_waiting_fails_and_rolls_back(conns):
     snc, wnc = conns
     p = await Store(snc, "p0").start()
     await Store(snc, "d0", refuse=10**6).start()
-    res_ = reserver(wnc, wait_s=0.1)
+    clock = ManualClock()
+    waits: list[float] = []
+
+    async def sleep(dt: float) -> None:  # the reserver's wait, on its own clock
+        waits.append(dt)
+        clock.advance(dt)
+
+    res_ = reserver(wnc, wait_s=60.0, retry_s=1.0, clock=clock, sleep=sleep)
     with pytest.raises(ReserveError) as e:
         await res_.reserve(task())
-    assert e.value.reason == "capacity"
+    assert e.value.reason == "capacity" and "after 60 s" in str(e.value)
+    # It asked again every retry_s until the wait was spent, and not past it.
+    assert waits == [1.0] * 60 and clock.now() == 60.0
     assert len(p.aborts) == 1 and p.open == set()
     assert res_.leases.held == 0
     await res_.close()

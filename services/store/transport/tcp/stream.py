@@ -24,16 +24,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
 from services.store.transport.base import Opcode, Ticket, TransportError, crc32
 from services.store.transport.tcp import frames
 from services.store.transport.tcp.frames import FLAG_CRC, REP, REQ, Status
-
-if TYPE_CHECKING:
-    from services.store.transport.tcp.sender import _Endpoint
 
 log = structlog.get_logger()
 
@@ -75,8 +72,20 @@ def why(e: BaseException, io_timeout_s: float | None) -> str:
     return str(e)
 
 
+class Endpoint(Protocol):
+    """What a stream needs of the endpoint that owns it (the sender's, one per target)."""
+
+    target: str
+    addr: tuple[str, int]
+    connect_timeout_s: float
+    io_timeout_s: float
+    closed: bool
+
+    def redispatch(self, orphans: list["Slice"], failed: "Stream") -> None: ...
+
+
 class Stream:
-    def __init__(self, ep: "_Endpoint", index: int) -> None:
+    def __init__(self, ep: Endpoint, index: int) -> None:
         self.ep = ep
         self.index = index
         self.sock: socket.socket | None = None
