@@ -4,6 +4,7 @@ itself comes from :mod:`services.worker.factory`."""
 
 import argparse
 import asyncio
+from pathlib import Path
 
 import structlog
 
@@ -18,6 +19,7 @@ from services.common.shutdown import StopEvent
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
 from services.store.client import StoreClient, TransferError
+from services.worker import pod_role
 from services.worker.factory import make_worker, settings_from_args
 from services.worker.role_host import RoleHost
 from services.worker.warmup import calibrate
@@ -70,6 +72,18 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
         "with the same engine (dynamic P/D ratio)",
     )
     p.add_argument(
+        "--pod-role-label",
+        action="store_true",
+        help="in a Kubernetes pod named --instance: keep its label perigee.io/role equal "
+        "to the role served (the pod's service account may patch pods), and start in "
+        "the role that label already names (read from --pod-labels-file)",
+    )
+    p.add_argument(
+        "--pod-labels-file",
+        default=str(pod_role.LABELS_FILE),
+        help="the downward API file of the pod's labels (default: %(default)s)",
+    )
+    p.add_argument(
         "--tbt-gate-slo",
         type=float,
         default=0.0,
@@ -104,7 +118,13 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
 async def run(role: str, args: argparse.Namespace) -> int:
     """Exit codes: 0 stopped by a signal, 1 engine died or store unreachable,
     2 engine unavailable or store layout mismatch."""
+    started_as = role
+    if args.switchable and args.pod_role_label:
+        # Switched before its container restarted: it goes on in the role it had.
+        role = pod_role.role_from_labels(Path(args.pod_labels_file)) or role
     log = configure(role, args.log_level)
+    if role != started_as:
+        log.info("role_from_pod_label", role=role, started_as=started_as)
     structlog.contextvars.bind_contextvars(instance=args.instance)
     setup_tracing(role)
     spec = ModelSpec.from_dir(args.model_dir)
@@ -169,7 +189,15 @@ async def run(role: str, args: argparse.Namespace) -> int:
         cost = calib.model()
         settings = settings_from_args(args, layout, cost, calibrator=calib)
         if args.switchable:
-            return await RoleHost(nc, store, engine, role, settings).run(stop)
+            on_role = None
+            if args.pod_role_label:
+                try:
+                    on_role = pod_role.PodRoleLabel(
+                        pod_role.PodApi.in_cluster(args.instance)
+                    ).publish
+                except pod_role.PodApiError as e:
+                    log.warning("pod_role_label_off", error=str(e))
+            return await RoleHost(nc, store, engine, role, settings, on_role).run(stop)
         worker = make_worker(role, nc, store, engine, settings)
         await worker.start()
         dead = asyncio.ensure_future(worker.dead.wait())

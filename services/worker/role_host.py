@@ -14,11 +14,13 @@ engine serves both roles)::
     any --stop signal or engine dead--> the worker closes, the process exits
 
 RoleSwitch messages for other instances, for the role already served, or malformed
-ones are ignored. The instance id does not change with the role.
+ones are ignored. The instance id does not change with the role. ``on_role`` hears each
+role as it starts serving (services.worker.pod_role tells Kubernetes), in the
+background: serving never waits for it.
 """
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -36,7 +38,13 @@ log = structlog.get_logger()
 
 class RoleHost:
     def __init__(
-        self, nc: NATS, store: Any, engine: Any, role: str, settings: WorkerSettings
+        self,
+        nc: NATS,
+        store: Any,
+        engine: Any,
+        role: str,
+        settings: WorkerSettings,
+        on_role: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {role!r}")
@@ -48,6 +56,8 @@ class RoleHost:
         self.serving = asyncio.Event()  # set while a worker is started and serving
         self._target: str | None = None
         self._switch = asyncio.Event()
+        self.on_role = on_role
+        self._told: set[asyncio.Task[None]] = set()
 
     async def _on_ctl(self, m: NatsMsg) -> None:
         try:
@@ -74,6 +84,10 @@ class RoleHost:
                 await self.worker.start()
                 self.serving.set()
                 log.info("role_serving", role=self.role, switches=self.switches)
+                if self.on_role is not None:
+                    told = asyncio.ensure_future(self.on_role(self.role))
+                    self._told.add(told)
+                    told.add_done_callback(self._told.discard)
                 ended = await _first(stop.wait(), self.worker.dead.wait(), self._switch.wait())
                 if ended != 2:
                     self.serving.clear()
@@ -89,6 +103,9 @@ class RoleHost:
                 self._switch.clear()
                 self.switches += 1
         finally:
+            for told in list(self._told):
+                told.cancel()
+            await asyncio.gather(*self._told, return_exceptions=True)
             try:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001 - connection may be gone

@@ -63,7 +63,12 @@ async def host(nats_url):
         drain_quiet_s=0.1,
         reserver=reserver,
     )
-    h = RoleHost(nc, store, engine, "prefill", settings)
+    told: list[str] = []  # what Kubernetes would be told (services.worker.pod_role)
+
+    async def on_role(role: str) -> None:
+        told.append(role)
+
+    h = RoleHost(nc, store, engine, "prefill", settings, on_role=on_role)
     stop = asyncio.Event()
     run = asyncio.create_task(h.run(stop))
     await asyncio.wait_for(h.serving.wait(), 5)
@@ -77,6 +82,7 @@ async def host(nats_url):
         run=run,
         sfx=sfx,
         reserver=reserver,
+        told=told,
     )
     yield h
     stop.set()
@@ -146,6 +152,9 @@ async def test_switch_drains_the_running_prefill_then_serves_decode(host):
     await wait_until(lambda: host.role == "decode" and host.serving.is_set())
     await wait_until(lambda: seen and seen[-1] == "load:decode")
     assert isinstance(host.worker, DecodeWorker) and host.switches == 1
+    # Each role was told once, as it started serving.
+    await wait_until(lambda: len(t["told"]) == 2)
+    assert t["told"] == ["prefill", "decode"]
     # the queued prefill finished and was handed off before the instance changed role
     assert seen == ["load:prefill", f"decode_task:{task.request.request_id}", "load:decode"]
 

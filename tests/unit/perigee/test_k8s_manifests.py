@@ -446,6 +446,46 @@ def test_each_role_scales_by_the_operators_tools(rendered, tree):
         assert pdbs[f"perigee-{role}"]["spec"]["maxUnavailable"] == 1
 
 
+@pytest.mark.parametrize("tree", list(TREES))
+def test_the_pd_controllers_role_switches_reach_kubernetes(rendered, tree):
+    """A switched worker labels its own pod perigee.io/role (services.worker.pod_role):
+    its pod runs as a service account that may patch pods and nothing else, and the
+    labels file it starts from is the pod's downward API view of its labels."""
+    docs = rendered[tree]
+    accounts = {
+        w["metadata"]["name"]: w["spec"]["template"]["spec"].get("serviceAccountName")
+        for w in workloads(docs)
+    }
+    serving = {"perigee-prefill", "perigee-decode"}
+    assert {n for n, sa in accounts.items() if sa == "perigee-worker"} == serving
+    assert "perigee-worker" in objs(docs, "ServiceAccount")
+    [binding] = [
+        b
+        for b in objs(docs, "RoleBinding").values()
+        for sub in b["subjects"]
+        if (sub["kind"], sub["name"], sub.get("namespace"))
+        == ("ServiceAccount", "perigee-worker", "perigee")
+    ]
+    role = objs(docs, "Role")[binding["roleRef"]["name"]]
+    assert binding["roleRef"]["kind"] == "Role"  # its own namespace only
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+    for name in serving:
+        spec = objs(docs, "StatefulSet")[name]["spec"]["template"]["spec"]
+        worker = next(c for c in spec["containers"] if c["name"] == "worker")
+        args = parsed(docs, worker)[1]
+        assert args.switchable and args.pod_role_label
+        mount = next(
+            m for m in worker["volumeMounts"] if args.pod_labels_file.startswith(m["mountPath"])
+        )
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        item = next(
+            i
+            for i in volume["downwardAPI"]["items"]
+            if Path(mount["mountPath"], i["path"]) == Path(args.pod_labels_file)
+        )
+        assert item["fieldRef"]["fieldPath"] == "metadata.labels"
+
+
 def test_kubectl_scale_would_find_the_scale_subresources(rendered):
     """kubectl scale works on Deployments and StatefulSets (their scale subresource):
     every role that scales by replica count is one of those, never a bare Pod."""
