@@ -2,18 +2,21 @@
 
 ``python -m perigee.multihost --hosts 3`` (root; ``perigee multihost`` too) builds
 
-    switch namespace:  bridge br0 ── veth ── host 0: eth0 10.77.0.1/24  nats-server, gateway,
+    switch namespace:  bridge br0 ── veth ── host 0: eth0 10.77.0.1/24  nats n0, gateway,
                                   │                  admission, conductor, store p0, prefill-0
-                                  ├─ veth ── host 1: eth0 10.77.0.2/24  store p1, prefill-1
-                                  └─ veth ── host 2: eth0 10.77.0.3/24  store d0, decode-0
+                                  ├─ veth ── host 1: eth0 10.77.0.2/24  nats n1, store p1, prefill-1
+                                  └─ veth ── host 2: eth0 10.77.0.3/24  nats n2, store d0, decode-0
 
 Each host is a network namespace with its own address and a mount namespace with its
 own ``/dev/shm`` (a private tmpfs), so the hosts share no memory: a worker attaches its
 own host's store arena, and KV moves between hosts only through the stores' transfer
 engine (multi-stream TCP, coordinated over ZeroMQ), across the veths. The bridge lives in a namespace of its own, so nothing is
 added to the machine's own network. Serving nodes go round-robin over the hosts
-(prefill nodes first, then decode), the control plane and NATS on host 0. NATS is one
-server: a NATS cluster across the hosts is a later issue.
+(prefill nodes first, then decode), the control plane on host 0. NATS is a cluster
+across the hosts (``--nats-cluster``, default one server on each of the first three):
+server ``i`` listens on host ``i``'s address, the routes between them cross the veths,
+JetStream streams get min(3, n) replicas, and every service is given the whole server
+list and its own login, as under ``perigee up --nats-cluster``.
 
 The namespaces exist only while the stack runs; :meth:`Hosts.close` removes all of
 them (and every process in them has been stopped by then). Reach the gateway from a
@@ -31,14 +34,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from perigee.natsd import nats_server_binary
+from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.stack import ROOT, Child, Stack, StackConfig, StartAborted
 
@@ -70,6 +72,18 @@ class Host:
     netns: str  # ip netns name
     addr: str  # its eth0 address
     mntns: Path  # a bind-mounted mount namespace with a private /dev/shm
+
+    def nats_server_args(self) -> dict:
+        """Where a nats-server of the cluster runs on this host (perigee.natsd.NatsServer):
+        its own address, the usual ports (each host has a network of its own), started
+        through nsenter and probed from a thread inside the namespace."""
+        return {
+            "host": self.addr,
+            "port": 4222,
+            "cluster_port": 6222,
+            "launcher": self.nsenter(),
+            "reach": lambda probe: on_host(self, probe),
+        }
 
     def nsenter(self) -> list[str]:
         """A command prefix that runs what follows on this host."""
@@ -246,8 +260,6 @@ class MultiHostStack(Stack):
         cfg.host = head.addr
         super().__init__(cfg)
         self.placement: dict[str, Host] = {}  # child name -> host
-        self.nats_proc: subprocess.Popen | None = None
-        self._nats_dir: tempfile.TemporaryDirectory | None = None
 
     def host_of_node(self, node: str) -> Host:
         """Serving nodes round-robin: p0, p1, ..., d0, d1, ... over hosts 0, 1, 2, ..."""
@@ -311,46 +323,22 @@ class MultiHostStack(Stack):
             )
         self.children[child.name] = child
 
-    def _start_nats(self, timeout: float = 10.0) -> None:
-        head = self.hosts.hosts[0]
-        port = 4222
-        self._nats_dir = tempfile.TemporaryDirectory(prefix="perigee-nats-")
-        log = open(Path(self.cfg.log_dir) / "nats-server.log", "ab")  # noqa: SIM115
-        self.nats_proc = subprocess.Popen(
-            [
-                *head.nsenter(),
-                nats_server_binary(),
-                "-a",
-                head.addr,
-                "-p",
-                str(port),
-                "-js",
-                "-sd",
-                self._nats_dir.name,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent(),
+    def new_nats(self, log_dir: Path) -> NatsServer | NatsCluster:
+        n = self.cfg.nats_cluster
+        if n > 1:
+            return NatsCluster(
+                n,
+                max_payload=self.cfg.nats_max_payload,
+                log_dir=str(log_dir),
+                hosts=self.hosts.hosts[:n],
+            )
+        args = self.hosts.hosts[0].nats_server_args()
+        del args["cluster_port"]
+        return NatsServer(
+            max_payload=self.cfg.nats_max_payload,
+            log_file=str(log_dir / "nats-server.log"),
+            **args,
         )
-        log.close()
-        self.nats_url = f"nats://{head.addr}:{port}"
-
-        async def up() -> None:
-            deadline = time.monotonic() + timeout
-            while True:
-                if self.nats_proc.poll() is not None:
-                    raise RuntimeError(f"nats-server exited with {self.nats_proc.returncode}")
-                try:
-                    _, w = await asyncio.open_connection(head.addr, port)
-                    w.close()
-                    return
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("nats-server did not start in time") from None
-                    await asyncio.sleep(0.05)
-
-        on_host(head, lambda: asyncio.run(up()))
 
     def start(
         self, timeout: float | None = None, abort: threading.Event | None = None
@@ -360,10 +348,10 @@ class MultiHostStack(Stack):
         self._abort = abort
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         try:
-            self._start_nats()
-            # Children are forked from this thread (their PR_SET_PDEATHSIG follows it);
-            # the readiness checks talk to host 0 from a thread inside its namespace.
-            for child in self.observability(self.plan()):
+            # Children (nats-servers included) are forked from this thread (their
+            # PR_SET_PDEATHSIG follows it); the readiness checks talk to the hosts from
+            # threads inside their namespaces.
+            for child in self._with_bus():
                 self._check_alive()
                 self._spawn(child)
             on_host(self.hosts.hosts[0], lambda: asyncio.run(self._wait_ready(timeout)))
@@ -371,27 +359,6 @@ class MultiHostStack(Stack):
             self.stop()
             raise
         return self
-
-    def stop(self, grace: float = 9.0) -> None:
-        super().stop(grace)
-        if self.nats_proc is not None and self.nats_proc.poll() is None:
-            self.nats_proc.terminate()
-            try:
-                self.nats_proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self.nats_proc.kill()
-                self.nats_proc.wait()
-        if self._nats_dir is not None:
-            self._nats_dir.cleanup()
-            self._nats_dir = None
-
-    def kill_all(self) -> None:
-        super().kill_all()
-        if self.nats_proc is not None and self.nats_proc.returncode is None:
-            try:
-                os.kill(self.nats_proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -422,8 +389,18 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, StackConfig]:
     p.add_argument("--speedup", default="1.0", help="mock engine speed-up")
     p.add_argument("--port", type=int, default=8000, help="gateway port on host 0")
     p.add_argument("--shm-size", default="1g", help="each host's /dev/shm (tmpfs size)")
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=None,
+        help="nats-servers, one on each of the first N hosts (default: min(3, --hosts))",
+    )
     p.add_argument("--log-dir", default=".perigee/logs-multihost")
     a = p.parse_args(argv)
+    if a.nats_cluster is None:
+        a.nats_cluster = min(3, a.hosts)
+    if not 1 <= a.nats_cluster <= a.hosts:
+        p.error(f"--nats-cluster {a.nats_cluster}: one server a host, {a.hosts} hosts")
     cfg = StackConfig(
         port=a.port,
         prefill=a.prefill,
@@ -431,6 +408,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, StackConfig]:
         engine=a.engine,
         speedup=a.speedup,
         log_dir=a.log_dir,
+        nats_cluster=a.nats_cluster,
     )
     if a.model_dir:
         cfg.model_dir = a.model_dir
@@ -463,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, host in stack.placement.items():
                 print(f"  {host.netns} {host.addr:<11} {name}", flush=True)
             print(
-                f"perigee multihost: ready at {stack.url} (NATS {stack.nats_url})\n"
+                f"perigee multihost: ready at {stack.url} (NATS {stack.nats.url}, logins "
+                f"in {cfg.log_dir}/nats/credentials.json)\n"
                 f"  ip netns exec {head} curl {stack.url}/v1/completions "
                 "-H 'Content-Type: application/json' "
                 '-d \'{"prompt": "Hello", "max_tokens": 8}\'\n'

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from perigee.procs import die_with_parent
 
@@ -64,11 +66,15 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """A nats-server on loopback with JetStream; ``url`` once started.
+    """A nats-server with JetStream, on loopback unless ``host`` says otherwise; ``url``
+    once started.
 
     ``auth`` is an ``authorization`` block (:mod:`perigee.natsauth`); ``cluster`` joins
     it to a :class:`NatsCluster`; ``max_payload`` bounds one message (nats-server's
     default, 1 MiB, when None). The config goes into a file next to its JetStream store.
+    ``launcher`` prefixes its command line and ``reach`` runs its readiness probe: both
+    put a server on another host's network (:mod:`perigee.multihost`: ``nsenter``, and
+    a thread inside that host's namespace); ``host`` is then its address there.
     """
 
     def __init__(
@@ -81,14 +87,20 @@ class NatsServer:
         max_payload: int | None = None,
         cluster: "ClusterSpec | None" = None,
         log_file: str | None = None,
+        host: str = "127.0.0.1",
+        cluster_port: int = 0,
+        launcher: Sequence[str] = (),
+        reach: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
+        self.host = host
         self.port = port or free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = f"nats://{host}:{self.port}"
         self.name = name or f"nats-{self.port}"
         self._store_dir = store_dir
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.auth, self.max_payload, self.cluster = auth, max_payload, cluster
-        self.cluster_port = free_port() if cluster else 0
+        self.cluster_port = (cluster_port or free_port()) if cluster else 0
+        self.launcher, self.reach = list(launcher), reach
         self.monitor_port = free_port()  # http://127.0.0.1:<it>/connz, /routez, /jsz
         self.log_file = log_file
         self.proc: subprocess.Popen | None = None
@@ -96,7 +108,7 @@ class NatsServer:
     def config(self) -> str:
         lines = [
             f"server_name: {json.dumps(self.name)}",
-            f"listen: 127.0.0.1:{self.port}",
+            f"listen: {self.host}:{self.port}",
             f"http: 127.0.0.1:{self.monitor_port}",
             f"jetstream {{ store_dir: {json.dumps(self._store_dir)} }}",
         ]
@@ -105,12 +117,12 @@ class NatsServer:
         if self.cluster is not None:
             c = self.cluster
             routes = ", ".join(
-                json.dumps(f"nats://{c.user}:{c.password}@127.0.0.1:{p}")
-                for p in c.ports
-                if p != self.cluster_port
+                json.dumps(f"nats://{c.user}:{c.password}@{host}:{p}")
+                for host, p in c.routes
+                if (host, p) != (self.host, self.cluster_port)
             )
             lines.append(
-                f"cluster {{ name: {json.dumps(c.name)}, listen: 127.0.0.1:"
+                f"cluster {{ name: {json.dumps(c.name)}, listen: {self.host}:"
                 f"{self.cluster_port}, authorization {{ user: {json.dumps(c.user)}, "
                 f"password: {json.dumps(c.password)} }}, routes: [{routes}] }}"
             )
@@ -133,7 +145,7 @@ class NatsServer:
         log = open(self.log_file, "ab") if self.log_file else subprocess.PIPE  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
-                [nats_server_binary(), "-c", str(conf)],
+                [*self.launcher, nats_server_binary(), "-c", str(conf)],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 # Its own session: a terminal's Ctrl-C reaches the process that started
@@ -146,6 +158,13 @@ class NatsServer:
                 log.close()
 
     def wait_listening(self, timeout: float = 10.0) -> None:
+        if self.reach is not None:
+            reach, self.reach = self.reach, None
+            try:
+                reach(lambda: self.wait_listening(timeout))
+            finally:
+                self.reach = reach
+            return
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -154,7 +173,7 @@ class NatsServer:
                     err = Path(self.log_file).read_text(errors="replace")
                 raise RuntimeError(f"nats-server exited: {err[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     if s.recv(4).startswith(b"INFO"):
                         return
             except OSError:
@@ -187,20 +206,31 @@ class NatsServer:
         self.stop()
 
 
+class RemoteHost(Protocol):
+    """A host a cluster's server runs on (:class:`perigee.multihost.Host`)."""
+
+    def nats_server_args(self) -> dict[str, Any]:
+        """NatsServer's host, port, cluster_port, launcher and reach for this host."""
+        ...
+
+
 @dataclass
 class ClusterSpec:
-    """What the servers of one cluster share: its name, route ports and route login
-    (routes are authenticated too: the cluster port would otherwise bypass every user)."""
+    """What the servers of one cluster share: its name, route addresses (host, port) and
+    route login (routes are authenticated too: the cluster port would otherwise bypass
+    every user)."""
 
     name: str = "perigee"
-    ports: list[int] = field(default_factory=list)
+    routes: list[tuple[str, int]] = field(default_factory=list)
     user: str = "route"
     password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
 
 
 class NatsCluster:
-    """``n`` clustered nats-servers on loopback with JetStream (a JetStream stream made
-    with ``replicas=n`` survives losing a minority of them). ``urls``: every client URL."""
+    """``n`` clustered nats-servers with JetStream (a JetStream stream made with
+    ``replicas=n`` survives losing a minority of them), on loopback, or server ``i`` on
+    ``hosts[i]`` (its address, a command prefix that runs there and a way to probe it
+    from there: :mod:`perigee.multihost`). ``urls``: every client URL."""
 
     def __init__(
         self,
@@ -210,6 +240,7 @@ class NatsCluster:
         max_payload: int | None = None,
         store_dir: str | None = None,
         log_dir: str | None = None,
+        hosts: "Sequence[RemoteHost] | None" = None,
     ) -> None:
         self.spec = ClusterSpec()
         self._tmp = None if store_dir else tempfile.TemporaryDirectory(prefix="perigee-nats-")
@@ -222,12 +253,13 @@ class NatsCluster:
                 max_payload=max_payload,
                 cluster=self.spec,
                 log_file=str(Path(log_dir) / f"nats-n{i}.log") if log_dir else None,
+                **(hosts[i].nats_server_args() if hosts else {}),
             )
             for i in range(n)
         ]
         for srv in self.servers:
             Path(srv._store_dir).mkdir(parents=True, exist_ok=True)
-        self.spec.ports = [srv.cluster_port for srv in self.servers]
+        self.spec.routes = [(srv.host, srv.cluster_port) for srv in self.servers]
         self.urls = [srv.url for srv in self.servers]
         self.url = ",".join(self.urls)
 

@@ -447,14 +447,7 @@ class Stack:
             return self.observability(self.plan())
         log_dir = Path(c.log_dir) / "nats"  # not beside the services' logs: no service's
         log_dir.mkdir(parents=True, exist_ok=True)
-        if c.nats_cluster > 1:
-            self.nats = NatsCluster(
-                c.nats_cluster, max_payload=c.nats_max_payload, log_dir=str(log_dir)
-            )
-        else:
-            self.nats = NatsServer(
-                max_payload=c.nats_max_payload, log_file=str(log_dir / "nats-server.log")
-            )
+        self.nats = self.new_nats(log_dir)
         self.nats_url = self.nats.url  # the services' --nats: every server, no login
         children = self.plan()
         servers = self.nats.url.split(",")
@@ -480,6 +473,13 @@ class Stack:
         self.nats.start()  # before the metrics ports are drawn: they cannot take its own
         self.nats_url, self.nats_urls = servers[0], ",".join(servers)
         return self.observability(children)
+
+    def new_nats(self, log_dir: Path) -> NatsServer | NatsCluster:
+        """The bus this stack starts (not yet started), its logs in ``log_dir``."""
+        c = self.cfg
+        if c.nats_cluster > 1:
+            return NatsCluster(c.nats_cluster, max_payload=c.nats_max_payload, log_dir=str(log_dir))
+        return NatsServer(max_payload=c.nats_max_payload, log_file=str(log_dir / "nats-server.log"))
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready when every worker has reported load and the gateway answers /health."""

@@ -1,9 +1,9 @@
 """Three hosts on one machine (perigee.multihost): network namespaces on one bridge, each
 with its own address and its own /dev/shm, the bridge in a fourth namespace.
 
-    host 0 (10.77.0.1): nats-server, gateway, admission, conductor, store p0, prefill-0
-    host 1 (10.77.0.2): store p1, prefill-1
-    host 2 (10.77.0.3): store d0, decode-0
+    host 0 (10.77.0.1): nats n0, gateway, admission, conductor, store p0, prefill-0
+    host 1 (10.77.0.2): nats n1, store p1, prefill-1
+    host 2 (10.77.0.3): nats n2, store d0, decode-0
 
 A prefix computed on one prefill host (A) and then needed while A is busy is prefilled
 on the other prefill host (B): B's store pulls the prefix with the transfer engine's
@@ -12,8 +12,9 @@ whole prompt's KV when the first request was decoded there; the conductor picks 
 holder with less in flight). The KV of every prompt goes to host 2 for decode. The mock engine checks
 every KV byte it loads against what a single process computes, and its greedy tokens
 are a pure function of the prompt (``services.engine.synth.reference_generate``), so
-equal tokens and no error mean the bytes crossed intact. NATS is one server on host 0
-(a NATS cluster across the hosts is a later issue).
+equal tokens and no error mean the bytes crossed intact. NATS is a cluster of three
+servers, one on each host, routed to each other across the veths, with JetStream
+streams replicated on all three and a login per service.
 
 Needs root, ``ip``, ``nsenter`` and ``unshare``; skipped with the reason otherwise.
 Every namespace and mount is removed when the module ends, on failure too.
@@ -23,6 +24,7 @@ import asyncio
 import json
 import subprocess
 import time
+import urllib.request
 import uuid
 
 import nats
@@ -45,6 +47,7 @@ from bus_schemas.requests import (
 )
 from perigee.multihost import Hosts, MultiHostStack, on_host, unavailable
 from perigee.stack import ROOT, StackConfig
+from services.common import intake_queue
 from services.common.cost_fit import PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
@@ -115,6 +118,7 @@ def multihost(tmp_path_factory):
             store_capacity_blocks=512,
             cost_model=str(cost_model),
             log_dir=str(tmp_path_factory.mktemp("logs-multihost")),
+            nats_cluster=3,
         )
         s = MultiHostStack(cfg, hosts)
         s.start()
@@ -245,6 +249,36 @@ def test_each_host_serves_on_its_own_address_and_its_own_shared_memory(multihost
         for other in s.hosts.hosts:
             assert (i.shm_name in shm_files(other)) == (other == host), (node, other.netns)
     assert len({s.host_of_node(n).netns for n in info}) == 3
+
+
+def test_the_nats_cluster_spans_the_hosts(multihost):
+    """One server on each host, on that host's address, routed to the other two over the
+    veths, and the intake work queue replicated on all three."""
+    s = multihost
+    servers = s.nats.servers
+    hosts = s.hosts.hosts
+    assert [srv.url for srv in servers] == [f"nats://{h.addr}:4222" for h in hosts]
+
+    def routez(srv) -> dict:
+        url = f"http://127.0.0.1:{srv.monitor_port}/routez"  # its host's own loopback
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return json.load(r)
+
+    for srv, host in zip(servers, hosts, strict=True):
+        z = on_host(host, lambda srv=srv: routez(srv))
+        peers = {r["ip"] for r in z["routes"]}
+        assert peers == {h.addr for h in hosts if h is not host}, (host.addr, z["routes"])
+
+    async def intake_replicas() -> tuple[int, int]:
+        nc = await nats.connect(s.nats_url)
+        try:
+            info = await nc.jetstream().stream_info(intake_queue.INTAKE_STREAM)
+            return info.config.num_replicas, len(info.cluster.replicas or [])
+        finally:
+            await nc.close()
+
+    # Three copies: the leader and two replicas, on the other hosts' servers.
+    assert on_host(hosts[0], lambda: asyncio.run(intake_replicas())) == (3, 2)
 
 
 def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
