@@ -332,12 +332,10 @@ class MultiHostStack(Stack):
                 log_dir=str(log_dir),
                 hosts=self.hosts.hosts[:n],
             )
-        args = self.hosts.hosts[0].nats_server_args()
-        del args["cluster_port"]
-        return NatsServer(
+        return NatsServer(  # its cluster_port is unused: no cluster
             max_payload=self.cfg.nats_max_payload,
             log_file=str(log_dir / "nats-server.log"),
-            **args,
+            **self.hosts.hosts[0].nats_server_args(),
         )
 
     def start(
