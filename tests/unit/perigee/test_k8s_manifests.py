@@ -468,7 +468,7 @@ def test_the_pd_controllers_role_switches_reach_kubernetes(rendered, tree):
     ]
     role = objs(docs, "Role")[binding["roleRef"]["name"]]
     assert binding["roleRef"]["kind"] == "Role"  # its own namespace only
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]
     for name in serving:
         spec = objs(docs, "StatefulSet")[name]["spec"]["template"]["spec"]
         worker = next(c for c in spec["containers"] if c["name"] == "worker")
