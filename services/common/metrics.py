@@ -40,14 +40,14 @@ store                  store_bytes{tier}, store_capacity_bytes{tier}, kv_cache_u
 Stage histograms come from spans (:class:`SpanMetrics`, a span processor): the
 span that times a stage for the trace also times it for Prometheus.
 
-Services other than the gateway serve ``/metrics`` on ``--metrics-port`` (0: off)
-with :func:`serve_metrics`, an aiohttp server on the service's own event loop, so
+Services other than the gateway serve ``/metrics`` on ``--metrics-port`` (0: off),
+with the ``/health`` and ``/ready`` probes beside it, by :func:`serve_metrics`, an aiohttp server on the service's own event loop, so
 collectors read the service's state on the thread that changes it.
 """
 
 import argparse
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import prometheus_client
@@ -505,15 +505,33 @@ async def metrics_handler(request: web.Request) -> web.Response:
 
 
 class MetricsServer:
-    """``GET /metrics`` on its own port, on the running event loop."""
+    """``GET /metrics`` on its own port, on the running event loop, beside the probes
+    an orchestrator asks for: ``/health`` (200 while the event loop answers) and
+    ``/ready`` (200 while ``ready()`` says the service serves, else 503; the service
+    sets it, e.g. a worker once its engine is calibrated and it takes tasks)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, ready: Callable[[], bool] | None = None) -> None:
         self.host, self.port = host, port
+        self.ready: Callable[[], bool] = ready or (lambda: True)
         self._runner: web.AppRunner | None = None
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _ready(self, _request: web.Request) -> web.Response:
+        if self.ready():
+            return web.Response(text="ready\n")
+        return web.Response(status=503, text="not ready\n")
 
     async def start(self) -> "MetricsServer":
         app = web.Application()
-        app.add_routes([web.get("/metrics", metrics_handler)])
+        app.add_routes(
+            [
+                web.get("/metrics", metrics_handler),
+                web.get("/health", self._health),
+                web.get("/ready", self._ready),
+            ]
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
@@ -526,9 +544,12 @@ class MetricsServer:
             self._runner = None
 
 
-async def serve_metrics(host: str, port: int) -> MetricsServer:
-    """Serve :data:`REGISTRY` on ``http://host:port/metrics`` (port 0: any free port)."""
-    return await MetricsServer(host, port).start()
+async def serve_metrics(
+    host: str, port: int, ready: Callable[[], bool] | None = None
+) -> MetricsServer:
+    """Serve :data:`REGISTRY` on ``http://host:port/metrics`` (port 0: any free port),
+    and ``/health`` and ``/ready`` (:class:`MetricsServer`)."""
+    return await MetricsServer(host, port, ready).start()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -542,7 +563,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def start_from_args(
-    args: argparse.Namespace, services: str | Iterable[str], *collectors: Collector
+    args: argparse.Namespace,
+    services: str | Iterable[str],
+    *collectors: Collector,
+    ready: Callable[[], bool] | None = None,
 ) -> MetricsServer | None:
     """:func:`setup` (of one service or several, e.g. a switchable worker's two roles)
     plus :func:`serve_metrics`, when ``--metrics-port`` is set."""
@@ -551,4 +575,4 @@ async def start_from_args(
     names = [services] if isinstance(services, str) else list(services)
     for i, name in enumerate(names):
         setup(name, *(collectors if i == 0 else ()))
-    return await serve_metrics(args.metrics_host, args.metrics_port)
+    return await serve_metrics(args.metrics_host, args.metrics_port, ready)

@@ -122,7 +122,12 @@ async def main(args: argparse.Namespace) -> int:
     mserver = None
     try:
         await service.start()
-        mserver = await metrics.start_from_args(args, "store", metrics.store_collector(service))
+        mserver = await metrics.start_from_args(
+            args,
+            "store",
+            metrics.store_collector(service),
+            ready=lambda: not service.failed.is_set(),
+        )
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for w in waiters:

@@ -177,7 +177,10 @@ async def run(role: str, args: argparse.Namespace) -> int:
     await engine.start()
     roles = (role, Role(role).other) if args.switchable else (role,)
     engine.on_decode_step = calib.decode_step
-    mserver = await metrics.start_from_args(args, roles, metric_collectors.worker_collector())
+    # /ready: not before the calibration warm-up is done and a worker takes tasks.
+    mserver = await metrics.start_from_args(
+        args, roles, metric_collectors.worker_collector(), ready=lambda: False
+    )
     try:
         warm = args.calibration_warmup
         if warm < 0:
@@ -197,9 +200,14 @@ async def run(role: str, args: argparse.Namespace) -> int:
                     ).publish
                 except pod_role.PodApiError as e:
                     log.warning("pod_role_label_off", error=str(e))
-            return await RoleHost(nc, store, engine, role, settings, on_role).run(stop)
+            host = RoleHost(nc, store, engine, role, settings, on_role)
+            if mserver is not None:
+                mserver.ready = host.serving.is_set  # not while draining for a switch
+            return await host.run(stop)
         worker = make_worker(role, nc, store, engine, settings)
         await worker.start()
+        if mserver is not None:
+            mserver.ready = lambda: not worker.dead.is_set()
         dead = asyncio.ensure_future(worker.dead.wait())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({dead, stopped}, return_when=asyncio.FIRST_COMPLETED)

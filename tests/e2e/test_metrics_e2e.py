@@ -77,6 +77,19 @@ async def scrape_all(http, stack) -> dict[str, dict]:
     return {name: await scrape(http, url) for name, url in stack.metrics_urls.items()}
 
 
+async def test_every_service_answers_its_probes_once_the_stack_is_ready(stack):
+    """What an orchestrator probes (deploy/k8s): /health and /ready beside /metrics on
+    every service but the gateway (which serves its own), 200 once the stack serves."""
+    async with aiohttp.ClientSession() as http:
+        for name, url in stack.metrics_urls.items():
+            if name == "gateway":
+                continue
+            base = url.removesuffix("/metrics")
+            for path in ("/health", "/ready"):
+                async with http.get(base + path) as r:
+                    assert r.status == 200, (name, path, await r.text())
+
+
 async def test_every_service_serves_metrics_that_follow_requests(stack):
     targets = json.loads(stack.metrics_targets_file.read_text())
     assert {t["labels"]["service"] for t in targets} == set(stack.metrics_urls) == set(EXPECTED)

@@ -225,6 +225,35 @@ async def test_serve_metrics_exposes_the_registry():
     assert "process_cpu_seconds_total" in text and "python_info" in text
 
 
+async def test_health_and_ready_beside_metrics():
+    """/health answers while the loop does; /ready follows the service's own test, which
+    it may change later (a worker: once it takes tasks; not while it drains)."""
+    serving = False
+    server = await m.serve_metrics("127.0.0.1", 0, ready=lambda: serving)
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+
+            async def status(path: str) -> int:
+                async with s.get(base + path) as r:
+                    return r.status
+
+            assert (await status("/health"), await status("/ready")) == (200, 503)
+            serving = True
+            assert await status("/ready") == 200
+            server.ready = lambda: False  # replaced once the service knows more
+            assert (await status("/health"), await status("/ready")) == (200, 503)
+    finally:
+        await server.close()
+    plain = await m.serve_metrics("127.0.0.1", 0)  # no test given: ready once serving
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{plain.port}/ready") as r:
+                assert r.status == 200
+    finally:
+        await plain.close()
+
+
 def test_add_arguments_default_off():
     import argparse
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bus_schemas import subjects
 from perigee.natsd import nats_server_binary
 from services.common.model_spec import ModelSpec
 
@@ -216,25 +215,16 @@ def test_probes_point_at_what_each_service_serves(rendered, tree):
             for p in ("readinessProbe", "livenessProbe"):
                 assert port_number(c, c[p]["httpGet"]["port"]) == args.port
             continue
-        # The others serve /metrics on --metrics-port, bound on every address.
+        # The others serve /metrics, /health and /ready on --metrics-port, bound on every
+        # address (services.common.metrics.MetricsServer).
         assert args.metrics_host == "0.0.0.0"
-        probes = [c[p] for p in ("livenessProbe", "readinessProbe", "startupProbe") if p in c]
-        for p in probes:
-            if "httpGet" in p:
-                assert p["httpGet"]["path"] == "/metrics"
-                assert port_number(c, p["httpGet"]["port"]) == args.metrics_port
-        assert "httpGet" in c["livenessProbe"]
-        if module in ("services.prefill", "services.decode"):
-            # Ready once it answers its stats subject, under either role (--switchable).
-            cmd = c["readinessProbe"]["exec"]["command"][-1]
-            for role in ("prefill", "decode"):
-                subject = subjects.worker_stats(role, "$POD_NAME")
-                assert (
-                    f'python -m perigee.healthcheck --nats "$NATS_URL" --subject "{subject}"'
-                ) in cmd
-            assert expand(flag(c, "--instance"), {"POD_NAME": "$POD_NAME"}) == "$POD_NAME"
-        else:
-            assert c["readinessProbe"]["httpGet"]["path"] == "/metrics"
+        assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        if "startupProbe" in c:
+            assert c["startupProbe"]["httpGet"]["path"] == "/health"
+        for p in ("livenessProbe", "readinessProbe", "startupProbe"):
+            if p in c:
+                assert port_number(c, c[p]["httpGet"]["port"]) == args.metrics_port
     assert seen == set(PARSERS)
 
 
