@@ -9,6 +9,7 @@ GenerateRequest's prompt tail (the tokens the gateway already had) followed by t
 attempt's Tokens. The prompt's full blocks must come from a store, not from a prefill.
 """
 
+import asyncio
 import importlib.util
 import json
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode
-from bus_schemas.requests import Accepted, GenerateRequest, StreamEvent, Tokens
+from bus_schemas.requests import Accepted, Error, Finished, GenerateRequest, StreamEvent, Tokens
 from perigee import models
 from tests.e2e.conftest import make_stack
 from tests.e2e.helpers import worker_stats
@@ -80,6 +81,7 @@ class Tap:
     def __init__(self) -> None:
         self.requests: dict[str, GenerateRequest] = {}
         self.events: dict[str, list] = {}
+        self._ended: dict[str, asyncio.Event] = {}
         self.nc = None
 
     async def start(self, url: str) -> "Tap":
@@ -94,6 +96,8 @@ class Tap:
                 return  # the gateway's own echo on perigee.gw.<id>, not a stream
             ev = decode(m.data, StreamEvent)
             self.events.setdefault(ev.request_id, []).append(ev)
+            if isinstance(ev, (Finished, Error)):
+                self._end(ev.request_id).set()
 
         # The gateway sends a request on the durable intake, a migration on core REQUESTS.
         await self.nc.subscribe(subjects.INTAKE, cb=on_req)
@@ -101,6 +105,14 @@ class Tap:
         await self.nc.subscribe("perigee.gw.>", cb=on_event)
         await self.nc.flush()
         return self
+
+    def _end(self, rid: str) -> asyncio.Event:
+        return self._ended.setdefault(rid, asyncio.Event())
+
+    async def ended(self, rid: str) -> None:
+        """Until the tap has the request's last event: the client can have its [DONE]
+        before this connection is handed the same message."""
+        await asyncio.wait_for(self._end(rid).wait(), 30)
 
     def tokens(self, rid: str) -> list[int]:
         out: list[int] = []
@@ -169,6 +181,7 @@ async def test_killed_decode_worker_greedy_stream_equals_undisturbed(real_stack)
         assert got["finish"] == ref["finish"]
         assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
         # Token for token, off the bus.
+        await tap.ended(ref["id"])
         want = tap.tokens(ref["id"])
         assert len(want) == ref["usage"]["completion_tokens"] > KILL_AFTER
         original = tap.requests[got["id"]]
@@ -177,6 +190,7 @@ async def test_killed_decode_worker_greedy_stream_equals_undisturbed(real_stack)
             for r in tap.requests.values()
             if r.migration and r.migration.of_request_id == got["id"]
         ]
+        await tap.ended(migrated.request_id)
         n = len(original.prompt_token_ids)
         k = migrated.migration.resumed_tokens
         assert migrated.migration.reason == "decode_died"
