@@ -64,9 +64,12 @@ SECONDS_PER_BYTE = 1 / 50e6
 # A shared-memory copy up to this size runs on the event loop (a few ms at most); a
 # bigger one on a transfer thread, so the store keeps answering meanwhile.
 SHM_ON_LOOP_MAX = 64 << 20
-# A lease no ship used for this long is closed: its request stopped between ships (a
-# request's ships follow its layers' compute, milliseconds apart; its last ship closes
-# the lease at once). Until then the peer keeps the aborted transaction's slots parked.
+# A lease no ship used for this long since its last ship is closed: its request stopped
+# between ships (a request's ships follow its layers' compute, milliseconds apart; its
+# last ship closes the lease at once). Until then the peer keeps the aborted
+# transaction's slots parked. A lease opened ahead (LEASE, as a compute starts) and not
+# shipped through yet waits for its first ship as long as its grant lasts: the compute
+# before it may take longer than this, and closing it would only cost the ship an OPEN.
 LEASE_IDLE_S = 1.0
 
 
@@ -591,14 +594,16 @@ class DataPlane:
         self._spawn(close())
 
     def retire_leases(self, now: float | None = None) -> int:
-        """Close leases idle for ``lease_idle_s`` (their request stopped between ships:
-        the peer's commit must not wait on them) or past their grant's time; how many."""
+        """Close leases idle for ``lease_idle_s`` after a ship (their request stopped
+        between ships: the peer's commit must not wait on them) or past their grant's
+        time (one opened ahead and never shipped through too); how many."""
         now = time.monotonic() if now is None else now
         n = 0
         for lease in list(self._leases.values()):
             if lease.lock.locked() or not lease.granted.done():
                 continue
-            if now - lease.used >= self.lease_idle_s or (lease.latest and now > lease.latest):
+            idle = lease.moved > 0 and now - lease.used >= self.lease_idle_s
+            if idle or (lease.latest and now > lease.latest):
                 self._retire(lease)
                 n += 1
         return n

@@ -576,6 +576,36 @@ async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_pl
     assert b.counters["grants_served"] == 2
 
 
+async def test_a_lease_opened_ahead_waits_for_its_first_ship_while_its_grant_lasts(planes):
+    """A compute longer than the idle time must not cost its first ship a new OPEN; a
+    lease never shipped through still ends with its grant's time."""
+    (a, pa, arena_a), (b, pb, arena_b) = planes
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1, 2])
+    await a.lease(
+        wire.Lease(id=1, dst_addr=b.data_addr, dst_tx=dst.tx_id, dst_epoch=1, dst_slots=dst.slots)
+    )
+    [lease] = a._leases.values()
+    now = time.monotonic()
+    assert a.retire_leases(now=now + LEASE_IDLE_S + 1) == 0  # still computing
+    assert (await a.ship(_ship(a, b, src, dst, 0, bb, last=False))).nbytes == bb
+    assert b.counters["grants_served"] == 1  # the first ship took the lease opened ahead
+    assert a.retire_leases(now=time.monotonic() + LEASE_IDLE_S + 1) == 1  # then idle: closed
+    assert await b.settled(dst.tx_id, timeout=10)
+    # Never shipped through: closed once its grant's time is out, not before.
+    other = alloc(pb, "r2", [3, 4])
+    await a.lease(
+        wire.Lease(
+            id=2, dst_addr=b.data_addr, dst_tx=other.tx_id, dst_epoch=1, dst_slots=other.slots
+        )
+    )
+    [lease] = a._leases.values()
+    assert a.retire_leases(now=lease.latest - 0.001) == 0
+    assert a.retire_leases(now=lease.latest + 0.001) == 1
+    assert await b.settled(other.tx_id, timeout=10)
+
+
 async def test_an_idle_lease_is_closed_so_a_commit_does_not_wait_on_it(planes):
     (a, pa, arena_a), (b, pb, arena_b) = planes
     bb = arena_a.block_bytes
