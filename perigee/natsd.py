@@ -158,13 +158,12 @@ class NatsServer:
                 log.close()
 
     def wait_listening(self, timeout: float = 10.0) -> None:
-        if self.reach is not None:
-            reach, self.reach = self.reach, None
-            try:
-                reach(lambda: self.wait_listening(timeout))
-            finally:
-                self.reach = reach
-            return
+        if self.reach is None:
+            self._probe(timeout)
+        else:  # from where the server's address is reachable
+            self.reach(lambda: self._probe(timeout))
+
+    def _probe(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

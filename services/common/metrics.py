@@ -41,8 +41,9 @@ Stage histograms come from spans (:class:`SpanMetrics`, a span processor): the
 span that times a stage for the trace also times it for Prometheus.
 
 Services other than the gateway serve ``/metrics`` on ``--metrics-port`` (0: off),
-with the ``/health`` and ``/ready`` probes beside it, by :func:`serve_metrics`, an aiohttp server on the service's own event loop, so
-collectors read the service's state on the thread that changes it.
+with the ``/health`` and ``/ready`` probes beside it, by :func:`serve_metrics`, an
+aiohttp server on the service's own event loop, so collectors read the service's state
+on the thread that changes it.
 """
 
 import argparse
