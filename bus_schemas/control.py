@@ -106,6 +106,8 @@ class StoreInfo(Msg):
     ts: float = 0.0
     # Plain-TCP endpoint for object put/get (tcp://host:port); "" when not served.
     obj_addr: str = ""
+    # Unix socket for a same-host worker's SHIP / PULL / LEASE; "" when not served.
+    ctl_path: str = ""
 
 
 class DumpRequest(Msg):

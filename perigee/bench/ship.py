@@ -14,8 +14,10 @@ on the source and a DECODE one on the destination, the source slots filled with
 random bytes; then the worker's own calls: ``StoreClient.lease`` (the store OPENs the
 write grant on the peer: a prefill worker sends it as its compute starts, so it is
 timed apart, ``open_ms``), then, timed, ``StoreClient.ship_layer`` of every block, the
-whole KV at once (SHIP to its store over ZeroMQ -> TransferEngine WRITE under the
-grant -> CLOSE, whose verdict the OK waits for over shm -> OK). ``with_open`` is the
+whole KV at once (SHIP to its store over the store's Unix socket -> TransferEngine
+WRITE under the grant, over shm split across two copy threads -> the verdict: over TCP
+the receiver's acks, over shm the peer's slot generations read after the copy -> OK;
+the CLOSE goes out unawaited). ``with_open`` is the
 same transfer with the OPEN counted in. The first ship of each size is checked byte
 for byte on the destination.
 
@@ -260,6 +262,8 @@ async def _run(
             for p in pairs:  # which transport each pair's bytes really took
                 c = await _counters(nc, p.src.info.node)
                 stats[p.name] = {t: c.get(f"{t}_bytes", 0) for t in ("tcp", "shm", "rdma")}
+            # how the worker's requests reached its store (the Unix socket, or ZeroMQ)
+            stats["_channel"] = {p.name: "unix" if p.src.local else "zeromq" for p in pairs}
             raw.close()
         finally:
             for c in clients:
@@ -404,6 +408,8 @@ def render(rep: dict) -> str:
     mc = [r for r in rep["results"] if r["backend"] == "mooncake" and r["status"] != "ok"]
     if mc:
         lines.append(f"mooncake: unavailable ({mc[0]['reason']})")
+    for pair, how in rep.get("worker_channel", {}).items():
+        lines.append(f"{pair} pair: the worker's requests to its store over {how}")
     for pair, moved in rep.get("bytes_by_transport", {}).items():
         lines.append(
             f"{pair} pair moved: "
@@ -466,6 +472,7 @@ def main(argv: list[str]) -> int:
     rep = report(runs, mc_runs, why, tokens_of, max(1, args.repeats), block_bytes)
     rep["mooncake_python"] = py
     opens = moved.pop("_with_open")
+    rep["worker_channel"] = moved.pop("_channel")
     # The same ships with their lease's OPEN counted in (a request whose compute is
     # shorter than that round trip pays it): median GB/s and the OPEN's median ms.
     rep["with_open"] = {

@@ -45,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "on; rdma where a device exists; shm with peers on this host)",
     )
     p.add_argument(
+        "--shm-copy-threads",
+        type=int,
+        default=2,
+        help="threads that copy one big shared-memory transfer together (1: one copy "
+        "thread, no helpers)",
+    )
+    p.add_argument(
         "--prefault",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -113,6 +120,7 @@ async def main(args: argparse.Namespace) -> int:
         sweep_interval_s=args.sweep_interval,
         peer_timeout_s=args.peer_timeout,
         transports=tuple(t for t in args.transports.split(",") if t) + ("tcp",),
+        shm_copy_threads=args.shm_copy_threads,
         prefault=args.prefault,
         ssd_dir=args.ssd_dir,
         ssd_capacity_blocks=args.ssd_capacity_blocks,

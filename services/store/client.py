@@ -3,7 +3,8 @@
 Lifecycle::
 
     client = await StoreClient.connect(nc, node)   # waits for the store's "info",
-                                                    # attaches the arena, opens a DEALER
+                                                    # attaches the arena, connects to
+                                                    # its Unix socket (else a DEALER)
     client.slot(i)                                  # read/write slot i in place
     await client.lease(src, dst, blocks)                 # optional: OPEN ahead of the ships
     await client.ship_layer(src, dst, layer, blocks, layer_bytes, layer_offset)
@@ -12,7 +13,9 @@ Lifecycle::
 
 Transfers are requests to the local store (no KV byte in them), which moves the bytes
 store to store through its transfer engine; a request answers when the bytes are in
-the far store's live slots (ship) or in place here (pull).
+the far store's live slots (ship) or in place here (pull). They go over the store's
+Unix socket (:mod:`services.store.local_channel`) when this process can reach it, else
+over ZeroMQ to its data address.
 Every failure (dead peer, timeout, stale transaction, bad slots) raises
 :class:`TransferError` with a stable ``code``.
 """
@@ -21,6 +24,7 @@ import asyncio
 from typing import Any
 
 import nats.errors
+import structlog
 import zmq.asyncio
 from nats.aio.client import Client as NATS
 
@@ -32,7 +36,10 @@ from services.common.errors import CodedError
 from services.store import wire
 from services.store.arena import Arena, ArenaError
 from services.store.channel import Channel, ChannelError, next_id
+from services.store.local_channel import LocalChannel
 from tracing import inject
+
+log = structlog.get_logger()
 
 # A transfer may take this long plus its size at a floor of 50 MB/s; the store's own
 # peer deadline is shorter, so a dead peer surfaces as the store's error reply.
@@ -47,13 +54,19 @@ class TransferError(CodedError, RuntimeError):
 
 class StoreClient:
     def __init__(
-        self, nc: NATS, info: StoreInfo, arena: Arena, channel: Channel, op_timeout_s: float
+        self,
+        nc: NATS,
+        info: StoreInfo,
+        arena: Arena,
+        channel: Channel | LocalChannel,
+        op_timeout_s: float,
+        ctx: zmq.asyncio.Context | None = None,
     ) -> None:
         self.nc = nc
         self._info = info
         self.arena = arena
         self._channel = channel
-        self._ctx = channel.sock.context
+        self._ctx = ctx or zmq.asyncio.Context.instance()
         self.op_timeout_s = op_timeout_s
         self._reattaching = asyncio.Lock()
 
@@ -71,8 +84,13 @@ class StoreClient:
         info = await fetch_info(nc, node, timeout)
         arena = Arena.attach(info.shm_name, info.capacity_blocks, info.block_bytes)
         arena.prefault()
-        channel = Channel(ctx or zmq.asyncio.Context.instance(), info.data_addr)
-        return cls(nc, info, arena, channel, op_timeout_s)
+        ctx = ctx or zmq.asyncio.Context.instance()
+        return cls(nc, info, arena, await _channel_to(info, ctx), op_timeout_s, ctx)
+
+    @property
+    def local(self) -> bool:
+        """Whether requests take the store's Unix socket (not ZeroMQ)."""
+        return isinstance(self._channel, LocalChannel)
 
     @property
     def info(self) -> StoreInfo:
@@ -217,13 +235,10 @@ class StoreClient:
             except ArenaError as e:
                 raise TransferError("store_restarted", str(e)) from None
             arena.prefault()
-            self._swap(info, arena)
-
-    def _swap(self, info: StoreInfo, arena: Arena) -> None:
-        self.arena.close()
-        self.arena, self._info = arena, info
-        self._channel.close()
-        self._channel = Channel(self._ctx, info.data_addr)
+            self.arena.close()
+            self.arena, self._info = arena, info
+            self._channel.close()
+            self._channel = await _channel_to(info, self._ctx)
 
     async def close(self) -> None:
         await self._channel.aclose()
@@ -248,12 +263,22 @@ class StoreClient:
 
     async def _request(self, header: Any, nbytes: int) -> None:
         if self._channel.closed:  # a timeout closed it: reconnect for the next request
-            self._channel = Channel(self._ctx, self._info.data_addr)
+            self._channel = await _channel_to(self._info, self._ctx)
         timeout = self.op_timeout_s + nbytes * SECONDS_PER_BYTE
         try:
             await self._channel.request(header, timeout=timeout)
         except ChannelError as e:
             raise TransferError(e.code, e.message) from None
+
+
+async def _channel_to(info: StoreInfo, ctx: zmq.asyncio.Context) -> Channel | LocalChannel:
+    """The store's Unix socket when this process reaches it, else its ZeroMQ address."""
+    if info.ctl_path:
+        try:
+            return await LocalChannel.connect(info.ctl_path)
+        except OSError as e:
+            log.info("store_socket_unreachable", node=info.node, path=info.ctl_path, error=str(e))
+    return Channel(ctx, info.data_addr)
 
 
 def _pick(tx: TxHandle, blocks: list[int], side: str) -> list[int]:

@@ -32,7 +32,7 @@ may start only under a live grant and holds the slots while bytes move.
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, MutableSequence
 from dataclasses import dataclass
 
 
@@ -51,14 +51,21 @@ class Op:
 
 
 class SlotFence:
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, gens: MutableSequence[int] | None = None) -> None:
+        """``gens``: where the generations live, zeros, ``capacity`` long (the data plane
+        passes an int64 view of shared memory, so a same-host writer can check them
+        after its copy without asking)."""
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self._lock = threading.Lock()
         self._available: deque[int] = deque(range(capacity))
         self._parked: set[int] = set()
-        self._gen = [0] * capacity
+        if gens is None:
+            gens = [0] * capacity
+        elif len(gens) != capacity or any(gens):
+            raise ValueError(f"gens must be {capacity} zeros")
+        self._gen = gens
         self._live_w = [0] * capacity
         self._live_r = [0] * capacity
         self._busy = [0] * capacity
@@ -102,6 +109,12 @@ class SlotFence:
 
     def generation(self, slot: int) -> int:
         return self._gen[slot]
+
+    def unshare_gens(self) -> None:
+        """Keep the generations in a list of our own from now on (before the shared
+        memory that held them is released)."""
+        with self._lock:
+            self._gen = list(self._gen)
 
     # ------------------------------------------------------------------ grants
 

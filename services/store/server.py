@@ -109,6 +109,7 @@ class StoreService:
         sweep_interval_s: float = 0.25,
         peer_timeout_s: float = 5.0,
         transports: tuple[str, ...] = TRANSPORTS,
+        shm_copy_threads: int = 2,
         prefault: bool = True,
         clock: Clock | None = None,
         ssd_dir: str | None = None,
@@ -128,6 +129,7 @@ class StoreService:
         self.sweep_interval_s = sweep_interval_s
         self.peer_timeout_s = peer_timeout_s
         self.transports = transports
+        self.shm_copy_threads = shm_copy_threads
         self.clock = clock or WallClock()
         self.prefault = prefault
         self.epoch = time.time_ns()
@@ -194,6 +196,7 @@ class StoreService:
             peer_timeout_s=self.peer_timeout_s,
             transports=self.transports,
             sweep_interval_s=self.sweep_interval_s,
+            shm_copy_threads=self.shm_copy_threads,
         )
         self.data.objects = self.objects
         self.replicas.data = self.data
@@ -285,6 +288,7 @@ class StoreService:
             host=socket.gethostname(),
             ts=time.time(),
             obj_addr=self.obj_server.addr if self.obj_server is not None else "",
+            ctl_path=self.data.ctl_path,
         )
 
     def stats(self) -> WorkerStats:

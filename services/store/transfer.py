@@ -10,15 +10,19 @@ Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames)
       CLOSE (from a peer store): the grant ends: OK when its slots stayed live, else
             ERR ``fenced`` (the transaction was aborted or expired meanwhile: the bytes
             are discarded, the slots are reused only now that nothing moves into them).
-      SHIP / PULL / LEASE (from a local worker): run as their own task:
+      SHIP / PULL / LEASE (from a local worker; also on the Unix socket of
+            ``local_channel``, which spares a same-host worker ZeroMQ's I/O threads):
+            run as their own task:
             SHIP  hold our source slots (a read grant on our fence), take the lease on
                   the peer's destination slots (a write grant OPENed once per
                   destination transaction and reused by its ships, see ``_Lease``),
                   WRITE the spans into its arena; OK once the bytes are in: over TCP
                   the peer's receiver acked each write after checking its slots were
-                  live. The ``last`` ship CLOSEs the lease; over shared memory or RDMA
-                  (no receiver checks a write) its OK waits for the CLOSE verdict, so
-                  the request's last OK says the peer accepted every byte of the lease.
+                  live; over shared memory the peer's slot generations, read after
+                  the copy, are unchanged (see ``shared_gens``). The ``last`` ship
+                  CLOSEs the lease, unawaited; over RDMA, or to a peer that shares no
+                  generations, nothing checked the bytes, so the OK waits for the
+                  CLOSE verdict: a request's last OK says the peer accepted every byte.
             LEASE OPEN the lease ahead of the ships (OK once granted).
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
@@ -30,7 +34,10 @@ Transports, best first: RDMA when both stores have a device, shared memory when 
 peer's segment is visible on this host, else multi-stream TCP (the TCP receiver checks
 every write against the fence on its own thread, see ``ArenaGuard``). Bytes moved as
 initiator are counted per transport (``tcp_bytes``, ``shm_bytes``, ``rdma_bytes``).
-Transfers run on a small thread pool, never on the event loop.
+A shared-memory copy up to ``SHM_ON_LOOP_MAX`` runs on the event loop (cheaper than a
+thread hop; from ``SHM_SPLIT_MIN`` on, split across ``shm_copy_threads`` threads); a TCP
+transfer to a connected peer is submitted from it (the stream threads send); any other
+transfer runs on a small thread pool.
 """
 
 import asyncio
@@ -51,6 +58,8 @@ from services.store.arena import Arena
 from services.store.block_pool import BlockPool
 from services.store.channel import ChannelError, PeerPool, next_id, tune
 from services.store.fence import ArenaGuard, Grant, SlotFence
+from services.store.local_channel import LocalServer
+from services.store.shared_gens import OwnGens, PeerGens
 from services.store.transfer_api import TransferApiError, TransferEngine, TransferRequest
 from services.store.transport import Opcode, Poll, TransportError
 from services.store.transport import shm as shm_transport
@@ -64,6 +73,9 @@ SECONDS_PER_BYTE = 1 / 50e6
 # A shared-memory copy up to this size runs on the event loop (a few ms at most); a
 # bigger one on a transfer thread, so the store keeps answering meanwhile.
 SHM_ON_LOOP_MAX = 64 << 20
+# A shared-memory copy this big or bigger is split across ``shm_copy_threads`` threads
+# (the copying one and helpers): below it, waking a helper costs what it saves.
+SHM_SPLIT_MIN = 4 << 20
 # A lease no ship used for this long since its last ship is closed: its request stopped
 # between ships (a request's ships follow its layers' compute, milliseconds apart; its
 # last ship closes the lease at once). Until then the peer keeps the aborted
@@ -138,12 +150,20 @@ class DataPlane:
         tcp_streams: int = 4,
         sweep_interval_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        local_dir: str | None = shm_transport.SEG_DIR,
+        shm_copy_threads: int = 2,
     ) -> None:
         self.pool = pool
         self.arena = arena
         self.epoch = epoch
+        shm_ok = "shm" in transports and transport.availability("shm").ok
+        # Same-host writers read the slot generations themselves (see shared_gens).
+        self.own_gens = OwnGens(arena.name, arena.capacity) if shm_ok else None
+        self.peer_gens = PeerGens()
         # The pool's free list from now on: freed slots pass through the fence.
-        self.fence = SlotFence(arena.capacity)
+        self.fence = SlotFence(
+            arena.capacity, gens=self.own_gens.view if self.own_gens is not None else None
+        )
         pool.use_free_list(self.fence)
         self.peer_timeout_s = peer_timeout_s
         self.sweep_interval_s = sweep_interval_s
@@ -164,7 +184,11 @@ class DataPlane:
             if not avail.ok:
                 log.info("transport_skipped", transport=name, reason=avail.reason)
                 continue
-            sender: dict[str, Any] = {"streams": tcp_streams} if name == "tcp" else {}
+            sender: dict[str, Any] = {}
+            if name == "tcp":
+                sender = {"streams": tcp_streams}
+            elif name == "shm" and shm_copy_threads > 1:
+                sender = {"split_min": SHM_SPLIT_MIN, "split_threads": shm_copy_threads - 1}
             receiver: dict[str, Any] = {}
             if name == "tcp":
                 receiver = {
@@ -217,12 +241,28 @@ class DataPlane:
         )
         self._tasks: set[asyncio.Task] = set()
         self.objects: Any = None  # ObjectService: serves OBJ_PUT / OBJ_GET when set
+        self._worker_ops: dict[wire.Kind, Callable] = {
+            wire.Kind.SHIP: self.ship,
+            wire.Kind.PULL: self.pull,
+            wire.Kind.LEASE: self.lease,
+        }
+        # A same-host worker's requests, without ZeroMQ (see local_channel).
+        self.local: LocalServer | None = None
+        if local_dir is not None and os.path.isdir(local_dir):
+            path = os.path.join(local_dir, f"{arena.name}.ctl")
+            self.local = LocalServer(path, self._serve_local)
+
+    @property
+    def ctl_path(self) -> str:
+        return self.local.path if self.local is not None else ""
 
     # ---------------------------------------------------------------- loop
 
     async def run(self) -> None:
         """Serve the ROUTER (and expire grants) until cancelled."""
         sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="store:grant-sweep")
+        if self.local is not None:
+            await self.local.start()
         try:
             await self._serve()
         finally:
@@ -264,15 +304,8 @@ class DataPlane:
                     else:
                         out, data = self.objects.get(header)
                     await self._reply(ident, out, data)
-                elif kind in (wire.Kind.SHIP, wire.Kind.PULL, wire.Kind.LEASE):
-                    op = (
-                        self.ship
-                        if kind == wire.Kind.SHIP
-                        else self.pull
-                        if kind == wire.Kind.PULL
-                        else self.lease
-                    )
-                    self._spawn(self._serve_op(ident, op, header))
+                elif kind in self._worker_ops:
+                    self._spawn(self._answer(ident, self._worker_ops[kind], header))
                 else:
                     raise wire.WireError(f"{kind.name} is a reply, not a request", req_id=header.id)
             except wire.WireError as e:
@@ -289,7 +322,31 @@ class DataPlane:
         out = [ident, *wire.frames(header, payload or ())]
         await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
 
-    async def _serve_op(self, ident: bytes, op: Callable, header: Any) -> None:
+    async def _answer(self, ident: bytes, op: Callable, header: Any) -> None:
+        reply = await self._serve_op(op, header)
+        try:
+            await self._reply(ident, reply)
+        except zmq.ZMQError:
+            pass
+
+    def _serve_local(self, kind: wire.Kind, header: Any, reply: Callable[[Any], None]) -> None:
+        op = self._worker_ops.get(kind)
+        if op is None:
+            reply(
+                wire.Err(
+                    id=header.id,
+                    code="bad_request",
+                    message=f"{kind.name} is not a worker's request (SHIP, PULL, LEASE)",
+                )
+            )
+            return
+
+        async def answer() -> None:
+            reply(await self._serve_op(op, header))
+
+        self._spawn(answer())
+
+    async def _serve_op(self, op: Callable, header: Any) -> Any:
         name = (
             "store.ship"
             if isinstance(header, wire.Ship)
@@ -315,10 +372,7 @@ class DataPlane:
             reply = wire.Err(id=header.id, code="internal", message=f"{type(e).__name__}: {e}")
         if isinstance(reply, wire.Err):
             log.warning("transfer_failed", code=reply.code, error=reply.message)
-        try:
-            await self._reply(ident, reply)
-        except zmq.ZMQError:
-            pass
+        return reply
 
     # ---------------------------------------------------------------- checks
 
@@ -363,8 +417,15 @@ class DataPlane:
         )
         self._by_tx.setdefault(h.tx, set()).add(g.id)
         self.counters["grants_served"] += 1
+        shared = h.write and self.own_gens is not None
         return wire.Granted(
-            id=h.id, grant=g.id, segments=self.segments, regions=self.regions, ttl_s=ttl
+            id=h.id,
+            grant=g.id,
+            segments=self.segments,
+            regions=self.regions,
+            ttl_s=ttl,
+            gens=list(g.gens) if shared else [],
+            gens_shm=self.own_gens.name if shared and self.own_gens is not None else "",
         )
 
     def serve_close(self, h: wire.Close) -> wire.Ok:
@@ -480,17 +541,32 @@ class DataPlane:
                 granted, mine, Opcode.WRITE, runs, nbytes, lease.latest
             )
             ok = err is None and mine_ok is True
+            # Over TCP the peer's receiver checked each write as it landed: the verdict
+            # is in. A copy into its memory was checked by nobody: over shm the peer's
+            # slot generations, read here, are the verdict; else (RDMA, a peer that does
+            # not share them) the CLOSE verdict is, and the OK waits for it.
+            verdict: bool | None = True if name == "tcp" else None
+            if ok and name == "shm":
+                verdict = self.peer_gens.unchanged(
+                    granted.gens_shm, lease.opened.slots, granted.gens
+                )
+            fenced = verdict is False
+            ok = ok and not fenced
             lease.used = time.monotonic()
             if ok:
                 lease.moved += nbytes
             if not ok or h.last:
-                # Over TCP the peer's receiver checked each write as it landed: the
-                # verdict is in, the CLOSE need not be waited for. A copy into its
-                # memory (shm, RDMA) was checked by nobody: the CLOSE verdict is the OK.
-                await self._end_lease(lease, ok, wait=not ok or name != "tcp")
+                await self._end_lease(lease, ok, wait=not ok or verdict is None)
         finally:
             lease.lock.release()
         self._raise(Opcode.WRITE, granted, err, mine_ok, lease.opened.id)
+        if fenced:
+            raise wire.WireError(
+                "the peer's slots were freed while the bytes moved (transaction aborted "
+                "or expired): fenced, discarded",
+                code="fenced",
+                req_id=h.id,
+            )
         self.counters[f"{name}_bytes"] += nbytes
         self.counters["bytes_out"] += nbytes
         return wire.Ok(id=h.id, nbytes=nbytes)
@@ -866,6 +942,12 @@ class DataPlane:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.peers.aclose()
         self.sock.close(linger=0)
+        if self.local is not None:
+            await self.local.close()
+        self.peer_gens.close()
+        if self.own_gens is not None:
+            self.fence.unshare_gens()
+            self.own_gens.close()
         self._threads.shutdown(
             wait=False, cancel_futures=True
         )  # a stuck peer must not hold up exit

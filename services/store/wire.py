@@ -5,13 +5,15 @@ and done or failed; the bytes move through the transfer engine
 (:mod:`services.store.transfer_api`: shared memory on one host, multi-stream TCP
 across hosts, RDMA where a device exists).
 
-Worker -> its node's store (DEALER -> ROUTER):
+Worker -> its node's store (its Unix socket, see ``local_channel``; or DEALER -> ROUTER):
     SHIP  send span [offset, offset+length) of my slots ``src_slots`` into the same span
           of ``dst_slots`` on the store at ``dst_addr``. The ships into one destination
           transaction's slots share one write grant (a *lease*: one OPEN, one CLOSE);
           ``last`` ends it. Answered OK once the bytes are in live slots: over TCP the
           far receiver checked every write; over shared memory (or RDMA) the last
-          ship's OK waits for the CLOSE verdict, which covers every ship of the lease.
+          ship's OK waits for the CLOSE verdict, which covers every ship of the lease,
+          unless the far store shares its slot generations (GRANTED ``gens_shm``):
+          then each shm ship reads them after its copy, and the CLOSE goes unawaited.
     LEASE open the lease for ships into ``dst_slots`` of ``dst_tx`` ahead of them (a
           prefill worker sends it when its transactions are reserved, so the OPEN
           round trip overlaps the compute); answered OK once granted.
@@ -121,6 +123,11 @@ class Granted(_Header):
     segments: dict[str, str]  # transport (tcp, shm, rdma) -> this store's segment
     regions: dict[str, int]  # transport -> the arena's region id there
     ttl_s: float  # the grant is closed as failed after this long
+    # A write grant's slot generations when it opened, and the shared-memory segment
+    # where the store keeps them (int64 per slot): a same-host writer that finds them
+    # unchanged after its copy knows the CLOSE verdict without asking ("" / []: ask).
+    gens: list[int] = []
+    gens_shm: str = ""
 
 
 class Close(_Header):

@@ -2,11 +2,13 @@
 never read, and the slots are reused only once nothing moves into them any more.
 
 * hypothesis drives the real :class:`BlockPool` over a :class:`SlotFence` free list
-  through random interleavings of grant, write start, bytes landing, write end, grant
-  close, abort, lease expiry, commit, reuse (new transactions) and reads;
+  (its generations in an int64 view, as in shared memory) through random interleavings
+  of grant, write start, bytes landing, write end, same-host copies judged by the
+  generations alone, grant close, abort, lease expiry, commit, reuse (new
+  transactions) and reads;
 * real sockets: a WRITE held on the TCP receiver's thread while its transaction is
   aborted, then a ship between two in-process data planes whose destination
-  transaction is aborted mid-receive.
+  transaction is aborted mid-receive (TCP) or mid-copy (shared memory).
 """
 
 import asyncio
@@ -26,6 +28,7 @@ from services.store import wire
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
 from services.store.fence import ArenaGuard, SlotFence
+from services.store.shared_gens import unchanged
 from services.store.transfer import LEASE_IDLE_S, DataPlane
 from services.store.transport import Region
 from services.store.transport.tcp import TcpReceiver
@@ -136,7 +139,8 @@ class FenceMachine(RuleBasedStateMachine):
     def setup(self):
         self.clock = ManualClock()
         self.pool = BlockPool(SLOTS, BS, self.clock)
-        self.fence = SlotFence(SLOTS)
+        self.gens = memoryview(bytearray(8 * SLOTS)).cast("q")  # as the store shares them
+        self.fence = SlotFence(SLOTS, gens=self.gens)
         self.pool.use_free_list(self.fence)
         self.arena = [0] * SLOTS  # one "byte" per slot: the tag of whoever wrote it last
         self.txs: dict[str, tuple[int, list[int]]] = {}  # live tx -> (tag, new slots)
@@ -219,6 +223,17 @@ class FenceMachine(RuleBasedStateMachine):
         for s in op.slots:
             self.arena[s] = tag  # the receiver thread's recv_into: no check here
         self.ops[j] = (tag, op, True)
+
+    @precondition(lambda self: self.grants)
+    @rule(i=st.integers(0, 50))
+    def same_host_copy(self, i):
+        """A peer on this host copies into the slots itself (nobody checks the write),
+        then reads the generations: its verdict, without asking the store."""
+        tx, tag, g = self.grants[i % len(self.grants)]
+        for s in g.slots:
+            self.arena[s] = tag
+        verdict = unchanged(self.gens, list(g.slots), list(g.gens))
+        assert verdict == (tx in self.txs)  # accepted exactly when the tx is live
 
     @precondition(lambda self: self.ops)
     @rule(i=st.integers(0, 50))
@@ -535,8 +550,9 @@ async def test_the_ships_into_a_tx_share_one_grant_which_the_last_ship_closes(bo
     assert b.counters["grants_served"] == 1 and b.open_grants(dst.tx_id) == 1
     assert (await a.ship(_ship(a, b, src, dst, 1, bb, last=True))).nbytes == bb
     assert b.counters["grants_served"] == 1  # one OPEN for both ships
-    if kind == "shm":  # no receiver checked the copies: the OK waited for the CLOSE verdict
-        assert b.open_grants(dst.tx_id) == 0
+    # The OK did not wait for the CLOSE (still on its way): over TCP the receiver checked
+    # each write; over shm the writer read b's slot generations after its copy.
+    assert b.open_grants(dst.tx_id) == 1
     assert await b.settled(dst.tx_id, timeout=10)
     for a_s, b_s in zip(src.slots, dst.slots, strict=True):
         assert bytes(arena_b.slot(b_s)) == bytes(arena_a.slot(a_s))
@@ -562,7 +578,7 @@ async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_pl
     with pytest.raises(wire.WireError) as e:
         await a.ship(_ship(a, b, src, dst, 1, bb, last=True))
     # TCP: the receiver refuses the write into revoked slots; shm: the bytes were copied
-    # into the parked slots and the CLOSE verdict discards them
+    # into the parked slots, whose new generations the writer reads: discarded
     assert e.value.code == ("transfer_refused" if kind == "tcp" else "fenced")
     assert ("not in slots granted" if kind == "tcp" else "discarded") in str(e.value)
     # the failed ship closed the lease: the slots are free again, nothing is counted in
@@ -619,3 +635,57 @@ async def test_an_idle_lease_is_closed_so_a_commit_does_not_wait_on_it(planes):
     assert await b.settled(dst.tx_id, timeout=10)
     assert a._leases == {} and not b.fence.writing(dst.slots)
     assert isinstance(result(pb.commit(dst.tx_id)), TxDone)
+
+
+async def test_an_shm_copy_into_a_tx_aborted_mid_copy_is_fenced_and_never_read(
+    both_planes, monkeypatch
+):
+    kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    if kind != "shm":
+        pytest.skip("the TCP receiver's own check is the mid-receive test above")
+    from services.store.transport import shm as shm_transport
+
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1, 2])
+    _fill(arena_a, src.slots, bb)
+    real_copy = shm_transport.copy
+    seen = {}
+
+    def abort_halfway(dst_view, src_view):  # one copy per slot: a half-slot ship
+        half = len(dst_view) // 2
+        real_copy(dst_view[:half], src_view[:half])
+        if not seen:  # while the bytes of the first slot move
+            assert isinstance(result(pb.abort(dst.tx_id)), TxDone)
+            seen["parked"] = b.fence.parked
+            seen["again"] = alloc(pb, "r2", [7, 8, 9])  # reuse: never the slots written
+        real_copy(dst_view[half:], src_view[half:])
+
+    monkeypatch.setattr(shm_transport, "copy", abort_halfway)
+    with pytest.raises(wire.WireError) as e:
+        await a.ship(_ship(a, b, src, dst, 0, bb, last=False))
+    assert e.value.code == "fenced" and "discarded" in str(e.value), str(e.value)
+    assert seen["parked"] == len(dst.slots)
+    assert not set(seen["again"].slots) & set(dst.slots)
+    for s in seen["again"].slots:  # the new transaction's slots got none of the bytes
+        assert bytes(arena_b.slot(s)) == bytes(bb)
+    # the ship closed its grant as failed: the parked slots are free again
+    assert b.open_grants(dst.tx_id) == 0 and b.fence.parked == 0
+    assert b.counters["grants_fenced"] == 1 and b.counters["writes_in"] == 0
+    assert a._leases == {} and not a.fence.writing(src.slots)
+
+
+async def test_a_peer_that_shares_no_generations_gives_its_verdict_in_the_close(
+    both_planes, monkeypatch
+):
+    kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
+    if kind != "shm":
+        pytest.skip("over TCP the receiver's acks are the verdict")
+    monkeypatch.setattr(b, "own_gens", None)  # an older store: GRANTED names no generations
+    bb = arena_a.block_bytes
+    src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
+    dst = alloc(pb, "r", [1, 2])
+    _fill(arena_a, src.slots, bb)
+    assert (await a.ship(_ship(a, b, src, dst, 0, bb, last=True))).nbytes == bb
+    assert b.open_grants(dst.tx_id) == 0  # the OK waited for the CLOSE verdict
+    assert b.counters["writes_in"] == 1

@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 import zmq
@@ -38,7 +39,9 @@ from bus_schemas.placement import RemotePrefix
 from perigee.natsd import free_port
 from services.common.bus import ERROR_HEADER, request
 from services.store import wire
-from services.store.client import StoreClient, TransferError, fetch_info
+from services.store.channel import Channel, ChannelError
+from services.store.client import StoreClient, TransferError, _channel_to, fetch_info
+from services.store.local_channel import LocalChannel
 
 ROOT = Path(__file__).resolve().parents[3]
 BS = 4  # tokens per block
@@ -149,6 +152,7 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     src = await tx(nc, "sa", TxRole.PREFILL, hashes, 3 * BS + 1)
     dst = await tx(nc, "sb", TxRole.DECODE, hashes, 3 * BS + 1)
     assert (len(src.slots), src.hit_blocks, src.data_addr) == (4, 0, a.info.data_addr)
+    assert a.local and b.local  # a worker's requests take its store's Unix socket
     data = fill(a, src, seed=1)
     blocks = [0, 1, 2, 3]
     await asyncio.gather(
@@ -169,8 +173,9 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     assert batch.events == [BlockStored(block_hashes=hashes)]
     page = await request(nc, subjects.store_ctl("sa", "dump"), DumpRequest(), DumpPage)
     assert (page.block_hashes, page.seq, page.next_cursor) == (hashes, 1, None)
-    # every ship went under one grant (one OPEN); over shared memory the last ship's OK
-    # waited for its CLOSE, so the commit finds nothing open and the counters are final
+    # every ship went under one grant (one OPEN); the commit waits for its CLOSE (the
+    # last ship's OK did not: the writer read sb's slot generations), so the counters
+    # are final
     assert await commit(nc, "sb", dst) == TxDone(tx_id=dst.tx_id, stored_blocks=3)
     stats = await request(nc, subjects.worker_stats("store", "sb"), {}, WorkerStats)
     assert stats.role == "store"
@@ -270,6 +275,78 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     assert isinstance(await tx(nc, "sa", TxRole.PREFILL, [501], BS), TxHandle)
 
 
+async def test_a_worker_that_cannot_reach_the_stores_socket_ships_over_zeromq(env):
+    nc, a, b = env
+    elsewhere = msgspec.structs.replace(a.info, ctl_path="/nonexistent/perigee.ctl")
+    channel = await _channel_to(elsewhere, zmq.asyncio.Context.instance())
+    assert isinstance(channel, Channel) and channel.addr == a.info.data_addr
+    via_zmq = StoreClient(nc, a.info, a.arena, channel, op_timeout_s=10)
+    assert not via_zmq.local
+    src = await tx(nc, "sa", TxRole.PREFILL, [801], BS)
+    dst = await tx(nc, "sb", TxRole.DECODE, [801], BS)
+    data = fill(a, src, seed=3)
+    await via_zmq.ship_layer(src, dst, 0, [0], BB, 0)
+    assert bytes(b.slot(dst.slots[0])) == data[0]
+    await channel.aclose()
+
+
+async def test_garbage_on_the_local_socket_gets_an_error_and_the_store_keeps_serving(env):
+    nc, a, b = env
+    reader, writer = await asyncio.open_unix_connection(a.info.ctl_path)
+    msgpack = msgspec.msgpack.encode
+
+    async def ask(frame: bytes) -> tuple[wire.Kind, object]:
+        writer.write(len(frame).to_bytes(4, "little") + frame)
+        n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 5), "little")
+        reply = await reader.readexactly(n)
+        kind, header, _ = wire.parse([reply[:1], reply[1:]])
+        return kind, header
+
+    opened = wire.Open(id=9, tx="t", epoch=1, slots=[0], offset=0, length=4, write=True)
+    for frame, code, rid in (
+        (b"\x99" + msgpack({"id": 3}), "bad_frame", 3),  # no such kind
+        (b"\x01" + msgpack({"id": 4, "src_tx": 1}), "bad_frame", 4),  # a SHIP that is not one
+        (b"\x03" + wire.frames(opened)[1], "bad_request", 9),  # a peer's request, not a worker's
+        (b"\x01", "bad_frame", -1),  # no header at all
+    ):
+        kind, err = await ask(frame)
+        assert (kind, err.code, err.id) == (wire.Kind.ERR, code, rid), err
+    # a length no header has: that connection is closed, nothing else
+    writer.write((1 << 30).to_bytes(4, "little"))
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    # a worker that drops its connection with a ship in flight: the reply is dropped
+    src = await tx(nc, "sa", TxRole.PREFILL, [901], BS)
+    dst = await tx(nc, "sb", TxRole.DECODE, [901], BS)
+    data = fill(a, src, seed=5)
+    dropped = await LocalChannel.connect(a.info.ctl_path)
+    pending = asyncio.ensure_future(
+        dropped.request(
+            wire.Ship(
+                id=77,
+                src_tx=src.tx_id,
+                src_epoch=src.epoch,
+                src_slots=src.slots,
+                dst_addr=dst.data_addr,
+                dst_tx=dst.tx_id,
+                dst_epoch=dst.epoch,
+                dst_slots=dst.slots,
+                offset=0,
+                length=LAYER,
+                last=False,
+            )
+        )
+    )
+    await asyncio.sleep(0)  # one loop turn: the task runs up to its write (no timing)
+    dropped.close()
+    with pytest.raises(ChannelError):
+        await pending
+    # the store still serves its workers over the socket
+    await a.ship_layer(src, dst, 1, [0], BB - LAYER, LAYER)
+    assert bytes(b.slot(dst.slots[0])[LAYER:]) == data[0][LAYER:]
+    assert a.local
+
+
 async def test_sigterm_exits_cleanly_and_unlinks_the_arena(nats_url):
     with tempfile.TemporaryDirectory() as logs:
         proc = start_store(nats_url, "sc", logs)
@@ -282,6 +359,8 @@ async def test_sigterm_exits_cleanly_and_unlinks_the_arena(nats_url):
             code = stop_store(proc)
         assert code == 0
         assert not os.path.exists(f"/dev/shm/{info.shm_name}")
+        assert not os.path.exists(f"/dev/shm/{info.shm_name}_gen")  # its slot generations
+        assert info.ctl_path and not os.path.exists(info.ctl_path)  # its workers' socket
 
 
 async def test_client_follows_a_restarted_store_and_same_node_ship_is_a_local_copy(nats_url):

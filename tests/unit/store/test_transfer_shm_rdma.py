@@ -45,6 +45,48 @@ def test_shm_write_read_and_checksum_between_two_engines():
         b.close()
 
 
+def test_a_big_shm_copy_split_across_helper_threads_lands_exactly(monkeypatch):
+    from services.store.transport import shm
+
+    a = TransferEngine("shm", sender_opts={"split_min": 1 << 16, "split_threads": 2})
+    b = TransferEngine("shm")
+    try:
+        ra, va = a.allocate_managed_buffer(1 << 20)
+        rb, vb = b.allocate_managed_buffer(1 << 20)
+        n = 3 * 4096 * 7 + 123  # not a whole number of pages: a short last part
+        data = os.urandom(n)
+        va[:n] = data
+        parts: list[int] = []
+        real = shm.copy
+        monkeypatch.setattr(shm, "copy", lambda d, s_: (parts.append(len(d)), real(d, s_)))
+        req = TransferRequest(Opcode.WRITE, ra, 0, n, b.segment, rb, 8, checksum=True)
+        a.transfer_sync([req], timeout=WAIT)
+        assert vb[8 : 8 + n] == data and vb[:8] == bytes(8) and vb[8 + n : 16 + n] == bytes(8)
+        # pages per part: this thread's (the first), two helpers' (the last one short)
+        assert sorted(parts) == [n - 2 * 32768, 32768, 32768]
+        parts.clear()
+        a.transfer_sync([TransferRequest(Opcode.WRITE, ra, 0, 4096, b.segment, rb, 0)], WAIT)
+        assert parts == [4096]  # below split_min: one copy
+
+        # a helper's failure fails the request, and the helpers go on serving
+        def broken(d, s_):
+            if len(d) == n - 2 * 32768:  # the last part: a helper's
+                raise MemoryError("helper")
+            real(d, s_)
+
+        monkeypatch.setattr(shm, "copy", broken)
+        with pytest.raises(TransportError) as e:
+            a.transfer_sync([req], timeout=WAIT)
+        assert e.value.code == "internal" and "helper" in str(e.value)
+        monkeypatch.setattr(shm, "copy", real)
+        vb[:] = bytes(1 << 20)
+        a.transfer_sync([req], timeout=WAIT)
+        assert vb[8 : 8 + n] == data
+    finally:
+        a.close()
+        b.close()
+
+
 def test_rdma_discovery_skips_cleanly_without_a_device():
     ok, names = verbs.discover(fake_verbs.make(devices=()))
     assert (ok.ok, names) == (False, []) and "no RDMA device" in ok.reason

@@ -7,7 +7,10 @@ and serves a request with one memcpy: no socket, no kernel copy. The copy runs o
 submitting thread (the ticket has ended when ``submit`` returns): handing it to a
 thread costs a wake-up that, on a busy host, takes longer than copying megabytes;
 requests of ``inline_below`` bytes or more go to the copy thread instead, for callers
-that must not block.
+that must not block. A copy of ``split_min`` bytes or more is cut in ``split_threads + 1``
+parts, copied at once by the copying thread and that many helper threads: one core
+copies cold memory at ~9 GB/s here, two at ~13 (one thread copying memory that is
+still in cache, as a memcpy benchmark repeating itself does, reaches ~15).
 Mapped segments are pooled per target (SIEVE, capped) like network endpoints.
 
 Only regions registered with a shared-memory ``name`` can be exposed this way.
@@ -177,13 +180,51 @@ class _Mapping:
         self._maps.clear()
 
 
+class _Parts:
+    """The helpers' parts of one split copy: the copying thread waits for them."""
+
+    def __init__(self, n: int) -> None:
+        self._left = n
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        if n == 0:
+            self._done.set()
+
+    def one(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
 class ShmSender(Sender):
     scheme = "shm"
 
     def __init__(
-        self, max_targets: int = 64, copy_threads: int = 1, inline_below: int = 1 << 62
+        self,
+        max_targets: int = 64,
+        copy_threads: int = 1,
+        inline_below: int = 1 << 62,
+        split_min: int = 1 << 62,
+        split_threads: int = 0,
     ) -> None:
         self.inline_below = inline_below
+        self.split_min = split_min
+        self._split_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._helpers = [
+            threading.Thread(target=self._help, name=f"shm-split-{i}", daemon=True)
+            for i in range(max(0, split_threads))
+        ]
+        for h in self._helpers:
+            h.start()
         self._lock = threading.Lock()
         self._pool: SievePool[str, _Mapping] = SievePool(max_targets)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,7 +278,10 @@ class ShmSender(Sender):
                 )
             span = remote[req.offset : req.offset + n]
             src, dst = (req.local, span) if req.opcode == Opcode.WRITE else (span, req.local)
-            copy(dst, src)
+            if n >= self.split_min and self._helpers:
+                self._split_copy(dst, src)
+            else:
+                copy(dst, src)
             if req.checksum and crc32(src) != crc32(dst):
                 raise TransportError(
                     "checksum",
@@ -249,10 +293,37 @@ class ShmSender(Sender):
         except Exception as e:  # noqa: BLE001 - a bad request must not kill the copy thread
             t.fail(TransportError("internal", f"{type(e).__name__}: {e}"))
 
+    def _split_copy(self, dst: memoryview, src: memoryview) -> None:
+        n = len(dst)
+        step = -(-n // (len(self._helpers) + 1))
+        step += -step % 4096  # whole pages per part
+        parts = _Parts(len(range(step, n, step)))
+        for lo in range(step, n, step):
+            self._split_q.put((dst[lo : lo + step], src[lo : lo + step], parts))
+        try:
+            copy(dst[:step], src[:step])
+        finally:
+            parts.wait()  # the helpers' copies end before the caller hears of this one
+
+    def _help(self) -> None:
+        while True:
+            item = self._split_q.get()
+            if item is None:
+                return
+            dst, src, parts = item
+            try:
+                copy(dst, src)
+            except BaseException as e:  # noqa: BLE001 - handed to the copying thread
+                parts.one(e)
+            else:
+                parts.one()
+
     def close(self) -> None:
         self._closed = True
         for _ in self._threads:
             self._q.put(None)
+        for _ in self._helpers:
+            self._split_q.put(None)
         with self._lock:
             for k in list(self._pool):
                 m = self._pool.remove(k)
