@@ -3,6 +3,8 @@
 ``backends()`` says which backends can run on this machine and, for those that
 cannot, why (RDMA without a device is skipped, never an error at import time).
 ``make_sender(name, **opts)`` / ``make_receiver(name, **opts)`` build one.
+``register(...)`` adds a backend from outside the package (the tests' in-process
+fake), so nothing test-only ships in it.
 """
 
 from collections.abc import Callable
@@ -20,7 +22,21 @@ from services.store.transport.base import (
     TransportError,
 )
 
-BACKENDS = ("tcp", "shm", "rdma", "fake")
+BACKENDS = ("tcp", "shm", "rdma")
+
+_Factories = tuple[Callable[..., Sender], Callable[..., Receiver]]
+_extra: dict[str, tuple[Callable[[], Availability], _Factories]] = {}
+
+
+def register(
+    name: str,
+    available: Callable[[], Availability],
+    sender: Callable[..., Sender],
+    receiver: Callable[..., Receiver],
+) -> None:
+    if name in BACKENDS:
+        raise ValueError(f"backend {name!r} is built in")
+    _extra[name] = (available, (sender, receiver))
 
 
 def availability(name: str) -> Availability:
@@ -36,16 +52,17 @@ def availability(name: str) -> Availability:
         from services.store.transport.rdma import verbs
 
         return verbs.discover()[0]
-    if name == "fake":
-        return Availability(True)
-    return Availability(False, f"unknown backend {name!r} (have {', '.join(BACKENDS)})")
+    if name in _extra:
+        return _extra[name][0]()
+    have = ", ".join((*BACKENDS, *_extra))
+    return Availability(False, f"unknown backend {name!r} (have {have})")
 
 
 def backends() -> dict[str, Availability]:
-    return {name: availability(name) for name in BACKENDS}
+    return {name: availability(name) for name in (*BACKENDS, *_extra)}
 
 
-def _factories(name: str) -> tuple[Callable[..., Sender], Callable[..., Receiver]]:
+def _factories(name: str) -> _Factories:
     if name == "tcp":
         from services.store.transport.tcp import TcpReceiver, TcpSender
 
@@ -58,10 +75,8 @@ def _factories(name: str) -> tuple[Callable[..., Sender], Callable[..., Receiver
         from services.store.transport.rdma import RdmaReceiver, RdmaSender
 
         return RdmaSender, RdmaReceiver
-    if name == "fake":
-        from services.store.transport.fake import FakeReceiver, FakeSender
-
-        return FakeSender, FakeReceiver
+    if name in _extra:
+        return _extra[name][1]
     raise TransportError("unavailable", f"unknown backend {name!r}")
 
 

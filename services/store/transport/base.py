@@ -18,7 +18,7 @@ another, and the request fails only when every path failed. ``Ticket.error`` the
 says what happened (``code``: unreachable, broken, checksum, refused, timeout,
 closed). Completion is asynchronous: poll the ticket or wait on it.
 
-Backends live in one subpackage each (tcp/, shm/, rdma/, fake/); every backend's
+Backends live in one subpackage each (tcp/, shm/, rdma/); every backend's
 ``available()`` says whether it can run here and, if not, why.
 """
 
@@ -62,7 +62,7 @@ class Request:
     """One entry of a batch (Listing 1's ``Request``).
 
     ``target`` names the peer's segment as its Receiver advertises it (``tcp://h:p``,
-    ``shm://name``, ``rdma://h:p``, ``fake://name``)."""
+    ``shm://name``, ``rdma://h:p``; a registered backend its own)."""
 
     opcode: Opcode
     local: memoryview  # the initiator's bytes (read from for WRITE, written for READ)

@@ -4,7 +4,7 @@ import pytest
 
 from services.store.transfer_api import TransferApiError, TransferEngine, TransferRequest
 from services.store.transport import Opcode, Poll
-from services.store.transport.fake import FakeNetwork, FakeReceiver, FakeSender
+from tests.unit.fake_transport import FakeNetwork, FakeReceiver, FakeSender, available
 
 
 def make(
@@ -145,6 +145,19 @@ def test_unavailable_backend_is_refused_with_its_reason():
     with pytest.raises(TransportError) as e:
         TransferEngine("nope")
     assert e.value.code == "unavailable"
+
+
+def test_registered_backend_is_listed_and_cannot_shadow_a_built_in():
+    from services.store import transport
+
+    assert "fake" in transport.backends() and "fake" not in transport.BACKENDS
+    with pytest.raises(ValueError):
+        transport.register("tcp", available, FakeSender, FakeReceiver)
+    built_in = transport.make_sender("tcp")
+    try:
+        assert built_in.scheme == "tcp"
+    finally:
+        built_in.close()
 
 
 def test_fake_sender_close_fails_pending():

@@ -1,4 +1,8 @@
-"""In-process fake backend for tests: paths that can be broken, completion by hand.
+"""In-process fake transport backend for tests: paths that can be broken, completion by hand.
+
+Importing it registers the backend as ``"fake"`` (``transport.register``), so a
+``TransferEngine("fake", ...)`` builds one; it lives here so that nothing test-only
+ships in the production package.
 
 ``FakeNetwork`` holds receivers by name (``fake://<name>``). A ``FakeSender`` cuts a
 request into slices over ``paths`` like the real backends; a slice on a path in
@@ -11,7 +15,7 @@ of every slice sent to the named targets (checksummed requests then fail).
 
 from collections import deque
 
-from services.store.transport import slicing
+from services.store.transport import register, slicing
 from services.store.transport.base import (
     Availability,
     Opcode,
@@ -137,3 +141,6 @@ class FakeSender(Sender):
         for _, t, _ in self.pending:
             t.fail(TransportError("closed", "sender is closed"))
         self.pending.clear()
+
+
+register("fake", available, FakeSender, FakeReceiver)
