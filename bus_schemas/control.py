@@ -195,6 +195,8 @@ class ObjectDone(Msg, tag="object_done"):
     node: str
     size: int = 0
     present: bool = True
+    # obj.stat: the blocks holding the value, for a store that copies it (obj.replicate)
+    block_hashes: list[int] = []
 
 
 class BusReconnected(Msg):

@@ -15,7 +15,6 @@ whatever comes up at that address later.
 import asyncio
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -67,10 +66,8 @@ class Channel:
     def in_flight(self) -> int:
         return len(self._pending)
 
-    async def request(
-        self, header: Any, payload: Sequence[Any] = (), timeout: float = 5.0
-    ) -> tuple[wire.Kind, Any, list[memoryview]]:
-        """Send one request and return its reply (kind OK or DATA); ERR raises
+    async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
+        """Send one request and return its reply (kind OK or GRANTED); ERR raises
         :class:`ChannelError` with the peer's code; no reply in ``timeout`` raises
         ``ChannelError("timeout")`` and closes the channel."""
         if self._closed:
@@ -79,9 +76,8 @@ class Channel:
         self._pending[header.id] = fut
         try:
             async with asyncio.timeout(timeout):
-                out = wire.frames(header, payload)
-                await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
-                kind, reply, data = await fut
+                await self.sock.send_multipart(wire.frames(header))
+                kind, reply = await fut
         except TimeoutError:
             self.close()
             raise ChannelError(
@@ -91,20 +87,20 @@ class Channel:
             self._pending.pop(header.id, None)
         if kind == wire.Kind.ERR:
             raise ChannelError(reply.code, reply.message)
-        return kind, reply, data
+        return kind, reply
 
     async def _read(self) -> None:
         try:
             while True:
                 parts = await self.sock.recv_multipart(copy=False)
                 try:
-                    kind, header, data = wire.parse(parts)
+                    kind, header = wire.parse(parts)
                 except wire.WireError as e:
                     log.warning("bad_reply", addr=self.addr, error=str(e))
                     continue
                 fut = self._pending.get(header.id)
                 if fut is not None and not fut.done():
-                    fut.set_result((kind, header, data))
+                    fut.set_result((kind, header))
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
         finally:
@@ -157,10 +153,8 @@ class PeerPool:
         ch = self._peers[addr] = Channel(self.ctx, addr)
         return ch
 
-    async def request(
-        self, addr: str, header: Any, payload: Sequence[Any] = (), timeout: float = 5.0
-    ) -> tuple[wire.Kind, Any, list[memoryview]]:
-        return await self.get(addr).request(header, payload, timeout)
+    async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
+        return await self.get(addr).request(header, timeout)
 
     async def aclose(self) -> None:
         peers, self._peers = list(self._peers.values()), OrderedDict()

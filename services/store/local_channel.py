@@ -23,7 +23,7 @@ import asyncio
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, cast
 
 import structlog
@@ -70,8 +70,7 @@ class _Frames:
 def _parse(frame: bytes) -> tuple[wire.Kind, Any]:
     if len(frame) < 2:
         raise wire.WireError(f"a frame of {len(frame)} bytes has no header")
-    kind, header, _ = wire.parse([frame[:1], frame[1:]])
-    return kind, header
+    return wire.parse([frame[:1], frame[1:]])
 
 
 class _ServerConn(asyncio.Protocol):
@@ -164,12 +163,8 @@ class LocalChannel(asyncio.Protocol):
     def in_flight(self) -> int:
         return len(self._pending)
 
-    async def request(
-        self, header: Any, payload: Sequence[Any] = (), timeout: float = 5.0
-    ) -> tuple[wire.Kind, Any, list[memoryview]]:
-        """As :meth:`Channel.request`; ``payload`` must be empty (KV never rides here)."""
-        if payload:
-            raise ValueError("the local channel carries headers only")
+    async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
+        """As :meth:`Channel.request`."""
         if self._closed or self._t is None:
             raise ChannelError("closed", f"channel to {self.addr} is closed")
         fut: asyncio.Future[tuple[wire.Kind, Any]] = asyncio.get_running_loop().create_future()
@@ -187,7 +182,7 @@ class LocalChannel(asyncio.Protocol):
             self._pending.pop(header.id, None)
         if kind == wire.Kind.ERR:
             raise ChannelError(reply.code, reply.message)
-        return kind, reply, []
+        return kind, reply
 
     # -- protocol
 

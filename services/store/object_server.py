@@ -7,7 +7,9 @@ protocol on a plain TCP socket: a request is parsed and answered inside
 
 Frames (both directions): ``u32 length`` (of what follows), ``u8 kind``
 (:class:`services.store.wire.Kind`), ``u16 header length``, the msgpack header
-(the data plane's ObjPut / ObjGet / Ok / Err), then the payload bytes. Requests on a
+(:mod:`services.store.wire`'s ObjPut / ObjGet / Ok / Err), then the payload bytes.
+It is the only way an object's value enters or leaves a store from a client; the
+ZeroMQ data plane carries no payload. Requests on a
 connection are answered in order. A frame that does not parse gets an ERR reply; a
 length over ``MAX_FRAME`` closes the connection.
 """

@@ -9,6 +9,9 @@ Lifecycle of a key on a node::
                            bytes sent, tx committed; a block evicted meanwhile makes the
                            key ``missing`` (and forgets it)
     obj.remove / obj.stat / obj.replicate over NATS (see server.py)
+    obj.replicate       -> ``reserve``: a PREFILL tx on fresh hashes; the bytes pulled
+                           into its slots from the source store's SOURCE tx through
+                           the transfer engine; ``adopt`` commits it (``cancel`` on failure)
 
 The table (key -> size, block hashes) lives in memory; with an SSD tier, object
 blocks are written back like KV blocks and the SSD index carries the keys whose
@@ -25,6 +28,7 @@ from bus_schemas.control import Refused, TxAllocate, TxRole
 from bus_schemas.kv_events import BlockRemoved, BlockStored, KVEvent
 from bus_schemas.requests import Retention
 from services.store import wire
+from services.store.block_pool import Allocation
 from services.store.core import StoreCore
 
 
@@ -52,6 +56,7 @@ class ObjectService:
         self._doomed: set[int] = set()  # blocks of dropped keys, busy when dropped
         self.counters = {
             "obj_puts": 0,
+            "obj_copies_in": 0,
             "obj_gets": 0,
             "obj_misses": 0,
             "obj_bytes_in": 0,
@@ -88,6 +93,51 @@ class ObjectService:
         self.counters["obj_puts"] += 1
         self.counters["obj_bytes_in"] += h.size
         return wire.Ok(id=h.id, nbytes=h.size), []
+
+    def reserve(self, key: str, size: int) -> tuple[Allocation | Refused, list[int]]:
+        """Blocks for a copy of ``key`` whose ``size`` bytes arrive later (pulled from
+        another store): a PREFILL tx on fresh hashes, not visible to readers until
+        ``adopt``; ``cancel`` gives them back."""
+        self.reap()
+        self._version += 1
+        n = self._nblocks(size)
+        hashes = object_hashes(key, self._version, n)
+        self.block_hashes.update(hashes)  # before the commit: its BlockStored is not KV
+        got = self.core.pool.allocate(
+            TxAllocate(
+                request_id=f"obj:{key}",
+                role=TxRole.PREFILL,
+                block_hashes=hashes,
+                num_tokens=n * self.core.block_size,
+                lease_s=30.0,
+            )
+        )
+        if isinstance(got, Refused):
+            self.block_hashes.difference_update(hashes)
+        return got, hashes
+
+    def adopt(self, key: str, size: int, hashes: list[int], tx_id: str) -> int | Refused:
+        """Commit a ``reserve``d copy whose bytes have landed; returns the size kept.
+        A put of the key that landed meanwhile is newer: the copy is dropped for it."""
+        if key in self.table:
+            self.cancel(hashes, tx_id)
+            return self.table[key].size
+        done = self.core.pool.commit(tx_id)
+        if isinstance(done, Refused):
+            self.block_hashes.difference_update(hashes)
+            return done
+        self.table[key] = _Meta(size, hashes)
+        self.counters["obj_copies_in"] += 1
+        self.counters["obj_bytes_in"] += size
+        return size
+
+    def cancel(self, hashes: list[int], tx_id: str) -> None:
+        self.core.pool.abort(tx_id)
+        self.block_hashes.difference_update(hashes)
+
+    def hashes(self, key: str) -> list[int]:
+        meta = self.table.get(key)
+        return list(meta.hashes) if meta is not None else []
 
     def get(self, h: wire.ObjGet) -> tuple[Any, list[Any]]:
         data = self.read(h.key)

@@ -9,15 +9,14 @@ change_replica), with replicas on distinct nodes.
 
 Placement is :mod:`services.store.replicas` (rendezvous hashing over the live nodes):
 no master, every client agrees. Values travel in one request and one reply over the
-store's plain-TCP object endpoint (``StoreInfo.obj_addr``; the ZeroMQ data plane when a
-request is already in flight on that link); control (stat, remove, replicate) over
-NATS request/reply.
+store's plain-TCP object endpoint (``StoreInfo.obj_addr``), on one of a few pooled
+connections per store; copies between stores move through the stores' transfer
+engine. Control (stat, remove, replicate) goes over NATS request/reply.
 """
 
 import asyncio
 import socket
 
-import zmq.asyncio
 from nats.aio.client import Client as NATS
 
 from bus_schemas import subjects
@@ -25,7 +24,7 @@ from bus_schemas.control import ObjectDone, ObjectKey, ObjectReplicate, Refused,
 from services.common.bus import request
 from services.common.errors import CodedError
 from services.store import object_server, replicas, wire
-from services.store.channel import ChannelError, PeerPool, next_id
+from services.store.channel import ChannelError, next_id
 from services.store.client import TransferError, fetch_info
 
 
@@ -43,17 +42,15 @@ def _split(addr: str) -> tuple[str, int]:
 
 class _TcpLink:
     """One plain-TCP connection to a store's object endpoint, one request at a time,
-    awaited inline (busy -> the caller takes the multiplexed ZeroMQ channel). Any
-    failure closes it (a late reply must not be read as the next one's)."""
+    awaited inline. Any failure closes it (a late reply must not be read as the next
+    one's)."""
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
-        self.busy = False
 
     async def request(self, header, payload, timeout: float):
-        self.busy = True
         try:
             async with asyncio.timeout(timeout):
                 if self.writer is None:
@@ -73,8 +70,6 @@ class _TcpLink:
             raise ChannelError(
                 code, f"object request to {self.addr}: {e or type(e).__name__}"
             ) from None
-        finally:
-            self.busy = False
         if kind == wire.Kind.ERR:
             raise ChannelError(reply.code, reply.message)
         return kind, reply, [data] if len(data) else []
@@ -85,24 +80,60 @@ class _TcpLink:
         self.reader = self.writer = None
 
 
+class _LinkPool:
+    """Plain-TCP links to one store's object endpoint: a request takes an idle one, or
+    opens another while fewer than ``max_links`` are in use, else waits its turn."""
+
+    def __init__(self, addr: str, max_links: int) -> None:
+        self.addr = addr
+        self._idle: list[_TcpLink] = []
+        self._slots = asyncio.Semaphore(max_links)
+        self.opened = 0
+
+    async def request(self, header, payload, timeout: float):
+        try:
+            async with asyncio.timeout(timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise ChannelError(
+                "timeout", f"object request to {self.addr}: every link busy for {timeout:.1f}s"
+            ) from None
+        link = self._idle.pop() if self._idle else None
+        if link is None:
+            link = _TcpLink(self.addr)
+            self.opened += 1
+        try:
+            return await link.request(header, payload, timeout)
+        except ChannelError:
+            raise  # a failed link closed itself; one answered with an error is fine
+        except BaseException:
+            link.close()  # cancelled mid-request: its reply may still arrive
+            raise
+        finally:
+            if link.writer is not None:
+                self._idle.append(link)
+            self._slots.release()
+
+    def close(self) -> None:
+        for link in self._idle:
+            link.close()
+        self._idle.clear()
+
+
 class ObjectClient:
-    def __init__(self, nc: NATS, infos: dict[str, StoreInfo], timeout_s: float) -> None:
+    def __init__(
+        self, nc: NATS, infos: dict[str, StoreInfo], timeout_s: float, max_links: int = 8
+    ) -> None:
         self.nc = nc
         self.infos = infos
         self.timeout_s = timeout_s
-        ctx = zmq.asyncio.Context.instance()
-        self.peers = PeerPool(ctx, max_peers=max(8, len(infos)))
-        self._links = {n: _TcpLink(i.obj_addr) for n, i in infos.items() if i.obj_addr}
+        self._links = {n: _LinkPool(i.obj_addr, max_links) for n, i in infos.items() if i.obj_addr}
 
     async def _request(self, node: str, header, payload=()):
-        """Over the store's plain-TCP object endpoint when it has one and the link is free,
-        else over the ZeroMQ data plane (which multiplexes concurrent requests)."""
-        link = self._links.get(node)
-        if link is not None and not link.busy:
-            return await link.request(header, payload, self.timeout_s)
-        return await self.peers.request(
-            self.infos[node].data_addr, header, payload, timeout=self.timeout_s
-        )
+        links = self._links.get(node)
+        if links is None:
+            raise ChannelError("unavailable", f"store {node} serves no object endpoint")
+        return await links.request(header, payload, self.timeout_s)
 
     @classmethod
     async def connect(
@@ -223,9 +254,8 @@ class ObjectClient:
         return p.keep
 
     async def close(self) -> None:
-        for link in self._links.values():
-            link.close()
-        await self.peers.aclose()
+        for links in self._links.values():
+            links.close()
 
 
 class SyncObjectClient:

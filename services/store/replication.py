@@ -4,8 +4,12 @@
   store named ``dest_node`` opens a SOURCE tx on ``source_node`` (its blocks stay
   locked), allocates the blocks here, pulls them over the data plane, commits here
   (BlockStored) and releases the source. Blocks already here are skipped.
-* ``ObjectReplicate`` on perigee.store.<dest>.obj.replicate: the destination reads the
-  object from the source store's data plane (OBJ_GET) and stores it (as OBJ_PUT).
+* ``ObjectReplicate`` on perigee.store.<dest>.obj.replicate: the destination asks the
+  source for the object's blocks (obj.stat), opens a SOURCE tx over them there,
+  reserves fresh object blocks here and pulls the bytes the same way, then adopts them.
+
+Bytes move only through the data plane's transfer engine; ZeroMQ and NATS carry
+which transaction, which slots, done or failed.
 """
 
 from typing import TYPE_CHECKING
@@ -16,6 +20,7 @@ from nats.aio.client import Client as NATS
 from bus_schemas import subjects
 from bus_schemas.control import (
     ObjectDone,
+    ObjectKey,
     ObjectReplicate,
     Refused,
     Replicate,
@@ -29,8 +34,8 @@ from bus_schemas.control import (
 )
 from services.common.bus import request
 from services.store import wire
+from services.store.block_pool import Allocation
 from services.store.channel import ChannelError, next_id
-from services.store.client import TransferError, fetch_info
 from services.store.core import StoreCore
 from services.store.object_service import ObjectService
 
@@ -79,34 +84,50 @@ class Replicator:
             )
             if isinstance(local, Refused):
                 return local
-            assert self.data is not None
-            pull = wire.Pull(
-                id=next_id(),
-                dst_tx=local.tx_id,
-                dst_epoch=core.epoch,
-                dst_slots=local.slots[local.hit_blocks :],
-                src_addr=src.data_addr,
-                src_tx=src.tx_id,
-                src_epoch=src.epoch,
-                src_slots=src.slots[local.hit_blocks :],
-            )
-            try:
-                if pull.dst_slots:
-                    await self.data.pull(pull)
-            except (wire.WireError, ChannelError) as e:
+            failed = await self._pull(src, local, local.hit_blocks)
+            if failed is not None:
                 pool.abort(local.tx_id)
-                return Refused(reason="transfer", message=str(e))
+                return failed
             return pool.commit(local.tx_id)
         finally:
+            await self._release(req.source_node, src.tx_id, rid)
+
+    async def _pull(self, src: TxHandle, local: Allocation, skip: int) -> Refused | None:
+        """Bring ``src``'s slots (past the first ``skip``) into ``local``'s through the
+        data plane's transfer engine (ZeroMQ only coordinates); None once they landed."""
+        assert self.data is not None
+        pull = wire.Pull(
+            id=next_id(),
+            dst_tx=local.tx_id,
+            dst_epoch=self.core.epoch,
+            dst_slots=local.slots[skip:],
+            src_addr=src.data_addr,
+            src_tx=src.tx_id,
+            src_epoch=src.epoch,
+            src_slots=src.slots[skip:],
+        )
+        try:
+            if pull.dst_slots:
+                await self.data.pull(pull)
+        except (wire.WireError, ChannelError) as e:
+            return Refused(reason="transfer", message=str(e))
+        return None
+
+    async def _release(self, node: str, tx_id: str, rid: str) -> None:
+        try:
             await request(
                 self.nc,
-                subjects.store_ctl(req.source_node, "tx.commit"),
-                TxCommit(tx_id=src.tx_id, request_id=rid),
+                subjects.store_ctl(node, "tx.commit"),
+                TxCommit(tx_id=tx_id, request_id=rid),
                 TxDoneReply,
                 timeout=5.0,
             )
+        except Exception as e:  # noqa: BLE001 - its lease frees the source's blocks then
+            log.warning("source_release_failed", node=node, tx_id=tx_id, error=repr(e))
 
     async def copy_object(self, req: ObjectReplicate) -> ObjectDone | Refused:
+        """The object's blocks pulled from a SOURCE tx on ``source_node`` into fresh
+        blocks here, through the transfer engine like any KV copy."""
         node = self.core.node
         if req.dest_node != node:
             return Refused(reason="bad_request", message=f"this is {node}, not {req.dest_node}")
@@ -114,21 +135,48 @@ class Replicator:
         if size is not None:
             return ObjectDone(key=req.key, node=node, size=size)
         try:
-            info = await fetch_info(self.nc, req.source_node, timeout=2.0)
-        except TransferError as e:
-            return Refused(reason="unreachable", message=e.message)
-        assert self.data is not None
-        try:
-            _, ok, data = await self.data.peers.request(
-                info.data_addr, wire.ObjGet(id=next_id(), key=req.key), timeout=self.peer_timeout_s
+            there = await request(
+                self.nc,
+                subjects.store_ctl(req.source_node, "obj.stat"),
+                ObjectKey(key=req.key),
+                ObjectDone,
+                timeout=self.peer_timeout_s,
             )
-        except ChannelError as e:
-            return Refused(
-                reason="missing" if e.code == "missing" else "transfer", message=e.message
-            )
-        n = sum(len(d) for d in data)
+        except Exception as e:  # noqa: BLE001 - timeouts, no responders, error replies
+            return Refused(reason="unreachable", message=f"{req.source_node}: {e!r}")
+        if not there.present or not there.block_hashes:
+            return Refused(reason="missing", message=f"{req.key!r} is not on {req.source_node}")
+        rid = f"obj-replicate:{req.source_node}->{node}"
         try:
-            self.objects.put(wire.ObjPut(id=0, key=req.key, size=n), data)
-        except wire.WireError as e:
-            return Refused(reason=e.code, message=str(e))
-        return ObjectDone(key=req.key, node=node, size=n)
+            src = await request(
+                self.nc,
+                subjects.store_ctl(req.source_node, "tx.allocate"),
+                TxAllocate(
+                    request_id=rid,
+                    role=TxRole.SOURCE,
+                    block_hashes=there.block_hashes,
+                    num_tokens=0,
+                    lease_s=30.0,
+                ),
+                TxReply,
+                timeout=self.peer_timeout_s,
+            )
+        except Exception as e:  # noqa: BLE001 - as above
+            return Refused(reason="unreachable", message=f"{req.source_node}: {e!r}")
+        if not isinstance(src, TxHandle):
+            # Replaced or evicted since the stat: the version asked for is gone.
+            return Refused(reason="missing", message=f"{req.key!r} on {req.source_node}: {src}")
+        try:
+            local, hashes = self.objects.reserve(req.key, there.size)
+            if isinstance(local, Refused):
+                return local
+            failed = await self._pull(src, local, 0)
+            if failed is not None:
+                self.objects.cancel(hashes, local.tx_id)
+                return failed
+            kept = self.objects.adopt(req.key, there.size, hashes, local.tx_id)
+        finally:
+            await self._release(req.source_node, src.tx_id, rid)
+        if isinstance(kept, Refused):
+            return kept
+        return ObjectDone(key=req.key, node=node, size=kept)

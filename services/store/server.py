@@ -198,7 +198,6 @@ class StoreService:
             sweep_interval_s=self.sweep_interval_s,
             shm_copy_threads=self.shm_copy_threads,
         )
-        self.data.objects = self.objects
         self.replicas.data = self.data
         self.obj_server = ObjectServer(self.objects)
         await self.obj_server.start(self.host, advertise)
@@ -379,7 +378,13 @@ class StoreService:
 
     async def _obj_stat(self, req: ObjectKey, _m: NatsMsg) -> ObjectDone:
         size = self.objects.stat(req.key)
-        return ObjectDone(key=req.key, node=self.node, size=size or 0, present=size is not None)
+        return ObjectDone(
+            key=req.key,
+            node=self.node,
+            size=size or 0,
+            present=size is not None,
+            block_hashes=self.objects.hashes(req.key) if size is not None else [],
+        )
 
     async def _obj_remove(self, req: ObjectKey, _m: NatsMsg) -> ObjectDone:
         return ObjectDone(key=req.key, node=self.node, present=self.objects.remove(req.key))

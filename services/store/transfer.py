@@ -240,7 +240,6 @@ class DataPlane:
             0,
         )
         self._tasks: set[asyncio.Task] = set()
-        self.objects: Any = None  # ObjectService: serves OBJ_PUT / OBJ_GET when set
         self._worker_ops: dict[wire.Kind, Callable] = {
             wire.Kind.SHIP: self.ship,
             wire.Kind.PULL: self.pull,
@@ -276,7 +275,7 @@ class DataPlane:
             ident, rest = parts[0].bytes, parts[1:]
             header: Any = None
             try:
-                kind, header, payload = wire.parse(rest)
+                kind, header = wire.parse(rest)
                 if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
                     # A write (read) grant's span is store.write (store.read), a child
                     # of the peer's store.ship (store.pull).
@@ -298,16 +297,12 @@ class DataPlane:
                             else self.serve_close(header)
                         )
                     await self._reply(ident, out)
-                elif kind in (wire.Kind.OBJ_PUT, wire.Kind.OBJ_GET) and self.objects is not None:
-                    if kind == wire.Kind.OBJ_PUT:
-                        out, data = self.objects.put(header, payload)
-                    else:
-                        out, data = self.objects.get(header)
-                    await self._reply(ident, out, data)
                 elif kind in self._worker_ops:
                     self._spawn(self._answer(ident, self._worker_ops[kind], header))
                 else:
-                    raise wire.WireError(f"{kind.name} is a reply, not a request", req_id=header.id)
+                    raise wire.WireError(
+                        f"{kind.name} is not a request of the data plane", req_id=header.id
+                    )
             except wire.WireError as e:
                 self.counters["bad_frames" if e.code == "bad_frame" else "transfer_errors"] += 1
                 log.warning("data_plane_refused", code=e.code, error=str(e))
@@ -318,9 +313,8 @@ class DataPlane:
                 msg = f"{type(e).__name__}: {e}"
                 await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
 
-    async def _reply(self, ident: bytes, header: Any, payload: list[Any] | None = None) -> None:
-        out = [ident, *wire.frames(header, payload or ())]
-        await self.sock.send_multipart(out, copy=not wire.zero_copy(out))
+    async def _reply(self, ident: bytes, header: Any) -> None:
+        await self.sock.send_multipart([ident, *wire.frames(header)])
 
     async def _answer(self, ident: bytes, op: Callable, header: Any) -> None:
         reply = await self._serve_op(op, header)
@@ -606,7 +600,7 @@ class DataPlane:
 
     async def _open(self, peer: str, opened: wire.Open) -> wire.Granted:
         timeout = self._deadline(len(opened.slots) * opened.length)
-        _, granted, _ = await self.peers.request(peer, opened, timeout=timeout)
+        _, granted = await self.peers.request(peer, opened, timeout=timeout)
         return granted
 
     async def _granted(self, lease: _Lease) -> wire.Granted:
@@ -735,7 +729,7 @@ class DataPlane:
         for). ``mine`` holds our side's slots until no byte of the batch moves any more."""
         timeout = self._deadline(nbytes)
         try:
-            _, granted, _ = await self.peers.request(peer, opened, timeout=timeout)
+            _, granted = await self.peers.request(peer, opened, timeout=timeout)
         except BaseException:
             self.fence.close(mine)
             raise

@@ -1,6 +1,6 @@
-"""The store data plane's coordination frames: ``[kind byte][msgpack header][payload...]``.
+"""The store data plane's coordination frames: ``[kind byte][msgpack header]``.
 
-No KV byte rides these frames: they say which transaction, which slots, which epoch,
+No payload rides these frames (a message with more is refused, ``bad_frame``): they say which transaction, which slots, which epoch,
 and done or failed; the bytes move through the transfer engine
 (:mod:`services.store.transfer_api`: shared memory on one host, multi-stream TCP
 across hosts, RDMA where a device exists).
@@ -27,8 +27,9 @@ Store -> store:
     CLOSE "grant ``grant`` is done (``ok``) or failed": answered OK when every slot of
           the grant was still live throughout, else ERR ``fenced`` (the bytes are
           discarded: the transaction was aborted or expired meanwhile).
-Replies: OK, DATA (OK + payload frames; objects only), GRANTED, ERR (stable ``code``
-+ message). The object API's OBJ_PUT / OBJ_GET (appended below) are not KV.
+Replies: OK, GRANTED, ERR (stable ``code`` + message). The object API's headers
+(OBJ_PUT / OBJ_GET, DATA, appended below) are the store's plain-TCP object endpoint's
+(:mod:`services.store.object_server`), never the data plane's.
 
 Every request carries an ``id`` echoed in its reply, so many requests share one
 socket. Headers are msgpack maps (not arrays) so a malformed header still yields its
@@ -172,30 +173,20 @@ _decoders = {k: msgspec.msgpack.Decoder(t) for k, t in HEADER_TYPES.items()}
 _any = msgspec.msgpack.Decoder()
 
 
-def frames(header: _Header, payload: Sequence[Any] = (), kind: Kind | None = None) -> list[Any]:
+def frames(header: _Header) -> list[bytes]:
     """The frames of one message (prepend the peer identity on a ROUTER)."""
-    k = _KIND_OF[type(header)] if kind is None else kind
-    return [_KIND_BYTES[k], _encoder.encode(header), *payload]
+    return [_KIND_BYTES[_KIND_OF[type(header)]], _encoder.encode(header)]
 
 
-# pyzmq hands a zero-copy frame's release to a garbage-collector thread: for messages
-# below a few MiB that costs far more (hundreds of us, GIL hand-offs) than copying.
-ZERO_COPY_MIN_BYTES = 4 << 20
-
-
-def zero_copy(frames_: Sequence[Any]) -> bool:
-    """Whether a message is big enough to be worth sending without a copy."""
-    return (
-        sum(len(f) if isinstance(f, bytes) else memoryview(f).nbytes for f in frames_)
-        >= ZERO_COPY_MIN_BYTES
-    )
-
-
-def parse(parts: Sequence[Any]) -> tuple[Kind, Any, list[memoryview]]:
-    """Split received frames (``zmq.Frame`` or bytes) into kind, typed header, payload."""
+def parse(parts: Sequence[Any]) -> tuple[Kind, Any]:
+    """Split received frames (``zmq.Frame`` or bytes) into kind and typed header."""
     bufs = [p.buffer if hasattr(p, "buffer") else memoryview(p) for p in parts]
-    if len(bufs) < 2 or len(bufs[0]) != 1:
-        raise WireError(f"expected [kind][header][payload...], got {len(bufs)} frames")
+    if len(bufs) != 2 or len(bufs[0]) != 1:
+        rid = _guess_id(bufs[1]) if len(bufs) > 2 and len(bufs[0]) == 1 else -1
+        raise WireError(
+            f"expected [kind][header] (coordination only, no payload), got {len(bufs)} frames",
+            req_id=rid,
+        )
     try:
         kind = Kind(bufs[0][0])
     except ValueError:
@@ -204,7 +195,7 @@ def parse(parts: Sequence[Any]) -> tuple[Kind, Any, list[memoryview]]:
         header = _decoders[kind].decode(bufs[1])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise WireError(f"bad {kind.name} header: {e}", req_id=_guess_id(bufs[1])) from None
-    return kind, header, bufs[2:]
+    return kind, header
 
 
 def _guess_id(raw: memoryview) -> int:
@@ -239,7 +230,8 @@ def scatter(src: Sequence[memoryview], dst: Sequence[memoryview]) -> int:
     return total
 
 
-# ---- object API (appended): a client's put/get of a whole object on one store ----
+# ---- object API (appended): a client's put/get of a whole object on one store, over
+# the plain-TCP object endpoint (object_server), which frames the value after these ----
 
 
 class ObjPut(_Header):
@@ -251,7 +243,7 @@ class ObjPut(_Header):
 
 
 class ObjGet(_Header):
-    """Answer DATA with the value of ``key`` (ERR ``missing`` when it is not here)."""
+    """Answered DATA with the value of ``key`` (ERR ``missing`` when it is not here)."""
 
     key: str
 

@@ -267,9 +267,11 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
         (wire.frames(write), "forbidden"),
         (wire.frames(wire.Close(id=7, grant=10**9, ok=True)), "fenced"),
         ([b"\x03", encode({"id": 6})], "bad_frame"),
+        ([*wire.frames(write), b"kv bytes"], "bad_frame"),  # no payload rides ZeroMQ
+        (wire.frames(wire.ObjGet(id=8, key="k")), "bad_frame"),  # objects: TCP endpoint
     ):
         await sock.send_multipart(parts)
-        kind, err, _ = wire.parse(await asyncio.wait_for(sock.recv_multipart(), 5))
+        kind, err = wire.parse(await asyncio.wait_for(sock.recv_multipart(), 5))
         assert (kind, err.code) == (wire.Kind.ERR, code)
     sock.close()
     assert isinstance(await tx(nc, "sa", TxRole.PREFILL, [501], BS), TxHandle)
@@ -299,7 +301,7 @@ async def test_garbage_on_the_local_socket_gets_an_error_and_the_store_keeps_ser
         writer.write(len(frame).to_bytes(4, "little") + frame)
         n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 5), "little")
         reply = await reader.readexactly(n)
-        kind, header, _ = wire.parse([reply[:1], reply[1:]])
+        kind, header = wire.parse([reply[:1], reply[1:]])
         return kind, header
 
     opened = wire.Open(id=9, tx="t", epoch=1, slots=[0], offset=0, length=4, write=True)

@@ -101,3 +101,50 @@ async def test_an_oversized_length_closes_the_connection(endpoint):
     _, reader, writer = endpoint
     writer.write((object_server.MAX_FRAME + 1).to_bytes(4, "little"))
     assert await asyncio.wait_for(reader.read(), timeout=10) == b""
+
+
+async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_one():
+    """ObjectClient's per-store links (no ZeroMQ fallback): concurrent requests open up
+    to ``max_links`` connections and then reuse them; an error reply keeps its link, a
+    request cancelled mid-flight closes its own (its reply may still come)."""
+    from services.store.channel import ChannelError
+    from services.store.objects import _LinkPool
+
+    objects = Objects()
+    objects.kv = {f"k{i}": bytes([i]) * (1000 + i) for i in range(6)}
+    srv = ObjectServer(objects)
+    pool = _LinkPool(await srv.start("127.0.0.1"), max_links=3)
+    try:
+        got = await asyncio.gather(
+            *(pool.request(wire.ObjGet(id=i, key=f"k{i}"), (), 5.0) for i in range(6))
+        )
+        assert [bytes(d[0]) for _, _, d in got] == [objects.kv[f"k{i}"] for i in range(6)]
+        assert pool.opened == 3 and len(pool._idle) == 3
+        with pytest.raises(ChannelError) as e:
+            await pool.request(wire.ObjGet(id=7, key="nope"), (), 5.0)
+        assert e.value.code == "missing" and pool.opened == 3 and len(pool._idle) == 3
+    finally:
+        pool.close()
+        await srv.close()
+
+    arrived = asyncio.Event()
+
+    async def silent(reader, writer):  # reads a request, never answers
+        await reader.read(1)
+        arrived.set()
+        await reader.read()
+
+    mute = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = mute.sockets[0].getsockname()[1]
+    pool = _LinkPool(f"tcp://127.0.0.1:{port}", max_links=1)
+    try:
+        t = asyncio.create_task(pool.request(wire.ObjGet(id=1, key="k"), (), 60.0))
+        await arrived.wait()
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert pool._idle == []  # not handed to the next request
+    finally:
+        pool.close()
+        mute.close()
+        await mute.wait_closed()

@@ -21,6 +21,9 @@ from bus_schemas.control import (
     ClearRequest,
     DumpPage,
     DumpRequest,
+    ObjectDone,
+    ObjectReplicate,
+    Refused,
     ReplayPage,
     ReplayRequest,
     Replicate,
@@ -244,12 +247,33 @@ async def test_objects_replicas_and_block_replication(nats_url):
             assert placed == objs.placement("k1")[:2] and len(set(placed)) == 2
             assert await objs.holders("k1") == set(placed)
             assert await objs.get("k1") == value
-            await objs.put("k1", b"v2")  # replaced where it is put
-            assert await objs.get("k1") == b"v2"
+            v2 = os.urandom(BB * 3 + 1)
+            await objs.put("k1", v2)  # replaced where it is put
+            assert await objs.get("k1") == v2
+            (new,) = {"oa", "ob", "oc"} - set(placed)
+            before = await counters(nc, new)
             keep = await objs.change_replica("k1", 3)
             assert sorted(keep) == ["oa", "ob", "oc"] and await objs.holders("k1") == set(keep)
+            # The copy was pulled into the new holder through the transfer engine (same
+            # host: shared memory), its 4 blocks in one pull, and reads back whole there.
+            after = await counters(nc, new)
+            assert after["obj_copies_in"] == before.get("obj_copies_in", 0) + 1
+            assert after["pulls"] == before.get("pulls", 0) + 1
+            moved = sum(after[f"{t}_bytes"] - before.get(f"{t}_bytes", 0) for t in ("shm", "tcp"))
+            assert moved == 4 * BB
+            there = SyncObjectClient({new: objs.infos[new].obj_addr})
+            assert there.get("k1") == v2
+            there.close()
+            missing = await request(
+                nc,
+                subjects.store_ctl(new, "obj.replicate"),
+                ObjectReplicate(key="nope", source_node=placed[0], dest_node=new),
+                ObjectDone | Refused,
+                timeout=10,
+            )
+            assert isinstance(missing, Refused) and missing.reason == "missing"
             keep = await objs.change_replica("k1", 1)
-            assert await objs.holders("k1") == set(keep) and await objs.get("k1") == b"v2"
+            assert await objs.holders("k1") == set(keep) and await objs.get("k1") == v2
             assert await objs.remove("k1") == keep
             with pytest.raises(KeyError):
                 await objs.get("k1")

@@ -60,10 +60,12 @@ def test_scatter_copies_across_frame_boundaries(arena):
 
 def test_frames_roundtrip_and_bad_frames_keep_the_id():
     h = wire.Open(id=7, tx="t", epoch=1, slots=[1, 2], offset=0, length=4, write=True)
-    kind, got, payload = wire.parse(wire.frames(h))
-    assert (kind, got, payload) == (wire.Kind.OPEN, h, [])
+    assert wire.parse(wire.frames(h)) == (wire.Kind.OPEN, h)
     g = wire.Granted(id=7, grant=3, segments={"tcp": "tcp://h:1"}, regions={"tcp": 1}, ttl_s=2.0)
-    assert wire.parse(wire.frames(g))[:2] == (wire.Kind.GRANTED, g)
+    assert wire.parse(wire.frames(g)) == (wire.Kind.GRANTED, g)
+    with pytest.raises(wire.WireError) as e:  # coordination only: no payload frames
+        wire.parse([*wire.frames(h), b"kv bytes"])
+    assert e.value.req_id == 7 and e.value.code == "bad_frame"
     bad_header = wire.frames(wire.Ok(id=9))
     bad_header[0] = bytes([wire.Kind.OPEN])  # an OK header under an OPEN kind
     with pytest.raises(wire.WireError) as e:
