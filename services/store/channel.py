@@ -47,16 +47,16 @@ def tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
 
 
-class Channel:
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+class Requests:
+    """Requests in flight on one connection, parked by id until the reader hands each its
+    reply: what :class:`Channel` (ZeroMQ) and ``local_channel.LocalChannel`` (the
+    store's Unix socket) share. A subclass puts a request on the wire (``_send``),
+    calls ``_deliver`` for each reply and ``_fail_all`` when the connection ends."""
+
+    def __init__(self, addr: str) -> None:
         self.addr = addr
-        self.sock = ctx.socket(zmq.DEALER)
-        tune(self.sock)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
-        self.sock.connect(addr)
-        self._pending: dict[int, asyncio.Future] = {}
+        self._pending: dict[int, asyncio.Future[tuple[wire.Kind, Any]]] = {}
         self._closed = False
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"channel:{addr}")
 
     @property
     def closed(self) -> bool:
@@ -66,17 +66,23 @@ class Channel:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    async def _send(self, header: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
     async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
         """Send one request and return its reply (kind OK or GRANTED); ERR raises
         :class:`ChannelError` with the peer's code; no reply in ``timeout`` raises
         ``ChannelError("timeout")`` and closes the channel."""
         if self._closed:
             raise ChannelError("closed", f"channel to {self.addr} is closed")
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[wire.Kind, Any]] = asyncio.get_running_loop().create_future()
         self._pending[header.id] = fut
         try:
             async with asyncio.timeout(timeout):
-                await self.sock.send_multipart(wire.frames(header))
+                await self._send(header)
                 kind, reply = await fut
         except TimeoutError:
             self.close()
@@ -89,6 +95,30 @@ class Channel:
             raise ChannelError(reply.code, reply.message)
         return kind, reply
 
+    def _deliver(self, kind: wire.Kind, header: Any) -> None:
+        fut = self._pending.get(header.id)
+        if fut is not None and not fut.done():
+            fut.set_result((kind, header))
+
+    def _fail_all(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ChannelError("closed", f"channel to {self.addr} closed"))
+        self._pending.clear()
+
+
+class Channel(Requests):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+        super().__init__(addr)
+        self.sock = ctx.socket(zmq.DEALER)
+        tune(self.sock)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.connect(addr)
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"channel:{addr}")
+
+    async def _send(self, header: Any) -> None:
+        await self.sock.send_multipart(wire.frames(header))
+
     async def _read(self) -> None:
         try:
             while True:
@@ -98,26 +128,18 @@ class Channel:
                 except wire.WireError as e:
                     log.warning("bad_reply", addr=self.addr, error=str(e))
                     continue
-                fut = self._pending.get(header.id)
-                if fut is not None and not fut.done():
-                    fut.set_result((kind, header))
+                self._deliver(kind, header)
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
         finally:
-            self._fail_all("closed", f"channel to {self.addr} closed")
-
-    def _fail_all(self, code: str, message: str) -> None:
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ChannelError(code, message))
-        self._pending.clear()
+            self._fail_all()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._reader.cancel()
-        self._fail_all("closed", f"channel to {self.addr} closed")
+        self._fail_all()
         self.sock.close(linger=0)
 
     async def aclose(self) -> None:

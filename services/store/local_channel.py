@@ -29,7 +29,7 @@ from typing import Any, cast
 import structlog
 
 from services.store import wire
-from services.store.channel import ChannelError
+from services.store.channel import ChannelError, Requests
 
 log = structlog.get_logger()
 
@@ -138,15 +138,13 @@ class LocalServer:
             pass
 
 
-class LocalChannel(asyncio.Protocol):
+class LocalChannel(Requests, asyncio.Protocol):
     """Request/reply to the store at ``path``, many requests in flight at once."""
 
     def __init__(self, path: str) -> None:
-        self.addr = f"unix:{path}"
+        super().__init__(f"unix:{path}")
         self._frames = _Frames()
-        self._pending: dict[int, asyncio.Future[tuple[wire.Kind, Any]]] = {}
         self._t: asyncio.Transport | None = None
-        self._closed = False
 
     @classmethod
     async def connect(cls, path: str) -> "LocalChannel":
@@ -155,34 +153,10 @@ class LocalChannel(asyncio.Protocol):
         _, ch = await loop.create_unix_connection(lambda: cls(path), path)
         return ch
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
-        """As :meth:`Channel.request`."""
-        if self._closed or self._t is None:
+    async def _send(self, header: Any) -> None:
+        if self._t is None:
             raise ChannelError("closed", f"channel to {self.addr} is closed")
-        fut: asyncio.Future[tuple[wire.Kind, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[header.id] = fut
-        try:
-            self._t.write(encode(header))
-            async with asyncio.timeout(timeout):
-                kind, reply = await fut
-        except TimeoutError:
-            self.close()
-            raise ChannelError(
-                "timeout", f"no reply from {self.addr} within {timeout:.1f}s (store down?)"
-            ) from None
-        finally:
-            self._pending.pop(header.id, None)
-        if kind == wire.Kind.ERR:
-            raise ChannelError(reply.code, reply.message)
-        return kind, reply
+        self._t.write(encode(header))
 
     # -- protocol
 
@@ -201,20 +175,12 @@ class LocalChannel(asyncio.Protocol):
             except wire.WireError as e:
                 log.warning("bad_reply", addr=self.addr, error=str(e))
                 continue
-            fut = self._pending.get(header.id)
-            if fut is not None and not fut.done():
-                fut.set_result((kind, header))
+            self._deliver(kind, header)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._t = None
         self._fail_all()
-
-    def _fail_all(self) -> None:
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ChannelError("closed", f"channel to {self.addr} closed"))
-        self._pending.clear()
 
     def close(self) -> None:
         if self._closed and self._t is None:
