@@ -14,8 +14,9 @@ Store requests never raise here: a timeout or missing store is an error string.
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -36,6 +37,18 @@ from bus_schemas.control import (
 from services.common import bus
 
 log = structlog.get_logger()
+
+T = TypeVar("T")
+
+# Renewals keep a lease's end ahead while the store answers; a holder gives its slots up
+# this long before the end it knows of: the store's sweep runs every 0.25 s, an engine
+# already copying needs a moment, clocks of two hosts may differ.
+LEASE_MARGIN_S = 2.0
+
+
+class LeaseExpired(Exception):
+    """A transaction's lease ended (the store stopped answering, or lost it in a restart)
+    before the holder was done with its slots."""
 
 
 @dataclass
@@ -131,6 +144,7 @@ class LeaseKeeper:
         self._held: dict[tuple[str, str], str] = {}  # (node, tx_id) -> request id
         self._expires: dict[tuple[str, str], float] = {}
         self.lost: set[tuple[str, str]] = set()
+        self._losing: dict[tuple[str, str], asyncio.Event] = {}  # keys guarded now
         self._task: asyncio.Task[None] | None = None
 
     def hold(self, request_id: str, node: str, handle: TxHandle) -> None:
@@ -172,6 +186,47 @@ class LeaseKeeper:
                     log.warning("lease_lost", node=node, tx_id=t, request_id=self._held[(node, t)])
                     self.lost.add((node, t))
                     self._expires[(node, t)] = 0.0
+                    if (node, t) in self._losing:
+                        self._losing[(node, t)].set()
+
+    async def before_expiry(
+        self,
+        key: tuple[str, str],
+        work: Awaitable[T],
+        *,
+        renew_first: bool = False,
+        margin_s: float = LEASE_MARGIN_S,
+    ) -> T:
+        """``work`` (an engine writing or reading the slots of ``key``, a (node, tx_id)
+        held here) while the store certainly keeps them. Should the lease come within
+        ``margin_s`` of its end or be reported lost first, ``work`` is cancelled and
+        :class:`LeaseExpired` raised: past that point the slots may hold another
+        request's blocks. ``renew_first``: the handle may be old, renew before judging."""
+        fut = asyncio.ensure_future(work)
+        losing = self._losing[key] = asyncio.Event()
+        lost = asyncio.ensure_future(losing.wait())
+        try:
+            if renew_first:
+                await self.renew_now(only=key)
+            while True:
+                # The lease is judged before the result: work done on slots the store
+                # was about to hand on is not trusted.
+                left = self.expires_at(*key) - time.time() - margin_s
+                if left <= 0 or losing.is_set():
+                    break
+                if fut.done():
+                    return fut.result()
+                await asyncio.wait(
+                    {fut, lost},
+                    timeout=min(left, self.lease_s / 3),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+        finally:
+            lost.cancel()
+            self._losing.pop(key, None)
+            if not fut.done():
+                fut.cancel()
+        raise LeaseExpired(f"the store no longer holds the slots of transaction {key[1]}")
 
     async def close(self) -> None:
         if self._task is not None:

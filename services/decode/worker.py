@@ -48,18 +48,12 @@ from bus_schemas.roles import Role
 from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
-from services.common.store_tx import LeaseKeeper, StoreTx
+from services.common.store_tx import LeaseExpired, LeaseKeeper, StoreTx
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from services.worker.base import WorkerBase
 from tracing import tracer
 
 log = structlog.get_logger()
-
-# Give up on a KV load this long before the store's lease ends (its sweep runs every
-# 0.25 s, an engine already copying needs a moment, clocks of two hosts may differ).
-# Renewals keep the end ahead while the store answers; this only fires once it has not
-# answered for most of a lease, or no longer knows the transaction.
-LEASE_MARGIN_S = 2.0
 
 
 class DecodeStore(Protocol):
@@ -70,10 +64,6 @@ class DecodeStore(Protocol):
 
 class BadTask(ValueError):
     """A DecodeTask this instance cannot serve as placed."""
-
-
-class LeaseExpired(Exception):
-    """The KV slots' transaction would be rolled back before the engine loaded them."""
 
 
 class _Stopped(Exception):
@@ -298,23 +288,16 @@ class DecodeWorker(WorkerBase):
         tx = task.decode_tx
         key = (tx.node, tx.tx_id)
         self.leases.hold(task.request.request_id, tx.node, tx)
-        fut = asyncio.ensure_future(load)
         try:
             # The handle's expiry dates from prefill's reservation: renew before judging.
-            await self.leases.renew_now(only=key)
-            while True:
-                left = self.leases.expires_at(*key) - time.time() - LEASE_MARGIN_S
-                if left <= 0:
-                    break
-                done, _ = await asyncio.wait({fut}, timeout=min(left, self.leases.lease_s / 3))
-                if done:
-                    return fut.result()
+            return await self.leases.before_expiry(key, load, renew_first=True)
+        except LeaseExpired:
+            self.engine.abort(task.request.request_id)
+            raise LeaseExpired(
+                "the store no longer holds the request's KV for the decode engine"
+            ) from None
         finally:
             self.leases.drop(*key)
-            if not fut.done():
-                fut.cancel()
-        self.engine.abort(task.request.request_id)
-        raise LeaseExpired("the store no longer holds the request's KV for the decode engine")
 
     async def _commit(self, task: DecodeTask) -> None:
         with tracer().start_as_current_span("decode.commit"):

@@ -14,8 +14,9 @@ handed on.
 """
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -71,8 +72,12 @@ class Reservation:
         return out
 
 
+T = TypeVar("T")
+
+
 class Reserver(Protocol):
     async def reserve(self, task: PrefillTask) -> Reservation: ...
+    async def computing(self, r: Reservation, work: Awaitable[T]) -> T: ...
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None: ...
     async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None: ...
     async def close(self) -> None: ...
@@ -182,6 +187,11 @@ class StoreReserver:
                     source_node=node, source_tx=stx, first_block=g.pull[0], num_blocks=g.pull[1]
                 )
         return Reservation(prefill_tx=ptx, decode_tx=dtx, remote=remote)
+
+    async def computing(self, r: Reservation, work: Awaitable[T]) -> T:
+        """``work`` (the engine writing the prompt's KV into the prefill tx's slots) while
+        the store keeps them; a lease that ends first cancels it (``LeaseExpired``)."""
+        return await self.leases.before_expiry((r.prefill_tx.node, r.prefill_tx.tx_id), work)
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
         for node, tx_id in r.txs():

@@ -61,7 +61,7 @@ from services.common.cost_model import CostModel
 from services.common.hashing import num_blocks
 from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
-from services.common.store_tx import StoreTx
+from services.common.store_tx import LeaseExpired, StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
 from services.prefill.cpp_pipeline import (
     DEFAULT_TIMEOUT_S as DEFAULT_STAGE_TIMEOUT_S,
@@ -132,6 +132,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     """(code, short client message) for a failed prefill."""
     if isinstance(exc, BadTask):
         return ErrorCode.INTERNAL, f"bad prefill task: {exc}"
+    if isinstance(exc, LeaseExpired):
+        return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
     if isinstance(exc, EngineDeadError):
         return ErrorCode.UNAVAILABLE, "prefill engine is down"
     if isinstance(exc, EngineError):
@@ -542,10 +544,15 @@ class PrefillWorker(WorkerBase):
                 attributes={"prompt_tokens": n, "prefix_tokens": p},
             ):
                 async with self.compute_lock:
-                    if task.cpp_stages:
-                        done.first, learn = await self.engine.prefill(job), None
-                    else:
-                        done.first, learn = await self._compute(job, n, p)
+                    # The engine writes into the prefill tx's slots: only while the
+                    # store keeps them (a lease lost meanwhile fails the request).
+                    try:
+                        done.first, learn = await self.reserver.computing(
+                            res, self._compute(job, n, p, measured=not task.cpp_stages)
+                        )
+                    except LeaseExpired:
+                        self.engine.abort(req.request_id)
+                        raise
             done.first_ts = self.unix.now()
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
@@ -619,12 +626,15 @@ class PrefillWorker(WorkerBase):
         )
 
     # -- helpers --
-    async def _compute(self, job: PrefillJob, n: int, p: int) -> tuple[int, Any]:
+    async def _compute(
+        self, job: PrefillJob, n: int, p: int, measured: bool = True
+    ) -> tuple[int, Any]:
         """``engine.prefill``, measured for this instance's calibration: (first token,
         what to learn once the first token is out: the fit before the compute is the
-        prediction; the queue is repriced with the fit after it)."""
+        prediction; the queue is repriced with the fit after it). A pipeline's last
+        write (``measured=False``) is no sample of this instance's compute."""
         calib = self.calibrator
-        if calib is None:
+        if calib is None or not measured:
             return await self.engine.prefill(job), None
         predicted = calib.model().prefill_time(n, p)
         t0 = self.clock.now()

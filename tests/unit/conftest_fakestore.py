@@ -34,6 +34,7 @@ from bus_schemas.requests import (
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import ModelSpec
+from services.common.store_tx import LeaseExpired
 from services.decode.worker import DecodeWorker
 from services.engine import SlotKV, make_engine, synth
 from services.prefill.reserve import Reservation
@@ -155,11 +156,18 @@ class FakeReserver:
         self.reserved: list[str] = []
         self.handed_off: list[str] = []
         self.released: list[tuple[str, str]] = []  # (request id, reason)
+        self.lose: set[str] = set()  # prefill tx ids whose lease ends before the compute
 
     async def reserve(self, task: PrefillTask) -> Reservation:
         rid = task.request.request_id
         self.reserved.append(rid)
         return self.planned[rid]
+
+    async def computing(self, r: Reservation, work):
+        if r.prefill_tx.tx_id in self.lose:
+            work.close()
+            raise LeaseExpired("the store no longer holds the slots (test)")
+        return await work
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
         self.handed_off.append(task.request.request_id)

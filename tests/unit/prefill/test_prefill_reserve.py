@@ -1,6 +1,7 @@
 """StoreReserver and LeaseKeeper against tiny store responders on a real nats-server:
 what is opened when, waiting for room, what is rolled back, what is renewed."""
 
+import asyncio
 import itertools
 import time
 
@@ -23,7 +24,7 @@ from bus_schemas.placement import PrefillTask, PrefixSource
 from bus_schemas.requests import GenerateRequest
 from services.common.clock import ManualClock
 from services.common.hashing import block_hashes
-from services.common.store_tx import StoreTx
+from services.common.store_tx import LeaseExpired, StoreTx
 from services.prefill.reserve import ReserveError, StoreReserver
 
 BS = 32
@@ -222,6 +223,44 @@ async def test_leases_are_renewed_per_node_and_a_lost_one_is_reported(conns):
     assert res_.leases.expires_at("p0", res.prefill_tx.tx_id) > time.time() + 20
     await res_.release(task(), res, "test")
     assert res_.leases.held == 0 and p.aborts == [res.prefill_tx.tx_id]
+    await res_.close()
+
+
+async def test_the_compute_runs_only_while_the_prefill_lease_holds(conns):
+    # A compute that finishes under a live lease returns its result; one running when a
+    # renewal finds the tx gone (the store restarted) is cancelled and LeaseExpired
+    # raised, so the engine stops writing into slots the store may have handed on.
+    snc, wnc = conns
+    p = await Store(snc, "p0").start()
+    await Store(snc, "d0").start()
+    res_ = reserver(wnc, lease_s=30.0)
+    res = await res_.reserve(task())
+
+    async def quick() -> int:
+        return 7
+
+    assert await res_.computing(res, quick()) == 7
+    started, never = asyncio.Event(), asyncio.Event()
+    cancelled = []
+
+    async def slow() -> int:
+        started.set()
+        try:
+            await never.wait()
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return 0
+
+    guarded = asyncio.create_task(res_.computing(res, slow()))
+    await started.wait()
+    assert not guarded.done()
+    p.open.clear()  # the prefill store restarted: it no longer knows the tx
+    await res_.leases.renew_now()
+    with pytest.raises(LeaseExpired):
+        await guarded
+    assert cancelled == [True]
+    await res_.release(task(), res, "test")
     await res_.close()
 
 

@@ -178,6 +178,19 @@ async def test_reservation_that_does_not_fit_is_released(rig):
     assert rig.reserver.released == [(rid, err.message)] and rig.reserver.handed_off == []
 
 
+async def test_a_lease_lost_before_the_compute_writes_nothing_and_is_a_503(rig):
+    # The engine would write the prompt's KV into the prefill tx's slots after the
+    # store may have handed them on: the compute never runs, the request fails.
+    t = rig.task(rig.prompt(40, seed=7))
+    rid = t.request.request_id
+    rig.reserver.lose.add(rig.res(t).prefill_tx.tx_id)
+    (err,) = await until_terminal(await rig.submit(t))
+    assert err.code == ErrorCode.UNAVAILABLE and "no longer holds the slots" in err.message
+    assert rig.reserver.released == [(rid, err.message)] and rig.reserver.handed_off == []
+    assert (await rig.stats("prefill", rig.pi))["computed_tokens"] == 0
+    assert rig.decode_tasks.empty()
+
+
 async def test_queued_requests_hold_no_reservation_until_their_compute_starts(nats_url):
     gate = Gate()
     rig = await Rig(speedup=1e6, prefill_sleep=gate).start(nats_url)
