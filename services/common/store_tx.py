@@ -221,11 +221,16 @@ class LeaseKeeper:
                     timeout=min(left, self.lease_s / 3),
                     return_when=asyncio.FIRST_COMPLETED,
                 )
+        except BaseException:
+            fut.cancel()
+            raise
         finally:
             lost.cancel()
             self._losing.pop(key, None)
-            if not fut.done():
-                fut.cancel()
+        # Give the work the margin to stop (an engine aborts the request and stops
+        # touching the slots) before the holder lets the transaction go.
+        fut.cancel()
+        await asyncio.wait({fut}, timeout=margin_s)
         raise LeaseExpired(f"the store no longer holds the slots of transaction {key[1]}")
 
     async def close(self) -> None:
