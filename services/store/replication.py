@@ -61,15 +61,7 @@ class Replicator:
         if not want:
             return TxDone(tx_id="", stored_blocks=0)
         rid = f"replicate:{req.source_node}->{core.node}"
-        src = await request(
-            self.nc,
-            subjects.store_ctl(req.source_node, "tx.allocate"),
-            TxAllocate(
-                request_id=rid, role=TxRole.SOURCE, block_hashes=want, num_tokens=0, lease_s=30.0
-            ),
-            TxReply,
-            timeout=5.0,
-        )
+        src = await self._lock_source(req.source_node, want, rid)
         if not isinstance(src, TxHandle):
             return src
         try:
@@ -91,6 +83,26 @@ class Replicator:
             return pool.commit(local.tx_id)
         finally:
             await self._release(req.source_node, src.tx_id, rid)
+
+    async def _lock_source(self, node: str, hashes: list[int], rid: str) -> TxHandle | Refused:
+        """A SOURCE tx over ``hashes`` on ``node``: its blocks stay put while we pull."""
+        try:
+            reply: TxHandle | Refused = await request(
+                self.nc,
+                subjects.store_ctl(node, "tx.allocate"),
+                TxAllocate(
+                    request_id=rid,
+                    role=TxRole.SOURCE,
+                    block_hashes=hashes,
+                    num_tokens=0,
+                    lease_s=30.0,
+                ),
+                TxReply,
+                timeout=self.peer_timeout_s,
+            )
+        except Exception as e:  # noqa: BLE001 - timeouts, no responders, error replies
+            return Refused(reason="unreachable", message=f"{node}: {e!r}")
+        return reply
 
     async def _pull(self, src: TxHandle, local: Allocation, skip: int) -> Refused | None:
         """Bring ``src``'s slots (past the first ``skip``) into ``local``'s through the
@@ -147,23 +159,10 @@ class Replicator:
         if not there.present or not there.block_hashes:
             return Refused(reason="missing", message=f"{req.key!r} is not on {req.source_node}")
         rid = f"obj-replicate:{req.source_node}->{node}"
-        try:
-            src = await request(
-                self.nc,
-                subjects.store_ctl(req.source_node, "tx.allocate"),
-                TxAllocate(
-                    request_id=rid,
-                    role=TxRole.SOURCE,
-                    block_hashes=there.block_hashes,
-                    num_tokens=0,
-                    lease_s=30.0,
-                ),
-                TxReply,
-                timeout=self.peer_timeout_s,
-            )
-        except Exception as e:  # noqa: BLE001 - as above
-            return Refused(reason="unreachable", message=f"{req.source_node}: {e!r}")
+        src = await self._lock_source(req.source_node, there.block_hashes, rid)
         if not isinstance(src, TxHandle):
+            if src.reason == "unreachable":
+                return src
             # Replaced or evicted since the stat: the version asked for is gone.
             return Refused(reason="missing", message=f"{req.key!r} on {req.source_node}: {src}")
         try:
