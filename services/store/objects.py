@@ -92,7 +92,10 @@ class _LinkPool:
 
     async def request(self, header, payload, timeout: float):
         try:
-            async with asyncio.timeout(timeout):
+            if self._slots.locked():  # every link busy: wait, within the request's time
+                async with asyncio.timeout(timeout):
+                    await self._slots.acquire()
+            else:
                 await self._slots.acquire()
         except TimeoutError:
             raise ChannelError(
