@@ -34,6 +34,9 @@ class PrefillLoad(Msg):
     # (prompt tokens, prefix tokens loaded, seconds of compute) of each prefill since
     # the last report
     measured: list[tuple[int, int, float]] = []
+    # The reporting process's incarnation (services.common.incarnation): a restart under
+    # the same instance name reports a larger one, and whatever the old one held is dead.
+    incarnation: int = 0
 
 
 class DecodeLoad(Msg):
@@ -49,6 +52,7 @@ class DecodeLoad(Msg):
     # (batch size, context tokens, seconds) of the latest decode steps since the last
     # report (at most services.common.calibrator.MAX_REPORTED_STEPS)
     measured: list[tuple[int, int, float]] = []
+    incarnation: int = 0  # as PrefillLoad's
 
 
 class WorkerStats(Msg):

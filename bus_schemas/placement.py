@@ -61,6 +61,10 @@ class PrefillTask(Msg):
     # among them, and the chunk size. Empty: the instance computes it alone.
     cpp_stages: list[str] = []
     cpp_chunk_tokens: int = 0
+    # The incarnations the conductor placed on (0: unknown, any): an instance refuses a
+    # task addressed to another incarnation of its name (the one placed on is gone).
+    prefill_incarnation: int = 0
+    decode_incarnation: int = 0
 
 
 class DecodeTask(Msg):
@@ -74,6 +78,7 @@ class DecodeTask(Msg):
     cached_tokens: int
     prefill_done_ts: float = 0.0
     first_token_sent: bool = False  # prefill already streamed it to the client (index 0)
+    decode_incarnation: int = 0  # as PrefillTask's
 
 
 class FirstTokenNotice(Msg, tag="first_token"):

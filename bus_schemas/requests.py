@@ -90,6 +90,9 @@ class Migration(Msg):
     resumed_tokens: int  # generated tokens appended to the prompt
     prompt_tokens: int  # length of the original prompt
     dead_request_id: str = ""  # the attempt that died (the client's id on a first migration)
+    # The incarnation that died (0: unknown). A restarted process under the same name is
+    # a new instance: the conductor excludes the name only while that incarnation reports.
+    dead_incarnation: int = 0
 
 
 class GenerateRequest(Msg):
@@ -117,6 +120,13 @@ class Accepted(Msg, tag="accepted"):
     prefill_instance: str
     decode_instance: str
     cached_tokens: int = 0
+    # The incarnations placed on (0: unknown): a later one under the same name means the
+    # placed process died, and the gateway migrates the request at once.
+    prefill_incarnation: int = 0
+    decode_incarnation: int = 0
+    # The conductor's TTFT estimate (queue + prefill): the gateway's progress watchdog
+    # judges a prefill that stays silent far beyond it wedged.
+    est_ttft_s: float = 0.0
 
 
 class Tokens(Msg, tag="tokens"):
@@ -126,6 +136,7 @@ class Tokens(Msg, tag="tokens"):
     # Sent by the prefill instance (the first token, ahead of the KV handoff): the
     # request is not on its decode instance yet.
     from_prefill: bool = False
+    incarnation: int = 0  # the sending worker's incarnation
 
 
 class Finished(Msg, tag="finished"):
@@ -147,8 +158,26 @@ StreamEvent = Accepted | Tokens | Finished | Error
 
 
 class CancelRequest(Msg):
+    """Stop a request. Published on ``subjects.CANCEL`` (every worker listens); the
+    instances named in ``targets`` (instance -> incarnation) answer the NATS reply with
+    :class:`CancelAck`, and the sender repeats it until each has answered or its
+    incarnation ended. A worker acts on a cancel naming it under another incarnation not
+    at all: the request it names belonged to a process that is gone."""
+
     request_id: str
     reason: str = "client disconnected"
+    targets: dict[str, int] = {}
+
+
+class CancelAck(Msg):
+    """A worker's answer to a :class:`CancelRequest` that named it: ``refused`` when the
+    cancel was addressed to another incarnation of the instance (nothing was done)."""
+
+    request_id: str
+    instance: str
+    incarnation: int
+    held: bool = False  # the request was running or queued here and is being stopped
+    refused: bool = False
 
 
 def stream_event_decoder() -> msgspec.json.Decoder[StreamEvent]:

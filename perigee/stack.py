@@ -124,6 +124,9 @@ class StackConfig:
     log_dir: str = ".perigee/logs"
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
+    # More flags for every child of one service kind (gateway, admission, conductor,
+    # prefill, decode, store), after the ones the stack sets: `perigee up --gateway-arg`.
+    service_args: dict[str, list[str]] = field(default_factory=dict)
     api_key: str = ""  # gateway API key(s), comma list (PERIGEE_API_KEY); "": open
     metrics: bool = True  # each service serves /metrics on a free port (metrics-targets.json)
     # --engine vllm: vLLM load format ("": auto if the model directory holds weights,
@@ -341,6 +344,7 @@ class Stack:
         c = self.cfg
         targets = []
         for child in children:
+            child.argv += c.service_args.get(child.argv[0].removeprefix("services."), [])
             if child.name == "gateway":
                 if c.api_key:
                     child.env["PERIGEE_API_KEY"] = c.api_key

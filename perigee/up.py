@@ -196,6 +196,15 @@ def parse(argv: list[str]) -> StackConfig:
         default=RestartPolicy.window_s,
         help="seconds (default: %(default)s)",
     )
+    for kind in SERVICE_KINDS:
+        p.add_argument(
+            f"--{kind}-arg",
+            action="append",
+            default=[],
+            metavar="FLAG",
+            help=f"pass FLAG on to every {kind} service, written --{kind}-arg=--flag=value "
+            f"(repeatable; its flags: python -m services.{kind} --help)",
+        )
     a = p.parse_args(argv)
     if a.cpp_group > 1 and a.engine != "mock":
         # A vLLM anchor would compute the whole prompt again after the stages.
@@ -250,7 +259,14 @@ def parse(argv: list[str]) -> StackConfig:
         decode_time=a.decode_time,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=a.max_restarts, window_s=a.restart_window),
+        service_args={
+            k: list(v) for k in SERVICE_KINDS if (v := getattr(a, f"{k.replace('-', '_')}_arg"))
+        },
     )
+
+
+# The service kinds whose flags `--<kind>-arg` passes on (python -m services.<kind>).
+SERVICE_KINDS = ("gateway", "admission", "conductor", "prefill", "decode", "store")
 
 
 def main(argv: list[str]) -> int:

@@ -28,8 +28,10 @@ not admission.
 import argparse
 import asyncio
 import json
+import math
 import random
 import signal
+import sys
 import time
 import uuid
 
@@ -43,6 +45,7 @@ from bus_schemas.requests import Error, Finished, GenerateRequest, SamplingParam
 from bus_schemas.roles import Role
 from perigee import models
 from perigee.bench.stats import summary_ms
+from perigee.bench.stats import unmeasured as not_figures
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common import defaults
@@ -81,6 +84,10 @@ class Tap:
                 self.first_token.setdefault(rid, now)
                 self.tokens[rid] = self.tokens.get(rid, 0) + len(obj["token_ids"])
 
+        # The gateway sends a request, and a migration's resend of it, on the durable
+        # intake (JetStream work queue: its publishes still reach a core subscriber)
+        # unless it runs --no-durable-intake, then on core REQUESTS: watch both.
+        await self.nc.subscribe(subjects.INTAKE, cb=on_req)
         await self.nc.subscribe(subjects.REQUESTS, cb=on_req)
         await self.nc.subscribe("perigee.gw.>", cb=on_event)
         await self.nc.flush()
@@ -217,9 +224,29 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                     for t, r in tap.requests.values()
                     if r.migration and r.migration.of_request_id == rid
                 ]
-                if mig:
+                if not mig:
+                    # The kill happened but the tap never saw the resend: the bench
+                    # cannot time this trial (it watches the wrong subject?).
+                    failures.append(
+                        {
+                            "trial": trial,
+                            "error": f"the bus tap saw no migrated request of {rid!r}",
+                            "completion_tokens": completion,
+                            "killed": True,
+                        }
+                    )
+                else:
                     t_resend, mreq = mig[-1]
                     t_first = tap.first_token.get(mreq.request_id, float("nan"))
+                    if t_first != t_first:
+                        failures.append(
+                            {
+                                "trial": trial,
+                                "error": f"the bus tap saw no token of {mreq.request_id!r}",
+                                "completion_tokens": completion,
+                                "killed": True,
+                            }
+                        )
                     cold = await reprefill(
                         nc, mreq.prompt_token_ids, a.block_size, f"bench-cold-{trial}"
                     )
@@ -240,8 +267,9 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
                         f"{cold * 1e3:.1f} ms",
                         flush=True,
                     )
-                stack._spawn(stack.children[name])  # back for the next trial
-                await wait_reporting(nc, name, a.restart_timeout)
+                if trial < a.trials - 1:
+                    stack._spawn(stack.children[name])  # back for the next trial
+                    await wait_reporting(nc, name, a.restart_timeout)
     finally:
         await nc.close()
         await tap.nc.close()
@@ -269,8 +297,16 @@ async def run(stack: Stack, a: argparse.Namespace, vocab: int) -> dict:
         "rows": rows,
     }
     m, r = out["migration_ms"]["p50"], out["reprefill_ms"]["p50"]
-    out["migration_over_reprefill_p50"] = round(m / r, 3) if r else None
+    out["migration_over_reprefill_p50"] = round(m / r, 3) if r and math.isfinite(m / r) else None
     return out
+
+
+FIGURES = ("detection_ms", "migration_ms", "reprefill_ms", "stall_ms")
+
+
+def unmeasured(out: dict) -> list[str]:
+    """The figures of ``out`` that are not finite numbers (no trial measured them)."""
+    return not_figures(out, *(f"{k}.*" for k in FIGURES), "migration_over_reprefill_p50")
 
 
 def main(argv: list[str]) -> int:
@@ -325,7 +361,7 @@ def main(argv: list[str]) -> int:
         f"{out['migrated_trials']}/{a.trials} trials migrated, {len(out['failures'])} failed "
         f"({a.engine}, {out['model']}, {a.prompt_tokens}-token prompts)"
     )
-    for k in ("detection_ms", "migration_ms", "reprefill_ms", "stall_ms"):
+    for k in FIGURES:
         print(f"  {k[:-3]:<10} p50 {out[k]['p50']:9.1f} ms   mean {out[k]['mean']:9.1f} ms")
     print(f"  migration / re-prefill (p50): {out['migration_over_reprefill_p50']}")
     print(
@@ -335,4 +371,15 @@ def main(argv: list[str]) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)
+    for f in out["failures"]:
+        print(f"  trial {f['trial']} failed: {f['error']}", file=sys.stderr)
+    bad = unmeasured(out)
+    if bad:
+        print(
+            "perigee bench migration: not measured (NaN): "
+            f"{', '.join(dict.fromkeys(b.split('.')[0].split('=')[0] for b in bad))}; "
+            f"{out['migrated_trials']}/{a.trials} trials timed",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if not out["failures"] and out["migrated_trials"] == a.trials else 1

@@ -100,12 +100,11 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--paced-rtt-samples", type=int, default=200, help="round trips paced at --rate (0: skip)"
     )
+    p.add_argument("--log-dir", default=".perigee/bench-logs")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
 
-    cfg = StackConfig(
-        port=free_port(), speedup="inf", log_dir=".perigee/bench-logs", log_level="WARNING"
-    )
+    cfg = StackConfig(port=free_port(), speedup="inf", log_dir=a.log_dir, log_level="WARNING")
     with Stack(cfg) as stack:
         rtt = asyncio.run(nats_rtt(stack.nats_url, a.rtt_samples))
         paced = (

@@ -1,4 +1,6 @@
+import fnmatch
 import math
+from collections.abc import Iterator
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -17,3 +19,35 @@ def summary_ms(values_s: list[float]) -> dict[str, float]:
         "p99": round(percentile(values_s, 99) * 1e3, 3),
         "mean": round(sum(values_s) / len(values_s) * 1e3, 3) if values_s else math.nan,
     }
+
+
+def leaves(obj: object, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """Every leaf of a JSON-like result by its dotted path (list items by index):
+    ``{"a": {"b": [1, 2]}}`` -> ("a.b.0", 1), ("a.b.1", 2)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from leaves(v, f"{prefix}.{i}" if prefix else str(i))
+    else:
+        yield prefix, obj
+
+
+def is_figure(v: object) -> bool:
+    """A measured number: an int or float, finite (not NaN, inf, None or a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def unmeasured(result: object, *patterns: str) -> list[str]:
+    """What ``result`` should have measured and did not: each leaf a pattern names
+    (a dotted path, fnmatch wildcards: ``ttft_ms.*``, ``runs.*.good_per_s``) that is
+    not a finite number, as ``path=value``, and each pattern that names no leaf."""
+    flat = dict(leaves(result))
+    bad = []
+    for pat in patterns:
+        hits = [k for k in flat if fnmatch.fnmatchcase(k, pat)]
+        if not hits:
+            bad.append(f"{pat}: absent")
+        bad += [f"{k}={flat[k]!r}" for k in hits if not is_figure(flat[k])]
+    return bad

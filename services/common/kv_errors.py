@@ -1,4 +1,4 @@
-"""The wording of a prefill worker's KV errors, written once: the worker composes its
+"""The wording of a worker's errors that migrate a request, written once: the worker composes its
 messages from it and the gateway reads them back to tell a store that failed under a
 request (which migrates it) from one that refused for room (which does not)."""
 
@@ -18,3 +18,22 @@ def store_failure(code: int, message: str) -> bool:
     return message.startswith(KV_TRANSFER_FAILED) or (
         message.startswith(KV_RESERVATION_FAILED) and STORE_UNAVAILABLE in message
     )
+
+
+INSTANCE_RESTARTED = "instance restarted"
+
+
+def restarted_message(instance: str) -> str:
+    """A task addressed to an incarnation of ``instance`` that is gone."""
+    return f"{INSTANCE_RESTARTED}: {instance} is a new incarnation since the request was placed"
+
+
+def restarted_instance(message: str) -> str:
+    """The instance a :func:`restarted_message` names."""
+    return message.removeprefix(f"{INSTANCE_RESTARTED}: ").split(" ", 1)[0]
+
+
+def instance_restarted(code: int, message: str) -> bool:
+    """Whether a worker's error says the instance placed on restarted before the task
+    reached it: the request goes on elsewhere, as after the old process's death."""
+    return code == ErrorCode.UNAVAILABLE and message.startswith(INSTANCE_RESTARTED)

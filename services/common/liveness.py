@@ -1,9 +1,11 @@
-"""Which instances are alive, judged by when each last reported load.
+"""Which instances are alive, judged by when each last reported load, and which
+incarnation of each name is the live one (services.common.incarnation).
 
 Pure: the caller feeds sightings and asks with its own clock. The gateway uses it to
-fail streams whose worker went silent; the conductor to stop placing on it."""
+fail streams whose worker went silent or restarted; the conductor to stop placing on it."""
 
 from services.common.clock import Clock
+from services.common.incarnation import SAME, STALE, judge
 
 
 class Liveness:
@@ -11,12 +13,34 @@ class Liveness:
         self.clock = clock
         self.dead_after_s = dead_after_s
         self._last: dict[str, float] = {}
+        self._incarnation: dict[str, int] = {}
 
-    def seen(self, instance: str) -> None:
+    def seen(self, instance: str, incarnation: int = 0) -> str:
+        """A sign of life of ``instance`` (of ``incarnation``, 0: unknown); what it was
+        (SAME, RESTARTED, or STALE: a dead incarnation's, ignored)."""
+        verdict = judge(self._incarnation.get(instance), incarnation) if incarnation else SAME
+        if verdict == STALE:
+            return verdict
         self._last[instance] = self.clock.now()
+        if incarnation:
+            self._incarnation[instance] = incarnation
+        return verdict
+
+    def incarnation(self, instance: str) -> int:
+        """The live incarnation of ``instance`` (0: unknown)."""
+        return self._incarnation.get(instance, 0)
 
     def forget(self, instance: str) -> None:
         self._last.pop(instance, None)
+        self._incarnation.pop(instance, None)
+
+    def prune(self, older_than_s: float) -> list[str]:
+        """Forget instances silent for more than ``older_than_s``; those forgotten."""
+        now = self.clock.now()
+        gone = [i for i, t in self._last.items() if now - t > older_than_s]
+        for i in gone:
+            self.forget(i)
+        return gone
 
     def known(self, instance: str) -> bool:
         return instance in self._last

@@ -3,7 +3,8 @@ model each one's reports carry: the one book that admission and placement both k
 
 Pure: the caller feeds reports and asks with its injected clock. An instance is alive
 while its last report is at most ``dead_after_s`` old; a role switch forgets it in the
-role it left.
+role it left. A report of an older incarnation than the one known is a dead process's,
+late on the bus, and ignored.
 """
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
@@ -11,6 +12,7 @@ from bus_schemas.roles import Role
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
+from services.common.incarnation import STALE, judge
 from services.common.liveness import Liveness
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
@@ -30,15 +32,29 @@ class LoadBook:
         self.decode: dict[str, DecodeLoad] = {}
         self._liveness = Liveness(clock, dead_after_s)
 
-    def observe_prefill(self, load: PrefillLoad) -> None:
-        self.prefill[load.instance] = load
-        self._liveness.seen(f"{PREFILL}:{load.instance}")
-        self.calibration.observe_fit(load.instance, load.fit)
+    def observe_prefill(self, load: PrefillLoad) -> str:
+        """Take a report; what it was (services.common.incarnation.judge): a stale one
+        is ignored."""
+        verdict = judge(self.incarnation(PREFILL, load.instance), load.incarnation)
+        if verdict != STALE:
+            self.prefill[load.instance] = load
+            self._liveness.seen(f"{PREFILL}:{load.instance}")
+            self.calibration.observe_fit(load.instance, load.fit)
+        return verdict
 
-    def observe_decode(self, load: DecodeLoad) -> None:
-        self.decode[load.instance] = load
-        self._liveness.seen(f"{DECODE}:{load.instance}")
-        self.calibration.observe_fit(load.instance, load.fit)
+    def observe_decode(self, load: DecodeLoad) -> str:
+        """As :meth:`observe_prefill`."""
+        verdict = judge(self.incarnation(DECODE, load.instance), load.incarnation)
+        if verdict != STALE:
+            self.decode[load.instance] = load
+            self._liveness.seen(f"{DECODE}:{load.instance}")
+            self.calibration.observe_fit(load.instance, load.fit)
+        return verdict
+
+    def incarnation(self, role: str, instance: str) -> int:
+        """The incarnation ``instance`` last reported in ``role`` (0: none, or unknown)."""
+        ld = (self.prefill if role == PREFILL else self.decode).get(instance)
+        return ld.incarnation if ld is not None else 0
 
     def forget(self, role: str, instance: str) -> None:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""

@@ -18,7 +18,7 @@ placement that fails once the worker reaches the dead store.
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from bus_schemas.requests import Migration
 from bus_schemas.roles import Role
@@ -26,11 +26,18 @@ from services.conductor.policy import PlacementRequest
 
 
 def placement_for(
-    preq: PlacementRequest, m: Migration
+    preq: PlacementRequest, m: Migration, incarnation: Callable[[str, str], int] | None = None
 ) -> tuple[PlacementRequest, dict[str, tuple[str, ...]]]:
-    """(the request without SLOs, ``place``'s exclusion keyword for the dead instance)."""
+    """(the request without SLOs, ``place``'s exclusion keyword for the dead instance).
+
+    ``incarnation(role, instance)``: the incarnation each instance reports now. The dead
+    instance's name is excluded unless a newer incarnation of it reports: that process
+    is a new instance, alive, and may serve the request (a restart of the only one)."""
     preq = dataclasses.replace(preq, ttft_slo_s=math.inf, tbt_slo_s=math.inf, arrival_ts=0.0)
     role = Role.PREFILL if m.reason == "prefill_died" else Role.DECODE
+    now = incarnation(role, m.dead_instance) if incarnation is not None else 0
+    if m.dead_incarnation and now > m.dead_incarnation:
+        return preq, {}
     return preq, {f"exclude_{role}": (m.dead_instance,)}
 
 

@@ -84,6 +84,7 @@ from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
+from services.common.incarnation import RESTARTED, STALE
 from services.common.intake import hashes_for
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
@@ -322,15 +323,20 @@ class PlacementPolicy:
     # ------------------------------------------------------------ observations
 
     def observe_prefill(self, load: PrefillLoad) -> None:
-        self.loads.observe_prefill(load)
+        verdict = self.loads.observe_prefill(load)
+        if verdict == STALE:
+            return
         for d in list(self._by_prefill.get(load.instance, {}).values()):
-            if d.placed_at + self.report_grace_s <= load.ts:
+            # A new incarnation holds none of what was booked on the old one.
+            if verdict == RESTARTED or d.placed_at + self.report_grace_s <= load.ts:
                 self._close_prefill(d, source_too=False, only=load.instance)
 
     def observe_decode(self, load: DecodeLoad) -> None:
-        self.loads.observe_decode(load)
+        verdict = self.loads.observe_decode(load)
+        if verdict == STALE:
+            return
         for d in list(self._by_decode.get(load.instance, {}).values()):
-            if d.decode_since is not None and d.decode_since <= load.ts:
+            if verdict == RESTARTED or (d.decode_since is not None and d.decode_since <= load.ts):
                 self._close_decode(d)
 
     def forget_instance(self, role: str, instance: str) -> None:

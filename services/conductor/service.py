@@ -55,6 +55,7 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
+from bus_schemas.roles import Role
 from services.common import bus, defaults, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
@@ -331,7 +332,7 @@ class ConductorService:
         preq = PlacementRequest.from_request(req, bs)
         exclude: dict = {}
         if req.migration is not None:  # a dead worker's request: services.conductor.migration
-            preq, exclude = placement_for(preq, req.migration)
+            preq, exclude = placement_for(preq, req.migration, self.policy.loads.incarnation)
             metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()
             # The dead attempt's books (a prefill death leaves it unsettled) go now.
             self.pending.pop(req.migration.dead_request_id, None)
@@ -388,6 +389,8 @@ class ConductorService:
             stream_first_token=self.cfg.tbt_check,
             cpp_stages=list(p.cpp_stages),
             cpp_chunk_tokens=p.cpp_chunk_tokens,
+            prefill_incarnation=self.policy.loads.incarnation(Role.PREFILL, p.prefill_instance),
+            decode_incarnation=self.policy.loads.incarnation(Role.DECODE, p.decode_instance),
         )
         if claim:
             held, ours = await intake_queue.claim(self.js, req.request_id, encode(task))
@@ -411,16 +414,7 @@ class ConductorService:
         }.items():
             span.set_attribute(k, v)
         await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
-        await bus.publish(
-            self.nc,
-            reply,
-            Accepted(
-                request_id=req.request_id,
-                prefill_instance=p.prefill_instance,
-                decode_instance=p.decode_instance,
-                cached_tokens=min(p.prefix_blocks * bs, len(req.prompt_token_ids)),
-            ),
-        )
+        await bus.publish(self.nc, reply, accepted(task, bs))
         log.info(
             "placed",
             prefill=p.prefill_instance,
@@ -499,7 +493,7 @@ class ConductorService:
 
 
 def accepted(task: PrefillTask, block_size: int) -> Accepted:
-    """The Accepted of a placement sent again (its cached prefix: local or remote)."""
+    """The Accepted of a placement (its cached prefix: local or remote)."""
     req, src = task.request, task.source
     blocks = src.first_block + src.num_blocks if src else task.expected_hit_blocks
     return Accepted(
@@ -507,6 +501,9 @@ def accepted(task: PrefillTask, block_size: int) -> Accepted:
         prefill_instance=task.prefill_instance,
         decode_instance=task.decode_instance,
         cached_tokens=min(blocks * block_size, len(req.prompt_token_ids)),
+        prefill_incarnation=task.prefill_incarnation,
+        decode_incarnation=task.decode_incarnation,
+        est_ttft_s=task.est_ttft_s,
     )
 
 

@@ -174,7 +174,7 @@ class DecodeWorker(WorkerBase):
     async def _on_task(self, task: DecodeTask, msg: NatsMsg) -> None:
         rid = task.request.request_id
         with structlog.contextvars.bound_contextvars(request_id=rid):
-            if not await self.admit_task(task, rid):
+            if not await self.admit_task(task, rid, task.decode_incarnation):
                 return
             if rid in self._active:
                 log.warning("duplicate_decode_task")
@@ -208,11 +208,14 @@ class DecodeWorker(WorkerBase):
                     self._idle.set()
 
     async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
-        rid = c.request_id
-        self.remember_cancel(rid)
-        if rid in self._active:
-            self._stop_reason.setdefault(rid, (ErrorCode.CANCELLED, f"cancelled: {c.reason}"))
-            self.engine.abort(rid)
+        rid, held = c.request_id, False
+        if self.cancel_is_mine(c):
+            self.remember_cancel(rid)
+            held = rid in self._active
+            if held:
+                self._stop_reason.setdefault(rid, (ErrorCode.CANCELLED, f"cancelled: {c.reason}"))
+                self.engine.abort(rid)
+        await self.ack_cancel(c, msg, held)
 
     def stats_counters(self) -> dict[str, int]:
         # "running" is a gauge beside the monotonic counters: requests in flight now.
@@ -249,7 +252,13 @@ class DecodeWorker(WorkerBase):
         if not task.first_token_sent:
             with tracer().start_as_current_span("decode.first_token"):
                 await self._emit(
-                    req.reply_subject, Tokens(request_id=rid, token_ids=[task.first_token], index=0)
+                    req.reply_subject,
+                    Tokens(
+                        request_id=rid,
+                        token_ids=[task.first_token],
+                        index=0,
+                        incarnation=self.incarnation,
+                    ),
                 )
         # The KV now lives in the engine, so the commit (which only makes the blocks
         # cacheable on this node) runs beside generation rather than before the first token.
@@ -259,7 +268,10 @@ class DecodeWorker(WorkerBase):
         with tracer().start_as_current_span("decode.generate") as span:
             while batch := await stream.next_batch():
                 await self._emit(
-                    req.reply_subject, Tokens(request_id=rid, token_ids=batch, index=index)
+                    req.reply_subject,
+                    Tokens(
+                        request_id=rid, token_ids=batch, index=index, incarnation=self.incarnation
+                    ),
                 )
                 index += len(batch)
                 self.counters["tokens_generated"] += len(batch)

@@ -60,6 +60,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds without a load report before a worker counts as dead (503)",
     )
     ap.add_argument(
+        "--wedge-floor",
+        type=float,
+        default=10.0,
+        help="seconds a request may go without progress on a live instance beyond "
+        "--wedge-factor x its predicted time before that instance counts as wedged "
+        "and the request migrates",
+    )
+    ap.add_argument(
+        "--wedge-factor",
+        type=float,
+        default=10.0,
+        help="multiple of a request's predicted TTFT (before its first token) or its "
+        "decode instance's step time (after) allowed without progress",
+    )
+    ap.add_argument(
         "--migration-limit",
         type=int,
         default=GatewayConfig.migration_limit,
@@ -107,6 +122,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_inflight=args.max_inflight,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
+        wedge_factor=args.wedge_factor,
+        wedge_floor_s=args.wedge_floor,
         migration_limit=args.migration_limit,
         gateway_id=args.gateway_id,
         api_keys=parse_keys(args.api_key),

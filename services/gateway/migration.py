@@ -78,6 +78,7 @@ def plan(
     dead_instance: str,
     reply_subject: str,
     eos_token_ids: Sequence[int] = (),
+    dead_incarnation: int = 0,
 ) -> Decision:
     """What to do for ``original`` (as the client sent it) whose ``dead_role`` instance
     died after the client got ``generated``; ``attempts`` migrations happened before;
@@ -118,6 +119,7 @@ def plan(
             resumed_tokens=k,
             prompt_tokens=len(original.prompt_token_ids),
             dead_request_id=attempt_id(original.request_id, attempts),
+            dead_incarnation=dead_incarnation,
         ),
     )
     return Resume(req, k)

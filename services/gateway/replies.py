@@ -45,6 +45,7 @@ from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.control import BusReconnected
 from bus_schemas.requests import (
     Accepted,
+    CancelAck,
     CancelRequest,
     Error,
     ErrorCode,
@@ -53,9 +54,10 @@ from bus_schemas.requests import (
     StreamEvent,
     Tokens,
 )
+from bus_schemas.roles import Role
 from services.common import bus
 from services.common.bus import publish
-from services.common.kv_errors import store_failure
+from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.gateway import migration
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
@@ -79,6 +81,21 @@ NO_RESPONDERS = "503"  # NATS status header on a reply subject: nobody subscribe
 # bus healing: admission reconnecting to another NATS server after one died, its
 # subscription not yet known cluster-wide.
 RESEND_TRIES = 14
+
+
+class _Heartbeat(msgspec.Struct):
+    """What the gateway reads of a load report: not strict, other fields skipped."""
+
+    incarnation: int = 0
+    step_time_s: float | None = None  # decode reports only
+
+
+_heartbeat = msgspec.json.Decoder(_Heartbeat)
+
+# A cancel is repeated (backing off from CANCEL_FIRST_WAIT_S to CANCEL_MAX_WAIT_S) until
+# every instance holding the request acknowledged it or its incarnation ended.
+CANCEL_FIRST_WAIT_S = 0.25
+CANCEL_MAX_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -137,6 +154,12 @@ class ReplyRouter:
         self._bus_lost: set[str] = set()
         self._bus_pass_due = False
         self.bus_passes = 0
+        # Cancels of requests not placed yet: attempt id -> (reason, when), sent again to
+        # the instances their Accepted names when it comes (bounded by the timeout).
+        self._unplaced_cancels: dict[str, tuple[str, float]] = {}
+        self._cancelling: set[asyncio.Task] = set()
+        self.cancels_acked = 0  # targeted cancels every holder acknowledged
+        self.cancel_sends = 0  # CancelRequest messages published
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(
@@ -159,6 +182,8 @@ class ReplyRouter:
             )
 
     async def close(self) -> None:
+        for t in list(self._cancelling):
+            t.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,6 +211,10 @@ class ReplyRouter:
         """The id the backend knows the request by now (it changes with a migration)."""
         f = self._flights.get(request_id)
         return f.current if f is not None else request_id
+
+    def placement(self, request_id: str) -> tuple[tuple[str, int], ...]:
+        """The (instance, incarnation) pairs holding the request's current attempt."""
+        return self.watchdog.placement(request_id)
 
     def close_request(self, request_id: str) -> None:
         f = self._flights.pop(request_id, None)
@@ -237,13 +266,107 @@ class ReplyRouter:
             return
         await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
 
-    async def cancel(self, request_id: str, reason: str) -> None:
+    async def cancel(
+        self, request_id: str, reason: str, targets: Sequence[tuple[str, int]] = ()
+    ) -> None:
+        """Tell the backend to stop ``request_id`` (an attempt id), as surely as the
+        request reached it: to the ``targets`` (instance, incarnation) that hold it, the
+        cancel is repeated until each acknowledged it or its incarnation ended (it died,
+        or a new one reports under its name). Without targets (not placed yet) it is
+        published once, and sent again to the placement when its Accepted comes."""
+        if not targets:
+            self._unplaced_cancels[request_id] = (reason, time.monotonic())
+            await self._publish_cancel(CancelRequest(request_id=request_id, reason=reason))
+            return
+        task = asyncio.current_task()
+        if task is not None:  # close() stops the repeats: nobody is left to tell then
+            self._cancelling.add(task)
         try:
-            await publish(
-                self.nc, subjects.CANCEL, CancelRequest(request_id=request_id, reason=reason)
-            )
-        except Exception as e:  # noqa: BLE001 - best effort; workers also time out
+            await self._cancel_until_acked(request_id, reason, targets)
+        finally:
+            self._cancelling.discard(task)  # type: ignore[arg-type]
+
+    async def _cancel_until_acked(
+        self, request_id: str, reason: str, targets: Sequence[tuple[str, int]]
+    ) -> None:
+        pending = dict(targets)
+        msg = CancelRequest(request_id=request_id, reason=reason, targets=dict(targets))
+        try:
+            inbox = self.nc.new_inbox()
+            sub = await self.nc.subscribe(inbox)
+        except Exception as e:  # noqa: BLE001 - NATS closing: nothing more can be said
             log.warning("cancel_publish_failed", request_id=request_id, error=str(e))
+            return
+        wait, acked = CANCEL_FIRST_WAIT_S, 0
+        give_up = time.monotonic() + self.watchdog.request_timeout_s
+        try:
+            while self._still_held(pending) and time.monotonic() < give_up:
+                await self._publish_cancel(msg, reply=inbox)
+                until = time.monotonic() + wait
+                while pending and (left := until - time.monotonic()) > 0:
+                    try:
+                        ack = await sub.next_msg(timeout=left)
+                    except TimeoutError:
+                        break
+                    acked += self._on_cancel_ack(request_id, ack.data, pending)
+                wait = min(CANCEL_MAX_WAIT_S, wait * 2)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if acked == len(targets):
+            self.cancels_acked += 1
+
+    def _still_held(self, pending: dict[str, int]) -> bool:
+        """Drop from ``pending`` the instances whose incarnation ended; whether any is left."""
+        live = self.watchdog.liveness
+        for inst, inc in list(pending.items()):
+            if not live.alive(inst) or (inc and live.incarnation(inst) > inc):
+                del pending[inst]
+        return bool(pending)
+
+    def _on_cancel_ack(self, request_id: str, data: bytes, pending: dict[str, int]) -> bool:
+        """Take an acknowledgement off ``pending``; whether it was one."""
+        try:
+            ack = decode(data, CancelAck)
+        except BadMessage as e:
+            log.warning("bad_cancel_ack", request_id=request_id, error=str(e))
+            return False
+        inc = pending.get(ack.instance)
+        if ack.request_id != request_id or inc is None:
+            return False
+        if not (ack.refused or inc in (0, ack.incarnation)):
+            return False
+        del pending[ack.instance]
+        return True
+
+    async def _publish_cancel(self, msg: CancelRequest, reply: str = "") -> None:
+        self.cancel_sends += 1
+        try:
+            await publish(self.nc, subjects.CANCEL, msg, reply=reply)
+        except Exception as e:  # noqa: BLE001 - repeated while it matters
+            log.warning("cancel_publish_failed", request_id=msg.request_id, error=str(e))
+
+    def _placed_after_cancel(self, aid: str, ev: StreamEvent) -> None:
+        """An event of an attempt no flight routes (finished, cancelled, migrated away): if
+        it was cancelled before it was placed, its Accepted says whom to tell again."""
+        pending = self._unplaced_cancels.get(aid)
+        if pending is None or type(ev) is not Accepted:
+            return
+        del self._unplaced_cancels[aid]
+        targets = [
+            (i, n)
+            for i, n in (
+                (ev.prefill_instance, ev.prefill_incarnation),
+                (ev.decode_instance, ev.decode_incarnation),
+            )
+            if i
+        ]
+        self._spawn(self.cancel(aid, pending[0], targets))
+
+    def _prune_unplaced_cancels(self) -> None:
+        horizon = time.monotonic() - self.watchdog.request_timeout_s
+        for aid in [a for a, (_, t) in self._unplaced_cancels.items() if t < horizon]:
+            del self._unplaced_cancels[aid]
 
     # ---- callbacks -----------------------------------------------------------------
     async def _on_reply(self, msg: NatsMsg) -> None:
@@ -251,7 +374,11 @@ class ReplyRouter:
         rid = self._routes.get(aid, "")
         f = self._flights.get(rid)
         if f is None:
-            return  # finished, cancelled, timed out, or an attempt migrated away from
+            # finished, cancelled, timed out, or an attempt migrated away from
+            if aid in self._unplaced_cancels and msg.data:
+                with contextlib.suppress(BadMessage):
+                    self._placed_after_cancel(aid, decode(msg.data, StreamEvent))
+            return
         q = f.queue
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             if f.resent is not None and f.resend_tries < RESEND_TRIES:
@@ -286,16 +413,47 @@ class ReplyRouter:
             )
             return
         if type(ev) is Tokens:
-            wd.tokens(rid, ev.from_prefill)
+            wd.tokens(rid, ev.from_prefill, ev.incarnation)
             ev = self._note_tokens(f, ev)
         elif type(ev) is Accepted:
-            wd.accepted(rid, ev.prefill_instance, ev.decode_instance)
+            restarted = wd.accepted(
+                rid,
+                ev.prefill_instance,
+                ev.decode_instance,
+                ev.prefill_incarnation,
+                ev.decode_incarnation,
+                ev.est_ttft_s,
+            )
+            if restarted:
+                self.sweep()
             if f.attempt:
                 return  # the client has its Accepted from the first attempt
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
             if type(ev) is Error and f.request is not None and store_failure(ev.code, ev.message):
                 self._resolve(
                     Verdict(rid, ErrorCode.UNAVAILABLE, ev.message, dead_role=migration.STORE)
+                )
+                return
+            if (
+                type(ev) is Error
+                and f.request is not None
+                and instance_restarted(ev.code, ev.message)
+            ):
+                # A task reached a new incarnation of the instance placed on: the old one,
+                # which the request was placed on, is dead.
+                inst = restarted_instance(ev.message)
+                placed = wd.placement(rid)
+                role = Role.PREFILL if placed and placed[0][0] == inst else Role.DECODE
+                self._resolve(
+                    Verdict(
+                        rid,
+                        ErrorCode.UNAVAILABLE,
+                        ev.message,
+                        dead_role=role,
+                        dead_instance=inst,
+                        dead_incarnation=dict(placed).get(inst, 0),
+                        placement=placed,
+                    )
                 )
                 return
             wd.untrack(rid)
@@ -342,10 +500,17 @@ class ReplyRouter:
         return ev
 
     async def _on_load(self, msg: NatsMsg) -> None:
-        # perigee.load.<role>.<instance>: the subject names the instance; no decode needed.
+        # perigee.load.<role>.<instance>: the subject names the instance, the report its
+        # incarnation (and a decode instance's step time, for the progress watchdog).
         parts = msg.subject.split(".", 3)
         if len(parts) == 4 and parts[3]:
-            self.watchdog.seen(parts[3])
+            try:
+                hb = _heartbeat.decode(msg.data)
+            except msgspec.DecodeError:
+                hb = _Heartbeat()
+            if self.watchdog.seen(parts[3], hb.incarnation, hb.step_time_s):
+                log.warning("instance_restarted", instance=parts[3], incarnation=hb.incarnation)
+                self.sweep()  # a new incarnation: the old one's requests go on elsewhere now
             self.roles[parts[3]] = parts[2]
 
     async def _on_echo(self, msg: NatsMsg) -> None:
@@ -400,13 +565,14 @@ class ReplyRouter:
                 dead_instance=v.dead_instance,
                 reply_subject=self.reply_subject(migration.attempt_id(v.request_id, f.attempt + 1)),
                 eos_token_ids=self.eos_token_ids,
+                dead_incarnation=v.dead_incarnation,
             )
             if isinstance(d, migration.Resume):
                 f.bus_resumes += v.dead_role == BUS_LOSS
                 self._migrate(f, d, v)
                 return
             if isinstance(d, migration.Finish):
-                self._spawn(self.cancel(f.current, f"{v.dead_role} instance died"))
+                self._spawn(self.cancel(f.current, f"{v.dead_role} instance died", v.placement))
                 f.queue.put_nowait(
                     Finished(
                         request_id=v.request_id,
@@ -473,10 +639,16 @@ class ReplyRouter:
             dead=v.dead_instance,
             role=v.dead_role,
             resumed_tokens=d.offset,
+            why=v.message,
         )
 
         async def resend() -> None:
-            await self.cancel(old, f"migrated: {v.dead_role} instance {v.dead_instance} died")
+            # A wedged instance is alive: the cancel must reach it (a dead one's ends at once).
+            self._spawn(
+                self.cancel(
+                    old, f"migrated: {v.dead_role} instance {v.dead_instance} died", v.placement
+                )
+            )
             try:
                 await self._dispatch(d.request)
             except Exception as e:  # noqa: BLE001 - NATS down or closing
@@ -523,6 +695,7 @@ class ReplyRouter:
                         since_echo_s=round(time.monotonic() - self._echo_rx, 3),
                     )
                 self.sweep(judge_liveness=fresh)
+                self._prune_unplaced_cancels()
                 with contextlib.suppress(Exception):  # NATS closing: the next round retries
                     await self.nc.publish(self._echo_subject, repr(time.monotonic()).encode())
             except Exception:  # noqa: BLE001 - the sweeper must survive anything

@@ -77,6 +77,10 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 120.0
     dead_after_s: float = 2.0
+    # A request with no progress for wedge_factor x its prediction + wedge_floor_s, on an
+    # instance that still reports load, counts as wedged there (services.gateway.watchdog).
+    wedge_factor: float = 10.0
+    wedge_floor_s: float = 10.0
     max_model_len: int | None = None  # None: config.json's max_position_embeddings
     default_max_tokens: int = 16  # completions; chat defaults to what the context allows
     sweep_interval_s: float | None = None  # None: derived; 0: no sweeper (tests sweep by hand)
@@ -111,7 +115,13 @@ class Gateway:
         eos = [*spec.eos_token_ids, *([self.tok.eos_id] if self.tok.eos_id is not None else [])]
         self.extra_eos = tuple(dict.fromkeys(i for i in eos if i != spec.eos_token_id))
         self.gateway_id = cfg.gateway_id or uuid.uuid4().hex[:12]
-        self.watchdog = Watchdog(clock or WallClock(), cfg.dead_after_s, cfg.request_timeout_s)
+        self.watchdog = Watchdog(
+            clock or WallClock(),
+            cfg.dead_after_s,
+            cfg.request_timeout_s,
+            wedge_factor=cfg.wedge_factor,
+            wedge_floor_s=cfg.wedge_floor_s,
+        )
         if cfg.migration_limit < 0:
             raise ValueError("migration_limit must be at least 0")
         self.router = ReplyRouter(
@@ -431,9 +441,10 @@ class Gateway:
             raise
         finally:
             current = self.router.current_attempt(rid)  # a migrated request has a new id
+            holders = self.router.placement(rid)
             self.router.close_request(rid)
             if cancel_reason:
-                self._spawn(self.router.cancel(current, cancel_reason))
+                self._spawn(self.router.cancel(current, cancel_reason, holders))
 
     async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
         if not q.empty():

@@ -287,7 +287,7 @@ class PrefillWorker(WorkerBase):
             self._taken[rid] = None
             while len(self._taken) > REMEMBER_TAKEN:
                 self._taken.popitem(last=False)
-            if not await self.admit_task(task, rid):
+            if not await self.admit_task(task, rid, task.prefill_incarnation):
                 return
             try:
                 self._validate(task)
@@ -301,6 +301,11 @@ class PrefillWorker(WorkerBase):
             self._wake.set()
 
     async def _on_cancel(self, c: CancelRequest, msg: NatsMsg) -> None:
+        held = self.cancel_is_mine(c) and await self._cancel(c)
+        await self.ack_cancel(c, msg, held)
+
+    async def _cancel(self, c: CancelRequest) -> bool:
+        """Stop request ``c`` names wherever it is here; whether it was here."""
         rid = c.request_id
         self.remember_cancel(rid)
         item = self.queue.remove(rid)
@@ -309,7 +314,7 @@ class PrefillWorker(WorkerBase):
             await self._fail(
                 item.task, ErrorCode.CANCELLED, f"cancelled: {c.reason}", counter="tasks_cancelled"
             )
-            return
+            return True
         running = self.queue.running
         if running is not None and running.request_id == rid and self._current is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
@@ -320,6 +325,9 @@ class PrefillWorker(WorkerBase):
         elif (handoff := self._handoffs.get(rid)) is not None:
             self._stop_reason[rid] = (ErrorCode.CANCELLED, f"cancelled: {c.reason}")
             handoff.cancel()
+        else:
+            return False
+        return True
 
     # -- the queue runner --
     async def _run(self) -> None:
@@ -565,6 +573,7 @@ class PrefillWorker(WorkerBase):
                             token_ids=[done.first],
                             index=0,
                             from_prefill=True,
+                            incarnation=self.incarnation,
                         ),
                     )
             if learn is not None:  # after the first token: a refit is not on its path
@@ -600,6 +609,7 @@ class PrefillWorker(WorkerBase):
                 cached_tokens=p,
                 prefill_done_ts=self.unix.now(),
                 first_token_sent=task.stream_first_token,
+                decode_incarnation=task.decode_incarnation,
             ),
         )
         # Every layer is acked, so the prefill-side slots are no longer read: commit.

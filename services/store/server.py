@@ -78,6 +78,7 @@ from bus_schemas.load import WorkerStats
 from services.common import defaults, kv_stream
 from services.common.bus import Subscriptions, js_publish, publish
 from services.common.clock import Clock, WallClock
+from services.common.incarnation import new_incarnation
 from services.store import tiering
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
@@ -132,7 +133,7 @@ class StoreService:
         self.shm_copy_threads = shm_copy_threads
         self.clock = clock or WallClock()
         self.prefault = prefault
-        self.epoch = time.time_ns()
+        self.epoch = new_incarnation()  # its incarnation: a restart is a new store
         self.seq = 0
         self.ssd_dir = ssd_dir
         if ssd_dir is None:

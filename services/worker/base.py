@@ -11,6 +11,7 @@ import asyncio
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
@@ -19,10 +20,12 @@ from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.load import WorkerStats
 from bus_schemas.placement import RequestFailed
-from bus_schemas.requests import Error, ErrorCode, GenerateRequest
+from bus_schemas.requests import CancelAck, CancelRequest, Error, ErrorCode, GenerateRequest
 from bus_schemas.roles import Role
 from services.common import bus
 from services.common.clock import Clock, WallClock
+from services.common.incarnation import addressed_elsewhere, process_incarnation
+from services.common.kv_errors import restarted_message
 
 log = structlog.get_logger()
 
@@ -44,8 +47,10 @@ class WorkerBase:
         node: str,
         report_interval: float,
         clock: Clock | None = None,
+        incarnation: int | None = None,
     ) -> None:
         self.nc = nc
+        self.incarnation = process_incarnation() if incarnation is None else incarnation
         self.clock: Clock = clock or WallClock()  # monotonic: durations and quiet periods
         self.instance = instance
         self.node = node
@@ -134,10 +139,39 @@ class WorkerBase:
         while len(self._cancelled) > REMEMBER_CANCELLED:
             self._cancelled.popitem(last=False)
 
-    async def admit_task(self, task: Any, request_id: str) -> bool:
-        """False (and the request failed) when the task was cancelled before it came,
-        or this instance is shutting down."""
+    def cancel_is_mine(self, c: CancelRequest) -> bool:
+        """Whether to act on ``c``: not when it names this instance under another
+        incarnation (the request was the dead process's; nothing here holds it)."""
+        return not addressed_elsewhere(c.targets.get(self.instance, 0), self.incarnation)
+
+    async def ack_cancel(self, c: CancelRequest, msg: NatsMsg | None, held: bool) -> None:
+        """Answer a cancel that names this instance, so its sender stops repeating it."""
+        if msg is None or not msg.reply or self.instance not in c.targets:
+            return
+        ack = CancelAck(
+            request_id=c.request_id,
+            instance=self.instance,
+            incarnation=self.incarnation,
+            held=held,
+            refused=not self.cancel_is_mine(c),
+        )
+        try:
+            await self.nc.publish(msg.reply, encode(ack))
+        except Exception as e:  # noqa: BLE001 - the sender repeats it
+            log.warning("cancel_ack_failed", request_id=c.request_id, error=str(e))
+
+    async def admit_task(self, task: Any, request_id: str, addressed: int = 0) -> bool:
+        """False (and the request failed) when the task was addressed to another
+        incarnation of this instance, was cancelled before it came, or this instance is
+        shutting down."""
         self._last_task = self.clock.now()
+        if addressed_elsewhere(addressed, self.incarnation):
+            self.counters["tasks_refused_incarnation"] = (
+                self.counters.get("tasks_refused_incarnation", 0) + 1
+            )
+            log.warning("task_for_another_incarnation", addressed=addressed, mine=self.incarnation)
+            await self._fail(task, ErrorCode.UNAVAILABLE, restarted_message(self.instance))
+            return False
         if request_id in self._cancelled:
             await self._fail(task, ErrorCode.CANCELLED, "cancelled", counter=self.cancelled_counter)
             return False
@@ -161,7 +195,9 @@ class WorkerBase:
         while not self.dead.is_set():
             if not self.draining:
                 try:
-                    report = self.load_report()
+                    report = msgspec.structs.replace(
+                        self.load_report(), incarnation=self.incarnation
+                    )
                     if self.calibrator is not None:
                         report = self.calibrator.annotate(report)
                     await bus.publish(self.nc, subject, report)

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from perigee.bench import chaos
+from perigee.bench.stats import unmeasured
 
 pytestmark = pytest.mark.e2e
 
@@ -46,3 +47,8 @@ def test_a_chaos_run_loses_no_accepted_request(tmp_path):
         assert status in ("429", "503") and message.strip(), (key, n)
     assert c["completed"] + sum(out["errors"].values()) == c["requests"], out
     assert c["completed"] > 0
+    # The bench's own figures are measured: each fault's restart and return, and the
+    # p99 TTFT of both runs and its cost (NaN or None: the bench stopped seeing them).
+    assert out["quiet"]["completed"] > 0
+    bad = unmeasured(out, "recovery.*.restart_ms", "recovery.*.back_ms", "ttft_p99_ms.*")
+    assert not bad, f"not measured: {bad}"

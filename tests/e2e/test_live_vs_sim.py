@@ -9,16 +9,23 @@ cache: placement (which prefix lands where, which instance a request goes to) an
 stores' capacity behave alike.
 """
 
+import json
+
 import pytest
 
 from perigee.bench import agreement
+from perigee.bench.stats import unmeasured
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = agreement.run(log_dir=str(tmp_path_factory.mktemp("logs-live-vs-sim")))
+    """``perigee bench agreement`` at its default slice, read back from its JSON."""
+    tmp = tmp_path_factory.mktemp("live-vs-sim")
+    path = tmp / "agreement.json"
+    assert agreement.main(["--log-dir", str(tmp / "logs"), "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
     print(out)
     return out
 
@@ -28,3 +35,10 @@ def test_live_and_simulated_agree_on_hit_rate(results):
     assert live["completed"] == agreement.SLICE, results
     assert sim["completed"] == agreement.SLICE, results
     assert abs(live["hit_rate"] - sim["hit_rate"]) <= 0.05, results
+
+
+def test_the_bench_reports_finite_figures(results):
+    """Both sides' median TTFT and hit rate, and their ratio, are measured (a NaN here
+    is the bench's measurement broken, not a disagreement)."""
+    bad = unmeasured(results, "live.*", "sim.*", "ttft_p50_live_over_sim")
+    assert not bad, f"not measured: {bad}"

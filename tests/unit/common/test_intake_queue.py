@@ -115,7 +115,11 @@ async def test_a_claimed_request_is_sent_again_as_placed_not_placed_again(conduc
     assert task == earlier
     acc = await h.event()
     assert acc == Accepted(
-        request_id=r, prefill_instance="prefill-0", decode_instance="decode-0", cached_tokens=0
+        request_id=r,
+        prefill_instance="prefill-0",
+        decode_instance="decode-0",
+        cached_tokens=0,
+        est_ttft_s=earlier.est_ttft_s,
     )
     await queue_drained(h)
     assert h.svc.resent == 1

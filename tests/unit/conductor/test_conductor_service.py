@@ -250,8 +250,13 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     assert task.request.reply_subject == h.inbox
     acc = await h.event()
     assert acc == Accepted(
-        request_id="r1", prefill_instance="prefill-1", decode_instance="decode-0", cached_tokens=64
+        request_id="r1",
+        prefill_instance="prefill-1",
+        decode_instance="decode-0",
+        cached_tokens=64,
+        est_ttft_s=task.est_ttft_s,
     )
+    assert acc.est_ttft_s > 0
     # A placed request waits in its prefill queue holding no store slot: the prefill
     # instance reserves when its compute starts.
     assert all(s.allocs.empty() for s in h.stores.values())

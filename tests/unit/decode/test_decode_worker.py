@@ -11,7 +11,7 @@ from bus_schemas.codec import decode, encode
 from bus_schemas.control import Refused
 from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask, RequestFailed
-from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from bus_schemas.requests import CancelAck, CancelRequest, Error, ErrorCode, Finished, Tokens
 from tests.unit.conftest_fakestore import Rig, slot_kv, tokens_of, until_terminal, write_expected
 
 
@@ -209,3 +209,62 @@ async def test_a_renewed_lease_keeps_the_kv_however_old_the_handle(rig):
     events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=soon)))
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
     assert [r.tx_ids for r in rig.renewals] == [[dt.decode_tx.tx_id]]
+
+
+# ---------------------------------------------------------------- incarnations
+
+
+async def test_a_task_for_another_incarnation_is_refused_as_a_restart(rig):
+    dt = decode_task(rig, rig.prompt(20, seed=31))
+    dt = msgspec.structs.replace(dt, decode_incarnation=rig.decode.incarnation - 1)
+    (err,) = await until_terminal(await send(rig, dt))
+    assert err.code == ErrorCode.UNAVAILABLE and err.message.startswith("instance restarted")
+    assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+    assert (await rig.stats("decode", rig.di))["tasks_refused_incarnation"] == 1
+
+
+async def test_a_task_for_this_incarnation_is_served(rig):
+    prompt = rig.prompt(20, seed=32)
+    dt = decode_task(rig, prompt, max_tokens=4)
+    dt = msgspec.structs.replace(dt, decode_incarnation=rig.decode.incarnation)
+    events = await until_terminal(await send(rig, dt))
+    assert isinstance(events[-1], Finished)
+    assert tokens_of(events) == rig.reference(prompt, 4)
+    assert all(e.incarnation == rig.decode.incarnation for e in events if isinstance(e, Tokens))
+
+
+async def ask_cancel(rig: Rig, rid: str, incarnation: int) -> CancelAck:
+    c = CancelRequest(request_id=rid, targets={rig.di: incarnation})
+    msg = await rig.tnc.request(subjects.CANCEL, encode(c), timeout=5)
+    return decode(msg.data, CancelAck)
+
+
+async def test_a_cancel_naming_this_incarnation_is_acknowledged_and_acted_on(slow_rig):
+    rig = slow_rig
+    dt = decode_task(rig, rig.prompt(30, seed=33), max_tokens=100_000)
+    q = await send(rig, dt)
+    while not isinstance(ev := await asyncio.wait_for(q.get(), 5), Tokens) or ev.index < 1:
+        pass
+    ack = await ask_cancel(rig, dt.request.request_id, rig.decode.incarnation)
+    assert (ack.instance, ack.incarnation, ack.held, ack.refused) == (
+        rig.di,
+        rig.decode.incarnation,
+        True,
+        False,
+    )
+    fin = (await until_terminal(q))[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "abort"
+
+
+async def test_a_cancel_naming_another_incarnation_is_refused_and_ignored(slow_rig):
+    rig = slow_rig
+    prompt = rig.prompt(30, seed=34)
+    dt = decode_task(rig, prompt, max_tokens=6)
+    q = await send(rig, dt)
+    while not isinstance(ev := await asyncio.wait_for(q.get(), 5), Tokens):
+        pass
+    ack = await ask_cancel(rig, dt.request.request_id, rig.decode.incarnation - 1)
+    assert ack.refused and not ack.held
+    events = [ev, *await until_terminal(q)]
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "length"  # ran to its end

@@ -21,3 +21,18 @@ def test_run_reports_placement_latency():
     assert (s["instances"], s["indexed_blocks"], s["placements"]) == (8, 6400, 200)
     assert s["placed"] == 200
     assert BENCHES["conductor"] == "perigee.bench.conductor"
+
+
+def test_the_cli_reports_finite_figures(tmp_path):
+    """``perigee bench conductor`` at a small size: every latency figure measured."""
+    import json
+
+    from perigee.bench import main
+    from perigee.bench.stats import unmeasured
+
+    path = tmp_path / "conductor.json"
+    argv = ["--instances", "4", "--decodes", "1", "--blocks", "320", "--placements", "20"]
+    assert main(["conductor", *argv, "--json", str(path)]) == 0
+    s = json.loads(path.read_text())
+    assert not unmeasured(s, "placement_us.p50", "placement_us.p99", "placement_us.mean")
+    assert (s["indexed_blocks"], s["placements"], s["placed"]) == (320, 20, 20)

@@ -1,0 +1,57 @@
+"""The conductor's books follow incarnations (services.common.incarnation): a late
+report of a dead process is ignored, a new incarnation holds nothing booked on the old
+one, and a migration away from a dead process may go to its restarted successor."""
+
+import msgspec
+
+from services.common.clock import ManualClock
+from services.common.incarnation import RESTARTED, SAME, STALE
+from services.conductor.migration import placement_for
+from services.conductor.policy import Placement
+from tests.unit.conductor.test_conductor_policy import COST, N, dload, make_policy, pload, req
+from tests.unit.gateway.test_gateway_migration import mig
+
+OLD, NEW = 1_000, 2_000
+
+
+def inc(load, incarnation):
+    return msgspec.structs.replace(load, incarnation=incarnation)
+
+
+def test_a_late_report_of_a_dead_incarnation_is_ignored():
+    pol = make_policy(prefills=(), decodes=())
+    assert pol.loads.observe_prefill(inc(pload("p0", "n0", work=1.0), OLD)) == SAME
+    assert pol.loads.observe_prefill(inc(pload("p0", "n0", work=0.0), NEW)) == RESTARTED
+    assert pol.loads.observe_prefill(inc(pload("p0", "n0", work=9.0), OLD)) == STALE
+    assert pol.loads.prefill["p0"].queued_work_s == 0.0
+    assert pol.loads.incarnation("prefill", "p0") == NEW
+
+
+def test_a_new_incarnation_holds_none_of_the_work_booked_on_the_old():
+    clock = ManualClock(10.0)
+    pol = make_policy(clock, prefills=(), decodes=())
+    pol.observe_prefill(inc(pload("p0", "n0", ts=10.0), OLD))
+    pol.observe_decode(inc(dload("d0", "m0", ts=10.0), OLD))
+    a = pol.place(req("a"), {})
+    assert isinstance(a, Placement) and pol.queue_s("p0") == COST.prefill_time(N, 0)
+    # A report of the same incarnation made before the dispatch does not cover it...
+    pol.observe_prefill(inc(pload("p0", "n0", ts=9.0), OLD))
+    assert pol.queue_s("p0") == COST.prefill_time(N, 0)
+    # ...but the first report of a new one does: that process never got the task.
+    pol.observe_prefill(inc(pload("p0", "n0", ts=9.0), NEW))
+    assert pol.queue_s("p0") == 0.0
+
+
+def test_a_migration_may_go_to_the_restarted_instance_of_the_dead_ones_name():
+    pol = make_policy(prefills=(), decodes=())
+    pol.observe_prefill(inc(pload("p0", "n0"), NEW))  # the only prefill instance
+    pol.observe_decode(inc(dload("d0", "m0"), OLD))
+    dead = msgspec.structs.replace(mig("prefill_died", "p0"), dead_incarnation=OLD)
+    preq, exclude = placement_for(req("r-m1"), dead, pol.loads.incarnation)
+    assert exclude == {}
+    assert pol.place(preq, {}, **exclude).prefill_instance == "p0"
+    # The incarnation that died still reporting (a wedged one) keeps it excluded.
+    same = msgspec.structs.replace(dead, dead_incarnation=NEW)
+    assert placement_for(req("r-m1"), same, pol.loads.incarnation)[1] == {
+        "exclude_prefill": ("p0",)
+    }
