@@ -269,6 +269,28 @@ def report(
         )
     q, c = ttft_p99(quiet), ttft_p99(chaos)
 
+    def slowest(n: int = 5) -> list[dict]:
+        """Where the p99 goes: the slowest first tokens, each with the last fault killed
+        before the request was sent (or while it waited) and how long after that kill."""
+        done = [s for s in chaos if s.outcome.ok and not lost_reason(s) and s.outcome.ttft_s]
+        out = []
+        for s in sorted(done, key=lambda s: -s.outcome.ttft_s)[:n]:
+            first = s.t_send + s.outcome.ttft_s
+            t_kill, name = max(
+                ((t, k) for k, t in kills.items() if t <= first), default=(math.nan, "none")
+            )
+            out.append(
+                {
+                    "ttft_ms": round(s.outcome.ttft_s * 1e3, 1),
+                    "sent_after_start_s": round(s.t_send - chaos[0].t_send, 3),
+                    "fault": name,
+                    "sent_after_kill_ms": None
+                    if t_kill != t_kill
+                    else round((s.t_send - t_kill) * 1e3, 1),
+                }
+            )
+        return out
+
     def count(sent: list[Sent]) -> dict:
         return {
             "requests": len(sent),
@@ -300,6 +322,7 @@ def report(
             "cost": round((c - q) * 1e3, 1),
             "ratio": round(c / q, 3) if q > 0 else None,
         },
+        "slowest_ttft": slowest(),
         "restarts": {},
     }
 
@@ -404,6 +427,11 @@ def main(argv: list[str]) -> int:
             f"first completion after {r['first_completed_after_ms']} ms"
         )
     print(f"  TTFT p99: quiet {t['quiet']} ms, chaos {t['chaos']} ms (cost {t['cost']} ms)")
+    for w in out["slowest_ttft"]:
+        print(
+            f"  slow TTFT {w['ttft_ms']} ms: sent {w['sent_after_kill_ms']} ms after the "
+            f"{w['fault']} kill"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -5,7 +5,7 @@ import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import bus, defaults, metrics, runner
+from services.common import bus, defaults, intake_queue, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from tracing import setup_tracing, shutdown_tracing
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--intake-ack-wait",
         type=float,
-        default=5.0,
+        default=intake_queue.ACK_WAIT_S,
         help="seconds a request held by a copy that died waits before another copy gets it",
     )
     ap.add_argument("--log-level", default="INFO")

@@ -51,7 +51,10 @@ SCHEDULE_STREAM = "PERIGEE_SCHEDULE"
 PLACED_STREAM = "PERIGEE_PLACED"
 DUP_WINDOW_S = 120.0
 PLACED_MAX_AGE_S = 900.0  # longer than any redelivery of a request waits
-ACK_WAIT_S = 5.0
+# A message held by a copy that died goes to another after this long. A live copy
+# touches every message it holds (``in_progress``) every third of it, however long the
+# message waits in its queue or handler, so only a dead copy's messages come again.
+ACK_WAIT_S = 2.0
 # nats-server's JSStreamWrongLastSequence: the claim's subject already has a message.
 WRONG_LAST_SEQUENCE = 10071
 STREAM_NAME_IN_USE = 10058
@@ -202,6 +205,8 @@ class QueueConsumer:
         self.stream, self.subject, self.durable = stream, subject, durable
         self.handle, self.concurrent = handle, concurrent
         self.cfg = consumer_config(durable, subject, ack_wait_s, max_inflight)
+        self.ack_wait_s = ack_wait_s
+        self._order = asyncio.Lock()
         self._subs: bus.Subscriptions
         self._sub: Any = None
 
@@ -209,10 +214,9 @@ class QueueConsumer:
         self._subs = subs  # its close() cancels the handlers
 
         async def cb(m: NatsMsg) -> None:
-            if self.concurrent:
-                self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
-            else:
-                await self._run(m)
+            # Never block the delivery: a message waiting behind another (in order) is
+            # held here, and touched while it waits, not in nats-py's pending queue.
+            self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
 
         for attempt in range(3):
             try:
@@ -241,7 +245,24 @@ class QueueConsumer:
                 pass
 
     async def _run(self, m: NatsMsg) -> None:
+        keep = asyncio.create_task(self._keep_alive(m), name=f"{self.stream}:in-progress")
         try:
-            await self.handle(m)
+            if self.concurrent:
+                await self.handle(m)
+            else:
+                async with self._order:  # FIFO: in the order delivered
+                    await self.handle(m)
         except Exception:  # noqa: BLE001 - not acked: it comes again after ack_wait
             log.exception("intake_handler_failed", stream=self.stream)
+        finally:
+            keep.cancel()
+
+    async def _keep_alive(self, m: NatsMsg) -> None:
+        """Tell the server this copy is alive and still has ``m``, until it is handled."""
+        period = max(0.05, self.ack_wait_s / 3)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await m.in_progress()
+            except Exception:  # noqa: BLE001 - connection gone: the ack wait decides
+                return

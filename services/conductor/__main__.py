@@ -5,7 +5,7 @@ import sys
 
 import structlog
 
-from services.common import bus, defaults, metrics, runner
+from services.common import bus, defaults, intake_queue, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.conductor import cpp
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--intake-ack-wait",
         type=float,
-        default=5.0,
+        default=intake_queue.ACK_WAIT_S,
         help="seconds a request held by a copy that died waits before another copy gets it",
     )
     ap.add_argument("--log-level", default="INFO")
