@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import nats
@@ -34,6 +34,7 @@ from bus_schemas.roles import Role
 from perigee import natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
+from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
 from services.common import bus, defaults
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
@@ -160,6 +161,9 @@ class Child:
 
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
+        # The services run in the repository root: a relative log dir (and spans file)
+        # would name another folder for them than for this process and its messages.
+        cfg = replace(cfg, log_dir=os.path.abspath(cfg.log_dir))
         self.cfg = cfg
         self.nats: NatsServer | NatsCluster | None = None
         self.nats_url = cfg.nats_url or ""  # one server, with the admin login if any
@@ -168,12 +172,15 @@ class Stack:
         self.url = f"http://{cfg.host}:{cfg.port}"
         self.metrics_urls: dict[str, str] = {}  # child name -> its /metrics URL
         log_dir = Path(cfg.log_dir)
-        self.spans_file = (
+        self.spans_file = os.path.abspath(
             cfg.extra_env.get("PERIGEE_SPANS_FILE")
             or os.environ.get("PERIGEE_SPANS_FILE")
             or str(log_dir / "spans.jsonl")
         )
         self.metrics_targets_file = log_dir / "metrics-targets.json"
+        # Held from before anything is written into log_dir until stop() (perigee.rundir).
+        self.lock = RunLock(log_dir)
+        self.env_file: Path | None = None  # <log_dir>/env once ready
         self._abort: threading.Event | None = None
         self.supervisor: Supervisor | None = None
         # What the supervisor did (perigee up prints it); the default logs nothing.
@@ -396,17 +403,37 @@ class Stack:
         if timeout is None:
             timeout = 300.0 if self.cfg.engine == "vllm" else 60.0
         self._abort = abort
+        # Before anything starts or is written: another live run's log dir, a busy port.
+        self.lock.acquire(self.url)
         try:
+            check_port(self.cfg.host, self.cfg.port)
             for child in self._with_bus():
                 self._check_alive()
                 self._spawn(child)
             asyncio.run(self._wait_ready(timeout))
+            self.env_file = self.write_env()
         except BaseException:
             self.stop()
             raise
         if self.cfg.supervise:
             self.supervise()
         return self
+
+    def write_env(self) -> Path:
+        """``<log_dir>/env``: ``source`` it for this stack's addresses, the bus's with the
+        admin login (README "Talking to the bus directly")."""
+        values = {
+            "PERIGEE_URL": self.url,
+            "PERIGEE_MODEL": self.cfg.served_model_name or Path(self.cfg.model_dir).name,
+            "PERIGEE_NATS_URL": self.nats_url,
+            "PERIGEE_NATS_SERVERS": self.nats_urls,
+            "PERIGEE_LOG_DIR": self.cfg.log_dir,
+        }
+        comment = (
+            f"The perigee stack of pid {os.getpid()} (removed when it stops): "
+            f"source {self.cfg.log_dir}/env\nPERIGEE_NATS_URL logs in as the bus's admin user."
+        )
+        return write_env(self.cfg.log_dir, values, comment)
 
     def supervise(self) -> None:
         """From now on a service that dies is restarted (:mod:`perigee.supervise`)."""
@@ -610,6 +637,10 @@ class Stack:
         if self.supervisor is not None:  # its children are gone: its thread may end
             self.supervisor.quit()
             self.supervisor = None
+        if self.env_file is not None:  # it names a bus that is gone
+            self.env_file.unlink(missing_ok=True)
+            self.env_file = None
+        self.lock.release()
 
     def kill_all(self) -> None:
         """SIGKILL every child and nats-server now (a second Ctrl-C); safe in a signal

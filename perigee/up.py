@@ -25,6 +25,7 @@ import time
 
 from perigee import models
 from perigee.models import DEFAULT_MODEL_NAME, TINY_NAME
+from perigee.rundir import Refused
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
 from perigee.supervise import RestartPolicy
 from services.common.kv_layout import store_too_small
@@ -277,7 +278,7 @@ def main(argv: list[str]) -> int:
 
     def on_supervised(e) -> None:  # from the supervisor's thread
         print(
-            f"perigee: {e.describe(cfg.restart_policy)}; see {cfg.log_dir}/{e.name}.log",
+            f"perigee: {e.describe(cfg.restart_policy)}; see {stack.cfg.log_dir}/{e.name}.log",
             file=sys.stderr if e.kind == "gave_up" else sys.stdout,
             flush=True,
         )
@@ -307,19 +308,26 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 0
+    except Refused as e:  # nothing was started nor written
+        print(f"perigee up: refused: {e}", file=sys.stderr, flush=True)
+        return 1
     except (RuntimeError, TimeoutError) as e:  # start() stopped what it had started
         print(f"perigee: start failed: {e}", file=sys.stderr, flush=True)
         return 1
     key = (cfg.api_key or "").split(",")[0].strip()
     auth = f"-H 'Authorization: Bearer {key}' " if key else ""
+    log_dir = stack.cfg.log_dir  # absolute
     bus = stack.nats.url if stack.nats else stack.nats_url
     if stack.nats and cfg.nats_auth:
-        bus += f", logins in {cfg.log_dir}/nats/credentials.json"
+        bus += f", logins in {log_dir}/nats/credentials.json"
+    env = f"source {stack.env_file}" if stack.env_file else ""
     print(
-        f"perigee: ready at {stack.url}  (NATS {bus}; logs in {cfg.log_dir}/)\n"
+        f"perigee: ready at {stack.url}  (NATS {bus}; logs in {log_dir}/)\n"
         f"  curl {stack.url}/v1/chat/completions {auth}-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{cfg.served_model_name}", "messages": [{{"role": "user", '
         f'"content": "What is the capital of France?"}}], "temperature": 0}}\'\n'
+        f"  bus: {env}   (PERIGEE_NATS_URL: the bus with the admin login; "
+        "README: Talking to the bus directly)\n"
         f"  spans: {stack.spans_file}   metrics targets: {stack.metrics_targets_file}\n"
         "perigee: Ctrl-C stops everything",
         flush=True,
