@@ -6,6 +6,10 @@ Each request is sent at its trace timestamp (divided by ``--speedup``) as a stre
 and TBT percentiles (TBT = mean of the longest 10 % of a request's token gaps, as in
 the paper §7.1), goodput under the thresholds, and the cached-token ratio from
 ``usage.prompt_tokens_details.cached_tokens``.
+
+The SLOs that goodput is graded against are the stack's own, read from the gateway's
+``GET /v1/perigee/config``, unless ``--ttft-slo``/``--tbt-slo`` are given (another
+server: the paper's 30 s / 0.1 s).
 """
 
 import argparse
@@ -117,6 +121,24 @@ async def served_model(http, url: str, headers: dict) -> str:
     return models[0]["id"]
 
 
+async def stack_slos(url: str, api_key: str | None) -> tuple[float, float] | None:
+    """(TTFT, TBT) SLOs, s, from a perigee gateway's ``GET /v1/perigee/config``; None
+    from an endpoint that does not serve it (vLLM's server, an older gateway)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    timeout = aiohttp.ClientTimeout(total=10)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as http,
+            http.get(url.rstrip("/") + "/v1/perigee/config", headers=headers) as r,
+        ):
+            if r.status != 200:
+                return None
+            cfg = await r.json()
+            return float(cfg["ttft_slo_s"]), float(cfg["tbt_slo_s"])
+    except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError):
+        return None
+
+
 async def replay(
     reqs: list[TraceRequest],
     url: str,
@@ -203,12 +225,36 @@ def main(argv: list[str]) -> int:
     p.add_argument("--vocab-size", type=int, default=1024)
     p.add_argument("--output-scale", type=float, default=1.0)
     p.add_argument("--max-output", type=int, default=4096)
-    p.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S)
-    p.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S)
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=None,
+        help="TTFT SLO for goodput, s (default: the stack's, from GET /v1/perigee/config; "
+        f"{defaults.TTFT_SLO_S:g} from an endpoint without it)",
+    )
+    p.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=None,
+        help="TBT SLO for goodput, s (default: the stack's; "
+        f"{defaults.TBT_SLO_S:g} from an endpoint without it)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    if a.ttft_slo is None or a.tbt_slo is None:
+        got = asyncio.run(stack_slos(a.url, a.api_key))
+        if got is None:
+            got = (defaults.TTFT_SLO_S, defaults.TBT_SLO_S)
+            print(
+                f"perigee replay: {a.url} does not report its SLOs (GET /v1/perigee/config): "
+                f"goodput against {got[0]:g} s TTFT / {got[1]:g} s TBT unless --ttft-slo/--tbt-slo"
+            )
+        if a.ttft_slo is None:
+            a.ttft_slo = got[0]
+        if a.tbt_slo is None:
+            a.tbt_slo = got[1]
     reqs = load_trace(a.trace, a.limit)
     builder = PromptBuilder(a.block_tokens, a.vocab_size)
     outs, wall = asyncio.run(
@@ -234,7 +280,8 @@ def main(argv: list[str]) -> int:
         f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s"
     )
     print(
-        f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%})  "
+        f"goodput {s['goodput']['requests']} ({s['goodput']['fraction']:.1%}; "
+        f"TTFT <= {a.ttft_slo:g} s, TBT <= {a.tbt_slo:g} s)  "
         f"cached-token ratio {s['cached_token_ratio']:.3f}"
     )
     if a.json:

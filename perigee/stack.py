@@ -335,6 +335,10 @@ class Stack:
                     str(c.dead_after),
                     "--migration-limit",
                     str(c.migration_limit),
+                    "--ttft-slo",
+                    str(c.ttft_slo),
+                    "--tbt-slo",
+                    str(c.tbt_slo),
                 ]
                 + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
                 + (["--served-model-name", c.served_model_name] if c.served_model_name else []),

@@ -95,6 +95,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="seconds in-flight requests get to finish on SIGTERM before a 503",
     )
+    ap.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=defaults.TTFT_SLO_S,
+        help="the stack's TTFT SLO, s: reported on GET /v1/perigee/config (admission and "
+        "the conductor enforce it)",
+    )
+    ap.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=defaults.TBT_SLO_S,
+        help="the stack's TBT SLO, s: reported on GET /v1/perigee/config",
+    )
     ap.add_argument("--gateway-id", default="", help="default: random")
     ap.add_argument(
         "--api-key",
@@ -128,6 +141,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         gateway_id=args.gateway_id,
         api_keys=parse_keys(args.api_key),
         durable_intake=args.durable_intake,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
     )
 
 

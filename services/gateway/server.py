@@ -95,6 +95,10 @@ class GatewayConfig:
     # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue),
     # not core NATS REQUESTS (False: a bus without JetStream, or a test's fake admission).
     durable_intake: bool = True
+    # The stack's SLOs, s: the gateway does not enforce them (admission and the conductor
+    # do), it tells clients what it is graded on (GET /v1/perigee/config; perigee replay).
+    ttft_slo_s: float = defaults.TTFT_SLO_S
+    tbt_slo_s: float = defaults.TBT_SLO_S
 
 
 class Gateway:
@@ -154,6 +158,7 @@ class Gateway:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.get("/v1/perigee/config", self.config),
                 web.get("/health", self.health),
                 web.get("/ready", self.ready),
                 web.get("/metrics", metrics.metrics_handler),
@@ -210,6 +215,23 @@ class Gateway:
             "max_model_len": self.max_model_len,
         }
         return json_response({"object": "list", "data": [card]})
+
+    async def config(self, request: web.Request) -> web.Response:
+        """The effective configuration a client may grade itself against."""
+        c = self.cfg
+        return json_response(
+            {
+                "model": c.served_model_name,
+                "max_model_len": self.max_model_len,
+                "block_size": c.block_size,
+                "ttft_slo_s": c.ttft_slo_s,
+                "tbt_slo_s": c.tbt_slo_s,
+                "max_tokens_limit": c.max_tokens_limit,
+                "max_prompt_tokens": c.max_prompt_tokens,
+                "migration_limit": c.migration_limit,
+                "durable_intake": c.durable_intake,
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         ok = self.nc.is_connected
@@ -340,7 +362,8 @@ class Gateway:
             if p.model is not None and p.model != self.cfg.served_model_name:
                 raise ApiError(
                     404,
-                    f"the model `{p.model}` does not exist",
+                    f"the model `{p.model}` does not exist; this server serves "
+                    f"`{self.cfg.served_model_name}` (GET /v1/models)",
                     param="model",
                     code="model_not_found",
                 )
