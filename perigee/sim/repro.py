@@ -386,6 +386,11 @@ EXPERIMENTS = {
 }
 
 
+# Where the figures go without --out: a scratch folder (.perigee/ is git-ignored), so a
+# run never overwrites the tracked docs/figures/ that BENCHMARKS.md shows.
+SCRATCH = ".perigee/sim-repro"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="perigee sim repro",
@@ -395,12 +400,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("name", choices=[*EXPERIMENTS, "all"])
     p.add_argument("--trace", default=str(DEFAULT_TRACE))
     p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--out", default="docs/figures")
+    p.add_argument(
+        "--out",
+        default=SCRATCH,
+        help="folder for sim_NAME.json and .png (default: %(default)s, untracked; the "
+        "recorded figures in BENCHMARKS.md: --out docs/figures)",
+    )
     p.add_argument("--json", default=None, help="also write the (last) experiment's JSON here")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     trace = load_trace(a.trace, a.limit)
     names = list(EXPERIMENTS) if a.name == "all" else [a.name]
+    print(f"perigee sim repro: writing to {os.path.abspath(a.out)}/", flush=True)
     for name in names:
         t0 = time.perf_counter()
         res = EXPERIMENTS[name](trace, a.out)
