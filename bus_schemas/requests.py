@@ -113,6 +113,10 @@ class GenerateRequest(Msg):
     # Where StreamEvents go. Empty means "the NATS reply subject of the message".
     reply_subject: str = ""
     migration: Migration | None = None  # set on a resent request (issue 13)
+    # Sent on the core doors (perigee.requests -> perigee.conductor.schedule) because the
+    # durable intake did not store it in time (a JetStream stream electing a leader
+    # after a nats-server died): admission and the conductor keep it off JetStream too.
+    core_path: bool = False
 
 
 class Accepted(Msg, tag="accepted"):

@@ -52,6 +52,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=intake_queue.ACK_WAIT_S,
         help="seconds a request held by a copy that died waits before another copy gets it",
     )
+    ap.add_argument(
+        "--intake-patience",
+        type=float,
+        default=intake_queue.PATIENCE_S,
+        help="seconds to wait for a JetStream work queue to store a request before it "
+        "goes on the core NATS path instead (a stream electing a leader after a "
+        "nats-server died takes 4-9 s); 0: wait",
+    )
     ap.add_argument("--log-level", default="INFO")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)
@@ -71,6 +79,7 @@ async def amain(args: argparse.Namespace) -> int:
         AdmissionConfig(
             durable_intake=args.durable_intake,
             intake_ack_wait_s=args.intake_ack_wait,
+            intake_patience_s=args.intake_patience,
             block_size=args.block_size,
             ttft_slo_s=args.ttft_slo,
             tbt_slo_s=args.tbt_slo,

@@ -72,6 +72,8 @@ class AdmissionConfig:
     # NATS REQUESTS -> SCHEDULE only, for a bus without JetStream).
     durable_intake: bool = True
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
+    # Past this, a forward the work queue did not store goes on core SCHEDULE (0: wait).
+    intake_patience_s: float = intake_queue.PATIENCE_S
     # At start, wait up to this long for a load report from each pool before taking
     # requests (services.common.pools_heard).
     pools_wait_s: float = 2.0
@@ -106,6 +108,7 @@ class AdmissionService:
         self.heard = PoolsHeard(self.policy.live_prefill, self.policy.live_decode)
         self.intake: intake_queue.QueueConsumer | None = None
         self._decided: OrderedDict[str, bool] = OrderedDict()  # request id -> accepted
+        self.bypasses = 0  # forwards sent on core SCHEDULE because the work queue stalled
         self.js = nc.jetstream() if nc is not None else None
 
     async def start(self) -> None:
@@ -262,13 +265,32 @@ class AdmissionService:
 
     async def _forward(self, req: GenerateRequest) -> None:
         """Store the request on the conductors' work queue, once by its id; accepted once
-        the stream acks it. (Without the durable intake: core SCHEDULE, at most once.)"""
-        if not self.cfg.durable_intake:
+        the stream acks it. (Without the durable intake, or for a request the gateway
+        sent on the core path: core SCHEDULE, at most once.)
+
+        A work queue that has not stored it within ``intake_patience_s`` is electing a
+        leader (a nats-server died): the request goes on core SCHEDULE rather than wait
+        4-9 s; a conductor that placed it so drops the stored copy, should it come."""
+        if not self.cfg.durable_intake or req.core_path:
             await bus.publish(self.nc, subjects.SCHEDULE, req)
             return
-        await bus.js_publish(
-            self.js, subjects.SCHEDULE_QUEUE, encode(req), msg_id=req.request_id, headers=inject()
-        )
+        try:
+            await bus.js_publish(
+                self.js,
+                subjects.SCHEDULE_QUEUE,
+                encode(req),
+                msg_id=req.request_id,
+                headers=inject(),
+                timeout=self.cfg.intake_patience_s or 30.0,
+            )
+        except Exception as e:  # noqa: BLE001 - stalled: the core path, or raise
+            if not self.cfg.intake_patience_s:
+                raise
+            self.bypasses += 1
+            log.warning("schedule_queue_stalled_core_path", error=f"{type(e).__name__}: {e}")
+            await bus.publish(
+                self.nc, subjects.SCHEDULE, msgspec.structs.replace(req, core_path=True)
+            )
 
     def fill(self, req: GenerateRequest, reply: str) -> tuple[GenerateRequest, str]:
         """The request with reply subject, block size/hashes and arrival time filled in,

@@ -55,6 +55,12 @@ PLACED_MAX_AGE_S = 900.0  # longer than any redelivery of a request waits
 # touches every message it holds (``in_progress``) every third of it, however long the
 # message waits in its queue or handler, so only a dead copy's messages come again.
 ACK_WAIT_S = 2.0
+# How long a publisher waits for a work queue's ack before it takes the core path. A
+# stream's ack takes milliseconds; a stream without a leader (its server died) takes
+# nats-server's Raft election, 4-9 s, which a request need not wait out.
+PATIENCE_S = 1.0
+# Request ids a conductor placed without a claim, remembered to drop a stored copy.
+REMEMBER_UNCLAIMED = 10_000
 # nats-server's JSStreamWrongLastSequence: the claim's subject already has a message.
 WRONG_LAST_SEQUENCE = 10071
 STREAM_NAME_IN_USE = 10058
@@ -119,10 +125,11 @@ async def ensure_streams(js: Any, names: list[str], timeout: float = 30.0) -> No
                 await asyncio.sleep(0.5)
 
 
-async def claim(js: Any, request_id: str, task: bytes) -> tuple[bytes, bool]:
+async def claim(js: Any, request_id: str, task: bytes, timeout: float = 30.0) -> tuple[bytes, bool]:
     """Claim ``request_id``'s placement with ``task`` (its encoded PrefillTask). Returns
     the task that holds the claim and whether it is this one (False: an earlier
-    placement of the id, to be re-sent as it is)."""
+    placement of the id, to be re-sent as it is). Past ``timeout`` (the stream has no
+    leader) the last error is raised."""
     subject = placed_subject(request_id)
     try:
         ack = await bus.js_publish(
@@ -131,6 +138,7 @@ async def claim(js: Any, request_id: str, task: bytes) -> tuple[bytes, bool]:
             task,
             msg_id=f"placed:{request_id}",
             headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+            timeout=timeout,
         )
         if not ack.duplicate:
             return task, True

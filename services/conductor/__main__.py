@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-durable-intake: core NATS only, for a bus without JetStream",
     )
     ap.add_argument(
+        "--intake-patience",
+        type=float,
+        default=intake_queue.PATIENCE_S,
+        help="seconds to wait for the JetStream placement claim before placing unclaimed "
+        "(a stream electing a leader after a nats-server died takes 4-9 s); 0: wait",
+    )
+    ap.add_argument(
         "--intake-ack-wait",
         type=float,
         default=intake_queue.ACK_WAIT_S,
@@ -142,6 +149,7 @@ async def amain(args: argparse.Namespace) -> int:
     cfg = ConductorConfig(
         durable_intake=args.durable_intake,
         intake_ack_wait_s=args.intake_ack_wait,
+        intake_patience_s=args.intake_patience,
         conductor_id=args.id,
         block_size=args.block_size,
         ttft_slo_s=args.ttft_slo,

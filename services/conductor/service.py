@@ -36,6 +36,7 @@ first-token notices (services.conductor.balancing).
 
 import asyncio
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -112,6 +113,9 @@ class ConductorConfig:
     # message held longer than intake_ack_wait_s by a conductor that died goes to another.
     durable_intake: bool = True
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
+    # Past this, a placement whose claim the PLACED stream did not store goes out
+    # unclaimed (the stream is electing a leader) rather than wait 4-9 s (0: wait).
+    intake_patience_s: float = intake_queue.PATIENCE_S
     # At start, wait up to this long for a load report from each pool before placing
     # (services.common.pools_heard).
     pools_wait_s: float = 2.0
@@ -192,6 +196,9 @@ class ConductorService:
         self.pending: dict[str, float] = {}  # request id -> placed at, until a notice settles it
         self.js = nc.jetstream() if nc is not None else None
         self.resent = 0  # placements re-sent from a claim (a redelivery): none placed twice
+        # Requests placed here without a claim (the core path, or a claim the PLACED
+        # stream could not store in time): a stored copy delivered later is dropped.
+        self._unclaimed: OrderedDict[str, None] = OrderedDict()
 
     async def start(self) -> None:
         s = self.subs
@@ -304,6 +311,9 @@ class ConductorService:
             if not req.prompt_token_ids:
                 await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, "empty prompt")
                 return
+            if durable and req.request_id in self._unclaimed:
+                log.warning("placed_unclaimed_before_dropped")
+                return
             if durable and intake_queue.redelivered(m):
                 stored = await intake_queue.claimed(self.js, req.request_id)
                 if stored is not None:  # placed before: send that placement again
@@ -393,12 +403,27 @@ class ConductorService:
             decode_incarnation=self.policy.loads.incarnation(Role.DECODE, p.decode_instance),
         )
         if claim:
-            held, ours = await intake_queue.claim(self.js, req.request_id, encode(task))
+            try:
+                held, ours = await intake_queue.claim(
+                    self.js,
+                    req.request_id,
+                    encode(task),
+                    timeout=self.cfg.intake_patience_s or 30.0,
+                )
+            except Exception as e:  # noqa: BLE001 - the PLACED stream stalled
+                if not self.cfg.intake_patience_s:
+                    raise
+                log.warning("claim_stalled_placed_unclaimed", error=f"{type(e).__name__}: {e}")
+                held, ours, claim = b"", True, False
             if not ours:  # another delivery of this id placed it first: that placement stands
                 self.policy.release(req.request_id)
                 span.set_attribute("outcome", "claimed_before")
                 await self._resend(decode(held, PrefillTask), reply)
                 return
+        if not claim:
+            self._unclaimed[req.request_id] = None
+            while len(self._unclaimed) > intake_queue.REMEMBER_UNCLAIMED:
+                self._unclaimed.popitem(last=False)
         self.pending[req.request_id] = self.clock.now()
         for k, v in {
             "outcome": "placed",

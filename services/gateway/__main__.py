@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from services.common import defaults, runner
+from services.common import defaults, intake_queue, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR
@@ -83,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "past it, or with 0, the request fails with 503",
     )
     ap.add_argument(
+        "--intake-patience",
+        type=float,
+        default=intake_queue.PATIENCE_S,
+        help="seconds to wait for a JetStream work queue to store a request before it "
+        "goes on the core NATS path instead (a stream electing a leader after a "
+        "nats-server died takes 4-9 s); 0: wait",
+    )
+    ap.add_argument(
         "--durable-intake",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -143,6 +151,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         durable_intake=args.durable_intake,
         ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo,
+        intake_patience_s=args.intake_patience,
     )
 
 

@@ -55,7 +55,7 @@ from bus_schemas.requests import (
     Tokens,
 )
 from bus_schemas.roles import Role
-from services.common import bus
+from services.common import bus, intake_queue
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.gateway import migration
@@ -132,6 +132,10 @@ class ReplyRouter:
         # Requests go on the INTAKE work queue (stored before send returns: crash-safe,
         # services.common.intake_queue) rather than core NATS REQUESTS.
         self.durable_intake = False
+        # Past this, a request the intake did not store goes on the core path under a new
+        # attempt id (0: wait as long as the intake takes).
+        self.intake_patience_s = intake_queue.PATIENCE_S
+        self.bypasses = 0  # requests sent on the core path because the intake stalled
         self._prefix = subjects.gateway_reply(gateway_id, "")
         self._flights: dict[str, _Flight] = {}
         self._routes: dict[str, str] = {}  # attempt id -> client request id
@@ -251,20 +255,56 @@ class ReplyRouter:
 
     async def _dispatch(self, req: GenerateRequest) -> None:
         """Send a request (or a migration's attempt) to admission: on the INTAKE work
-        queue when durable (stored before this returns), else on core REQUESTS."""
-        if self.durable_intake:
-            data, headers = encode(req), inject()
-            bus.check_size(self.nc, subjects.INTAKE, data, headers)
+        queue when durable (stored before this returns), else on core REQUESTS.
+
+        An intake that has not stored it within ``intake_patience_s`` is electing a
+        stream leader (a nats-server died): the request goes on the core path instead,
+        under a new attempt id, so that the intake's copy, should it be stored after
+        all, is another request: its events are routed nowhere and its placement is
+        cancelled when its Accepted comes (:meth:`cancel` before placement)."""
+        if not self.durable_intake or req.core_path:
+            await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
+            return
+        data, headers = encode(req), inject()
+        bus.check_size(self.nc, subjects.INTAKE, data, headers)
+        patience = self.intake_patience_s or 10.0
+        try:
             await bus.js_publish(
                 self.nc.jetstream(),
                 subjects.INTAKE,
                 data,
                 msg_id=req.request_id,
-                timeout=10.0,
+                timeout=patience,
                 headers=headers,
             )
-            return
-        await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
+        except Exception as e:  # noqa: BLE001 - stalled or refused: the core path, or raise
+            rid = self._routes.get(req.request_id, "")
+            f = self._flights.get(rid)
+            if not self.intake_patience_s or f is None or f.current != req.request_id:
+                raise
+            await self._bypass(f, req, e)
+
+    async def _bypass(self, f: _Flight, req: GenerateRequest, why: Exception) -> None:
+        rid, old = self._routes[req.request_id], req.request_id
+        new = f"{old}-b{self.bypasses + 1}"
+        bypassed = msgspec.structs.replace(
+            req, request_id=new, reply_subject=self.reply_subject(new), core_path=True
+        )
+        self.bypasses += 1
+        self._routes.pop(old, None)
+        self._routes[new] = rid
+        f.current = new
+        if f.resent is req:
+            f.resent = bypassed
+        self._unplaced_cancels[old] = ("sent again on the core path", time.monotonic())
+        log.warning(
+            "intake_stalled_core_path",
+            request_id=rid,
+            attempt=new,
+            waited_s=self.intake_patience_s,
+            error=f"{type(why).__name__}: {why}",
+        )
+        await publish(self.nc, subjects.REQUESTS, bypassed, reply=bypassed.reply_subject)
 
     async def cancel(
         self, request_id: str, reason: str, targets: Sequence[tuple[str, int]] = ()

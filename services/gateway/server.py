@@ -35,7 +35,7 @@ from opentelemetry import trace
 
 from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
 from bus_schemas.roles import ROLES
-from services.common import defaults, metrics
+from services.common import defaults, intake_queue, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
@@ -99,6 +99,7 @@ class GatewayConfig:
     # do), it tells clients what it is graded on (GET /v1/perigee/config; perigee replay).
     ttft_slo_s: float = defaults.TTFT_SLO_S
     tbt_slo_s: float = defaults.TBT_SLO_S
+    intake_patience_s: float = intake_queue.PATIENCE_S  # then the core path (0: wait)
 
 
 class Gateway:
@@ -136,6 +137,7 @@ class Gateway:
             eos_token_ids=(*spec.eos_token_ids, *self.extra_eos),
         )
         self.router.durable_intake = cfg.durable_intake
+        self.router.intake_patience_s = cfg.intake_patience_s
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())

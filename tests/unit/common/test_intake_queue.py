@@ -295,3 +295,63 @@ async def test_two_copies_starting_at_once_share_the_work_queue(nats_url):
             await s.close()
         for nc in ncs:
             await nc.close()
+
+
+async def test_a_claim_the_stream_cannot_store_in_time_places_unclaimed_once(
+    conductor, monkeypatch
+):
+    """The PLACED stream electing a leader (its server died): the placement goes out
+    unclaimed after the patience, and a stored copy of the same id delivered later is
+    dropped by this conductor, not placed twice."""
+    h, r = conductor, rid()
+
+    async def stalled(*a, **kw):
+        raise TimeoutError("no stream leader")
+
+    monkeypatch.setattr(intake_queue, "claim", stalled)
+    await queue(h, r)
+    task = await h.task()
+    assert task.request.request_id == r
+    assert isinstance(await h.event(), Accepted)
+    await queue_drained(h)
+    await queue(h, r)  # the same id stored again (e.g. published twice across a failover)
+    await queue_drained(h)
+    assert h.tasks.pending_msgs == 0 and h.events.pending_msgs == 0
+
+
+async def test_a_forward_the_work_queue_cannot_store_in_time_goes_on_core_schedule(
+    nats_url, monkeypatch
+):
+    """SCHEDULE_QUEUE electing a leader: admission forwards on core SCHEDULE after its
+    patience (marked core_path, so the conductor keeps it off JetStream too); a request
+    the gateway already sent on the core path goes there at once."""
+    nc = await nats.connect(nats_url)
+    core = await nc.subscribe(subjects.SCHEDULE)
+    h = await AdmissionHarness().start(
+        nats_url,
+        block_size=32,
+        ttft_slo_s=30.0,
+        tbt_slo_s=0.1,
+        policy="early",
+        durable_intake=True,
+        intake_patience_s=0.2,
+    )
+    real = bus.js_publish
+
+    async def stalled(js, subject, *a, **kw):
+        if subject == subjects.SCHEDULE_QUEUE:
+            raise TimeoutError("no stream leader")
+        return await real(js, subject, *a, **kw)
+
+    monkeypatch.setattr(bus, "js_publish", stalled)
+    try:
+        await h.loads(prefill_work=0.0)
+        for r, core_path in ((rid(), False), (rid(), True)):
+            req = GenerateRequest(request_id=r, prompt_token_ids=PROMPT, core_path=core_path)
+            await h.send(encode(req))
+            fwd = decode((await core.next_msg(timeout=5)).data, GenerateRequest)
+            assert fwd.request_id == r and fwd.core_path
+        assert h.svc.bypasses == 1
+    finally:
+        await h.close()
+        await nc.close()

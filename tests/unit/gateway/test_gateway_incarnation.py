@@ -253,3 +253,84 @@ def test_heartbeat_reads_only_what_it_needs():
 
     hb = _heartbeat.decode(msgspec.json.encode(decode_load("d0", NEW)))
     assert (hb.incarnation, hb.step_time_s) == (NEW, 0.01)
+
+
+# ------------------------------------------- the intake stalls (a JetStream election)
+
+
+@pytest.fixture
+async def stalled_intake(nats_url):
+    """A gateway on the durable intake whose stream never stores (no PERIGEE_INTAKE
+    stream here: every publish is refused, as while a stream has no leader)."""
+    from services.gateway.server import Gateway, GatewayConfig
+    from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, serve_nothing
+
+    cfg = GatewayConfig(
+        port=0,
+        durable_intake=True,
+        intake_patience_s=0.3,
+        max_prompt_tokens=64,
+        max_tokens_limit=100,
+        max_model_len=128,
+        sweep_interval_s=0,
+    )
+    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
+    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=ManualClock()).start()
+    backend = await FakeBackend(nc_be, serve_nothing).start()
+    yield gw, backend
+    await gw.close()
+    await nc_gw.close()
+    await nc_be.close()
+
+
+async def test_a_request_the_intake_does_not_store_in_time_goes_on_the_core_path(
+    stalled_intake, nats_url
+):
+    import aiohttp
+
+    from bus_schemas.requests import Finished
+
+    gw, b = stalled_intake
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+        post = asyncio.ensure_future(http.post(url, json=body))
+        req, reply = await asyncio.wait_for(b.requests.get(), 10)
+        assert req.core_path and req.request_id.endswith("-b1")
+        assert reply == req.reply_subject == gw.router.reply_subject(req.request_id)
+        rid = req.request_id.removesuffix("-b1")
+        await send(
+            b,
+            reply,
+            Accepted(request_id=req.request_id, prefill_instance="p0", decode_instance="d0"),
+            Tokens(request_id=req.request_id, token_ids=OUT[:3], index=0),
+            Finished(
+                request_id=req.request_id,
+                finish_reason="length",
+                prompt_tokens=len(req.prompt_token_ids),
+                completion_tokens=3,
+                cached_tokens=0,
+            ),
+        )
+        async with await post as r:
+            assert r.status == 200
+            out = await r.json()
+    assert out["usage"]["completion_tokens"] == 3
+    assert gw.router.bypasses == 1
+    # Should the intake store the first copy after all, its placement is cancelled when
+    # its Accepted comes: the holders it names are told, by name and incarnation.
+    gw.watchdog.seen("p1", OLD)
+    gw.watchdog.seen("d1", OLD)
+    late = Accepted(
+        request_id=rid,
+        prefill_instance="p1",
+        decode_instance="d1",
+        prefill_incarnation=OLD,
+        decode_incarnation=OLD,
+    )
+    await send(b, gw.router.reply_subject(rid), late)
+    while True:
+        c = await asyncio.wait_for(b.cancels.get(), 5)
+        if c.request_id == rid and c.targets:
+            break
+    assert c.targets == {"p1": OLD, "d1": OLD}
