@@ -28,6 +28,7 @@ from bus_schemas.control import BusReconnected
 from bus_schemas.requests import Error, ErrorCode
 from services.common import metrics, shutdown
 from services.common.errors import CodedError
+from services.common.placeholders import refuse_placeholder
 from tracing import extract, inject, tracer
 
 T = TypeVar("T")
@@ -144,6 +145,7 @@ async def connect(url: str, name: str) -> NATS:
             log.warning("nats_reconnected_notice_failed", error=str(e))
 
     servers, user, password = servers_and_login(url)
+    refuse_placeholder(f"the NATS password of user {user!r}", password, "NATS_PASSWORD or the URL")
     login = {"user": user, "password": password} if user is not None else {}
     nc = await nats.connect(
         servers,

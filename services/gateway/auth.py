@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
 
+from services.common.placeholders import refuse_placeholder
 from services.gateway.protocol import ApiError
 from services.gateway.responses import error_response
 
@@ -34,6 +35,7 @@ def parse_keys(values: Iterable[str] | None, env: dict[str, str] | None = None) 
         for k in v.split(","):
             k = k.strip()
             if k and k not in keys:
+                refuse_placeholder("an API key", k, f"--api-key or ${ENV_VAR}")
                 keys.append(k)
     return tuple(keys)
 
