@@ -31,9 +31,11 @@ LOAD_PREFILL_ALL = f"{NS}.load.prefill.>"
 LOAD_DECODE_ALL = f"{NS}.load.decode.>"
 
 # A client that lost its NATS server and reconnected to another publishes
-# BusReconnected here: what was in flight to or from it in between may be lost (core
-# NATS delivers at most once), so the gateway resumes its requests in flight.
-BUS_RECONNECTED = f"{NS}.bus.reconnected"
+# BusReconnected on bus_reconnected(kind, id): what was in flight to or from it in
+# between may be lost (core NATS delivers at most once), so the gateway resumes its
+# requests in flight. BUS_RECONNECTED subscribes to every sender's notices; the subject's
+# last two tokens name the sender (each login may publish only its own: perigee.natsauth).
+BUS_RECONNECTED = f"{NS}.bus.reconnected.>"
 
 CTL_REPLICATE = f"{NS}.ctl.kv.replicate"
 CTL_ROLE = f"{NS}.ctl.role"
@@ -94,3 +96,10 @@ def gateway_reply(gateway_id: str, request_id: str) -> str:
 def gateway_replies(gateway_id: str) -> str:
     """One wildcard subscription covers every stream of a gateway."""
     return f"{NS}.gw.{gateway_id}.>"
+
+
+def bus_reconnected(kind: str, sender: str) -> str:
+    """Where ``sender`` (a worker's instance, a store's node, a conductor's id, ...; of
+    ``kind`` "worker", "store", "conductor", "admission", "gateway" or "client") says it
+    reconnected. The bus lets a login publish only its own (perigee.natsauth)."""
+    return f"{NS}.bus.reconnected.{kind}.{sender}"

@@ -8,14 +8,20 @@ import urllib.request
 
 import nats
 
-from services.common.bus import ERROR_HEADER, servers_and_login
+from services.common.bus import ERROR_HEADER, inbox_prefix, servers_and_login
 
 
 async def _nats_ok(url: str, subject: str, timeout: float) -> bool:
     # A cluster's comma list, and the service's own login ($NATS_USER/$NATS_PASSWORD).
     servers, user, password = servers_and_login(url)
     login = {"user": user, "password": password} if user is not None else {}
-    nc = await nats.connect(servers, connect_timeout=timeout, max_reconnect_attempts=0, **login)
+    nc = await nats.connect(
+        servers,
+        connect_timeout=timeout,
+        max_reconnect_attempts=0,
+        inbox_prefix=inbox_prefix(user),  # the only inbox its login may read
+        **login,
+    )
     try:
         msg = await nc.request(subject, b"{}", timeout=timeout)
         return not (msg.headers and ERROR_HEADER in msg.headers)

@@ -1,21 +1,43 @@
-"""Who may publish and subscribe what on the bus: one NATS user per service, with subject
-permissions derived from :mod:`bus_schemas.subjects`, rendered as nats-server config.
+"""Who may publish and subscribe what on the bus: one NATS user per service, each with an
+allow-list of the subjects its role uses (derived from :mod:`bus_schemas.subjects`),
+rendered as nats-server config. Nothing is allowed that is not listed; SECURITY.md ("Bus")
+states the same lists in prose.
 
-Every role may use the ``perigee.>`` namespace, inboxes and the JetStream API, less what
-is not its business (a deny wins over an allow in nats-server):
+- A worker (prefill or decode instance) subscribes to its own tasks, pipeline stages,
+  stats and the broadcast cancel (and the role switches when it is switchable); it
+  publishes its own load report and reconnect notice, decode hand-offs (prefill), the
+  placing conductor's events, reservations on the stores (prefill: any node's
+  ``tx.allocate/renew/abort``; decode: its own node's ``tx.renew/commit/abort``) and the
+  replies to a client: the gateway's ``perigee.gw.<gw>.<rid>`` and bus clients'
+  ``_INBOX.>``, which it may publish to but never read.
+- A store subscribes to its own node's control subjects only (``clear``, ``dump``,
+  ``replay``, ``obj.*``, ``tx.*``, ``info``), discovery and the replication control; it
+  publishes its own node's KV events, its announce, and the three requests replication
+  makes of another store (``tx.allocate``, ``tx.commit``, ``obj.stat``).
+- Store administration (``clear``, ``replay``, ``obj.remove``, ``obj.replicate``,
+  ``perigee.ctl.kv.replicate``) is the admin's alone; the conductor may ``dump`` (it
+  rebuilds its prefix index from it) and settle transactions (``tx.commit/abort``).
+- Only the gateway (and the admin) may read ``perigee.gw.>``, publish the intake and the
+  cancels; only admission forwards to the conductors; only the conductor places work and
+  switches roles.
+- Each login reads only its own inbox, ``_INBOX.<user>.>`` (services.common.bus sets the
+  client's inbox prefix from its login), so no login reads another's replies; admission
+  and the conductor read their intake consumers' deliveries
+  (``_INBOX.perigee-deliver.<queue group>``). A service answers a request through the
+  reply subject it came with (``allow_responses``).
+- Reconnect notices name their sender in the subject,
+  ``perigee.bus.reconnected.<kind>.<id>`` (:func:`bus_schemas.subjects.bus_reconnected`),
+  and each login may publish only its own.
+- The JetStream API per role: the gateway none (its intake publishes are plain
+  publishes, acked by the stream); admission creates the INTAKE and SCHEDULE streams and
+  consumes INTAKE (its durable consumer, acks); the conductor creates SCHEDULE, PLACED
+  and KV_EVENTS, consumes SCHEDULE (durable) and KV_EVENTS (ordered), claims on PLACED
+  and reads claims back; a store creates KV_EVENTS and purges it (its own node's
+  subject, a filter in the request that permissions cannot see). A worker has none.
 
-- intake (``perigee.requests``) is published by the gateway (and the operator), and
-  ``perigee.conductor.schedule`` by admission; a worker or a store may subscribe to
-  neither (in the queue group it would steal requests);
-- a worker's control subjects: prefill tasks and role switches come only from the
-  conductor, decode tasks from prefill workers and the conductor; nobody publishes
-  another instance's load reports or answers its stats, and only a store publishes its
-  own node's KV events;
-- the gateway and admission reach no store and command no worker;
-- the crash-safe intake (services.common.intake_queue): ``perigee.intake`` is the
-  gateway's, ``perigee.conductor.queue`` admission's, the placement claims the
-  conductors'; a worker or a store may neither publish there nor touch those streams
-  through the JetStream API (a consumer of its own would take requests off the queue).
+Where one login serves many instances (Kubernetes: every worker pod is ``worker``,
+every store pod ``store``), the per-instance parts are a wildcard: the subject still
+names the instance, but the server cannot tell one pod of the role from another.
 
 The admin user (``perigee``) may do everything: ``perigee up``'s readiness checks, the
 operator's tools, the tests. Passwords are drawn per run (:func:`new_password`).
@@ -31,39 +53,49 @@ from bus_schemas.roles import ROLES as WORKER_ROLES
 from bus_schemas.roles import Role
 
 ADMIN = "perigee"
-ALL = f"{s.NS}.>"
-INBOX = "_INBOX.>"
-JETSTREAM = ["$JS.API.>", "$JS.ACK.>", "$JS.FC.>"]
+REPLIES = [s.gateway_replies("*"), "_INBOX.>"]  # where a client's stream goes
+# Stream names (services.common.intake_queue, services.common.kv_stream).
+INTAKE_STREAM, SCHEDULE_STREAM, PLACED_STREAM = (
+    "PERIGEE_INTAKE",
+    "PERIGEE_SCHEDULE",
+    "PERIGEE_PLACED",
+)
+KV_STREAM = "PERIGEE_KV_EVENTS"
 ROLES = ("gateway", "admission", "conductor", Role.PREFILL, Role.DECODE, "store")
 
-_TASKS = [s.prefill_tasks("*"), s.decode_tasks("*")]
-_CTL = f"{s.NS}.ctl.>"
-_KV_EVENTS = f"{s.NS}.kv.events.>"
-_LOAD = f"{s.NS}.load.>"
-_STORES = f"{s.NS}.store.>"
-_INTAKE = [s.INTAKE, s.SCHEDULE_QUEUE, s.placed("*")]
-# The JetStream API on the intake streams: $JS.API.STREAM.<op>.<stream>,
-# $JS.API.STREAM.MSG.GET.<stream>, $JS.API.CONSUMER.<op>.<stream>[.<consumer>...] and
-# $JS.API.CONSUMER.{MSG.NEXT,DURABLE.CREATE}.<stream>.<consumer>.
-_INTAKE_API = [
-    p.format(st)
-    for st in ("PERIGEE_INTAKE", "PERIGEE_SCHEDULE", "PERIGEE_PLACED")
-    for p in (
-        "$JS.API.STREAM.*.{}",
-        "$JS.API.STREAM.*.*.{}",
-        "$JS.API.CONSUMER.*.{}",
-        "$JS.API.CONSUMER.*.{}.>",
-        "$JS.API.CONSUMER.*.*.{}.>",
-    )
-]
+
+def inbox(user: str) -> str:
+    """The inbox prefix of ``user``'s connections (services.common.bus.connect)."""
+    return f"_INBOX.{user}"
+
+
+def deliveries(group: str) -> str:
+    """Where an intake queue's durable consumer delivers (services.common.intake_queue)."""
+    return f"_INBOX.perigee-deliver.{group}"
+
+
+def _stream_admin(*streams: str) -> list[str]:
+    """Create a stream, bring it to its configuration, read its state."""
+    return [f"$JS.API.STREAM.{op}.{st}" for st in streams for op in ("CREATE", "UPDATE", "INFO")]
+
+
+def _durable(stream: str, name: str) -> list[str]:
+    """Look up, create and consume a durable push consumer ``name`` on ``stream``."""
+    return [
+        f"$JS.API.CONSUMER.INFO.{stream}.{name}",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{name}.>",
+        f"$JS.ACK.{stream}.{name}.>",
+    ]
 
 
 @dataclass(frozen=True)
 class User:
     name: str
     password: str
-    pub_deny: tuple[str, ...] = ()
-    sub_deny: tuple[str, ...] = ()
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
     admin: bool = False
 
 
@@ -73,14 +105,15 @@ class Member:
 
     name: str
     role: str
-    instance: str = ""  # prefill/decode: the worker instance (e.g. decode-0)
-    node: str = ""  # store: its node (e.g. d0)
+    instance: str = ""  # prefill/decode: the worker instance (e.g. decode-0); "": any
+    node: str = ""  # store, worker: its node (e.g. d0); "": any
+    ident: str = ""  # conductor: its id (its events subject); "": any
 
 
 @dataclass
 class Deployment:
     members: list[Member] = field(default_factory=list)
-    switchable: bool = False  # workers change role (RoleSwitch): decode may hand off too
+    switchable: bool = False  # workers change role (RoleSwitch): either role's subjects
 
     def instances(self) -> list[str]:
         return [m.instance for m in self.members if m.instance]
@@ -89,50 +122,121 @@ class Deployment:
         return [m.node for m in self.members if m.node]
 
 
-def publish_deny(m: Member, d: Deployment) -> list[str]:
+def _worker_roles(m: Member, d: Deployment) -> tuple[str, ...]:
+    return tuple(WORKER_ROLES) if d.switchable else (m.role,)
+
+
+def publish_allow(m: Member, d: Deployment) -> list[str]:
+    inst, node, ident = m.instance or "*", m.node or "*", m.ident or "*"
     if m.role == "gateway":
-        return [f"{s.NS}.conductor.>", *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
-    if m.role == "admission":
-        return [s.REQUESTS, s.INTAKE, s.placed("*"), *_TASKS, _CTL, _STORES, _KV_EVENTS, _LOAD]
-    if m.role == "conductor":
-        return [s.REQUESTS, s.INTAKE, _KV_EVENTS, _LOAD, s.STORE_ANNOUNCE]
-    if m.role in WORKER_ROLES:
-        deny = [
+        return [
             s.REQUESTS,
-            s.SCHEDULE,
-            *_INTAKE,
-            *_INTAKE_API,
-            s.prefill_tasks("*"),
-            _CTL,
-            _KV_EVENTS,
-            s.STORE_ANNOUNCE,
-        ]
-        if m.role == Role.DECODE and not d.switchable:
-            deny.append(s.decode_tasks("*"))
-        for other in d.instances():
-            if other != m.instance:
-                deny += [s.load_report("*", other), s.worker_stats("*", other)]
-        return deny
-    if m.role == "store":
-        deny = [
-            s.REQUESTS,
-            s.SCHEDULE,
             s.INTAKE,
-            *_INTAKE_API,
-            *_TASKS,
-            _CTL,
-            _LOAD,
-            f"{s.NS}.conductor.>",
+            s.CANCEL,
+            f"{s.NS}.gw.>",  # its echo (perigee.gw.<gw>) and its own streams
+            s.bus_reconnected("gateway", "*"),
         ]
-        deny += [s.kv_events(n) for n in d.nodes() if n != m.node]
-        return deny
+    if m.role == "admission":
+        return [
+            s.SCHEDULE,
+            s.SCHEDULE_QUEUE,
+            *REPLIES,  # rejections
+            s.bus_reconnected("admission", "*"),
+            *_stream_admin(INTAKE_STREAM, SCHEDULE_STREAM),
+            *_durable(INTAKE_STREAM, s.Q_ADMISSION),
+        ]
+    if m.role == "conductor":
+        return [
+            s.prefill_tasks("*"),
+            s.CTL_ROLE,
+            s.placed("*"),
+            s.STORE_DISCOVER,
+            *(s.store_ctl("*", ep) for ep in ("tx.commit", "tx.abort", "dump")),
+            *REPLIES,  # Accepted, rejections
+            s.bus_reconnected("conductor", ident),
+            *_stream_admin(SCHEDULE_STREAM, PLACED_STREAM, KV_STREAM),
+            *_durable(SCHEDULE_STREAM, s.Q_CONDUCTOR),
+            f"$JS.API.STREAM.MSG.GET.{PLACED_STREAM}",  # a claim read back
+            # The ordered consumer that replays the KV events (created, reset, and its
+            # flow control answered).
+            f"$JS.API.CONSUMER.CREATE.{KV_STREAM}",
+            f"$JS.API.CONSUMER.CREATE.{KV_STREAM}.>",
+            f"$JS.API.CONSUMER.DELETE.{KV_STREAM}.*",
+            f"$JS.FC.{KV_STREAM}.>",
+        ]
+    if m.role in WORKER_ROLES:
+        out: list[str] = []
+        for role in _worker_roles(m, d):
+            out.append(s.load_report(role, inst))
+            if role == Role.PREFILL:
+                out += [
+                    s.decode_tasks("*"),  # the hand-off to the placed decode instance
+                    s.cpp_stage("*", "*"),  # a pipeline's anchor drives its stages
+                    # reservations on the prefill, decode and source nodes
+                    *(s.store_ctl("*", ep) for ep in ("tx.allocate", "tx.renew", "tx.abort")),
+                ]
+            else:  # the decode tx is on its own node
+                out += [s.store_ctl(node, ep) for ep in ("tx.renew", "tx.commit", "tx.abort")]
+        return [
+            *dict.fromkeys(out),
+            s.store_ctl(node, "info"),
+            s.conductor_events("*"),
+            *REPLIES,  # tokens, errors
+            s.bus_reconnected("worker", inst),
+        ]
+    if m.role == "store":
+        return [
+            s.kv_events(node),
+            s.STORE_ANNOUNCE,
+            # what replication asks of another store
+            *(s.store_ctl("*", ep) for ep in ("tx.allocate", "tx.commit", "obj.stat")),
+            s.bus_reconnected("store", node),
+            *_stream_admin(KV_STREAM),
+            f"$JS.API.STREAM.PURGE.{KV_STREAM}",  # its previous epoch's batches
+        ]
     raise ValueError(f"unknown role {m.role!r}")
 
 
-def subscribe_deny(m: Member) -> list[str]:
-    if m.role in (*WORKER_ROLES, "store"):
-        return [s.REQUESTS, s.SCHEDULE, s.INTAKE, s.SCHEDULE_QUEUE]
-    return []
+def subscribe_allow(m: Member, d: Deployment) -> list[str]:
+    inst, node, ident = m.instance or "*", m.node or "*", m.ident or "*"
+    own = [f"{inbox(m.name)}.>"]
+    if m.role == "gateway":
+        return [*own, s.gateway_replies("*"), f"{s.NS}.gw.*", s.LOAD_ALL, s.BUS_RECONNECTED]
+    if m.role == "admission":
+        return [
+            *own,
+            s.REQUESTS,
+            s.LOAD_PREFILL_ALL,
+            s.LOAD_DECODE_ALL,
+            s.CTL_ROLE,
+            deliveries(s.Q_ADMISSION),
+        ]
+    if m.role == "conductor":
+        return [
+            *own,
+            s.SCHEDULE,
+            s.conductor_events(ident),
+            s.LOAD_PREFILL_ALL,
+            s.LOAD_DECODE_ALL,
+            s.CTL_ROLE,
+            s.KV_EVENTS_ALL,
+            s.STORE_ANNOUNCE,
+            deliveries(s.Q_CONDUCTOR),
+        ]
+    if m.role in WORKER_ROLES:
+        out = [*own, s.CANCEL]
+        for role in _worker_roles(m, d):
+            out.append(s.worker_stats(role, inst))
+            if role == Role.PREFILL:
+                out += [s.prefill_tasks(inst), s.cpp_stage(inst, "*")]
+            else:
+                out.append(s.decode_tasks(inst))
+        if d.switchable:
+            out.append(s.CTL_ROLE)
+        return out
+    if m.role == "store":
+        return [*own, s.store_ctl(node, ">"), s.STORE_DISCOVER, s.CTL_REPLICATE]
+    raise ValueError(f"unknown role {m.role!r}")
 
 
 def new_password() -> str:
@@ -149,8 +253,8 @@ def users(d: Deployment, passwords: dict[str, str] | None = None) -> list[User]:
             User(
                 m.name,
                 pw.get(m.name) or new_password(),
-                tuple(publish_deny(m, d)),
-                tuple(subscribe_deny(m)),
+                tuple(publish_allow(m, d)),
+                tuple(subscribe_allow(m, d)),
             )
         )
     return out
@@ -164,20 +268,19 @@ def render(us: list[User], *, env_passwords: bool = False, env_users: bool = Fal
     """An ``authorization`` block for nats-server. ``env_passwords``: each password is
     ``$<NAME>_NATS_PASSWORD`` (upper case, ``-`` as ``_``) from the server's environment,
     as compose passes them; ``env_users``: each user name ``$<NAME>_NATS_USER`` too (the
-    Kubernetes Secret names them)."""
+    Kubernetes Secret names them). A user may answer any request it receives
+    (``allow_responses``: one reply to each, within a minute), besides its lists."""
     lines = ["authorization {", "  users: ["]
-    allow = [ALL, INBOX, *JETSTREAM]
     for u in us:
         pw = f"${env_var(u.name)}" if env_passwords else json.dumps(u.password)
         name = f"${env_var(u.name, 'USER')}" if env_users else json.dumps(u.name)
         if u.admin:
             lines.append(f"    {{user: {name}, password: {pw}}}")
             continue
-        pub = f"{{allow: {_q(allow)}, deny: {_q(u.pub_deny)}}}"
-        sub = f"{{allow: {_q(allow)}" + (f", deny: {_q(u.sub_deny)}}}" if u.sub_deny else "}")
         lines.append(f"    {{user: {name}, password: {pw},")
-        lines.append(f"     permissions: {{publish: {pub},")
-        lines.append(f"                   subscribe: {sub}}}}}")
+        lines.append(f"     permissions: {{publish: {{allow: {_q(u.publish)}}},")
+        lines.append(f"                   subscribe: {{allow: {_q(u.subscribe)}}},")
+        lines.append("                   allow_responses: true}}")
     lines += ["  ]", "}"]
     return "\n".join(lines) + "\n"
 
@@ -191,12 +294,19 @@ def member(name: str, argv: list[str]) -> Member:
     role = argv[0].removeprefix("services.")
 
     def flag(f: str) -> str:
-        return argv[argv.index(f) + 1] if f in argv else ""
+        for i, a in enumerate(argv):
+            if a == f and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(f + "="):
+                return a.split("=", 1)[1]
+        return ""
 
     if role in WORKER_ROLES:
-        return Member(name, role, instance=flag("--instance"))
+        return Member(name, role, instance=flag("--instance"), node=flag("--node"))
     if role == "store":
         return Member(name, role, node=flag("--node"))
+    if role == "conductor":
+        return Member(name, role, ident=flag("--id") or "conductor-0")
     return Member(name, role)
 
 
@@ -205,9 +315,9 @@ COMPOSE = Deployment(
     [
         Member("gateway", "gateway"),
         Member("admission", "admission"),
-        Member("conductor", "conductor"),
-        Member("prefill-0", Role.PREFILL, instance="prefill-0"),
-        Member("decode-0", Role.DECODE, instance="decode-0"),
+        Member("conductor", "conductor", ident="conductor-0"),
+        Member("prefill-0", Role.PREFILL, instance="prefill-0", node="p0"),
+        Member("decode-0", Role.DECODE, instance="decode-0", node="d0"),
         Member("store-p0", "store", node="p0"),
         Member("store-d0", "store", node="d0"),
     ]

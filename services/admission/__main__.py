@@ -73,7 +73,7 @@ async def amain(args: argparse.Namespace) -> int:
     setup_tracing("admission")
     stop = StopEvent()
     bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name="admission")
+    nc = await bus.connect(args.nats, name="admission", kind="admission")
     svc = AdmissionService(
         nc,
         AdmissionConfig(

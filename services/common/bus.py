@@ -127,7 +127,25 @@ async def js_publish(
             wait = min(1.0, wait * 2)
 
 
-async def connect(url: str, name: str) -> NATS:
+def inbox_prefix(user: str | None) -> str:
+    """A login's inbox prefix: the bus lets each login read only ``_INBOX.<user>.>``
+    (perigee.natsauth), so no service reads another's replies; no login: nats-py's own."""
+    return f"_INBOX.{_token(user)}" if user else "_INBOX"
+
+
+def _token(text: str) -> str:
+    """``text`` as one subject token (no dots, wildcards or spaces)."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text) or "_"
+
+
+async def connect(url: str, name: str, *, kind: str = "client", sender: str = "") -> NATS:
+    """A connection to ``url`` (its login from the URL or the environment) named
+    ``name``. On a reconnect it publishes BusReconnected on
+    ``subjects.bus_reconnected(kind, sender or name)``: the sender is what the gateway
+    resumes requests of (a worker's instance, a store's node, a conductor's id), and the
+    bus lets each login publish only its own."""
+    notice_subject = subjects.bus_reconnected(kind, _token(sender or name))
+
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
 
@@ -140,7 +158,7 @@ async def connect(url: str, name: str) -> NATS:
         server = str(nc.connected_url.netloc) if nc.connected_url else ""
         log.warning("nats_reconnected", server=server)
         try:
-            await publish(nc, subjects.BUS_RECONNECTED, BusReconnected(client=name, server=server))
+            await publish(nc, notice_subject, BusReconnected(client=name, server=server))
         except Exception as e:  # noqa: BLE001 - best effort; the bus may be going again
             log.warning("nats_reconnected_notice_failed", error=str(e))
 
@@ -154,6 +172,7 @@ async def connect(url: str, name: str) -> NATS:
         reconnect_time_wait=0.2,
         error_cb=on_error,
         reconnected_cb=on_reconnected,
+        inbox_prefix=inbox_prefix(user),
         **login,
     )
     box.append(nc)

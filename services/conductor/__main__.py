@@ -145,7 +145,7 @@ async def amain(args: argparse.Namespace) -> int:
     setup_tracing("conductor")
     stop = StopEvent()
     bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name=args.id)
+    nc = await bus.connect(args.nats, name=args.id, kind="conductor")
     cfg = ConductorConfig(
         durable_intake=args.durable_intake,
         intake_ack_wait_s=args.intake_ack_wait,

@@ -162,7 +162,7 @@ async def amain(args: argparse.Namespace) -> int:
     # In-flight requests get the grace, then a 503 and a few seconds to say so.
     install_signal_handlers(stop, bound_s=args.shutdown_grace + 3.0)
     cfg = config_from_args(args)
-    nc = await connect(args.nats, name="gateway")
+    nc = await connect(args.nats, name="gateway", kind="gateway")
     gw = Gateway(cfg, nc)
     await gw.start()
     log.info("gateway_auth", api_keys=len(cfg.api_keys))

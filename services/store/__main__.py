@@ -106,7 +106,7 @@ async def main(args: argparse.Namespace) -> int:
     structlog.contextvars.bind_contextvars(node=args.node)
     stop = StopEvent()
     install_signal_handlers(stop)
-    nc = await connect(args.nats, name=f"store-{args.node}")
+    nc = await connect(args.nats, name=f"store-{args.node}", kind="store", sender=args.node)
     service = StoreService(
         nc,
         node=args.node,

@@ -149,7 +149,9 @@ async def run(role: str, args: argparse.Namespace) -> int:
         return 2
     stop = StopEvent()
     bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name=f"{role}-{args.instance}")
+    nc = await bus.connect(
+        args.nats, name=f"{role}-{args.instance}", kind="worker", sender=args.instance
+    )
     try:
         store = await StoreClient.connect(nc, args.node, timeout=args.store_timeout)
     except TransferError as e:

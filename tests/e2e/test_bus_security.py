@@ -54,7 +54,7 @@ class Client:
             await self.nc.subscribe(subject, queue=subjects.Q_ADMISSION)
         await self.nc.flush()
         for _ in range(200):
-            if any(want in e.lower() for e in self.errors):
+            if any(want.lower() in e.lower() for e in self.errors):
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -150,23 +150,47 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
     pre = await Client().connect(_server(stack), "prefill-0", logins["prefill-0"])
     store = await Client().connect(_server(stack), "store-d0", logins["store-d0"])
     gw = await Client().connect(_server(stack), "gateway", logins["gateway"])
+    cond = await Client().connect(_server(stack), "conductor", logins["conductor"])
+    adm = await Client().connect(_server(stack), "admission", logins["admission"])
     denied = [
         (dec, subjects.prefill_tasks("prefill-0")),  # only the conductor places prefill
         (dec, subjects.decode_tasks("decode-0")),  # decode work comes from prefill
         (dec, subjects.load_report("prefill", "prefill-0")),  # another's load
+        (dec, subjects.load_report("decode", "prefill-0")),
         (dec, subjects.worker_stats("prefill", "prefill-0")),
         (dec, subjects.CTL_ROLE),  # role switches come from the conductor
+        (dec, subjects.CANCEL),  # cancels are the gateway's
+        (dec, subjects.bus_reconnected("worker", "prefill-0")),  # another's notice
+        (dec, subjects.bus_reconnected("gateway", "gateway")),
+        (dec, "perigee.bus.reconnected"),  # the old, unattributed notice
+        (dec, subjects.store_ctl("p0", "tx.commit")),  # its tx is on its own node
         (pre, subjects.load_report("decode", "decode-0")),
+        (pre, subjects.store_ctl("d0", "tx.commit")),  # the conductor settles
         (store, subjects.kv_events("p0")),  # another node's KV events
         (store, subjects.prefill_tasks("prefill-0")),
+        (store, subjects.bus_reconnected("store", "p0")),
         (gw, subjects.store_ctl("d0", "tx.allocate")),
         (gw, subjects.decode_tasks("decode-0")),
+        (gw, subjects.SCHEDULE),  # admission decides
+        (adm, subjects.prefill_tasks("prefill-0")),
+        (cond, subjects.INTAKE),
+        (cond, subjects.kv_events("d0")),
     ]
+    # Store administration is the admin's: a wipe, a replay, object removal.
+    for client in (dec, pre, store, gw, cond, adm):
+        for ep in ("clear", "replay", "obj.remove", "obj.replicate"):
+            denied.append((client, subjects.store_ctl("d0", ep)))
+    denied += [(c, subjects.CTL_REPLICATE) for c in (dec, store, cond)]
+    denied += [(c, subjects.store_ctl("d0", "dump")) for c in (dec, pre, store, gw)]
     allowed = [
         (pre, subjects.decode_tasks("nobody")),  # the hand-off to a decode instance
-        (pre, subjects.store_ctl("nobody", "info")),  # reservations on a decode node's store
-        (store, subjects.kv_events("nobody")),
-        (dec, subjects.worker_stats("decode", "nobody")),
+        (pre, subjects.store_ctl("nobody", "tx.allocate")),  # a decode node's slots
+        (pre, subjects.gateway_reply("nogw", "r1")),  # tokens to a client
+        (dec, subjects.load_report("decode", "decode-0")),  # its own
+        (dec, subjects.bus_reconnected("worker", "decode-0")),
+        (dec, "_INBOX.nobody.1"),  # a bus client's reply subject
+        (store, subjects.kv_events("d0")),
+        (cond, subjects.store_ctl("nobody", "dump")),  # it rebuilds its index so
     ]
     admin = await Watcher().start(stack, *[s for _, s in allowed])
     try:
@@ -176,7 +200,7 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
             await client.nc.publish(subject, b"{}")
             await admin.arrived(subject)
     finally:
-        for c in (dec, pre, store, gw, admin):
+        for c in (dec, pre, store, gw, cond, adm, admin):
             await c.close()
 
 
@@ -187,6 +211,113 @@ async def test_a_worker_cannot_subscribe_to_intake(stack):
         assert await dec.denied(subjects.REQUESTS, op="subscription")
     finally:
         await dec.close()
+
+
+async def test_a_worker_or_store_subscribes_to_its_own_subjects_only(stack):
+    logins = _logins(stack)["users"]
+    dec = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    pre = await Client().connect(_server(stack), "prefill-0", logins["prefill-0"])
+    store = await Client().connect(_server(stack), "store-d0", logins["store-d0"])
+    cases = [
+        (c, sub)
+        for c in (dec, pre, store)
+        for sub in (
+            "perigee.gw.>",  # every prompt and completion
+            subjects.gateway_replies("*"),
+            "_INBOX.>",  # every reply
+            "_INBOX.gateway.>",  # another login's replies
+            "_INBOX.perigee-deliver.admission",  # an intake consumer's deliveries
+            "_INBOX.perigee-deliver.conductor",
+            subjects.INTAKE,
+            subjects.SCHEDULE,
+            subjects.SCHEDULE_QUEUE,
+            subjects.BUS_RECONNECTED,
+            ">",
+        )
+    ]
+    cases += [
+        (dec, subjects.prefill_tasks("prefill-0")),  # another instance's tasks
+        (dec, subjects.decode_tasks("decode-1")),
+        (pre, subjects.decode_tasks("decode-0")),
+        (pre, subjects.prefill_tasks("*")),
+        (store, subjects.store_ctl("p0", "tx.allocate")),  # another node's control
+        (store, subjects.store_ctl("*", "clear")),
+        (store, subjects.LOAD_ALL),
+    ]
+    try:
+        for client, sub in cases:
+            assert await client.denied(sub, op="subscription"), (sub, client.errors)
+    finally:
+        for c in (dec, pre, store):
+            await c.close()
+
+
+async def test_a_workers_login_reads_no_prompt_while_requests_are_served(stack):
+    """decode-0's own login subscribes to every gateway stream while a request is
+    served: the server refuses, and nothing of the request reaches it."""
+    logins = _logins(stack)["users"]
+    spy = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    got: list = []
+
+    async def cb(m) -> None:
+        got.append(m.subject)
+
+    try:
+        for sub in ("perigee.gw.>", "_INBOX.>", ">"):
+            await spy.nc.subscribe(sub, cb=cb)
+        await spy.nc.flush()
+        async with aiohttp.ClientSession() as http:
+            r = await stream(http, stack.url, {"prompt": "secret words " * 8, "max_tokens": 4})
+        assert r.status == 200 and r.done, r.error
+        await spy.nc.flush()
+        await asyncio.sleep(0.3)
+        assert got == [], got
+        assert sum("permissions violation for subscription" in e.lower() for e in spy.errors) >= 3
+    finally:
+        await spy.close()
+
+
+async def test_jetstream_api_rights_per_role(stack):
+    """A worker or a store cannot touch the intake streams through the JetStream API
+    (a consumer of its own would take requests off the queue), nor delete a stream;
+    the roles that use a stream can."""
+    logins = _logins(stack)["users"]
+    dec = await Client().connect(_server(stack), "decode-0", logins["decode-0"])
+    store = await Client().connect(_server(stack), "store-d0", logins["store-d0"])
+    gw = await Client().connect(_server(stack), "gateway", logins["gateway"])
+    denied = []
+    for c in (dec, store, gw):
+        for st in ("PERIGEE_INTAKE", "PERIGEE_SCHEDULE", "PERIGEE_PLACED"):
+            denied += [
+                (c, f"$JS.API.STREAM.INFO.{st}"),
+                (c, f"$JS.API.STREAM.PURGE.{st}"),
+                (c, f"$JS.API.STREAM.DELETE.{st}"),
+                (c, f"$JS.API.STREAM.MSG.GET.{st}"),
+                (c, f"$JS.API.CONSUMER.CREATE.{st}"),
+                (c, f"$JS.API.CONSUMER.DURABLE.CREATE.{st}.admission"),
+                (c, f"$JS.API.CONSUMER.MSG.NEXT.{st}.admission"),
+            ]
+        denied += [(c, "$JS.API.STREAM.LIST"), (c, "$JS.API.STREAM.DELETE.PERIGEE_KV_EVENTS")]
+    denied += [(dec, "$JS.API.STREAM.PURGE.PERIGEE_KV_EVENTS"), (dec, "$JS.API.INFO")]
+    try:
+        for client, subject in denied:
+            assert await client.denied(subject), (subject, client.errors)
+    finally:
+        for c in (dec, store, gw):
+            await c.close()
+    # The conductor's own login reads its stream's state through its own inbox.
+    ok = await nats.connect(
+        _server(stack),
+        user="conductor",
+        password=logins["conductor"],
+        inbox_prefix=bus.inbox_prefix("conductor"),
+        allow_reconnect=False,
+    )
+    try:
+        info = await ok.jetstream().stream_info("PERIGEE_SCHEDULE")
+        assert info.config.name == "PERIGEE_SCHEDULE"
+    finally:
+        await ok.close()
 
 
 async def test_the_login_reaches_services_through_the_environment(stack, monkeypatch):

@@ -40,6 +40,7 @@ async def test_a_client_that_reconnects_announces_it():
         msg = await asyncio.wait_for(got.get(), 30)
         note = decode(msg.data, BusReconnected)
         assert note.client == "decode-decode-7" and note.server.endswith(f":{b.port}")
+        assert msg.subject == subjects.bus_reconnected("client", "decode-decode-7")
         await nc.close()
         await watcher.close()
 
@@ -94,7 +95,10 @@ async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env
     )
     async with await asyncio.wait_for(post, 5) as r:
         # Tokens 2.. went through the server that died; the decode worker reconnects.
-        await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="decode-d0")))
+        await b.nc.publish(
+            subjects.bus_reconnected("worker", "d0"),
+            encode(BusReconnected(client="decode-d0")),
+        )
         again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
         cancel = await asyncio.wait_for(b.cancels.get(), 5)
         assert cancel.request_id == rid
@@ -126,8 +130,12 @@ async def test_a_bus_loss_resumes_the_request_from_the_tokens_its_client_has(env
 async def test_a_bus_loss_with_nothing_in_flight_resends_nothing(env):
     gw, b, _ = env
     gw.router.bus_settle_s = 0.0
-    await b.nc.publish(subjects.BUS_RECONNECTED, b"not a notice")  # bad input: ignored
-    await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client="store-p0")))
+    await b.nc.publish(
+        subjects.bus_reconnected("worker", "d0"), b"not a notice"
+    )  # bad input: ignored
+    await b.nc.publish(
+        subjects.bus_reconnected("store", "p0"), encode(BusReconnected(client="store-p0"))
+    )
     await b.nc.flush()
     await until(lambda: gw.router.bus_passes == 1)  # the notice came and its pass ran
     assert gw.router.migrations == 0 and b.requests.empty()
@@ -149,8 +157,15 @@ async def test_a_burst_of_notices_resends_a_request_once(env):
         Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
     )
     async with await asyncio.wait_for(post, 5) as r:
-        for who in ("decode-d0", "store-d0", "gateway", "conductor-0"):
-            await b.nc.publish(subjects.BUS_RECONNECTED, encode(BusReconnected(client=who)))
+        for kind, who in (
+            ("worker", "d0"),
+            ("store", "d0"),
+            ("gateway", "gateway"),
+            ("conductor", "conductor-0"),
+        ):
+            await b.nc.publish(
+                subjects.bus_reconnected(kind, who), encode(BusReconnected(client=who))
+            )
         await b.nc.flush()
         again, reply2 = await asyncio.wait_for(b.requests.get(), 10)
         assert again.request_id == f"{rid}-m1"
