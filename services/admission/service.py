@@ -283,10 +283,11 @@ class AdmissionService:
                 headers=inject(),
                 timeout=self.cfg.intake_patience_s or 30.0,
             )
-        except Exception as e:  # noqa: BLE001 - stalled: the core path, or raise
+        except intake_queue.STALLED as e:  # no leader: the core path (refused: raised)
             if not self.cfg.intake_patience_s:
                 raise
             self.bypasses += 1
+            metrics.INTAKE_BYPASSES.labels(hop="admission").inc()
             log.warning("schedule_queue_stalled_core_path", error=f"{type(e).__name__}: {e}")
             await bus.publish(
                 self.nc, subjects.SCHEDULE, msgspec.structs.replace(req, core_path=True)

@@ -61,6 +61,17 @@ ACK_WAIT_S = 2.0
 PATIENCE_S = 1.0
 # Request ids a conductor placed without a claim, remembered to drop a stored copy.
 REMEMBER_UNCLAIMED = 10_000
+# Each work queue holds at most this many requests (and bytes); past it a publish is
+# refused (discard new), which its publisher answers as an overload, not a stall.
+MAX_QUEUED = 100_000
+MAX_QUEUED_BYTES = 1 << 30
+# What a stream says while it has no leader (or is gone): the core path may take over.
+STALLED = (
+    TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
 # nats-server's JSStreamWrongLastSequence: the claim's subject already has a message.
 WRONG_LAST_SEQUENCE = 10071
 STREAM_NAME_IN_USE = 10058
@@ -80,6 +91,9 @@ def stream_configs(replicas: int) -> dict[str, api.StreamConfig]:
             storage=api.StorageType.FILE,
             num_replicas=replicas,
             duplicate_window=DUP_WINDOW_S,
+            max_msgs=MAX_QUEUED,
+            max_bytes=MAX_QUEUED_BYTES,
+            discard=api.DiscardPolicy.NEW,
         )
 
     return {

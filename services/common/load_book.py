@@ -16,6 +16,8 @@ from services.common.incarnation import STALE, judge
 from services.common.liveness import Liveness
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
+PRUNE_EVERY = 1024
+FORGET_AFTER_S = 600.0
 
 
 class LoadBook:
@@ -31,10 +33,12 @@ class LoadBook:
         self.prefill: dict[str, PrefillLoad] = {}
         self.decode: dict[str, DecodeLoad] = {}
         self._liveness = Liveness(clock, dead_after_s)
+        self._observed = 0
 
     def observe_prefill(self, load: PrefillLoad) -> str:
         """Take a report; what it was (services.common.incarnation.judge): a stale one
         is ignored."""
+        self._amortized_prune()
         verdict = judge(self.incarnation(PREFILL, load.instance), load.incarnation)
         if verdict != STALE:
             self.prefill[load.instance] = load
@@ -44,6 +48,7 @@ class LoadBook:
 
     def observe_decode(self, load: DecodeLoad) -> str:
         """As :meth:`observe_prefill`."""
+        self._amortized_prune()
         verdict = judge(self.incarnation(DECODE, load.instance), load.incarnation)
         if verdict != STALE:
             self.decode[load.instance] = load
@@ -63,6 +68,21 @@ class LoadBook:
         else:
             self.decode.pop(instance, None)
         self._liveness.forget(f"{role}:{instance}")
+
+    def _amortized_prune(self) -> None:
+        """Names come and go with scaling: every PRUNE_EVERY reports, forget those
+        silent for FORGET_AFTER_S (so the book stays the size of the live cluster)."""
+        self._observed += 1
+        if self._observed % PRUNE_EVERY == 0:
+            self.prune(FORGET_AFTER_S)
+
+    def prune(self, older_than_s: float) -> int:
+        """Forget instances silent for more than ``older_than_s``; how many."""
+        gone = self._liveness.prune(older_than_s)
+        for key in gone:
+            role, _, instance = key.partition(":")
+            (self.prefill if role == PREFILL else self.decode).pop(instance, None)
+        return len(gone)
 
     def alive(self, role: str, instance: str) -> bool:
         return self._liveness.alive(f"{role}:{instance}")

@@ -14,9 +14,13 @@ gateway (model_name)   time_to_first_token_seconds, inter_token_latency_seconds,
                        (histograms); request_prompt_tokens, request_generation_tokens,
                        request_params_max_tokens (histograms); prompt_tokens,
                        generation_tokens, request_success{finished_reason},
-                       request_errors{status} (counters); gateway_requests_in_flight
-admission              requests_admitted; requests_rejected{service,code,reason}
-conductor              requests_rejected{...}; request_scheduling_time_seconds (span
+                       request_errors{status} (counters); gateway_requests_in_flight;
+                       state_entries{map}, intake_bypasses{hop},
+                       instance_restarts_seen, requests_wedged, cancels_unacknowledged
+admission              requests_admitted; requests_rejected{service,code,reason};
+                       state_entries{map}, intake_bypasses{hop}
+conductor              requests_rejected{...}; state_entries{map}, intake_bypasses{hop};
+                       request_scheduling_time_seconds (span
                        conductor.place); conductor_<policy stat> counters;
                        conductor_pending_requests; migrations{reason}
 prefill                num_requests_waiting, num_requests_running, prefill_queued_tokens;
@@ -273,6 +277,39 @@ INFLIGHT_REJECTIONS = Counter(
     registry=None,
 )
 
+# ------------------------------------------------------------------ state and failures
+STATE_ENTRIES = Gauge(
+    P + "state_entries",
+    "Entries in a map or queue this service keeps per request, instance or peer (each "
+    "bounded: pruned or capped), by map.",
+    ["map"],
+    registry=None,
+)
+INTAKE_BYPASSES = Counter(
+    P + "intake_bypasses",
+    "Requests sent on the core NATS path because a JetStream work queue did not store "
+    "them within --intake-patience (a stream electing a leader), by hop.",
+    ["hop"],
+    registry=None,
+)
+INSTANCE_RESTARTS = Counter(
+    P + "instance_restarts_seen",
+    "New incarnations of a known instance name (a restarted process) the gateway saw.",
+    registry=None,
+)
+REQUESTS_WEDGED = Counter(
+    P + "requests_wedged",
+    "Requests the gateway moved off an instance that reported load but made no "
+    "progress on them far beyond its predicted time.",
+    registry=None,
+)
+CANCELS_UNACKED = Counter(
+    P + "cancels_unacknowledged",
+    "Cancels that ended without every holder's acknowledgement (its incarnation ended "
+    "or the request timeout passed).",
+    registry=None,
+)
+
 # ------------------------------------------------------------------ admission / conductor
 REJECTIONS = Counter(
     P + "requests_rejected",
@@ -383,9 +420,21 @@ GROUPS: dict[str, list[Any]] = {
         IN_FLIGHT,
         MAX_INFLIGHT,
         INFLIGHT_REJECTIONS,
+        STATE_ENTRIES,
+        INTAKE_BYPASSES,
+        INSTANCE_RESTARTS,
+        REQUESTS_WEDGED,
+        CANCELS_UNACKED,
     ],
-    "admission": [REJECTIONS, ADMITTED],
-    "conductor": [REJECTIONS, SCHEDULING_TIME, MIGRATIONS, INTAKE_RESENT],
+    "admission": [REJECTIONS, ADMITTED, STATE_ENTRIES, INTAKE_BYPASSES],
+    "conductor": [
+        REJECTIONS,
+        SCHEDULING_TIME,
+        MIGRATIONS,
+        INTAKE_RESENT,
+        STATE_ENTRIES,
+        INTAKE_BYPASSES,
+    ],
     Role.PREFILL: [
         QUEUE_TIME,
         PREFIX_LOAD_TIME,

@@ -82,6 +82,9 @@ from tracing import extract, tracer
 
 log = structlog.get_logger()
 
+# An instance silent this long leaves the books (its name may never come back).
+FORGET_INSTANCE_S = 600.0
+
 
 @dataclass(frozen=True)
 class ConductorConfig:
@@ -410,9 +413,10 @@ class ConductorService:
                     encode(task),
                     timeout=self.cfg.intake_patience_s or 30.0,
                 )
-            except Exception as e:  # noqa: BLE001 - the PLACED stream stalled
+            except intake_queue.STALLED as e:  # no leader: place unclaimed
                 if not self.cfg.intake_patience_s:
                     raise
+                metrics.INTAKE_BYPASSES.labels(hop="conductor").inc()
                 log.warning("claim_stalled_placed_unclaimed", error=f"{type(e).__name__}: {e}")
                 held, ours, claim = b"", True, False
             if not ours:  # another delivery of this id placed it first: that placement stands
@@ -509,6 +513,13 @@ class ConductorService:
 
     def sweep(self) -> None:
         """Forget requests no worker settled (its instance died) and dead stores."""
+        self.policy.loads.prune(FORGET_INSTANCE_S)
+        for name, size in (
+            ("pending", len(self.pending)),
+            ("unclaimed", len(self._unclaimed)),
+            ("instances", len(self.policy.loads.prefill) + len(self.policy.loads.decode)),
+        ):
+            metrics.STATE_ENTRIES.labels(map=name).set(size)
         horizon = self.clock.now() - self.cfg.forget_after_s
         for rid in [r for r, placed_at in self.pending.items() if placed_at < horizon]:
             del self.pending[rid]

@@ -55,7 +55,7 @@ from bus_schemas.requests import (
     Tokens,
 )
 from bus_schemas.roles import Role
-from services.common import bus, intake_queue
+from services.common import bus, intake_queue, metrics
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.gateway import migration
@@ -96,6 +96,8 @@ _heartbeat = msgspec.json.Decoder(_Heartbeat)
 # every instance holding the request acknowledged it or its incarnation ended.
 CANCEL_FIRST_WAIT_S = 0.25
 CANCEL_MAX_WAIT_S = 2.0
+# An instance silent this long is forgotten (its name may never come back).
+FORGET_INSTANCE_S = 600.0
 
 
 @dataclass(slots=True)
@@ -277,7 +279,7 @@ class ReplyRouter:
                 timeout=patience,
                 headers=headers,
             )
-        except Exception as e:  # noqa: BLE001 - stalled or refused: the core path, or raise
+        except intake_queue.STALLED as e:  # no leader: the core path (refused: raised)
             rid = self._routes.get(req.request_id, "")
             f = self._flights.get(rid)
             if not self.intake_patience_s or f is None or f.current != req.request_id:
@@ -291,6 +293,7 @@ class ReplyRouter:
             req, request_id=new, reply_subject=self.reply_subject(new), core_path=True
         )
         self.bypasses += 1
+        metrics.INTAKE_BYPASSES.labels(hop="gateway").inc()
         self._routes.pop(old, None)
         self._routes[new] = rid
         f.current = new
@@ -355,6 +358,8 @@ class ReplyRouter:
                 await sub.unsubscribe()
         if acked == len(targets):
             self.cancels_acked += 1
+        else:
+            metrics.CANCELS_UNACKED.inc()
 
     def _still_held(self, pending: dict[str, int]) -> bool:
         """Drop from ``pending`` the instances whose incarnation ended; whether any is left."""
@@ -403,10 +408,23 @@ class ReplyRouter:
         ]
         self._spawn(self.cancel(aid, pending[0], targets))
 
-    def _prune_unplaced_cancels(self) -> None:
+    def prune(self) -> None:
+        """Bounded state: forget cancels whose Accepted never came and instances silent
+        for long (names come and go with scaling); report each map's size."""
         horizon = time.monotonic() - self.watchdog.request_timeout_s
         for aid in [a for a, (_, t) in self._unplaced_cancels.items() if t < horizon]:
             del self._unplaced_cancels[aid]
+        self.watchdog.forget_silent(FORGET_INSTANCE_S)
+        for inst in [i for i in self.roles if not self.watchdog.liveness.known(i)]:
+            del self.roles[inst]
+        for name, size in (
+            ("flights", len(self._flights)),
+            ("routes", len(self._routes)),
+            ("instances", len(self.roles)),
+            ("unplaced_cancels", len(self._unplaced_cancels)),
+            ("cancels_repeating", len(self._cancelling)),
+        ):
+            metrics.STATE_ENTRIES.labels(map=name).set(size)
 
     # ---- callbacks -----------------------------------------------------------------
     async def _on_reply(self, msg: NatsMsg) -> None:
@@ -549,6 +567,7 @@ class ReplyRouter:
             except msgspec.DecodeError:
                 hb = _Heartbeat()
             if self.watchdog.seen(parts[3], hb.incarnation, hb.step_time_s):
+                metrics.INSTANCE_RESTARTS.inc()
                 log.warning("instance_restarted", instance=parts[3], incarnation=hb.incarnation)
                 self.sweep()  # a new incarnation: the old one's requests go on elsewhere now
             self.roles[parts[3]] = parts[2]
@@ -576,7 +595,10 @@ class ReplyRouter:
     def sweep(self, judge_liveness: bool = True) -> int:
         """Run the watchdog once; returns how many verdicts it gave (a request whose
         instance died is migrated while ``--migration-limit`` allows, else failed)."""
+        wedged = self.watchdog.wedged
         verdicts = self.watchdog.sweep(judge_liveness)
+        if self.watchdog.wedged > wedged:
+            metrics.REQUESTS_WEDGED.inc(self.watchdog.wedged - wedged)
         for v in verdicts:
             self._resolve(v)
         return len(verdicts)
@@ -735,7 +757,7 @@ class ReplyRouter:
                         since_echo_s=round(time.monotonic() - self._echo_rx, 3),
                     )
                 self.sweep(judge_liveness=fresh)
-                self._prune_unplaced_cancels()
+                self.prune()
                 with contextlib.suppress(Exception):  # NATS closing: the next round retries
                     await self.nc.publish(self._echo_subject, repr(time.monotonic()).encode())
             except Exception:  # noqa: BLE001 - the sweeper must survive anything

@@ -61,3 +61,31 @@ def test_admission_and_placement_keep_their_loads_in_one_book():
     assert pl.live_prefill() == ["p0"] and pl.live_decode() == ["d0"]
     clock.advance(2.5)
     assert adm.live_prefill() == [] and pl.live_prefill() == [] and pl.live_decode() == []
+
+
+def test_instances_silent_for_long_leave_the_book():
+    from services.common import load_book as lb
+
+    clock = ManualClock(0.0)
+    book = lb.LoadBook(clock, CostModel())
+    book.observe_prefill(
+        PrefillLoad(
+            instance="gone", node="n", queue_len=0, queued_tokens=0, queued_work_s=0.0, ts=0.0
+        )
+    )
+    clock.advance(lb.FORGET_AFTER_S + 1)
+    for i in range(lb.PRUNE_EVERY):  # one live instance keeps reporting
+        book.observe_decode(
+            DecodeLoad(
+                instance="live",
+                node="n",
+                batch_size=0,
+                waiting=0,
+                max_batch=8,
+                kv_tokens=0,
+                step_time_s=0.0,
+                ts=float(i),
+            )
+        )
+    assert "gone" not in book.prefill and "live" in book.decode
+    assert book.incarnation("prefill", "gone") == 0

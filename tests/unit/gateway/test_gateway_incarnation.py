@@ -334,3 +334,31 @@ async def test_a_request_the_intake_does_not_store_in_time_goes_on_the_core_path
         if c.request_id == rid and c.targets:
             break
     assert c.targets == {"p1": OLD, "d1": OLD}
+
+
+async def test_the_router_forgets_instances_silent_for_long(router):
+    from services.gateway import replies
+
+    r, wd = router
+    wd.seen("d-gone", OLD)
+    r.roles["d-gone"] = "decode"
+    wd.clock.advance(replies.FORGET_INSTANCE_S + 1)
+    wd.seen("d-live", OLD)
+    r.roles["d-live"] = "decode"
+    r.prune()
+    assert set(r.roles) == {"d-live"} and not wd.liveness.known("d-gone")
+
+
+def test_the_work_queues_are_bounded_and_refuse_new_when_full():
+    from nats.js import api
+
+    from services.common import intake_queue as iq
+
+    for name in (iq.INTAKE_STREAM, iq.SCHEDULE_STREAM):
+        cfg = iq.stream_configs(1)[name]
+        assert cfg.max_msgs == iq.MAX_QUEUED and cfg.max_bytes == iq.MAX_QUEUED_BYTES
+        assert cfg.discard == api.DiscardPolicy.NEW
+    # A full queue's refusal is an overload, not a stall: no core-path bypass for it.
+    import nats.js.errors
+
+    assert not issubclass(nats.js.errors.APIError, iq.STALLED)
