@@ -7,6 +7,7 @@ it, or a comma list; also ``PERIGEE_API_KEY``) makes every route but ``/health``
 
 import argparse
 import sys
+import uuid
 from pathlib import Path
 
 from services.common import defaults, intake_queue, runner
@@ -15,6 +16,7 @@ from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR
 from services.common.shutdown import StopEvent
 from services.gateway.auth import ENV_VAR, parse_keys
+from services.gateway.connections import raise_fd_limit
 from services.gateway.server import Gateway, GatewayConfig
 from tracing import setup_tracing, shutdown_tracing
 
@@ -116,6 +118,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.TBT_SLO_S,
         help="the stack's TBT SLO, s: reported on GET /v1/perigee/config",
     )
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=GatewayConfig.max_connections,
+        help="HTTP connections open at once; the next gets 503 + Retry-After and is "
+        "closed (the gateway raises its open-files limit to fit, within the hard limit)",
+    )
+    ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=GatewayConfig.header_timeout_s,
+        help="seconds a request's headers may take, from the connection's start (or the "
+        "request's first byte on a kept-alive connection); then the connection is closed",
+    )
+    ap.add_argument(
+        "--body-timeout",
+        type=float,
+        default=GatewayConfig.body_timeout_s,
+        help="seconds a request's body may take after its headers; then 408. A request "
+        "counts against --max-inflight once its body is in",
+    )
+    ap.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=GatewayConfig.keepalive_timeout_s,
+        help="seconds an idle kept-alive connection stays open (keep it above a reverse "
+        "proxy's own, nginx's 60 s)",
+    )
+    ap.add_argument(
+        "--max-messages",
+        type=int,
+        default=GatewayConfig.max_messages,
+        help="chat messages in one request; more is a 400",
+    )
+    ap.add_argument(
+        "--content-special-tokens",
+        action=argparse.BooleanOptionalAction,
+        default=GatewayConfig.content_special_tokens,
+        help="a special token's string in a chat message (<|im_start|>) becomes that "
+        "control token, as in vLLM; by default it is plain text, as in OpenAI's API, and "
+        "only the chat template's markup makes special tokens",
+    )
     ap.add_argument("--gateway-id", default="", help="default: random")
     ap.add_argument(
         "--api-key",
@@ -152,6 +196,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         ttft_slo_s=args.ttft_slo,
         tbt_slo_s=args.tbt_slo,
         intake_patience_s=args.intake_patience,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_messages=args.max_messages,
+        content_special_tokens=args.content_special_tokens,
     )
 
 
@@ -162,7 +212,11 @@ async def amain(args: argparse.Namespace) -> int:
     # In-flight requests get the grace, then a 503 and a few seconds to say so.
     install_signal_handlers(stop, bound_s=args.shutdown_grace + 3.0)
     cfg = config_from_args(args)
-    nc = await connect(args.nats, name="gateway", kind="gateway")
+    # Each connection is a socket; the bus, the model files and logs take a few more.
+    raise_fd_limit(cfg.max_connections + 256)
+    # Drawn here: the connection's reconnect notices name it (services.gateway.replies).
+    args.gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
+    nc = await connect(args.nats, name="gateway", kind="gateway", sender=args.gateway_id)
     gw = Gateway(cfg, nc)
     await gw.start()
     log.info("gateway_auth", api_keys=len(cfg.api_keys))

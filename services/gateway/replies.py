@@ -42,7 +42,6 @@ from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
-from bus_schemas.control import BusReconnected
 from bus_schemas.requests import (
     Accepted,
     CancelAck,
@@ -66,6 +65,9 @@ log = structlog.get_logger()
 
 # The "role" of a resume after a NATS server died (nobody died; messages were lost).
 BUS_LOSS = "bus"
+# A request is resumed after bus losses at most this many times (a loop of notices must
+# not re-run its prefill for ever).
+MAX_BUS_RESUMES = 3
 
 
 class LocalError(Error, tag="error"):
@@ -88,6 +90,7 @@ class _Heartbeat(msgspec.Struct):
 
     incarnation: int = 0
     step_time_s: float | None = None  # decode reports only
+    node: str = ""  # the store the instance shares a host with
 
 
 _heartbeat = msgspec.json.Decoder(_Heartbeat)
@@ -148,6 +151,7 @@ class ReplyRouter:
         self._idle.set()
         self.bad_events = 0
         self.roles: dict[str, str] = {}  # instance -> role, from its load reports
+        self.nodes: dict[str, str] = {}  # instance -> its store's node, from its reports
         # Not matched by the replies wildcard (``>`` needs one more token).
         self._echo_subject = self._prefix.rstrip(".")
         self._echo_rx = time.monotonic()  # when the last echo came back
@@ -417,6 +421,8 @@ class ReplyRouter:
         self.watchdog.forget_silent(FORGET_INSTANCE_S)
         for inst in [i for i in self.roles if not self.watchdog.liveness.known(i)]:
             del self.roles[inst]
+        for inst in [i for i in self.nodes if not self.watchdog.liveness.known(i)]:
+            del self.nodes[inst]
         for name, size in (
             ("flights", len(self._flights)),
             ("routes", len(self._routes)),
@@ -566,6 +572,8 @@ class ReplyRouter:
                 hb = _heartbeat.decode(msg.data)
             except msgspec.DecodeError:
                 hb = _Heartbeat()
+            if hb.node:
+                self.nodes[parts[3]] = hb.node
             if self.watchdog.seen(parts[3], hb.incarnation, hb.step_time_s):
                 metrics.INSTANCE_RESTARTS.inc()
                 log.warning("instance_restarted", instance=parts[3], incarnation=hb.incarnation)
@@ -649,40 +657,68 @@ class ReplyRouter:
         f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
 
     async def _on_bus_reconnected(self, msg: NatsMsg) -> None:
-        """A client of a NATS server that died is connected again (possibly this one):
-        what was in flight through that server is lost (core NATS is at most once), and
-        the request it belonged to would wait for it until its timeout. So every request
-        sent goes on from the tokens its client has, as after a worker's death.
+        """A client of a NATS server that died is connected again: what was in flight to
+        or from it is lost (core NATS is at most once), and the requests waiting on it
+        would wait until their timeout. So those requests go on from the tokens their
+        client has, as after a worker's death: only the ones the sender could have
+        dropped, judged by who it is (the subject names it, and the bus lets a login
+        publish only its own: perigee.natsauth):
 
-        Every client of the dead server says so within moments of each other: their
-        notices are coalesced into one pass, ``bus_settle_s`` after the first, so that a
-        request is resent once, not once per client. A pass always starts after every
-        notice it answers was received, which is all the guarantee needs."""
-        try:
-            who = decode(msg.data, BusReconnected).client
-        except BadMessage as e:
-            log.warning("bad_bus_reconnected", error=str(e))
+            this gateway           every request it has in flight
+            worker <instance>      the requests placed on that instance
+            store <node>           the requests placed on instances of that node
+            admission, conductor   the requests not placed yet
+            anyone else            none
+
+        A request is resumed so at most ``MAX_BUS_RESUMES`` times. Notices are coalesced
+        into one pass, ``bus_settle_s`` after the first, so that a request is resent once,
+        not once per client. A pass always starts after every notice it answers was
+        received, which is all the guarantee needs."""
+        parts = msg.subject.split(".")
+        kind, sender = (parts[-2], parts[-1]) if len(parts) >= 5 else ("", "")
+        if kind not in ("gateway", "worker", "store", "admission", "conductor"):
             return
-        self._bus_lost.add(who)
+        if kind == "gateway" and sender != self.gateway_id:
+            return  # another gateway's own requests
+        self._bus_lost.add(f"{kind}:{sender}")
         if not self._bus_pass_due:
             self._bus_pass_due = True
             self._spawn(self._resume_after_bus_loss())
+
+    def _lost_with(self, who: set[str], rid: str) -> bool:
+        """Whether request ``rid`` may have lost a message with one of ``who``."""
+        if f"gateway:{self.gateway_id}" in who:
+            return True
+        held = self.watchdog.placement(rid)
+        if not held:
+            return any(w.startswith(("admission:", "conductor:")) for w in who)
+        for inst, _ in held:
+            if f"worker:{inst}" in who or f"store:{self.nodes.get(inst, '')}" in who:
+                return True
+        return False
 
     async def _resume_after_bus_loss(self) -> None:
         await asyncio.sleep(self.bus_settle_s)
         self._bus_pass_due = False  # a notice from now on gets a pass of its own
         self.bus_passes += 1
-        who, self._bus_lost = sorted(self._bus_lost), set()
-        sent = [rid for rid, f in self._flights.items() if f.request is not None]
+        who, self._bus_lost = set(self._bus_lost), set()
+        sent = [
+            rid
+            for rid, f in self._flights.items()
+            if f.request is not None
+            and f.bus_resumes < MAX_BUS_RESUMES
+            and self._lost_with(who, rid)
+        ]
         if sent:
-            log.warning("bus_loss_resume", clients=who, requests=len(sent))
+            log.warning("bus_loss_resume", clients=sorted(who), requests=len(sent))
         for rid in sent:
             self._resolve(
                 Verdict(
                     rid,
                     ErrorCode.UNAVAILABLE,
-                    f"messages lost with a NATS server ({', '.join(who)} reconnected)",
+                    f"messages lost with a NATS server ({', '.join(sorted(who))} reconnected)",
                     dead_role=BUS_LOSS,
+                    placement=self.watchdog.placement(rid),
                 )
             )
 

@@ -235,3 +235,63 @@ async def test_a_gap_in_the_stream_is_never_shown_the_request_goes_on_instead(en
     assert done
     assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == TOK.decode(OUT)
     assert gw.router.migrations == 1
+
+
+async def _one_in_flight(gw, b, http):
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:1], index=0, from_prefill=True),
+    )
+    return post, rid
+
+
+async def notice(b, kind: str, who: str) -> None:
+    await b.nc.publish(subjects.bus_reconnected(kind, who), encode(BusReconnected(client=who)))
+    await b.nc.flush()
+
+
+async def test_a_notice_resumes_only_the_requests_its_sender_could_have_dropped(env):
+    """Another worker, another node's store, another gateway: their losses are not this
+    request's; its own decode instance's store (by the node its load reports name) is."""
+    gw, b, http = env
+    gw.router.bus_settle_s = 0.0
+    await b.load("p0", "d0")  # both report node n0
+    await until(lambda: gw.router.nodes.get("d0") == "n0")
+    post, rid = await _one_in_flight(gw, b, http)
+    async with await asyncio.wait_for(post, 5):
+        # In order on one connection: the other gateway's notice (no pass of its own)
+        # is taken before the worker's, whose pass would resume the request if it
+        # counted.
+        await notice(b, "gateway", "another-gateway")
+        for i, (kind, who) in enumerate((("worker", "d7"), ("store", "n9")), start=1):
+            await notice(b, kind, who)
+            await until(lambda i=i: gw.router.bus_passes == i)
+        assert gw.router.migrations == 0 and b.requests.empty()
+        await notice(b, "store", "n0")
+        again, _ = await asyncio.wait_for(b.requests.get(), 5)
+        assert again.request_id == f"{rid}-m1" and gw.router.migrations == 1
+
+
+async def test_resumes_after_bus_losses_are_bounded_per_request(env):
+    """A loop of notices must not re-run a request's prefill for ever."""
+    from services.gateway.replies import MAX_BUS_RESUMES
+
+    gw, b, http = env
+    gw.router.bus_settle_s = 0.0
+    post, rid = await _one_in_flight(gw, b, http)
+    async with await asyncio.wait_for(post, 5):
+        for n in range(1, MAX_BUS_RESUMES + 3):
+            await notice(b, "gateway", gw.gateway_id)
+            await until(lambda n=n: gw.router.bus_passes == n)
+        resent = []
+        while not b.requests.empty():
+            resent.append((await b.requests.get())[0].request_id)
+        assert len(resent) == MAX_BUS_RESUMES
+        assert gw.router.migrations == MAX_BUS_RESUMES
