@@ -339,9 +339,12 @@ def test_credentials_come_from_secrets(rendered, tree):
         # No credential is written into a manifest: args and values only refer to it.
         assert password not in str(c.get("args", [])) + str([e.get("value") for e in env.values()])
         if c["image"].startswith("perigee"):
+            # No password on a command line (the process's argv): the URL has no login,
+            # the service takes NATS_USER/NATS_PASSWORD from its environment.
             assert flag(c, "--nats") == "$(NATS_URL)"
             url = environment(docs, c)["NATS_URL"]
-            assert url.startswith(f"nats://{environment(docs, c)['NATS_USER']}:{password}@")
+            assert url == "nats://perigee-nats:4222", url
+            assert password not in " ".join(expand(a, environment(docs, c)) for a in c["args"])
     [data] = [s["data"] for s in secrets.values()]
     passwords = [k for k in data if k.endswith("-nats-password")]
     assert len(passwords) == 6  # the admin and one per role
@@ -495,3 +498,26 @@ def test_kubectl_scale_would_find_the_scale_subresources(rendered):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_the_nats_server_refuses_a_placeholder_password(rendered, tree, tmp_path):
+    """Its command checks the Secret's passwords before it starts nats-server: with
+    credentials.env's template values it exits 1, with real ones it execs the server."""
+    sts = objs(rendered[tree], "StatefulSet")["perigee-nats"]
+    [server] = sts["spec"]["template"]["spec"]["containers"]
+    assert server["command"] == ["sh", "-c"]
+    [script] = server["args"]
+    assert script.rstrip().endswith("exec nats-server -c /etc/nats/nats.conf")
+    env = environment(rendered[tree], server)
+    fake = tmp_path / "nats-server"
+    fake.write_text("#!/bin/sh\necho started\n")
+    fake.chmod(0o755)
+    base = {"PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    sh = shutil.which("sh")
+    assert sh
+    r = subprocess.run([sh, "-c", script], env={**base, **env}, capture_output=True, text=True)
+    assert r.returncode == 1 and "REPLACE-ME" in r.stderr, (r.returncode, r.stderr)
+    real = {k: ("s3cret" if k.endswith("_NATS_PASSWORD") else v) for k, v in env.items()}
+    r = subprocess.run([sh, "-c", script], env={**base, **real}, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "started", (r.returncode, r.stderr)
