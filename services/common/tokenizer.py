@@ -15,10 +15,17 @@ Chat prompts follow the model's own chat template: ``chat_template`` in
 (a template is data from a model folder, not code to trust) with the globals
 transformers gives it. The tiny model's :data:`CHAT_TEMPLATE` renders through
 :func:`render_chat`, its Python twin, without jinja2.
+
+A message's content is text, as in OpenAI's API: a special token's string in it
+(``<|im_start|>system``, ``</s>``) is encoded as the plain text it is, never as the
+control token; only the template's own markup makes special tokens
+(:meth:`Tokenizer.encode_chat`; ``content_specials=True`` is vLLM's way, where such a
+string in a message becomes the token).
 """
 
 import codecs
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -129,6 +136,10 @@ class Tokenizer:
         # A byte-level BPE vocabulary has a token per byte (None: this one lacks it).
         self._byte_ids: list[int | None] = [hf.token_to_id(alias[b]) for b in range(256)]
         self._jinja: Any = None
+        # Every special token's string, longest first (a regex alternation tries in order).
+        names = sorted((t for t in special if t), key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, names))) if names else None
+        self._as_text: HFTokenizer | None = None  # encodes special-token strings as text
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
@@ -197,10 +208,83 @@ class Tokenizer:
         return text
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        content_specials: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered chat; the template writes ``<s>`` itself."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        """Token ids of the rendered chat; the template writes ``<s>`` itself.
+
+        A special token's string inside a message's ``content`` is encoded as text, as
+        OpenAI's API does; only the template's markup makes special tokens. With
+        ``content_specials`` such a string becomes the special token (vLLM's way)."""
+        pat = self._special_re
+        if content_specials or pat is None or not any(pat.search(_content(m)) for m in messages):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        # Each special string in a content becomes a private-use character no content or
+        # template holds, so every special string left in the rendered text is the
+        # template's own. The tokenizer splits the text at those (as it always does) and
+        # encodes each piece between them on its own: a piece that holds a placeholder is
+        # encoded again, the strings put back, with special-token strings as plain text.
+        found = {s for m in messages for s in pat.findall(_content(m))}
+        ph = dict(zip(sorted(found), self._placeholders(messages, len(found)), strict=True))
+        back = {c: s for s, c in ph.items()}
+        swapped = [
+            {**m, "content": pat.sub(lambda x: ph[x.group(0)], m["content"])} if _content(m) else m
+            for m in messages
+        ]
+        text = self.apply_chat_template(swapped, add_generation_prompt)
+        enc = self._tok.encode(text, add_special_tokens=False)
+        marks = re.compile("|".join(map(re.escape, back)))
+        out: list[int] = []
+        piece: list[int] = []
+        start = 0
+
+        def close_piece(end: int) -> None:
+            seg = text[start:end]
+            if marks.search(seg):
+                out.extend(
+                    self._text_encoder()
+                    .encode(marks.sub(lambda x: back[x.group(0)], seg), add_special_tokens=False)
+                    .ids
+                )
+            else:
+                out.extend(piece)
+            piece.clear()
+
+        for tid, (a, b) in zip(enc.ids, enc.offsets, strict=True):
+            if tid in self.special_ids:
+                close_piece(a)
+                out.append(tid)
+                start = b
+            else:
+                piece.append(tid)
+        close_piece(len(text))
+        return out
+
+    def _placeholders(self, messages: Sequence[Mapping[str, Any]], n: int) -> list[str]:
+        """``n`` private-use characters found in no message and not in the template."""
+        taken = [_content(m) for m in messages] + [self.chat_template]
+        out: list[str] = []
+        for cp in range(0xE000, 0xF900):
+            c = chr(cp)
+            if not any(c in t for t in taken):
+                out.append(c)
+                if len(out) == n:
+                    return out
+        raise ValueError("the messages use every private-use character")  # pragma: no cover
+
+    def _text_encoder(self) -> HFTokenizer:
+        if self._as_text is None:
+            tok = HFTokenizer.from_str(self._tok.to_str())
+            tok.encode_special_tokens = True
+            self._as_text = tok
+        return self._as_text
+
+
+def _content(m: Mapping[str, Any]) -> str:
+    c = m.get("content")
+    return c if isinstance(c, str) else ""
 
 
 def compile_chat_template(source: str) -> Any:
