@@ -167,6 +167,10 @@ UNSUPPORTED_CHAT: dict[str, Neutral] = {
 }
 MAX_STOP_STRINGS = 32  # each is searched on every token at the gateway
 MAX_STOP_TOKEN_IDS = 256  # they ride on every bus message of the request
+# Chat messages in one request (the gateway's --max-messages): the template renders each
+# one in Python. vLLM sets none; no chat of more fits the default 8,192-token prompt
+# limit anyway with the few tokens of markup each message costs.
+MAX_MESSAGES = 1024
 PENALTY_RANGE = 2.0  # presence/frequency: vLLM's [-2, 2]
 
 
@@ -280,6 +284,8 @@ def _decode(data: bytes, decoder: msgspec.json.Decoder) -> Any:
         ) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec stops at Python's recursion limit (~1000 levels)
+        raise ApiError(400, "request body nests too deeply") from None
 
 
 def _unsupported(body: Any, names: dict[str, Neutral]) -> None:
@@ -394,13 +400,20 @@ def parse_completion(data: bytes, vocab_size: int) -> ParsedRequest:
     return parsed
 
 
-def parse_chat(data: bytes, vocab_size: int) -> ParsedRequest:
+def parse_chat(data: bytes, vocab_size: int, max_messages: int = MAX_MESSAGES) -> ParsedRequest:
     body: ChatBody = _decode(data, _chat_decoder)
     mx = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     parsed = ParsedRequest(chat=True, model=body.model, max_tokens=mx)
     _common(body, parsed, vocab_size, UNSUPPORTED_CHAT)
     if not body.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
+    if len(body.messages) > max_messages:
+        raise ApiError(
+            400,
+            f"messages has {len(body.messages)} entries; this server accepts at most "
+            f"{max_messages}",
+            param="messages",
+        )
     msgs = []
     for m in body.messages:
         if m.role not in CHAT_ROLES:

@@ -2,10 +2,16 @@
 
 Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
 
+    CONNECT   at most --max-connections open, the rest get 503 and are closed; the
+              headers within --header-timeout, or the connection is closed
+              (:mod:`services.gateway.connections`)
+    READ      body, at most --max-body-bytes (413), within --body-timeout (408)
     ADMIT     at most --max-inflight requests at once, the rest   (429 + Retry-After)
-    READ      body, at most --max-body-bytes                    (413)
+              (a request counts once its body is in: slow uploads lock no one out)
     PARSE     OpenAI body -> ParsedRequest, model name, sampling bounds (400 / 404)
-    TOKENIZE  prompt -> ids (off the event loop when long); limits (400)
+    TOKENIZE  prompt -> ids (off the event loop when long; a chat's template always);
+              a message's special-token strings are text (:meth:`Tokenizer.encode_chat`);
+              limits (400)
     PUBLISH   GenerateRequest on perigee.requests, reply = perigee.gw.<gateway>.<rid>;
               the reply queue is open before the publish
     WAIT      Accepted (instances noted) ... first Tokens: a stream starts here, so any
@@ -41,9 +47,15 @@ from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
 from services.common.tokenizer import Tokenizer
-from services.gateway import auth, telemetry
+from services.gateway import auth, connections, telemetry
 from services.gateway.output import TextOutput
-from services.gateway.protocol import ApiError, ParsedRequest, parse_chat, parse_completion
+from services.gateway.protocol import (
+    MAX_MESSAGES,
+    ApiError,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from services.gateway.replies import LocalError, ReplyRouter
 from services.gateway.responses import (
     BackendError,
@@ -100,6 +112,19 @@ class GatewayConfig:
     ttft_slo_s: float = defaults.TTFT_SLO_S
     tbt_slo_s: float = defaults.TBT_SLO_S
     intake_patience_s: float = intake_queue.PATIENCE_S  # then the core path (0: wait)
+    # Slow clients (services.gateway.connections): connections open at once (the next
+    # gets 503 and is closed), seconds for a request's headers (from the connection's
+    # start or the request's first byte) and for its body (from its headers, then 408),
+    # and an idle kept-alive connection's life (longer than a proxy's 60 s).
+    max_connections: int = 4096
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keepalive_timeout_s: float = 75.0
+    # Chat messages in one request (400 past it): the template renders each of them.
+    max_messages: int = MAX_MESSAGES
+    # True: a special token's string in a message becomes that token (vLLM's way);
+    # False: it is text, as in OpenAI's API (Tokenizer.encode_chat).
+    content_special_tokens: bool = False
 
 
 class Gateway:
@@ -144,15 +169,22 @@ class Gateway:
         self._bg: set[asyncio.Task] = set()
         if cfg.max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
-        self.inflight = 0  # generation requests between arrival and their response's end
-        metrics.setup("gateway", span_metrics=False)
+        self.inflight = 0  # generation requests from their body's end to their response's
+        self.reading = 0  # generation requests whose body is being read
+        if cfg.body_timeout_s <= 0 or cfg.keepalive_timeout_s <= 0:
+            raise ValueError("body_timeout_s and keepalive_timeout_s must be positive")
+        if cfg.max_messages < 1:
+            raise ValueError("max_messages must be at least 1")
+        self.guard = connections.ConnectionGuard(cfg.max_connections, cfg.header_timeout_s)
+        metrics.setup("gateway", *connections.COLLECTORS, span_metrics=False)
         metrics.IN_FLIGHT.set_function(lambda: self.inflight)
         metrics.MAX_INFLIGHT.set(cfg.max_inflight)
         model = cfg.served_model_name
         self.app = web.Application(
             client_max_size=cfg.max_body_bytes + 1,
             middlewares=[
-                auth.middleware(tuple(cfg.api_keys), lambda st: telemetry.rejected(model, st))
+                connections.ConnectionGuard.middleware,
+                auth.middleware(tuple(cfg.api_keys), lambda st: telemetry.rejected(model, st)),
             ],
         )
         self.app.add_routes(
@@ -177,9 +209,17 @@ class Gateway:
                 max(min(self.cfg.dead_after_s, self.cfg.request_timeout_s) / 4, 0.05), 1.0
             )
         await self.router.start(interval)
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        handler_kwargs = {"access_log": None, "keepalive_timeout": self.cfg.keepalive_timeout_s}
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, **handler_kwargs)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=LISTEN_BACKLOG)
+        site = connections.GuardedSite(
+            self._runner,
+            self.cfg.host,
+            self.cfg.port,
+            self.guard,
+            handler_kwargs,
+            backlog=LISTEN_BACKLOG,
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         log.info("gateway_started", host=self.cfg.host, port=self.port, gateway_id=self.gateway_id)
@@ -271,26 +311,41 @@ class Gateway:
         if request.content_length is not None and request.content_length > limit:
             raise too_big
         chunks, n = [], 0
-        async for chunk in request.content.iter_any():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        self.reading += 1
+        try:
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            connections.SLOW.labels("body").inc()
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {self.cfg.body_timeout_s:g} s",
+                code="request_timeout",
+            ) from None
+        finally:
+            self.reading -= 1
         return b"".join(chunks)
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            return self.tok.encode_chat(messages, content_specials=self.cfg.content_special_tokens)
+        except Exception as e:  # noqa: BLE001 - the model's template refused the messages
+            raise ApiError(
+                400, f"the chat template cannot render these messages: {e}", param="messages"
+            ) from None
 
     async def _tokenize(self, p: ParsedRequest) -> list[int]:
         if p.prompt_ids is not None:
             return p.prompt_ids
         if p.chat:
-            try:
-                text = self.tok.apply_chat_template(p.messages or [])
-            except Exception as e:  # noqa: BLE001 - the model's template refused the messages
-                raise ApiError(
-                    400, f"the chat template cannot render these messages: {e}", param="messages"
-                ) from None
-            add_bos = False  # the template writes its own BOS, if the model has one
-        else:
-            text, add_bos = p.prompt_text or "", True
+            # The template is Python (jinja2): a long chat would hold the loop and every
+            # stream on it, so it renders, and the text encodes, in a thread.
+            return await asyncio.to_thread(self._encode_chat, p.messages or [])
+        text, add_bos = p.prompt_text or "", True
         if len(text) <= OFFLOOP_CHARS:
             return self.tok.encode(text, add_bos=add_bos)
         loop = asyncio.get_running_loop()
@@ -338,6 +393,17 @@ class Gateway:
         return msgspec.structs.replace(s, stop_token_ids=[*s.stop_token_ids, *extra])
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        try:
+            data = await self._read_body(request)
+        except ApiError as e:
+            resp = self._rejected(e)
+            if e.status == 408:  # close at once: no lingering read of what else trickles in
+                resp.force_close()
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+            return resp
         if self.inflight >= self.cfg.max_inflight:
             metrics.INFLIGHT_REJECTIONS.inc()
             telemetry.rejected(self.cfg.served_model_name, 429)
@@ -352,15 +418,24 @@ class Gateway:
             )
         self.inflight += 1
         try:
-            return await self._admitted(request, chat)
+            return await self._admitted(request, data, chat, t0)
         finally:
             self.inflight -= 1
 
-    async def _admitted(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        t0 = time.perf_counter()
+    def _rejected(self, e: ApiError) -> web.Response:
+        telemetry.rejected(self.cfg.served_model_name, e.status)
+        log.info("request_rejected", status=e.status, error=e.message, param=e.param)
+        return error_response(e)
+
+    async def _admitted(
+        self, request: web.Request, data: bytes, chat: bool, t0: float
+    ) -> web.StreamResponse:
         try:
-            data = await self._read_body(request)
-            p = (parse_chat if chat else parse_completion)(data, self.tok.vocab_size)
+            p = (
+                parse_chat(data, self.tok.vocab_size, self.cfg.max_messages)
+                if chat
+                else parse_completion(data, self.tok.vocab_size)
+            )
             if p.model is not None and p.model != self.cfg.served_model_name:
                 raise ApiError(
                     404,
@@ -373,9 +448,7 @@ class Gateway:
             max_tokens = self._max_tokens(p, len(ids))
             sampling = self._stop_on_eos(p.sampling(max_tokens))
         except ApiError as e:
-            telemetry.rejected(self.cfg.served_model_name, e.status)
-            log.info("request_rejected", status=e.status, error=e.message, param=e.param)
-            return error_response(e)
+            return self._rejected(e)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         attrs = request_attributes(
             chat=chat,
