@@ -43,6 +43,7 @@ from typing import TypeVar
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.stack import ROOT, Child, Stack, StackConfig, StartAborted
+from services.store.auth import ENV as DATA_KEY_ENV
 
 SUBNET = "10.77.0"  # /24, assigned only inside the namespaces built here
 NETNS_DIR = Path("/run/netns")
@@ -305,6 +306,7 @@ class MultiHostStack(Stack):
         log_dir = Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.cfg.extra_env, **child.env, "PYTHONPATH": str(ROOT)}
+        env.setdefault(DATA_KEY_ENV, self.data_key)
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", str(Path(self.spans_file).resolve()))
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")

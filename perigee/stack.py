@@ -38,6 +38,8 @@ from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
 from services.common import bus, defaults
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
+from services.store.auth import ENV as DATA_KEY_ENV
+from services.store.auth import new_key as new_data_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -178,6 +180,9 @@ class Stack:
             or str(log_dir / "spans.jsonl")
         )
         self.metrics_targets_file = log_dir / "metrics-targets.json"
+        # The data plane's key for this run (services.store.auth), like the NATS passwords:
+        # every store and worker gets it; a restarted service gets the same one.
+        self.data_key = os.environ.get(DATA_KEY_ENV) or new_data_key()
         # Held from before anything is written into log_dir until stop() (perigee.rundir).
         self.lock = RunLock(log_dir)
         self.env_file: Path | None = None  # <log_dir>/env once ready
@@ -384,6 +389,7 @@ class Stack:
         log_dir = Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.cfg.extra_env, **child.env, "PYTHONPATH": str(ROOT)}
+        env.setdefault(DATA_KEY_ENV, self.data_key)
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly

@@ -70,6 +70,9 @@ def _store(
     capacity: int,
     log_dir: str,
 ) -> subprocess.Popen:
+    from services.store import auth
+
+    os.environ.setdefault(auth.ENV, auth.new_key())  # both stores (and this process) share it
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
     with open(os.path.join(log_dir, f"{node}.log"), "wb") as log:
         return subprocess.Popen(

@@ -42,6 +42,7 @@ operation. Objects (``put_blocks``) take slots without a transaction.
 
 import heapq
 import math
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,7 @@ class BlockPool(LowerTiers):
         block_size: int,
         clock: Clock,
         id_prefix: str = "tx-",
+        random_ids: bool = False,
         *,
         vram_capacity: int = 0,
         ssd_capacity: int = 0,
@@ -99,6 +101,7 @@ class BlockPool(LowerTiers):
         self.block_size = block_size
         self.clock = clock
         self.id_prefix = id_prefix
+        self.random_ids = random_ids  # tx ids end in 64 random bits (not guessable)
         self.kv_events = kv_events  # False: nobody reads them (nothing is queued)
         self.on_change: Callable[[], None] | None = None
         self._events: list[KVEvent] = []
@@ -501,6 +504,8 @@ class BlockPool(LowerTiers):
             return Refused(reason="bad_request", message=bad)
         if tx_id is None:
             tx_id = f"{self.id_prefix}{self._next_id}"
+            if self.random_ids:
+                tx_id += f"-{secrets.token_hex(8)}"
             self._next_id += 1
         return tx_id
 

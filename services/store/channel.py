@@ -13,7 +13,6 @@ whatever comes up at that address later.
 """
 
 import asyncio
-import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -22,15 +21,14 @@ import zmq
 import zmq.asyncio
 
 from services.common.errors import CodedError
-from services.store import wire
+from services.store import auth, wire
 
 log = structlog.get_logger()
 
-_ids = itertools.count(1)
-
 
 def next_id() -> int:
-    return next(_ids)
+    """A request id (random: a stranger cannot guess one in flight)."""
+    return auth.new_id()
 
 
 class ChannelError(CodedError, RuntimeError):
@@ -108,8 +106,13 @@ class Requests:
 
 
 class Channel(Requests):
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+    """Requests over ZeroMQ, every message MAC'd with the run's data key (``macs``; by
+    default this process's, :func:`services.store.auth.data_key`); a reply without a
+    valid MAC is dropped."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, macs: auth.Macs | None = None) -> None:
         super().__init__(addr)
+        self.macs = macs or auth.Macs(auth.data_key())
         self.sock = ctx.socket(zmq.DEALER)
         tune(self.sock)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -117,14 +120,14 @@ class Channel(Requests):
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"channel:{addr}")
 
     async def _send(self, header: Any) -> None:
-        await self.sock.send_multipart(wire.frames(header))
+        await self.sock.send_multipart(wire.frames(header, self.macs))
 
     async def _read(self) -> None:
         try:
             while True:
                 parts = await self.sock.recv_multipart(copy=False)
                 try:
-                    kind, header = wire.parse(parts)
+                    kind, header = wire.parse(parts, self.macs)
                 except wire.WireError as e:
                     log.warning("bad_reply", addr=self.addr, error=str(e))
                     continue
@@ -154,8 +157,11 @@ class PeerPool:
     """One channel per peer address, at most ``max_peers``, least recently used evicted
     (a channel with requests in flight is only evicted when every channel is busy)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, max_peers: int = 64) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, max_peers: int = 64, macs: auth.Macs | None = None
+    ) -> None:
         self.ctx = ctx
+        self.macs = macs
         self.max_peers = max(1, max_peers)
         self._peers: OrderedDict[str, Channel] = OrderedDict()
 
@@ -172,7 +178,7 @@ class PeerPool:
             victim = next((a for a, c in self._peers.items() if c.in_flight == 0), None)
             victim = victim or next(iter(self._peers))
             self._peers.pop(victim).close()
-        ch = self._peers[addr] = Channel(self.ctx, addr)
+        ch = self._peers[addr] = Channel(self.ctx, addr, self.macs)
         return ch
 
     async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:

@@ -27,6 +27,13 @@ peer may move bytes of these slots now"; the data plane opens it when a peer ask
 over ZeroMQ and closes it on the peer's done/failed (or when it expires). An *op*
 (:meth:`enter` / :meth:`leave`) is one physical transfer on a receiver thread: it
 may start only under a live grant and holds the slots while bytes move.
+
+A grant is also a *capability*: the data plane registers the unguessable token it drew
+for it (:meth:`admit`), and a transport receiver (``ArenaGuard`` with
+``capabilities``) lets an op start only when it presents the token of a grant that
+covers every one of its slots in its direction, from the session (TCP sender
+endpoint) that presented that token first. Another grant's slots, or slots that are
+live under somebody else's grant, are refused.
 """
 
 import itertools
@@ -42,6 +49,13 @@ class Grant:
     slots: tuple[int, ...]
     gens: tuple[int, ...]
     write: bool
+
+
+@dataclass
+class _Capability:
+    grant: Grant
+    slots: frozenset[int]
+    session: bytes | None = None  # bound on first use
 
 
 @dataclass(frozen=True)
@@ -70,12 +84,14 @@ class SlotFence:
         self._live_r = [0] * capacity
         self._busy = [0] * capacity
         self._ids = itertools.count(1)
+        self._caps: dict[bytes, _Capability] = {}
         self.counters = {
             "grants": 0,
             "fenced_grants": 0,
             "ops": 0,
             "fenced_ops": 0,
             "refused_ops": 0,
+            "unauthorized_ops": 0,
             "parked": 0,
         }
 
@@ -144,6 +160,39 @@ class SlotFence:
                 self.counters["fenced_grants"] += 1
         return ok
 
+    def admit(self, token: bytes, g: Grant) -> None:
+        """Ops presenting ``token`` may move bytes of ``g``'s slots (until :meth:`revoke`)."""
+        with self._lock:
+            self._caps[token] = _Capability(g, frozenset(g.slots))
+
+    def revoke(self, token: bytes) -> None:
+        with self._lock:
+            self._caps.pop(token, None)
+
+    @property
+    def capabilities(self) -> int:
+        return len(self._caps)
+
+    def authorize(self, token: bytes, session: bytes, slots: range, write: bool) -> bool:
+        """Whether ``token`` is a live grant's, in ``write``'s direction, covering every
+        slot of ``slots``, and ``session`` is the one that presented it first (bound now
+        when none did)."""
+        with self._lock:
+            cap = self._caps.get(token)
+            ok = (
+                cap is not None
+                and cap.grant.write == write
+                and all(i in cap.slots for i in slots)
+                and (cap.session is None or cap.session == session)
+            )
+            if ok:
+                assert cap is not None
+                if cap.session is None:
+                    cap.session = session
+            else:
+                self.counters["unauthorized_ops"] += 1
+            return ok
+
     def writing(self, slots: Iterable[int]) -> bool:
         """Whether a grant or op is open on any of ``slots``."""
         with self._lock:
@@ -184,20 +233,32 @@ class SlotFence:
 class ArenaGuard:
     """The fence seen by a transport receiver: byte ranges of the arena region -> slots."""
 
-    def __init__(self, fence: SlotFence, block_bytes: int) -> None:
+    def __init__(self, fence: SlotFence, block_bytes: int, capabilities: bool = False) -> None:
+        """``capabilities``: an op must present its grant's token (the data plane's
+        guard); without, any live grant lets it in (a receiver in a test)."""
         self.fence = fence
         self.block_bytes = block_bytes
+        self.capabilities = capabilities
         self.region: int | None = None  # the arena's region id; other regions pass
 
     def enter(
-        self, region: int, offset: int, length: int, write: bool
+        self,
+        region: int,
+        offset: int,
+        length: int,
+        write: bool,
+        token: bytes = b"",
+        session: bytes = b"",
     ) -> tuple[Op | None, str | None]:
         if region != self.region:
-            return None, None
+            return None, None if not self.capabilities else "no such region"
         if length <= 0:
             return None, None
         bb = self.block_bytes
-        op = self.fence.enter(range(offset // bb, (offset + length - 1) // bb + 1), write)
+        slots = range(offset // bb, (offset + length - 1) // bb + 1)
+        if self.capabilities and not self.fence.authorize(token, session, slots, write):
+            return None, "not authorized"
+        op = self.fence.enter(slots, write)
         if op is None:
             return None, (
                 f"bytes {offset}+{length} are not in slots granted for "

@@ -51,7 +51,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
-from bus_schemas.codec import encode
+from bus_schemas.codec import BadMessage, decode, encode
 from bus_schemas.control import (
     ClearDone,
     ClearRequest,
@@ -85,6 +85,7 @@ from services.store.block_pool import BlockPool
 from services.store.core import StoreCore
 from services.store.object_server import ObjectServer
 from services.store.object_service import ObjectService
+from services.store.registry import NodeRegistry
 from services.store.replication import Replicator
 from services.store.transfer import TRANSPORTS, DataPlane
 from tracing import inject
@@ -143,6 +144,7 @@ class StoreService:
             block_size,
             self.clock,
             id_prefix=f"{node}-{self.epoch}-",
+            random_ids=True,
             ssd_capacity=ssd_capacity_blocks,
             vram_capacity=vram_capacity_blocks if tiering.vram_ok(vram_capacity_blocks) else 0,
         )
@@ -160,6 +162,12 @@ class StoreService:
         )
         self.replicas = Replicator(self.core, nc, self.objects, peer_timeout_s=peer_timeout_s)
         self.obj_server: ObjectServer | None = None
+        # Where SHIP / PULL may go: stores that announced themselves (StoreInfo).
+        self.registry = NodeRegistry(
+            node,
+            wait_s=max(3.0, 3 * announce_interval_s),
+            stale_s=max(30.0, 30 * announce_interval_s),
+        )
         self.replay = tiering.ReplayBuffer(replay_batches)
         self.arena: Arena | None = None
         self.data: DataPlane | None = None
@@ -198,8 +206,10 @@ class StoreService:
             transports=self.transports,
             sweep_interval_s=self.sweep_interval_s,
             shm_copy_threads=self.shm_copy_threads,
+            known_peer=self.registry.knows,
         )
         self.replicas.data = self.data
+        self._raw_subs.append(await self.nc.subscribe(subjects.STORE_ANNOUNCE, cb=self._announced))
         self.obj_server = ObjectServer(self.objects)
         await self.obj_server.start(self.host, advertise)
         self.tiers.open()  # SSD files / GPU memory; reloads what a previous run left on SSD
@@ -298,6 +308,7 @@ class StoreService:
             **self.objects.counters,
         }
         counters["seq"] = self.seq
+        counters["known_stores"] = len(self.registry)
         counters["ssd_index_dirty"] = int(self.pool.ssd_dirty)  # SSD blocks not yet in the index
         return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
 
@@ -397,6 +408,12 @@ class StoreService:
         if req.dest_node != self.node:
             return None  # another store's job
         return await self.replicas.copy_blocks(req)
+
+    async def _announced(self, m: NatsMsg) -> None:
+        try:
+            self.registry.seen(decode(m.data, StoreInfo))
+        except BadMessage:
+            log.warning("bad_announcement", subject=m.subject)
 
     def _answer(self, make: Any):
         async def cb(m: NatsMsg) -> None:

@@ -27,8 +27,17 @@ Lifecycle of a request on the ROUTER (see :mod:`services.store.wire` for frames)
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
             A ship or pull whose other end is this very store is a local memcpy.
-    grant sweep: a served grant past its ttl is closed as failed, except a write grant
-            of a live process on this host (it may be copying into our memory still).
+    grant sweep: a served grant past its ttl is closed as failed; a same-host writer's
+            (it copies into our memory itself) gets one more ttl, never more: nothing
+            a requester says of its own process (a pid) keeps a grant open.
+
+Who may ask (see :mod:`services.store.auth` and SECURITY.md): every ROUTER message and
+reply carries a MAC under the run's data key; one without a valid MAC is dropped with
+no reply. A grant is a capability: GRANTED carries a random token, its CLOSE and every
+TCP transfer under it must present it (the TCP receiver checks each request against
+the token's grant: its slots, its direction, the sender session that used it first).
+A SHIP, PULL or LEASE goes only to a store the node registry knows (``known_peer``:
+the store service's view of StoreInfo announcements), at its announced address.
 
 Transports, best first: RDMA when both stores have a device, shared memory when the
 peer's segment is visible on this host, else multi-stream TCP (the TCP receiver checks
@@ -41,9 +50,11 @@ transfer runs on a small thread pool.
 """
 
 import asyncio
+import hmac
 import os
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +64,7 @@ import zmq
 import zmq.asyncio
 from opentelemetry import trace
 
-from services.store import transport, wire
+from services.store import auth, transport, wire
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
 from services.store.channel import ChannelError, PeerPool, next_id, tune
@@ -112,8 +123,9 @@ class _Served:
     tx: str
     nbytes: int
     deadline: float
-    pid: int
     same_host: bool
+    token: bytes
+    grace: float = 0.0  # a same-host writer's grant is closed at deadline + grace
 
 
 def pieces(
@@ -152,7 +164,15 @@ class DataPlane:
         clock: Callable[[], float] = time.monotonic,
         local_dir: str | None = shm_transport.SEG_DIR,
         shm_copy_threads: int = 2,
+        key: bytes | None = None,
+        known_peer: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
+        """``key``: the run's data key (default: :func:`services.store.auth.data_key`);
+        ``known_peer(addr)``: whether ``addr`` is a store of the node registry (waiting
+        briefly for its announcement); None lets a ship go anywhere (tests)."""
+        self.key = key or auth.data_key()
+        self.macs = auth.Macs(self.key)
+        self.known_peer = known_peer
         self.pool = pool
         self.arena = arena
         self.epoch = epoch
@@ -168,7 +188,7 @@ class DataPlane:
         self.peer_timeout_s = peer_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self.clock = clock
-        self.peers = PeerPool(ctx, max_peers=max_peers)
+        self.peers = PeerPool(ctx, max_peers=max_peers, macs=self.macs)
         self.sock = ctx.socket(zmq.ROUTER)
         tune(self.sock)
         if port:
@@ -176,7 +196,7 @@ class DataPlane:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.data_addr = f"tcp://{advertise_host or host}:{port}"
-        self.guard = ArenaGuard(self.fence, arena.block_bytes)
+        self.guard = ArenaGuard(self.fence, arena.block_bytes, capabilities=True)
         self.engines: dict[str, TransferEngine] = {}
         self.regions: dict[str, int] = {}
         for name in (t for t in TRANSPORTS if t in transports):
@@ -186,7 +206,7 @@ class DataPlane:
                 continue
             sender: dict[str, Any] = {}
             if name == "tcp":
-                sender = {"streams": tcp_streams}
+                sender = {"streams": tcp_streams, "key": self.key}
             elif name == "shm" and shm_copy_threads > 1:
                 sender = {"split_min": SHM_SPLIT_MIN, "split_threads": shm_copy_threads - 1}
             receiver: dict[str, Any] = {}
@@ -196,6 +216,7 @@ class DataPlane:
                     "port": 0,
                     "advertise_host": advertise_host or host,
                     "guard": self.guard,
+                    "key": self.key,
                 }
             elif name == "rdma":  # its bootstrap socket (it advertises what it binds)
                 receiver = {"host": advertise_host or host}
@@ -230,6 +251,8 @@ class DataPlane:
                 "local_copies",
                 "transfer_errors",
                 "bad_frames",
+                "unauthenticated",
+                "unknown_peers",
                 "tcp_bytes",
                 "shm_bytes",
                 "rdma_bytes",
@@ -275,7 +298,7 @@ class DataPlane:
             ident, rest = parts[0].bytes, parts[1:]
             header: Any = None
             try:
-                kind, header = wire.parse(rest)
+                kind, header = wire.parse(rest, self.macs)
                 if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
                     # A write (read) grant's span is store.write (store.read), a child
                     # of the peer's store.ship (store.pull).
@@ -304,6 +327,10 @@ class DataPlane:
                         f"{kind.name} is not a request of the data plane", req_id=header.id
                     )
             except wire.WireError as e:
+                if e.code == "unauthenticated":  # a stranger: no reply, nothing revealed
+                    self.counters["unauthenticated"] += 1
+                    log.debug("data_plane_unauthenticated")
+                    continue
                 self.counters["bad_frames" if e.code == "bad_frame" else "transfer_errors"] += 1
                 log.warning("data_plane_refused", code=e.code, error=str(e))
                 await self._reply(ident, wire.Err(id=e.req_id, code=e.code, message=str(e)))
@@ -314,7 +341,7 @@ class DataPlane:
                 await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
 
     async def _reply(self, ident: bytes, header: Any) -> None:
-        await self.sock.send_multipart([ident, *wire.frames(header)])
+        await self.sock.send_multipart([ident, *wire.frames(header, self.macs)])
 
     async def _answer(self, ident: bytes, op: Callable, header: Any) -> None:
         reply = await self._serve_op(op, header)
@@ -379,13 +406,20 @@ class DataPlane:
     def _check(self, tx: str, epoch: int, slots: list[int], write: bool, req_id: int) -> None:
         if epoch != self.epoch:
             raise wire.WireError(
-                f"transaction {tx} is from epoch {epoch}, this store is at {self.epoch}",
-                code="epoch",
-                req_id=req_id,
+                f"transaction {tx} is not from this store's epoch", code="epoch", req_id=req_id
             )
         why = (self.pool.check_write if write else self.pool.check_read)(tx, slots)
         if why is not None:
             raise wire.WireError(why, code="forbidden", req_id=req_id)
+
+    async def _known(self, addr: str, req_id: int) -> None:
+        """Refuse a peer the node registry does not know at ``addr``."""
+        if self.known_peer is None or await self.known_peer(addr):
+            return
+        self.counters["unknown_peers"] += 1
+        raise wire.WireError(
+            "not the data address of a store this node knows", code="unknown_peer", req_id=req_id
+        )
 
     def _deadline(self, nbytes: int) -> float:
         return self.peer_timeout_s + nbytes * SECONDS_PER_BYTE
@@ -401,14 +435,12 @@ class DataPlane:
         g = self.fence.open(h.slots, h.write)
         nbytes = len(h.slots) * h.length
         ttl = self._deadline(nbytes) + self.peer_timeout_s
+        token = secrets.token_bytes(16)
+        same_host = h.write and bool(h.origin) and self._reachable("shm", h.origin)
         self._served[g.id] = _Served(
-            g,
-            h.tx,
-            nbytes,
-            self.clock() + ttl,
-            h.pid,
-            bool(h.origin) and self._reachable("shm", h.origin),
+            g, h.tx, nbytes, self.clock() + ttl, same_host, token, ttl if same_host else 0.0
         )
+        self.fence.admit(token, g)
         self._by_tx.setdefault(h.tx, set()).add(g.id)
         self.counters["grants_served"] += 1
         shared = h.write and self.own_gens is not None
@@ -420,10 +452,15 @@ class DataPlane:
             ttl_s=ttl,
             gens=list(g.gens) if shared else [],
             gens_shm=self.own_gens.name if shared and self.own_gens is not None else "",
+            token=token,
         )
 
     def serve_close(self, h: wire.Close) -> wire.Ok:
-        s = self._end(h.grant)
+        s = self._served.get(h.grant)
+        if s is not None and not hmac.compare_digest(s.token, h.token):
+            s = None  # not its holder: answered as an unknown grant
+        if s is not None:
+            self._end(h.grant)
         if s is None:
             raise wire.WireError(
                 f"no open grant {h.grant} (it expired)", code="fenced", req_id=h.id
@@ -472,10 +509,8 @@ class DataPlane:
         now = self.clock() if now is None else now
         out = []
         for gid, s in list(self._served.items()):
-            if s.deadline > now:
-                continue
-            if s.grant.write and s.same_host and _alive(s.pid):
-                continue  # a same-host writer copies into our memory itself: wait for it
+            if s.deadline + s.grace > now:
+                continue  # (a same-host writer copies into our memory itself: one more ttl)
             self._end(gid)
             self.fence.close(s.grant)
             self.counters["grants_expired"] += 1
@@ -486,6 +521,7 @@ class DataPlane:
     def _end(self, gid: int) -> _Served | None:
         s = self._served.pop(gid, None)
         if s is not None:
+            self.fence.revoke(s.token)
             ids = self._by_tx.get(s.tx)
             if ids is not None:
                 ids.discard(gid)
@@ -511,6 +547,8 @@ class DataPlane:
         self._check(h.src_tx, h.src_epoch, h.src_slots, False, h.id)
         spans = self._spans(h.src_slots, h.offset, h.length, h.id)
         self.counters["ships"] += 1
+        if h.dst_addr != self.data_addr:
+            await self._known(h.dst_addr, h.id)
         if h.dst_addr == self.data_addr:
             self._check(h.dst_tx, h.dst_epoch, h.dst_slots, True, h.id)
             n = wire.scatter(spans, self._spans(h.dst_slots, h.offset, h.length, h.id))
@@ -568,6 +606,7 @@ class DataPlane:
     async def lease(self, h: wire.Lease) -> wire.Ok:
         """Open the lease that ships into ``h.dst_slots`` will use (see ``_Lease``)."""
         if h.dst_addr != self.data_addr:  # a ship within this store needs no grant
+            await self._known(h.dst_addr, h.id)
             await self._granted(self._lease(h.dst_addr, h.dst_tx, h.dst_epoch, h.dst_slots))
         return wire.Ok(id=h.id)
 
@@ -589,7 +628,6 @@ class DataPlane:
                 offset=0,
                 length=whole,
                 write=True,
-                pid=os.getpid(),
                 origin=self.segments.get("shm", ""),
                 trace=inject(),
             )
@@ -631,11 +669,13 @@ class DataPlane:
         if lease.granted.exception() is not None:
             return  # never granted: nothing to close
         peer = lease.key[0]
+        granted = lease.granted.result()
         close = wire.Close(
             id=next_id(),
-            grant=lease.granted.result().grant,
+            grant=granted.grant,
             ok=ok,
             nbytes=lease.moved if ok else 0,
+            token=granted.token,
         )
         timeout = self._deadline(lease.moved)
         if not wait:
@@ -686,6 +726,8 @@ class DataPlane:
         self._check(h.dst_tx, h.dst_epoch, h.dst_slots, True, h.id)
         dst = self._spans(h.dst_slots, 0, bb, h.id)
         self.counters["pulls"] += 1
+        if h.src_addr != self.data_addr:
+            await self._known(h.src_addr, h.id)
         if h.src_addr == self.data_addr:
             self._check(h.src_tx, h.src_epoch, h.src_slots, False, h.id)
             n = wire.scatter(self._spans(h.src_slots, 0, bb, h.id), dst)
@@ -700,7 +742,6 @@ class DataPlane:
             offset=0,
             length=bb,
             write=False,
-            pid=os.getpid(),
             origin=self.segments.get("shm", ""),
             trace=inject(),
         )
@@ -736,7 +777,13 @@ class DataPlane:
         latest = time.monotonic() + max(0.0, granted.ttl_s - self.peer_timeout_s)
         name, err, mine_ok = await self._transfer(granted, mine, opcode, runs, nbytes, latest)
         ok = err is None and mine_ok is True
-        close = wire.Close(id=next_id(), grant=granted.grant, ok=ok, nbytes=nbytes if ok else 0)
+        close = wire.Close(
+            id=next_id(),
+            grant=granted.grant,
+            ok=ok,
+            nbytes=nbytes if ok else 0,
+            token=granted.token,
+        )
         try:
             await self.peers.request(peer, close, timeout=timeout)
         except ChannelError:
@@ -769,6 +816,7 @@ class DataPlane:
                     granted.segments[name],
                     granted.regions[name],
                     remote,
+                    token=granted.token,
                 )
                 for local, remote, n in runs
             ]
@@ -953,15 +1001,3 @@ class DataPlane:
 def _settle(fut: "asyncio.Future[None]") -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

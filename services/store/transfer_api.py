@@ -46,6 +46,7 @@ class TransferRequest:
     target_region: int
     target_offset: int
     checksum: bool = False
+    token: bytes = b""  # the target grant's capability (GRANTED ``token``)
 
 
 @dataclass(frozen=True)
@@ -301,6 +302,7 @@ class TransferEngine:
             region=e.target_region,
             offset=e.target_offset,
             checksum=e.checksum,
+            token=e.token,
         )
 
 

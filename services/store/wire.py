@@ -43,6 +43,8 @@ from typing import Any
 
 import msgspec
 
+from services.store.auth import Macs
+
 
 class Kind(IntEnum):
     SHIP = 1
@@ -112,9 +114,7 @@ class Open(_Header):
     offset: int
     length: int
     write: bool
-    pid: int = (
-        0  # the requester's process: a same-host writer's grant outlives its ttl while it lives
-    )
+    pid: int = 0  # ignored: nothing the wire says of a process is believed
     origin: str = ""  # the requester's shared-memory segment (tells a same-host requester)
     trace: dict[str, str] = {}
 
@@ -129,12 +129,15 @@ class Granted(_Header):
     # unchanged after its copy knows the CLOSE verdict without asking ("" / []: ask).
     gens: list[int] = []
     gens_shm: str = ""
+    # The grant's capability: every TCP transfer under it and its CLOSE present it.
+    token: bytes = b""
 
 
 class Close(_Header):
     grant: int
     ok: bool
     nbytes: int = 0
+    token: bytes = b""  # the grant's (GRANTED ``token``): a CLOSE without it is refused
 
 
 class Ok(_Header):
@@ -173,14 +176,24 @@ _decoders = {k: msgspec.msgpack.Decoder(t) for k, t in HEADER_TYPES.items()}
 _any = msgspec.msgpack.Decoder()
 
 
-def frames(header: _Header) -> list[bytes]:
-    """The frames of one message (prepend the peer identity on a ROUTER)."""
-    return [_KIND_BYTES[_KIND_OF[type(header)]], _encoder.encode(header)]
+def frames(header: _Header, macs: Macs | None = None) -> list[bytes]:
+    """The frames of one message (prepend the peer identity on a ROUTER); with ``macs``,
+    a third frame authenticates the first two (:mod:`services.store.auth`)."""
+    out = [_KIND_BYTES[_KIND_OF[type(header)]], _encoder.encode(header)]
+    if macs is not None:
+        out.append(macs.sign(out))
+    return out
 
 
-def parse(parts: Sequence[Any]) -> tuple[Kind, Any]:
-    """Split received frames (``zmq.Frame`` or bytes) into kind and typed header."""
+def parse(parts: Sequence[Any], macs: Macs | None = None) -> tuple[Kind, Any]:
+    """Split received frames (``zmq.Frame`` or bytes) into kind and typed header. With
+    ``macs`` the message must carry a valid MAC frame, else WireError
+    ``unauthenticated`` (nothing of it is decoded)."""
     bufs = [p.buffer if hasattr(p, "buffer") else memoryview(p) for p in parts]
+    if macs is not None:
+        if len(bufs) != 3 or not macs.check(bufs[:2], bufs[2]):
+            raise WireError("message not authenticated", code="unauthenticated")
+        bufs = bufs[:2]
     if len(bufs) != 2 or len(bufs[0]) != 1:
         rid = _guess_id(bufs[1]) if len(bufs) > 2 and len(bufs[0]) == 1 else -1
         raise WireError(

@@ -70,6 +70,7 @@ class Request:
     region: int  # region id on the target
     offset: int  # byte offset in that region
     checksum: bool = False
+    token: bytes = b""  # the capability the target's grant asks for (TCP sends it)
 
     @property
     def length(self) -> int:

@@ -32,7 +32,7 @@ from services.store.shared_gens import unchanged
 from services.store.transfer import LEASE_IDLE_S, DataPlane
 from services.store.transport import Region
 from services.store.transport.tcp import TcpReceiver
-from services.store.transport.tcp.frames import HELLO, REP, REQ, Status, recv_exact
+from services.store.transport.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
 
 BS = 2  # tokens per block
 SLOTS = 6
@@ -286,13 +286,13 @@ TestFenceInterleavings = FenceMachine.TestCase
 class _HeldGuard(ArenaGuard):
     """Signals when a write entered, then holds the receiver thread until released."""
 
-    def __init__(self, fence, block_bytes):
-        super().__init__(fence, block_bytes)
+    def __init__(self, fence, block_bytes, capabilities=False):
+        super().__init__(fence, block_bytes, capabilities)
         self.entered = threading.Event()
         self.go = threading.Event()
 
-    def enter(self, region, offset, length, write):
-        out = super().enter(region, offset, length, write)
+    def enter(self, region, offset, length, write, **kw):
+        out = super().enter(region, offset, length, write, **kw)
         if out[0] is not None:
             self.entered.set()
             assert self.go.wait(30)
@@ -316,7 +316,7 @@ def test_a_tcp_write_held_across_an_abort_is_refused_and_never_reaches_a_reader(
         fence.open(a.slots, write=True)  # what serving OPEN does
         host, port = rx.address.removeprefix("tcp://").rsplit(":", 1)
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(HELLO + REQ.pack(1, 0, 0, 1, 1, victim * bb, bb, 0))
+        sock.sendall(HELLO + REQ.pack(1, 0, 0, 1, 1, victim * bb, bb, 0, NO_TOKEN))
         assert guard.entered.wait(10)  # the receiver thread holds the slot now
         assert isinstance(result(pool.abort(a.tx_id)), TxDone)
         assert fence.parked == 2  # the grant (and the write on the first) hold both slots
@@ -385,7 +385,7 @@ async def both_planes(request):
 async def test_a_ship_whose_destination_is_aborted_mid_receive_is_fenced(planes):
     (a, pa, arena_a), (b, pb, arena_b) = planes
     bb = arena_a.block_bytes
-    held = _HeldGuard(b.fence, bb)
+    held = _HeldGuard(b.fence, bb, capabilities=True)
     held.region = b.guard.region
     b.engines["tcp"].receiver.guard = held
     src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)
@@ -483,7 +483,10 @@ async def test_a_commit_waits_for_open_grants_and_an_unclosed_grant_expires(plan
         )
     )
     assert not await b.settled(dst.tx_id, timeout=0.01)  # the store refuses the commit (busy)
-    b.serve_close(wire.Close(id=2, grant=g.grant, ok=True))
+    with pytest.raises(wire.WireError):  # a CLOSE without the grant's token
+        b.serve_close(wire.Close(id=2, grant=g.grant, ok=True, token=b"forged" * 3))
+    assert not await b.settled(dst.tx_id, timeout=0)  # ...is refused: the grant stays
+    b.serve_close(wire.Close(id=2, grant=g.grant, ok=True, token=g.token))
     assert await b.settled(dst.tx_id, timeout=0)
     # a peer that never closes: its grant ends after its ttl (injected clock), as failed
     g = b.serve_open(

@@ -38,7 +38,7 @@ from bus_schemas.load import WorkerStats
 from bus_schemas.placement import RemotePrefix
 from perigee.natsd import free_port
 from services.common.bus import ERROR_HEADER, request
-from services.store import wire
+from services.store import auth, wire
 from services.store.channel import Channel, ChannelError
 from services.store.client import StoreClient, TransferError, _channel_to, fetch_info
 from services.store.local_channel import LocalChannel
@@ -233,6 +233,9 @@ async def test_ship_to_a_dead_peer_fails_within_a_bounded_wait(env):
         data_addr=f"tcp://127.0.0.1:{free_port()}",
         block_bytes=BB,
     )
+    # a store the registry knows (it announced itself), dead since
+    gone = msgspec.structs.replace(a.info, node="gone", data_addr=dead.data_addr)
+    await nc.publish(subjects.STORE_ANNOUNCE, encode(gone))
     with pytest.raises(TransferError) as e:
         await asyncio.wait_for(a.ship_layer(src, dead, 0, [0], LAYER, 0), timeout=20)
     assert e.value.code == "timeout" and "tcp://127.0.0.1" in e.value.message
@@ -262,16 +265,20 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     write = wire.Open(
         id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4, write=True
     )
+    macs = auth.Macs(auth.data_key())  # this run's key: the store answers
     for parts, code in (
         ([b"\x99", b"junk"], "bad_frame"),
         (wire.frames(write), "forbidden"),
         (wire.frames(wire.Close(id=7, grant=10**9, ok=True)), "fenced"),
         ([b"\x03", encode({"id": 6})], "bad_frame"),
-        ([*wire.frames(write), b"kv bytes"], "bad_frame"),  # no payload rides ZeroMQ
         (wire.frames(wire.ObjGet(id=8, key="k")), "bad_frame"),  # objects: TCP endpoint
     ):
+        # the same frames unsigned (or with payload after the MAC) get no reply at all:
+        # the first reply that comes is the signed request's
         await sock.send_multipart(parts)
-        kind, err = wire.parse(await asyncio.wait_for(sock.recv_multipart(), 5))
+        await sock.send_multipart([*parts, macs.sign(parts), b"kv bytes"])
+        await sock.send_multipart([*parts, macs.sign(parts)])
+        kind, err = wire.parse(await asyncio.wait_for(sock.recv_multipart(), 5), macs)
         assert (kind, err.code) == (wire.Kind.ERR, code)
     sock.close()
     assert isinstance(await tx(nc, "sa", TxRole.PREFILL, [501], BS), TxHandle)

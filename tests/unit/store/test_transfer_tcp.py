@@ -12,7 +12,7 @@ import pytest
 from perigee.natsd import free_port
 from services.store.transport import Opcode, Poll, Region, Request
 from services.store.transport.tcp import TcpReceiver, TcpSender
-from services.store.transport.tcp.frames import HELLO, REP, REQ, Status, recv_exact
+from services.store.transport.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
 
 WAIT = 30.0
 
@@ -58,7 +58,7 @@ def test_checksummed_write_lands_and_a_bad_checksum_is_rejected_untouched(rx):
         tx.close()
     host, port = rx.address[6:].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=WAIT) as s:
-        s.sendall(HELLO + REQ.pack(1, 1, 0, 1, 7, 0, 4, 12345) + b"zzzz")
+        s.sendall(HELLO + REQ.pack(1, 1, 0, 1, 7, 0, 4, 12345, NO_TOKEN) + b"zzzz")
         hdr = memoryview(bytearray(REP.size))
         recv_exact(s, hdr)
         assert REP.unpack(hdr)[:3] == (Status.CHECKSUM, 0, 7)
@@ -287,7 +287,7 @@ class GatedReceiver(TcpReceiver):
         try:
             while True:
                 recv_exact(conn, hdr)
-                _, _, _, _, seq, _, length, _ = REQ.unpack(hdr)
+                _, _, _, _, seq, _, length, _, _ = REQ.unpack(hdr)
                 recv_exact(conn, memoryview(bytearray(length)))
                 if not self.gate.wait(WAIT):
                     return

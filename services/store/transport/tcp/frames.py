@@ -1,7 +1,11 @@
 """TCP transfer frames: fixed little-endian headers, payload bytes follow raw.
 
+A stream opens with a HELLO (``services.store.auth.hello``: magic, the sender's
+session id, a MAC under the run's data key when the target has one).
+
 Request  (initiator -> target): op u8, flags u8, pad u16, region u32, seq u64,
-         offset u64, length u64, crc u32 (of the payload when FLAG_CRC)   = 36 bytes
+         offset u64, length u64, crc u32 (of the payload when FLAG_CRC), token 16 bytes
+         (the capability of the grant the bytes move under; zeros when none) = 52 bytes
          WRITE: ``length`` payload bytes follow.
 Reply    (target -> initiator): status u8, pad u8*3, crc u32, seq u64, length u64 = 24 bytes
          READ with status OK: ``length`` payload bytes follow.
@@ -14,10 +18,16 @@ import socket
 import struct
 from enum import IntEnum
 
-REQ = struct.Struct("<BBHIQQQI")
+from services.store import auth
+
+REQ = struct.Struct("<BBHIQQQI16s")
 REP = struct.Struct("<BxxxIQQ")
 FLAG_CRC = 1
-HELLO = b"PRGT1\n"  # first bytes of a stream, so a stray client is told apart early
+# A HELLO without a key (zero session, no MAC): what a receiver without a key accepts.
+HELLO = auth.HELLO_MAGIC + bytes(auth.SESSION_BYTES + auth.MAC_BYTES)
+TOKEN_BYTES = 16
+NO_TOKEN = bytes(TOKEN_BYTES)
+MAX_REFUSAL = 4096  # a REFUSED reply's message is at most this long (else out of step)
 
 
 class Status(IntEnum):

@@ -29,12 +29,14 @@ of a request up to ``inline_max`` bytes returns once the kernel has taken its by
 (an event loop) pass ``inline_max=0`` or submit from a worker thread.
 """
 
+import secrets
 import threading
 import time
 
 from services.store.transport import slicing
 from services.store.transport.base import Request, Sender, Ticket, TransportError
 from services.store.transport.sieve import SievePool
+from services.store.transport.tcp.frames import NO_TOKEN
 from services.store.transport.tcp.stream import Slice, Stream
 
 # Requests up to INLINE_MAX bytes are sent by the submitting thread, in INLINE_SLICE
@@ -58,9 +60,16 @@ class _Endpoint:
     """All streams to one target."""
 
     def __init__(
-        self, target: str, streams: int, connect_timeout_s: float, io_timeout_s: float
+        self,
+        target: str,
+        streams: int,
+        connect_timeout_s: float,
+        io_timeout_s: float,
+        key: bytes | None = None,
     ) -> None:
         self.target = target
+        self.key = key
+        self.session = secrets.token_bytes(16)
         self.addr = parse_addr(target)
         self.connect_timeout_s = connect_timeout_s
         self.io_timeout_s = io_timeout_s
@@ -140,7 +149,9 @@ class TcpSender(Sender):
         io_timeout_s: float = 30.0,
         inline_max: int = INLINE_MAX,
         inline_slice: int = INLINE_SLICE,
+        key: bytes | None = None,
     ) -> None:
+        self.key = key  # the run's data key: every stream's HELLO is MAC'd with it
         self.streams = max(1, streams)
         self.inline_max = inline_max
         self.inline_slice = inline_slice
@@ -185,6 +196,7 @@ class TcpSender(Sender):
                 req.region,
                 req.offset + p.offset,
                 req.checksum,
+                req.token or NO_TOKEN,
             )
             for p in plan
         ]
@@ -203,7 +215,9 @@ class TcpSender(Sender):
                 self._pool.remove(target)
                 ep = None
             if ep is None:
-                ep = _Endpoint(target, self.streams, self.connect_timeout_s, self.io_timeout_s)
+                ep = _Endpoint(
+                    target, self.streams, self.connect_timeout_s, self.io_timeout_s, self.key
+                )
                 for _, old in self._pool.put(target, ep):
                     old.close()
             else:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import structlog
 
+from services.store import auth
 from services.store.transport.base import Opcode, Ticket, TransportError, crc32
 from services.store.transport.tcp import frames
 from services.store.transport.tcp.frames import FLAG_CRC, REP, REQ, Status
@@ -48,6 +49,7 @@ class Slice:
     region: int
     offset: int
     checksum: bool
+    token: bytes = frames.NO_TOKEN  # the grant's capability, sent with the request
     seq: int = 0
     stream: "Stream | None" = None  # where it is queued / in flight now
     finished: bool = False  # its reply was read (or it failed)
@@ -80,6 +82,8 @@ class Endpoint(Protocol):
     connect_timeout_s: float
     io_timeout_s: float
     closed: bool
+    key: bytes | None  # the run's data key (the HELLO's MAC)
+    session: bytes  # this endpoint's session id (its streams share it)
 
     def redispatch(self, orphans: list["Slice"], failed: "Stream") -> None: ...
 
@@ -204,7 +208,7 @@ class Stream:
             sock = socket.create_connection(self.ep.addr, timeout=self.ep.connect_timeout_s)
             frames.tune(sock)
             frames.set_io_timeout(sock, self.ep.io_timeout_s)
-            sock.sendall(frames.HELLO)
+            sock.sendall(auth.hello(self.ep.key or b"", self.ep.session))
         except OSError as e:
             self._break(f"connect to {self.ep.target} failed: {e}")
             return
@@ -252,10 +256,10 @@ class Stream:
         flags = FLAG_CRC if s.checksum else 0
         if s.opcode == Opcode.WRITE:
             crc = crc32(s.view) if s.checksum else 0
-            hdr = REQ.pack(1, flags, 0, s.region, s.seq, s.offset, len(s.view), crc)
+            hdr = REQ.pack(1, flags, 0, s.region, s.seq, s.offset, len(s.view), crc, s.token)
             _sendmsg_all(sock, hdr, s.view)
         else:
-            sock.sendall(REQ.pack(0, flags, 0, s.region, s.seq, s.offset, len(s.view), 0))
+            sock.sendall(REQ.pack(0, flags, 0, s.region, s.seq, s.offset, len(s.view), 0, s.token))
 
     def _reply(self, sock: socket.socket, hdr: memoryview) -> None:
         frames.recv_exact(sock, hdr)
@@ -266,6 +270,10 @@ class Stream:
             raise ConnectionError(f"reply {seq} out of step")
         if status == Status.OK:
             if s.opcode == Opcode.READ:
+                if length != len(s.view):
+                    raise ConnectionError(
+                        f"reply {seq}: {length} bytes for a READ of {len(s.view)}"
+                    )
                 frames.recv_exact(sock, s.view)
                 if s.checksum and crc32(s.view) != crc:
                     self._pop(s)
@@ -289,6 +297,8 @@ class Stream:
                 )
             )
         else:
+            if length > frames.MAX_REFUSAL:  # checked before anything is allocated
+                raise ConnectionError(f"reply {seq}: a refusal of {length} bytes")
             msg = memoryview(bytearray(length))
             frames.recv_exact(sock, msg)
             self._pop(s)
