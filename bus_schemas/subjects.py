@@ -103,3 +103,11 @@ def bus_reconnected(kind: str, sender: str) -> str:
     ``kind`` "worker", "store", "conductor", "admission", "gateway" or "client") says it
     reconnected. The bus lets a login publish only its own (perigee.natsauth)."""
     return f"{NS}.bus.reconnected.{kind}.{sender}"
+
+
+def named_by(subject: str, claimed: str) -> bool:
+    """Whether a per-instance (or per-node) ``subject`` (its last token names the sender:
+    load reports, KV events) names ``claimed``, the instance or node the payload claims
+    to be from. The bus lets a login publish only its own subjects (perigee.natsauth),
+    so the subject is the proof and the payload's own name is not enough."""
+    return subject.rsplit(".", 1)[-1] == claimed

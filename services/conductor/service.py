@@ -260,12 +260,18 @@ class ConductorService:
 
     # ------------------------------------------------------------ loads
 
-    async def _on_prefill_load(self, load: PrefillLoad, _m: NatsMsg) -> None:
+    async def _on_prefill_load(self, load: PrefillLoad, m: NatsMsg) -> None:
+        if not subjects.named_by(m.subject, load.instance):
+            log.warning("load_report_impostor", subject=m.subject, claimed=load.instance)
+            return
         self.policy.observe_prefill(load)
         self.roles.observe_prefill(load)
         self.heard.check()
 
-    async def _on_decode_load(self, load: DecodeLoad, _m: NatsMsg) -> None:
+    async def _on_decode_load(self, load: DecodeLoad, m: NatsMsg) -> None:
+        if not subjects.named_by(m.subject, load.instance):
+            log.warning("load_report_impostor", subject=m.subject, claimed=load.instance)
+            return
         self.policy.observe_decode(load)
         self.roles.observe_decode(load)
         self.heard.check()

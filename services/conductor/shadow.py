@@ -133,6 +133,9 @@ class ShadowView:
         except BadMessage as e:
             log.warning("bad_kv_batch", subject=m.subject, error=str(e))
             return
+        if not subjects.named_by(m.subject, batch.node):
+            log.warning("kv_events_impostor", subject=m.subject, claimed=batch.node)
+            return
         self.apply(batch, live=not history)
 
     # ------------------------------------------------------------ queries
@@ -201,7 +204,10 @@ class ShadowView:
     async def _on_announce(self, info: StoreInfo, _m: NatsMsg) -> None:
         self.on_info(info)
 
-    async def _on_batch(self, batch: EventBatch, _m: NatsMsg) -> None:
+    async def _on_batch(self, batch: EventBatch, m: NatsMsg) -> None:
+        if not subjects.named_by(m.subject, batch.node):
+            log.warning("kv_events_impostor", subject=m.subject, claimed=batch.node)
+            return
         self.apply(batch)
 
     def apply(self, batch: EventBatch, live: bool = True) -> None:

@@ -2,6 +2,8 @@
 report of a dead process is ignored, a new incarnation holds nothing booked on the old
 one, and a migration away from a dead process may go to its restarted successor."""
 
+import asyncio
+
 import msgspec
 
 from services.common.clock import ManualClock
@@ -55,3 +57,42 @@ def test_a_migration_may_go_to_the_restarted_instance_of_the_dead_ones_name():
     assert placement_for(req("r-m1"), same, pol.loads.incarnation)[1] == {
         "exclude_prefill": ("p0",)
     }
+
+
+def test_a_message_is_believed_only_from_the_subject_that_names_its_sender():
+    from bus_schemas import subjects
+
+    assert subjects.named_by(subjects.load_report("decode", "d0"), "d0")
+    assert not subjects.named_by(subjects.load_report("decode", "d1"), "d0")
+    assert subjects.named_by(subjects.kv_events("p0"), "p0")
+    assert not subjects.named_by(subjects.kv_events("p1"), "p0")
+
+
+async def test_the_conductor_drops_a_load_report_claiming_another_instance(nats_url):
+    """decode-1's login (allowed only its own subject) reports as decode-0: ignored."""
+    import nats as nats_py
+
+    from bus_schemas import subjects
+    from bus_schemas.codec import encode
+    from tests.unit.conductor.test_conductor_service import Harness
+
+    h = Harness(nats_url)
+    await h.start([], prefills=[("prefill-0", "n0", 0.0)], decodes=[("decode-9", "m9")])
+    try:
+        nc = await nats_py.connect(nats_url)
+        fake = dload("decode-0", "m0")
+        await nc.publish(subjects.load_report("decode", "decode-1"), encode(fake))
+        real = dload("decode-7", "m7")
+        await nc.publish(subjects.load_report("decode", "decode-7"), encode(real))
+        await nc.flush()
+
+        async def heard() -> None:
+            while "decode-7" not in h.svc.policy.loads.decode:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(heard(), 5)  # in order: the impostor's came first
+        assert "decode-0" not in h.svc.policy.loads.decode
+        assert "decode-1" not in h.svc.policy.loads.decode
+        await nc.close()
+    finally:
+        await h.close()
