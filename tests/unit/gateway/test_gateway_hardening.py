@@ -251,10 +251,15 @@ async def test_chat_template_renders_off_the_event_loop(stack):
         return render(*a, **kw)
 
     tok.apply_chat_template = spy  # type: ignore[method-assign]
-    s = await stack(tokenizer=tok)
-    status, _ = await s.post(HI)
-    assert status == 200
-    assert threads and threading.get_ident() not in threads
+    s = await stack(tokenizer=tok, max_prompt_tokens=8000, max_model_len=8192)
+    long_text = [{"role": "user", "content": "word " * 1000}]
+    many = [{"role": "user", "content": "m"}] * 17
+    for msgs in (long_text, many):
+        status, _ = await s.post({"messages": msgs, "max_tokens": 5})
+        assert status == 200
+        assert len(threads) == 1 and threads.pop() != threading.get_ident()
+    status, _ = await s.post(HI)  # a short chat renders where it is: the hop costs more
+    assert status == 200 and threads == [threading.get_ident()]
 
 
 # ---------------------------------------------------------------------------- special tokens
@@ -295,3 +300,44 @@ async def test_im_start_in_a_message_is_text_with_smollm2(stack):
     plain = specials(tok, tok.encode_chat([{"role": "user", "content": "hi"}]))
     assert specials(tok, ids) == plain  # the template's own: system, user, assistant
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(msgs)
+
+
+def test_flags_reach_the_config():
+    from services.gateway.__main__ import config_from_args, parse_args
+
+    cfg = config_from_args(parse_args([]))
+    assert (cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s) == (4096, 10.0, 30.0)
+    assert (cfg.keepalive_timeout_s, cfg.max_messages, cfg.content_special_tokens) == (
+        75.0,
+        1024,
+        False,
+    )
+    cfg = config_from_args(
+        parse_args(
+            [
+                "--max-connections=9",
+                "--header-timeout=1.5",
+                "--body-timeout=2.5",
+                "--keepalive-timeout=3.5",
+                "--max-messages=7",
+                "--content-special-tokens",
+            ]
+        )
+    )
+    assert (cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s) == (9, 1.5, 2.5)
+    assert (cfg.keepalive_timeout_s, cfg.max_messages, cfg.content_special_tokens) == (
+        3.5,
+        7,
+        True,
+    )
+
+
+def test_fd_limit_is_raised_within_the_hard_limit():
+    import resource
+
+    from services.gateway.connections import raise_fd_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert raise_fd_limit(16) == soft  # never lowered
+    if hard != resource.RLIM_INFINITY:
+        assert raise_fd_limit(hard + 1) == hard
