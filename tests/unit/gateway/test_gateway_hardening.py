@@ -227,6 +227,9 @@ async def test_deep_json_is_a_400(stack, where):
         assert status == 400, out
         assert out["error"]["type"] == "invalid_request_error"
         assert "nests too deeply" in out["error"]["message"]
+    # A completion's prompt may be any list: a deep one is a 400 too.
+    status, out = await s.post(f'{{"prompt": {deep}}}'.encode(), "/v1/completions")
+    assert status == 400 and "nests too deeply" in out["error"]["message"]
     status, _ = await s.post(HI)
     assert status == 200
 
