@@ -305,6 +305,7 @@ class StoreService:
         counters = {
             **self.pool.stats(),
             **(self.data.counters if self.data else {}),
+            **(self.data.security_counters() if self.data else {}),
             **self.objects.counters,
         }
         counters["seq"] = self.seq

@@ -274,6 +274,14 @@ class DataPlane:
             path = os.path.join(local_dir, f"{arena.name}.ctl")
             self.local = LocalServer(path, self._serve_local)
 
+    def security_counters(self) -> dict[str, int]:
+        """What strangers met: the TCP receiver's refusals and bounds, unauthorized ops."""
+        rx = getattr(self.engines["tcp"].receiver, "counters", {})
+        out = {f"tcp_rx_{k}": v for k, v in rx.items() if isinstance(v, int)}
+        out["unauthorized_ops"] = self.fence.counters["unauthorized_ops"]
+        out["open_capabilities"] = self.fence.capabilities
+        return out
+
     @property
     def ctl_path(self) -> str:
         return self.local.path if self.local is not None else ""
