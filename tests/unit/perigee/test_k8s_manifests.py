@@ -244,6 +244,25 @@ def test_every_perigee_pod_is_annotated_for_prometheus_on_a_metrics_port(rendere
         assert int(a["prometheus.io/port"]) in served, w["metadata"]["name"]
 
 
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_service_that_takes_the_slos_gets_the_configmaps(rendered, tree):
+    """TTFT_SLO/TBT_SLO of perigee-config reach admission, the conductors and the
+    gateway (which reports them on GET /v1/perigee/config, read by perigee replay)."""
+    docs = rendered[tree]
+    config = objs(docs, "ConfigMap")
+    [cm] = [d["data"] for n, d in config.items() if n.startswith("perigee-config")]
+    seen = set()
+    for _, c in perigee_containers(docs):
+        module, args = parsed(docs, c)
+        if module == "services.gateway" or hasattr(args, "tbt_slo"):
+            seen.add(module)
+            assert args.ttft_slo == float(cm["TTFT_SLO"]), (module, args.ttft_slo)
+            assert args.tbt_slo == float(cm["TBT_SLO"]), (module, args.tbt_slo)
+    assert {"services.gateway", "services.admission", "services.conductor"} <= seen
+    if tree == "cpu":
+        assert (float(cm["TTFT_SLO"]), float(cm["TBT_SLO"])) == (15.0, 1.0)
+
+
 # -- resources, GPUs, shared memory ----------------------------------------------------
 
 
