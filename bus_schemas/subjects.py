@@ -59,10 +59,17 @@ def decode_tasks(instance: str) -> str:
     return f"{NS}.decode.{instance}.tasks"
 
 
-def conductor_events(conductor_id: str) -> str:
+def conductor_events(conductor_id: str, sender: str = "") -> str:
     """Where workers tell the placing conductor that a request's prefill is handed over
-    (FirstTokenNotice, from prefill) or that the request failed (RequestFailed)."""
-    return f"{NS}.conductor.{conductor_id}.events"
+    (FirstTokenNotice, from prefill) or that the request failed (RequestFailed): a
+    worker on ``<...>.events.<its instance>`` (the bus lets it publish only its own, so
+    the subject proves the sender); the bare subject is the admin's (readiness probes)."""
+    base = f"{NS}.conductor.{conductor_id}.events"
+    return f"{base}.{sender}" if sender else base
+
+
+def conductor_events_from_workers(conductor_id: str) -> str:
+    return f"{NS}.conductor.{conductor_id}.events.*"
 
 
 def placed(token: str) -> str:

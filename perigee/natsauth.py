@@ -180,7 +180,7 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
         return [
             *dict.fromkeys(out),
             s.store_ctl(node, "info"),
-            s.conductor_events("*"),
+            s.conductor_events("*", inst),  # the subject names it: the conductor checks
             *REPLIES,  # tokens, errors
             s.bus_reconnected("worker", inst),
         ]
@@ -216,6 +216,7 @@ def subscribe_allow(m: Member, d: Deployment) -> list[str]:
             *own,
             s.SCHEDULE,
             s.conductor_events(ident),
+            s.conductor_events_from_workers(ident),
             s.LOAD_PREFILL_ALL,
             s.LOAD_DECODE_ALL,
             s.CTL_ROLE,

@@ -240,6 +240,13 @@ class ConductorService:
                 ack_wait_s=self.cfg.intake_ack_wait_s,
             )
             await self.intake.start(s)
+        await s.serve(
+            subjects.conductor_events_from_workers(self.cfg.conductor_id),
+            ConductorEvent,
+            self._on_event,
+            concurrent=True,
+            span_name="conductor.event",
+        )
         # Last: nothing is sent here before this conductor places a request, and a reply
         # to a probe on it (perigee.stack) proves every other subscription is live.
         await s.serve(
@@ -476,11 +483,29 @@ class ConductorService:
 
     # ------------------------------------------------------------ commit / abort
 
-    async def _on_event(self, ev: ConductorEvent, _m: NatsMsg) -> None:
+    def _sender_node(self, m: NatsMsg | None) -> str | None:
+        """The node of the worker whose subject ``m`` came on (its last load report);
+        None for the bare subject (the admin's), "" for a worker never heard of."""
+        if m is None or not m.subject.startswith(
+            subjects.conductor_events(self.cfg.conductor_id) + "."
+        ):
+            return None
+        sender = m.subject.rsplit(".", 1)[-1]
+        ld = self.policy.loads.prefill.get(sender) or self.policy.loads.decode.get(sender)
+        return ld.node if ld is not None else ""
+
+    async def _on_event(self, ev: ConductorEvent, m: NatsMsg | None) -> None:
         """Settle by the ids in the notice (a conductor restarted since the placement
         can do it too); the worker that opened the transactions aborts its own on failure,
-        this abort only covers a worker that could not."""
+        this abort only covers a worker that could not. The transactions a notice names
+        are committed or aborted only for a worker on their node (the subject names the
+        sender, its load reports its node): another worker's notice settles the books of
+        the request, never another node's transactions."""
         with bound_contextvars(request_id=ev.request_id):
+            node = self._sender_node(m)
+            owner = node is None or node == ev.prefill_node
+            if not owner:
+                log.warning("notice_not_from_the_tx_node", sender_node=node, node=ev.prefill_node)
             self.pending.pop(ev.request_id, None)
             prefill = (ev.prefill_node, ev.prefill_tx_id)
             if isinstance(ev, FirstTokenNotice):
@@ -489,6 +514,8 @@ class ConductorService:
                 self.policy.prefill_done(ev.request_id, ev.ts, ev.handoff_ts or None)
                 if self.policy.threshold() != before:
                     log.info("balancing_threshold", old=before, new=self.policy.threshold())
+                if not owner:
+                    return
                 await asyncio.gather(
                     *(self.tx.commit(n, t, ev.request_id) for n, t in [prefill, *source])
                 )
@@ -497,7 +524,9 @@ class ConductorService:
             elif isinstance(ev, RequestFailed):
                 self.policy.release(ev.request_id)
                 log.info("request_failed", reason=ev.reason)
-                if ev.prefill_tx_id:
+                # A decode failure's prefill tx is committed already (at the hand-off):
+                # only the prefill node's own worker has one to abort.
+                if ev.prefill_tx_id and owner:
                     await self.tx.abort(*prefill, ev.request_id, ev.reason)
 
     async def _error(

@@ -616,7 +616,7 @@ class PrefillWorker(WorkerBase):
         src = res.remote
         await bus.publish(
             self.nc,
-            subjects.conductor_events(task.conductor_id),
+            subjects.conductor_events(task.conductor_id, self.instance),
             FirstTokenNotice(
                 request_id=req.request_id,
                 prefill_node=self.node,

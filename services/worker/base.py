@@ -98,7 +98,7 @@ class WorkerBase:
                 )
             await bus.publish(
                 self.nc,
-                subjects.conductor_events(conductor_id),
+                subjects.conductor_events(conductor_id, self.instance),
                 RequestFailed(
                     request_id=req.request_id,
                     prefill_node=prefill_node,

@@ -274,7 +274,7 @@ class Rig:
 
         await self.tnc.subscribe(subjects.store_ctl(self.dn, "tx.commit"), cb=on_commit)
         await self.tnc.subscribe(subjects.store_ctl(self.dn, "tx.renew"), cb=on_renew)
-        await self.tnc.subscribe(subjects.conductor_events(self.cid), cb=on_conductor)
+        await self.tnc.subscribe(subjects.conductor_events_from_workers(self.cid), cb=on_conductor)
         await self.tnc.subscribe(subjects.decode_tasks(self.di), cb=on_decode_task)
         await self.tnc.flush()
         await self.prefill.start()

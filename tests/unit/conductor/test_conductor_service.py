@@ -456,3 +456,28 @@ def test_config_selects_cost_model_adaptive_threshold_and_tbt_check(tmp_path):
         and plain.policy.adaptive is None
         and plain.policy.threshold() == 2.0
     )
+
+
+async def test_a_notice_settles_transactions_only_from_a_worker_on_their_node(nats_url):
+    """Any worker may publish on the conductor's events subject, under its own name: a
+    notice from decode-0 (node nd0) naming np1's prefill tx commits nothing there; the
+    same from prefill-1, whose node it is, commits it."""
+    h = Harness(nats_url)
+    await h.start(
+        [FakeStore(None, "np0"), FakeStore(None, "np1", held=HASHES[:2]), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0), ("prefill-1", "np1", 0.0)],
+        decodes=[("decode-0", "nd0")],
+    )
+    try:
+        # The impostor's notice is taken first and, were it believed, would send its
+        # commit first (its handler reaches the commit before awaiting anything).
+        for sender, tx in (("decode-0", "tx-evil"), ("prefill-1", "tx-1")):
+            notice = FirstTokenNotice(
+                request_id=f"r-{tx}", prefill_node="np1", prefill_tx_id=tx, ts=time.time()
+            )
+            await h.nc.publish(subjects.conductor_events(CID, sender), encode(notice))
+        await h.nc.flush()
+        commit = await asyncio.wait_for(h.stores["np1"].commits.get(), 5)
+        assert commit.tx_id == "tx-1"
+    finally:
+        await h.close()
