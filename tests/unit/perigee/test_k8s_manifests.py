@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from perigee import models
 from perigee.natsd import nats_server_binary
 from services.common.model_spec import ModelSpec
 
@@ -307,6 +308,62 @@ def _quantity(q: str) -> int:
     return int(m.group(1)) * units.get(m.group(2), 1)
 
 
+def image_models_dir() -> str:
+    """Where the image keeps prepared models (the Dockerfile's PERIGEE_MODELS_DIR)."""
+    m = re.search(r"^ENV .*\bPERIGEE_MODELS_DIR=(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert m, "the Dockerfile sets PERIGEE_MODELS_DIR"
+    return m.group(1)
+
+
+def local_model(image_path: str) -> Path | None:
+    """This checkout's copy of a model folder named by its path in the image: /app is the
+    repository (models/tiny-llama); the image's models folder holds what `perigee model
+    prepare` wrote, here under ~/.cache/perigee/models (None if not prepared here)."""
+    p = Path(image_path)
+    if p.is_relative_to("/app"):
+        return ROOT / p.relative_to("/app")
+    assert p.parent == Path(image_models_dir()), image_path
+    local = models.models_dir() / p.name
+    return local if models.is_prepared(local) else None
+
+
+def test_the_cpu_overlay_serves_the_default_model_with_stores_sized_for_it(rendered):
+    """overlays/cpu: SmolLM2-135M-Instruct from the image's /models (Dockerfile MODEL=smollm2),
+    each store's block exactly the model's KV bytes per block at the overlay's block size,
+    its arena within the /dev/shm tmpfs and the store's memory limit."""
+    docs = rendered["cpu"]
+    [cm] = [d["data"] for n, d in objs(docs, "ConfigMap").items() if n.startswith("perigee-config")]
+    assert cm["MODEL_DIR"] == f"{image_models_dir()}/{models.DEFAULT_MODEL_NAME}"
+    assert cm["ENGINE"] == "vllm"
+    block_bytes = set()
+    for role in ("prefill", "decode"):
+        spec = objs(docs, "StatefulSet")[f"perigee-{role}"]["spec"]["template"]["spec"]
+        cs = {c["name"]: c for c in spec["containers"]}
+        _, store = parsed(docs, cs["store"])
+        _, worker = parsed(docs, cs["worker"])
+        assert worker.model_dir == cm["MODEL_DIR"]
+        assert store.block_bytes == int(cm["KV_BLOCK_BYTES"])
+        assert store.capacity_blocks == int(cm["STORE_CAPACITY_BLOCKS"]) == 1024
+        [shm] = [v for v in spec["volumes"] if v["name"] == "shm"]
+        arena = store.capacity_blocks * store.block_bytes
+        assert _quantity(shm["emptyDir"]["sizeLimit"]) >= arena
+        assert _quantity(cs["store"]["resources"]["limits"]["memory"]) >= arena
+        block_bytes.add((store.block_bytes, store.block_size))
+    [(size, block_size)] = block_bytes
+    # The gateway and every worker tokenize with the same model.
+    for _, c in perigee_containers(docs):
+        args = parsed(docs, c)[1]
+        if hasattr(args, "model_dir"):
+            assert args.model_dir == cm["MODEL_DIR"], c["name"]
+    folder = models.default_model_dir()
+    if not models.is_prepared(folder):
+        pytest.skip(
+            f"{models.DEFAULT_MODEL_NAME} is not prepared in {folder} (make model): "
+            f"KV_BLOCK_BYTES={size} not checked against the model"
+        )
+    assert size == ModelSpec.from_dir(folder).block_bytes(block_size)
+
+
 @pytest.mark.parametrize("tree", list(TREES))
 def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(rendered, tree):
     docs = rendered[tree]
@@ -328,8 +385,9 @@ def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(render
         assert _quantity(shm["emptyDir"]["sizeLimit"]) >= arena
         assert _quantity(cs["store"]["resources"]["limits"]["memory"]) >= arena
         # The store's block is the model's KV of one block (the worker checks it at start).
-        model = ROOT / Path(worker.model_dir).relative_to("/app")
-        assert store.block_bytes == ModelSpec.from_dir(model).block_bytes(store.block_size)
+        model = local_model(worker.model_dir)
+        if model is not None:
+            assert store.block_bytes == ModelSpec.from_dir(model).block_bytes(store.block_size)
         # Peers reach the store at the pod's address on a declared port.
         assert store.advertise_host == FIELD_REFS["status.podIP"] and store.host == "0.0.0.0"
         assert store.port in [p["containerPort"] for p in cs["store"]["ports"]]
