@@ -236,7 +236,8 @@ def subscribe_allow(m: Member, d: Deployment) -> list[str]:
             out.append(s.CTL_ROLE)
         return out
     if m.role == "store":
-        return [*own, s.store_ctl(node, ">"), s.STORE_DISCOVER, s.CTL_REPLICATE]
+        # The other stores' announcements: the node registry its ships may go to.
+        return [*own, s.store_ctl(node, ">"), s.STORE_DISCOVER, s.STORE_ANNOUNCE, s.CTL_REPLICATE]
     raise ValueError(f"unknown role {m.role!r}")
 
 
