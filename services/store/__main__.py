@@ -10,6 +10,7 @@ from services.common import defaults, metrics, runner
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
+from services.store import auth
 from services.store.server import StoreService
 from tracing import setup_tracing, shutdown_tracing
 
@@ -102,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def main(args: argparse.Namespace) -> int:
     configure("store", args.log_level)
     setup_tracing("store")
+    auth.data_key()  # a placeholder key stops the store now, before it connects
     log = structlog.get_logger()
     structlog.contextvars.bind_contextvars(node=args.node)
     stop = StopEvent()

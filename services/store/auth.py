@@ -20,6 +20,9 @@ passwords, authenticates every message for ~1 us, and the same key guards the TC
 streams, which CURVE would not cover. Confidentiality between hosts is TLS's job (see
 SECURITY.md).
 
+A key still containing a template's ``REPLACE-ME`` stops the process
+(:mod:`services.common.placeholders`): stores read the key at start, workers too.
+
 Without ``PERIGEE_DATA_KEY`` a process draws a key of its own and says so: it then
 talks to no other process's store (a worker on the same host still reaches its store
 through the Unix socket, which the file system guards).
@@ -35,6 +38,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import structlog
+
+from services.common.placeholders import refuse_placeholder
 
 log = structlog.get_logger()
 
@@ -62,6 +67,7 @@ def data_key() -> bytes:
     if _key is None:
         raw = os.environ.get(ENV, "")
         if raw:
+            refuse_placeholder(f"the data key {ENV}", raw)
             if len(raw) < MIN_KEY_CHARS:
                 raise DataKeyError(f"{ENV} must have at least {MIN_KEY_CHARS} characters")
             _key = raw.encode()

@@ -18,6 +18,7 @@ from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shutdown import StopEvent
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
+from services.store import auth
 from services.store.client import StoreClient, TransferError
 from services.worker import pod_role
 from services.worker.factory import make_worker, settings_from_args
@@ -127,6 +128,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
         log.info("role_from_pod_label", role=role, started_as=started_as)
     structlog.contextvars.bind_contextvars(instance=args.instance)
     setup_tracing(role)
+    auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
     spec = ModelSpec.from_dir(args.model_dir)
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)

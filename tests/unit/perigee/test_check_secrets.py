@@ -43,7 +43,8 @@ def filled(tmp_path: Path) -> Path:
 def test_the_template_is_refused_naming_every_placeholder(tmp_path):
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     placeholders = [k for k, v in entries(CREDENTIALS.read_text()).items() if PLACEHOLDER in v]
-    assert len(placeholders) == 7  # six NATS passwords and the API key
+    assert len(placeholders) == 8  # six NATS passwords, the API key, the data key
+    assert "data-key" in placeholders
     for cwd in (ROOT, tmp_path):  # the default file is found from anywhere
         r = check(cwd=cwd)
         assert r.returncode == 1, r.stdout + r.stderr
@@ -65,6 +66,8 @@ def test_one_placeholder_left_empty_or_in_another_case_is_refused(tmp_path):
         ("api-key=REPLACE-ME-gateway-api-key", "api-key is still the placeholder"),
         ("api-key=replace-me-too", "api-key is still the placeholder"),
         ("store-nats-password=", "store-nats-password is empty"),
+        ("data-key=REPLACE-ME-store-data-key", "data-key is still the placeholder"),
+        ("data-key=", "data-key is empty"),
         ("just a line", "not KEY=VALUE"),
     ):
         env.write_text(good + bad + "\n")

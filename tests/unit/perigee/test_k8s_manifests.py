@@ -388,8 +388,9 @@ def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(render
         model = local_model(worker.model_dir)
         if model is not None:
             assert store.block_bytes == ModelSpec.from_dir(model).block_bytes(store.block_size)
-        # Peers reach the store at the pod's address on a declared port.
-        assert store.advertise_host == FIELD_REFS["status.podIP"] and store.host == "0.0.0.0"
+        # Peers reach the store at the pod's address on a declared port, which it binds
+        # there only (not every address: test_the_data_plane_is_fenced_to_serving_pods).
+        assert store.advertise_host == store.host == FIELD_REFS["status.podIP"]
         assert store.port in [p["containerPort"] for p in cs["store"]["ports"]]
 
 
@@ -427,6 +428,106 @@ def test_credentials_come_from_secrets(rendered, tree):
     assert len(passwords) == 6  # the admin and one per role
     for k in passwords:
         assert "REPLACE-ME" in base64.b64decode(data[k]).decode(), k
+
+
+DATA_PLANE = ("services.store", "services.prefill", "services.decode")
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_store_and_worker_has_the_data_key_from_the_secret(rendered, tree):
+    """PERIGEE_DATA_KEY (services.store.auth) is one value per deployment, in every store's
+    and worker's environment from the Secret, on no command line, and only where the
+    data plane needs it."""
+    docs = rendered[tree]
+    secrets = objs(docs, "Secret")
+    refs = set()
+    for w, c in perigee_containers(docs):
+        module = c["args"][0]
+        env = {e["name"]: e for e in c.get("env", [])}
+        where = (w["metadata"]["name"], c["name"])
+        if module not in DATA_PLANE:
+            assert "PERIGEE_DATA_KEY" not in env, where
+            continue
+        ref = env["PERIGEE_DATA_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref["key"] in secrets[ref["name"]]["data"], where
+        refs.add((ref["name"], ref["key"]))
+    [secret] = secrets  # the generated perigee-credentials-<hash>
+    assert refs == {(secret, "data-key")}  # one key shared by all
+    [data] = [s["data"] for s in secrets.values()]
+    key = base64.b64decode(data["data-key"]).decode()
+    assert "REPLACE-ME" in key  # the template: the services refuse it at start
+    for _, c in containers(docs):
+        env = environment(docs, c) if c["image"].startswith("perigee") else {}
+        argv = " ".join(expand(a, env) for a in c.get("command", []) + c.get("args", []))
+        assert key not in argv and "PERIGEE_DATA_KEY" not in argv, c["name"]
+        assert key not in str([e.get("value") for e in c.get("env", [])]), c["name"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what these manifests use
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _admits_port(rule: dict, port: int, name: str) -> bool:
+    if not rule.get("ports"):
+        return True  # a rule without ports admits every port
+    for p in rule["ports"]:
+        want = p.get("port")
+        if want is None or want == name:
+            return True
+        if isinstance(want, int) and want <= port <= p.get("endPort", want):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_the_data_plane_is_fenced_to_serving_pods(rendered, tree):
+    """Every store binds its data port to the pod IP, and a NetworkPolicy admits only the
+    serving pods (the prefill and decode StatefulSets', either role) to it, while the
+    metrics and probe ports stay open."""
+    docs = rendered[tree]
+    sts = objs(docs, "StatefulSet")
+    serving = {"perigee-prefill", "perigee-decode"}
+    pods = {
+        w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in workloads(docs)
+    }
+    policies = [
+        p for p in objs(docs, "NetworkPolicy").values() if "Ingress" in p["spec"]["policyTypes"]
+    ]
+    for name in serving:
+        spec = sts[name]["spec"]["template"]["spec"]
+        store = next(c for c in spec["containers"] if c["name"] == "store")
+        args = parsed(docs, store)[1]
+        assert args.host == FIELD_REFS["status.podIP"], name  # not 0.0.0.0
+        assert flag(store, "--host") == "$(POD_IP)"
+        env = {e["name"]: e for e in store["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        port_name = next(p["name"] for p in store["ports"] if p["containerPort"] == args.port)
+        fencing = [p for p in policies if _selects(p["spec"]["podSelector"], pods[name])]
+        assert fencing, f"no NetworkPolicy selects {name}'s pods"
+        rules = [
+            r
+            for p in fencing
+            for r in p["spec"].get("ingress", [])
+            if _admits_port(r, args.port, port_name)
+        ]
+        assert rules, f"nothing may reach {name}'s data port"
+        for r in rules:
+            assert r.get("from"), f"{name}: a rule admits anyone to port {args.port}"
+            for peer in r["from"]:
+                assert set(peer) == {"podSelector"}, peer  # this namespace's pods, no ipBlock
+                admitted = {
+                    w for w, labels in pods.items() if _selects(peer["podSelector"], labels)
+                }
+                assert admitted == serving, admitted
+        # The metrics and probe ports stay reachable from anywhere (Prometheus, kubelet).
+        for c in spec["containers"]:
+            metrics_port = parsed(docs, c)[1].metrics_port
+            assert any(
+                not r.get("from") and _admits_port(r, metrics_port, "")
+                for p in fencing
+                for r in p["spec"]["ingress"]
+            ), (name, c["name"], metrics_port)
 
 
 ROLE_USER = {

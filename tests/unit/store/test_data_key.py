@@ -1,0 +1,65 @@
+"""The data key (``PERIGEE_DATA_KEY``) a deployment hands every store and worker: a
+template's placeholder (``REPLACE-ME-...``, deploy/k8s/base/credentials.env) stops a
+store or a worker at start, before it connects, with a message naming it (exit 1, no
+traceback); a real key is taken as it is."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.placeholders import PlaceholderSecret
+from services.store import auth
+
+ROOT = Path(__file__).resolve().parents[3]
+CREDENTIALS = ROOT / "deploy" / "k8s" / "base" / "credentials.env"
+
+
+@pytest.fixture
+def fresh_key(monkeypatch):
+    monkeypatch.setattr(auth, "_key", None)  # read the environment again
+    yield monkeypatch
+    auth._key = None
+
+
+def template_key() -> str:
+    lines = CREDENTIALS.read_text().splitlines()
+    return next(v for k, _, v in (line.partition("=") for line in lines) if k == "data-key")
+
+
+def test_a_placeholder_key_is_refused(fresh_key):
+    placeholder = template_key()
+    assert "REPLACE-ME" in placeholder
+    for value in (placeholder, "replace-me-but-in-lower-case"):
+        fresh_key.setenv(auth.ENV, value)
+        auth._key = None
+        with pytest.raises(PlaceholderSecret, match=f"data key {auth.ENV}"):
+            auth.data_key()
+
+
+def test_a_real_key_is_taken(fresh_key):
+    real = auth.new_key()
+    fresh_key.setenv(auth.ENV, real)
+    assert auth.data_key() == real.encode()
+
+
+def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *argv],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("service", ["store", "prefill", "decode"])
+def test_a_store_or_worker_with_a_placeholder_key_refuses_before_it_connects(service):
+    argv = [f"services.{service}", "--nats", "nats://127.0.0.1:9", "--node", "n0"]
+    r = _run(argv, **{auth.ENV: template_key()})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "refusing to start: the data key PERIGEE_DATA_KEY" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
