@@ -259,11 +259,17 @@ def test_heartbeat_reads_only_what_it_needs():
 
 
 @pytest.fixture
-async def stalled_intake(nats_url):
-    """A gateway on the durable intake whose stream never stores (no PERIGEE_INTAKE
-    stream here: every publish is refused, as while a stream has no leader)."""
+async def stalled_intake(nats_url, monkeypatch):
+    """A gateway on the durable intake whose stream never stores (every publish times
+    out, as while the stream has no leader)."""
+    from services.common import bus
     from services.gateway.server import Gateway, GatewayConfig
     from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, serve_nothing
+
+    async def leaderless(js, subject, *a, **kw):
+        raise TimeoutError(f"no leader for {subject}")
+
+    monkeypatch.setattr(bus, "js_publish", leaderless)
 
     cfg = GatewayConfig(
         port=0,
