@@ -74,10 +74,10 @@ class Tap:
 
         async def on_event(m) -> None:
             now = time.perf_counter()
-            rid = m.subject.rsplit(".", 1)[-1]
             obj = json.loads(m.data)
             if not isinstance(obj, dict):  # the gateway's own echo on perigee.gw.<id>
                 return
+            rid = obj.get("request_id", "")  # (the subject ends in the stream's nonce)
             if obj.get("type") == "accepted":
                 self.decode_of[rid] = obj["decode_instance"]
             elif obj.get("type") == "tokens":

@@ -31,6 +31,7 @@ back within half of ``dead_after_s`` (or 2.5 sweep intervals, if longer).
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,8 @@ class ReplyRouter:
         self._prefix = subjects.gateway_reply(gateway_id, "")
         self._flights: dict[str, _Flight] = {}
         self._routes: dict[str, str] = {}  # attempt id -> client request id
+        self._nonces: dict[str, str] = {}  # attempt id -> its reply subject's nonce
+        self.forged_events = 0  # events on a known attempt's subject with a wrong nonce
         self._bg: set[asyncio.Task] = set()
         self._subs: list = []
         self._sweeper: asyncio.Task | None = None
@@ -207,7 +210,15 @@ class ReplyRouter:
 
     # ---- per request ---------------------------------------------------------------
     def reply_subject(self, request_id: str) -> str:
-        return self._prefix + request_id
+        """``perigee.gw.<gateway>.<attempt id>.<nonce>``: the nonce (drawn once per attempt)
+        makes the subject a capability. Any worker may publish on reply subjects (it
+        streams its own requests' tokens), but only the instances a request was placed on
+        (and admission and the conductor) are told its subject, so no other can inject
+        events into its stream."""
+        nonce = self._nonces.get(request_id)
+        if nonce is None:
+            nonce = self._nonces[request_id] = secrets.token_urlsafe(12)
+        return f"{self._prefix}{request_id}.{nonce}"
 
     def open(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
@@ -230,6 +241,9 @@ class ReplyRouter:
         f = self._flights.pop(request_id, None)
         if f is not None:
             self._routes.pop(f.current, None)
+            if self.watchdog.placement(request_id):
+                self._nonces.pop(f.current, None)
+            # else kept (until prune): a cancel of it waits for its Accepted on it
         self.watchdog.untrack(request_id)
         if not self._flights:
             self._idle.set()
@@ -300,7 +314,7 @@ class ReplyRouter:
         metrics.INTAKE_BYPASSES.labels(hop="gateway").inc()
         self._routes.pop(old, None)
         self._routes[new] = rid
-        f.current = new
+        f.current = new  # old keeps its nonce: its late Accepted gets a cancel
         if f.resent is req:
             f.resent = bypassed
         self._unplaced_cancels[old] = ("sent again on the core path", time.monotonic())
@@ -418,6 +432,9 @@ class ReplyRouter:
         horizon = time.monotonic() - self.watchdog.request_timeout_s
         for aid in [a for a, (_, t) in self._unplaced_cancels.items() if t < horizon]:
             del self._unplaced_cancels[aid]
+        for aid in [a for a in self._nonces if a not in self._routes]:
+            if aid not in self._unplaced_cancels:
+                del self._nonces[aid]
         self.watchdog.forget_silent(FORGET_INSTANCE_S)
         for inst in [i for i in self.roles if not self.watchdog.liveness.known(i)]:
             del self.roles[inst]
@@ -428,13 +445,20 @@ class ReplyRouter:
             ("routes", len(self._routes)),
             ("instances", len(self.roles)),
             ("unplaced_cancels", len(self._unplaced_cancels)),
+            ("reply_nonces", len(self._nonces)),
             ("cancels_repeating", len(self._cancelling)),
         ):
             metrics.STATE_ENTRIES.labels(map=name).set(size)
 
     # ---- callbacks -----------------------------------------------------------------
     async def _on_reply(self, msg: NatsMsg) -> None:
-        aid = msg.subject[len(self._prefix) :]
+        aid, _, nonce = msg.subject[len(self._prefix) :].partition(".")
+        known = self._nonces.get(aid)
+        if known is None or not secrets.compare_digest(nonce, known):
+            if known is not None:
+                self.forged_events += 1
+                log.warning("forged_stream_event", attempt=aid)
+            return  # not a subject this gateway gave out (or no longer)
         rid = self._routes.get(aid, "")
         f = self._flights.get(rid)
         if f is None:

@@ -254,7 +254,10 @@ async def test_completion_non_stream(env, monkeypatch):
     ids = TOK.encode(prompt)
     assert req.prompt_token_ids == ids and ids[0] == 1
     assert req.block_size == 32 and req.block_hashes == block_hashes(ids, 32)
-    assert reply == req.reply_subject == f"perigee.gw.{env.gw.gateway_id}.{req.request_id}"
+    assert reply == req.reply_subject == env.gw.router.reply_subject(req.request_id)
+    # perigee.gw.<gateway>.<request id>.<nonce>: the nonce makes it a capability
+    prefix = f"perigee.gw.{env.gw.gateway_id}.{req.request_id}."
+    assert reply.startswith(prefix) and len(reply) - len(prefix) >= 16
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.seed, s.stop_token_ids, s.ignore_eos) == (
         20,

@@ -368,3 +368,40 @@ def test_the_work_queues_are_bounded_and_refuse_new_when_full():
     import nats.js.errors
 
     assert not issubclass(nats.js.errors.APIError, iq.STALLED)
+
+
+async def test_an_event_on_a_guessed_reply_subject_never_reaches_the_stream(env):  # noqa: F811
+    """Any worker may publish on reply subjects; only the instances a request was placed
+    on are told its subject's nonce. A guess (the attempt id with a wrong or no nonce)
+    is dropped and counted; the stream goes on with the genuine events only."""
+    from bus_schemas.requests import Finished
+
+    gw, b, http, _clock = env
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    post = asyncio.ensure_future(http.post(url, json=body))
+    req, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = req.request_id
+    prefix = f"perigee.gw.{gw.gateway_id}.{rid}"
+    forged = Tokens(request_id=rid, token_ids=OUT[3:6], index=0)
+    for subject in (f"{prefix}.guess", prefix):
+        await b.nc.publish(subject, encode(forged))
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:3], index=0),
+        Finished(
+            request_id=rid,
+            finish_reason="length",
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=3,
+            cached_tokens=0,
+        ),
+    )
+    async with await post as r:
+        out = await r.json()
+    from tests.unit.gateway.test_gateway_http import TOK
+
+    assert out["choices"][0]["text"] == TOK.decode(OUT[:3])
+    assert gw.router.forged_events == 2  # the wrong nonce and the missing one
