@@ -10,7 +10,10 @@ things a stranger on the network cannot:
   ts || header)``; a message without a valid one, older than ``WINDOW_S`` or seen before
   is dropped without a reply (:class:`Macs`);
 - a TCP transfer stream opens with a HELLO that carries the sender's session id and
-  the same kind of MAC (:func:`hello` / :func:`check_hello`).
+  the same kind of MAC (:func:`hello` / :func:`check_hello`);
+- a connection to the object server opens with an object HELLO (:func:`obj_hello` /
+  :func:`check_obj_hello`): a random session id and a MAC bound to the server's own
+  address, each accepted once (the server's :class:`Macs` remembers it for the window).
 
 Why an HMAC per message and not ZeroMQ CURVE: CURVE needs a key pair per store and
 each peer's public key before it connects (a directory the node registry would have
@@ -53,6 +56,9 @@ MAC_BYTES = _TS.size + 32
 HELLO_MAGIC = b"PRGT2\n"
 SESSION_BYTES = 16
 HELLO_BYTES = len(HELLO_MAGIC) + SESSION_BYTES + MAC_BYTES
+
+OBJ_HELLO_MAGIC = b"PRGO1\n"
+OBJ_HELLO_BYTES = len(OBJ_HELLO_MAGIC) + SESSION_BYTES + MAC_BYTES
 
 _key: bytes | None = None
 
@@ -158,3 +164,21 @@ def check_hello(key: bytes | None, raw: bytes) -> bytes | None:
     if abs(time.time_ns() - _TS.unpack(ts)[0]) > WINDOW_S * 1e9:
         return None
     return session
+
+
+def obj_hello(key: bytes, addr: str) -> bytes:
+    """The first bytes of a connection to the object server at ``addr`` (its
+    ``StoreInfo.obj_addr``): magic, a random session id, a MAC over both and ``addr`` (so
+    a HELLO seen on the way to one store opens no other)."""
+    session = secrets.token_bytes(SESSION_BYTES)
+    return OBJ_HELLO_MAGIC + session + Macs(key).sign((OBJ_HELLO_MAGIC, session, addr.encode()))
+
+
+def check_obj_hello(macs: Macs, addr: str, raw: bytes | memoryview) -> bool:
+    """Whether ``raw`` is an object HELLO for ``addr`` under ``macs``' key, in the window
+    and not seen before (``macs`` remembers it: a replayed HELLO opens nothing)."""
+    if len(raw) != OBJ_HELLO_BYTES or bytes(raw[: len(OBJ_HELLO_MAGIC)]) != OBJ_HELLO_MAGIC:
+        return False
+    session = bytes(raw[len(OBJ_HELLO_MAGIC) : len(OBJ_HELLO_MAGIC) + SESSION_BYTES])
+    mac = raw[len(OBJ_HELLO_MAGIC) + SESSION_BYTES :]
+    return macs.check((OBJ_HELLO_MAGIC, session, addr.encode()), mac)

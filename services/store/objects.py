@@ -10,7 +10,8 @@ change_replica), with replicas on distinct nodes.
 Placement is :mod:`services.store.replicas` (rendezvous hashing over the live nodes):
 no master, every client agrees. Values travel in one request and one reply over the
 store's plain-TCP object endpoint (``StoreInfo.obj_addr``), on one of a few pooled
-connections per store; copies between stores move through the stores' transfer
+connections per store, each opened with an object HELLO under the run's data key
+(:func:`services.store.auth.obj_hello`; without it the store closes the connection); copies between stores move through the stores' transfer
 engine. Control (stat, remove, replicate) goes over NATS request/reply.
 """
 
@@ -23,7 +24,7 @@ from bus_schemas import subjects
 from bus_schemas.control import ObjectDone, ObjectKey, ObjectReplicate, Refused, StoreInfo
 from services.common.bus import request
 from services.common.errors import CodedError
-from services.store import object_server, replicas, wire
+from services.store import auth, object_server, replicas, wire
 from services.store.channel import ChannelError, next_id
 from services.store.client import TransferError, fetch_info
 
@@ -45,8 +46,9 @@ class _TcpLink:
     awaited inline. Any failure closes it (a late reply must not be read as the next
     one's)."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, key: bytes | None = None) -> None:
         self.addr = addr
+        self.key = key or auth.data_key()
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -59,6 +61,7 @@ class _TcpLink:
                     sock = self.writer.get_extra_info("socket")
                     if sock is not None:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self.writer.write(auth.obj_hello(self.key, self.addr))  # with the request
                 assert self.reader is not None
                 self.writer.write(object_server.encode(_KIND[type(header)], header, payload))
                 n = int.from_bytes(await self.reader.readexactly(4), "little")
@@ -84,8 +87,9 @@ class _LinkPool:
     """Plain-TCP links to one store's object endpoint: a request takes an idle one, or
     opens another while fewer than ``max_links`` are in use, else waits its turn."""
 
-    def __init__(self, addr: str, max_links: int) -> None:
+    def __init__(self, addr: str, max_links: int, key: bytes | None = None) -> None:
         self.addr = addr
+        self.key = key
         self._idle: list[_TcpLink] = []
         self._slots = asyncio.Semaphore(max_links)
         self.opened = 0
@@ -103,7 +107,7 @@ class _LinkPool:
             ) from None
         link = self._idle.pop() if self._idle else None
         if link is None:
-            link = _TcpLink(self.addr)
+            link = _TcpLink(self.addr, self.key)
             self.opened += 1
         try:
             return await link.request(header, payload, timeout)
@@ -125,12 +129,20 @@ class _LinkPool:
 
 class ObjectClient:
     def __init__(
-        self, nc: NATS, infos: dict[str, StoreInfo], timeout_s: float, max_links: int = 8
+        self,
+        nc: NATS,
+        infos: dict[str, StoreInfo],
+        timeout_s: float,
+        max_links: int = 8,
+        key: bytes | None = None,
     ) -> None:
         self.nc = nc
         self.infos = infos
         self.timeout_s = timeout_s
-        self._links = {n: _LinkPool(i.obj_addr, max_links) for n, i in infos.items() if i.obj_addr}
+        self.key = key or auth.data_key()  # the run's data key: the object HELLO's MAC
+        self._links = {
+            n: _LinkPool(i.obj_addr, max_links, self.key) for n, i in infos.items() if i.obj_addr
+        }
 
     async def _request(self, node: str, header, payload=()):
         links = self._links.get(node)
@@ -271,9 +283,12 @@ class SyncObjectClient:
         objs.put("key", b"value", replicas=2); objs.get("key"); objs.close()
     """
 
-    def __init__(self, addrs: dict[str, str], timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, addrs: dict[str, str], timeout_s: float = 5.0, key: bytes | None = None
+    ) -> None:
         self.addrs = dict(addrs)
         self.timeout_s = timeout_s
+        self.key = key or auth.data_key()
         self._socks: dict[str, socket.socket] = {}
         self._hdr = memoryview(bytearray(4))
 
@@ -282,7 +297,7 @@ class SyncObjectClient:
         missing = [n for n, i in client.infos.items() if not i.obj_addr]
         if missing:
             raise ObjectError("bad_request", f"stores {missing} serve no object endpoint")
-        return cls({n: i.obj_addr for n, i in client.infos.items()}, client.timeout_s)
+        return cls({n: i.obj_addr for n, i in client.infos.items()}, client.timeout_s, client.key)
 
     def placement(self, key: str) -> list[str]:
         return replicas.rank(key, list(self.addrs))
@@ -293,6 +308,7 @@ class SyncObjectClient:
             s = socket.create_connection(_split(self.addrs[node]), timeout=self.timeout_s)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._socks[node] = s
+            s.sendall(auth.obj_hello(self.key, self.addrs[node]))
         return s
 
     def _request(self, node: str, header, payload=()) -> memoryview:

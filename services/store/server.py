@@ -307,6 +307,7 @@ class StoreService:
             **(self.data.counters if self.data else {}),
             **(self.data.security_counters() if self.data else {}),
             **self.objects.counters,
+            **(self.obj_server.counters if self.obj_server else {}),
         }
         counters["seq"] = self.seq
         counters["known_stores"] = len(self.registry)

@@ -16,6 +16,8 @@ from perigee.natsd import free_port
 from services.common.bus import request
 from services.store import auth, wire
 from services.store.client import TransferError
+from services.store.object_server import MAX_FRAME, encode
+from services.store.objects import SyncObjectClient
 from services.store.transport.base import Opcode, Request
 from services.store.transport.tcp import TcpSender
 from services.store.transport.tcp.frames import NO_TOKEN, REP, REQ, Status, recv_exact
@@ -272,3 +274,72 @@ async def test_many_idle_connections_are_bounded_and_honest_streams_still_connec
     finally:
         for s in idle:
             s.close()
+
+
+def obj_conn(addr: str, hello: bytes | None) -> socket.socket:
+    """A connection to a store's object server that opens with ``hello`` (None: none)."""
+    s = socket.create_connection(parse_addr(addr), timeout=15)
+    if hello is not None:
+        s.sendall(hello)
+    return s
+
+
+def honest_objects(addr: str, key: str) -> None:
+    """The traffic beside every hostile case on the object server: a put, then a get."""
+    objs = SyncObjectClient({"ha": addr}, timeout_s=10)
+    try:
+        value = secrets.token_bytes(3000)
+        objs.put(key, value)
+        assert objs.get(key) == value
+    finally:
+        objs.close()
+
+
+async def test_the_object_server_tells_a_stranger_nothing_and_serves_holders(env):
+    nc, a, _ = env
+    addr = a.info.obj_addr
+    put = encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=1, key="stranger", size=1), [b"x"])
+    get = encode(wire.Kind.OBJ_GET, wire.ObjGet(id=2, key="stranger"))
+    before = await stats(nc, "ha")
+    replayed = auth.obj_hello(auth.data_key(), addr)
+    await asyncio.to_thread(honest_objects, addr, "before")
+    first = obj_conn(addr, replayed)  # a holder's connection, its HELLO then replayed
+    strangers = [
+        obj_conn(addr, auth.obj_hello(secrets.token_bytes(32), addr)),  # another key
+        obj_conn(addr, auth.obj_hello(auth.data_key(), "tcp://127.0.0.1:1")),  # another store's
+        obj_conn(addr, None),  # no HELLO: frames straight away
+        obj_conn(addr, replayed),
+    ]
+    try:
+        for s in strangers:
+            s.sendall(put + get + bytes(auth.OBJ_HELLO_BYTES))
+        for s in strangers:
+            assert await asyncio.to_thread(dropped, s)  # not one byte back
+        await asyncio.to_thread(honest_objects, addr, "beside")
+        objs = SyncObjectClient({"ha": addr}, timeout_s=10)
+        try:
+            with pytest.raises(KeyError):
+                objs.get("stranger")
+        finally:
+            objs.close()
+        first.sendall(get)
+        assert await asyncio.to_thread(first.recv, 4)  # the holder is answered
+    finally:
+        for s in [first, *strangers]:
+            s.close()
+    after = await stats(nc, "ha")
+    assert after["obj_bad_hellos"] - before["obj_bad_hellos"] == len(strangers)
+
+
+async def test_an_oversize_object_length_is_refused_without_allocating(env):
+    nc, a, _ = env
+    addr = a.info.obj_addr
+    s = obj_conn(addr, auth.obj_hello(auth.data_key(), addr))
+    try:
+        s.sendall((MAX_FRAME + 1).to_bytes(4, "little") + b"\0" * 64)
+        assert await asyncio.to_thread(dropped, s)  # nothing drained or allocated
+    finally:
+        s.close()
+    assert (await stats(nc, "ha"))["obj_dropped_frames"] >= 1
+    await asyncio.to_thread(honest_objects, addr, "after-oversize")
+    await honest_ship(nc, a, env[2], 1007)

@@ -1,5 +1,6 @@
 """Hypothesis against the wire of a running store: its ROUTER (signed and unsigned
-frames), its Unix socket and its TCP receiver (with and without a keyed HELLO). After
+frames), its Unix socket, its TCP receiver and its object server (with and without a
+keyed HELLO). After
 every batch the store still answers a signed request and an honest ship lands; the
 fixture asserts both stores exit 0 at the end."""
 
@@ -15,7 +16,7 @@ from bus_schemas.control import TxRole
 from services.store import auth, wire
 from services.store.transport.tcp.sender import parse_addr
 from tests.security.conftest import Dealer
-from tests.security.test_data_plane import grant, honest_ship
+from tests.security.test_data_plane import grant, honest_objects, honest_ship
 from tests.unit.store.test_store_integration import BS, tx
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,3 +109,37 @@ async def test_tcp_receiver_fuzz(env):
     await asyncio.to_thread(fuzz)
     await asyncio.to_thread(alive, b.info.data_addr)
     await honest_ship(nc, a, b, 2004)
+
+
+async def test_object_server_fuzz(env):
+    nc, a, b = env
+    obj_addr = a.info.obj_addr
+    addr = parse_addr(obj_addr)
+    key = auth.data_key()
+
+    @FUZZ
+    @given(
+        body=st.binary(max_size=512),
+        keyed=st.booleans(),
+        framed=st.lists(st.tuples(st.integers(0, 255), st.binary(max_size=64)), max_size=3),
+    )
+    def fuzz(body: bytes, keyed: bool, framed: list[tuple[int, bytes]]) -> None:
+        s = socket.create_connection(addr, timeout=5)
+        try:
+            if keyed:  # a holder's garbage: parsed, answered with an ERR at most
+                s.sendall(auth.obj_hello(key, obj_addr))
+            for kind, raw in framed:  # frames that are framed, with any kind and header
+                s.sendall((1 + 2 + len(raw)).to_bytes(4, "little") + bytes([kind]))
+                s.sendall(len(raw).to_bytes(2, "little") + raw)
+            s.sendall(body)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):  # whatever it answers, until it closes
+                pass
+        except OSError:
+            pass
+        finally:
+            s.close()
+
+    await asyncio.to_thread(fuzz)
+    await asyncio.to_thread(honest_objects, obj_addr, "after-fuzz")
+    await honest_ship(nc, a, b, 2005)

@@ -1,11 +1,15 @@
-"""The plain-TCP object endpoint: framing, big frames, pipelining, bad input."""
+"""The plain-TCP object endpoint: framing, big frames, pipelining, bad input, and who
+may speak to it (the object HELLO under the data key, bounds, timeouts)."""
 
 import asyncio
+import secrets
 
 import pytest
 
-from services.store import object_server, wire
+from services.store import auth, object_server, wire
 from services.store.object_server import ObjectServer
+
+KEY = secrets.token_bytes(32)
 
 
 class Objects:
@@ -37,12 +41,31 @@ async def roundtrip(reader, writer, frames: list[bytes]) -> list[tuple]:
     return out
 
 
-@pytest.fixture
-async def endpoint():
-    srv = ObjectServer(Objects())
-    addr = await srv.start("127.0.0.1")
+async def connect(addr: str, key: bytes | None = KEY, hello: bytes | None = None):
+    """A connection to ``addr`` that opens with its object HELLO (``hello`` as given,
+    else one under ``key``; None: no HELLO at all)."""
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
+    if hello is None and key is not None:
+        hello = auth.obj_hello(key, addr)
+    if hello is not None:
+        writer.write(hello)
+    return reader, writer
+
+
+async def closed_silently(reader, timeout: float = 10) -> bool:
+    """Whether the server closes the connection without sending a byte."""
+    try:
+        return await asyncio.wait_for(reader.read(), timeout) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.fixture
+async def endpoint():
+    srv = ObjectServer(Objects(), KEY)
+    addr = await srv.start("127.0.0.1")
+    reader, writer = await connect(addr)
     yield srv, reader, writer
     writer.close()
     await srv.close()
@@ -112,8 +135,8 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
 
     objects = Objects()
     objects.kv = {f"k{i}": bytes([i]) * (1000 + i) for i in range(6)}
-    srv = ObjectServer(objects)
-    pool = _LinkPool(await srv.start("127.0.0.1"), max_links=3)
+    srv = ObjectServer(objects, KEY)
+    pool = _LinkPool(await srv.start("127.0.0.1"), max_links=3, key=KEY)
     try:
         got = await asyncio.gather(
             *(pool.request(wire.ObjGet(id=i, key=f"k{i}"), (), 5.0) for i in range(6))
@@ -136,7 +159,7 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
 
     mute = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = mute.sockets[0].getsockname()[1]
-    pool = _LinkPool(f"tcp://127.0.0.1:{port}", max_links=1)
+    pool = _LinkPool(f"tcp://127.0.0.1:{port}", max_links=1, key=KEY)
     try:
         t = asyncio.create_task(pool.request(wire.ObjGet(id=1, key="k"), (), 60.0))
         await arrived.wait()
@@ -148,3 +171,98 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
         pool.close()
         mute.close()
         await mute.wait_closed()
+
+
+async def test_a_stranger_gets_no_byte_and_a_holder_beside_it_is_served():
+    srv = ObjectServer(Objects(), KEY)
+    addr = await srv.start("127.0.0.1")
+    get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="a"))
+    put = object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=2, key="a", size=1), [b"z"])
+    try:
+        honest = await connect(addr)
+        cases = {
+            "other key": auth.obj_hello(secrets.token_bytes(32), addr),
+            "another server's": auth.obj_hello(KEY, "tcp://127.0.0.1:1"),
+            "no hello, a request": put + get + bytes(auth.OBJ_HELLO_BYTES),
+            "garbage": secrets.token_bytes(auth.OBJ_HELLO_BYTES),
+        }
+        for why, hello in cases.items():
+            reader, writer = await connect(addr, hello=hello)
+            writer.write(put + get)
+            assert await closed_silently(reader), why
+            writer.close()
+        assert "a" not in srv.objects.kv
+        # a HELLO seen once opens nothing more (a replay from the wire)
+        hello = auth.obj_hello(KEY, addr)
+        first = await connect(addr, hello=hello)
+        again = await connect(addr, hello=hello)
+        again[1].write(get)
+        assert await closed_silently(again[0])
+        got = await roundtrip(*first, [put])
+        assert got[0][0] == wire.Kind.OK
+        got = await roundtrip(*honest, [get])
+        assert got[0][0] == wire.Kind.DATA and got[0][2] == b"z"
+        assert srv.counters["obj_bad_hellos"] == len(cases) + 1
+        for _, w in (honest, first):
+            w.close()
+    finally:
+        await srv.close()
+
+
+async def test_bounds_pending_hellos_stalls_and_oversize_lengths():
+    srv = ObjectServer(
+        Objects(), KEY, max_pending=4, max_conns=2, hello_timeout_s=0.5, io_timeout_s=0.3
+    )
+    addr = await srv.start("127.0.0.1")
+    try:
+        # silent connections: the oldest evicted past 4, the rest closed at the timeout
+        silent = [await connect(addr, key=None) for _ in range(6)]
+        for r, _ in silent:
+            assert await closed_silently(r)
+        assert srv.counters["obj_evicted_pending"] == 2
+        assert srv.counters["obj_hello_timeouts"] == 4
+        # a frame begun and not finished: closed by the sweep
+        r, w = await connect(addr)
+        w.write((100).to_bytes(4, "little") + b"x")
+        assert await closed_silently(r)
+        assert srv.counters["obj_stalled"] == 1
+        # a length over the bound: closed before anything is allocated
+        r, w = await connect(addr)
+        w.write((0xFFFFFFFF).to_bytes(4, "little"))
+        assert await closed_silently(r)
+        assert srv.counters["obj_dropped_frames"] == 1
+        # at most max_conns served; idle ones between requests are kept
+        get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=3, key="k"))
+        served = [await connect(addr) for _ in range(2)]
+        for reader, writer in served:
+            assert (await roundtrip(reader, writer, [get]))[0][0] == wire.Kind.ERR
+        r, w = await connect(addr)
+        assert await closed_silently(r)
+        assert srv.counters["obj_refused_conns"] == 1
+        await asyncio.sleep(1.0)  # idle past the io timeout: still served
+        for reader, writer in served:
+            got = await roundtrip(reader, writer, [get])
+            assert got[0][0] == wire.Kind.ERR and got[0][1].code == "missing"
+    finally:
+        await srv.close()
+
+
+async def test_replies_a_peer_does_not_read_stop_the_reading_and_then_close_it():
+    objects = Objects()
+    objects.kv["big"] = b"v" * (1 << 20)
+    srv = ObjectServer(objects, KEY, io_timeout_s=0.5)
+    addr = await srv.start("127.0.0.1")
+    try:
+        reader, writer = await connect(addr)
+        get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="big"))
+        writer.write(get * 2000)  # 2 GiB of replies asked for, none read
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while srv.counters["obj_stalled"] == 0:
+            assert loop.time() < deadline, "a peer that reads nothing was not dropped"
+            await asyncio.sleep(0.1)
+        (proto,) = [*srv._conns] or [None]
+        assert proto is None  # gone, with what it had not read
+        writer.close()
+    finally:
+        await srv.close()
