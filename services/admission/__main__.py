@@ -52,14 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=intake_queue.ACK_WAIT_S,
         help="seconds a request held by a copy that died waits before another copy gets it",
     )
-    ap.add_argument(
-        "--intake-patience",
-        type=float,
-        default=intake_queue.PATIENCE_S,
-        help="seconds to wait for a JetStream work queue to store a request before it "
-        "goes on the core NATS path instead (a stream electing a leader after a "
-        "nats-server died takes 4-9 s); 0: wait",
-    )
+    intake_queue.add_patience_argument(ap)
     ap.add_argument("--log-level", default="INFO")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)

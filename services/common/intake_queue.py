@@ -288,3 +288,15 @@ class QueueConsumer:
                 await m.in_progress()
             except Exception:  # noqa: BLE001 - connection gone: the ack wait decides
                 return
+
+
+def add_patience_argument(ap: Any, what: str = "a request") -> None:
+    """``--intake-patience`` (gateway, admission, conductor): see PATIENCE_S."""
+    ap.add_argument(
+        "--intake-patience",
+        type=float,
+        default=PATIENCE_S,
+        help=f"seconds to wait for JetStream to store {what} before taking the core NATS "
+        "path instead (a stream electing a leader after a nats-server died takes 4-9 s); "
+        "0: wait",
+    )

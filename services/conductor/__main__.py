@@ -119,13 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve the JetStream intake work queue (services.common.intake_queue); "
         "--no-durable-intake: core NATS only, for a bus without JetStream",
     )
-    ap.add_argument(
-        "--intake-patience",
-        type=float,
-        default=intake_queue.PATIENCE_S,
-        help="seconds to wait for the JetStream placement claim before placing unclaimed "
-        "(a stream electing a leader after a nats-server died takes 4-9 s); 0: wait",
-    )
+    intake_queue.add_patience_argument(ap, "the placement claim")
     ap.add_argument(
         "--intake-ack-wait",
         type=float,

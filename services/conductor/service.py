@@ -240,22 +240,21 @@ class ConductorService:
                 ack_wait_s=self.cfg.intake_ack_wait_s,
             )
             await self.intake.start(s)
-        await s.serve(
-            subjects.conductor_events_from_workers(self.cfg.conductor_id),
-            ConductorEvent,
-            self._on_event,
-            concurrent=True,
-            span_name="conductor.event",
-        )
-        # Last: nothing is sent here before this conductor places a request, and a reply
-        # to a probe on it (perigee.stack) proves every other subscription is live.
-        await s.serve(
-            subjects.conductor_events(self.cfg.conductor_id),
-            ConductorEvent,
-            self._on_event,
-            concurrent=True,
-            span_name="conductor.event",
-        )
+        # Last, the bare subject: nothing is sent here before this conductor places a
+        # request, and a reply to a probe on it (perigee.stack) proves every other
+        # subscription is live.
+        cid = self.cfg.conductor_id
+        for subject in (
+            subjects.conductor_events_from_workers(cid),
+            subjects.conductor_events(cid),
+        ):
+            await s.serve(
+                subject,
+                ConductorEvent,
+                self._on_event,
+                concurrent=True,
+                span_name="conductor.event",
+            )
         s.spawn(self._sweeper(), name="conductor:sweeper")
         await self.nc.flush()  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)

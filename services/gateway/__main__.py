@@ -84,14 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "another with the tokens it has (its prompt KV from the stores); "
         "past it, or with 0, the request fails with 503",
     )
-    ap.add_argument(
-        "--intake-patience",
-        type=float,
-        default=intake_queue.PATIENCE_S,
-        help="seconds to wait for a JetStream work queue to store a request before it "
-        "goes on the core NATS path instead (a stream electing a leader after a "
-        "nats-server died takes 4-9 s); 0: wait",
-    )
+    intake_queue.add_patience_argument(ap)
     ap.add_argument(
         "--durable-intake",
         action=argparse.BooleanOptionalAction,

@@ -31,11 +31,19 @@ class StreamResult:
 
 
 async def stream(
-    session: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/completions"
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    path: str = "/v1/completions",
+    chunks: list[dict] | None = None,
 ) -> StreamResult:
+    """Stream ``body``; ``chunks``, when given, receives the chunks as they come (for
+    a task beside the stream that acts on its progress)."""
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(url + path, json=body) as r:
         res = StreamResult(status=r.status, headers=dict(r.headers))
+        if chunks is not None:
+            res.chunks = chunks
         if r.status != 200:
             res.error = await r.json()
             return res

@@ -19,7 +19,7 @@ import pytest
 
 from perigee.supervise import RestartPolicy
 from tests.e2e.conftest import make_stack
-from tests.e2e.sse import StreamResult
+from tests.e2e.sse import StreamResult, stream
 
 pytestmark = pytest.mark.e2e
 
@@ -95,28 +95,13 @@ def _migrations(s) -> float:
 
 
 async def _stream_with(s, body: dict, during) -> StreamResult:
-    """Stream ``body``; ``during(chunks)`` runs beside it (and kills)."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    res = StreamResult(status=0)
-    # Started before the post: the response's headers come with its first token.
-    killer = asyncio.ensure_future(during(res.chunks))
+    """Stream ``body``; ``during(chunks)`` runs beside it (and kills). Started before the
+    post: the response's headers come with its first token."""
+    chunks: list[dict] = []
+    killer = asyncio.ensure_future(during(chunks))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as http:
-        async with http.post(s.url + "/v1/completions", json=body) as r:
-            res.status = r.status
-            async for raw in r.content:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    res.done = True
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    res.error = obj
-                    break
-                res.chunks.append(obj)
-            await killer
+        res = await stream(http, s.url, body, chunks=chunks)
+    await killer
     return res
 
 
