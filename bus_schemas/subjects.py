@@ -20,9 +20,12 @@ SCHEDULE_QUEUE = f"{NS}.conductor.queue"
 # prefill and decode worker listens.
 CANCEL = f"{NS}.cancel"
 
-# Store discovery: every store publishes StoreInfo periodically; a request on
-# STORE_DISCOVER makes every store answer at once.
-STORE_ANNOUNCE = f"{NS}.store.announce"
+# Store discovery: every store publishes its StoreInfo on its own node's subject,
+# store_announce(node), periodically and at once when anyone publishes on
+# STORE_DISCOVER. STORE_ANNOUNCE subscribes to every node's; the bus lets a store's
+# login publish only its own (perigee.natsauth), so a receiver checks the payload's
+# node against the subject (announced_by). A discovery has no reply: the answer is the
+# announce, which the subject proves (a reply on an inbox proves nothing).
 STORE_DISCOVER = f"{NS}.store.discover"
 
 KV_EVENTS_ALL = f"{NS}.kv.events.>"
@@ -80,6 +83,23 @@ def placed(token: str) -> str:
 def store_ctl(node: str, endpoint: str) -> str:
     """Store control endpoints: tx.allocate, tx.commit, tx.abort, dump, info."""
     return f"{NS}.store.{node}.{endpoint}"
+
+
+def store_announce(node: str) -> str:
+    """Where the store of ``node`` announces its StoreInfo (``*``: every node's). It is
+    one of the node's own store endpoints, ``perigee.store.<node>.announce``: no other
+    role's rights cover it (``perigee.store.announce.<node>`` would fall under
+    ``perigee.store.*.dump``, ``perigee.store.*.info``, ...)."""
+    return store_ctl(node, "announce")
+
+
+STORE_ANNOUNCE = store_announce("*")
+
+
+def announced_by(subject: str, node: str) -> bool:
+    """Whether ``subject`` is the announce subject of ``node``: a StoreInfo claiming
+    ``node`` is believed only on it (the payload's own name is not enough)."""
+    return bool(node) and subject == store_announce(node)
 
 
 def kv_events(node: str) -> str:

@@ -11,9 +11,11 @@ states the same lists in prose.
   replies to a client: the gateway's ``perigee.gw.<gw>.<rid>`` and bus clients'
   ``_INBOX.>``, which it may publish to but never read.
 - A store subscribes to its own node's control subjects only (``clear``, ``dump``,
-  ``replay``, ``obj.*``, ``tx.*``, ``info``), discovery and the replication control; it
-  publishes its own node's KV events, its announce, and the three requests replication
-  makes of another store (``tx.allocate``, ``tx.commit``, ``obj.stat``).
+  ``replay``, ``obj.*``, ``tx.*``, ``info``), every store's announce, discovery and the
+  replication control; it publishes its own node's KV events and its own node's
+  announce (``perigee.store.<node>.announce``: a receiver believes a StoreInfo only on
+  its node's subject), and the three requests replication makes of another store
+  (``tx.allocate``, ``tx.commit``, ``obj.stat``).
 - Store administration (``clear``, ``replay``, ``obj.remove``, ``obj.replicate``,
   ``perigee.ctl.kv.replicate``) is the admin's alone; the conductor may ``dump`` (it
   rebuilds its prefix index from it) and settle transactions (``tx.commit/abort``).
@@ -187,7 +189,7 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
     if m.role == "store":
         return [
             s.kv_events(node),
-            s.STORE_ANNOUNCE,
+            s.store_announce(node),  # its own node's only: receivers check the subject
             # what replication asks of another store
             *(s.store_ctl("*", ep) for ep in ("tx.allocate", "tx.commit", "obj.stat")),
             s.bus_reconnected("store", node),

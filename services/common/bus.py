@@ -49,12 +49,15 @@ ERROR_HEADER = "Perigee-Error"
 UNTRACED_PREFIXES = (
     subjects.NS + ".load.",
     subjects.NS + ".kv.events.",
-    subjects.STORE_ANNOUNCE,
 )
+_ANNOUNCE_SUFFIX = subjects.STORE_ANNOUNCE.rsplit("*", 1)[1]  # perigee.store.<node>.announce
 
 
 def traced_subject(subject: str) -> bool:
-    return not subject.startswith(UNTRACED_PREFIXES)
+    return not (
+        subject.startswith(UNTRACED_PREFIXES)
+        or (subject.startswith(subjects.NS + ".store.") and subject.endswith(_ANNOUNCE_SUFFIX))
+    )
 
 
 # A service's own NATS login when its URL carries none (perigee up, Kubernetes Secrets).

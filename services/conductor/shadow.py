@@ -2,7 +2,7 @@
 
 Lifecycle of a node in the view:
 
-    unseen --StoreInfo (STORE_DISCOVER reply or STORE_ANNOUNCE) or first KV batch-->
+    unseen --StoreInfo (an announce, periodic or asked by STORE_DISCOVER) or first KV batch-->
     DUMPING (index buffers the node's batches; "dump" pages fetched over store_ctl)
     --pages complete--> SYNCED (KV batches applied in sequence)
     SYNCED --gap in seq / new epoch with seq > 1 / announce shows the view lagging
@@ -16,8 +16,11 @@ without asking the store; only a node whose replay does not start at seq 1 (the
 stream's per-node limit dropped its oldest batches) or lags its announce is dumped.
 Replayed batches are history: they do not make their store look alive (a store that
 died stays dead to the view until it announces again). Once the replay caught up (or
-after ``replay_timeout_s``), the service subscribes to announces and asks
-STORE_DISCOVER; announces catch a store that missed the discovery window. Without
+after ``replay_timeout_s``), the service subscribes to announces and publishes
+STORE_DISCOVER, which makes every store announce at once; later announces catch a store
+that missed the discovery window. An announce is believed only on its node's own
+subject (``perigee.store.<node>.announce``, which only that node's login may publish);
+a discovery has no reply on an inbox, which would prove nothing of its sender. Without
 JetStream the view falls back to a core subscription and dumps every node it discovers.
 """
 
@@ -69,6 +72,7 @@ class ShadowView:
         self.clock = clock
         self._live_since: float | None = None  # first sweep after the replay
         self._gone: set[str] = set()  # swept as silent, until the store shows up again
+        self._discovering: set[str] | None = None  # nodes announced during a discovery
 
     async def start(self, discover_window_s: float = 0.5) -> None:
         """Follow the KV events (the stream's history first), then in the background
@@ -155,32 +159,19 @@ class ShadowView:
     # ------------------------------------------------------------ inputs
 
     async def discover(self, window_s: float) -> list[str]:
-        """Ask every store to identify itself and dump those that answer within ``window_s``."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        found: list[str] = []
+        """Ask every store to announce itself now; returns the nodes whose announce (on
+        their own subject, to the subscription :meth:`start` made) came within
+        ``window_s``. Each is handled as any announce (dumped when new)."""
+        found: set[str] = set()
+        self._discovering = found
         try:
-            await self.nc.publish(subjects.STORE_DISCOVER, b"{}", reply=inbox, headers=inject())
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + window_s
-            while (left := deadline - loop.time()) > 0:
-                try:
-                    m = await sub.next_msg(timeout=left)
-                except TimeoutError:
-                    break
-                if not m.data:
-                    continue  # the server's "no responders" status: no store is up yet
-                try:
-                    info: StoreInfo = decode(m.data, StoreInfo)
-                except BadMessage as e:
-                    log.warning("bad_store_info", error=str(e))
-                    continue
-                found.append(info.node)
-                self.on_info(info)
+            await self.nc.publish(subjects.STORE_DISCOVER, b"{}", headers=inject())
+            await asyncio.sleep(window_s)
         finally:
-            await sub.unsubscribe()
+            if self._discovering is found:
+                self._discovering = None
         log.info("stores_discovered", nodes=sorted(found))
-        return found
+        return sorted(found)
 
     def on_info(self, info: StoreInfo) -> None:
         self.stores.seen(info.node)
@@ -201,7 +192,12 @@ class ShadowView:
             # already published: it was lost (a trailing gap no later batch reveals).
             self.request_dump(info.node)
 
-    async def _on_announce(self, info: StoreInfo, _m: NatsMsg) -> None:
+    async def _on_announce(self, info: StoreInfo, m: NatsMsg) -> None:
+        if not subjects.announced_by(m.subject, info.node):
+            log.warning("store_announce_impostor", subject=m.subject, claimed=info.node)
+            return
+        if self._discovering is not None:
+            self._discovering.add(info.node)
         self.on_info(info)
 
     async def _on_batch(self, batch: EventBatch, m: NatsMsg) -> None:

@@ -1,7 +1,8 @@
 """The node registry as one store sees it: which stores exist, at which data address.
 
-Fed by the StoreInfo announcements on the bus (``perigee.store.announce``). A SHIP,
-PULL or LEASE goes only to an address a store announced (:meth:`NodeRegistry.knows`,
+Fed by the StoreInfo announcements on the bus (``perigee.store.<node>.announce``, each
+believed only on its own node's subject: the service checks that before :meth:`seen`).
+A SHIP, PULL or LEASE goes only to an address a store announced (:meth:`NodeRegistry.knows`,
 which waits a little for the announcement of a store that just started); a store's
 older address is forgotten once it announces a new one (a restart), and an address not
 announced for ``stale_s`` is no longer known.
@@ -60,13 +61,15 @@ class NodeRegistry:
             return
         old = self._addr_of.get(info.node)
         if old is not None and old != info.data_addr:
-            self._by_addr.pop(old, None)  # its previous incarnation's address
+            prev = self._by_addr.get(old)
+            if prev is not None and prev.node == info.node:
+                del self._by_addr[old]  # its previous incarnation's address (not another's)
         self._addr_of[info.node] = info.data_addr
         self._by_addr[info.data_addr] = _Entry(info.node, info.epoch, self.clock())
         self._by_addr.move_to_end(info.data_addr)
         while len(self._by_addr) > self.max_nodes:
-            _, gone = self._by_addr.popitem(last=False)
-            if self._addr_of.get(gone.node) is not None:
+            gone_addr, gone = self._by_addr.popitem(last=False)
+            if self._addr_of.get(gone.node) == gone_addr:
                 self._addr_of.pop(gone.node, None)
         if info.node == self.own_node and not self.enforced:
             self.enforced = True

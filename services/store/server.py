@@ -11,7 +11,7 @@ Lifecycle::
                  perigee.store.<node>.tx.renew     TxRenew    -> TxRenewed (lease holders)
                  perigee.store.<node>.dump         DumpRequest -> DumpPage
                  perigee.store.<node>.info         (anything) -> StoreInfo
-                 perigee.store.discover            (anything) -> StoreInfo
+                 perigee.store.discover            (anything) -> an announce now (no reply)
                  perigee.store.<node>.stats        (anything) -> WorkerStats(role="store")
                  perigee.store.<node>.clear        ClearRequest -> ClearDone (AllBlocksCleared)
                  perigee.store.<node>.replay       ReplayRequest -> ReplayPage (recent batches)
@@ -22,7 +22,9 @@ Lifecycle::
            TCP   object put/get on StoreInfo.obj_addr (services.store.object_server)
            tasks data-plane   ROUTER loop (SHIP/PULL from workers, OPEN/CLOSE from peers;
                               services.store.transfer), grant sweep
-                 announce     StoreInfo on perigee.store.announce every announce interval
+                 announce     StoreInfo on perigee.store.<node>.announce every announce
+                              interval (and on a discovery); the other stores' feed the
+                              node registry, each believed only on its own node's subject
                  lease-sweep  aborts transactions whose lease ran out, drops expired pins
                  kv-events    publishes EventBatch on perigee.kv.events.<node> in seq order,
                               into the JetStream stream (services.common.kv_stream)
@@ -93,6 +95,7 @@ from tracing import inject
 log = structlog.get_logger()
 
 PUBLISH_WINDOW = 256  # KV-event batches awaiting the stream's acks at once
+ANNOUNCE_MIN_GAP_S = 0.05  # announces at most this often, however many discoveries ask
 
 
 class StoreService:
@@ -175,6 +178,7 @@ class StoreService:
         self._subs = Subscriptions(nc)
         self._raw_subs: list[Any] = []
         self._outbox: asyncio.Queue[EventBatch] = asyncio.Queue()
+        self._announce_now = asyncio.Event()  # a discovery asked for an announce
         self._tasks: list[asyncio.Task] = []
         # Set when a background task dies: the process should exit (and be restarted).
         self.failed = asyncio.Event()
@@ -239,10 +243,10 @@ class StoreService:
         await self._subs.serve(subjects.CTL_REPLICATE, Replicate, self._replicate, concurrent=True)
         for subject, reply in (
             (ctl(self.node, "info"), self.info),
-            (subjects.STORE_DISCOVER, self.info),
             (subjects.worker_stats("store", self.node), self.stats),
         ):
             self._raw_subs.append(await self.nc.subscribe(subject, cb=self._answer(reply)))
+        self._raw_subs.append(await self.nc.subscribe(subjects.STORE_DISCOVER, cb=self._discover))
         await self.nc.flush()
         self._serving.set()
         log.info(
@@ -413,9 +417,20 @@ class StoreService:
 
     async def _announced(self, m: NatsMsg) -> None:
         try:
-            self.registry.seen(decode(m.data, StoreInfo))
+            info = decode(m.data, StoreInfo)
         except BadMessage:
             log.warning("bad_announcement", subject=m.subject)
+            return
+        if not subjects.announced_by(m.subject, info.node):
+            # only the node's own login may publish its subject: a store claiming another
+            log.warning("store_announce_impostor", subject=m.subject, claimed=info.node)
+            return
+        self.registry.seen(info)
+
+    async def _discover(self, _m: NatsMsg) -> None:
+        """A discovery: announce now, on our own subject (a reply on the asker's inbox
+        would prove nothing of who sent it). Discoveries in a burst make one announce."""
+        self._announce_now.set()
 
     def _answer(self, make: Any):
         async def cb(m: NatsMsg) -> None:
@@ -508,12 +523,22 @@ class StoreService:
                 log.warning("tx_lease_expired", tx_id=tx_id)
 
     async def _announce(self) -> None:
+        subject = subjects.store_announce(self.node)
         while True:
+            self._announce_now.clear()
             try:
-                await publish(self.nc, subjects.STORE_ANNOUNCE, self.info())
+                await publish(self.nc, subject, self.info())
             except Exception:  # noqa: BLE001 - try again next tick
                 log.exception("announce_failed")
-            await asyncio.sleep(self.announce_interval_s)
+            # the next tick, or a discovery (a flood of them: one announce per 50 ms)
+            await asyncio.sleep(min(ANNOUNCE_MIN_GAP_S, self.announce_interval_s))
+            try:
+                await asyncio.wait_for(
+                    self._announce_now.wait(),
+                    max(0.0, self.announce_interval_s - ANNOUNCE_MIN_GAP_S),
+                )
+            except TimeoutError:
+                pass
 
     def _task_died(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:

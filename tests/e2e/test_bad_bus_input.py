@@ -31,7 +31,7 @@ def targets() -> list[str]:
         subjects.kv_events("p0"),
         subjects.load_report("prefill", "prefill-0"),
         subjects.load_report("decode", "decode-0"),
-        subjects.STORE_ANNOUNCE,
+        subjects.store_announce("p0"),
     ]
 
 

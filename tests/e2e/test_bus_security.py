@@ -8,11 +8,13 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import nats
 import nats.errors
 import pytest
 
-from bus_schemas import subjects
+from bus_schemas import codec, subjects
+from bus_schemas import control as bus_control
 from services.common import bus
 from tests.e2e.conftest import make_stack
 from tests.e2e.sse import stream
@@ -175,6 +177,12 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
         (adm, subjects.prefill_tasks("prefill-0")),
         (cond, subjects.INTAKE),
         (cond, subjects.kv_events("d0")),
+        # a store announces only its own node (receivers believe the subject)
+        (store, subjects.store_announce("p0")),
+        (dec, subjects.store_announce("d0")),
+        (pre, subjects.store_announce("p0")),
+        (cond, subjects.store_announce("p0")),
+        (gw, subjects.store_announce("p0")),
     ]
     # Store administration is the admin's: a wipe, a replay, object removal.
     for client in (dec, pre, store, gw, cond, adm):
@@ -190,6 +198,7 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
         (dec, subjects.bus_reconnected("worker", "decode-0")),
         (dec, "_INBOX.nobody.1"),  # a bus client's reply subject
         (store, subjects.kv_events("d0")),
+        (store, subjects.store_announce("d0")),
         (cond, subjects.store_ctl("nobody", "dump")),  # it rebuilds its index so
     ]
     admin = await Watcher().start(stack, *[s for _, s in allowed])
@@ -354,3 +363,54 @@ async def test_a_request_over_the_bus_max_payload_is_413_and_the_stack_serves_on
         ok = await stream(http, s.url, {"prompt": "word " * 20, "max_tokens": 2})
     assert ok.status == 200 and ok.done and ok.error is None, ok.error
     assert not s.exited()
+
+
+def _log_events(stack, name: str, event: str) -> list[dict]:
+    out = []
+    for line in (Path(stack.cfg.log_dir) / f"{name}.log").read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") == event:
+            out.append(rec)
+    return out
+
+
+async def test_a_store_cannot_announce_itself_as_another_node(stack):
+    """store-d0's own login, announcing p0 at an address of its choosing: on p0's subject
+    the server refuses it; on its own subject the conductor and the stores drop it (the
+    payload's node is not the subject's), and p0 stays at its real address."""
+    logins = _logins(stack)["users"]
+    store = await Client().connect(_server(stack), "store-d0", logins["store-d0"])
+    admin = await nats.connect(stack.nats_url)
+    try:
+        real = await bus.request(
+            admin, subjects.store_ctl("p0", "info"), b"", bus_control.StoreInfo, timeout=5
+        )
+        fake = msgspec.structs.replace(real, data_addr="tcp://127.0.0.1:1", ts=real.ts + 1)
+        assert await store.denied(subjects.store_announce("p0"))
+        before = {
+            n: len(_log_events(stack, n, "store_announce_impostor"))
+            for n in ("conductor", "store-p0", "store-d0")
+        }
+        await store.nc.publish(subjects.store_announce("d0"), codec.encode(fake))
+        await store.nc.flush()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while True:
+            now = {n: len(_log_events(stack, n, "store_announce_impostor")) for n in before}
+            if all(now[n] > before[n] for n in before):
+                break
+            assert loop.time() < deadline, (before, now)
+            await asyncio.sleep(0.1)
+        rec = _log_events(stack, "conductor", "store_announce_impostor")[-1]
+        assert rec["claimed"] == "p0" and rec["subject"] == subjects.store_announce("d0")
+        # p0 is still where it is (its own info)
+        again = await bus.request(
+            admin, subjects.store_ctl("p0", "info"), b"", bus_control.StoreInfo, timeout=5
+        )
+        assert again.data_addr == real.data_addr
+    finally:
+        await store.close()
+        await admin.close()

@@ -7,9 +7,11 @@ import select
 import socket
 import threading
 
+import msgspec
 import pytest
 
 from bus_schemas import subjects
+from bus_schemas.codec import encode as encode_msg
 from bus_schemas.control import TxDone, TxHandle, TxRole
 from bus_schemas.load import WorkerStats
 from perigee.natsd import free_port
@@ -208,6 +210,32 @@ async def test_ship_pull_and_lease_to_an_address_no_store_announced_are_refused(
             await op
         assert e.value.code == "unknown_peer"
     await honest_ship(nc, a, b, 1004)
+
+
+async def test_an_announce_on_another_nodes_subject_teaches_the_registry_nothing(env):
+    """A StoreInfo claiming hb at an address of the sender's choosing, on a subject that
+    is not hb's own (what another store's login could publish): the stores drop it, so
+    a ship to that address stays refused."""
+    nc, a, b = env
+    src = await tx(nc, "ha", TxRole.PREFILL, [33], BS)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    claim = msgspec.structs.replace(b.info, data_addr=addr)
+    await nc.publish(subjects.store_announce("hx"), encode_msg(claim))
+    await nc.flush()
+    fake = TxHandle(
+        tx_id="x",
+        node="hb",
+        epoch=b.info.epoch,
+        slots=[0],
+        hit_blocks=0,
+        shm_name="",
+        data_addr=addr,
+        block_bytes=BB,
+    )
+    with pytest.raises(TransferError) as e:
+        await a.ship_layer(src, fake, 0, [0], BB, 0)
+    assert e.value.code == "unknown_peer"
+    await honest_ship(nc, a, b, 1008)  # hb's real address is still known
 
 
 async def test_an_oversize_length_drops_the_stream_without_allocating(env):

@@ -45,7 +45,8 @@ _tx_ids = itertools.count(1)
 
 
 class FakeStore:
-    """Answers a node's store_ctl endpoints and STORE_DISCOVER; records what it got."""
+    """Answers a node's store_ctl endpoints and STORE_DISCOVER (with an announce);
+    records what it got."""
 
     def __init__(self, nc, node: str, held=(), refuse: dict[TxRole, str] | None = None) -> None:
         self.nc = nc
@@ -125,8 +126,8 @@ class FakeStore:
                 ),
             )
 
-        async def discover(m):
-            await reply(m, self.info())
+        async def discover(m):  # as a store does: an announce on its own subject
+            await self.nc.publish(subjects.store_announce(self.node), encode(self.info()))
 
         for ep, cb in (
             ("tx.allocate", allocate),

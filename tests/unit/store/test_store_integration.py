@@ -235,7 +235,7 @@ async def test_ship_to_a_dead_peer_fails_within_a_bounded_wait(env):
     )
     # a store the registry knows (it announced itself), dead since
     gone = msgspec.structs.replace(a.info, node="gone", data_addr=dead.data_addr)
-    await nc.publish(subjects.STORE_ANNOUNCE, encode(gone))
+    await nc.publish(subjects.store_announce("gone"), encode(gone))
     with pytest.raises(TransferError) as e:
         await asyncio.wait_for(a.ship_layer(src, dead, 0, [0], LAYER, 0), timeout=20)
     assert e.value.code == "timeout" and "tcp://127.0.0.1" in e.value.message
