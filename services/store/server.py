@@ -95,6 +95,9 @@ from tracing import inject
 log = structlog.get_logger()
 
 PUBLISH_WINDOW = 256  # KV-event batches awaiting the stream's acks at once
+# KV-event batches waiting to be published, at most: past it (the bus is down or slower
+# than the pool) the oldest are dropped, and consumers see the sequence gap and dump.
+MAX_OUTBOX = 16_384
 ANNOUNCE_MIN_GAP_S = 0.05  # announces at most this often, however many discoveries ask
 
 
@@ -178,6 +181,7 @@ class StoreService:
         self._subs = Subscriptions(nc)
         self._raw_subs: list[Any] = []
         self._outbox: asyncio.Queue[EventBatch] = asyncio.Queue()
+        self.outbox_dropped = 0
         self._announce_now = asyncio.Event()  # a discovery asked for an announce
         self._tasks: list[asyncio.Task] = []
         # Set when a background task dies: the process should exit (and be restarted).
@@ -314,6 +318,8 @@ class StoreService:
             **(self.obj_server.counters if self.obj_server else {}),
         }
         counters["seq"] = self.seq
+        counters["kv_outbox"] = self._outbox.qsize()
+        counters["kv_outbox_dropped"] = self.outbox_dropped
         counters["known_stores"] = len(self.registry)
         counters["ssd_index_dirty"] = int(self.pool.ssd_dirty)  # SSD blocks not yet in the index
         return WorkerStats(instance=self.node, node=self.node, role="store", counters=counters)
@@ -461,6 +467,9 @@ class StoreService:
             node=self.node, epoch=self.epoch, seq=self.seq, ts=time.time(), events=events
         )
         self.replay.add(batch)
+        if self._outbox.qsize() >= MAX_OUTBOX:
+            self._outbox.get_nowait()  # a gap, which consumers repair with a dump
+            self.outbox_dropped += 1
         self._outbox.put_nowait(batch)
 
     async def _publish_events(self) -> None:

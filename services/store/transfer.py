@@ -76,6 +76,8 @@ from services.store.transport import Opcode, Poll, TransportError
 from services.store.transport import shm as shm_transport
 from tracing import extract, inject, tracer
 
+# Peer segments whose reachability over shm is remembered, at most.
+MAX_VISIBLE = 4096
 log = structlog.get_logger()
 
 TRANSPORTS = ("rdma", "shm", "tcp")  # preference order
@@ -981,6 +983,8 @@ class DataPlane:
         seen = self._visible.get(segment)
         if seen is None:
             seen = self._visible[segment] = shm_transport.reachable(segment)
+            while len(self._visible) > MAX_VISIBLE:  # peers come and go: the oldest first
+                del self._visible[next(iter(self._visible))]
         return seen
 
     # ---------------------------------------------------------------- shutdown

@@ -401,3 +401,25 @@ async def test_client_follows_a_restarted_store_and_same_node_ship_is_a_local_co
             await client.close()
             await nc.close()
             stop_store(proc)
+
+
+def test_the_kv_event_outbox_is_bounded_an_overflow_is_a_gap(monkeypatch):
+    """The bus down or slower than the pool: the outbox keeps the newest MAX_OUTBOX
+    batches; the oldest go, and the sequence gap makes consumers dump the node."""
+    from bus_schemas.kv_events import BlockStored
+    from services.store import server as srv
+
+    monkeypatch.setattr(srv, "MAX_OUTBOX", 3)
+
+    class _Replay:
+        def add(self, batch) -> None:
+            pass
+
+    svc = srv.StoreService.__new__(srv.StoreService)
+    svc.node, svc.epoch, svc.seq, svc.outbox_dropped = "n", 1, 0, 0
+    svc.replay = _Replay()
+    svc._outbox = asyncio.Queue()
+    for h in range(5):
+        svc._emit([BlockStored(block_hashes=[h])])
+    seqs = [svc._outbox.get_nowait().seq for _ in range(svc._outbox.qsize())]
+    assert seqs == [3, 4, 5] and svc.outbox_dropped == 2
