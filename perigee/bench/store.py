@@ -33,6 +33,7 @@ from pathlib import Path
 from perigee.bench.stats import percentile
 from perigee.bench.transfer import find_mooncake_python
 from perigee.natsd import NatsServer, free_port
+from services.store import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -296,6 +297,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mooncake-python", default=None)
     p.add_argument("--no-mooncake", action="store_true")
     args = p.parse_args(argv)
+    os.environ.setdefault(auth.ENV, auth.new_key())  # the store and this client share it
     sizes = [int(x) for x in args.sizes.split(",") if x]
     py = None if args.no_mooncake else find_mooncake_python(args.mooncake_python)
     why = "skipped" if args.no_mooncake else "mooncake is not importable here"
