@@ -436,10 +436,9 @@ class ReplyRouter:
             if aid not in self._unplaced_cancels:
                 del self._nonces[aid]
         self.watchdog.forget_silent(FORGET_INSTANCE_S)
-        for inst in [i for i in self.roles if not self.watchdog.liveness.known(i)]:
-            del self.roles[inst]
-        for inst in [i for i in self.nodes if not self.watchdog.liveness.known(i)]:
-            del self.nodes[inst]
+        for by_instance in (self.roles, self.nodes):
+            for inst in [i for i in by_instance if not self.watchdog.liveness.known(i)]:
+                del by_instance[inst]
         for name, size in (
             ("flights", len(self._flights)),
             ("routes", len(self._routes)),

@@ -3,15 +3,13 @@ template's placeholder (``REPLACE-ME-...``, deploy/k8s/base/credentials.env) sto
 store or a worker at start, before it connects, with a message naming it (exit 1, no
 traceback); a real key is taken as it is."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.common.placeholders import PlaceholderSecret
 from services.store import auth
+from tests.unit.common.test_placeholder_secrets import _run
 
 ROOT = Path(__file__).resolve().parents[3]
 CREDENTIALS = ROOT / "deploy" / "k8s" / "base" / "credentials.env"
@@ -43,17 +41,6 @@ def test_a_real_key_is_taken(fresh_key):
     real = auth.new_key()
     fresh_key.setenv(auth.ENV, real)
     assert auth.data_key() == real.encode()
-
-
-def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", *argv],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.mark.parametrize("service", ["store", "prefill", "decode"])
