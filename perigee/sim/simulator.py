@@ -59,11 +59,11 @@ from services.common import defaults
 from services.common import reservation as plan
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
+from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.cpp import DEFAULT_CHUNK_TOKENS, CppConfig
 from services.conductor.policy import (
     DEFAULT_BALANCING_THRESHOLD,
-    Placement,
     PlacementPolicy,
     PlacementRequest,
 )
@@ -360,13 +360,17 @@ class Simulator:
         preq = PlacementRequest(
             req.rid, req.num_tokens, tuple(req.hashes), self.cfg.block_size, arrival_ts=req.arrival
         )
-        d = self.placement.place(preq, self.cluster.index.match(req.hashes))
+        # The trace's hashes are the blocks' (checked once, when the trace was read);
+        # no store is down in the simulated cluster.
+        d = placement_round.place(self.placement, preq, self.cluster.index.match)
         if isinstance(d, Rejection):
             self._reject(req, "conductor", d.reason)
             return
-        self._dispatch(req, d)
+        self._dispatch(req, d.task)
 
-    def _dispatch(self, req: SimRequest, p: Placement) -> None:
+    def _dispatch(self, req: SimRequest, p: placement_round.TaskFields) -> None:
+        """The placed request takes its task fields, as the prefill worker reads them
+        off the PrefillTask."""
         bs, n = self.cfg.block_size, req.num_tokens
         req.source = p.source
         # What the queue expects (the conductor's PrefillTask): the reservation has the

@@ -56,23 +56,20 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from bus_schemas.roles import Role
 from services.common import bus, defaults, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
-from services.common.intake import hashes_for, reply_to, salvage
+from services.common.intake import reply_to, salvage
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
 from services.conductor import cpp as cpp_
+from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
-from services.conductor.migration import away_from_stores, placement_for
 from services.conductor.pd_ratio import PDRatioController
 from services.conductor.policy import (
-    Placement,
     PlacementPolicy,
-    PlacementRequest,
     Rejection,
     TtftFeedback,
 )
@@ -349,15 +346,12 @@ class ConductorService:
     async def schedule(self, req: GenerateRequest, reply: str, claim: bool = False) -> None:
         bs = self.cfg.block_size
         try:
-            hashes = hashes_for(req.prompt_token_ids, req.block_hashes, req.block_size, bs)
+            preq = placement_round.request_for(req, bs)  # the one check of the hashes
         except ValueError as e:
             await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, str(e))
             return
-        req = _with(req, block_hashes=hashes, block_size=bs, reply_subject=reply)
-        preq = PlacementRequest.from_request(req, bs)
-        exclude: dict = {}
+        req = _with(req, block_hashes=list(preq.block_hashes), block_size=bs, reply_subject=reply)
         if req.migration is not None:  # a dead worker's request: services.conductor.migration
-            preq, exclude = placement_for(preq, req.migration, self.policy.loads.incarnation)
             metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()
             # The dead attempt's books (a prefill death leaves it unsettled) go now.
             self.pending.pop(req.migration.dead_request_id, None)
@@ -373,14 +367,14 @@ class ConductorService:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
-            loads = self.policy.loads  # a dead store takes its node's instances out
-            exclude = away_from_stores(
-                exclude,
-                self.shadow.down(),
-                {i: ld.node for i, ld in loads.prefill.items()},
-                {i: ld.node for i, ld in loads.decode.items()},
+            # A dead store takes its node's instances out (services.conductor.migration).
+            decision = placement_round.place(
+                self.policy,
+                preq,
+                self.shadow.match,
+                down=self.shadow.down(),
+                migration=req.migration,
             )
-            decision = self.policy.place(preq, self.shadow.match(preq.block_hashes), **exclude)
             if isinstance(decision, Rejection):
                 span.set_attribute("outcome", f"rejected_{int(decision.code)}")
                 span.set_attribute("reason", decision.reason)
@@ -392,30 +386,36 @@ class ConductorService:
             await self._dispatch(req, reply, decision, span, claim)
 
     async def _dispatch(
-        self, req: GenerateRequest, reply: str, p: Placement, span, claim: bool = False
+        self,
+        req: GenerateRequest,
+        reply: str,
+        placed: placement_round.Placed,
+        span,
+        claim: bool = False,
     ) -> None:
         """Hand the placement to the prefill instance; it reserves the store slots when
         its compute starts, so nothing is held while the request waits in its queue."""
         bs = self.cfg.block_size
+        p, f = placed.placement, placed.task
         r = p.remote
         task = PrefillTask(
             request=req,
             conductor_id=self.cfg.conductor_id,
-            prefill_instance=p.prefill_instance,
-            decode_instance=p.decode_instance,
-            prefill_node=p.prefill_node,
-            decode_node=p.decode_node,
-            expected_hit_blocks=p.expected_hit_blocks,
-            source=p.source,
+            prefill_instance=f.prefill_instance,
+            decode_instance=f.decode_instance,
+            prefill_node=f.prefill_node,
+            decode_node=f.decode_node,
+            expected_hit_blocks=f.expected_hit_blocks,
+            source=f.source,
             placed_ts=time.time(),
-            est_ttft_s=p.est_ttft_s,
+            est_ttft_s=f.est_ttft_s,
             # The baseline (no TBT check here) may still reject at decode, after prefill:
             # then the first token must wait for decode to take the request.
             stream_first_token=self.cfg.tbt_check,
-            cpp_stages=list(p.cpp_stages),
-            cpp_chunk_tokens=p.cpp_chunk_tokens,
-            prefill_incarnation=self.policy.loads.incarnation(Role.PREFILL, p.prefill_instance),
-            decode_incarnation=self.policy.loads.incarnation(Role.DECODE, p.decode_instance),
+            cpp_stages=list(f.cpp_stages),
+            cpp_chunk_tokens=f.cpp_chunk_tokens,
+            prefill_incarnation=f.prefill_incarnation,
+            decode_incarnation=f.decode_incarnation,
         )
         if claim:
             try:
