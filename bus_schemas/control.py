@@ -31,6 +31,9 @@ class TxAllocate(Msg):
     retention: Retention = Retention.DEFAULT
     context_ttl_s: float = 0.0
     lease_s: float = 30.0
+    # A decode worker writing back what its engine generated (the answer's blocks,
+    # issue 24): the store counts these blocks, and later hits on them, apart.
+    writeback: bool = False
 
 
 class TxHandle(Msg, tag="handle"):

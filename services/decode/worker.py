@@ -12,7 +12,10 @@ Lifecycle of a request on this instance:
                    (``first_token_sent``), else it goes out now; then decode_tx is
                    committed on the store beside generation (the KV lives in the engine)
       -> WaitingQueue  inside the engine, until the running batch has room (max_batch)
-      -> RunningBatch  continuous batching: Tokens as they come, then Finished
+      -> RunningBatch  continuous batching: Tokens as they come, then Finished; the
+                   answer's blocks go into this node's store as they fill
+                   (write-back, :mod:`services.decode.writeback`), all written
+                   before Finished goes out
 
 A migrated request (``request.migration``: the gateway resent it after its worker
 died) is served like any other; its prompt holds the tokens already streamed, and its
@@ -49,6 +52,7 @@ from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, LeaseKeeper, StoreTx
+from services.decode import writeback
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from services.worker.base import WorkerBase
 from tracing import tracer
@@ -102,6 +106,7 @@ class DecodeWorker(WorkerBase):
         commit_timeout: float = 2.0,
         admit: Callable[[DecodeTask, EngineStats, int], str | None] | None = None,
         lease_s: float = 10.0,
+        write_back: bool = True,
     ) -> None:
         super().__init__(nc, instance=instance, node=node, report_interval=report_interval)
         self.store = store
@@ -118,9 +123,11 @@ class DecodeWorker(WorkerBase):
                 "tokens_generated",
                 "kv_tokens_loaded",
                 "commits_failed",
+                *writeback.COUNTERS,
             ),
             0,
         )
+        self.write_back = write_back  # the answer's blocks go into this node's store
         self.admit = admit  # (task, engine stats, tasks loading) -> reason to reject
         self._subs = bus.Subscriptions(nc)
         self._active: set[str] = set()
@@ -224,8 +231,29 @@ class DecodeWorker(WorkerBase):
     # -- one request --
     async def _serve(self, task: DecodeTask) -> None:
         req = task.request
-        rid, n = req.request_id, len(req.prompt_token_ids)
         self._validate(task)
+        wb = None
+        if self.write_back:
+            wb = writeback.AnswerWriteBack(
+                req,
+                node=self.node,
+                store=self.store,  # type: ignore[arg-type]  # StoreClient
+                store_tx=self.store_tx,
+                block_size=self.layout.block_size,
+                block_bytes=self.layout.block_bytes,
+                counters=self.counters,
+                lease_s=self.leases.lease_s,
+            )
+            wb.add_tokens([task.first_token])
+        try:
+            await self._serve_with(task, wb)
+        finally:
+            if wb is not None:
+                wb.cancel()  # after a failure the rest of the answer is not written
+
+    async def _serve_with(self, task: DecodeTask, wb: "writeback.AnswerWriteBack | None") -> None:
+        req = task.request
+        rid, n = req.request_id, len(req.prompt_token_ids)
         self._loading += 1
         try:
             with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
@@ -238,6 +266,7 @@ class DecodeWorker(WorkerBase):
                         first_token=task.first_token,
                         sampling=req.sampling,
                         kv=SlotKV(self.layout, slots, n),
+                        on_block=wb.on_block if wb is not None else None,
                     )
                 )
                 stream = await self._before_lease_ends(load, task)
@@ -263,6 +292,8 @@ class DecodeWorker(WorkerBase):
         # The KV now lives in the engine, so the commit (which only makes the blocks
         # cacheable on this node) runs beside generation rather than before the first token.
         commit = asyncio.create_task(self._commit(task))
+        if wb is not None:  # the prompt's blocks head the answer's chain
+            commit.add_done_callback(lambda _: wb.prompt_committed())
         self.counters["tokens_generated"] += 1
         index = 1
         with tracer().start_as_current_span("decode.generate") as span:
@@ -275,8 +306,14 @@ class DecodeWorker(WorkerBase):
                 )
                 index += len(batch)
                 self.counters["tokens_generated"] += len(batch)
+                if wb is not None:
+                    wb.add_tokens(batch)
             span.set_attribute("completion_tokens", index)
         await commit  # never raises; ordered before Finished so the node's cache is settled
+        if wb is not None:
+            with tracer().start_as_current_span("decode.writeback") as span:
+                await wb.finish()
+                span.set_attribute("blocks", wb.written)
         stop = self._stop_reason.get(rid)
         if stream.finish_reason == "abort" and stop is not None and stop[0] != ErrorCode.CANCELLED:
             raise _Stopped()  # shutting down: the client gets Error 503, not a short answer

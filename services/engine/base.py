@@ -17,6 +17,9 @@ How a vLLM backend maps onto this (through vLLM's KV-connector API):
   its ships;
 - ``DecodeJob.kv`` is loaded whole by ``add_request`` before the request joins the
   running batch; after ``add_request`` returns the engine no longer needs the slots.
+- ``DecodeJob.on_block`` serves ``save_kv_layer`` on the decode side: each block of
+  the answer is copied out of the paged cache as it fills, so the worker can store it
+  (write-back, :mod:`services.decode.writeback`).
 
 Errors: :class:`EngineError` fails one request (the engine keeps serving);
 :class:`EngineDeadError` means the engine is gone and the worker must stop.
@@ -130,6 +133,13 @@ class DecodeJob:
     first_token: int
     sampling: SamplingParams
     kv: KVAccess
+    # Write-back (issue 24): called on the event loop with (block index j, the block's
+    # bytes in the store's layout, every layer) once the engine holds the KV of every
+    # position of block j, for each block from the one holding the prompt's end
+    # (``len(prompt) // block_size``) onwards, in order. The KV is the engine's own,
+    # copied out as it is computed; the last sampled token has none (it was never fed
+    # back), so the blocks end before it. The bytes are the callee's.
+    on_block: Callable[[int, memoryview], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ class _Req:
     h: int  # rolling hash of prompt + generated tokens
     generated: int  # completion tokens so far, the first token included
     context: int  # tokens of context: prompt + generated
+    # Write-back (job.on_block): rolling hashes of the positions of the block filling
+    # now, which is block ``wb_block``.
+    wb_hashes: list[int] | None = None
+    wb_block: int = 0
 
 
 class MockEngine(Engine):
@@ -198,6 +202,10 @@ class MockEngine(Engine):
             raise EngineError(f"request {rid} is already decoding")
         h = synth.extend_hash(int(hashes[-1]), job.first_token)
         req = _Req(job=job, stream=RequestStream(rid), h=h, generated=1, context=n + 1)
+        if job.on_block is not None:
+            bs = job.kv.layout.block_size
+            req.wb_block = n // bs
+            req.wb_hashes = [int(x) for x in hashes[req.wb_block * bs :]] + [h]
         reason = self._finish_reason(req, job.first_token)
         if reason is not None:
             req.stream.finish(reason)
@@ -280,9 +288,29 @@ class MockEngine(Engine):
         req.h = synth.extend_hash(req.h, tok)
         req.generated += 1
         req.context += 1
+        if req.wb_hashes is not None:
+            self._write_back(req)
         req.stream.push(tok)
         reason = self._finish_reason(req, tok)
         if reason is not None:
             del self._by_id[req.job.request_id]
             self._running.remove(req)
             req.stream.finish(reason)
+
+    def _write_back(self, req: _Req) -> None:
+        """After a step: the token fed to it now has KV, the one it sampled has none
+        (as in a real engine). A block whose positions all have KV goes out."""
+        assert req.wb_hashes is not None and req.job.on_block is not None
+        req.wb_hashes.append(req.h)  # the sampled token's position
+        layout = req.job.kv.layout
+        bs = layout.block_size
+        if len(req.wb_hashes) - 1 < bs:
+            return
+        buf = memoryview(bytearray(layout.block_bytes))
+        hashes = np.asarray(req.wb_hashes[:bs], dtype=np.uint64)
+        for layer in range(self.spec.num_layers):
+            kv = synth.layer_kv(hashes, layer, layout.row, layout.dtype)
+            layout.write_tokens([buf], layer, 0, kv)
+        req.job.on_block(req.wb_block, buf)
+        req.wb_block += 1
+        req.wb_hashes = req.wb_hashes[bs:]

@@ -56,6 +56,14 @@ from services.store.eviction import LRUEviction
 from services.store.tiers.lower import TIER_COUNTERS, FreeList, LowerTiers, operation
 from services.store.tiers.policy import TierIndex
 
+# Decode write-back (issue 24): answer blocks stored, and later hits on them by tier.
+WRITEBACK_COUNTERS = (
+    "writeback_blocks",
+    "writeback_hits_vram",
+    "writeback_hits_dram",
+    "writeback_hits_ssd",
+)
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -79,6 +87,7 @@ class _Tx:
     hit_blocks: int
     writable: frozenset[int] = field(default_factory=frozenset)  # slots allocated by this tx
     readable: frozenset[int] = field(default_factory=frozenset)  # every slot of this tx
+    writeback: bool = False  # a decode worker's answer blocks (TxAllocate.writeback)
 
 
 class BlockPool(LowerTiers):
@@ -129,9 +138,13 @@ class BlockPool(LowerTiers):
                 "evictions",
                 "unpinned_blocks",
                 *TIER_COUNTERS,
+                *WRITEBACK_COUNTERS,
             ),
             0,
         )
+        # Blocks a decode worker wrote back (answers) while they are on the node, so
+        # hits on them are counted by tier.
+        self._answers: set[int] = set()
         self._init_lower(vram_capacity, ssd_capacity, writeback)
 
     def use_free_list(self, free: FreeList) -> None:
@@ -151,6 +164,11 @@ class BlockPool(LowerTiers):
         return out
 
     def _queue(self, event: KVEvent) -> None:
+        if self._answers:
+            if isinstance(event, AllBlocksCleared):
+                self._answers.clear()
+            elif isinstance(event, BlockRemoved):
+                self._answers.difference_update(event.block_hashes)
         if self.kv_events:
             self._events.append(event)
 
@@ -306,6 +324,8 @@ class BlockPool(LowerTiers):
         self._tx_owned += need_new
         slots = [self._cached[h] for h in hits] + new
         self._open(req, new_id, hashes, slots, hit, writable=frozenset(new))
+        if self._answers and not req.writeback:  # a writer extending its chain is no reuse
+            self._count_answer_hits(hits, promote)
         self.counters["hit_blocks"] += hit if req.role != TxRole.SOURCE else 0
         self.counters["new_blocks"] += need_new
         return Allocation(tx_id=new_id, slots=slots, hit_blocks=hit)
@@ -336,6 +356,9 @@ class BlockPool(LowerTiers):
                     if h is not None and keep:
                         self.counters["duplicate_blocks"] += 1
                     self._free.append(slot)
+            if tx.writeback and newly:
+                self._answers.update(tx.hashes[i] for i in newly)
+                self.counters["writeback_blocks"] += len(newly)
             if tx.retention == Retention.CONTEXT_CACHE and tx.context_ttl_s > 0:
                 until = self.clock.now() + tx.context_ttl_s
                 for h in tx.hashes:
@@ -561,6 +584,7 @@ class BlockPool(LowerTiers):
             hit_blocks=hit,
             writable=writable,
             readable=frozenset(slots),
+            writeback=req.writeback,
         )
         heapq.heappush(self._lease_heap, (deadline, tx_id))
         self.counters["tx_allocated"] += 1
@@ -579,6 +603,14 @@ class BlockPool(LowerTiers):
                 self._unlock(h)
         for h, t in promote.items():
             t.settle(h)
+
+    def _count_answer_hits(self, hits: list[int], promote: dict[int, TierIndex]) -> None:
+        """Hits (a prefix locked for reuse or for a pull) on written-back blocks, by the
+        tier each was found in."""
+        for h in hits:
+            if h in self._answers:
+                tier = promote[h].tier.name.lower() if h in promote else "dram"
+                self.counters[f"writeback_hits_{tier}"] += 1
 
     def _unknown(self, tx_id: str) -> Refused:
         if not tx_id.startswith(self.id_prefix):

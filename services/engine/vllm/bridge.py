@@ -15,6 +15,7 @@ Lifecycle of a plan:
     connector (sched.)   load planned       plan.consumed: never loaded twice
     connector (worker)   load done          plan.on_loaded() (decode: slots released)
                          layer saved        plan.on_layer(layer) (prefill: ship it)
+                         answer block full  plan.on_block(j, bytes) (decode write-back)
                          failure            plan.error (never raised inside vLLM)
     engine (thread)      drop(key)          when vLLM reports the request finished
 """
@@ -48,6 +49,12 @@ class Plan:
     # on before the step ends (wait_for_save), or None.
     on_layer: Callable[[int], Future | None] | None = None
     on_loaded: Callable[[], None] | None = None
+    # Decode write-back: from perigee block ``writeback_from`` on, each block whose
+    # positions all have KV is copied out of vLLM's pages (every layer, into
+    # ``wb_tensors``) and handed to ``on_block(j, bytes)`` (engine thread).
+    writeback_from: int | None = None
+    on_block: Callable[[int, memoryview], None] | None = None
+    wb_tensors: dict[int, Any] = field(default_factory=dict)
     # Progress, written on the engine thread.
     consumed: bool = False
     loaded_tokens: int = 0
@@ -80,6 +87,7 @@ class Bridge:
                 "connector_layer_blocks_saved",
                 "connector_blocks_saved",
                 "connector_layers_shipped",
+                "connector_blocks_written_back",
                 "connector_errors",
             ),
             0,

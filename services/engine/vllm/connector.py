@@ -15,13 +15,18 @@ Scheduler side, per request (sync loads: vLLM loads before the forward of the sa
                                  (block >= plan.save_from), and "ship" once the prompt is
                                  complete
   request_finished            -> counters back as kv_transfer_params
+  (decode write-back)         -> saves of every vLLM block from plan.writeback_from on,
+                                 in the step whose forward completes it (a block of the
+                                 prompt's tail, loaded whole, in the first step)
 Worker side, per step:
   start_load_kv       copy the block holding the load's end, all layers (see Copy.eager)
   wait_for_layer_load copy that layer of the other loaded blocks into the paged cache
   save_kv_layer       copy that layer of the saved blocks into the slots, then
                       plan.on_layer(layer): the prefill worker ships it to the decode node
                       while the next layers compute
-  wait_for_save       waits for those on_layer hand-offs; load done -> plan.on_loaded()
+  wait_for_save       waits for those on_layer hand-offs; load done -> plan.on_loaded();
+                      a write-back block whose last vLLM block was saved this step (all
+                      layers) -> plan.on_block(j, its bytes)
 
 Copies are whole pages (``kv[block_id]``: one block of one layer, vLLM's logical
 [heads, tokens, K|V] order), so CPU and CUDA layouts work alike; P and D must run the
@@ -75,6 +80,8 @@ class Copy:
     # (CPU, flash-attn) write that KV *before* the attention op that calls
     # wait_for_layer_load, so a later whole-page copy would clobber it.
     eager: bool = False
+    # Decode write-back: into the plan's staging block (plan.wb_tensors), not a slot.
+    wb: bool = False
 
 
 @dataclass
@@ -93,6 +100,7 @@ class _Req:
     load_range: tuple[int, int] | None = None
     pending_load: list[Copy] = field(default_factory=list)
     shipped: bool = False
+    wb_next: int | None = None  # next vLLM block to write back (decode)
 
 
 def layer_index(name: str) -> int:
@@ -225,9 +233,22 @@ class PerigeeConnector(KVConnectorBase_V1):
                 j, sub = divmod(i, self.vllm_blocks_per_block)
                 meta.saves.append(Copy(st.block_ids[i], plan.key, j, sub))
                 plan.saved_blocks.add(j)
+        if plan.writeback_from is not None:
+            self._plan_writeback(st, after, meta)
         if plan.on_layer is not None and not st.shipped and after >= plan.save_tokens:
             st.shipped = True
             meta.ship.append(plan.key)
+
+    def _plan_writeback(self, st: _Req, after: int, meta: PerigeeMeta) -> None:
+        """Save every vLLM block whose positions all have KV once this step's forward is
+        done (``after`` of them), in order; the KV a block holds is final then."""
+        plan, vb = st.plan, self.vllm_block_tokens
+        if st.wb_next is None:
+            st.wb_next = (plan.writeback_from or 0) * self.vllm_blocks_per_block
+        while (st.wb_next + 1) * vb <= after and st.wb_next < len(st.block_ids):
+            j, sub = divmod(st.wb_next, self.vllm_blocks_per_block)
+            meta.saves.append(Copy(st.block_ids[st.wb_next], plan.key, j, sub, wb=True))
+            st.wb_next += 1
 
     def request_finished(
         self, request: "Request", block_ids: list[int]
@@ -266,6 +287,14 @@ class PerigeeConnector(KVConnectorBase_V1):
         plan = self.bridge.get(c.key)
         if plan is None:
             return None
+        if c.wb:
+            raw = plan.wb_tensors.get(c.block)
+            if raw is None:
+                raw = plan.wb_tensors[c.block] = torch.empty(
+                    self.bridge.block_bytes, dtype=torch.uint8
+                )
+            off = (layer * self.vllm_blocks_per_block + c.sub) * self._layer_block_bytes
+            return raw[off : off + self._layer_block_bytes].view(like.dtype).view(like.shape)
         raw = plan.tensors.get(c.block)
         if raw is None:
             raw = plan.tensors[c.block] = torch.frombuffer(plan.slots[c.block], dtype=torch.uint8)
@@ -335,6 +364,20 @@ class PerigeeConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(key, e)
 
+    def _hand_back(self, c: Copy) -> None:
+        """Write-back block ``c.block`` is complete in every layer: hand its bytes over."""
+        plan = self.bridge.get(c.key)
+        if plan is None or plan.error is not None:
+            return
+        raw = plan.wb_tensors.pop(c.block, None)
+        if raw is None or plan.on_block is None:
+            return
+        try:
+            plan.on_block(c.block, memoryview(raw.numpy()))
+            self.bridge.counters["connector_blocks_written_back"] += 1
+        except Exception as e:  # noqa: BLE001 - never raise into vLLM
+            self._guard(c.key, e)
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PerigeeMeta)
@@ -356,8 +399,11 @@ class PerigeeConnector(KVConnectorBase_V1):
             else:
                 self.bridge.counters["connector_layers_shipped"] += 1
         self.bridge.counters["connector_blocks_saved"] += len(
-            {(c.key, c.block) for c in meta.saves}
+            {(c.key, c.block) for c in meta.saves if not c.wb}
         )
+        for c in meta.saves:
+            if c.wb and c.sub == self.vllm_blocks_per_block - 1:
+                self._hand_back(c)
         for key in meta.loaded:
             plan = self.bridge.get(key)
             if plan is not None:

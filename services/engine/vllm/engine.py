@@ -14,7 +14,8 @@ Request states (event-loop side, ``_active``):
              slots are not written after prefill() returns)
     decode   add (prompt + first token, plan: load every prompt position) -> "loaded"
              (add_request returns: the slots are free) -> Tokens as each step makes them
-             -> finished (stop | length | abort)
+             (and each answer block, copied out as it fills: job.on_block) -> finished
+             (stop | length | abort)
     warmup   one small request at start (the first forward is slow)
 
 Engine-thread loop: drain commands (block when vLLM is idle) -> ``step()`` -> post the
@@ -285,7 +286,16 @@ class VllmEngine(Engine):
         def on_loaded() -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, loaded)
 
-        self.bridge.add(Plan(key=rid, slots=slots, load_tokens=n, on_loaded=on_loaded))
+        plan = Plan(key=rid, slots=slots, load_tokens=n, on_loaded=on_loaded)
+        if job.on_block is not None:
+            sink = job.on_block
+            plan.writeback_from = n // self.hash_block_size
+
+            def on_block(j: int, data: memoryview) -> None:  # engine thread
+                loop.call_soon_threadsafe(sink, j, data)
+
+            plan.on_block = on_block
+        self.bridge.add(plan)
         self._active[rid] = a
         self._cmds.put(("add", rid, [*prompt, first], params))
         try:

@@ -295,3 +295,62 @@ def test_a_failed_hand_off_marks_the_plan_and_never_raises_into_vllm(bridge):
     run_step(w, PerigeeMeta(saves=[Copy(1, "f", 0, 0)], ship=["f"]), caches)
     assert isinstance(p.error, ConnectionError)
     assert bridge.counters["connector_errors"] == 4
+
+
+# ---------------------------------------------------------------------- decode write-back
+
+
+def test_decode_writes_back_each_vllm_block_in_the_step_that_completes_it(bridge):
+    # Prompt of 40 tokens (perigee block 1 holds its tail), vLLM blocks of 16: a vLLM
+    # block is copied out in the step whose forward computes its last position.
+    c = connector(bridge, KVConnectorRole.SCHEDULER, vllm_bs=16)
+    bridge.add(plan("w", 2, load_tokens=40, writeback_from=1, on_block=lambda j, b: None))
+    req = request("w-x", "w", 41)
+    assert c.get_num_new_matched_tokens(req, 0) == (40, False)
+    ids = [50, 51, 52]
+    c.update_state_after_alloc(req, blocks(ids), 40)
+    m1 = c.build_connector_meta(step_new("w-x", ids, 40, 1))
+    assert m1.saves == []  # 41 positions: [32, 48) not complete yet
+    saves = []
+    for computed in range(41, 64):  # one token per step
+        m = c.build_connector_meta(step_cached("w-x", [53] if computed == 48 else [], computed, 1))
+        saves += [(computed, x.block_id, x.block, x.sub, x.wb) for x in m.saves]
+    # [32, 48) completes in the step computing position 47, [48, 64) in the one computing 63.
+    assert saves == [(47, 52, 1, 0, True), (63, 53, 1, 1, True)]
+
+
+def test_a_fully_loaded_tail_sub_block_is_written_back_in_the_first_step(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER, vllm_bs=16)
+    bridge.add(plan("t", 2, load_tokens=50, writeback_from=1, on_block=lambda j, b: None))
+    req = request("t-x", "t", 51)
+    c.get_num_new_matched_tokens(req, 0)
+    ids = [60, 61, 62, 63]
+    c.update_state_after_alloc(req, blocks(ids), 50)
+    m1 = c.build_connector_meta(step_new("t-x", ids, 50, 1))
+    # Positions [32, 48) were all loaded: the block holding them goes out at once.
+    assert [(x.block_id, x.block, x.sub, x.wb) for x in m1.saves] == [(62, 1, 0, True)]
+
+
+def test_written_back_pages_come_out_layer_major_once_the_block_is_whole(bridge):
+    from services.engine.vllm.connector import Copy
+
+    w = connector(bridge, KVConnectorRole.WORKER, vllm_bs=16)
+    src = kv_caches(bs=16)
+    w.register_kv_caches(src)
+    for i, t in enumerate(src.values()):
+        t[4].fill_(10 + i)
+        t[5].fill_(20 + i)
+    got: list[tuple[int, bytes]] = []
+    p = plan("o", 2, writeback_from=1, on_block=lambda j, b: got.append((j, bytes(b))))
+    bridge.add(p)
+    run_step(w, PerigeeMeta(saves=[Copy(4, "o", 1, 0, wb=True)]), src)
+    assert got == []  # half the block: nothing handed over yet
+    run_step(w, PerigeeMeta(saves=[Copy(5, "o", 1, 1, wb=True)]), src)
+    assert [j for j, _ in got] == [1] and p.error is None
+    raw = torch.frombuffer(bytearray(got[0][1]), dtype=torch.float32)
+    lb = page_bytes(16) // 4
+    for layer in range(LAYERS):
+        assert torch.all(raw[(2 * layer) * lb : (2 * layer + 1) * lb] == 10 + layer)
+        assert torch.all(raw[(2 * layer + 1) * lb : (2 * layer + 2) * lb] == 20 + layer)
+    assert p.slots[1] == memoryview(bytearray(len(p.slots[1])))  # the slots untouched
+    assert bridge.counters["connector_blocks_written_back"] == 1

@@ -1,0 +1,210 @@
+"""Decode write-back without a bus: the mock engine hands its answer blocks over as they
+fill, AnswerWriteBack commits them into a real BlockPool (behind a StoreTx stand-in
+with bytearray slots) under the chained hashes of prompt + answer."""
+
+import math
+
+import numpy as np
+import pytest
+
+from bus_schemas.control import Refused, TxAllocate, TxRole
+from bus_schemas.kv_events import BlockStored
+from bus_schemas.requests import GenerateRequest, Retention, SamplingParams
+from services.common.clock import ManualClock
+from services.common.cost_model import CostModel
+from services.common.hashing import block_hashes
+from services.common.kv_layout import KVLayout
+from services.common.model_spec import ModelSpec
+from services.common.store_tx import AllocationRound
+from services.decode.writeback import COUNTERS, AnswerWriteBack
+from services.engine import DecodeJob, SlotKV, make_engine, synth
+from services.store.block_pool import BlockPool
+from tests.unit.conftest_fakestore import write_expected
+
+BS = 16
+NODE = "d0"
+
+
+class PoolStore:
+    """A node's store in-process: a real BlockPool, bytearray slots, StoreTx's calls."""
+
+    def __init__(self, layout: KVLayout, capacity: int = 64) -> None:
+        self.layout = layout
+        self.pool = BlockPool(capacity, BS, ManualClock())
+        self.mem = bytearray(capacity * layout.block_bytes)
+        self.allocs: list[TxAllocate] = []
+
+    def slot(self, i: int) -> memoryview:
+        bb = self.layout.block_bytes
+        return memoryview(self.mem)[i * bb : (i + 1) * bb]
+
+    async def attached(self, tx) -> None:
+        """One incarnation."""
+
+    async def allocate(self, jobs):
+        out = AllocationRound()
+        for role, (node, msg) in jobs.items():
+            self.allocs.append(msg)
+            got = self.pool.allocate(msg)
+            if isinstance(got, Refused):
+                out.refused[role] = got.reason
+            else:
+                out.handles[role] = (node, _handle(got))
+        return out
+
+    async def commit(self, node: str, tx_id: str, request_id: str) -> bool:
+        return not isinstance(self.pool.commit(tx_id, request_id), Refused)
+
+    async def abort(self, node: str, tx_id: str, request_id: str, reason: str) -> bool:
+        return not isinstance(self.pool.abort(tx_id), Refused)
+
+    def cache_prompt(self, prompt: list[int]) -> None:
+        """What the decode_tx commit leaves: the prompt's full blocks, with their KV."""
+        hashes = block_hashes(prompt, BS)
+        a = self.pool.allocate(
+            TxAllocate(
+                request_id="p", role=TxRole.DECODE, block_hashes=hashes, num_tokens=len(prompt)
+            )
+        )
+        write_expected(
+            SlotKV(self.layout, [self.slot(s) for s in a.slots], len(prompt)),
+            prompt,
+            0,
+            len(prompt),
+        )
+        self.pool.commit(a.tx_id)
+        self.pool.take_events()
+
+
+def _handle(a):
+    from bus_schemas.control import TxHandle
+
+    return TxHandle(
+        tx_id=a.tx_id,
+        node=NODE,
+        epoch=1,
+        slots=a.slots,
+        hit_blocks=a.hit_blocks,
+        shm_name="",
+        data_addr="",
+        block_bytes=0,
+    )
+
+
+@pytest.fixture
+def spec():
+    return ModelSpec.from_dir()
+
+
+@pytest.fixture
+def layout(spec):
+    return KVLayout(spec, BS)
+
+
+async def decode(spec, layout, store: PoolStore, prompt, max_tokens, retention=Retention.DEFAULT):
+    """Decode ``prompt`` on the mock engine with write-back into ``store``; the answer."""
+    engine = make_engine("mock", spec, CostModel(speedup=math.inf))
+    await engine.start()
+    req = GenerateRequest(
+        request_id="r1",
+        prompt_token_ids=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        block_size=BS,
+        block_hashes=block_hashes(prompt, BS),
+        retention=retention,
+    )
+    counters = dict.fromkeys(COUNTERS, 0)
+    wb = AnswerWriteBack(
+        req,
+        node=NODE,
+        store=store,
+        store_tx=store,
+        block_size=BS,
+        block_bytes=layout.block_bytes,
+        counters=counters,
+    )
+    first = synth.reference_generate(prompt, 1, spec.vocab_size, spec.eos_token_id)[0]
+    wb.add_tokens([first])
+    kv = SlotKV(
+        layout,
+        [memoryview(bytearray(layout.block_bytes)) for _ in range(-(-len(prompt) // BS))],
+        len(prompt),
+    )
+    write_expected(kv, prompt, 0, len(prompt))
+    stream = await engine.add_request(
+        DecodeJob("r1", prompt, first, req.sampling, kv, on_block=wb.on_block)
+    )
+    answer = [first]
+    wb.prompt_committed()
+    while batch := await stream.next_batch():
+        answer += batch
+        wb.add_tokens(batch)
+    await wb.finish()
+    await engine.stop()
+    return answer, counters
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 1000, n)]
+
+
+async def test_answer_blocks_are_stored_under_prompt_plus_answer_hashes_with_the_engines_kv(
+    spec, layout
+):
+    store = PoolStore(layout)
+    prompt = prompt_of(40, 1)  # block 2 holds the prompt's tail
+    store.cache_prompt(prompt)
+    answer, counters = await decode(spec, layout, store, prompt, max_tokens=30)
+    conv = prompt + answer
+    # The last sampled token never had KV: 69 of 70 positions do, 4 full blocks.
+    full = (len(conv) - 1) // BS
+    assert full == 4
+    chain = block_hashes(conv, BS)[:full]
+    assert [store.pool.is_cached(h) for h in chain] == [True] * full
+    assert counters["writeback_blocks"] == 2 and store.pool.counters["writeback_blocks"] == 2
+    events = store.pool.take_events()
+    assert [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes] == chain[2:]
+    # The bytes are the engine's KV of those positions (what prefill would compute).
+    expect = SlotKV(
+        layout, [memoryview(bytearray(layout.block_bytes)) for _ in range(full)], full * BS
+    )
+    write_expected(expect, conv, 0, full * BS)
+    for j in (2, 3):
+        assert store.slot(store.pool.slot_of(chain[j])) == expect.slots[j], j
+    # One transaction per block as it filled (the second after the first committed).
+    assert [len(a.block_hashes) for a in store.allocs] == [3, 4]
+    assert all(a.writeback and a.role == TxRole.DECODE for a in store.allocs)
+
+
+async def test_a_chain_missing_its_prompt_writes_nothing(spec, layout):
+    store = PoolStore(layout)
+    prompt = prompt_of(40, 2)  # the prompt's blocks were never committed here
+    _, counters = await decode(spec, layout, store, prompt, max_tokens=30)
+    assert counters["writeback_broken"] == 1 and counters["writeback_blocks"] == 0
+    assert store.pool.cached_blocks == 0 and store.pool.open_txs() == []
+
+
+async def test_ephemeral_answers_are_not_written_back(spec, layout):
+    store = PoolStore(layout)
+    prompt = prompt_of(40, 3)
+    store.cache_prompt(prompt)
+    _, counters = await decode(spec, layout, store, prompt, 30, retention=Retention.EPHEMERAL)
+    assert store.allocs == [] and counters["writeback_txs"] == 0
+
+
+async def test_hits_on_written_back_blocks_are_counted_by_tier(spec, layout):
+    store = PoolStore(layout)
+    prompt = prompt_of(40, 4)
+    store.cache_prompt(prompt)
+    answer, _ = await decode(spec, layout, store, prompt, max_tokens=30)
+    turn2 = prompt + answer + prompt_of(20, 5)
+    a = store.pool.allocate(
+        TxAllocate(
+            request_id="t2",
+            role=TxRole.PREFILL,
+            block_hashes=block_hashes(turn2, BS),
+            num_tokens=len(turn2),
+        )
+    )
+    assert a.hit_blocks == 4  # the prompt's 2 blocks and the answer's 2
+    assert store.pool.counters["writeback_hits_dram"] == 2
