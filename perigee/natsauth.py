@@ -177,8 +177,12 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
                     # reservations on the prefill, decode and source nodes
                     *(s.store_ctl("*", ep) for ep in ("tx.allocate", "tx.renew", "tx.abort")),
                 ]
-            else:  # the decode tx is on its own node
-                out += [s.store_ctl(node, ep) for ep in ("tx.renew", "tx.commit", "tx.abort")]
+            else:  # the decode tx is on its own node; the answer's write-back goes there
+                # and on to the prefill node holding the prompt (services.decode.writeback)
+                out += [
+                    s.store_ctl(node, "tx.renew"),
+                    *(s.store_ctl("*", ep) for ep in ("tx.allocate", "tx.commit", "tx.abort")),
+                ]
         return [
             *dict.fromkeys(out),
             s.store_ctl(node, "info"),

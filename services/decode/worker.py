@@ -243,6 +243,7 @@ class DecodeWorker(WorkerBase):
                 block_bytes=self.layout.block_bytes,
                 counters=self.counters,
                 lease_s=self.leases.lease_s,
+                follow_node=task.prefill_node,
             )
             wb.add_tokens([task.first_token])
         try:

@@ -14,8 +14,17 @@ Lifecycle of one request's write-back (:class:`AnswerWriteBack`):
                go into those slots (shared memory), TxCommit caches them, and the store
                announces BlockStored like any other block, so the conductor's index and
                the next turn's placement see them
-    Done       :meth:`finish` waits for the last transaction before the request's
-               Finished goes out: a client's next turn finds the answer indexed
+    Following  the same transaction opens on the prefill node that served the prompt
+               (it holds the prompt's blocks), and the blocks it lacks are shipped
+               there from this node's open transaction over the data plane, then
+               committed: the conversation stays whole where its prompt is, so the
+               next turn's placement (Algorithm 1, unchanged) finds all of it on one
+               node. Without this the next turn would find the prompt there and the
+               answer here, a few blocks longer: below the balancing threshold
+               (best / own <= 2), so the answer would be recomputed
+    Done       :meth:`finish` waits for the last transaction (and one more round to
+               the prefill node if it missed some) before the request's Finished
+               goes out: a client's next turn finds the answer indexed
 
 A block is written only behind a contiguous chain: should the store no longer hold the
 blocks before it (evicted meanwhile, a restart), it could never be matched, so the
@@ -42,6 +51,8 @@ COUNTERS = (
     "writeback_txs",
     "writeback_failed",  # a transaction refused, unanswered or not committed
     "writeback_broken",  # the chain before a block was gone: the rest was not written
+    "writeback_followed_blocks",  # shipped on to the prefill node that holds the prompt
+    "writeback_follow_failed",
 )
 
 
@@ -51,6 +62,16 @@ class WriteBackStore(Protocol):
     def slot(self, i: int) -> memoryview: ...
 
     async def attached(self, tx: TxHandle) -> None: ...
+
+    async def ship_layer(
+        self,
+        src: TxHandle,
+        dst: TxHandle,
+        layer: int,
+        blocks: list[int],
+        layer_bytes: int,
+        layer_offset: int,
+    ) -> None: ...
 
 
 def prompt_chain(req: GenerateRequest, block_size: int) -> list[int]:
@@ -75,6 +96,7 @@ class AnswerWriteBack:
         block_bytes: int,
         counters: dict[str, int],
         lease_s: float = 10.0,
+        follow_node: str | None = None,
     ) -> None:
         self.req = req
         self.node = node
@@ -93,6 +115,10 @@ class AnswerWriteBack:
         self._task: asyncio.Task[None] | None = None
         self.enabled = req.retention != Retention.EPHEMERAL
         self.written = 0  # blocks cached by this request's write-back
+        # The prefill node that holds the prompt: the answer follows it there (module doc).
+        self.follow_node = follow_node if follow_node not in (None, "", node) else None
+        self.follow_pending = False
+        self._prompt_blocks = len(self.hashes)
 
     # -- fed by the worker --
     def on_block(self, j: int, data: memoryview) -> None:
@@ -115,9 +141,12 @@ class AnswerWriteBack:
         self._kick()
 
     async def finish(self) -> None:
-        """Wait until every block handed over so far is written (or given up)."""
+        """Wait until every block handed over so far is written (or given up); then, if
+        the prefill node missed some of them, one last round takes them there."""
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
+        if self.enabled and self.follow_pending and self._next > self._prompt_blocks:
+            await self._write(self._next, self._next)
 
     def cancel(self) -> None:
         self.enabled = False
@@ -144,43 +173,45 @@ class AnswerWriteBack:
             await self._write(self._next, self._next + k)
 
     async def _write(self, first: int, end: int) -> None:
+        """Blocks [first, end) into this node's store (and the chain up to ``end`` to the
+        prefill node, :meth:`_follow`); ``first == end`` follows only."""
         for j in range(len(self.hashes), end):
             parent = self.hashes[j - 1] if j else None
             self.hashes.append(hash_block(parent, self.tokens[j * self.bs : (j + 1) * self.bs]))
         rid = self.req.request_id
-        self.counters["writeback_txs"] += 1
-        alloc = await self.store_tx.allocate(
-            {
-                "writeback": (
-                    self.node,
-                    TxAllocate(
-                        request_id=rid,
-                        role=TxRole.DECODE,
-                        block_hashes=self.hashes[:end],
-                        num_tokens=end * self.bs,
-                        retention=self.req.retention,
-                        context_ttl_s=self.req.context_ttl_s,
-                        lease_s=self.lease_s,
-                        writeback=True,
-                    ),
-                )
-            }
+        msg = TxAllocate(
+            request_id=rid,
+            role=TxRole.DECODE,
+            block_hashes=self.hashes[:end],
+            num_tokens=end * self.bs,
+            retention=self.req.retention,
+            context_ttl_s=self.req.context_ttl_s,
+            lease_s=self.lease_s,
+            writeback=True,
         )
+        jobs = {"writeback": (self.node, msg)}
+        if self.follow_node is not None:
+            jobs["follow"] = (self.follow_node, msg)
+        self.counters["writeback_txs"] += 1
+        alloc = await self.store_tx.allocate(jobs)
+        far = alloc.handles.get("follow")
         got = alloc.handles.get("writeback")
-        if got is None:
-            why = alloc.refused.get("writeback") or alloc.failed.get("writeback")
-            log.info("writeback_refused", reason=why, blocks=end - first)
-            self.counters["writeback_failed"] += 1
-            self._give_up(end)
+        if got is None or got[1].hit_blocks < first:
+            if far is not None:
+                await self.store_tx.abort(far[0], far[1].tx_id, rid, "writeback not written")
+            if got is None:
+                why = alloc.refused.get("writeback") or alloc.failed.get("writeback")
+                log.info("writeback_refused", reason=why, blocks=end - first)
+                self.counters["writeback_failed"] += 1
+                self._give_up(end)
+            else:
+                # The chain before ``first`` left the node: nothing after it can be matched.
+                await self.store_tx.abort(self.node, got[1].tx_id, rid, "writeback chain broken")
+                log.info("writeback_broken", on_node=got[1].hit_blocks, first=first)
+                self.counters["writeback_broken"] += 1
+                self.enabled = False
             return
-        _, h = got
-        if h.hit_blocks < first:
-            # The chain before ``first`` left the node: nothing after it can be matched.
-            await self.store_tx.abort(self.node, h.tx_id, rid, "writeback chain broken")
-            log.info("writeback_broken", on_node=h.hit_blocks, first=first)
-            self.counters["writeback_broken"] += 1
-            self.enabled = False
-            return
+        h = got[1]
         try:
             await self.store.attached(h)
             for j in range(h.hit_blocks, end):
@@ -188,9 +219,15 @@ class AnswerWriteBack:
         except Exception as e:  # noqa: BLE001 - the cache loses, the request goes on
             log.warning("writeback_copy_failed", error=f"{type(e).__name__}: {e}")
             await self.store_tx.abort(self.node, h.tx_id, rid, "writeback copy failed")
+            if far is not None:
+                await self.store_tx.abort(far[0], far[1].tx_id, rid, "writeback copy failed")
             self.counters["writeback_failed"] += 1
             self._give_up(end)
             return
+        if far is not None:
+            await self._follow(h, far[1], end)
+        elif self.follow_node is not None:
+            self.follow_pending = True  # its store did not answer: try again next round
         ok = await self.store_tx.commit(self.node, h.tx_id, rid)
         if not ok:
             self.counters["writeback_failed"] += 1
@@ -203,6 +240,33 @@ class AnswerWriteBack:
         for j in range(first, end):
             self._bytes.pop(j, None)
         self._next = end
+
+    async def _follow(self, here: TxHandle, far: TxHandle, end: int) -> None:
+        """Ship the chain's blocks the prefill node lacks, up to ``end``, from this node's
+        open transaction ``here`` into ``far`` on the prefill node, and commit there.
+        Only behind the prompt's blocks, which that node committed itself; until then
+        (the conductor commits them after the first token) the next round tries again."""
+        rid = self.req.request_id
+        if far.hit_blocks < self._prompt_blocks:
+            await self.store_tx.abort(far.node, far.tx_id, rid, "prompt not on the prefill node")
+            self.follow_pending = True
+            return
+        blocks = list(range(far.hit_blocks, end))
+        try:
+            if blocks:
+                await self.store.ship_layer(here, far, 0, blocks, self.block_bytes, 0)
+        except Exception as e:  # noqa: BLE001 - the far copy is lost, not the request
+            log.warning("writeback_follow_failed", error=f"{type(e).__name__}: {e}")
+            await self.store_tx.abort(far.node, far.tx_id, rid, "writeback ship failed")
+            self.counters["writeback_follow_failed"] += 1
+            self.follow_pending = True
+            return
+        if await self.store_tx.commit(far.node, far.tx_id, rid):
+            self.counters["writeback_followed_blocks"] += len(blocks)
+            self.follow_pending = False
+        else:
+            self.counters["writeback_follow_failed"] += 1
+            self.follow_pending = True
 
     def _give_up(self, end: int) -> None:
         """A failed transaction: the chain has a hole at these blocks, so stop here."""

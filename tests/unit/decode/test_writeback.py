@@ -26,13 +26,29 @@ NODE = "d0"
 
 
 class PoolStore:
-    """A node's store in-process: a real BlockPool, bytearray slots, StoreTx's calls."""
+    """Nodes' stores in-process: a real BlockPool each, bytearray slots; StoreTx's calls
+    go to the node they name, ``ship_layer`` copies between them. ``self`` is NODE."""
 
-    def __init__(self, layout: KVLayout, capacity: int = 64) -> None:
+    def __init__(self, layout: KVLayout, capacity: int = 64, node: str = NODE, net=None) -> None:
         self.layout = layout
-        self.pool = BlockPool(capacity, BS, ManualClock())
+        self.node = node
+        self.net = {} if net is None else net
+        self.net[node] = self
+        self.pool = BlockPool(capacity, BS, ManualClock(), id_prefix=f"{node}-")
         self.mem = bytearray(capacity * layout.block_bytes)
         self.allocs: list[TxAllocate] = []
+        self.ships: list[tuple[str, list[int]]] = []
+
+    def peer(self, node: str) -> "PoolStore":
+        return PoolStore(self.layout, node=node, net=self.net)
+
+    async def ship_layer(self, src, dst, layer, blocks, layer_bytes, layer_offset) -> None:
+        assert (layer, layer_offset, layer_bytes) == (0, 0, self.layout.block_bytes)
+        far = self.net[dst.node]
+        assert far.pool.check_write(dst.tx_id, [dst.slots[b] for b in blocks]) is None
+        for b in blocks:
+            far.slot(dst.slots[b])[:] = self.slot(src.slots[b])
+        self.ships.append((dst.node, list(blocks)))
 
     def slot(self, i: int) -> memoryview:
         bb = self.layout.block_bytes
@@ -44,19 +60,20 @@ class PoolStore:
     async def allocate(self, jobs):
         out = AllocationRound()
         for role, (node, msg) in jobs.items():
-            self.allocs.append(msg)
-            got = self.pool.allocate(msg)
+            st = self.net[node]
+            st.allocs.append(msg)
+            got = st.pool.allocate(msg)
             if isinstance(got, Refused):
                 out.refused[role] = got.reason
             else:
-                out.handles[role] = (node, _handle(got))
+                out.handles[role] = (node, _handle(got, node))
         return out
 
     async def commit(self, node: str, tx_id: str, request_id: str) -> bool:
-        return not isinstance(self.pool.commit(tx_id, request_id), Refused)
+        return not isinstance(self.net[node].pool.commit(tx_id, request_id), Refused)
 
     async def abort(self, node: str, tx_id: str, request_id: str, reason: str) -> bool:
-        return not isinstance(self.pool.abort(tx_id), Refused)
+        return not isinstance(self.net[node].pool.abort(tx_id), Refused)
 
     def cache_prompt(self, prompt: list[int]) -> None:
         """What the decode_tx commit leaves: the prompt's full blocks, with their KV."""
@@ -76,12 +93,12 @@ class PoolStore:
         self.pool.take_events()
 
 
-def _handle(a):
+def _handle(a, node):
     from bus_schemas.control import TxHandle
 
     return TxHandle(
         tx_id=a.tx_id,
-        node=NODE,
+        node=node,
         epoch=1,
         slots=a.slots,
         hit_blocks=a.hit_blocks,
@@ -101,7 +118,9 @@ def layout(spec):
     return KVLayout(spec, BS)
 
 
-async def decode(spec, layout, store: PoolStore, prompt, max_tokens, retention=Retention.DEFAULT):
+async def decode(
+    spec, layout, store: PoolStore, prompt, max_tokens, retention=Retention.DEFAULT, follow=None
+):
     """Decode ``prompt`` on the mock engine with write-back into ``store``; the answer."""
     engine = make_engine("mock", spec, CostModel(speedup=math.inf))
     await engine.start()
@@ -122,6 +141,7 @@ async def decode(spec, layout, store: PoolStore, prompt, max_tokens, retention=R
         block_size=BS,
         block_bytes=layout.block_bytes,
         counters=counters,
+        follow_node=follow,
     )
     first = synth.reference_generate(prompt, 1, spec.vocab_size, spec.eos_token_id)[0]
     wb.add_tokens([first])
@@ -208,3 +228,32 @@ async def test_hits_on_written_back_blocks_are_counted_by_tier(spec, layout):
     )
     assert a.hit_blocks == 4  # the prompt's 2 blocks and the answer's 2
     assert store.pool.counters["writeback_hits_dram"] == 2
+
+
+async def test_the_answer_follows_the_prompt_to_the_prefill_node(spec, layout):
+    store = PoolStore(layout)
+    p0 = store.peer("p0")
+    prompt = prompt_of(40, 6)
+    store.cache_prompt(prompt)
+    p0.cache_prompt(prompt)  # the prefill node committed the prompt it computed
+    answer, counters = await decode(spec, layout, store, prompt, max_tokens=30, follow="p0")
+    chain = block_hashes(prompt + answer, BS)[:4]
+    assert [p0.pool.is_cached(h) for h in chain] == [True] * 4
+    for j in (2, 3):  # the same bytes as the decode node's, shipped over
+        assert p0.slot(p0.pool.slot_of(chain[j])) == store.slot(store.pool.slot_of(chain[j]))
+    assert store.ships == [("p0", [2]), ("p0", [3])]
+    assert counters["writeback_followed_blocks"] == 2 and p0.pool.open_txs() == []
+    # The next turn finds the whole conversation on the prefill node.
+    turn2 = prompt + answer + prompt_of(20, 7)
+    assert p0.pool.prefix_hits(block_hashes(turn2, BS)) == 4
+
+
+async def test_a_prefill_node_without_the_prompt_yet_gets_the_answer_at_the_end(spec, layout):
+    store = PoolStore(layout)
+    p0 = store.peer("p0")
+    prompt = prompt_of(40, 8)
+    store.cache_prompt(prompt)  # p0's prompt blocks are not committed: nothing follows
+    answer, counters = await decode(spec, layout, store, prompt, max_tokens=30, follow="p0")
+    assert counters["writeback_followed_blocks"] == 0 and p0.pool.cached_blocks == 0
+    assert p0.pool.open_txs() == [] and store.pool.open_txs() == []
+    assert counters["writeback_blocks"] == 2  # this node has them all the same
