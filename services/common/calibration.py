@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from services.common.cost_fit import FittedCostModel, Poly2D
+from services.common.cost_floor import CostFloor
 from services.common.cost_model import CostModel
 
 Coef = tuple[float, float, float]
@@ -295,6 +296,8 @@ class CalibrationBook:
         self.fixed = fixed
         self._coef: dict[str, tuple[Coef | None, Coef | None]] = {}
         self._models: dict[str, CostModel] = {}
+        # Lower bounds over every instance's model, for the pruned placement search.
+        self.floor = CostFloor(prior)
 
     def cost(self, instance: str) -> CostModel:
         return self._models.get(instance, self.prior)
@@ -319,6 +322,7 @@ class CalibrationBook:
             return
         self._coef[instance] = new
         self._models[instance] = model_from(self.prior, new[0], new[1])
+        self.floor.set(instance, self._models[instance])
 
     def observe_fit(self, instance: str, fit: Any) -> None:
         """From a load report's ``fit`` (bus_schemas.load.CostFit or None)."""
@@ -329,10 +333,12 @@ class CalibrationBook:
         """Use ``model`` for ``instance`` (the simulator's instances, tests)."""
         if not self.fixed:
             self._models[instance] = model
+            self.floor.set(instance, model)
 
     def forget(self, instance: str) -> None:
         self._coef.pop(instance, None)
         self._models.pop(instance, None)
+        self.floor.forget(instance)
 
 
 def _coef(c: Sequence[float] | None) -> Coef | None:

@@ -77,9 +77,12 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sortedcontainers import SortedList
+
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.placement import PrefixSource
 from bus_schemas.requests import ErrorCode, GenerateRequest
+from bus_schemas.roles import Role
 from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
@@ -89,6 +92,7 @@ from services.common.intake import hashes_for
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
 from services.conductor import cpp as cpp_
+from services.conductor import search
 from services.conductor.balancing import AdaptiveThreshold
 
 STRATEGIES = ("global", "local", "load", "random")
@@ -245,6 +249,11 @@ class TtftFeedback:
     hi: float = 8.0
     min_predicted_s: float = 0.02  # shorter predictions are mostly noise
     factors: dict[str, float] = field(default_factory=dict)
+    # The factors in order (the placement search's bound needs the least), O(log n).
+    _sorted: SortedList = field(default_factory=SortedList, repr=False)
+
+    def __post_init__(self) -> None:
+        self._sorted.update(self.factors.values())
 
     def observe(self, instance: str, predicted_s: float, observed_s: float) -> None:
         if predicted_s < self.min_predicted_s or observed_s <= 0:
@@ -252,9 +261,16 @@ class TtftFeedback:
         r = min(self.hi, max(self.lo, observed_s / predicted_s))
         f = self.factors.get(instance)
         if f is None:
-            self.factors[instance] = r
+            new = r
         else:
-            self.factors[instance] = f + (self.alpha_up if r > f else self.alpha_down) * (r - f)
+            new = f + (self.alpha_up if r > f else self.alpha_down) * (r - f)
+            self._sorted.remove(f)
+        self.factors[instance] = new
+        self._sorted.add(new)
+
+    def floor(self) -> float:
+        """At most every instance's factor (1.0 for one not observed yet)."""
+        return min(1.0, self._sorted[0]) if self._sorted else 1.0
 
     def factor(self, instance: str) -> float:
         return self.factors.get(instance, 1.0)
@@ -311,6 +327,10 @@ class PlacementPolicy:
         self._by_decode: dict[str, dict[str, _Dispatch]] = {}
         self._by_source: dict[str, dict[str, _Dispatch]] = {}
         self._pipelines: dict[str, _Dispatch] = {}  # pipelined, first token not out yet
+        self.orders = search.Orders()  # for the pruned search (services.conductor.search)
+        # False: every placement scans every live instance (the reference the pruned
+        # search is tested against).
+        self.pruned = True
         self.stats: dict[str, int] = dict.fromkeys(
             ("placed", "pulls", "pulled_blocks", "rejected_ttft", "rejected_tbt", "unavailable"),
             0,
@@ -323,13 +343,16 @@ class PlacementPolicy:
     # ------------------------------------------------------------ observations
 
     def observe_prefill(self, load: PrefillLoad) -> None:
+        old = self._prefill.get(load.instance)
         verdict = self.loads.observe_prefill(load)
         if verdict == STALE:
             return
+        self.orders.moved(load.instance, old.node if old is not None else None, load.node)
         for d in list(self._by_prefill.get(load.instance, {}).values()):
             # A new incarnation holds none of what was booked on the old one.
             if verdict == RESTARTED or d.placed_at + self.report_grace_s <= load.ts:
                 self._close_prefill(d, source_too=False, only=load.instance)
+        self._touch_prefill(load.instance)
 
     def observe_decode(self, load: DecodeLoad) -> None:
         verdict = self.loads.observe_decode(load)
@@ -338,9 +361,40 @@ class PlacementPolicy:
         for d in list(self._by_decode.get(load.instance, {}).values()):
             if verdict == RESTARTED or (d.decode_since is not None and d.decode_since <= load.ts):
                 self._close_decode(d)
+        self._touch_decode(load.instance)
 
     def forget_instance(self, role: str, instance: str) -> None:
+        old = self._prefill.get(instance) if role == Role.PREFILL else None
         self.loads.forget(role, instance)
+        if old is not None:
+            self.orders.moved(instance, old.node, None)
+        self._touch_prefill(instance)
+        self._touch_decode(instance)
+
+    def _touch_prefill(self, instance: str) -> None:
+        """Re-key ``instance`` in the prefill order: the queued work ``queue_s`` sums for
+        a request that interleaves (at most what any request waits for there)."""
+        load = self._prefill.get(instance)
+        if load is None:
+            self.orders.prefill.discard(instance)
+            return
+        key = load.queued_work_s
+        for d in self._by_prefill.get(instance, {}).values():
+            if not d.stage_work:
+                key += d.work_on(instance)
+        self.orders.prefill.set(instance, key)
+
+    def _touch_decode(self, instance: str) -> None:
+        """Re-key ``instance`` in the decode order: (decode_occupancy, KV tokens as
+        predicted_tbt sums them)."""
+        load = self._decode.get(instance)
+        if load is None:
+            self.orders.decode.discard(instance)
+            return
+        pending = self._by_decode.get(instance, {})
+        occupancy = (load.batch_size + load.waiting + len(pending) + 1) / max(1, load.max_batch)
+        kv = load.kv_tokens + sum(d.tokens for d in pending.values())
+        self.orders.decode.set(instance, (occupancy, kv))
 
     def prefill_done(
         self, request_id: str, ts: float | None = None, handoff_ts: float | None = None
@@ -460,19 +514,6 @@ class PlacementPolicy:
         (node -> prefix length in blocks), and record the dispatch on success."""
         self.release(req.request_id)  # a retry replaces the earlier attempt
         ex_p, ex_d = set(exclude_prefill), set(exclude_decode)
-        prefills = [i for i in self.live_prefill() if i not in ex_p]
-        if not prefills:
-            self.stats["unavailable"] += 1
-            return Rejection(
-                ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
-            )
-        decodes = [i for i in self.live_decode() if i not in ex_d]
-        if not decodes:
-            self.stats["unavailable"] += 1
-            return Rejection(
-                ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
-            )
-
         nblocks = len(req.block_hashes)
         own = {node: min(n, nblocks) for node, n in matches.items() if n > 0}
         ex_s = set(exclude_sources)
@@ -483,31 +524,51 @@ class PlacementPolicy:
             best_node = min(
                 (self.inflight_bytes(node), node) for n, node in holders if n == best_len
             )[1]
-
-        cands = self._candidates(req, prefills, own, best_len, best_node)
-        if self.strategy == "random":
-            chosen = self.rng.choice(cands)
-        elif self.strategy == "load":
-            chosen = min(cands, key=lambda c: (c.queue_s, c.instance))
-        else:
-            # A group wins only when strictly faster: on a tie the request stays single.
-            cands += self._group_candidates(req, prefills, own)
-            # On a tie a short request goes where no pipeline would be stretched by it.
-            chosen = min(
-                cands,
-                key=lambda c: (
-                    c.ttft_s,
-                    len(c.stages),
-                    c.in_pipeline,
-                    -c.prefix_blocks,
-                    c.instance,
-                ),
-            )
-
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
-        tbts = {i: self.predicted_tbt(i, req.num_tokens) for i in decodes}
-        decode = self._pick_decode(decodes, tbts, tbt_slo)
+
+        if self.pruned and self.strategy in ("global", "local") and not self.cpp.enabled:
+            # The same choice as the scan below, from a few candidates (search module).
+            found = search.best_prefill(self, req, own, best_len, best_node, ex_p)
+            if found is None:
+                self.stats["unavailable"] += 1
+                return Rejection(
+                    ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
+                )
+            chosen = found
+            picked = search.best_decode(self, req.num_tokens, tbt_slo, ex_d)
+            if picked is None:
+                self.stats["unavailable"] += 1
+                return Rejection(
+                    ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
+                )
+            decode, decode_tbt = picked
+        else:
+            prefills = [i for i in self.live_prefill() if i not in ex_p]
+            if not prefills:
+                self.stats["unavailable"] += 1
+                return Rejection(
+                    ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
+                )
+            decodes = [i for i in self.live_decode() if i not in ex_d]
+            if not decodes:
+                self.stats["unavailable"] += 1
+                return Rejection(
+                    ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
+                )
+            cands = self._candidates(req, prefills, own, best_len, best_node)
+            if self.strategy == "random":
+                chosen = self.rng.choice(cands)
+            elif self.strategy == "load":
+                chosen = min(cands, key=lambda c: (c.queue_s, c.instance))
+            else:
+                # A group wins only when strictly faster: on a tie the request stays single.
+                cands += self._group_candidates(req, prefills, own)
+                # On a tie a short request goes where no pipeline would be stretched by it.
+                chosen = min(cands, key=search.rank)
+            tbts = {i: self.predicted_tbt(i, req.num_tokens) for i in decodes}
+            decode = self._pick_decode(decodes, tbts, tbt_slo)
+            decode_tbt = tbts[decode]
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
         waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
         idle_prefill = self.serve_when_idle and chosen.queue_s <= 0
@@ -521,11 +582,11 @@ class PlacementPolicy:
                 max(self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin),
             )
         idle_decode = self.serve_when_idle and self.decode_idle(decode)
-        if self.tbt_check and tbts[decode] > tbt_slo and not idle_decode:
+        if self.tbt_check and decode_tbt > tbt_slo and not idle_decode:
             self.stats["rejected_tbt"] += 1
             return Rejection(
                 ErrorCode.REJECTED,
-                f"predicted TBT {tbts[decode]:.4f}s exceeds the {tbt_slo:g}s SLO",
+                f"predicted TBT {decode_tbt:.4f}s exceeds the {tbt_slo:g}s SLO",
                 self.min_retry_after_s,
             )
 
@@ -570,7 +631,7 @@ class PlacementPolicy:
             est_queue_s=chosen.queue_s,
             est_transfer_s=chosen.transfer_s,
             est_prefill_s=chosen.prefill_s,
-            est_tbt_s=tbts[decode],
+            est_tbt_s=decode_tbt,
             strategy=self.strategy,
             cpp_stages=chosen.stages,
             cpp_stage_nodes=chosen.stage_nodes,
@@ -596,42 +657,65 @@ class PlacementPolicy:
         for instance in prefills:
             node = self._prefill[instance].node
             own_len = own.get(node, 0)
-            opt = options.get(own_len)
-            if opt is None:
-                prefix, remote, transfer_s = own_len, None, 0.0
-                if (
-                    self.strategy == "global"
-                    and best_node is not None
-                    and best_len > own_len
-                    and _ratio(best_len, own_len) > threshold
-                ):
-                    prefix = best_len
-                    remote = RemoteSource(best_node, own_len, best_len - own_len)
-                    transfer_s = self.cost.transfer_time(
-                        (best_len - own_len) * req.block_size, inflight
-                    )
-                opt = options[own_len] = (prefix, remote, transfer_s)
-            prefix, remote, transfer_s = opt
-            computed_prefix = _computed_prefix(req, prefix)
-            prefill_s = self._book.cost(instance).prefill_time(req.num_tokens, computed_prefix)
-            interleave = (
-                self.cpp.enabled and req.num_tokens - computed_prefix <= self.cpp.interleave_tokens
-            )
-            out.append(
-                _Candidate(
-                    instance=instance,
-                    node=node,
-                    own_blocks=own_len,
-                    prefix_blocks=prefix,
-                    remote=remote,
-                    queue_s=self.queue_s(instance, interleave),
-                    transfer_s=transfer_s,
-                    prefill_s=prefill_s,
-                    factor=self.feedback.factor(instance) if self.feedback else 1.0,
-                    in_pipeline=self.cpp.enabled and self.in_pipeline(instance),
-                )
-            )
+            opt = self._option(req, own_len, best_len, best_node, inflight, threshold, options)
+            out.append(self._candidate(req, instance, node, own_len, opt))
         return out
+
+    def _option(
+        self,
+        req: PlacementRequest,
+        own_len: int,
+        best_len: int,
+        best_node: str | None,
+        inflight: float,
+        threshold: float,
+        options: dict[int, tuple[int, RemoteSource | None, float]],
+    ) -> tuple[int, RemoteSource | None, float]:
+        """(prefix, remote, transfer_s) of an instance whose node holds ``own_len``
+        blocks: Algorithm 1's choice between its own prefix and pulling the best one."""
+        opt = options.get(own_len)
+        if opt is None:
+            prefix, remote, transfer_s = own_len, None, 0.0
+            if (
+                self.strategy == "global"
+                and best_node is not None
+                and best_len > own_len
+                and _ratio(best_len, own_len) > threshold
+            ):
+                prefix = best_len
+                remote = RemoteSource(best_node, own_len, best_len - own_len)
+                transfer_s = self.cost.transfer_time(
+                    (best_len - own_len) * req.block_size, inflight
+                )
+            opt = options[own_len] = (prefix, remote, transfer_s)
+        return opt
+
+    def _candidate(
+        self,
+        req: PlacementRequest,
+        instance: str,
+        node: str,
+        own_len: int,
+        opt: tuple[int, RemoteSource | None, float],
+    ) -> _Candidate:
+        prefix, remote, transfer_s = opt
+        computed_prefix = _computed_prefix(req, prefix)
+        prefill_s = self._book.cost(instance).prefill_time(req.num_tokens, computed_prefix)
+        interleave = (
+            self.cpp.enabled and req.num_tokens - computed_prefix <= self.cpp.interleave_tokens
+        )
+        return _Candidate(
+            instance=instance,
+            node=node,
+            own_blocks=own_len,
+            prefix_blocks=prefix,
+            remote=remote,
+            queue_s=self.queue_s(instance, interleave),
+            transfer_s=transfer_s,
+            prefill_s=prefill_s,
+            factor=self.feedback.factor(instance) if self.feedback else 1.0,
+            in_pipeline=self.cpp.enabled and self.in_pipeline(instance),
+        )
 
     def _group_candidates(
         self, req: PlacementRequest, prefills: Sequence[str], own: Mapping[str, int]
@@ -706,12 +790,16 @@ class PlacementPolicy:
         self._by_decode.setdefault(d.decode_instance, {})[d.request_id] = d
         if d.source_node is not None:
             self._by_source.setdefault(d.source_node, {})[d.request_id] = d
+        for m in d.prefill_members():
+            self._touch_prefill(m)
+        self._touch_decode(d.decode_instance)
 
     def _close_prefill(self, d: _Dispatch, source_too: bool, only: str | None = None) -> None:
         """Drop the prefill work of ``d`` from its instances (``only``: from that one, as
         its report now covers it; a pipelined request stays open on the others)."""
         for m in d.prefill_members() if only is None else (only,):
-            self._by_prefill.get(m, {}).pop(d.request_id, None)
+            if self._by_prefill.get(m, {}).pop(d.request_id, None) is not None:
+                self._touch_prefill(m)
         d.prefill_open = any(
             d.request_id in self._by_prefill.get(m, {}) for m in d.prefill_members()
         )
@@ -721,7 +809,8 @@ class PlacementPolicy:
         self._maybe_drop(d)
 
     def _close_decode(self, d: _Dispatch) -> None:
-        self._by_decode.get(d.decode_instance, {}).pop(d.request_id, None)
+        if self._by_decode.get(d.decode_instance, {}).pop(d.request_id, None) is not None:
+            self._touch_decode(d.decode_instance)
         d.decode_since = -math.inf
         self._maybe_drop(d)
 

@@ -1,0 +1,42 @@
+"""Instances kept in order of a load key, O(log n) per change: the placement search
+(services.conductor.policy) walks them from the least loaded and stops at a bound, so
+a decision does not scan the cluster. Pure."""
+
+from collections.abc import Iterator
+from typing import Any
+
+from sortedcontainers import SortedList
+
+
+class LoadOrder:
+    """instance -> key, iterable as (key, instance) in ascending order."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, Any] = {}
+        self._sorted: SortedList = SortedList()
+
+    def set(self, instance: str, key: Any) -> None:
+        old = self._keys.get(instance)
+        if old is not None:
+            if old == key:
+                return
+            self._sorted.remove((old, instance))
+        self._keys[instance] = key
+        self._sorted.add((key, instance))
+
+    def discard(self, instance: str) -> None:
+        old = self._keys.pop(instance, None)
+        if old is not None:
+            self._sorted.remove((old, instance))
+
+    def key(self, instance: str) -> Any:
+        return self._keys.get(instance)
+
+    def __iter__(self) -> Iterator[tuple[Any, str]]:
+        return iter(self._sorted)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, instance: object) -> bool:
+        return instance in self._keys

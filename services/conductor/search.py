@@ -1,0 +1,163 @@
+"""The placement search in time independent of the cluster's size (issue 27 item 1):
+the same choice as :class:`~services.conductor.policy.PlacementPolicy` scanning every
+instance, from a few candidates.
+
+Prefill (strategies ``global`` and ``local``, no CPP groups)::
+
+    holders  the instances on the nodes the prefix index matched (their own prefix
+             differs per node): each evaluated exactly
+    others   every other instance has no prefix of its own, so one (prefix, pull,
+             transfer) option: walked from the least queued (``orders.prefill``, keyed
+             by each instance's queued work as ``queue_s`` sums it) until the bound
+             factor_floor * (transfer + queue + prefill_floor) exceeds the best TTFT found
+
+The bound holds for every instance not yet walked: its queue is at least the walked
+key, its prefill time at least the cost floor's (services.common.cost_floor), its TTFT
+feedback factor at least the floor of the factors. A tie (bound equal to the best) goes
+on walking, so the tie-breaks decide as in the full scan. With the uniform cost model
+and no feedback (the simulator, the bench) the walk stops after the first instance
+whose queue exceeds the best TTFT less its compute.
+
+Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens),
+the first keys of the full scan's choice among the instances meeting the TBT SLO. The
+walk takes the first level of occupancy holding an instance that meets it and, inside
+it, stops once the TBT floor at the walked KV exceeds the best TBT. When no instance
+meets the SLO (overload: the request is rejected unless the TBT check is off) the
+walk sees every live decode instance, as the full scan does.
+
+What costs per instance here: dead or forgotten instances still in the orders are
+skipped (and dropped from the orders when met); an instance excluded by the request
+(migration, a store down) is skipped.
+"""
+
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+from bus_schemas.roles import Role
+from services.conductor.load_order import LoadOrder
+
+if TYPE_CHECKING:
+    from services.conductor.policy import (
+        PlacementPolicy,
+        PlacementRequest,
+        RemoteSource,
+        _Candidate,
+    )
+
+
+class Orders:
+    """The policy's ordered load structures and its node -> prefill instances map."""
+
+    def __init__(self) -> None:
+        self.prefill = LoadOrder()
+        self.decode = LoadOrder()
+        self.on_node: dict[str, set[str]] = {}
+
+    def moved(self, instance: str, old_node: str | None, node: str | None) -> None:
+        if old_node == node:
+            return
+        if old_node is not None:
+            held = self.on_node.get(old_node)
+            if held is not None:
+                held.discard(instance)
+                if not held:
+                    del self.on_node[old_node]
+        if node is not None:
+            self.on_node.setdefault(node, set()).add(instance)
+
+
+def rank(c: "_Candidate") -> tuple[Any, ...]:
+    """The full scan's order of candidates (PlacementPolicy.place)."""
+    return (c.ttft_s, len(c.stages), c.in_pipeline, -c.prefix_blocks, c.instance)
+
+
+def best_prefill(
+    policy: "PlacementPolicy",
+    req: "PlacementRequest",
+    own: Mapping[str, int],
+    best_len: int,
+    best_node: str | None,
+    excluded: Collection[str],
+) -> "_Candidate | None":
+    """The candidate the full scan's ``min(cands, key=rank)`` picks; None when no live
+    prefill instance is left."""
+    orders, loads, prefill = policy.orders, policy.loads, policy.loads.prefill
+    inflight = policy.inflight_bytes(best_node) if best_node is not None else 0.0
+    threshold = policy.threshold()
+    options: dict[int, tuple[int, RemoteSource | None, float]] = {}
+    best: _Candidate | None = None
+    best_rank: tuple[Any, ...] | None = None
+
+    def usable(instance: str) -> bool:
+        return instance not in excluded and loads.alive(Role.PREFILL, instance)
+
+    for node, own_len in own.items():
+        for instance in orders.on_node.get(node, ()):
+            ld = prefill.get(instance)
+            if ld is None or ld.node != node or not usable(instance):
+                continue
+            opt = policy._option(req, own_len, best_len, best_node, inflight, threshold, options)
+            c = policy._candidate(req, instance, node, own_len, opt)
+            r = rank(c)
+            if best_rank is None or r < best_rank:
+                best, best_rank = c, r
+
+    opt = policy._option(req, 0, best_len, best_node, inflight, threshold, options)
+    prefix, _, transfer_s = opt
+    from services.conductor.policy import _computed_prefix
+
+    prefill_floor = policy._book.floor.prefill(req.num_tokens, _computed_prefix(req, prefix))
+    factor_floor = policy.feedback.floor() if policy.feedback is not None else 1.0
+    stale = []
+    for key, instance in orders.prefill:
+        if best is not None and factor_floor * (transfer_s + key + prefill_floor) > best.ttft_s:
+            break
+        ld = prefill.get(instance)
+        if ld is None:
+            stale.append(instance)
+            continue
+        if ld.node in own or not usable(instance):
+            continue
+        c = policy._candidate(req, instance, ld.node, 0, opt)
+        r = rank(c)
+        if best_rank is None or r < best_rank:
+            best, best_rank = c, r
+    for instance in stale:
+        orders.prefill.discard(instance)
+    return best
+
+
+def best_decode(
+    policy: "PlacementPolicy", num_tokens: int, slo: float, excluded: Collection[str]
+) -> tuple[str, float] | None:
+    """(instance, predicted TBT) as the full scan's ``_pick_decode`` chooses; None when
+    no live decode instance is left."""
+    orders, loads, decode = policy.orders, policy.loads, policy.loads.decode
+    floor = policy._book.floor
+    level = None
+    fit: tuple[float, str] | None = None  # (tbt, instance) at the level
+    over: tuple[float, str] | None = None  # the least (tbt, instance) over the SLO
+    stale = []
+    for (occupancy, kv), instance in orders.decode:
+        if level is not None:
+            if occupancy > level:
+                break
+            assert fit is not None
+            if floor.tbt(kv + num_tokens) > fit[0]:
+                break  # the rest of the level holds more KV
+        if instance not in decode:
+            stale.append(instance)
+            continue
+        if instance in excluded or not loads.alive(Role.DECODE, instance):
+            continue
+        tbt = policy.predicted_tbt(instance, num_tokens)
+        if tbt <= slo:
+            level = occupancy
+            if fit is None or (tbt, instance) < fit:
+                fit = (tbt, instance)
+        elif fit is None and (over is None or (tbt, instance) < over):
+            over = (tbt, instance)
+    for instance in stale:
+        orders.decode.discard(instance)
+    pick = fit or over
+    return None if pick is None else (pick[1], pick[0])
