@@ -17,7 +17,7 @@ transactions (their slots are no longer read). Decode streams from the second to
 
 from bus_schemas._base import Msg
 from bus_schemas.control import TxHandle
-from bus_schemas.requests import GenerateRequest
+from bus_schemas.requests import GenerateRequest, PositionLogprobs
 
 
 class RemotePrefix(Msg):
@@ -79,6 +79,10 @@ class DecodeTask(Msg):
     prefill_done_ts: float = 0.0
     first_token_sent: bool = False  # prefill already streamed it to the client (index 0)
     decode_incarnation: int = 0  # as PrefillTask's
+    # What prefill computed beside the first token, for the decode side to stream with
+    # it when prefill did not (the request asked for logprobs).
+    first_logprobs: PositionLogprobs | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class FirstTokenNotice(Msg, tag="first_token"):

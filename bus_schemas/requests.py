@@ -31,6 +31,14 @@ class ErrorCode(IntEnum):
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs bound)
+LOGIT_BIAS_RANGE = 100.0  # vLLM clamps a bias to [-100, 100]
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
+
+# One position's log-probabilities: ``[token id, logprob]`` pairs in vLLM's order (the
+# token at that position first, then the most likely ones by rank), each logprob clamped
+# at -9999 as vLLM's OpenAI server does (JSON has no -inf).
+PositionLogprobs = list[tuple[int, float]]
 
 
 class SamplingParams(Msg):
@@ -46,6 +54,18 @@ class SamplingParams(Msg):
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # Passed to vLLM on both roles. ``min_tokens`` counts from the first token (prefill's);
+    # the engine wrapper splits it between the roles. ``bad_words_token_ids`` are the
+    # gateway's tokenization of ``bad_words`` (the engines load no tokenizer), as vLLM's
+    # ``SamplingParams.update_from_tokenizer`` makes them.
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = []
+    # Log-probabilities: None off; k >= 0 the sampled token's plus the k most likely, per
+    # generated token (``logprobs``) or prompt token (``prompt_logprobs``, prefill only).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def problem(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first value out of bounds, None when all are in.
@@ -72,7 +92,42 @@ class SamplingParams(Msg):
             return "repetition_penalty", (
                 f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}"
             )
+        return self._problem_extra()
+
+    def _problem_extra(self) -> tuple[str, str] | None:
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            return "min_tokens", (
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for t, b in (self.logit_bias or {}).items():
+            if not 0 <= t <= INT32_MAX:
+                return "logit_bias", f"logit_bias token id {t} is out of range"
+            if not (math.isfinite(b) and abs(b) <= LOGIT_BIAS_RANGE):
+                return "logit_bias", f"logit_bias values must be in [-100, 100], got {b}"
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                return "allowed_token_ids", "allowed_token_ids must not be empty"
+            if any(not 0 <= t <= INT32_MAX for t in self.allowed_token_ids):
+                return "allowed_token_ids", "allowed_token_ids has an id out of range"
+        if len(self.bad_words_token_ids) > MAX_BAD_WORDS:
+            return "bad_words", f"at most {MAX_BAD_WORDS} bad words (after tokenization)"
+        for w in self.bad_words_token_ids:
+            if not w or any(not 0 <= t <= INT32_MAX for t in w):
+                return "bad_words", "a bad word has no tokens or a token id out of range"
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                return name, f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
         return None
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id these parameters name (each must be in the model's vocabulary)."""
+        return [
+            *self.stop_token_ids,
+            *(self.logit_bias or ()),
+            *(self.allowed_token_ids or ()),
+            *(t for w in self.bad_words_token_ids for t in w),
+        ]
 
 
 class Migration(Msg):
@@ -141,6 +196,11 @@ class Tokens(Msg, tag="tokens"):
     # request is not on its decode instance yet.
     from_prefill: bool = False
     incarnation: int = 0  # the sending worker's incarnation
+    # One entry per token of token_ids when the request asked for ``logprobs``.
+    logprobs: list[PositionLogprobs] | None = None
+    # With the first token (index 0) when it asked for ``prompt_logprobs``: one entry per
+    # prompt position, None for the first (nothing precedes it).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
 
 class Finished(Msg, tag="finished"):

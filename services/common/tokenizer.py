@@ -175,6 +175,11 @@ class Tokenizer:
         return ids
 
     # ---- decoding ------------------------------------------------------------------
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary's own string for ``token_id`` (``Ġhello``), as HF's
+        ``convert_ids_to_tokens``."""
+        return self._tok.id_to_token(token_id) or ""
+
     def token_bytes(self, token_id: int) -> bytes:
         return self._table[token_id] if 0 <= token_id < self.vocab_size else b""
 

@@ -288,6 +288,8 @@ class DecodeWorker(WorkerBase):
                         token_ids=[task.first_token],
                         index=0,
                         incarnation=self.incarnation,
+                        logprobs=None if task.first_logprobs is None else [task.first_logprobs],
+                        prompt_logprobs=task.prompt_logprobs,
                     ),
                 )
         # The KV now lives in the engine, so the commit (which only makes the blocks
@@ -302,7 +304,11 @@ class DecodeWorker(WorkerBase):
                 await self._emit(
                     req.reply_subject,
                     Tokens(
-                        request_id=rid, token_ids=batch, index=index, incarnation=self.incarnation
+                        request_id=rid,
+                        token_ids=batch,
+                        index=index,
+                        incarnation=self.incarnation,
+                        logprobs=stream.take_logprobs(),
                     ),
                 )
                 index += len(batch)

@@ -122,6 +122,10 @@ class PrefillJob:
     # services.prefill.cpp_pipeline): write the KV and give the first token without
     # the engine's own time. Only the mock engine paces; vLLM computes either way.
     paced: bool = True
+    # Set by an engine that computes them, when the sampling parameters ask: the first
+    # token's log-probabilities and the prompt's (bus_schemas.requests.PositionLogprobs).
+    first_logprobs: list[tuple[int, float]] | None = None
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -163,6 +167,8 @@ class RequestStream:
     request_id: str
     finish_reason: str | None = None
     _tokens: deque[int] = field(default_factory=deque)
+    # Each token's log-probabilities, when the engine computes them (pushed with it).
+    _logprobs: deque[list[tuple[int, float]]] = field(default_factory=deque)
     _error: BaseException | None = None
     _event: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -171,9 +177,20 @@ class RequestStream:
     def done(self) -> bool:
         return self.finish_reason is not None or self._error is not None
 
-    def push(self, token: int) -> None:
+    def push(self, token: int, logprobs: list[tuple[int, float]] | None = None) -> None:
         self._tokens.append(token)
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
         self._event.set()
+
+    def take_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        """The log-probabilities of the tokens the last ``next_batch`` returned (None if
+        the engine gave none)."""
+        if not self._logprobs:
+            return None
+        out = list(self._logprobs)
+        self._logprobs.clear()
+        return out
 
     def finish(self, reason: str) -> None:
         if not self.done:

@@ -108,7 +108,14 @@ def plan(
         original,
         request_id=rid,
         prompt_token_ids=prompt,
-        sampling=msgspec.structs.replace(s, max_tokens=s.max_tokens - k),
+        # The client has k tokens (and the prompt's logprobs when k > 0, which came with
+        # the first); min_tokens counts them.
+        sampling=msgspec.structs.replace(
+            s,
+            max_tokens=s.max_tokens - k,
+            min_tokens=max(s.min_tokens - k, 0),
+            prompt_logprobs=s.prompt_logprobs if k == 0 else None,
+        ),
         block_hashes=block_hashes(prompt, bs) if bs else None,
         reply_subject=reply_subject,
         migration=Migration(

@@ -11,25 +11,27 @@ from services.common.tokenizer import IncrementalDetokenizer
 
 
 class StopStrings:
-    """Finds the first stop string in streamed text; the stop string is not emitted."""
+    """Finds the first stop string in streamed text; the stop string is not emitted
+    unless ``include`` (vLLM's ``include_stop_str_in_output``)."""
 
-    __slots__ = ("stops", "_buf")
+    __slots__ = ("stops", "_buf", "include")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self._buf = ""
+        self.include = include
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit now, whether a stop string was hit)."""
         buf = self._buf + text
-        cut = -1
+        cut, end = -1, -1
         for s in self.stops:
             i = buf.find(s)
             if i != -1 and (cut == -1 or i < cut):
-                cut = i
+                cut, end = i, i + len(s)
         if cut != -1:
             self._buf = ""
-            return buf[:cut], True
+            return buf[: end if self.include else cut], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
@@ -49,12 +51,19 @@ class TextOutput:
 
     __slots__ = ("detok", "stops", "completion_tokens", "stopped", "_next_index")
 
-    def __init__(self, detok: IncrementalDetokenizer, stops: Sequence[str] = ()) -> None:
+    def __init__(
+        self, detok: IncrementalDetokenizer, stops: Sequence[str] = (), include_stop: bool = False
+    ) -> None:
         self.detok = detok
-        self.stops = StopStrings(stops) if stops else None
+        self.stops = StopStrings(stops, include_stop) if stops else None
         self.completion_tokens = 0
         self.stopped = False  # a stop string was hit: ignore whatever comes next
         self._next_index = 0
+
+    @property
+    def next_index(self) -> int:
+        """The index of the next generated token not yet pushed."""
+        return self._next_index
 
     def push(self, token_ids: Sequence[int], index: int | None = None) -> str:
         """Text for ``token_ids`` (the generated tokens starting at position ``index``).

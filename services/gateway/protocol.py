@@ -11,6 +11,7 @@ extensions (vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignor
 ``stop_token_ids``.
 """
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from bus_schemas.requests import SamplingParams
+from bus_schemas.requests import MAX_BAD_WORDS, SamplingParams
 
 # ---------------------------------------------------------------------------- errors
 
@@ -105,24 +106,15 @@ def _no_tool(v: Any) -> bool:
 
 Neutral = Callable[[Any], bool]
 UNSUPPORTED: dict[str, Neutral] = {
-    "logprobs": _off,
-    "top_logprobs": _zero,
-    "prompt_logprobs": _unset,
+    "prompt_logprobs": _unset,  # served through completions' echo + logprobs
     "logprob_token_ids": _empty,
-    "logit_bias": _empty,
-    "echo": _off,
     "best_of": _one,
     "suffix": _empty,
     "use_beam_search": _off,
     "length_penalty": _one,
-    "min_tokens": _zero,
-    "include_stop_str_in_output": _off,
-    "skip_special_tokens": _on,
     "spaces_between_special_tokens": _on,
     "truncate_prompt_tokens": _unset,
     "truncation_side": _unset,
-    "allowed_token_ids": _unset,
-    "bad_words": _empty,
     "prompt_embeds": _unset,
     "response_format": _text_format,
     "structured_outputs": _unset,
@@ -146,9 +138,14 @@ UNSUPPORTED: dict[str, Neutral] = {
     "cache_salt": _unset,
     "stream_interval": _one,
 }
-UNSUPPORTED_COMPLETION: dict[str, Neutral] = {**UNSUPPORTED, "add_special_tokens": _on}
+UNSUPPORTED_COMPLETION: dict[str, Neutral] = {
+    **UNSUPPORTED,
+    "add_special_tokens": _on,
+    "top_logprobs": _zero,
+}
 UNSUPPORTED_CHAT: dict[str, Neutral] = {
     **UNSUPPORTED,
+    "echo": _off,
     "add_special_tokens": _off,
     "tools": _empty,
     "tool_choice": _no_tool,
@@ -193,6 +190,12 @@ class _Common(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
 
 
 def _with_unsupported(name: str, base: type, names: dict[str, Neutral]) -> type:
@@ -213,11 +216,15 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class _Completion(_Common, kw_only=True):
     prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool | None = False
 
 
 class _Chat(_Common, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
 
 
 CompletionBody = _with_unsupported("CompletionBody", _Completion, UNSUPPORTED_COMPLETION)
@@ -252,6 +259,16 @@ class ParsedRequest:
     repetition_penalty: float = 1.0
     stream: bool = False
     include_usage: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # the server's
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # None: no logprobs; k: the sampled token's and the k most likely, per token.
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt's text (and logprobs) before the answer
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """What goes on the bus; :class:`ApiError` (400) when a value is out of bounds."""
@@ -265,6 +282,13 @@ class ParsedRequest:
             top_k=self.top_k,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words_token_ids=self.bad_words_token_ids,
+            logprobs=self.logprobs,
+            # vLLM: echo with logprobs scores the prompt too (lm-eval's loglikelihood)
+            prompt_logprobs=self.logprobs if self.echo else None,
         )
         bad = s.problem()
         if bad is not None:
@@ -351,7 +375,9 @@ def _common(
             raise ApiError(400, f"stop token id {t} is out of range", param="stop_token_ids")
     parsed.stop_token_ids = list(ids)
     parsed.ignore_eos = bool(body.ignore_eos)
-    parsed.sampling(1)  # the bounds of every sampling value (max_tokens: the server's)
+    _engine_fields(body, parsed, vocab_size)
+    # the bounds of every sampling value (max_tokens: the server's, checked later)
+    parsed.sampling(max(1, parsed.min_tokens))
     parsed.stream = bool(body.stream)
     if body.stream_options is not None:
         if not parsed.stream:
@@ -361,6 +387,70 @@ def _common(
         parsed.include_usage = bool(body.stream_options.include_usage)
 
 
+def _engine_fields(body: _Common, parsed: ParsedRequest, vocab_size: int) -> None:
+    """vLLM's extensions the engines apply (the bad words are tokenized by the server)."""
+    parsed.min_tokens = body.min_tokens or 0
+    if body.logit_bias:
+        bias = {}
+        for k, v in body.logit_bias.items():
+            try:
+                t = int(k)
+            except ValueError:
+                raise ApiError(
+                    400, f"logit_bias key {k!r} is not a token id", param="logit_bias"
+                ) from None
+            if not 0 <= t < vocab_size:
+                raise ApiError(400, f"logit_bias token id {t} is out of range", param="logit_bias")
+            if not math.isfinite(v):
+                raise ApiError(400, "logit_bias values must be finite", param="logit_bias")
+            bias[t] = min(100.0, max(-100.0, v))  # vLLM clamps
+        parsed.logit_bias = bias
+    if body.allowed_token_ids is not None:
+        if not body.allowed_token_ids:
+            raise ApiError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+        bad = next((t for t in body.allowed_token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError(
+                400, f"allowed_token_ids has id {bad} out of range", param="allowed_token_ids"
+            )
+        parsed.allowed_token_ids = list(dict.fromkeys(body.allowed_token_ids))
+    if body.bad_words:
+        if not all(body.bad_words):
+            raise ApiError(400, "bad_words cannot contain an empty string", param="bad_words")
+        parsed.bad_words = list(dict.fromkeys(body.bad_words))
+    parsed.include_stop_str_in_output = bool(body.include_stop_str_in_output)
+    parsed.skip_special_tokens = body.skip_special_tokens is not False
+
+
+def bad_words_token_ids(
+    encode: Callable[[str], list[int]], words: list[str], limit: int = MAX_BAD_WORDS
+) -> list[list[int]]:
+    """vLLM's ``SamplingParams.update_from_tokenizer``: each word as is and with a leading
+    space, the second only when it makes a different token sequence of the same length.
+    ``encode`` tokenizes without special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = encode(prefix + word.lstrip())
+            if not ids:
+                if not prefix:
+                    raise ApiError(
+                        400,
+                        "bad_words entries must tokenize to at least one token",
+                        param="bad_words",
+                    )
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+                if len(out) > limit:
+                    raise ApiError(
+                        400,
+                        f"too many bad words after tokenization: at most {limit}",
+                        param="bad_words",
+                    )
+    return out
+
+
 def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(type(i) is int for i in x)
 
@@ -368,6 +458,15 @@ def _is_ids(x: Any) -> bool:
 def parse_completion(data: bytes, vocab_size: int) -> ParsedRequest:
     body: CompletionBody = _decode(data, _completion_decoder)
     parsed = ParsedRequest(chat=False, model=body.model, max_tokens=body.max_tokens)
+    parsed.logprobs = body.logprobs
+    parsed.echo = bool(body.echo)
+    if parsed.echo and body.stream:
+        raise ApiError(
+            400,
+            "echo with stream=true is not supported by this server",
+            param="echo",
+            code="unsupported_parameter",
+        )
     _common(body, parsed, vocab_size, UNSUPPORTED_COMPLETION)
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not _is_ids(prompt):
@@ -404,18 +503,27 @@ def parse_chat(data: bytes, vocab_size: int, max_messages: int = MAX_MESSAGES) -
     body: ChatBody = _decode(data, _chat_decoder)
     mx = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     parsed = ParsedRequest(chat=True, model=body.model, max_tokens=mx)
+    if body.logprobs:
+        parsed.logprobs = body.top_logprobs or 0
+    elif body.top_logprobs:
+        raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     _common(body, parsed, vocab_size, UNSUPPORTED_CHAT)
-    if not body.messages:
+    parsed.messages = flatten_messages(body.messages, max_messages)
+    return parsed
+
+
+def flatten_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, str]]:
+    """Chat messages as the template takes them (text parts joined), or a 400."""
+    if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    if len(body.messages) > max_messages:
+    if len(messages) > max_messages:
         raise ApiError(
             400,
-            f"messages has {len(body.messages)} entries; this server accepts at most "
-            f"{max_messages}",
+            f"messages has {len(messages)} entries; this server accepts at most {max_messages}",
             param="messages",
         )
     msgs = []
-    for m in body.messages:
+    for m in messages:
         if m.role not in CHAT_ROLES:
             raise ApiError(400, f"unknown message role {m.role!r}", param="messages")
         if m.content is None or isinstance(m.content, str):
@@ -430,8 +538,7 @@ def parse_chat(data: bytes, vocab_size: int, max_messages: int = MAX_MESSAGES) -
                 texts.append(part.text)
             text = "\n".join(texts)
         msgs.append({"role": m.role, "content": text})
-    parsed.messages = msgs
-    return parsed
+    return msgs
 
 
 # ---------------------------------------------------------------------------- responses
@@ -447,19 +554,33 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_response(
-    rid: str, created: int, model: str, text: str, finish: str, use: dict
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str,
+    use: dict,
+    logprobs: dict | None = None,
 ) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": use,
     }
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str,
+    use: dict,
+    logprobs: dict | None = None,
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -469,7 +590,7 @@ def chat_response(rid: str, created: int, model: str, text: str, finish: str, us
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -504,12 +625,12 @@ class ChunkWriter:
         delta = {"role": "assistant", "content": ""}
         return self._frame([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
-    def text(self, text: str, finish: str | None = None) -> bytes:
+    def text(self, text: str, finish: str | None = None, logprobs: dict | None = None) -> bytes:
         if self.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._frame([choice])
 
     def usage(self, use: dict) -> bytes:

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from bus_schemas.requests import Accepted, Error, Finished, StreamEvent, Tokens
+from services.gateway.logprobs import LogprobsOut
 from services.gateway.output import TextOutput
 from services.gateway.protocol import (
     ApiError,
@@ -77,6 +78,35 @@ class Outcome:
         self.cached_tokens = ev.cached_tokens
 
 
+@dataclass
+class Extras:
+    """What a response carries beside its text: logprobs, and (completions' ``echo``)
+    the prompt's text and ids, whose logprobs come with the first token."""
+
+    logprobs: LogprobsOut | None = None
+    echo_text: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    _prompt_done: bool = False
+
+    def push(self, text: TextOutput, ev: Tokens) -> tuple[str, dict | None]:
+        """``text.push`` of ``ev``, plus the logprobs of the tokens it took (None when
+        none are asked for or none came)."""
+        skip = max(0, text.next_index - ev.index)
+        before = text.completion_tokens
+        delta = text.push(ev.token_ids, ev.index)
+        lps = self.logprobs
+        if lps is None:
+            return delta, None
+        part: dict | None = None
+        if self.echo_text is not None and ev.prompt_logprobs and not self._prompt_done:
+            self._prompt_done = True
+            part = lps.add(self.prompt_ids, ev.prompt_logprobs)
+        used = text.completion_tokens - before
+        if ev.logprobs and used:
+            part = lps.add(ev.token_ids[skip : skip + used], ev.logprobs[skip : skip + used])
+        return delta, part
+
+
 class StopEarly(Exception):
     """The response ends before the backend finished; ``local``: the backend is still at
     work (client gone, stop string, watchdog) and gets a CancelRequest."""
@@ -124,13 +154,20 @@ def error_response(e: ApiError) -> web.Response:
 
 
 async def collect(
-    next_event: NextEvent, p: ParsedRequest, rid: str, model: str, text: TextOutput, out: Outcome
+    next_event: NextEvent,
+    p: ParsedRequest,
+    rid: str,
+    model: str,
+    text: TextOutput,
+    out: Outcome,
+    extras: Extras | None = None,
 ) -> web.Response:
-    parts: list[str] = []
+    extras = extras or Extras()
+    parts: list[str] = [extras.echo_text or ""]
     while True:
         ev = await next_event()
         if isinstance(ev, Tokens):
-            parts.append(text.push(ev.token_ids, ev.index))
+            parts.append(extras.push(text, ev)[0])
             if text.stopped:
                 out.finish, out.completion_tokens = "stop", text.completion_tokens
                 break
@@ -142,7 +179,9 @@ async def collect(
             raise api_error(ev)
     use = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
     build = chat_response if p.chat else completion_response
-    resp = json_response(build(rid, int(time.time()), model, "".join(parts), out.finish, use))
+    lps = extras.logprobs.body() if extras.logprobs is not None else None
+    body = build(rid, int(time.time()), model, "".join(parts), out.finish, use, lps)
+    resp = json_response(body)
     if text.stopped:  # the backend is still generating: tell it to stop
         raise StopEarly(resp, 200, "stop string")
     return resp
@@ -157,7 +196,9 @@ async def stream(
     text: TextOutput,
     out: Outcome,
     write_timeout_s: float,
+    extras: Extras | None = None,
 ) -> web.StreamResponse:
+    extras = extras or Extras()
     w = ChunkWriter(rid, int(time.time()), model, p.chat, p.include_usage)
     resp: web.StreamResponse | None = None
     while True:
@@ -180,11 +221,11 @@ async def stream(
                 raise StopEarly(resp, 499, "client disconnected") from None
             buf = w.role() if p.chat else b""
         if isinstance(ev, Tokens):
-            delta = text.push(ev.token_ids, ev.index)
+            delta, lps = extras.push(text, ev)
             # The first token always gets a chunk, even when its bytes do not yet make
             # a whole character: clients time TTFT by the first chunk.
-            if delta or ev.index == 0:
-                buf += w.text(delta)
+            if delta or ev.index == 0 or lps:
+                buf += w.text(delta, logprobs=lps)
             if text.stopped:
                 out.finish, out.completion_tokens = "stop", text.completion_tokens
         elif isinstance(ev, Finished):

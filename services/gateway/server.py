@@ -48,17 +48,20 @@ from services.common.hashing import block_hashes
 from services.common.model_spec import ModelSpec
 from services.common.tokenizer import Tokenizer
 from services.gateway import auth, connections, telemetry
+from services.gateway.logprobs import LogprobsOut
 from services.gateway.output import TextOutput
 from services.gateway.protocol import (
     MAX_MESSAGES,
     ApiError,
     ParsedRequest,
+    bad_words_token_ids,
     parse_chat,
     parse_completion,
 )
 from services.gateway.replies import LocalError, ReplyRouter
 from services.gateway.responses import (
     BackendError,
+    Extras,
     Outcome,
     StopEarly,
     collect,
@@ -67,6 +70,8 @@ from services.gateway.responses import (
     stream,
 )
 from services.gateway.telemetry import request_attributes
+from services.gateway.tokenize import detokenize as detokenize_body
+from services.gateway.tokenize import tokenize as tokenize_body
 from services.gateway.watchdog import Watchdog
 from tracing import tracer
 
@@ -193,6 +198,8 @@ class Gateway:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/v1/perigee/config", self.config),
                 web.get("/health", self.health),
                 web.get("/ready", self.ready),
@@ -258,6 +265,38 @@ class Gateway:
             "max_model_len": self.max_model_len,
         }
         return json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` (:mod:`services.gateway.tokenize`)."""
+        c = self.cfg
+        return await self._tokenizer_call(
+            request,
+            lambda data: tokenize_body(
+                data, self.tok, self.max_model_len, c.max_messages, c.content_special_tokens
+            ),
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``."""
+        return await self._tokenizer_call(request, lambda data: detokenize_body(data, self.tok))
+
+    async def _tokenizer_call(self, request: web.Request, run) -> web.Response:
+        try:
+            model, body = run(await self._read_body(request))
+            self._check_model(model)
+        except ApiError as e:
+            return self._rejected(e)
+        return json_response(body)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.cfg.served_model_name:
+            raise ApiError(
+                404,
+                f"the model `{model}` does not exist; this server serves "
+                f"`{self.cfg.served_model_name}` (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     async def config(self, request: web.Request) -> web.Response:
         """The effective configuration a client may grade itself against."""
@@ -443,15 +482,12 @@ class Gateway:
                 if chat
                 else parse_completion(data, self.tok.vocab_size)
             )
-            if p.model is not None and p.model != self.cfg.served_model_name:
-                raise ApiError(
-                    404,
-                    f"the model `{p.model}` does not exist; this server serves "
-                    f"`{self.cfg.served_model_name}` (GET /v1/models)",
-                    param="model",
-                    code="model_not_found",
-                )
+            self._check_model(p.model)
             ids = await self._tokenize(p)
+            if p.bad_words:  # the engines load no tokenizer: they get the ids
+                p.bad_words_token_ids = bad_words_token_ids(
+                    lambda w: self.tok.encode(w, add_bos=False), p.bad_words
+                )
             max_tokens = self._max_tokens(p, len(ids))
             sampling = self._stop_on_eos(p.sampling(max_tokens))
         except ApiError as e:
@@ -502,7 +538,10 @@ class Gateway:
             reply_subject=self.router.reply_subject(rid),
         )
         q = self.router.open(rid)
-        text = TextOutput(self.tok.detokenizer(), p.stop)
+        text = TextOutput(
+            self.tok.detokenizer(p.skip_special_tokens), p.stop, p.include_stop_str_in_output
+        )
+        extras = self._extras(p, ids)
         cancel_reason = ""  # set when the backend may still be working and must be told
         try:
             try:
@@ -527,8 +566,10 @@ class Gateway:
                 return ev
 
             if p.stream:
-                return await stream(request, next_event, p, rid, model, text, out, self._guard_s)
-            return await collect(next_event, p, rid, model, text, out)
+                return await stream(
+                    request, next_event, p, rid, model, text, out, self._guard_s, extras
+                )
+            return await collect(next_event, p, rid, model, text, out, extras)
         except ApiError as e:
             out.status, out.error = e.status, e.message
             if isinstance(e, BackendError) and e.local:
@@ -550,6 +591,18 @@ class Gateway:
             self.router.close_request(rid)
             if cancel_reason:
                 self._spawn(self.router.cancel(current, cancel_reason, holders))
+
+    def _extras(self, p: ParsedRequest, ids: list[int]) -> Extras:
+        lps = None
+        if p.logprobs is not None:
+            tok = self.tok
+            lps = LogprobsOut(
+                lambda t: tok.decode((t,), skip_special_tokens=False), p.chat, p.logprobs
+            )
+        echo = None
+        if p.echo:  # vLLM: the prompt as sent, or its ids decoded
+            echo = p.prompt_text if p.prompt_text is not None else self.tok.decode(ids, False)
+        return Extras(logprobs=lps, echo_text=echo, prompt_ids=ids)
 
     async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
         if not q.empty():

@@ -104,6 +104,7 @@ class _Computed:
     ships: list[asyncio.Task]
     ship_span: Any = None  # prefill.ship, opened with the first layer to ship
     lease: "asyncio.Task[None] | None" = None  # the ships' write grant, opened as compute starts
+    job: PrefillJob | None = None  # its logprobs, when the request asked (engine-filled)
 
     async def stop(self) -> None:
         """Cancel what is still on the wire (nothing, once every ship is acked) and
@@ -114,6 +115,15 @@ class _Computed:
         if self.ship_span is not None:
             self.ship_span.end()
             self.ship_span = None
+
+
+def first_logprobs(job: PrefillJob) -> list | None:
+    return None if job.first_logprobs is None else [job.first_logprobs]
+
+
+def _logprobs_of(job: PrefillJob) -> dict:
+    """What the decode side streams with the first token when prefill did not."""
+    return {"first_logprobs": job.first_logprobs, "prompt_logprobs": job.prompt_logprobs}
 
 
 @dataclass
@@ -562,6 +572,7 @@ class PrefillWorker(WorkerBase):
                         self.engine.abort(req.request_id)
                         raise
             done.first_ts = self.unix.now()
+            done.job = job
             if task.stream_first_token and req.reply_subject:
                 # The client need not wait for the KV to land on the decode node.
                 with tracer().start_as_current_span("prefill.first_token"):
@@ -574,6 +585,8 @@ class PrefillWorker(WorkerBase):
                             index=0,
                             from_prefill=True,
                             incarnation=self.incarnation,
+                            logprobs=first_logprobs(job),
+                            prompt_logprobs=job.prompt_logprobs,
                         ),
                     )
             if learn is not None:  # after the first token: a refit is not on its path
@@ -610,6 +623,7 @@ class PrefillWorker(WorkerBase):
                 prefill_done_ts=self.unix.now(),
                 first_token_sent=task.stream_first_token,
                 decode_incarnation=task.decode_incarnation,
+                **({} if task.stream_first_token or done.job is None else _logprobs_of(done.job)),
             ),
         )
         # Every layer is acked, so the prefill-side slots are no longer read: commit.

@@ -56,12 +56,21 @@ def engine_args(
 
 
 def sampling_params(
-    s: SamplingParams, max_tokens: int, key: str | None, eos_token_id: int | None, vocab_size: int
+    s: SamplingParams,
+    max_tokens: int,
+    key: str | None,
+    eos_token_id: int | None,
+    vocab_size: int,
+    *,
+    min_tokens: int = 0,
+    prompt_logprobs: bool = False,
 ) -> Any:
     """Greedy when temperature is 0; tokens come back as deltas. The tokenizer is not
-    loaded (prompts are token ids), so EOS is a stop token id unless ``ignore_eos``.
+    loaded (prompts are token ids), so EOS is a stop token id unless ``ignore_eos``, and
+    the bad words come tokenized (set where vLLM's ``update_from_tokenizer`` puts them).
     ``key`` names the request's plan for the connector. A ``top_k`` above the
-    vocabulary keeps every token, as the vocabulary size does."""
+    vocabulary keeps every token, as the vocabulary size does. ``min_tokens`` is this
+    role's share (the caller's), ``prompt_logprobs`` whether this role computes them."""
     from vllm import SamplingParams as VllmSampling
     from vllm.sampling_params import RequestOutputKind
 
@@ -69,7 +78,7 @@ def sampling_params(
     if not s.ignore_eos and eos_token_id is not None:
         stop.append(eos_token_id)
     extra = {"kv_transfer_params": {"perigee": {"key": key}}} if key else None
-    return VllmSampling(
+    params = VllmSampling(
         n=1,
         temperature=s.temperature,
         top_p=s.top_p,
@@ -83,4 +92,12 @@ def sampling_params(
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
         extra_args=extra,
+        min_tokens=min(min_tokens, max_tokens),
+        logit_bias=dict(s.logit_bias) if s.logit_bias else None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs if prompt_logprobs else None,
     )
+    if s.bad_words_token_ids:
+        params._bad_words_token_ids = [list(w) for w in s.bad_words_token_ids]
+    return params

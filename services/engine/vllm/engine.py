@@ -32,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from bus_schemas.requests import SamplingParams
+from bus_schemas.requests import PositionLogprobs, SamplingParams
 from bus_schemas.roles import ROLES, Role
 from services.common.model_spec import ModelSpec
 from services.engine.base import (
@@ -65,6 +65,17 @@ class _Active:
     context: int = 0  # decode: prompt + generated tokens
     aborting: bool = False
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # prefill's first token's
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+
+
+def _positions(per_position: Any) -> list[Any]:
+    """vLLM's logprobs (a dict ``token id -> Logprob`` per position, or None) as wire
+    data: ``[token id, logprob]`` pairs in vLLM's order, -inf clamped at -9999."""
+    return [
+        None if d is None else [(t, max(lp.logprob, -9999.0)) for t, lp in d.items()]
+        for d in per_position
+    ]
 
 
 def _settle(
@@ -208,7 +219,13 @@ class VllmEngine(Engine):
         slots = self._slots(job.kv, n)
         if rid in self._active:
             raise EngineError(f"request {rid} is already running")
-        params = self._request_params(prompt, job.sampling, 1, rid)
+        s = job.sampling
+        # Prompt logprobs need every prompt position computed: nothing is loaded (the
+        # cached blocks are still not saved again).
+        with_prompt_lps = s.prompt_logprobs is not None
+        params = self._request_params(
+            prompt, s, 1, rid, min_tokens=min(s.min_tokens, 1), prompt_logprobs=with_prompt_lps
+        )
         loop = self._loop
         on_layer: Callable[[int], Any] | None = None
         if job.on_layer is not None:
@@ -220,17 +237,22 @@ class VllmEngine(Engine):
         plan = Plan(
             key=rid,
             slots=slots,
-            load_tokens=p,
+            load_tokens=0 if with_prompt_lps else p,
             save_from=p // hash_block,
             save_tokens=n,
             on_layer=on_layer,
         )
         fut = loop.create_future()
         self.bridge.add(plan)
-        self._active[rid] = _Active("prefill", fut=fut)
+        a = self._active[rid] = _Active("prefill", fut=fut)
         self._cmds.put(("add", rid, prompt, params))
         try:
-            return await fut
+            first = await fut
+            if s.logprobs is not None:
+                job.first_logprobs = a.logprobs[0] if a.logprobs else None
+            if with_prompt_lps:
+                job.prompt_logprobs = a.prompt_logprobs
+            return first
         except asyncio.CancelledError:
             await self._abort_and_wait(rid)
             raise
@@ -272,7 +294,11 @@ class VllmEngine(Engine):
             raise EngineError(f"request {rid} is already decoding")
         slots = self._slots(job.kv, n)
         params = self._request_params(
-            prompt, job.sampling, max(job.sampling.max_tokens - 1, 1), rid
+            prompt,
+            job.sampling,
+            max(job.sampling.max_tokens - 1, 1),
+            rid,
+            min_tokens=max(job.sampling.min_tokens - 1, 0),  # the first token counts
         )
         stream = RequestStream(rid)
         reason = self._first_token_finish(job.sampling, first, n + 1)
@@ -305,11 +331,13 @@ class VllmEngine(Engine):
             raise
         return stream
 
-    def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None) -> Any:
-        return sampling_params(s, max_tokens, key, self.spec.eos_token_id, self.spec.vocab_size)
+    def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None, **role: Any) -> Any:
+        return sampling_params(
+            s, max_tokens, key, self.spec.eos_token_id, self.spec.vocab_size, **role
+        )
 
     def _request_params(
-        self, prompt: list[int], s: SamplingParams, max_tokens: int, key: str
+        self, prompt: list[int], s: SamplingParams, max_tokens: int, key: str, **role: Any
     ) -> Any:
         """vLLM's SamplingParams for one request, or :class:`EngineError`: a value that
         would fail inside ``step()`` (a token id off the embedding table, a seed beyond
@@ -322,8 +350,11 @@ class VllmEngine(Engine):
         problem = s.problem()
         if problem is not None:
             raise EngineError(f"bad sampling parameters: {problem[1]}")
+        bad = next((t for t in s.token_ids_used() if not 0 <= t < v), None)
+        if bad is not None:
+            raise EngineError(f"sampling token id {bad} is outside the vocabulary [0, {v})")
         try:
-            return self._sampling(s, max_tokens, key)
+            return self._sampling(s, max_tokens, key, **role)
         except Exception as e:  # noqa: BLE001 - vLLM's own checks: this request only
             raise EngineError(f"vLLM refused the sampling parameters: {e}") from None
 
@@ -451,6 +482,8 @@ class VllmEngine(Engine):
             rid = out.request_id
             comp = out.outputs[0] if out.outputs else None
             toks = list(comp.token_ids) if comp is not None else []
+            lps = _positions(comp.logprobs) if comp is not None and comp.logprobs else None
+            plps = _positions(out.prompt_logprobs) if out.prompt_logprobs else None
             reason = comp.finish_reason if comp is not None else None
             plan = self.bridge.get(rid)
             err = plan.error if plan is not None else None
@@ -467,7 +500,7 @@ class VllmEngine(Engine):
                     self.counters["vllm_cached_tokens"] += out.num_cached_tokens or 0
                 if finished and plan is not None:
                     self.counters["vllm_prompt_tokens_computed"] += plan.computed_prompt_tokens
-            self._post(self._on_output, rid, toks, finished, reason, err)
+            self._post(self._on_output, rid, toks, finished, reason, err, lps, plps)
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -478,14 +511,20 @@ class VllmEngine(Engine):
         finished: bool,
         reason: str | None,
         err: BaseException | None,
+        lps: list[PositionLogprobs] | None = None,
+        plps: list[PositionLogprobs | None] | None = None,
     ) -> None:
         a = self._active.get(rid)
         if a is None:
             return
+        if plps:
+            a.prompt_logprobs += plps
         _settle(a.loaded)
         if finished:
             del self._active[rid]
         if a.kind == "prefill":
+            if lps:
+                a.logprobs += lps
             if err is not None:
                 _settle(a.fut, error=err)
             elif toks:
@@ -493,8 +532,8 @@ class VllmEngine(Engine):
             elif finished:
                 _settle(a.fut, error=EngineError(f"prefill ended without a token ({reason})"))
         elif a.kind == "decode":
-            for t in toks:
-                a.stream.push(t)
+            for i, t in enumerate(toks):
+                a.stream.push(t, lps[i] if lps and i < len(lps) else None)
             a.context += len(toks)
             if err is not None:
                 a.stream.fail(EngineError(f"decode failed: {type(err).__name__}: {err}"))

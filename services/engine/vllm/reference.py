@@ -3,11 +3,14 @@ baseline): ``python -m services.engine.vllm.reference SPEC.json OUT.json``.
 
 SPEC: ``{"model_dir": str, "load_format": str|null, "prefix_caching": bool,
 "kv_blocks": int, "max_model_len": int, "block_size": int, "max_num_batched_tokens": int,
-"requests": [{"prompt": [ids], "max_tokens": n}]}``. Requests run one after another,
-greedy (temperature 0, ignore_eos), so each sees whatever the previous ones left in
-vLLM's prefix cache. OUT: ``{"start_s": s, "results": [{"tokens": [...],
-"num_cached_tokens": k, "ttft_s": s, "total_s": s}]}``. JSON both ways (no pickle),
-no connector: this is vLLM as it ships.
+"requests": [{"prompt": [ids], "max_tokens": n, "sampling": {...}}]}``. Requests run one
+after another, greedy (temperature 0, ignore_eos), so each sees whatever the previous
+ones left in vLLM's prefix cache; a request's ``sampling`` adds vLLM ``SamplingParams``
+fields (``bad_words_token_ids``: the tokenized bad words, as the engines get them).
+OUT: ``{"start_s": s, "results": [{"tokens": [...], "num_cached_tokens": k, "ttft_s": s,
+"total_s": s, "logprobs": [...] | null, "prompt_logprobs": [...] | null}]}``, logprobs
+as ``[token id, logprob]`` pairs per position in vLLM's order. JSON both ways (no
+pickle), no connector: this is vLLM as it ships.
 """
 
 import json
@@ -47,18 +50,35 @@ def build_engine(spec: dict):
     )
 
 
-def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
+def _pairs(position) -> list | None:
+    return None if position is None else [[t, lp.logprob] for t, lp in position.items()]
+
+
+def run_one(
+    engine, rid: str, prompt: list[int], max_tokens: int, sampling: dict | None = None
+) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    extra = dict(sampling or {})
+    bad_words = extra.pop("bad_words_token_ids", None)
+    if extra.get("logit_bias"):  # JSON made the token ids strings
+        extra["logit_bias"] = {int(t): b for t, b in extra["logit_bias"].items()}
     params = SamplingParams(
-        temperature=0.0,
-        max_tokens=max_tokens,
-        ignore_eos=True,
-        detokenize=False,
-        output_kind=RequestOutputKind.DELTA,
+        **{
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "detokenize": False,
+            "output_kind": RequestOutputKind.DELTA,
+            **extra,
+        }
     )
+    if bad_words:
+        params._bad_words_token_ids = bad_words
+    logprobs: list | None = [] if params.logprobs is not None else None
+    prompt_logprobs: list | None = [] if params.prompt_logprobs is not None else None
     t0 = time.perf_counter()
     engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     tokens: list[int] = []
@@ -67,6 +87,10 @@ def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
     while engine.has_unfinished_requests():
         for out in engine.step():
             new = list(out.outputs[0].token_ids)
+            if logprobs is not None and out.outputs[0].logprobs:
+                logprobs += [_pairs(p) for p in out.outputs[0].logprobs]
+            if prompt_logprobs is not None and out.prompt_logprobs:
+                prompt_logprobs += [_pairs(p) for p in out.prompt_logprobs]
             if new and ttft is None:
                 ttft = time.perf_counter() - t0
             tokens += new
@@ -76,6 +100,8 @@ def run_one(engine, rid: str, prompt: list[int], max_tokens: int) -> dict:
         "num_cached_tokens": cached,
         "ttft_s": ttft,
         "total_s": time.perf_counter() - t0,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 
@@ -132,7 +158,7 @@ def main(argv: list[str]) -> int:
     start_s = time.perf_counter() - t
     run_one(engine, "warmup", [3 + i % 100 for i in range(64)], 2)  # first forward is slow
     results = [
-        run_one(engine, f"r{i}", list(r["prompt"]), int(r.get("max_tokens", 1)))
+        run_one(engine, f"r{i}", list(r["prompt"]), int(r.get("max_tokens", 1)), r.get("sampling"))
         for i, r in enumerate(spec["requests"])
     ]
     Path(argv[1]).write_text(json.dumps({"start_s": start_s, "results": results}))

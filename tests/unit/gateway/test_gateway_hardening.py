@@ -214,7 +214,7 @@ def test_limits_are_validated():
 # ---------------------------------------------------------------------------- bodies
 
 
-@pytest.mark.parametrize("where", ["frobnicate", "logprobs", "chat_template_kwargs"])
+@pytest.mark.parametrize("where", ["frobnicate", "guided_json", "chat_template_kwargs"])
 async def test_deep_json_is_a_400(stack, where):
     s = await stack()
     deep = "[" * 3000 + "]" * 3000
