@@ -37,9 +37,10 @@ states the same lists in prose.
   and reads claims back; a store creates KV_EVENTS and purges it (its own node's
   subject, a filter in the request that permissions cannot see). A worker has none.
 
-Where one login serves many instances (Kubernetes: every worker pod is ``worker``,
-every store pod ``store``), the per-instance parts are a wildcard: the subject still
-names the instance, but the server cannot tell one pod of the role from another.
+On Kubernetes, pods come and go with scaling, so serving pods have no static user: each
+logs in as ``worker-<pod>`` or ``store-<pod>`` with its projected ServiceAccount token,
+and the auth callout (services.authn) answers with the same allow-lists for that pod's
+instance and node (both the pod's name). The per-instance rules hold per pod there too.
 
 The admin user (``perigee``) may do everything: ``perigee up``'s readiness checks, the
 operator's tools, the tests. Passwords are drawn per run (:func:`new_password`).
@@ -63,6 +64,7 @@ INTAKE_STREAM, SCHEDULE_STREAM, PLACED_STREAM = (
     "PERIGEE_PLACED",
 )
 KV_STREAM = "PERIGEE_KV_EVENTS"
+AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"  # where nats-server asks the auth callout
 ROLES = ("gateway", "admission", "conductor", Role.PREFILL, Role.DECODE, "store")
 
 
@@ -190,6 +192,8 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
             *REPLIES,  # tokens, errors
             s.bus_reconnected("worker", inst),
         ]
+    if m.role == "authn":  # answers the servers' login questions, nothing else
+        return [s.bus_reconnected("authn", "*")]
     if m.role == "store":
         return [
             s.kv_events(node),
@@ -241,6 +245,8 @@ def subscribe_allow(m: Member, d: Deployment) -> list[str]:
         if d.switchable:
             out.append(s.CTL_ROLE)
         return out
+    if m.role == "authn":
+        return [*own, AUTH_CALLOUT]
     if m.role == "store":
         # The other stores' announcements: the node registry its ships may go to.
         return [*own, s.store_ctl(node, ">"), s.STORE_DISCOVER, s.STORE_ANNOUNCE, s.CTL_REPLICATE]
@@ -272,12 +278,20 @@ def _q(items) -> str:
     return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
 
-def render(us: list[User], *, env_passwords: bool = False, env_users: bool = False) -> str:
+def render(
+    us: list[User],
+    *,
+    env_passwords: bool = False,
+    env_users: bool = False,
+    callout_issuer: str = "",
+) -> str:
     """An ``authorization`` block for nats-server. ``env_passwords``: each password is
     ``$<NAME>_NATS_PASSWORD`` (upper case, ``-`` as ``_``) from the server's environment,
     as compose passes them; ``env_users``: each user name ``$<NAME>_NATS_USER`` too (the
     Kubernetes Secret names them). A user may answer any request it receives
-    (``allow_responses``: one reply to each, within a minute), besides its lists."""
+    (``allow_responses``: one reply to each, within a minute), besides its lists.
+    ``callout_issuer``: any other login is decided by the auth callout whose answers this
+    key signs (services.authn); the users listed here bypass it."""
     lines = ["authorization {", "  users: ["]
     for u in us:
         pw = f"${env_var(u.name)}" if env_passwords else json.dumps(u.password)
@@ -289,7 +303,16 @@ def render(us: list[User], *, env_passwords: bool = False, env_users: bool = Fal
         lines.append(f"     permissions: {{publish: {{allow: {_q(u.publish)}}},")
         lines.append(f"                   subscribe: {{allow: {_q(u.subscribe)}}},")
         lines.append("                   allow_responses: true}}")
-    lines += ["  ]", "}"]
+    lines.append("  ]")
+    if callout_issuer:
+        names = [f"${env_var(u.name, 'USER')}" if env_users else json.dumps(u.name) for u in us]
+        lines += [
+            "  auth_callout {",
+            f"    issuer: {callout_issuer}",
+            f"    auth_users: [{', '.join(names)}]",
+            "  }",
+        ]
+    lines.append("}")
     return "\n".join(lines) + "\n"
 
 
@@ -341,28 +364,32 @@ def compose_authorization() -> str:
     )
 
 
-# Kubernetes (deploy/k8s): one user per role, since pods come and go with scaling (no
-# per-instance rules); prefill and decode pods share "worker", as a RoleSwitch turns
-# one into the other in place.
+# Kubernetes (deploy/k8s): the control plane logs in with one static user per role; a
+# serving pod logs in as worker-<pod> / store-<pod> with its projected ServiceAccount
+# token, and the auth callout (services.authn) grants it that pod's own subjects (the
+# workers switch roles in place, hence switchable). So every per-instance rule holds
+# per pod there too.
 K8S = Deployment(
     [
         Member("gateway", "gateway"),
         Member("admission", "admission"),
         Member("conductor", "conductor"),
-        Member("worker", Role.DECODE),
-        Member("store", "store"),
+        Member("authn", "authn"),
     ],
     switchable=True,
 )
+AUTHN_ISSUER_ENV = "AUTHN_ISSUER"  # the callout's public key, in the NATS servers' env
 
 
 def k8s_authorization() -> str:
     """deploy/k8s/base/nats.conf's authorization block (tests/unit/perigee/test_k8s_manifests.py
-    holds them equal): names and passwords from the Secret, through each server's env."""
+    holds them equal): names and passwords from the Secret, through each server's env;
+    every other login goes to the auth callout."""
     return render(
         users(K8S, {u: "-" for u in [ADMIN, *(m.name for m in K8S.members)]}),
         env_passwords=True,
         env_users=True,
+        callout_issuer=f"${AUTHN_ISSUER_ENV}",
     )
 
 

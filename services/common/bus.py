@@ -62,6 +62,17 @@ def traced_subject(subject: str) -> bool:
 
 # A service's own NATS login when its URL carries none (perigee up, Kubernetes Secrets).
 USER_ENV, PASSWORD_ENV = "NATS_USER", "NATS_PASSWORD"
+# A password read from this file at every (re)connect: a Kubernetes projected token,
+# which the kubelet rotates in place (services.authn).
+PASSWORD_FILE_ENV = "NATS_PASSWORD_FILE"
+
+
+def password_from_file(path: str) -> Callable[[], str]:
+    def read() -> str:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+
+    return read
 
 
 def servers_and_login(url: str) -> tuple[list[str], str | None, str | None]:
@@ -167,7 +178,9 @@ async def connect(url: str, name: str, *, kind: str = "client", sender: str = ""
 
     servers, user, password = servers_and_login(url)
     refuse_placeholder(f"the NATS password of user {user!r}", password, "NATS_PASSWORD or the URL")
-    login = {"user": user, "password": password} if user is not None else {}
+    login: dict[str, Any] = {"user": user, "password": password} if user is not None else {}
+    if user is not None and not password and os.environ.get(PASSWORD_FILE_ENV):
+        login["password"] = password_from_file(os.environ[PASSWORD_FILE_ENV])
     nc = await nats.connect(
         servers,
         name=name,

@@ -43,7 +43,8 @@ def filled(tmp_path: Path) -> Path:
 def test_the_template_is_refused_naming_every_placeholder(tmp_path):
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     placeholders = [k for k, v in entries(CREDENTIALS.read_text()).items() if PLACEHOLDER in v]
-    assert len(placeholders) == 8  # six NATS passwords, the API key, the data key
+    # five NATS passwords, the auth callout's key pair, the API key, the data key
+    assert len(placeholders) == 9
     assert "data-key" in placeholders
     for cwd in (ROOT, tmp_path):  # the default file is found from anywhere
         r = check(cwd=cwd)

@@ -20,6 +20,7 @@ import yaml
 
 from perigee import models
 from perigee.natsd import nats_server_binary
+from services.authn import nkeys
 from services.common.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,6 +36,7 @@ PARSERS = {
         "services.prefill",
         "services.decode",
         "services.store",
+        "services.authn",
     )
 }
 # Stand-ins for what the kubelet fills in (downward API).
@@ -190,13 +192,22 @@ def test_nats_is_a_cluster_of_three_with_jetstream_on_persistent_volumes(rendere
     path = tmp_path / "nats.conf"
     path.write_text(conf.replace(store_dir, str(tmp_path / "js")))
     env = environment(docs, c)
-    r = subprocess.run(
-        [nats_server_binary(), "-t", "-c", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, **env},
-    )
+
+    def check(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [nats_server_binary(), "-t", "-c", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, **env},
+        )
+
+    # The template's auth-callout key is refused by the server itself; a keygen'd one
+    # (python -m services.authn keygen) is taken.
+    r = check(env)
+    assert r.returncode != 0 and "nkey" in r.stderr + r.stdout, r.stderr + r.stdout
+    env["AUTHN_ISSUER"] = nkeys.KeyPair.generate().public
+    r = check(env)
     assert r.returncode == 0, r.stderr + r.stdout
 
 
@@ -401,13 +412,18 @@ def test_each_serving_pod_holds_its_store_and_worker_on_one_shared_memory(render
 def test_credentials_come_from_secrets(rendered, tree):
     docs = rendered[tree]
     secrets = objs(docs, "Secret")
-    want = {"NATS_USER", "NATS_PASSWORD"}
     for w, c in containers(docs):
         env = {e["name"]: e for e in c.get("env", [])}
-        names = want | ({"PERIGEE_API_KEY"} if c["name"] == "gateway" else set())
-        if not c["image"].startswith("perigee"):  # nats-server: every role's login
+        if c["image"].startswith("perigee") and "NATS_PASSWORD_FILE" in env:
+            # A serving pod: no password at all, its projected token (the auth callout).
+            assert "NATS_PASSWORD" not in env
+            continue
+        names = {"NATS_USER", "NATS_PASSWORD"} | (
+            {"PERIGEE_API_KEY"} if c["name"] == "gateway" else set()
+        )
+        if not c["image"].startswith("perigee"):  # nats-server: every static login
             names = {n for n in env if n.endswith(("_NATS_USER", "_NATS_PASSWORD"))}
-            assert len(names) == 12, names
+            assert len(names) == 10, names  # admin, gateway, admission, conductor, authn
         for name in names:
             ref = env[name]["valueFrom"]["secretKeyRef"]
             assert ref["key"] in secrets[ref["name"]]["data"], (w["metadata"]["name"], name)
@@ -416,17 +432,16 @@ def test_credentials_come_from_secrets(rendered, tree):
         password = environment(docs, c)["NATS_PASSWORD"]
         # No credential is written into a manifest: args and values only refer to it.
         assert password not in str(c.get("args", [])) + str([e.get("value") for e in env.values()])
-        if c["image"].startswith("perigee"):
-            # No password on a command line (the process's argv): the URL has no login,
-            # the service takes NATS_USER/NATS_PASSWORD from its environment.
-            assert flag(c, "--nats") == "$(NATS_URL)"
-            url = environment(docs, c)["NATS_URL"]
-            assert url == "nats://perigee-nats:4222", url
-            assert password not in " ".join(expand(a, environment(docs, c)) for a in c["args"])
+        # No password on a command line (the process's argv): the URL has no login,
+        # the service takes NATS_USER/NATS_PASSWORD from its environment.
+        assert flag(c, "--nats") == "$(NATS_URL)"
+        url = environment(docs, c)["NATS_URL"]
+        assert url == "nats://perigee-nats:4222", url
+        assert password not in " ".join(expand(a, environment(docs, c)) for a in c["args"])
     [data] = [s["data"] for s in secrets.values()]
     passwords = [k for k in data if k.endswith("-nats-password")]
-    assert len(passwords) == 6  # the admin and one per role
-    for k in passwords:
+    assert len(passwords) == 5  # the admin and one per control-plane role
+    for k in [*passwords, "authn-issuer-seed", "authn-issuer-public"]:
         assert "REPLACE-ME" in base64.b64decode(data[k]).decode(), k
 
 
@@ -534,10 +549,12 @@ ROLE_USER = {
     "services.gateway": "gateway",
     "services.admission": "admission",
     "services.conductor": "conductor",
-    "services.prefill": "worker",
-    "services.decode": "worker",
-    "services.store": "store",
+    "services.authn": "authn",
+    "services.prefill": f"worker-{FIELD_REFS['metadata.name']}",
+    "services.decode": f"worker-{FIELD_REFS['metadata.name']}",
+    "services.store": f"store-{FIELD_REFS['metadata.name']}",
 }
+SERVING = ("services.prefill", "services.decode", "services.store")
 
 
 @pytest.mark.parametrize("tree", list(TREES))
@@ -553,13 +570,33 @@ def test_each_role_logs_in_as_its_own_nats_user_with_permissions(rendered, tree)
     conf_vol = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
     conf = objs(docs, "ConfigMap")[conf_vol["configMap"]["name"]]["data"]["nats.conf"]
     assert natsauth.k8s_authorization() in conf  # generated, not hand-kept
-    # The server holds each role's login under the names the conf reads.
+    # The server holds each control-plane login under the names the conf reads; serving
+    # pods have none there (the callout decides them), and the callout signs with the key
+    # the servers trust.
     [server] = sts["spec"]["template"]["spec"]["containers"]
     senv = environment(docs, server)
-    for _, c in perigee_containers(docs):
-        user = environment(docs, c)["NATS_USER"]
+    for w, c in perigee_containers(docs):
+        env = environment(docs, c)
+        user = env["NATS_USER"]
+        if c["args"][0] in SERVING:
+            assert natsauth.env_var(user, "USER") not in senv
+            token = next(
+                v for v in w["spec"]["template"]["spec"]["volumes"] if v["name"] == "nats-token"
+            )
+            [src] = token["projected"]["sources"]
+            mount = next(m for m in c["volumeMounts"] if m["name"] == "nats-token")
+            assert (
+                env["NATS_PASSWORD_FILE"]
+                == f"{mount['mountPath']}/{src['serviceAccountToken']['path']}"
+            )
+            assert src["serviceAccountToken"]["audience"] == "perigee-nats"
+            continue
         assert senv[natsauth.env_var(user, "USER")] == user
-        assert senv[natsauth.env_var(user)] == environment(docs, c)["NATS_PASSWORD"]
+        assert senv[natsauth.env_var(user)] == env["NATS_PASSWORD"]
+        if c["args"][0] == "services.authn":
+            assert env["PERIGEE_AUTHN_ISSUER"] == senv[natsauth.AUTHN_ISSUER_ENV]
+            _, args = parsed(docs, c)
+            assert args.audience == "perigee-nats"
 
 
 # -- scaling ---------------------------------------------------------------------------
@@ -671,6 +708,7 @@ def test_kubectl_scale_would_find_the_scale_subresources(rendered):
         "perigee-pd-controller": "Deployment",
         "perigee-prefill": "StatefulSet",
         "perigee-decode": "StatefulSet",
+        "perigee-authn": "Deployment",
     }
 
 
@@ -696,6 +734,9 @@ def test_the_nats_server_refuses_a_placeholder_password(rendered, tree, tmp_path
     assert sh
     r = subprocess.run([sh, "-c", script], env={**base, **env}, capture_output=True, text=True)
     assert r.returncode == 1 and "REPLACE-ME" in r.stderr, (r.returncode, r.stderr)
-    real = {k: ("s3cret" if k.endswith("_NATS_PASSWORD") else v) for k, v in env.items()}
+    real = {
+        k: ("s3cret" if k.endswith("_NATS_PASSWORD") or k == "AUTHN_ISSUER" else v)
+        for k, v in env.items()
+    }
     r = subprocess.run([sh, "-c", script], env={**base, **real}, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "started", (r.returncode, r.stderr)
