@@ -26,6 +26,17 @@ Lifecycle of one request's write-back (:class:`AnswerWriteBack`):
                the prefill node if it missed some) before the request's Finished
                goes out: a client's next turn finds the answer indexed
 
+Retention (the store's semantics-aware policy, services.store.block_pool): a turn's
+write-back commits at the end of the turn, after its decode_tx, and locks the prompt's
+blocks on its way, so the conversation's last turn is the node's most recently used
+chain: under pressure other, older conversations go first, and within the last turn
+the chain's tail (the answer) before its head (locks and expired pins are released
+tail first). A CONTEXT_CACHE turn pins its answer for ``context_ttl_s`` from the end
+of the turn, and renews its prompt's pin to the same end; EPHEMERAL writes nothing.
+Evicted answer blocks demote to lower tiers like any other; hits on them are counted
+by tier (``writeback_hits_{vram,dram,ssd}``). Tests: tests/unit/store/
+test_writeback_retention.py.
+
 A block is written only behind a contiguous chain: should the store no longer hold the
 blocks before it (evicted meanwhile, a restart), it could never be matched, so the
 request's write-back stops there (``writeback_broken``). Ephemeral requests write

@@ -120,7 +120,11 @@ class BlockPool(LowerTiers):
         self._refs: dict[int, int] = {}  # block hash -> lock count (absent = 0)
         self._lru: LRUEviction[int] = LRUEviction()
         self._pins: dict[int, float] = {}  # block hash -> pinned until
-        self._pin_heap: list[tuple[float, int]] = []
+        # (until, -n, hash): pins ending together are released last pinned first, so a
+        # chain (pinned head to tail) goes back to the LRU tail first, as commit's locks
+        # do, and its tail is evicted before its head.
+        self._pin_heap: list[tuple[float, int, int]] = []
+        self._pins_made = 0
         self._txs: dict[str, _Tx] = {}
         self._lease_heap: list[tuple[float, str]] = []
         self._tx_owned = 0
@@ -413,7 +417,7 @@ class BlockPool(LowerTiers):
             self.counters["tx_expired"] += 1
             expired.append(tx_id)
         while self._pin_heap and self._pin_heap[0][0] <= now:
-            until, h = heapq.heappop(self._pin_heap)
+            until, _, h = heapq.heappop(self._pin_heap)
             if self._pins.get(h) != until:
                 continue
             self._unpin(h)
@@ -640,7 +644,8 @@ class BlockPool(LowerTiers):
                 self._lock(h)
             self._pin_below(h)
         self._pins[h] = until
-        heapq.heappush(self._pin_heap, (until, h))
+        self._pins_made += 1
+        heapq.heappush(self._pin_heap, (until, -self._pins_made, h))
 
     def _unpin(self, h: int) -> None:
         del self._pins[h]

@@ -68,7 +68,7 @@ class LowerTiers:
     _refs: dict[int, int]
     _lru: LRUEviction[int]
     _pins: dict[int, float]
-    _pin_heap: list[tuple[float, int]]
+    _pin_heap: list[tuple[float, int, int]]
     _events: list[KVEvent]
     counters: dict[str, int]
 
