@@ -10,7 +10,7 @@ things a stranger on the network cannot:
   ts || header)``; a message without a valid one, older than ``WINDOW_S`` or seen before
   is dropped without a reply (:class:`Macs`);
 - a TCP transfer stream opens with a HELLO that carries the sender's session id and
-  the same kind of MAC (:func:`hello` / :func:`check_hello`);
+  the same kind of MAC (:func:`hello` / :func:`check_hello`), each accepted once;
 - a connection to the object server opens with an object HELLO (:func:`obj_hello` /
   :func:`check_obj_hello`): a random session id and a MAC bound to the server's own
   address, each accepted once (the server's :class:`Macs` remembers it for the window).
@@ -149,21 +149,17 @@ def hello(key: bytes, session: bytes) -> bytes:
     return HELLO_MAGIC + session + ts + _mac(key, ts, (HELLO_MAGIC, session))
 
 
-def check_hello(key: bytes | None, raw: bytes) -> bytes | None:
-    """The session id of a HELLO, or None when it is not one (or, with ``key``, not MAC'd
-    with it, or out of the window)."""
+def check_hello(macs: "Macs | None", raw: bytes) -> bytes | None:
+    """The session id of a HELLO, or None when it is not one (or, with ``macs``, not MAC'd
+    with its key, out of the window, or seen before: ``macs`` remembers it, so a HELLO
+    captured on the wire opens no second stream)."""
     if len(raw) != HELLO_BYTES or not raw.startswith(HELLO_MAGIC):
         return None
     session = raw[len(HELLO_MAGIC) : len(HELLO_MAGIC) + SESSION_BYTES]
-    if key is None:
+    if macs is None:
         return session
     mac = raw[len(HELLO_MAGIC) + SESSION_BYTES :]
-    ts, tag = mac[: _TS.size], mac[_TS.size :]
-    if not hmac.compare_digest(tag, _mac(key, ts, (HELLO_MAGIC, session))):
-        return None
-    if abs(time.time_ns() - _TS.unpack(ts)[0]) > WINDOW_S * 1e9:
-        return None
-    return session
+    return session if macs.check((HELLO_MAGIC, session), mac) else None
 
 
 def obj_hello(key: bytes, addr: str) -> bytes:

@@ -142,6 +142,32 @@ async def test_a_write_without_the_grants_token_or_on_another_session_is_refused
     await honest_ship(nc, a, b, 1001)
 
 
+async def test_a_replayed_hello_opens_no_stream(env):
+    """A HELLO captured on the wire (say, from the holder's stream) opens nothing a
+    second time, within its window too: the receiver remembers each one it accepted."""
+    nc, a, b = env
+    dst = await tx(nc, "hb", TxRole.DECODE, [21], BS)
+    g = grant(b.info.data_addr, dst)
+    seg, region = g.segments["tcp"], g.regions["tcp"]
+    hello = auth.hello(auth.data_key(), secrets.token_bytes(auth.SESSION_BYTES))
+    bad_before = (await stats(nc, "hb"))["tcp_rx_bad_hellos"]
+    first = socket.create_connection(parse_addr(seg), timeout=10)
+    replay = socket.create_connection(parse_addr(seg), timeout=10)
+    try:
+        first.sendall(hello)
+        status, _ = write(first, region, dst.slots[0] * BB, b"\x55" * BB, g.token)
+        assert status == Status.OK  # the holder's stream
+        replay.sendall(hello)
+        replay.sendall(REQ.pack(1, 0, 0, region, 1, dst.slots[0] * BB, 4, 0, g.token) + b"evil")
+        assert dropped(replay)
+    finally:
+        first.close()
+        replay.close()
+    assert bytes(b.slot(dst.slots[0])) == b"\x55" * BB
+    assert (await stats(nc, "hb"))["tcp_rx_bad_hellos"] == bad_before + 1
+    await honest_ship(nc, a, b, 1011)
+
+
 async def test_unsigned_router_messages_get_no_reply_and_errors_reveal_no_epoch(env):
     nc, a, b = env
     d = Dealer(b.info.data_addr, None)

@@ -58,6 +58,8 @@ class TcpReceiver(Receiver):
     ) -> None:
         self.guard = guard
         self.key = key
+        # Each stream's HELLO is accepted once (a captured one opens nothing).
+        self._hellos = auth.Macs(key) if key is not None else None
         self.max_conns = max(1, max_conns)
         self.max_pending = max(1, max_pending)
         self.hello_timeout_s = hello_timeout_s
@@ -142,8 +144,8 @@ class TcpReceiver(Receiver):
         frames.set_io_timeout(conn, self.hello_timeout_s)
         raw = memoryview(bytearray(auth.HELLO_BYTES))
         frames.recv_exact(conn, raw)
-        session = auth.check_hello(self.key, bytes(raw))
-        with self._lock:
+        with self._lock:  # the replay memory is shared by every stream's thread
+            session = auth.check_hello(self._hellos, bytes(raw))
             if self._pending.pop(conn, 0) is not None or session is None:
                 # evicted meanwhile, or not a HELLO
                 if session is None:
