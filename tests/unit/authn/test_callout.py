@@ -260,3 +260,19 @@ def test_a_request_not_signed_by_a_server_gets_no_answer(signer):
             policy=POLICY,
             clock=lambda: NOW,
         )
+
+
+def test_the_service_refuses_a_placeholder_or_mismatched_issuer_key(monkeypatch):
+    from services.authn.__main__ import PUBLIC_ENV, SEED_ENV, issuer_from_env
+    from services.common.placeholders import PlaceholderSecret
+
+    monkeypatch.setenv(SEED_ENV, "REPLACE-ME-authn-issuer-seed")
+    with pytest.raises(PlaceholderSecret):
+        issuer_from_env()
+    key = nkeys.KeyPair.generate()
+    monkeypatch.setenv(SEED_ENV, key.seed)
+    monkeypatch.setenv(PUBLIC_ENV, nkeys.KeyPair.generate().public)  # another key's half
+    with pytest.raises(SystemExit, match="not the public key"):
+        issuer_from_env()
+    monkeypatch.setenv(PUBLIC_ENV, key.public)
+    assert issuer_from_env().public == key.public
