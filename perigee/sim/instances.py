@@ -36,6 +36,10 @@ schedules one event per *segment* (steps until the next request finishes), not p
 token; a request arriving mid-segment cuts it at the next step boundary. Step
 durations go to a per-instance log indexed by step number, from which a request's token
 gaps (and so its TBT) are read when it finishes.
+
+Both kinds call ``on_change(self)`` (when set) after anything that may move what
+:meth:`load` returns, other than time passing while :meth:`moving`: the simulator
+then reports only those instances (:meth:`Simulator.refresh`).
 """
 
 import math
@@ -88,6 +92,7 @@ class PrefillInstance:
         self.gpu_s = 0.0
         self.done = 0
         self.draining = False  # a P/D switch waits for the queue to empty
+        self.on_change: Callable[[PrefillInstance], None] | None = None
 
     @property
     def running(self) -> SimRequest | StageTask | None:
@@ -101,15 +106,26 @@ class PrefillInstance:
     @running_end.setter
     def running_end(self, t: float) -> None:
         self.queue.runs_until(t)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def moving(self) -> bool:
+        """Its load moves with time alone (the running work's remainder shrinks)."""
+        return self.queue.running is not None
 
     def push(self, req: SimRequest) -> None:
         req.state = "QUEUED"
         self.queue.push(req)
+        self._changed()
         if self.running is None:
             self._start()
 
     def push_stage(self, task: StageTask) -> None:
         self.queue.push(task)
+        self._changed()
         if self.running is None:
             self._start()
 
@@ -129,6 +145,7 @@ class PrefillInstance:
         req = self.queue.pop()
         if req is None:
             return
+        self._changed()
         if isinstance(req, StageTask):
             req.gang.arrive(req)  # sets running_end once the stages before it are ready
             return
@@ -149,6 +166,7 @@ class PrefillInstance:
             begin = self.links[req.pull_source].transfer(req.pulled_tokens, now)
         end = begin + req.compute_s
         self.queue.runs_until(end)
+        self._changed()
         self.loop.at(end, self._done, req, begin)
 
     def abandon(self, req: SimRequest) -> None:
@@ -168,6 +186,7 @@ class PrefillInstance:
             self.loop.after(self.handoff_s, self._free)
         else:
             self.queue.done(req.rid)
+            self._changed()
             self.on_prefilled(req, arrive)
             self._free()
 
@@ -175,6 +194,7 @@ class PrefillInstance:
         r = self.running
         if r is not None:
             self.queue.done(r.request_id)
+        self._changed()
         if self.on_free is not None:
             self.on_free(self)
         self._start()
@@ -220,6 +240,15 @@ class DecodeInstance:
         self._log = np.zeros(1024)
         self.tokens = 0
         self.draining = False
+        self.on_change: Callable[[DecodeInstance], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def moving(self) -> bool:
+        """Its load moves with time alone (the running batch's context grows per step)."""
+        return self.seg > 0
 
     # ------------------------------------------------------------ requests
 
@@ -230,6 +259,7 @@ class DecodeInstance:
             self._finished(req, [])
             return
         self.waiting.append(req)
+        self._changed()
         if not self.running and self.seg == 0:
             self.t0 = self.loop.now()
             self._boundary()
@@ -278,6 +308,7 @@ class DecodeInstance:
             return  # the pending segment end is that boundary
         self.seg = k
         self.gen += 1
+        self._changed()
         self.loop.at(self.t0 + self._elapsed(k), self._segment_end, self.gen)
 
     def _segment_end(self, gen: int) -> None:
@@ -294,6 +325,7 @@ class DecodeInstance:
             self.t0 += self._elapsed(k)
             self.steps = end
             self.tokens += k * len(self.running)
+            self._changed()
         self._boundary()
 
     def _boundary(self) -> None:
@@ -313,6 +345,7 @@ class DecodeInstance:
             self.base += req.num_tokens + 1 - s
             heappush(fin, (s + req.output_tokens - 1, req.index, req))
         self.seg = 0
+        self._changed()
         if not self.running:
             return
         b = len(self.running)

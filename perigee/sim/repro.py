@@ -6,6 +6,10 @@
     table4  rejections under baseline / early / predict admission, 8P+8D, replay x2
     fig23   P/D ratio sweep on 16 nodes (TTFT 10 s, TBT 100 ms thresholds)
     cpp     chunked pipeline parallelism: TTFT by prompt length, groups of X = 1, 2, 4
+    multiturn  decode write-back on and off: cache hit rate and TTFT, all requests and
+            the next turns perigee.sim.writeback infers (issue 24)
+    scale   the simulator's wall time as the trace and the cluster grow k-fold
+            (perigee.sim.scale; its options: perigee sim repro scale --help-scale)
 
 Each writes ``<out>/sim_<name>.json`` and ``<out>/sim_<name>.png`` and prints a
 markdown table. Every number comes from :class:`Simulator` runs with the defaults of
@@ -18,10 +22,11 @@ import os
 import sys
 import time
 
-from perigee.sim import plots
+from perigee.sim import plots, scale
 from perigee.sim.capacity import hit_rate
 from perigee.sim.metrics import effective, summarize
 from perigee.sim.simulator import SimConfig, Simulator
+from perigee.sim import writeback
 from perigee.trace import DEFAULT_TRACE, load_trace
 
 STRATEGIES = ("random", "load", "local", "global")
@@ -383,6 +388,8 @@ EXPERIMENTS = {
     "table4": table4,
     "fig23": fig23,
     "cpp": cpp,
+    "multiturn": writeback.multiturn,
+    "scale": scale.scale,
 }
 
 
@@ -407,14 +414,20 @@ def main(argv: list[str]) -> int:
         "recorded figures in BENCHMARKS.md: --out docs/figures)",
     )
     p.add_argument("--json", default=None, help="also write the (last) experiment's JSON here")
-    a = p.parse_args(argv)
+    a, rest = p.parse_known_args(argv)
+    extra: dict = {}
+    if a.name == "scale":
+        extra = scale.main_args(["--help"] if "--help-scale" in rest else rest)
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     os.makedirs(a.out, exist_ok=True)
     trace = load_trace(a.trace, a.limit)
-    names = list(EXPERIMENTS) if a.name == "all" else [a.name]
+    # "all" is the paper's figures; scale is a benchmark of the simulator itself
+    names = [n for n in EXPERIMENTS if n != "scale"] if a.name == "all" else [a.name]
     print(f"perigee sim repro: writing to {os.path.abspath(a.out)}/", flush=True)
     for name in names:
         t0 = time.perf_counter()
-        res = EXPERIMENTS[name](trace, a.out)
+        res = EXPERIMENTS[name](trace, a.out, **(extra if name == "scale" else {}))
         res["wall_s"] = time.perf_counter() - t0
         for path in filter(None, (os.path.join(a.out, f"sim_{name}.json"), a.json)):
             with open(path, "w") as f:

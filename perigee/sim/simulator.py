@@ -38,13 +38,14 @@ and turns around to its next task; the KV acks and the handoff run beside that t
 Everything reads one :class:`ManualClock`.
 """
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bus_schemas.control import Refused
 from bus_schemas.roles import Role
-from perigee.sim.cluster import Cluster
+from perigee.sim.cluster import Cluster, Link
 from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
 from perigee.sim.instances import DecodeInstance, PrefillInstance
@@ -119,6 +120,9 @@ class SimConfig:
     sample_interval_s: float = 10.0  # load time series (plots, P/D controller)
     pd_controller: bool = False  # resize the pools with the conductor's P/D controller
     pd_kw: dict = field(default_factory=dict)  # PoolResizer options (interval_s, window_s...)
+    # report_interval_s == 0: report only the instances whose load may have changed
+    # (exactly what reporting all would give; False: all, the reference)
+    incremental_reports: bool = True
     seed: int = 0
     cost: CostModel = field(default_factory=CostModel)
     admission_kw: dict = field(default_factory=dict)
@@ -175,6 +179,15 @@ class Simulator:
         self.inbound: dict[str, int] = {}  # decode instance -> placed requests not landed yet
         self.pipelined: set[str] = set()  # requests placed on a CPP group
         self._started = False
+        self.links: dict[str, Link] = {}  # node -> its NIC (add_instance)
+        # Incremental exact reports (refresh): what may have changed since its last
+        # report, what moves with time alone, and the order the full refresh reports in.
+        self._dirty: set[PrefillInstance | DecodeInstance] = set()
+        self._moving: set[PrefillInstance | DecodeInstance] = set()
+        self._rank: dict[PrefillInstance | DecodeInstance, tuple[int, int]] = {}
+        self._incremental = False
+        self._swept_at = -math.inf  # every instance reported (liveness)
+        self._reported_at = -math.inf  # the last refresh
         self.prefills: dict[str, PrefillInstance] = {}
         self.decodes: dict[str, DecodeInstance] = {}
         decode_cache = (
@@ -228,9 +241,12 @@ class Simulator:
         )
 
     def add_instance(self, role: str, node: str) -> str:
-        links = {name: nd.link for name, nd in self.cluster.nodes.items()}
         nd = self.cluster.nodes[node]
         nd.role = role
+        # One map of every node's link, shared by the prefill instances (they pull
+        # over the holder's link): adding an instance costs O(1), not O(cluster).
+        links = self.links
+        links[node] = nd.link
         if role == Role.PREFILL:
             inst = PrefillInstance(
                 f"P-{node}",
@@ -251,8 +267,9 @@ class Simulator:
                 f"D-{node}", node, self.loop, self.cost, self._decoded, self.cfg.max_batch
             )
             self.decodes[inst.name] = inst
-        for other in self.prefills.values():
-            other.links = links
+        self._rank[inst] = (0 if role == Role.PREFILL else 1, len(self._rank))
+        inst.on_change = self._changed
+        self._dirty.add(inst)
         if self._started and self.cfg.report_interval_s > 0:  # a role switch mid-run
             self.loop.at(self.loop.now(), self._report, inst)
         return inst.name
@@ -262,6 +279,7 @@ class Simulator:
     def run(self) -> "Simulator":
         t0 = time.perf_counter()
         self._started = True
+        self._incremental = self._incremental_ok()
         if self.requests:
             start = self.requests[0].arrival
             if self.cfg.report_interval_s > 0:
@@ -285,11 +303,68 @@ class Simulator:
         if self.cfg.report_interval_s > 0 and not force:
             return
         now = self.loop.now()
-        for inst in [*self.prefills.values(), *self.decodes.values()]:
-            if not inst.draining:
-                self._observe(inst, now)
+        if self._incremental and now - self._swept_at < self._keepalive_s:
+            self._refresh_changed(now)
+        else:
+            for inst in [*self.prefills.values(), *self.decodes.values()]:
+                if not inst.draining:
+                    self._observe(inst, now)
+            self._dirty.clear()
+            self._moving = {i for i in self._rank if i.moving()}
+            self._swept_at = now
+        self._reported_at = now
         for hook in self.hooks:
             hook()
+
+    def _refresh_changed(self, now: float) -> None:
+        """Report only what may differ from its last report: the instances changed by
+        an event since, and, once time has moved, those whose load moves with it. An
+        instance left out would report the same load (only ``ts`` newer), which both
+        policies' observe take as a no-op (:meth:`_incremental_ok`); every
+        ``_keepalive_s`` all report, so none looks dead. Per decision this costs the
+        changes, not the cluster (O(n) only for the sweep, once per keep-alive)."""
+        todo = self._dirty
+        if now != self._reported_at and self._moving:
+            todo = todo | self._moving
+        self._dirty = set()
+        moving, rank = self._moving, self._rank
+        for inst in sorted(todo, key=rank.__getitem__):
+            if inst.moving():
+                moving.add(inst)
+            else:
+                moving.discard(inst)
+            pool = self.prefills if isinstance(inst, PrefillInstance) else self.decodes
+            if pool.get(inst.name) is inst and not inst.draining:
+                self._observe(inst, now)
+
+    def _changed(self, inst: PrefillInstance | DecodeInstance) -> None:
+        self._dirty.add(inst)
+
+    def _incremental_ok(self) -> bool:
+        """Whether reporting only the changed instances gives the policies exactly what
+        reporting all would: exact snapshots, and both policies' observe a no-op for an
+        unchanged load (no time-based side effect: PlacementPolicy closes a dispatch
+        at its instance's next report only without ``report_grace_s``; the predictive
+        admission counts what each report saw; a CPP stage's booking closes on a member
+        that no event touches)."""
+        cfg, pl, ad = self.cfg, self.placement, self.admission
+        if not cfg.incremental_reports or cfg.report_interval_s > 0 or cfg.cpp_group > 1:
+            return False
+        if getattr(pl, "report_grace_s", 0.0) != 0.0:
+            return False
+        base = (
+            (type(pl).observe_prefill, PlacementPolicy.observe_prefill),
+            (type(pl).observe_decode, PlacementPolicy.observe_decode),
+            (type(ad).observe_prefill, AdmissionPolicy.observe_prefill),
+            (type(ad).observe_decode, AdmissionPolicy.observe_decode),
+        )
+        return all(mine is ref for mine, ref in base)
+
+    @property
+    def _keepalive_s(self) -> float:
+        """Every instance reports at least this often (half the shorter of the two
+        books' ``dead_after_s``), so neither policy takes one for dead."""
+        return 0.5 * min(self.placement.loads.dead_after_s, self.admission.loads.dead_after_s)
 
     def _observe(self, inst: PrefillInstance | DecodeInstance, now: float) -> None:
         load = inst.load(now)

@@ -35,6 +35,11 @@ class LoadBook:
         self._liveness = Liveness(clock, dead_after_s)
         self._observed = 0
 
+    @property
+    def dead_after_s(self) -> float:
+        """A report older than this and its instance counts as dead."""
+        return self._liveness.dead_after_s
+
     def observe_prefill(self, load: PrefillLoad) -> str:
         """Take a report; what it was (services.common.incarnation.judge): a stale one
         is ignored."""
