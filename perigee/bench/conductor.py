@@ -5,9 +5,11 @@ Builds the conductor's real :class:`PrefixIndex` with ``--blocks`` distinct bloc
 nodes, fed as KV event batches exactly as the stores publish them) and a
 :class:`PlacementPolicy` (strategy ``global``) with fresh load reports from every
 prefill and decode instance. Each measured decision is what the conductor service does
-per request: ``policy.place(req, index.match(block_hashes))`` for a 16k-token prompt
-whose prefix is shared with a random chain. Load reports arrive every 100 placements
-(0.1 s of simulated time at 1,000 placements/s); a placed request is released at once.
+per request: one placement round (services.conductor.placement_round: the shadow
+view's down stores, its match over the index, the policy's choice, the task fields)
+for a 16k-token prompt whose prefix is shared with a random chain. Load reports (and
+the stores' announces) arrive every 100 placements (0.1 s of simulated time at 1,000
+placements/s); a placed request is released at once.
 """
 
 import argparse
@@ -20,8 +22,10 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from perigee.bench.stats import percentile
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
+from services.conductor import placement_round
+from services.conductor.policy import PlacementPolicy, PlacementRequest
 from services.conductor.prefix_index import PrefixIndex
+from services.conductor.shadow import ShadowView
 
 BLOCK = 512
 
@@ -86,12 +90,23 @@ def run(
     placements: int = 20_000,
     warmup: int = 1_000,
     seed: int = 0,
+    scan: bool = False,
 ) -> dict:
     rng = random.Random(seed)
     index = build_index(instances, blocks, chain, rng)
     clock = ManualClock(0.0)
     policy = PlacementPolicy(clock, CostModel(), strategy="global")
+    policy.pruned = not scan  # --scan: every live instance evaluated (the reference)
+    shadow = ShadowView(None, None, clock)  # type: ignore[arg-type]  # no bus: fed here
+    shadow.index = index
+    nodes = index.nodes()
+
+    def announce() -> None:
+        for node in nodes:
+            shadow.stores.seen(node)
+
     report(policy, instances, decodes, rng, clock.now())
+    announce()
     chains = blocks // chain
     fresh = blocks + 1
     lat: list[float] = []
@@ -105,15 +120,16 @@ def run(
         fresh += chain - shared
         req = PlacementRequest(f"r{k}", chain * BLOCK, tuple(hashes), BLOCK)
         t0 = time.perf_counter_ns()
-        d = policy.place(req, index.match(hashes))
+        d = placement_round.place(policy, req, shadow.match, down=shadow.down())
         dt = time.perf_counter_ns() - t0
         if k >= warmup:
             lat.append(dt / 1e3)
-        placed += k >= warmup and isinstance(d, Placement)
+        placed += k >= warmup and isinstance(d, placement_round.Placed)
         policy.release(req.request_id)
         clock.advance(0.001)
         if k % 100 == 99:
             report(policy, instances, decodes, rng, clock.now())
+            announce()
     return {
         "placement_us": {
             "p50": percentile(lat, 50),
@@ -126,6 +142,7 @@ def run(
         "indexed_blocks": index.num_blocks(),
         "placements": placements,
         "placed": placed,
+        "search": "scan" if scan else "pruned",
     }
 
 
@@ -141,13 +158,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--chain", type=int, default=32, help="blocks per prompt (512 tokens each)")
     p.add_argument("--placements", type=int, default=20_000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scan", action="store_true", help="evaluate every instance (the search's reference)"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    s = run(a.instances, a.decodes, a.blocks, a.chain, a.placements, seed=a.seed)
+    s = run(a.instances, a.decodes, a.blocks, a.chain, a.placements, seed=a.seed, scan=a.scan)
     u = s["placement_us"]
     print(
-        f"placement over {s['instances']} prefill instances, {s['indexed_blocks']:,} indexed "
-        f"blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
+        f"placement ({s['search']}) over {s['instances']} prefill + {s['decode_instances']} "
+        f"decode instances, {s['indexed_blocks']:,} indexed blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
         f"(mean {u['mean']:.0f} us, {s['placements']} placements)"
     )
     if a.json:

@@ -16,7 +16,10 @@ class PoolsHeard:
         self._heard = asyncio.Event()
 
     def check(self) -> None:
-        """After each load report."""
+        """After each load report: once both pools were heard, nothing more to do (the
+        live lists cost a walk over every instance)."""
+        if self._heard.is_set():
+            return
         if all(len(live()) for live in self._live):
             self._heard.set()
 

@@ -70,13 +70,12 @@ def place(
     exclude: Mapping[str, tuple[str, ...]] = {}
     if migration is not None:
         preq, exclude = placement_for(preq, migration, policy.loads.incarnation)
-    if down:  # only then: building the node maps walks every instance
-        loads = policy.loads
+    if down:  # the instances on those nodes, from the policy's node maps
         exclude = away_from_stores(
             exclude,
             down,
-            {i: ld.node for i, ld in loads.prefill.items()},
-            {i: ld.node for i, ld in loads.decode.items()},
+            policy.on_nodes(Role.PREFILL, down),
+            policy.on_nodes(Role.DECODE, down),
         )
     decision = policy.place(preq, match(preq.block_hashes), **exclude)
     if isinstance(decision, Rejection):

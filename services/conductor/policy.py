@@ -355,19 +355,22 @@ class PlacementPolicy:
         self._touch_prefill(load.instance)
 
     def observe_decode(self, load: DecodeLoad) -> None:
+        old = self._decode.get(load.instance)
         verdict = self.loads.observe_decode(load)
         if verdict == STALE:
             return
+        old_node = old.node if old is not None else None
+        self.orders.moved(load.instance, old_node, load.node, Role.DECODE)
         for d in list(self._by_decode.get(load.instance, {}).values()):
             if verdict == RESTARTED or (d.decode_since is not None and d.decode_since <= load.ts):
                 self._close_decode(d)
         self._touch_decode(load.instance)
 
     def forget_instance(self, role: str, instance: str) -> None:
-        old = self._prefill.get(instance) if role == Role.PREFILL else None
+        old = (self._prefill if role == Role.PREFILL else self._decode).get(instance)
         self.loads.forget(role, instance)
         if old is not None:
-            self.orders.moved(instance, old.node, None)
+            self.orders.moved(instance, old.node, None, role)
         self._touch_prefill(instance)
         self._touch_decode(instance)
 
@@ -429,6 +432,19 @@ class PlacementPolicy:
         self._close_decode(d)
 
     # ------------------------------------------------------------ views
+
+    def on_nodes(self, role: str, nodes: Iterable[str]) -> dict[str, str]:
+        """instance -> node for the ``role`` instances whose last report names one of
+        ``nodes`` (from the node maps: no walk over every instance)."""
+        by_node = self.orders.on_node if role == Role.PREFILL else self.orders.decode_on_node
+        books = self._prefill if role == Role.PREFILL else self._decode
+        out = {}
+        for node in nodes:
+            for i in by_node.get(node, ()):
+                ld = books.get(i)
+                if ld is not None and ld.node == node:
+                    out[i] = node
+        return out
 
     def live_prefill(self) -> list[str]:
         return [load.instance for load in self.loads.live_prefill()]

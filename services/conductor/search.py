@@ -46,24 +46,28 @@ if TYPE_CHECKING:
 
 
 class Orders:
-    """The policy's ordered load structures and its node -> prefill instances map."""
+    """The policy's ordered load structures and its node -> instances maps."""
 
     def __init__(self) -> None:
         self.prefill = LoadOrder()
         self.decode = LoadOrder()
-        self.on_node: dict[str, set[str]] = {}
+        self.on_node: dict[str, set[str]] = {}  # prefill instances by node
+        self.decode_on_node: dict[str, set[str]] = {}
 
-    def moved(self, instance: str, old_node: str | None, node: str | None) -> None:
+    def moved(
+        self, instance: str, old_node: str | None, node: str | None, role: str = Role.PREFILL
+    ) -> None:
         if old_node == node:
             return
+        by_node = self.on_node if role == Role.PREFILL else self.decode_on_node
         if old_node is not None:
-            held = self.on_node.get(old_node)
+            held = by_node.get(old_node)
             if held is not None:
                 held.discard(instance)
                 if not held:
-                    del self.on_node[old_node]
+                    del by_node[old_node]
         if node is not None:
-            self.on_node.setdefault(node, set()).add(instance)
+            by_node.setdefault(node, set()).add(instance)
 
 
 def rank(c: "_Candidate") -> tuple[Any, ...]:

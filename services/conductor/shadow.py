@@ -37,7 +37,7 @@ from bus_schemas.control import DumpPage, DumpRequest, StoreInfo
 from bus_schemas.kv_events import EventBatch
 from services.common import bus, kv_stream
 from services.common.clock import Clock
-from services.common.liveness import Liveness
+from services.common.liveness import OrderedLiveness
 from services.conductor.prefix_index import PrefixIndex
 from tracing import inject
 
@@ -59,7 +59,7 @@ class ShadowView:
         self.nc = nc
         self.subs = subs
         self.index = PrefixIndex()
-        self.stores = Liveness(clock, store_dead_after_s)
+        self.stores = OrderedLiveness(clock, store_dead_after_s)
         self.request_timeout_s = request_timeout_s
         self.dump_page_blocks = dump_page_blocks
         self._dumping: set[str] = set()
@@ -151,9 +151,8 @@ class ShadowView:
     def down(self) -> set[str]:
         """Nodes whose store was seen and has gone silent (or was swept since), until it
         shows up again: placement keeps their instances out (services.conductor.migration)."""
-        silent = {
-            n for n in self.index.nodes() if self.stores.known(n) and not self.stores.alive(n)
-        }
+        # The silent stores in time order, not a walk over every node (issue 27).
+        silent = {n for n in self.stores.silent() if self.index.state(n) is not None}
         return silent | self._gone
 
     # ------------------------------------------------------------ inputs

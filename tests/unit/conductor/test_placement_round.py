@@ -1,0 +1,95 @@
+"""services.conductor.placement_round: store exclusions from the policy's node maps, and
+the ordered store liveness behind ShadowView.down."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bus_schemas.load import DecodeLoad, PrefillLoad
+from services.common.clock import ManualClock
+from services.common.cost_model import CostModel
+from services.common.liveness import OrderedLiveness
+from services.conductor import placement_round
+from services.conductor.migration import away_from_stores
+from services.conductor.policy import PlacementPolicy, PlacementRequest
+
+BS = 512
+
+
+def _policy(clock: ManualClock) -> PlacementPolicy:
+    p = PlacementPolicy(clock, CostModel())
+    for i, node in enumerate(("n0", "n1", "n0")):
+        p.observe_prefill(PrefillLoad(f"p{i}", node, 0, 0, 0.1 * i, clock.now()))
+    for i, node in enumerate(("n0", "n2")):
+        p.observe_decode(DecodeLoad(f"d{i}", node, 1 + 5 * i, 0, 128, 100, 0.02, clock.now()))
+    return p
+
+
+def test_a_down_store_takes_its_nodes_instances_and_prefix_out():
+    clock = ManualClock(0.0)
+    p = _policy(clock)
+    req = PlacementRequest("r", 8 * BS, tuple(range(8)), BS)
+    placed = placement_round.place(p, req, lambda h: {"n0": 8, "n1": 2}, down={"n0"})
+    assert isinstance(placed, placement_round.Placed)
+    pl = placed.placement
+    # p0 and p2 (node n0) and d0 (n0) are out, and n0 is no source to pull from.
+    assert (pl.prefill_instance, pl.decode_instance) == ("p1", "d1")
+    assert pl.remote is None and pl.prefix_blocks == 2
+    assert placed.task.expected_hit_blocks == 2 and placed.task.source is None
+    # The same as the exclusions built from every instance's node.
+    q = _policy(clock)
+    ex = away_from_stores(
+        {},
+        {"n0"},
+        {i: ld.node for i, ld in q.loads.prefill.items()},
+        {i: ld.node for i, ld in q.loads.decode.items()},
+    )
+    assert q.place(req, {"n0": 8, "n1": 2}, **ex) == pl
+    assert p.on_nodes("prefill", ["n0"]) == {"p0": "n0", "p2": "n0"}
+    # An instance that moved to another node leaves the old node's map.
+    p.observe_prefill(PrefillLoad("p2", "n3", 0, 0, 0.0, clock.now()))
+    assert p.on_nodes("prefill", ["n0", "n3"]) == {"p0": "n0", "p2": "n3"}
+
+
+def test_a_hash_count_that_does_not_match_the_prompt_is_a_value_error():
+    from bus_schemas.requests import GenerateRequest
+
+    req = GenerateRequest(
+        request_id="r", prompt_token_ids=list(range(100)), block_size=32, block_hashes=[1, 2]
+    )
+    try:
+        placement_round.request_for(req, 32)
+    except ValueError as e:
+        assert "3 full blocks" in str(e)
+    else:
+        raise AssertionError("accepted 2 hashes for 3 blocks")
+    ok = placement_round.request_for(
+        GenerateRequest(request_id="r", prompt_token_ids=list(range(100))), 32
+    )
+    assert len(ok.block_hashes) == 3 and ok.num_tokens == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["seen", "forget", "tick", "prune"]),
+            st.integers(0, 6),
+            st.floats(0, 3),
+        ),
+        max_size=40,
+    )
+)
+def test_ordered_liveness_finds_the_silent_ones(ops):
+    clock = ManualClock(0.0)
+    live = OrderedLiveness(clock, dead_after_s=2.0)
+    for op, i, dt in ops:
+        if op == "seen":
+            live.seen(f"s{i}")
+        elif op == "forget":
+            live.forget(f"s{i}")
+        elif op == "prune":
+            live.prune(4.0)
+        else:
+            clock.advance(dt)
+        silent = {n for n in (f"s{k}" for k in range(7)) if live.known(n) and not live.alive(n)}
+        assert set(live.silent()) == silent
