@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between each instance's load reports, as the live workers "
         "(--report-interval); 0: the policies see exact snapshots",
     )
+    p.add_argument(
+        "--decode-writeback",
+        action="store_true",
+        help="decode writes each answer's blocks back to its store and the prefill node's, "
+        "answers inferred from the trace (perigee.sim.writeback)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -140,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         pd_controller=a.pd_controller,
         adaptive_threshold=a.adaptive_threshold,
         report_interval_s=a.report_interval,
+        decode_writeback=a.decode_writeback,
         # stale reports: the conductor's grace bridges dispatches the reports cannot show yet
         placement_kw=(
             {"report_grace_s": ConductorConfig.report_grace_s} if a.report_interval > 0 else {}
@@ -157,7 +164,17 @@ def main(argv: list[str] | None = None) -> int:
 
         s["buckets"] = ttft_buckets({a.cpp_group: sim.requests})
         s["pipelined"] = len(sim.pipelined)
+    if sim.writeback is not None:
+        from perigee.sim.writeback import coverage, writeback_hits
+
+        s["writeback"] = {
+            **sim.writeback.stats,
+            "hits_by_tier": writeback_hits(sim.cluster),
+            "coverage": coverage(trace).as_dict(),
+        }
     print(format_summary(s))
+    if s.get("writeback"):
+        print(f"decode write-back: {s['writeback']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2)

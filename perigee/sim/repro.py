@@ -22,11 +22,10 @@ import os
 import sys
 import time
 
-from perigee.sim import plots, scale
+from perigee.sim import plots, scale, writeback
 from perigee.sim.capacity import hit_rate
 from perigee.sim.metrics import effective, summarize
 from perigee.sim.simulator import SimConfig, Simulator
-from perigee.sim import writeback
 from perigee.trace import DEFAULT_TRACE, load_trace
 
 STRATEGIES = ("random", "load", "local", "global")

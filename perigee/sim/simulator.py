@@ -124,6 +124,9 @@ class SimConfig:
     # (exactly what reporting all would give; False: all, the reference)
     incremental_reports: bool = True
     seed: int = 0
+    # The decode node writes each answer's blocks back (issue 24), as inferred from the
+    # trace by perigee.sim.writeback's rule.
+    decode_writeback: bool = False
     cost: CostModel = field(default_factory=CostModel)
     admission_kw: dict = field(default_factory=dict)
     placement_kw: dict = field(default_factory=dict)
@@ -204,6 +207,11 @@ class Simulator:
             )
             self.add_instance(role, node.name)
         self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
+        self.writeback = None
+        if cfg.decode_writeback:
+            from perigee.sim.writeback import SimWriteBack
+
+            self.writeback = SimWriteBack(trace, self.cluster, cfg.block_size)
         self.by_id = {r.rid: r for r in self.requests}
         self.terminal = 0
         self._phase = random.Random(f"reports-{cfg.seed}")  # report timer phases
@@ -602,6 +610,8 @@ class Simulator:
         dec.add(req)
 
     def _decoded(self, req: SimRequest) -> None:
+        if self.writeback is not None:
+            self.writeback.on_decoded(req)
         self.placement.release(req.rid)
         self._terminal()
         if self.resizer is not None:
