@@ -123,7 +123,7 @@ class StackConfig:
     max_batch: int = 128
     dead_after: float = 2.0
     migration_limit: int = 3  # gateway: resends of a request whose worker died (0: fail it)
-    report_interval: float = 0.1
+    report_interval: float = defaults.REPORT_INTERVAL_S
     log_dir: str = ".perigee/logs"
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)

@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     from perigee.sim.metrics import format_summary, summarize
     from perigee.sim.simulator import SimConfig, Simulator
     from services.common.cost_fit import load_cost_model
-    from services.conductor.service import ConductorConfig
 
     trace = load_trace(a.trace, a.limit)
     if not trace:
@@ -148,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         report_interval_s=a.report_interval,
         decode_writeback=a.decode_writeback,
         # stale reports: the conductor's grace bridges dispatches the reports cannot show yet
-        placement_kw=(
-            {"report_grace_s": ConductorConfig.report_grace_s} if a.report_interval > 0 else {}
-        ),
+        placement_kw={"report_grace_s": defaults.REPORT_GRACE_S} if a.report_interval > 0 else {},
         admission_kw=(
             {"decode_time_s": a.predict_decode_time}
             if a.admission == "predict" and a.predict_decode_time

@@ -665,25 +665,23 @@ def simulate_slice(
     :class:`perigee.trace.PromptBuilder` scales them.
 
     What the live stack does beyond the cost model is modelled with its defaults:
-    workers report load every ``StackConfig.report_interval`` (0.1 s) on their own
-    timers, the conductor keeps a dispatch until a report ``report_grace_s`` (its
-    ``ConductorConfig`` default) newer covers it, and the control plane's latencies
+    workers report load every ``defaults.REPORT_INTERVAL_S`` (0.1 s) on their own
+    timers, the conductor keeps a dispatch until a report ``defaults.REPORT_GRACE_S``
+    newer covers it (services.common.defaults: the stack's and the conductor's own
+    defaults, so the simulator imports neither), and the control plane's latencies
     are :data:`LIVE_DISPATCH_S`, :data:`LIVE_FIRST_TOKEN_HOP_S` and
     :data:`LIVE_PREFILL_HANDOFF_S`. ``kw`` sets any :class:`SimConfig` field
     (cache_tokens_per_node, policy, admission, max_batch, output_scale, max_output,
     report_interval_s, dispatch_s, ...), these included. Returns the summary dict
     (``cache_hit_rate``, ``ttft_s`` {mean, p50, p90, p99}, ...)."""
-    from perigee.stack import StackConfig
-    from services.conductor.service import ConductorConfig
-
     base = cost or CostModel()
     live = {
-        "report_interval_s": StackConfig.report_interval,
+        "report_interval_s": defaults.REPORT_INTERVAL_S,
         "dispatch_s": LIVE_DISPATCH_S,
         "first_token_hop_s": LIVE_FIRST_TOKEN_HOP_S,
         "prefill_handoff_s": LIVE_PREFILL_HANDOFF_S,
     }
-    placement_kw = {"report_grace_s": ConductorConfig.report_grace_s, **kw.pop("placement_kw", {})}
+    placement_kw = {"report_grace_s": defaults.REPORT_GRACE_S, **kw.pop("placement_kw", {})}
     cfg = SimConfig(
         prefill=prefill,
         decode=decode,

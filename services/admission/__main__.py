@@ -26,7 +26,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--policy", choices=sorted(ADMISSION_POLICIES), default="early", help="admission policy"
     )
     ap.add_argument(
-        "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
+        "--dead-after",
+        type=float,
+        default=defaults.DEAD_AFTER_S,
+        help="instance silent this long is dead, s",
     )
     ap.add_argument(
         "--cost-model",

@@ -7,3 +7,11 @@ BLOCK_SIZE = 32
 # overrides them for its small model (perigee.stack.default_slos).
 TTFT_SLO_S = 30.0
 TBT_SLO_S = 0.1
+# An instance whose load reports stop for this long is dead (the conductor's, admission's
+# and the gateway watchdog's --dead-after).
+DEAD_AFTER_S = 2.0
+# How often a worker reports its load (--report-interval; the simulator's timed reports).
+REPORT_INTERVAL_S = 0.1
+# A load report covers a dispatch only when generated this long after it: the task's time
+# on the bus (services.conductor.policy.PlacementPolicy.report_grace_s).
+REPORT_GRACE_S = 0.05

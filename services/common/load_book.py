@@ -9,6 +9,7 @@ late on the bus, and ignored.
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.roles import Role
+from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
@@ -26,7 +27,7 @@ class LoadBook:
         clock: Clock,
         cost: CostModel,
         *,
-        dead_after_s: float = 2.0,
+        dead_after_s: float = defaults.DEAD_AFTER_S,
         calibration: CalibrationBook | None = None,
     ) -> None:
         self.calibration = calibration if calibration is not None else CalibrationBook(cost)

@@ -103,7 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
     ap.add_argument(
-        "--dead-after", type=float, default=2.0, help="instance silent this long is dead, s"
+        "--dead-after",
+        type=float,
+        default=defaults.DEAD_AFTER_S,
+        help="instance silent this long is dead, s",
     )
     ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
     ap.add_argument(

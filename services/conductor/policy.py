@@ -284,7 +284,7 @@ class PlacementPolicy:
     tbt_slo_s: float = defaults.TBT_SLO_S
     balancing_threshold: float = DEFAULT_BALANCING_THRESHOLD
     strategy: str = "global"
-    dead_after_s: float = 2.0
+    dead_after_s: float = defaults.DEAD_AFTER_S
     min_retry_after_s: float = 1.0
     # A report counts as covering a dispatch only if generated this long after it: a
     # report taken while the task was still on the wire would otherwise erase its work.

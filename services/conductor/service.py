@@ -91,13 +91,13 @@ class ConductorConfig:
     tbt_slo_s: float = defaults.TBT_SLO_S
     balancing_threshold: float = 2.0
     speedup: float = 1.0
-    dead_after_s: float = 2.0
+    dead_after_s: float = defaults.DEAD_AFTER_S
     strategy: str = "global"
     tx_timeout_s: float = 2.0
     discover_window_s: float = 0.5
     store_dead_after_s: float = 5.0
     sweep_interval_s: float = 1.0
-    report_grace_s: float = 0.05  # see PlacementPolicy.report_grace_s
+    report_grace_s: float = defaults.REPORT_GRACE_S  # see PlacementPolicy.report_grace_s
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     adaptive_threshold: bool = False  # tune balancing_threshold online (from its value)
     ttft_feedback: bool = True  # scale TTFT predictions by each instance's observed ratio
