@@ -44,7 +44,8 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.load_book import LoadBook
-from services.common.rejection import Rejection, idle_capped, slo_share
+from services.common.rejection import Rejection, slo_share
+from services.common.slo_check import TbtCheck
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class AdmissionPolicy(ABC):
         *,
         ttft_slo_s: float = defaults.TTFT_SLO_S,
         tbt_slo_s: float = defaults.TBT_SLO_S,
-        dead_after_s: float = 2.0,
+        dead_after_s: float = defaults.DEAD_AFTER_S,
         max_load: float = 1.0,
         min_retry_after_s: float = 1.0,
         book: CalibrationBook | None = None,
@@ -125,6 +126,12 @@ class AdmissionPolicy(ABC):
     def ttft_slo(self, req: AdmissionRequest) -> float:
         return self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
 
+    @property
+    def tbt_rule(self) -> TbtCheck:
+        """The TBT rule placement and the decode side apply too; an idle decode
+        instance always counts at most ``max_load`` here."""
+        return TbtCheck(self.max_load, serve_when_idle=True)
+
     def tbt_slo(self, req: AdmissionRequest) -> float:
         return self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
 
@@ -146,16 +153,19 @@ class AdmissionPolicy(ABC):
         if not live:
             return None
         slo = self.tbt_slo(req)
+        rule = self.tbt_rule
         return min(
-            idle_capped(
-                slo_share(
-                    self.book.cost(d.instance).tbt_joining(
-                        d.batch_size, d.waiting, d.kv_tokens, req.num_tokens, d.max_batch
-                    ),
-                    slo,
+            rule.share(
+                rule.tbt(
+                    self.book.cost(d.instance),
+                    d.batch_size,
+                    d.waiting,
+                    d.kv_tokens,
+                    req.num_tokens,
+                    d.max_batch,
                 ),
-                d.batch_size + d.waiting == 0,
-                self.max_load,
+                slo,
+                idle=d.batch_size + d.waiting == 0,
             )
             for d in live
         )
@@ -411,7 +421,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             / n
         )
         # Alone in the predicted pool: as an idle instance in Early Rejection.
-        return idle_capped(slo_share(tbt, self.tbt_slo(req)), batch <= 1.0, self.max_load)
+        return self.tbt_rule.share(tbt, self.tbt_slo(req), idle=batch <= 1.0)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         self._gc(self.clock.now())

@@ -91,6 +91,7 @@ from services.common.incarnation import RESTARTED, STALE
 from services.common.intake import hashes_for
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
+from services.common.slo_check import TbtCheck
 from services.conductor import cpp as cpp_
 from services.conductor import search
 from services.conductor.balancing import AdaptiveThreshold
@@ -335,6 +336,11 @@ class PlacementPolicy:
             ("placed", "pulls", "pulled_blocks", "rejected_ttft", "rejected_tbt", "unavailable"),
             0,
         )
+
+    @property
+    def tbt_rule(self) -> TbtCheck:
+        """The TBT rule admission and the decode side apply too (max_load 1 here)."""
+        return TbtCheck(1.0, self.serve_when_idle)
 
     def threshold(self) -> float:
         """The kvcache_balancing_threshold in force now."""
@@ -597,8 +603,7 @@ class PlacementPolicy:
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
                 max(self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin),
             )
-        idle_decode = self.serve_when_idle and self.decode_idle(decode)
-        if self.tbt_check and decode_tbt > tbt_slo and not idle_decode:
+        if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):
             self.stats["rejected_tbt"] += 1
             return Rejection(
                 ErrorCode.REJECTED,

@@ -7,7 +7,8 @@ from typing import Any
 
 from bus_schemas.requests import ErrorCode
 from services.common.cost_model import CostModel
-from services.common.rejection import Rejection, idle_capped, slo_share
+from services.common.rejection import Rejection
+from services.common.slo_check import TbtCheck
 
 
 @dataclass
@@ -45,9 +46,9 @@ class DecodeSideCheck:
     ) -> Rejection | None:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         cap = self.max_batch if max_batch is None else max_batch
-        tbt = self.cost.tbt_joining(batch_size, waiting, kv_tokens, num_tokens, cap)
-        idle = self.serve_when_idle and batch_size + waiting == 0
-        if idle_capped(slo_share(tbt, slo), idle, self.max_load) <= self.max_load:
+        rule = TbtCheck(self.max_load, self.serve_when_idle)  # admission's and placement's
+        tbt = rule.tbt(self.cost, batch_size, waiting, kv_tokens, num_tokens, cap)
+        if not rule.over(tbt, slo, idle=batch_size + waiting == 0):
             return None  # within the SLO, or alone on an idle instance (its best TBT)
         self.rejected += 1
         return Rejection(
