@@ -12,7 +12,7 @@ split is the same code path as an untimed run):
 
     reports     Simulator.refresh: the load snapshots handed to both policies
     admission   AdmissionPolicy.decide
-    placement   PlacementPolicy.place (the prefix index's match included)
+    placement   PlacementPolicy.place and the prefix index's match
     rest        the event loop, the instances, the stores, the index's updates
 
 Beside it, where a Python with NVIDIA Dynamo is given (``--dynamo PYTHON``, or
@@ -80,6 +80,8 @@ def timed_run(
     sim.refresh = _timed(split, "reports", sim.refresh)  # type: ignore[method-assign]
     sim.admission.decide = _timed(split, "admission", sim.admission.decide)  # type: ignore[method-assign]
     sim.placement.place = _timed(split, "placement", sim.placement.place)  # type: ignore[method-assign]
+    index = sim.cluster.index
+    index.match = _timed(split, "placement", index.match)  # type: ignore[method-assign]
     sim.run()
     s = summarize(sim)
     split["rest"] = max(0.0, sim.wall_s - sum(split.values()))

@@ -25,6 +25,14 @@ Modes (``make_admission_policy(name, ...)``):
 
   A role with no live instance rejects with 503.
 
+  Neither minimum walks the pool: each report re-keys its instance in an order
+  (O(log n)); the prefill load is the first live instance's, the decode load a walk
+  from the least ``tbt_joining`` at n = 0 (a lower bound: the TBT only grows with the
+  request's tokens), stopped once the bound reaches the best share found. Exact: the
+  same value as the scan over every live instance (``pruned = False``), which is what
+  runs while any decode instance has a fitted model of its own (a fit need not grow
+  with the tokens).
+
 - ``predict`` (§4.3.4 Early Rejection based on Prediction, system level, uniform
   decode time ``t_d``): :class:`PredictiveRejectionPolicy` (its docstring has the rule).
 """
@@ -32,8 +40,11 @@ Modes (``make_admission_policy(name, ...)``):
 import heapq
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from sortedcontainers import SortedList
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
@@ -43,6 +54,7 @@ from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
+from services.common.incarnation import STALE
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection, slo_share
 from services.common.slo_check import TbtCheck
@@ -64,6 +76,34 @@ class Accept:
 
 
 AdmissionDecision = Accept | Rejection
+
+
+class _Order:
+    """instance -> key, walked in ascending (key, instance) order; O(log n) a change."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, float] = {}
+        self._sorted: SortedList = SortedList()
+
+    def set(self, instance: str, key: float) -> None:
+        old = self.keys.get(instance)
+        if old is not None:
+            if old == key:
+                return
+            self._sorted.remove((old, instance))
+        self.keys[instance] = key
+        self._sorted.add((key, instance))
+
+    def discard(self, instance: str) -> None:
+        old = self.keys.pop(instance, None)
+        if old is not None:
+            self._sorted.remove((old, instance))
+
+    def __iter__(self) -> Iterator[tuple[float, str]]:
+        return iter(self._sorted)
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 class AdmissionPolicy(ABC):
@@ -92,6 +132,14 @@ class AdmissionPolicy(ABC):
         self.tbt_slo_s = tbt_slo_s
         self.max_load = max_load
         self.min_retry_after_s = min_retry_after_s
+        # The latest reports in load order (the minima below walk these, not the pool):
+        # prefill by queued_work_s; decode by tbt_joining at n = 0, idle and busy apart
+        # (an idle instance's share is capped).
+        self._prefill_order = _Order()
+        self._idle_order = _Order()
+        self._busy_order = _Order()
+        self._own_models: set[str] = set()  # decode instances with a fit of their own
+        self.pruned = True  # False: scan every live instance (the reference)
 
     @property
     def prefill(self) -> dict[str, PrefillLoad]:
@@ -102,14 +150,52 @@ class AdmissionPolicy(ABC):
         return self.loads.decode
 
     def observe_prefill(self, load: PrefillLoad) -> None:
-        self.loads.observe_prefill(load)
+        if self.loads.observe_prefill(load) != STALE:
+            self._prefill_order.set(load.instance, load.queued_work_s)
 
     def observe_decode(self, load: DecodeLoad) -> None:
-        self.loads.observe_decode(load)
+        if self.loads.observe_decode(load) != STALE:
+            self._key_decode(load)
 
     def forget_instance(self, role: str, instance: str) -> None:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
         self.loads.forget(role, instance)
+        if role == Role.PREFILL:
+            self._prefill_order.discard(instance)
+        else:
+            self._idle_order.discard(instance)
+            self._busy_order.discard(instance)
+            self._own_models.discard(instance)
+
+    def _orders_in_step(self) -> bool:
+        """The orders hold exactly the book's instances (the book forgets the long
+        silent on its own: then they are rebuilt)."""
+        book = self.loads
+        if len(self._prefill_order) != len(book.prefill):
+            self._prefill_order = _Order()
+            for p in book.prefill.values():
+                self._prefill_order.set(p.instance, p.queued_work_s)
+        if len(self._idle_order) + len(self._busy_order) != len(book.decode):
+            self._idle_order, self._busy_order = _Order(), _Order()
+            self._own_models = set()
+            for d in book.decode.values():
+                self._key_decode(d)
+        return not self._own_models
+
+    def _key_decode(self, load: DecodeLoad) -> None:
+        """Key ``load``'s instance in the decode orders (its report already booked)."""
+        name = load.instance
+        cost = self.book.cost(name)
+        if cost is self.book.prior:
+            self._own_models.discard(name)
+        else:
+            self._own_models.add(name)
+        idle = load.batch_size + load.waiting == 0
+        tbt0 = self.tbt_rule.tbt(
+            cost, load.batch_size, load.waiting, load.kv_tokens, 0, load.max_batch
+        )
+        (self._idle_order if idle else self._busy_order).set(name, tbt0)
+        (self._busy_order if idle else self._idle_order).discard(name)
 
     @abstractmethod
     def decide(self, req: AdmissionRequest) -> AdmissionDecision: ...
@@ -137,6 +223,12 @@ class AdmissionPolicy(ABC):
 
     def prefill_load(self, req: AdmissionRequest) -> float | None:
         """Least-loaded live prefill instance's queue over the TTFT SLO (None: none live)."""
+        if self.pruned and self._orders_in_step():
+            alive, slo = self.loads.alive, self.ttft_slo(req)
+            for q, name in self._prefill_order:
+                if alive(Role.PREFILL, name):
+                    return slo_share(q, slo)
+            return None
         live = self.live_prefill()
         if not live:
             return None
@@ -149,6 +241,8 @@ class AdmissionPolicy(ABC):
         the request alone is the best TBT it can ever get, so waiting would not help it,
         and rejecting it there would leave a model that predicts too slow with no
         samples to correct it (every request turned away, the engine idle)."""
+        if self.pruned and self._orders_in_step():
+            return self._decode_load_pruned(req)
         live = self.live_decode()
         if not live:
             return None
@@ -169,6 +263,25 @@ class AdmissionPolicy(ABC):
             )
             for d in live
         )
+
+    def _decode_load_pruned(self, req: AdmissionRequest) -> float | None:
+        """:meth:`decode_load` from the orders: each walk stops where its lower bound
+        (the share at n = 0, capped for the idle) reaches the best share found."""
+        slo, n, rule = self.tbt_slo(req), req.num_tokens, self.tbt_rule
+        loads, alive, cost = self.loads.decode, self.loads.alive, self.book.prior
+        best: float | None = None
+        for order, idle in ((self._idle_order, True), (self._busy_order, False)):
+            for tbt0, name in order:
+                if best is not None and rule.share(tbt0, slo, idle=idle) >= best:
+                    break
+                if not alive(Role.DECODE, name):
+                    continue
+                d = loads[name]
+                tbt = rule.tbt(cost, d.batch_size, d.waiting, d.kv_tokens, n, d.max_batch)
+                share = rule.share(tbt, slo, idle=idle)
+                if best is None or share < best:
+                    best = share
+        return best
 
 
 class BaselinePolicy(AdmissionPolicy):
