@@ -26,12 +26,13 @@ Modes (``make_admission_policy(name, ...)``):
   A role with no live instance rejects with 503.
 
   Neither minimum walks the pool: each report re-keys its instance in an order
-  (O(log n)); the prefill load is the first live instance's, the decode load a walk
-  from the least ``tbt_joining`` at n = 0 (a lower bound: the TBT only grows with the
-  request's tokens), stopped once the bound reaches the best share found. Exact: the
-  same value as the scan over every live instance (``pruned = False``), which is what
-  runs while any decode instance has a fitted model of its own (a fit need not grow
-  with the tokens).
+  (O(log n)); the prefill load is the first live instance's. Decode instances in the
+  same reported state (running, waiting, kv_tokens, max_batch) predict alike, so the
+  decode load walks the states from the least KV, idle and busy apart, and stops once
+  the cost floor's TBT at that KV plus the request's tokens (any batch, any instance's
+  model: services.common.cost_floor) reaches the best share found. Exact: the same
+  value as the scan over every live instance (``pruned = False``), which is what runs
+  while a decode instance has a model of its own (then states no longer predict alike).
 
 - ``predict`` (§4.3.4 Early Rejection based on Prediction, system level, uniform
   decode time ``t_d``): :class:`PredictiveRejectionPolicy` (its docstring has the rule).
@@ -76,6 +77,51 @@ class Accept:
 
 
 AdmissionDecision = Accept | Rejection
+
+
+State = tuple[int, int, int, int]  # a decode report's (running, waiting, kv_tokens, max_batch)
+
+
+class _States:
+    """Decode instances grouped by reported state, the states in order of KV tokens,
+    idle and busy apart (an idle instance's share is capped); O(log n) a change."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, State] = {}
+        self.names: dict[State, set[str]] = {}
+        self.idle: SortedList = SortedList()  # (kv_tokens, state)
+        self.busy: SortedList = SortedList()
+
+    def set(self, instance: str, state: State) -> None:
+        old = self.of.get(instance)
+        if old == state:
+            return
+        if old is not None:
+            self._drop(instance, old)
+        self.of[instance] = state
+        group = self.names.get(state)
+        if group is None:
+            group = self.names[state] = set()
+            self._list(state).add((state[2], state))
+        group.add(instance)
+
+    def discard(self, instance: str) -> None:
+        old = self.of.pop(instance, None)
+        if old is not None:
+            self._drop(instance, old)
+
+    def _drop(self, instance: str, state: State) -> None:
+        group = self.names[state]
+        group.discard(instance)
+        if not group:
+            del self.names[state]
+            self._list(state).remove((state[2], state))
+
+    def _list(self, state: State) -> SortedList:
+        return self.idle if state[0] + state[1] == 0 else self.busy
+
+    def __len__(self) -> int:
+        return len(self.of)
 
 
 class _Order:
@@ -132,12 +178,9 @@ class AdmissionPolicy(ABC):
         self.tbt_slo_s = tbt_slo_s
         self.max_load = max_load
         self.min_retry_after_s = min_retry_after_s
-        # The latest reports in load order (the minima below walk these, not the pool):
-        # prefill by queued_work_s; decode by tbt_joining at n = 0, idle and busy apart
-        # (an idle instance's share is capped).
-        self._prefill_order = _Order()
-        self._idle_order = _Order()
-        self._busy_order = _Order()
+        # The latest reports in load order (the minima below walk these, not the pool).
+        self._prefill_order = _Order()  # by queued_work_s
+        self._states = _States()
         self._own_models: set[str] = set()  # decode instances with a fit of their own
         self.pruned = True  # False: scan every live instance (the reference)
 
@@ -163,8 +206,7 @@ class AdmissionPolicy(ABC):
         if role == Role.PREFILL:
             self._prefill_order.discard(instance)
         else:
-            self._idle_order.discard(instance)
-            self._busy_order.discard(instance)
+            self._states.discard(instance)
             self._own_models.discard(instance)
 
     def _orders_in_step(self) -> bool:
@@ -175,8 +217,8 @@ class AdmissionPolicy(ABC):
             self._prefill_order = _Order()
             for p in book.prefill.values():
                 self._prefill_order.set(p.instance, p.queued_work_s)
-        if len(self._idle_order) + len(self._busy_order) != len(book.decode):
-            self._idle_order, self._busy_order = _Order(), _Order()
+        if len(self._states) != len(book.decode):
+            self._states = _States()
             self._own_models = set()
             for d in book.decode.values():
                 self._key_decode(d)
@@ -190,12 +232,8 @@ class AdmissionPolicy(ABC):
             self._own_models.discard(name)
         else:
             self._own_models.add(name)
-        idle = load.batch_size + load.waiting == 0
-        tbt0 = self.tbt_rule.tbt(
-            cost, load.batch_size, load.waiting, load.kv_tokens, 0, load.max_batch
-        )
-        (self._idle_order if idle else self._busy_order).set(name, tbt0)
-        (self._busy_order if idle else self._idle_order).discard(name)
+        state = (load.batch_size, load.waiting, load.kv_tokens, load.max_batch)
+        self._states.set(name, state)
 
     @abstractmethod
     def decide(self, req: AdmissionRequest) -> AdmissionDecision: ...
@@ -265,19 +303,21 @@ class AdmissionPolicy(ABC):
         )
 
     def _decode_load_pruned(self, req: AdmissionRequest) -> float | None:
-        """:meth:`decode_load` from the orders: each walk stops where its lower bound
-        (the share at n = 0, capped for the idle) reaches the best share found."""
+        """:meth:`decode_load` from the states: one share per state with a live
+        instance, each walk stopped where the floor's share at its KV reaches the best
+        found (the floor grows with the KV; the cap of the idle keeps it monotone)."""
         slo, n, rule = self.tbt_slo(req), req.num_tokens, self.tbt_rule
-        loads, alive, cost = self.loads.decode, self.loads.alive, self.book.prior
+        alive, cost, floor = self.loads.alive, self.book.prior, self.book.floor.tbt
+        states = self._states
         best: float | None = None
-        for order, idle in ((self._idle_order, True), (self._busy_order, False)):
-            for tbt0, name in order:
-                if best is not None and rule.share(tbt0, slo, idle=idle) >= best:
+        for order, idle in ((states.idle, True), (states.busy, False)):
+            for kv, state in order:
+                if best is not None and rule.share(floor(kv + n), slo, idle=idle) >= best:
                     break
-                if not alive(Role.DECODE, name):
+                if not any(alive(Role.DECODE, name) for name in states.names[state]):
                     continue
-                d = loads[name]
-                tbt = rule.tbt(cost, d.batch_size, d.waiting, d.kv_tokens, n, d.max_batch)
+                running, waiting, _, max_batch = state
+                tbt = rule.tbt(cost, running, waiting, kv, n, max_batch)
                 share = rule.share(tbt, slo, idle=idle)
                 if best is None or share < best:
                     best = share
