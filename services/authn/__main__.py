@@ -3,7 +3,7 @@
 Serving pods log in as ``worker-<pod>`` / ``store-<pod>`` with their projected
 ServiceAccount token (audience ``--audience``) as the password. nats-server asks this
 service about each such login (``$SYS.REQ.USER.AUTH``); it checks the token against the
-cluster's signing keys and answers with that pod's own allow-lists (perigee.natsauth), so
+cluster's signing keys and answers with that pod's own allow-lists (services.common.bus_permissions), so
 one pod can neither read another's tasks nor speak in its name.
 
     python -m services.authn keygen    the issuer's seed and public key, for the Secret

@@ -1,7 +1,7 @@
 """The auth callout's decision, pure: a server's authorization request in, a signed
 response out. A serving pod logs in as ``worker-<pod>`` or ``store-<pod>`` with its
 projected ServiceAccount token as the password; it gets the allow-lists of
-:mod:`perigee.natsauth` for its own instance and node (both the pod's name) and nothing
+:mod:`services.common.bus_permissions` for its own instance and node (both the pod's name) and nothing
 of any other pod's. Anything else is refused with a reason the server logs."""
 
 import re
@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schemas.roles import Role
-from perigee import natsauth
 from services.authn import natsjwt, nkeys
 from services.authn.k8s_token import TokenError, Verifier
+from services.common import bus_permissions as perms
 
-# The login's role part -> perigee.natsauth's member role (workers switch roles in place).
+# The login's role part -> its member role (workers switch roles in place).
 ROLES = {"worker": Role.DECODE, "store": "store"}
 _POD = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")  # a DNS label: one subject token
+_PODS = perms.Deployment(switchable=True)  # as perigee.natsauth.K8S: RoleSwitch in place
 ACCOUNT = "$G"  # the server's global account (no accounts in perigee's nats.conf)
 
 
@@ -36,10 +37,8 @@ class Policy:
 def permissions(user: str, pod: str) -> tuple[list[str], list[str]]:
     """(publish, subscribe) allow-lists of login ``user`` (``<role>-<pod>``)."""
     role = user.split("-", 1)[0]
-    member = natsauth.Member(user, ROLES[role], instance=pod, node=pod)
-    return natsauth.publish_allow(member, natsauth.K8S), natsauth.subscribe_allow(
-        member, natsauth.K8S
-    )
+    member = perms.Member(user, ROLES[role], instance=pod, node=pod)
+    return perms.publish_allow(member, _PODS), perms.subscribe_allow(member, _PODS)
 
 
 def decide(
