@@ -37,6 +37,19 @@ from perigee.sim.simulator import SimConfig, Simulator
 from perigee.trace import TRACE_BLOCK, TraceRequest
 
 DEFAULT_COPIES = (1, 2, 4, 10)
+# What a run decided (summary keys): the reference run must give the same.
+OUTCOME = (
+    "completed",
+    "rejected",
+    "rejected_by",
+    "cache_hit_rate",
+    "pulled_token_rate",
+    "ttft_s",
+    "tbt_s",
+    "prefill_gpu_s",
+    "sim_time_s",
+    "events",
+)
 PARTS = ("reports", "admission", "placement")
 DYNAMO_VENV = Path(__file__).resolve().parents[2] / ".venv-dynamo" / "bin" / "python"
 
@@ -71,10 +84,22 @@ def _timed(split: dict[str, float], part: str, fn: Callable[..., Any]) -> Callab
 
 
 def timed_run(
-    trace: Sequence[TraceRequest], cfg: SimConfig, *, progress: bool = False
+    trace: Sequence[TraceRequest],
+    cfg: SimConfig,
+    *,
+    progress: bool = False,
+    reference: bool = False,
 ) -> tuple[Simulator, dict[str, Any]]:
-    """Run the simulator on ``trace``; its summary with ``wall_split_s`` added."""
+    """Run the simulator on ``trace``; its summary with ``wall_split_s`` added.
+    ``reference``: every decision scans the cluster, as before issue 27 (every instance
+    reports, admission and placement scan every live instance): same decisions."""
+    if reference:
+        cfg = replace(cfg, incremental_reports=False)
     sim = Simulator(trace, cfg, progress=progress)
+    if reference:
+        for policy in (sim.admission, sim.placement):
+            if hasattr(policy, "pruned"):
+                policy.pruned = False
     split = dict.fromkeys(PARTS, 0.0)
     # Instance attributes shadow the bound methods each caller looks up per call.
     sim.refresh = _timed(split, "reports", sim.refresh)  # type: ignore[method-assign]
@@ -138,6 +163,7 @@ def scale(
     decode: int = 8,
     dynamo: str | None = None,
     progress: bool = False,
+    reference: bool = False,
 ) -> dict:
     """The curve: each ``k`` in ``copies`` (1 first, added when missing) on
     ``k*prefill + k*decode`` nodes."""
@@ -156,6 +182,11 @@ def scale(
         tr = replicate(trace, k)
         cfg = SimConfig(prefill=k * prefill, decode=k * decode)
         _, s = timed_run(tr, cfg, progress=progress)
+        ref: dict[str, Any] = {}
+        if reference:
+            _, r = timed_run(tr, cfg, reference=True)
+            same = all(r[key] == s[key] for key in OUTCOME)
+            ref = {"wall_s": r["wall_s"], "wall_split_s": r["wall_split_s"], "same": same}
         pt: dict[str, Any] = {
             "copies": k,
             "prefill": cfg.prefill,
@@ -169,16 +200,28 @@ def scale(
             "wall_split_s": s["wall_split_s"],
             "us_per_request": 1e6 * s["wall_s"] / max(1, s["requests"]),
         }
+        if ref:
+            pt["reference"] = ref
         if dynamo:
             pt["dynamo"] = dynamo_run(dynamo, tr, cfg.prefill + cfg.decode)
-        base = base or {"wall_s": pt["wall_s"], "dynamo": pt.get("dynamo", {}).get("wall_s", 0)}
+        base = base or {
+            "wall_s": pt["wall_s"],
+            "dynamo": pt.get("dynamo", {}).get("wall_s", 0),
+            "reference": ref.get("wall_s", 0),
+        }
         pt["wall_ratio"] = pt["wall_s"] / base["wall_s"]
+        if ref and base["reference"]:
+            ref["wall_ratio"] = ref["wall_s"] / base["reference"]
         if base["dynamo"] and "wall_s" in pt.get("dynamo", {}):
             pt["dynamo"]["wall_ratio"] = pt["dynamo"]["wall_s"] / base["dynamo"]
         res["points"].append(pt)
         print(_row(pt), flush=True)
     ks = [p["copies"] for p in res["points"]]
     series = {"perigee sim": [p["wall_ratio"] for p in res["points"]]}
+    if reference:
+        series["perigee sim, full scans (before issue 27)"] = [
+            p["reference"]["wall_ratio"] for p in res["points"]
+        ]
     if any("wall_ratio" in p.get("dynamo", {}) for p in res["points"]):
         series["Dynamo replay (kv_router)"] = [
             p.get("dynamo", {}).get("wall_ratio", float("nan")) for p in res["points"]
@@ -200,6 +243,9 @@ def _row(p: dict) -> str:
     sp = p["wall_split_s"]
     dyn = p.get("dynamo", {})
     d = f" dynamo {dyn['wall_s']:.1f}s" if "wall_s" in dyn else ""
+    if "reference" in p:
+        r = p["reference"]
+        d += f" full-scan {r['wall_s']:.1f}s ({r.get('wall_ratio', 1.0):.2f}x, same {r['same']})"
     return (
         f"x{p['copies']} {p['prefill']}P+{p['decode']}D {p['requests']} req: "
         f"{p['wall_s']:.1f}s ({p['wall_ratio']:.2f}x) reports {sp['reports']:.1f} "
@@ -222,6 +268,8 @@ def _table(points: list[dict]) -> str:
         "rest s",
         "Dynamo s",
         "Dynamo x of k=1",
+        "full scans s",
+        "full scans x of k=1",
     ]
     rows = []
     for p in points:
@@ -237,6 +285,10 @@ def _table(points: list[dict]) -> str:
                 *(f"{sp[k]:.1f}" for k in (*PARTS, "rest")),
                 f"{dyn['wall_s']:.1f}" if "wall_s" in dyn else "-",
                 f"{dyn['wall_ratio']:.2f}" if "wall_ratio" in dyn else "-",
+                f"{p['reference']['wall_s']:.1f}" if "reference" in p else "-",
+                f"{p['reference']['wall_ratio']:.2f}"
+                if "wall_ratio" in p.get("reference", {})
+                else "-",
             ]
         )
     out = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
@@ -259,6 +311,12 @@ def main_args(argv: list[str]) -> dict[str, Any]:
     )
     p.add_argument("--no-dynamo", action="store_true", help="perigee's simulator alone")
     p.add_argument("--progress", action="store_true", help="a progress bar per run")
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time each point with every decision scanning the cluster (as before "
+        "issue 27; the same decisions, checked)",
+    )
     a = p.parse_args(argv)
     try:
         copies = [int(c) for c in a.copies.split(",") if c.strip()]
@@ -272,6 +330,7 @@ def main_args(argv: list[str]) -> dict[str, Any]:
         "decode": a.decode,
         "dynamo": "" if a.no_dynamo else a.dynamo,
         "progress": a.progress,
+        "reference": a.reference,
     }
 
 

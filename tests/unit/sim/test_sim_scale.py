@@ -152,7 +152,7 @@ def test_repro_scale_records_the_curve(tmp_path):
             }
             f.write(json.dumps(row) + "\n")
     argv = ["scale", "--trace", str(trace_path), "--out", str(tmp_path), "--copies", "2"]
-    assert repro.main([*argv, "--prefill", "2", "--decode", "1", "--no-dynamo"]) == 0
+    assert repro.main([*argv, "--prefill", "2", "--decode", "1", "--no-dynamo", "--reference"]) == 0
     res = json.loads((tmp_path / "sim_scale.json").read_text())
     pts = res["points"]
     assert [(p["copies"], p["prefill"], p["decode"], p["requests"]) for p in pts] == [
@@ -163,6 +163,7 @@ def test_repro_scale_records_the_curve(tmp_path):
     for p in pts:
         assert set(p["wall_split_s"]) == {"reports", "admission", "placement", "rest"}
         assert sum(p["wall_split_s"].values()) == pytest.approx(p["wall_s"], rel=1e-6)
+        assert p["reference"]["same"]  # the full scans decide alike
     assert (tmp_path / "sim_scale.png").stat().st_size > 0
 
 
