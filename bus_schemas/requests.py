@@ -41,6 +41,36 @@ MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
 PositionLogprobs = list[tuple[int, float]]
 
 
+class StructuredOutput(Msg):
+    """A constraint on the answer, applied by vLLM's structured-output backend on both
+    roles (its ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as
+    JSON text), ``regex``, ``choice``, ``grammar`` (EBNF/Lark) or ``json_object``.
+
+    ``answer_start``: where the answer begins in ``prompt_token_ids`` when the prompt
+    already holds part of it (a migrated request: the gateway sets it to the original
+    prompt's length); 0: the prompt holds none. Each engine feeds the answer so far
+    (prefill: ``prompt[answer_start:]``; decode: that plus the first token) to the
+    grammar before it samples, so the constraint resumes where it was."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    answer_start: int = 0
+
+    def kinds(self) -> int:
+        return sum(
+            (
+                self.json is not None,
+                self.regex is not None,
+                self.choice is not None,
+                self.grammar is not None,
+                self.json_object,
+            )
+        )
+
+
 class SamplingParams(Msg):
     """How to sample; :meth:`problem` holds the bounds (vLLM's ``SamplingParams`` and its
     OpenAI server's), checked by the gateway, admission and the engine wrapper alike."""
@@ -66,6 +96,7 @@ class SamplingParams(Msg):
     # generated token (``logprobs``) or prompt token (``prompt_logprobs``, prefill only).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def problem(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first value out of bounds, None when all are in.
@@ -118,6 +149,14 @@ class SamplingParams(Msg):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 return name, f"{name} must be in [0, {MAX_LOGPROBS}], got {k}"
+        so = self.structured
+        if so is not None:
+            if so.kinds() != 1:
+                return "structured_outputs", "exactly one kind of structured output is allowed"
+            if so.choice is not None and not so.choice:
+                return "structured_outputs", "a choice constraint needs at least one choice"
+            if so.answer_start < 0:
+                return "structured_outputs", "answer_start must not be negative"
         return None
 
     def token_ids_used(self) -> list[int]:

@@ -137,6 +137,7 @@ class StackConfig:
     # store-transaction lease (0: their default; renewed while a request lives).
     load_format: str = ""
     kv_blocks: int = 0
+    tool_call_parser: str | None = None  # gateway: vLLM's tool parser for tool_choice auto
     lease_s: float = 0.0
     # Longest request (prompt + output), tokens: the gateway's limit and what each store
     # must hold (0: the model's max_position_embeddings).
@@ -344,6 +345,7 @@ class Stack:
                     str(c.ttft_slo),
                     "--tbt-slo",
                     str(c.tbt_slo),
+                    *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
                 ]
                 + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
                 + (["--served-model-name", c.served_model_name] if c.served_model_name else []),

@@ -100,6 +100,11 @@ def parse(argv: list[str]) -> StackConfig:
         default=d.kv_blocks,
         help="vllm: paged-cache blocks per engine (0: by role)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        help="vLLM's tool parser for tool_choice auto (hermes, llama3_json, mistral, ...)",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--speedup", default=d.speedup, help="mock engine speed-up (inf: no compute)")
     p.add_argument(
@@ -237,6 +242,7 @@ def parse(argv: list[str]) -> StackConfig:
         engine=a.engine,
         load_format=a.load_format,
         kv_blocks=a.kv_blocks,
+        tool_call_parser=a.tool_call_parser,
         model_dir=str(model.path),
         served_model_name=model.name,
         block_size=a.block_size,

@@ -198,9 +198,13 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (each ``{"role", "content": str}``)."""
+        """The prompt text for ``messages`` (each ``{"role", "content": str}``); ``tools``
+        (OpenAI's function tools) go to the template as transformers passes them."""
         if self.chat_template == CHAT_TEMPLATE:
             return render_chat(messages, add_generation_prompt, self.bos_token, self.eos_token)
         if self._jinja is None:
@@ -208,6 +212,7 @@ class Tokenizer:
         text: str = self._jinja.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
+            **({"tools": list(tools)} if tools else {}),
             **self._template_tokens,
         )
         return text
@@ -217,6 +222,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         content_specials: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template writes ``<s>`` itself.
 
@@ -225,7 +231,8 @@ class Tokenizer:
         ``content_specials`` such a string becomes the special token (vLLM's way)."""
         pat = self._special_re
         if content_specials or pat is None or not any(pat.search(_content(m)) for m in messages):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            return self.encode(text, False)
         # Each special string in a content becomes a private-use character no content or
         # template holds, so every special string left in the rendered text is the
         # template's own. The tokenizer splits the text at those (as it always does) and
@@ -238,7 +245,7 @@ class Tokenizer:
             {**m, "content": pat.sub(lambda x: ph[x.group(0)], m["content"])} if _content(m) else m
             for m in messages
         ]
-        text = self.apply_chat_template(swapped, add_generation_prompt)
+        text = self.apply_chat_template(swapped, add_generation_prompt, tools)
         enc = self._tok.encode(text, add_special_tokens=False)
         marks = re.compile("|".join(map(re.escape, back)))
         out: list[int] = []

@@ -42,6 +42,11 @@ class EngineError(RuntimeError):
     """One request failed (bad input, KV mismatch); the engine is fine."""
 
 
+class EngineRequestError(EngineError):
+    """The engine refused the request's parameters (a schema its grammar backend cannot
+    compile, a value out of its bounds): the client's error, not the server's."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped or crashed; no request can be served any more."""
 

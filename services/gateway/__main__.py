@@ -153,6 +153,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "control token, as in vLLM; by default it is plain text, as in OpenAI's API, and "
         "only the chat template's markup makes special tokens",
     )
+    ap.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="vLLM's tool parser for tool_choice auto (e.g. hermes, llama3_json, mistral); "
+        "without it a request must choose none, required or a named tool",
+    )
     ap.add_argument("--gateway-id", default="", help="default: random")
     ap.add_argument(
         "--api-key",
@@ -195,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         keepalive_timeout_s=args.keepalive_timeout,
         max_messages=args.max_messages,
         content_special_tokens=args.content_special_tokens,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

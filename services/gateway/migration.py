@@ -115,6 +115,10 @@ def plan(
             max_tokens=s.max_tokens - k,
             min_tokens=max(s.min_tokens - k, 0),
             prompt_logprobs=s.prompt_logprobs if k == 0 else None,
+            # the grammar resumes over the tokens the prompt now holds past the original
+            structured=s.structured
+            if s.structured is None or s.structured.answer_start
+            else msgspec.structs.replace(s.structured, answer_start=len(original.prompt_token_ids)),
         ),
         block_hashes=block_hashes(prompt, bs) if bs else None,
         reply_subject=reply_subject,

@@ -11,6 +11,7 @@ extensions (vLLM's names): ``top_k``, ``min_p``, ``repetition_penalty``, ``ignor
 ``stop_token_ids``.
 """
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from bus_schemas.requests import MAX_BAD_WORDS, SamplingParams
+from bus_schemas.requests import MAX_BAD_WORDS, SamplingParams, StructuredOutput
 
 # ---------------------------------------------------------------------------- errors
 
@@ -116,12 +117,6 @@ UNSUPPORTED: dict[str, Neutral] = {
     "truncate_prompt_tokens": _unset,
     "truncation_side": _unset,
     "prompt_embeds": _unset,
-    "response_format": _text_format,
-    "structured_outputs": _unset,
-    "guided_json": _unset,
-    "guided_regex": _unset,
-    "guided_choice": _unset,
-    "guided_grammar": _unset,
     "guided_decoding_backend": _unset,
     "guided_whitespace_pattern": _unset,
     "priority": _zero,
@@ -147,8 +142,6 @@ UNSUPPORTED_CHAT: dict[str, Neutral] = {
     **UNSUPPORTED,
     "echo": _off,
     "add_special_tokens": _off,
-    "tools": _empty,
-    "tool_choice": _no_tool,
     "functions": _empty,
     "function_call": _no_tool,
     "add_generation_prompt": _on,
@@ -196,6 +189,13 @@ class _Common(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    # structured output (services.gateway.structured)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 def _with_unsupported(name: str, base: type, names: dict[str, Neutral]) -> type:
@@ -212,6 +212,10 @@ class ContentPart(msgspec.Struct, kw_only=True):
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    # tool calling: what the chat template sees of an assistant's calls and their results
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class _Completion(_Common, kw_only=True):
@@ -225,6 +229,9 @@ class _Chat(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: Any = None  # services.gateway.tools checks them
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 CompletionBody = _with_unsupported("CompletionBody", _Completion, UNSUPPORTED_COMPLETION)
@@ -246,7 +253,7 @@ class ParsedRequest:
     model: str | None
     prompt_text: str | None = None  # completions with a text prompt
     prompt_ids: list[int] | None = None  # completions with token ids
-    messages: list[dict[str, str]] | None = None  # chat, content flattened to text
+    messages: list[dict[str, Any]] | None = None  # chat, content flattened to text
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -269,6 +276,11 @@ class ParsedRequest:
     # None: no logprobs; k: the sampled token's and the k most likely, per token.
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt's text (and logprobs) before the answer
+    structured: StructuredOutput | None = None
+    # chat: (tools, tool_choice, parallel_tool_calls) as sent; the server checks them
+    # (services.gateway.tools) and puts the ToolRequest in ``tools``
+    tool_fields: tuple[Any, Any, bool | None] = (None, None, None)
+    tools: Any = None
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """What goes on the bus; :class:`ApiError` (400) when a value is out of bounds."""
@@ -289,6 +301,7 @@ class ParsedRequest:
             logprobs=self.logprobs,
             # vLLM: echo with logprobs scores the prompt too (lm-eval's loglikelihood)
             prompt_logprobs=self.logprobs if self.echo else None,
+            structured=self.structured,
         )
         bad = s.problem()
         if bad is not None:
@@ -418,8 +431,105 @@ def _engine_fields(body: _Common, parsed: ParsedRequest, vocab_size: int) -> Non
         if not all(body.bad_words):
             raise ApiError(400, "bad_words cannot contain an empty string", param="bad_words")
         parsed.bad_words = list(dict.fromkeys(body.bad_words))
+    parsed.structured = structured_output(body)
     parsed.include_stop_str_in_output = bool(body.include_stop_str_in_output)
     parsed.skip_special_tokens = body.skip_special_tokens is not False
+
+
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_output(body: _Common) -> StructuredOutput | None:
+    """``response_format`` (json_object, json_schema), vLLM's ``structured_outputs`` or
+    the older ``guided_*`` names, as one constraint; a 400 naming the field otherwise."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ApiError(
+                    400,
+                    "response_format json_schema needs json_schema.schema, a JSON object",
+                    param="response_format",
+                )
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise ApiError(
+                400,
+                f"response_format type {kind!r} is not supported: text, json_object or json_schema",
+                param="response_format",
+                code="unsupported_parameter" if isinstance(kind, str) else None,
+            )
+    so = body.structured_outputs
+    if so is not None:
+        extra = sorted(k for k, v in so.items() if k not in STRUCTURED_KEYS and v)
+        if extra:
+            raise ApiError(
+                400,
+                f"structured_outputs.{extra[0]} is not supported by this server",
+                param="structured_outputs",
+                code="unsupported_parameter",
+            )
+        kinds = {k: so[k] for k in STRUCTURED_KEYS if so.get(k) not in (None, False)}
+        if len(kinds) != 1:
+            raise ApiError(
+                400,
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+                param="structured_outputs",
+            )
+        found.append(("structured_outputs", kinds))
+    for name, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        v = getattr(body, name)
+        if v is not None:
+            found.append((name, {key: v}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ApiError(
+            400,
+            f"only one structured output constraint is allowed: {found[0][0]} and "
+            f"{found[1][0]} are both set",
+            param=found[1][0],
+        )
+    name, (key, value) = found[0][0], next(iter(found[0][1].items()))
+    return _constraint(name, key, value)
+
+
+def _constraint(name: str, key: str, value: Any) -> StructuredOutput:
+    if key == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ApiError(400, f"{name}: the schema is not valid JSON", param=name) from None
+        if not isinstance(value, dict):
+            raise ApiError(400, f"{name}: the JSON schema must be an object", param=name)
+        return StructuredOutput(json=json.dumps(value))
+    if key == "json_object":
+        if value is not True:
+            raise ApiError(400, f"{name}: json_object must be true", param=name)
+        return StructuredOutput(json_object=True)
+    if key == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ApiError(400, f"{name}: choices must be non-empty strings", param=name)
+        return StructuredOutput(choice=list(value))
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"{name}: the {key} must be a non-empty string", param=name)
+    return StructuredOutput(regex=value) if key == "regex" else StructuredOutput(grammar=value)
 
 
 def bad_words_token_ids(
@@ -509,10 +619,11 @@ def parse_chat(data: bytes, vocab_size: int, max_messages: int = MAX_MESSAGES) -
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     _common(body, parsed, vocab_size, UNSUPPORTED_CHAT)
     parsed.messages = flatten_messages(body.messages, max_messages)
+    parsed.tool_fields = (body.tools, body.tool_choice, body.parallel_tool_calls)
     return parsed
 
 
-def flatten_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, str]]:
+def flatten_messages(messages: list[ChatMessage], max_messages: int) -> list[dict[str, Any]]:
     """Chat messages as the template takes them (text parts joined), or a 400."""
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
@@ -537,7 +648,11 @@ def flatten_messages(messages: list[ChatMessage], max_messages: int) -> list[dic
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
-        msgs.append({"role": m.role, "content": text})
+        msg: dict[str, Any] = {"role": m.role, "content": text}
+        for k in ("tool_calls", "tool_call_id", "name"):
+            if getattr(m, k):
+                msg[k] = getattr(m, k)
+        msgs.append(msg)
     return msgs
 
 
@@ -580,6 +695,7 @@ def chat_response(
     finish: str,
     use: dict,
     logprobs: dict | None = None,
+    message: dict | None = None,
 ) -> dict:
     return {
         "id": rid,
@@ -589,7 +705,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message or {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }
@@ -631,6 +747,11 @@ class ChunkWriter:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return self._frame([choice])
+
+    def delta(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:
+        """Chat: one chunk with this ``delta`` (tool calls)."""
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._frame([choice])
 
     def usage(self, use: dict) -> bytes:

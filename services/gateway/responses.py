@@ -11,7 +11,7 @@ raises :class:`StopEarly`, and the server sends a CancelRequest.
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -29,6 +29,7 @@ from services.gateway.protocol import (
     usage,
 )
 from services.gateway.replies import LocalError
+from services.gateway.tools import ToolOutput
 
 NextEvent = Callable[[], Awaitable[StreamEvent]]
 
@@ -86,6 +87,8 @@ class Extras:
     logprobs: LogprobsOut | None = None
     echo_text: str | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    tools: ToolOutput | None = None  # chat with tools: the answer becomes tool_calls
+    last_ids: Sequence[int] = ()  # the tokens the last push took
     _prompt_done: bool = False
 
     def push(self, text: TextOutput, ev: Tokens) -> tuple[str, dict | None]:
@@ -94,6 +97,8 @@ class Extras:
         skip = max(0, text.next_index - ev.index)
         before = text.completion_tokens
         delta = text.push(ev.token_ids, ev.index)
+        used = text.completion_tokens - before
+        self.last_ids = ev.token_ids[skip : skip + used]
         lps = self.logprobs
         if lps is None:
             return delta, None
@@ -101,7 +106,6 @@ class Extras:
         if self.echo_text is not None and ev.prompt_logprobs and not self._prompt_done:
             self._prompt_done = True
             part = lps.add(self.prompt_ids, ev.prompt_logprobs)
-        used = text.completion_tokens - before
         if ev.logprobs and used:
             part = lps.add(ev.token_ids[skip : skip + used], ev.logprobs[skip : skip + used])
         return delta, part
@@ -180,7 +184,13 @@ async def collect(
     use = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
     build = chat_response if p.chat else completion_response
     lps = extras.logprobs.body() if extras.logprobs is not None else None
-    body = build(rid, int(time.time()), model, "".join(parts), out.finish, use, lps)
+    answer, finish, message = "".join(parts), out.finish, None
+    if extras.tools is not None:
+        message, finish = extras.tools.message(answer, finish)
+    if message is not None:
+        body = chat_response(rid, int(time.time()), model, answer, finish, use, lps, message)
+    else:
+        body = build(rid, int(time.time()), model, answer, finish, use, lps)
     resp = json_response(body)
     if text.stopped:  # the backend is still generating: tell it to stop
         raise StopEarly(resp, 200, "stop string")
@@ -220,22 +230,34 @@ async def stream(
             except (ConnectionResetError, OSError):
                 raise StopEarly(resp, 499, "client disconnected") from None
             buf = w.role() if p.chat else b""
+        tools = extras.tools
         if isinstance(ev, Tokens):
             delta, lps = extras.push(text, ev)
+            if tools is not None:
+                d = tools.delta(delta, extras.last_ids)
+                if d or lps:
+                    buf += w.delta(d or {}, logprobs=lps)
             # The first token always gets a chunk, even when its bytes do not yet make
             # a whole character: clients time TTFT by the first chunk.
-            if delta or ev.index == 0 or lps:
+            elif delta or ev.index == 0 or lps:
                 buf += w.text(delta, logprobs=lps)
             if text.stopped:
                 out.finish, out.completion_tokens = "stop", text.completion_tokens
         elif isinstance(ev, Finished):
             tail = text.finish()
-            if tail:
+            if tail and tools is not None:
+                d = tools.delta(tail, ())
+                buf += w.delta(d) if d else b""
+            elif tail:
                 buf += w.text(tail)
             out.finished(ev, text)
         if out.finish:
             use = usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-            buf += w.text("", finish=out.finish) + w.usage(use) + ChunkWriter.DONE
+            finish = out.finish
+            if tools is not None:
+                last, finish = tools.end(finish)
+                buf += w.delta(last) if last else b""
+            buf += w.text("", finish=finish) + w.usage(use) + ChunkWriter.DONE
         if buf and not await try_write(resp, buf, write_timeout_s):
             raise StopEarly(resp, 499, "client disconnected")
         if out.finish:

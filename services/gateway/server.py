@@ -29,9 +29,11 @@ line in :mod:`services.gateway.telemetry`; API keys (``api_keys``) are checked b
 """
 
 import asyncio
+import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import structlog
@@ -39,15 +41,21 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from opentelemetry import trace
 
-from bus_schemas.requests import GenerateRequest, SamplingParams, StreamEvent, Tokens
+from bus_schemas.requests import (
+    GenerateRequest,
+    SamplingParams,
+    StreamEvent,
+    StructuredOutput,
+    Tokens,
+)
 from bus_schemas.roles import ROLES
 from services.common import defaults, intake_queue, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
-from services.common.model_spec import ModelSpec
+from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.tokenizer import Tokenizer
-from services.gateway import auth, connections, telemetry
+from services.gateway import auth, connections, telemetry, tools
 from services.gateway.logprobs import LogprobsOut
 from services.gateway.output import TextOutput
 from services.gateway.protocol import (
@@ -131,6 +139,8 @@ class GatewayConfig:
     # True: a special token's string in a message becomes that token (vLLM's way);
     # False: it is text, as in OpenAI's API (Tokenizer.encode_chat).
     content_special_tokens: bool = False
+    # vLLM's tool parser for tool_choice "auto" (--tool-call-parser); None: auto refused.
+    tool_call_parser: str | None = None
 
 
 class Gateway:
@@ -182,6 +192,11 @@ class Gateway:
         if cfg.max_messages < 1:
             raise ValueError("max_messages must be at least 1")
         self.guard = connections.ConnectionGuard(cfg.max_connections, cfg.header_timeout_s)
+        self._tool_parser: tuple[Any, Any] | None = None  # (vLLM parser class, tokenizer)
+        if cfg.tool_call_parser:
+            self._tool_parser = tools.load_parser(
+                cfg.tool_call_parser, str(cfg.model_dir or DEFAULT_MODEL_DIR)
+            )
         metrics.setup("gateway", *connections.COLLECTORS, span_metrics=False)
         metrics.IN_FLIGHT.set_function(lambda: self.inflight)
         metrics.MAX_INFLIGHT.set(cfg.max_inflight)
@@ -370,9 +385,11 @@ class Gateway:
             self.reading -= 1
         return b"".join(chunks)
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tool_list: Any = None) -> list[int]:
         try:
-            return self.tok.encode_chat(messages, content_specials=self.cfg.content_special_tokens)
+            return self.tok.encode_chat(
+                messages, content_specials=self.cfg.content_special_tokens, tools=tool_list
+            )
         except Exception as e:  # noqa: BLE001 - the model's template refused the messages
             raise ApiError(
                 400, f"the chat template cannot render these messages: {e}", param="messages"
@@ -382,6 +399,7 @@ class Gateway:
         if p.prompt_ids is not None:
             return p.prompt_ids
         if p.chat:
+            tool_list = p.tools.tools if p.tools is not None else None
             # The template is Python (jinja2): a long chat would hold the loop and every
             # stream on it, so it renders, and the text encodes, in a thread. A short
             # one takes less time than the hop (~0.15 ms) and stays.
@@ -389,8 +407,8 @@ class Gateway:
             if len(msgs) <= OFFLOOP_MESSAGES and sum(len(m["content"]) for m in msgs) <= (
                 OFFLOOP_CHARS
             ):
-                return self._encode_chat(msgs)
-            return await asyncio.to_thread(self._encode_chat, msgs)
+                return self._encode_chat(msgs, tool_list)
+            return await asyncio.to_thread(self._encode_chat, msgs, tool_list)
         text, add_bos = p.prompt_text or "", True
         if len(text) <= OFFLOOP_CHARS:
             return self.tok.encode(text, add_bos=add_bos)
@@ -483,6 +501,8 @@ class Gateway:
                 else parse_completion(data, self.tok.vocab_size)
             )
             self._check_model(p.model)
+            if p.chat:
+                self._tools(p, data)
             ids = await self._tokenize(p)
             if p.bad_words:  # the engines load no tokenizer: they get the ids
                 p.bad_words_token_ids = bad_words_token_ids(
@@ -592,6 +612,32 @@ class Gateway:
             if cancel_reason:
                 self._spawn(self.router.cancel(current, cancel_reason, holders))
 
+    def _tools(self, p: ParsedRequest, data: bytes) -> None:
+        """A chat's tools (services.gateway.tools): named or required constrain the
+        answer by their JSON schema (over any other structured output, as vLLM does)."""
+        parser = self.cfg.tool_call_parser
+        tr = tools.parse_tools(*p.tool_fields, parser)
+        if tr is None:
+            return
+        p.tools = tr
+        schema = tr.schema()
+        if schema is not None:
+            p.structured = StructuredOutput(json=json.dumps(schema))
+        if tr.choice == "auto" and self._tool_parser is not None:
+            tr.raw = json.loads(data)
+
+    def _tool_output(self, p: ParsedRequest) -> tools.ToolOutput | None:
+        tr = p.tools
+        if tr is None or tr.choice == "none":
+            return None
+        if tr.choice != "auto" or self._tool_parser is None:
+            return tools.ToolOutput(tr)
+        cls, tok = self._tool_parser
+        req = tools.vllm_request(tr.raw)
+        parser = cls(tok, req.tools)
+        req = parser.adjust_request(req)
+        return tools.ToolOutput(tr, parser, req)
+
     def _extras(self, p: ParsedRequest, ids: list[int]) -> Extras:
         lps = None
         if p.logprobs is not None:
@@ -602,7 +648,7 @@ class Gateway:
         echo = None
         if p.echo:  # vLLM: the prompt as sent, or its ids decoded
             echo = p.prompt_text if p.prompt_text is not None else self.tok.decode(ids, False)
-        return Extras(logprobs=lps, echo_text=echo, prompt_ids=ids)
+        return Extras(logprobs=lps, echo_text=echo, prompt_ids=ids, tools=self._tool_output(p))
 
     async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
         if not q.empty():

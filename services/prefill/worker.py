@@ -63,6 +63,7 @@ from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.engine.base import EngineRequestError
 from services.prefill.cpp_pipeline import (
     DEFAULT_TIMEOUT_S as DEFAULT_STAGE_TIMEOUT_S,
 )
@@ -146,6 +147,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
         return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
     if isinstance(exc, EngineDeadError):
         return ErrorCode.UNAVAILABLE, "prefill engine is down"
+    if isinstance(exc, EngineRequestError):
+        return ErrorCode.BAD_REQUEST, f"the engine refused the request: {exc}"
     if isinstance(exc, EngineError):
         return ErrorCode.INTERNAL, f"prefill failed: {exc}"
     if isinstance(exc, PipelineError):

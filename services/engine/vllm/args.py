@@ -32,7 +32,9 @@ def engine_args(
         batched = o.max_num_batched_tokens or 2048
     return EngineArgs(
         model=o.model_dir,
-        skip_tokenizer_init=True,
+        # The tokenizer serves vLLM's structured-output backend (its grammars are compiled
+        # against the vocabulary); prompts still arrive as ids, outputs leave as ids.
+        skip_tokenizer_init=False,
         load_format=o.resolved_load_format(),
         dtype=dtype,
         block_size=block_size,
@@ -52,6 +54,21 @@ def engine_args(
             kv_role="kv_both",
             kv_connector_extra_config={"registry_key": registry_key},
         ),
+    )
+
+
+def _structured(s: SamplingParams) -> Any:
+    so = s.structured
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=so.json,
+        regex=so.regex,
+        choice=list(so.choice) if so.choice is not None else None,
+        grammar=so.grammar,
+        json_object=True if so.json_object else None,
     )
 
 
@@ -97,6 +114,7 @@ def sampling_params(
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs if prompt_logprobs else None,
+        structured_outputs=_structured(s),
     )
     if s.bad_words_token_ids:
         params._bad_words_token_ids = [list(w) for w in s.bad_words_token_ids]

@@ -49,6 +49,10 @@ class Plan:
     # on before the step ends (wait_for_save), or None.
     on_layer: Callable[[int], Future | None] | None = None
     on_loaded: Callable[[], None] | None = None
+    # Structured output: the answer so far (tokens already in the prompt), fed to the
+    # request's grammar once it is compiled, before vLLM samples (advance_grammar).
+    grammar_prefix: Sequence[int] = ()
+    grammar_advanced: bool = False
     # Decode write-back: from perigee block ``writeback_from`` on, each block whose
     # positions all have KV is copied out of vLLM's pages (every layer, into
     # ``wb_tensors``) and handed to ``on_block(j, bytes)`` (engine thread).
@@ -68,6 +72,21 @@ class Plan:
     def fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
+
+
+def advance_grammar(plan: Plan, request: Any) -> None:
+    """Feed ``plan.grammar_prefix`` to the vLLM request's grammar, once. Called by the
+    scheduler-side connector when vLLM schedules the request: its grammar is compiled by
+    then (vLLM holds a request back until it is) and nothing has been sampled yet."""
+    if not plan.grammar_prefix or plan.grammar_advanced:
+        return
+    plan.grammar_advanced = True
+    so = getattr(request, "structured_output_request", None)
+    grammar = so.grammar if so is not None else None
+    if grammar is None or isinstance(grammar, Exception):
+        plan.fail(RuntimeError(f"no grammar to resume: {grammar!r}"))
+    elif not grammar.accept_tokens(request.request_id, list(plan.grammar_prefix)):
+        plan.fail(RuntimeError("the answer so far does not fit the grammar"))
 
 
 class Bridge:

@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from services.engine.vllm.bridge import Plan, lookup, request_key
+from services.engine.vllm.bridge import Plan, advance_grammar, lookup, request_key
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -153,6 +153,8 @@ class PerigeeConnector(KVConnectorBase_V1):
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         st = self._state(request)
+        if st is not None:
+            advance_grammar(st.plan, request)  # structured output resumes (issue 25)
         st_load = None
         if st is not None and not st.plan.consumed and st.plan.error is None:
             # vLLM must compute at least one token to sample from; a load may end

@@ -40,6 +40,7 @@ from services.engine.base import (
     Engine,
     EngineDeadError,
     EngineError,
+    EngineRequestError,
     EngineStats,
     PrefillJob,
     RequestStream,
@@ -76,6 +77,16 @@ def _positions(per_position: Any) -> list[Any]:
         None if d is None else [(t, max(lp.logprob, -9999.0)) for t, lp in d.items()]
         for d in per_position
     ]
+
+
+def _answer_so_far(s: SamplingParams, prompt: list[int], first: int | None = None) -> list[int]:
+    """The tokens of the answer the request's grammar must accept before sampling: after
+    a migration those the prompt holds past ``answer_start``; on decode, then the first
+    token (prefill's)."""
+    so = s.structured
+    if so is None:
+        return []
+    return [*prompt[so.answer_start or len(prompt) :], *(() if first is None else (first,))]
 
 
 def _settle(
@@ -241,6 +252,7 @@ class VllmEngine(Engine):
             save_from=p // hash_block,
             save_tokens=n,
             on_layer=on_layer,
+            grammar_prefix=_answer_so_far(s, prompt),
         )
         fut = loop.create_future()
         self.bridge.add(plan)
@@ -312,7 +324,13 @@ class VllmEngine(Engine):
         def on_loaded() -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, loaded)
 
-        plan = Plan(key=rid, slots=slots, load_tokens=n, on_loaded=on_loaded)
+        plan = Plan(
+            key=rid,
+            slots=slots,
+            load_tokens=n,
+            on_loaded=on_loaded,
+            grammar_prefix=_answer_so_far(job.sampling, prompt, first),
+        )
         if job.on_block is not None:
             sink = job.on_block
             plan.writeback_from = n // self.hash_block_size
@@ -356,7 +374,7 @@ class VllmEngine(Engine):
         try:
             return self._sampling(s, max_tokens, key, **role)
         except Exception as e:  # noqa: BLE001 - vLLM's own checks: this request only
-            raise EngineError(f"vLLM refused the sampling parameters: {e}") from None
+            raise EngineRequestError(f"vLLM refused the sampling parameters: {e}") from None
 
     def _first_token_finish(self, s: SamplingParams, token: int, context: int) -> str | None:
         if token in s.stop_token_ids or (not s.ignore_eos and token == self.spec.eos_token_id):
@@ -460,7 +478,9 @@ class VllmEngine(Engine):
                         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
                     except Exception as e:  # noqa: BLE001 - one bad request
                         self.bridge.drop(rid)
-                        self._post(self._on_failed, rid, EngineError(f"vLLM refused it: {e}"))
+                        self._post(
+                            self._on_failed, rid, EngineRequestError(f"vLLM refused it: {e}")
+                        )
                 else:  # abort
                     _, rid, done = cmd
                     engine.abort_request([rid])

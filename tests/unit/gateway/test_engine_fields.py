@@ -333,3 +333,136 @@ async def test_models_lists_max_model_len(env):  # noqa: F811
     async with env.http.get(env.base + "/v1/models") as r:
         card = (await r.json())["data"][0]
     assert card["max_model_len"] == 128
+
+
+# ------------------------------------------------------------------ structured output
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            {"json": json.dumps(SCHEMA)},
+        ),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"structured_outputs": {"regex": "a+"}}, {"regex": "a+"}),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, {"choice": ["x", "y"]}),
+        ({"structured_outputs": {"json": SCHEMA}}, {"json": json.dumps(SCHEMA)}),
+        ({"guided_json": json.dumps(SCHEMA)}, {"json": json.dumps(SCHEMA)}),
+        ({"guided_regex": "b+"}, {"regex": "b+"}),
+        ({"guided_choice": ["p"]}, {"choice": ["p"]}),
+        ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'}),
+        ({"response_format": {"type": "text"}}, None),
+    ],
+)
+def test_structured_output_fields_reach_the_bus(body, want, chat):
+    so = _parse(body, chat).sampling(4).structured
+    if want is None:
+        assert so is None
+    else:
+        assert so is not None and so.kinds() == 1 and so.answer_start == 0
+        assert {k: v for k, v in msgspec_to_dict(so).items() if k in want} == want
+
+
+def msgspec_to_dict(x) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(x)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "structural_tag": "t"}}, "structured_outputs"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": [1]}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
+def test_structured_output_refusals(body, param):
+    assert _err(body).param == param
+
+
+def test_migration_resumes_the_grammar_past_the_original_prompt():
+    from bus_schemas.requests import GenerateRequest, StructuredOutput
+
+    req = GenerateRequest(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=10, structured=StructuredOutput(regex="a+")),
+    )
+    d = plan(
+        req, [5, 6], attempts=0, limit=3, dead_role="decode", dead_instance="d", reply_subject="x"
+    )
+    assert d.request.sampling.structured.answer_start == 3
+    again = plan(
+        d.request,
+        [5, 6, 7],
+        attempts=1,
+        limit=3,
+        dead_role="decode",
+        dead_instance="d2",
+        reply_subject="y",
+    )
+    assert again.request.sampling.structured.answer_start == 3  # the client's prompt still
+
+
+def test_engines_feed_the_answer_so_far_to_the_grammar():
+    from bus_schemas.requests import StructuredOutput
+    from services.engine.vllm.bridge import Plan, advance_grammar
+    from services.engine.vllm.engine import _answer_so_far
+
+    s = SamplingParams(structured=StructuredOutput(regex="a+"))
+    assert _answer_so_far(s, [1, 2, 3]) == []  # prefill of a fresh request
+    assert _answer_so_far(s, [1, 2, 3], first=9) == [9]  # its decode
+    resumed = SamplingParams(structured=StructuredOutput(regex="a+", answer_start=2))
+    assert _answer_so_far(resumed, [1, 2, 5, 6]) == [5, 6]  # a migrated prefill
+    assert _answer_so_far(resumed, [1, 2, 5, 6], first=7) == [5, 6, 7]
+    assert _answer_so_far(SamplingParams(), [1, 2], first=3) == []
+
+    class Grammar:
+        def __init__(self, ok: bool) -> None:
+            self.ok, self.fed = ok, []
+
+        def accept_tokens(self, rid, tokens):
+            self.fed.append(tokens)
+            return self.ok
+
+    class Req:
+        def __init__(self, g) -> None:
+            self.request_id = "r"
+            self.structured_output_request = type("S", (), {"grammar": g})()
+
+    g = Grammar(True)
+    p = Plan(key="r", slots=[], grammar_prefix=[5, 6])
+    advance_grammar(p, Req(g))
+    advance_grammar(p, Req(g))  # scheduled again (preempted): fed once only
+    assert g.fed == [[5, 6]] and p.error is None
+    bad = Plan(key="r", slots=[], grammar_prefix=[5])
+    advance_grammar(bad, Req(Grammar(False)))
+    assert bad.error is not None
+    none = Plan(key="r", slots=[], grammar_prefix=[5])
+    advance_grammar(none, Req(None))
+    assert none.error is not None
+    untouched = Plan(key="r", slots=[])
+    advance_grammar(untouched, Req(None))
+    assert untouched.error is None

@@ -189,8 +189,8 @@ def test_out_of_bounds_is_a_400_naming_the_field(body, param, chat):
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1}, "frequency_penalty"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"guided_json": {}}, "guided_json"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
         ({"priority": 1}, "priority"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
@@ -231,9 +231,14 @@ def test_unserved_fields_at_their_neutral_values_pass():
         },
         chat=True,
     )
+    # tools are checked by the server (services.gateway.tools): "auto", their default,
+    # needs --tool-call-parser
+    from services.gateway.tools import parse_tools
+
+    fields = _parse({"tools": [{"type": "function", "function": {"name": "f"}}]}, chat=True)
     with pytest.raises(ApiError) as ei:
-        _parse({"tools": [{"type": "function", "function": {"name": "f"}}]}, chat=True)
-    assert ei.value.param == "tools"
+        parse_tools(*fields.tool_fields, None)
+    assert ei.value.param == "tool_choice"
     assert set(UNSUPPORTED_COMPLETION) - {"top_logprobs"} < set(UNSUPPORTED_CHAT)
     # what one endpoint serves, the other refuses by name
     assert _err({"echo": True}, chat=True).code == "unsupported_parameter"
