@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speed", type=float, default=1.0, help="replay speed (timestamps / X)")
     p.add_argument("--limit", type=int, default=None, help="first N requests only")
     p.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="the trace this many times over, each copy's hash ids offset (shares "
+        "nothing with the others), merged by arrival time: a k-fold load",
+    )
+    p.add_argument(
         "--block-size",
         type=int,
         default=TRACE_BLOCK,
@@ -123,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     if not trace:
         print(f"no requests in {a.trace}", file=sys.stderr)
         return 2
+    if a.copies < 1:
+        print(f"--copies must be at least 1, not {a.copies}", file=sys.stderr)
+        return 2
+    if a.copies > 1:
+        from perigee.sim.scale import replicate
+
+        trace = replicate(trace, a.copies)
     cfg = SimConfig(
         prefill=a.prefill,
         decode=a.decode,

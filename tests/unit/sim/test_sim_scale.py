@@ -172,3 +172,23 @@ def test_repro_scale_refuses_bad_copies(tmp_path):
         repro.main(["scale", "--out", str(tmp_path), "--copies", "two"])
     with pytest.raises(SystemExit):
         repro.main(["fig5", "--out", str(tmp_path), "--copies", "2"])
+
+
+def test_perigee_sim_copies_the_trace(tmp_path):
+    from perigee.sim import cli
+
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for r in random_trace(40, 4):
+            row = {
+                "timestamp": r.timestamp_s * 1000,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+            f.write(json.dumps(row) + "\n")
+    out = tmp_path / "s.json"
+    argv = ["--trace", str(path), "--prefill", "4", "--decode", "4", "--no-progress"]
+    assert cli.main([*argv, "--copies", "3", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["requests"] == 120
+    assert cli.main([*argv, "--copies", "0"]) == 2
