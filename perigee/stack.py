@@ -107,6 +107,8 @@ class StackConfig:
     # Conductors conductor-0..N-1 in one queue group against the same stores (§5.3);
     # the child is named "conductor" when there is one, "conductor-<i>" otherwise.
     conductors: int = 1
+    # Admission services in their queue group ("admission" when one, "admission-<i>").
+    admissions: int = 1
     cost_model: str = ""  # fitted cost model JSON for admission and conductors
     balancing_threshold: str = ""  # "": the conductor's default; a number or "adaptive"
     pd_controller: bool = False  # conductor-0 runs the dynamic P/D ratio controller
@@ -292,20 +294,21 @@ class Stack:
         ]
         model = ["--cost-model", c.cost_model] if c.cost_model else []
         adm = ["--decode-time", str(c.decode_time)] if c.admission_policy == "predict" else []
-        out.append(
-            Child(
-                "admission",
-                [
-                    "services.admission",
-                    *self._common(),
-                    *slo,
-                    *model,
-                    "--policy",
-                    c.admission_policy,
-                    *adm,
-                ],
+        for i in range(c.admissions):
+            out.append(
+                Child(
+                    "admission" if c.admissions == 1 else f"admission-{i}",
+                    [
+                        "services.admission",
+                        *self._common(),
+                        *slo,
+                        *model,
+                        "--policy",
+                        c.admission_policy,
+                        *adm,
+                    ],
+                )
             )
-        )
         for i in range(c.conductors):
             args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
             if c.balancing_threshold:

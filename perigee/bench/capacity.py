@@ -1,0 +1,239 @@
+"""``perigee bench capacity``: the highest request rate the live control plane holds.
+
+The whole stack (nats-server, gateway, admission, conductor, 1 prefill + 1 decode
+worker, two stores) with the mock engine at zero compute (``--speedup inf``), so that
+a request's time to first token is all overhead: gateway -> admission -> conductor ->
+prefill -> first token back through the gateway. Open-loop load rises step by step
+(``--rates``, each step ``--step-s`` seconds of requests); a step is *held* when its
+overhead p99 is at most ``--p99-ms`` and no request failed other than with a 429
+(admission turning work away is an answer, not an error). The run stops at the first
+step not held; the highest rate held is the result. Once per stack layout
+(``--layouts``: conductors x admissions, e.g. ``1x1,2x2``).
+
+Beside it, on the same nats-server and in the same run: NATS's own request/reply rate
+(``--nats-clients`` requesters back to back against one responder for
+``--nats-s`` seconds), what one bus hop can carry on this machine.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import nats
+
+from perigee.bench.stats import summary_ms
+from perigee.natsd import free_port
+from perigee.stack import Stack, StackConfig
+from services.common.bus import sync
+
+DEFAULT_RATES = "25,50,100,150,200,300,400,600,800"
+
+
+@dataclass
+class Step:
+    rate: float
+    sent: int
+    ok: int = 0
+    rejected: int = 0  # 429
+    errors: dict[str, int] = field(default_factory=dict)  # kind -> count
+    overhead_s: list[float] = field(default_factory=list)
+
+    def held(self, p99_ms: float) -> bool:
+        """No failure but 429s, and the overhead's p99 within ``p99_ms``."""
+        if self.errors or not self.overhead_s:
+            return False
+        return summary_ms(self.overhead_s)["p99"] <= p99_ms
+
+    def report(self) -> dict:
+        return {
+            "rate_rps": self.rate,
+            "sent": self.sent,
+            "ok": self.ok,
+            "rejected_429": self.rejected,
+            "errors": dict(self.errors),
+            "overhead_ms": summary_ms(self.overhead_s),
+        }
+
+
+def held_rate(steps: list[Step], p99_ms: float) -> float:
+    """The highest rate of the run's leading steps that all held (0: none)."""
+    best = 0.0
+    for s in steps:
+        if not s.held(p99_ms):
+            break
+        best = s.rate
+    return best
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[str, float]:
+    """(outcome, seconds to the first token): "ok", "429", or an error kind."""
+    body = {"prompt": f"capacity {i}", "max_tokens": 2, "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    first = float("nan")
+    try:
+        async with http.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return str(r.status), first
+            async for raw in r.content:
+                line = raw.strip()
+                if first != first and line.startswith(b"data:") and b'"text"' in line:
+                    first = time.perf_counter() - t0
+                if line == b"data: [DONE]":
+                    return ("ok" if first == first else "no token"), first
+            return "cut", first
+    except (TimeoutError, aiohttp.ClientError) as e:
+        return type(e).__name__, first
+
+
+async def step(url: str, rate: float, seconds: float) -> Step:
+    n = max(1, round(rate * seconds))
+    out = Step(rate, n)
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+        tasks = []
+        start = time.perf_counter()
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(http, url, i)))
+        for kind, first in await asyncio.gather(*tasks):
+            if kind == "ok":
+                out.ok += 1
+                out.overhead_s.append(first)
+            elif kind == "429":
+                out.rejected += 1
+            else:
+                out.errors[kind] = out.errors.get(kind, 0) + 1
+    return out
+
+
+async def warm(url: str, n: int) -> None:
+    async with aiohttp.ClientSession() as http:
+        for i in range(n):
+            await one_request(http, url, -1 - i)
+
+
+async def nats_rate(url: str, clients: int, seconds: float) -> dict:
+    """Request/reply round trips per second: ``clients`` requesters back to back."""
+    server = await nats.connect(url)
+    conns = [await nats.connect(url) for _ in range(clients)]
+
+    async def echo(m) -> None:
+        await m.respond(m.data)
+
+    await server.subscribe("bench.capacity.echo", cb=echo)
+    await sync(server)
+    done = [0] * clients
+    stop = time.perf_counter() + seconds
+
+    async def run(k: int) -> None:
+        nc = conns[k]
+        while time.perf_counter() < stop:
+            await nc.request("bench.capacity.echo", b"x" * 64, timeout=5)
+            done[k] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(k) for k in range(clients)))
+    wall = time.perf_counter() - t0
+    for nc in conns:
+        await nc.close()
+    await server.close()
+    return {"clients": clients, "round_trips": sum(done), "per_s": round(sum(done) / wall, 1)}
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """``"1x1,2x2"`` -> [(1, 1), (2, 2)]: conductors x admissions."""
+    out = []
+    for part in text.split(","):
+        c, sep, a = part.strip().partition("x")
+        if not sep or not c.isdigit() or not a.isdigit() or int(c) < 1 or int(a) < 1:
+            raise ValueError(f"a layout is CONDUCTORSxADMISSIONS (e.g. 2x2), not {part!r}")
+        out.append((int(c), int(a)))
+    return out
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--rates takes numbers separated by commas, not {text!r}") from None
+    if not rates or min(rates) <= 0 or rates != sorted(rates):
+        raise ValueError("--rates must be positive and rising")
+    return rates
+
+
+def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: list[float]) -> dict:
+    cfg = StackConfig(
+        port=free_port(),
+        speedup="inf",
+        conductors=conductors,
+        admissions=admissions,
+        log_dir=f"{a.log_dir}/{conductors}x{admissions}",
+        log_level="WARNING",
+    )
+    steps: list[Step] = []
+    with Stack(cfg) as stack:
+        bus = asyncio.run(nats_rate(stack.nats_url, a.nats_clients, a.nats_s))
+        asyncio.run(warm(stack.url, a.warmup))
+        for rate in rates:
+            s = asyncio.run(step(stack.url, rate, a.step_s))
+            steps.append(s)
+            r = s.report()
+            print(
+                f"  {conductors}x{admissions} {rate:g} req/s: ok {s.ok}/{s.sent}, 429 {s.rejected}, "
+                f"errors {r['errors'] or 0}, overhead p50 {r['overhead_ms']['p50']} ms "
+                f"p99 {r['overhead_ms']['p99']} ms" + ("" if s.held(a.p99_ms) else "  (not held)"),
+                flush=True,
+            )
+            if not s.held(a.p99_ms):
+                break
+    return {
+        "conductors": conductors,
+        "admissions": admissions,
+        "held_rps": held_rate(steps, a.p99_ms),
+        "nats_request_reply": bus,
+        "steps": [s.report() for s in steps],
+    }
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="perigee bench capacity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--rates", default=DEFAULT_RATES, help="rising request rates, req/s")
+    p.add_argument("--step-s", type=float, default=4.0, help="seconds of requests per rate")
+    p.add_argument("--p99-ms", type=float, default=50.0, help="overhead p99 a held rate keeps")
+    p.add_argument("--layouts", default="1x1,2x2", help="conductors x admissions, comma list")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--nats-clients", type=int, default=8)
+    p.add_argument("--nats-s", type=float, default=3.0)
+    p.add_argument("--log-dir", default=".perigee/bench-logs/capacity")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        rates, layouts = parse_rates(a.rates), parse_layouts(a.layouts)
+    except ValueError as e:
+        p.error(str(e))
+    results = []
+    for conductors, admissions in layouts:
+        print(f"{conductors} conductor(s), {admissions} admission(s):", flush=True)
+        res = run_layout(conductors, admissions, a, rates)
+        results.append(res)
+        print(
+            f"  held {res['held_rps']:g} req/s (overhead p99 <= {a.p99_ms:g} ms, no error but "
+            f"429); NATS request/reply on the same server: {res['nats_request_reply']['per_s']:g}/s",
+            flush=True,
+        )
+    out = {"p99_ms": a.p99_ms, "step_s": a.step_s, "layouts": results}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0

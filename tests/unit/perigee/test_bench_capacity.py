@@ -1,0 +1,82 @@
+"""perigee bench capacity's arithmetic and its client, against a stand-in HTTP server:
+a step held or not, the highest held rate, the outcome of each request."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from perigee.bench.capacity import Step, held_rate, parse_layouts, parse_rates, step
+from perigee.natsd import free_port
+
+
+def test_a_step_holds_without_errors_and_under_the_p99():
+    s = Step(100.0, 4, ok=4, overhead_s=[0.01, 0.01, 0.02, 0.04])
+    assert s.held(50.0) and not s.held(30.0)
+    assert Step(100.0, 4, ok=3, rejected=1, overhead_s=[0.01] * 3).held(50.0)  # 429s are answers
+    assert not Step(100.0, 4, ok=3, errors={"500": 1}, overhead_s=[0.01] * 3).held(50.0)
+    assert not Step(100.0, 4, rejected=4).held(50.0)  # nothing served: nothing to hold
+
+
+def test_the_held_rate_is_the_last_of_the_leading_held_steps():
+    good = [Step(r, 1, ok=1, overhead_s=[0.01]) for r in (25, 50, 100)]
+    slow = Step(200, 1, ok=1, overhead_s=[0.2])
+    late = Step(400, 1, ok=1, overhead_s=[0.01])
+    assert held_rate([*good, slow, late], 50.0) == 100
+    assert held_rate([slow, *good], 50.0) == 0.0
+    assert held_rate([], 50.0) == 0.0
+
+
+def test_layouts_and_rates_are_checked():
+    assert parse_layouts("1x1, 2x2") == [(1, 1), (2, 2)]
+    assert parse_rates("25,50,400") == [25.0, 50.0, 400.0]
+    for bad in ("2", "0x1", "ax1", "1x"):
+        with pytest.raises(ValueError):
+            parse_layouts(bad)
+    for bad in ("50,25", "0,10", "fast", ""):
+        with pytest.raises(ValueError):
+            parse_rates(bad)
+
+
+async def _serve_and_step(rate: float, seconds: float) -> Step:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        i = int(body["prompt"].split()[-1])
+        if i % 3 == 1:
+            return web.json_response({"error": "busy"}, status=429)
+        if i % 3 == 2:
+            return web.json_response({"error": "broken"}, status=500)
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        return await step(f"http://127.0.0.1:{port}", rate, seconds)
+    finally:
+        await runner.cleanup()
+
+
+def test_a_step_counts_each_outcome():
+    s = asyncio.run(_serve_and_step(60.0, 0.1))  # 6 requests, ids 0..5
+    assert (s.sent, s.ok, s.rejected, s.errors) == (6, 2, 2, {"500": 2})
+    assert len(s.overhead_s) == 2 and all(t > 0 for t in s.overhead_s)
+    assert not s.held(1e9)
+
+
+def test_the_stack_runs_as_many_admissions_as_asked():
+    from perigee.stack import Stack, StackConfig
+
+    def admissions(n: int) -> list[str]:
+        plan = Stack(StackConfig(admissions=n, conductors=2)).plan()
+        return [c.name for c in plan if c.argv[0] == "services.admission"]
+
+    assert admissions(1) == ["admission"]
+    assert admissions(2) == ["admission-0", "admission-1"]
