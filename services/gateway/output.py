@@ -49,12 +49,19 @@ class StopStrings:
 class TextOutput:
     """Accumulates one request's generated tokens; yields text deltas as they become safe."""
 
-    __slots__ = ("detok", "stops", "completion_tokens", "stopped", "_next_index")
+    __slots__ = ("detok", "stops", "completion_tokens", "stopped", "_next_index", "hidden")
 
     def __init__(
-        self, detok: IncrementalDetokenizer, stops: Sequence[str] = (), include_stop: bool = False
+        self,
+        detok: IncrementalDetokenizer,
+        stops: Sequence[str] = (),
+        include_stop: bool = False,
+        hidden: frozenset[int] = frozenset(),
     ) -> None:
         self.detok = detok
+        # The request's stop tokens: counted, never shown (vLLM leaves the token that
+        # ended the answer out of its text unless include_stop_str_in_output).
+        self.hidden = hidden
         self.stops = StopStrings(stops, include_stop) if stops else None
         self.completion_tokens = 0
         self.stopped = False  # a stop string was hit: ignore whatever comes next
@@ -77,10 +84,14 @@ class TextOutput:
         self._next_index += len(token_ids)
         if self.stops is None:
             self.completion_tokens += len(token_ids)
+            if self.hidden:
+                token_ids = [t for t in token_ids if t not in self.hidden]
             return self.detok.push(token_ids)
         out = []
         for t in token_ids:
             self.completion_tokens += 1
+            if t in self.hidden:
+                continue
             emit, hit = self.stops.feed(self.detok.push((t,)))
             out.append(emit)
             if hit:

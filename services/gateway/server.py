@@ -559,7 +559,10 @@ class Gateway:
         )
         q = self.router.open(rid)
         text = TextOutput(
-            self.tok.detokenizer(p.skip_special_tokens), p.stop, p.include_stop_str_in_output
+            self.tok.detokenizer(p.skip_special_tokens),
+            p.stop,
+            p.include_stop_str_in_output,
+            self._hidden(sampling, p.include_stop_str_in_output),
         )
         extras = self._extras(p, ids)
         cancel_reason = ""  # set when the backend may still be working and must be told
@@ -623,20 +626,29 @@ class Gateway:
         schema = tr.schema()
         if schema is not None:
             p.structured = StructuredOutput(json=json.dumps(schema))
-        if tr.choice == "auto" and self._tool_parser is not None:
-            tr.raw = json.loads(data)
-
-    def _tool_output(self, p: ParsedRequest) -> tools.ToolOutput | None:
-        tr = p.tools
-        if tr is None or tr.choice == "none":
-            return None
+        if tr.choice == "none":
+            return
         if tr.choice != "auto" or self._tool_parser is None:
-            return tools.ToolOutput(tr)
+            tr.output = tools.ToolOutput(tr)
+            return
         cls, tok = self._tool_parser
-        req = tools.vllm_request(tr.raw)
-        parser = cls(tok, req.tools)
-        req = parser.adjust_request(req)
-        return tools.ToolOutput(tr, parser, req)
+        try:  # vLLM's parser reads vLLM's request object
+            req = tools.vllm_request(json.loads(data))
+            parser = cls(tok, req.tools)
+            req = parser.adjust_request(req)
+        except Exception as e:  # noqa: BLE001 - vLLM's own validation of the body
+            raise ApiError(
+                400, f"the tool parser refused the request: {e}", param="tools"
+            ) from None
+        p.skip_special_tokens = req.skip_special_tokens  # hermes keeps its markup tokens
+        tr.output = tools.ToolOutput(tr, parser, req)
+
+    def _hidden(self, s: SamplingParams, include_stop: bool) -> frozenset[int]:
+        """The tokens that end an answer: left out of its text, as vLLM does."""
+        if include_stop:
+            return frozenset()
+        eos = () if s.ignore_eos else self.router.eos_token_ids
+        return frozenset((*s.stop_token_ids, *eos))
 
     def _extras(self, p: ParsedRequest, ids: list[int]) -> Extras:
         lps = None
@@ -648,7 +660,8 @@ class Gateway:
         echo = None
         if p.echo:  # vLLM: the prompt as sent, or its ids decoded
             echo = p.prompt_text if p.prompt_text is not None else self.tok.decode(ids, False)
-        return Extras(logprobs=lps, echo_text=echo, prompt_ids=ids, tools=self._tool_output(p))
+        out = p.tools.output if p.tools is not None else None
+        return Extras(logprobs=lps, echo_text=echo, prompt_ids=ids, tools=out)
 
     async def _next(self, q: asyncio.Queue, rid: str) -> StreamEvent:
         if not q.empty():

@@ -18,7 +18,7 @@ Pure except for the parser, which is vLLM's own object.
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.protocol import ApiError
@@ -32,7 +32,7 @@ class ToolRequest:
     choice: str  # "none" | "auto" | "required" | "function"
     name: str | None = None  # tool_choice's function
     parallel: bool | None = None
-    raw: dict = field(default_factory=dict)  # the request body (for vLLM's parsers)
+    output: "ToolOutput | None" = None  # the server's, for the answer
 
     def schema(self) -> dict | None:
         """The JSON schema that constrains the answer (named / required), else None."""

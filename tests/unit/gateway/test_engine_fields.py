@@ -424,3 +424,15 @@ def test_migration_resumes_the_grammar_past_the_original_prompt():
         reply_subject="y",
     )
     assert again.request.sampling.structured.answer_start == 3  # the client's prompt still
+
+
+def test_the_token_that_ends_the_answer_is_not_shown():
+    """vLLM leaves a stop token out of the text, special or not, unless
+    include_stop_str_in_output; one that did not stop (ignore_eos) is text."""
+    ids = TOK.encode("hi there", add_bos=False)
+    stop = ids[-1]
+    shown = TextOutput(TOK.detokenizer(False), hidden=frozenset({stop, TOK.eos_id}))
+    assert shown.push([*ids, TOK.eos_id]) + shown.finish() == TOK.decode(ids[:-1])
+    assert shown.completion_tokens == len(ids) + 1  # counted all the same
+    kept = TextOutput(TOK.detokenizer(False))
+    assert (kept.push([*ids, TOK.eos_id]) + kept.finish()).endswith(TOK.eos_token)
