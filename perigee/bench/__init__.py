@@ -15,6 +15,7 @@ BENCHES = {
     "migration": "perigee.bench.migration",
     "chaos": "perigee.bench.chaos",
     "agreement": "perigee.bench.agreement",
+    "multiturn": "perigee.bench.multiturn",
     "capacity": "perigee.bench.capacity",
 }
 
