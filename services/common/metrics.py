@@ -30,14 +30,17 @@ prefill                num_requests_waiting, num_requests_running, prefill_queue
                        kv_transfer_time_seconds (spans);
                        prefill_time_predicted_over_measured (calibration)
 decode                 num_requests_running, num_requests_waiting, decode_kv_tokens,
-                       decode_step_time_seconds; decode_<counter>;
+                       decode_step_time_seconds; decode_<counter> (write-back:
+                       decode_writeback_{blocks,followed_blocks,txs,failed,broken}_total);
                        migration_kv_tokens{kind=pulled|recomputed};
                        request_decode_load_time_seconds, request_decode_time_seconds
 store                  store_bytes{tier}, store_capacity_bytes{tier}, kv_cache_usage_perc,
                        store_blocks{state}, store_<gauge> (open_txs, ...);
                        transfer_bytes{direction}, kv_transfer_bytes{transport},
                        transfer_errors{kind},
-                       transfer_requests{op}, transfer_blocks{direction}; store_<counter>;
+                       transfer_requests{op}, transfer_blocks{direction}; store_<counter>
+                       (decode write-back: store_writeback_blocks, hits on those blocks
+                       store_writeback_hits_{vram,dram,ssd});
                        store_transfer_time_seconds{op} (spans)
 =====================  ==================================================================
 
