@@ -26,6 +26,7 @@ class WorkerSettings:
     drain_quiet_s: float = 0.5
     lease_s: float = 10.0  # store transactions this worker holds (renewed)
     reserver: Any = None  # PrefillWorker's reservations (None: the stores' endpoints)
+    write_back: bool = True  # DecodeWorker: the answer's blocks go into the stores
 
 
 def settings_from_args(
@@ -48,6 +49,7 @@ def settings_from_args(
         commit_timeout=args.commit_timeout,
         admit=admit,
         lease_s=args.lease,
+        write_back=not getattr(args, "no_write_back", False),
     )
 
 
@@ -81,6 +83,7 @@ def make_worker(role: str, nc: NATS, store: Any, engine: Any, s: WorkerSettings)
             commit_timeout=s.commit_timeout,
             admit=s.admit,
             lease_s=s.lease_s,
+            write_back=s.write_back,
         )
     else:
         raise ValueError(f"role must be one of {ROLES}, not {role!r}")

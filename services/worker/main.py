@@ -92,6 +92,12 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
         "this TBT SLO, s (the paper's baseline admission; 0: off)",
     )
     p.add_argument(
+        "--no-write-back",
+        action="store_true",
+        help="as decode: keep the answer's KV out of the stores (decode write-back is on "
+        "by default: a conversation's next turn reuses the previous answer)",
+    )
+    p.add_argument(
         "--store-timeout",
         type=float,
         default=30.0,

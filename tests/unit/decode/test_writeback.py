@@ -257,3 +257,12 @@ async def test_a_prefill_node_without_the_prompt_yet_gets_the_answer_at_the_end(
     assert counters["writeback_followed_blocks"] == 0 and p0.pool.cached_blocks == 0
     assert p0.pool.open_txs() == [] and store.pool.open_txs() == []
     assert counters["writeback_blocks"] == 2  # this node has them all the same
+
+
+def test_decode_writes_back_unless_told_not_to(layout):
+    from services.decode.__main__ import parse_args
+    from services.worker.factory import settings_from_args
+
+    on = settings_from_args(parse_args([]), layout, CostModel())
+    off = settings_from_args(parse_args(["--no-write-back"]), layout, CostModel())
+    assert (on.write_back, off.write_back) == (True, False)
