@@ -248,9 +248,10 @@ class DecodeWorker(WorkerBase):
             wb.add_tokens([task.first_token])
         try:
             await self._serve_with(task, wb)
-        finally:
+        except BaseException:
             if wb is not None:
                 wb.cancel()  # after a failure the rest of the answer is not written
+            raise
 
     async def _serve_with(self, task: DecodeTask, wb: "writeback.AnswerWriteBack | None") -> None:
         req = task.request

@@ -24,7 +24,9 @@ Lifecycle of one request's write-back (:class:`AnswerWriteBack`):
                (best / own <= 2), so the answer would be recomputed
     Done       :meth:`finish` waits for the last transaction (and one more round to
                the prefill node if it missed some) before the request's Finished
-               goes out: a client's next turn finds the answer indexed
+               goes out: a client's next turn finds the answer indexed; should the
+               prefill node still lack the prompt, it is asked again in the
+               background (FOLLOW_RETRY_S)
 
 Retention (the store's semantics-aware policy, services.store.block_pool): a turn's
 write-back commits at the end of the turn, after its decode_tx, and locks the prompt's
@@ -44,7 +46,7 @@ nothing (their blocks are never cached). Failures cost the cache, never the requ
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import structlog
@@ -55,6 +57,12 @@ from services.common.hashing import block_hashes, hash_block
 from services.common.store_tx import StoreTx
 
 log = structlog.get_logger()
+
+# A prefill node that did not hold the prompt yet when the answer was done (the
+# conductor commits it after the first token) is asked again this long after, in the
+# background: the client has its Finished, a next turn comes later.
+FOLLOW_RETRY_S = (0.25, 1.0)
+_BACKGROUND: set[asyncio.Task[None]] = set()  # catch-ups running (a task needs a reference)
 
 COUNTERS = (
     "writeback_blocks",  # answer blocks the store cached from this worker
@@ -108,6 +116,8 @@ class AnswerWriteBack:
         counters: dict[str, int],
         lease_s: float = 10.0,
         follow_node: str | None = None,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+        retry_s: Sequence[float] = FOLLOW_RETRY_S,
     ) -> None:
         self.req = req
         self.node = node
@@ -130,6 +140,9 @@ class AnswerWriteBack:
         self.follow_node = follow_node if follow_node not in (None, "", node) else None
         self.follow_pending = False
         self._prompt_blocks = len(self.hashes)
+        self.catch_up: asyncio.Task[None] | None = None
+        self._sleep = sleep
+        self._retry_s = tuple(retry_s)
 
     # -- fed by the worker --
     def on_block(self, j: int, data: memoryview) -> None:
@@ -158,11 +171,27 @@ class AnswerWriteBack:
             await asyncio.shield(self._task)
         if self.enabled and self.follow_pending and self._next > self._prompt_blocks:
             await self._write(self._next, self._next)
+            if self.enabled and self.follow_pending and self._retry_s:
+                t = asyncio.get_running_loop().create_task(
+                    self._catch_up(), name=f"writeback-follow-{self.req.request_id}"
+                )
+                _BACKGROUND.add(t)
+                t.add_done_callback(_BACKGROUND.discard)
+                self.catch_up = t
+
+    async def _catch_up(self) -> None:
+        for delay in self._retry_s:
+            await self._sleep(delay)
+            if not (self.enabled and self.follow_pending):
+                return
+            await self._write(self._next, self._next)
 
     def cancel(self) -> None:
+        """The request failed: stop writing (what is committed stays)."""
         self.enabled = False
-        if self._task is not None:
-            self._task.cancel()
+        for t in (self._task, self.catch_up):
+            if t is not None:
+                t.cancel()
 
     # -- writing --
     def _ready(self) -> int:

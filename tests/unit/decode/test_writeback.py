@@ -119,7 +119,14 @@ def layout(spec):
 
 
 async def decode(
-    spec, layout, store: PoolStore, prompt, max_tokens, retention=Retention.DEFAULT, follow=None
+    spec,
+    layout,
+    store: PoolStore,
+    prompt,
+    max_tokens,
+    retention=Retention.DEFAULT,
+    follow=None,
+    **kw,
 ):
     """Decode ``prompt`` on the mock engine with write-back into ``store``; the answer."""
     engine = make_engine("mock", spec, CostModel(speedup=math.inf))
@@ -142,6 +149,7 @@ async def decode(
         block_bytes=layout.block_bytes,
         counters=counters,
         follow_node=follow,
+        **kw,
     )
     first = synth.reference_generate(prompt, 1, spec.vocab_size, spec.eos_token_id)[0]
     wb.add_tokens([first])
@@ -160,6 +168,8 @@ async def decode(
         answer += batch
         wb.add_tokens(batch)
     await wb.finish()
+    if wb.catch_up is not None:
+        await wb.catch_up
     await engine.stop()
     return answer, counters
 
@@ -248,15 +258,40 @@ async def test_the_answer_follows_the_prompt_to_the_prefill_node(spec, layout):
     assert p0.pool.prefix_hits(block_hashes(turn2, BS)) == 4
 
 
-async def test_a_prefill_node_without_the_prompt_yet_gets_the_answer_at_the_end(spec, layout):
+async def test_a_prefill_node_without_the_prompt_gets_nothing(spec, layout):
     store = PoolStore(layout)
     p0 = store.peer("p0")
     prompt = prompt_of(40, 8)
-    store.cache_prompt(prompt)  # p0's prompt blocks are not committed: nothing follows
-    answer, counters = await decode(spec, layout, store, prompt, max_tokens=30, follow="p0")
+    store.cache_prompt(prompt)  # p0 never commits the prompt: nothing follows
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    answer, counters = await decode(
+        spec, layout, store, prompt, max_tokens=30, follow="p0", sleep=sleep, retry_s=(1, 2)
+    )
+    assert slept == [1, 2]  # asked again in the background, then given up
     assert counters["writeback_followed_blocks"] == 0 and p0.pool.cached_blocks == 0
     assert p0.pool.open_txs() == [] and store.pool.open_txs() == []
     assert counters["writeback_blocks"] == 2  # this node has them all the same
+
+
+async def test_a_prefill_node_that_commits_the_prompt_late_gets_the_answer_after(spec, layout):
+    store = PoolStore(layout)
+    p0 = store.peer("p0")
+    prompt = prompt_of(40, 9)
+    store.cache_prompt(prompt)
+
+    async def sleep(s: float) -> None:  # meanwhile the conductor commits the prompt there
+        p0.cache_prompt(prompt)
+
+    answer, counters = await decode(
+        spec, layout, store, prompt, max_tokens=30, follow="p0", sleep=sleep, retry_s=(1, 2)
+    )
+    chain = block_hashes(prompt + answer, BS)[:4]
+    assert [p0.pool.is_cached(h) for h in chain] == [True] * 4
+    assert counters["writeback_followed_blocks"] == 2 and store.ships == [("p0", [2, 3])]
 
 
 def test_decode_writes_back_unless_told_not_to(layout):
