@@ -33,7 +33,7 @@ class TxAllocate(Msg):
     lease_s: float = 30.0
     # A decode worker writing back what its engine generated (the answer's blocks,
     # issue 24): the store counts these blocks, and later hits on them, apart.
-    writeback: bool = False
+    answer: bool = False
 
 
 class TxHandle(Msg, tag="handle"):

@@ -157,7 +157,7 @@ class SimWriteBack:
                 block_hashes=chain,
                 num_tokens=len(chain) * self.cluster.block_size,
                 lease_s=LEASE_S,
-                writeback=True,
+                answer=True,
             )
         )
         if isinstance(a, Refused):
@@ -178,8 +178,8 @@ def writeback_hits(cluster: Cluster) -> dict[str, int]:
         if n.pool is None:
             continue
         for k, v in n.pool.counters.items():
-            if k.startswith("writeback_hits_"):
-                tier = k.removeprefix("writeback_hits_")
+            if k.startswith("answer_hits_"):
+                tier = k.removeprefix("answer_hits_")
                 out[tier] = out.get(tier, 0) + v
     return out
 

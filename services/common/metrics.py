@@ -39,8 +39,8 @@ store                  store_bytes{tier}, store_capacity_bytes{tier}, kv_cache_u
                        transfer_bytes{direction}, kv_transfer_bytes{transport},
                        transfer_errors{kind},
                        transfer_requests{op}, transfer_blocks{direction}; store_<counter>
-                       (decode write-back: store_writeback_blocks, hits on those blocks
-                       store_writeback_hits_{vram,dram,ssd});
+                       (decode write-back: store_answer_blocks, hits on those blocks
+                       store_answer_hits_{vram,dram,ssd});
                        store_transfer_time_seconds{op} (spans)
 =====================  ==================================================================
 

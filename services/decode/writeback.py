@@ -9,7 +9,7 @@ Lifecycle of one request's write-back (:class:`AnswerWriteBack`):
                own paged cache; the worker adds the tokens as they stream
     Ready      block j has its bytes and its tokens, so its hash is known
     Writing    one transaction at a time, after the prompt's decode_tx is committed:
-               TxAllocate(DECODE, writeback) over the chain up to the last ready block
+               TxAllocate(DECODE, answer) over the chain up to the last ready block
                locks the prefix already here and gives slots for the rest; the bytes
                go into those slots (shared memory), TxCommit caches them, and the store
                announces BlockStored like any other block, so the conductor's index and
@@ -36,7 +36,7 @@ the chain's tail (the answer) before its head (locks and expired pins are releas
 tail first). A CONTEXT_CACHE turn pins its answer for ``context_ttl_s`` from the end
 of the turn, and renews its prompt's pin to the same end; EPHEMERAL writes nothing.
 Evicted answer blocks demote to lower tiers like any other; hits on them are counted
-by tier (``writeback_hits_{vram,dram,ssd}``). Tests: tests/unit/store/
+by tier (the store's ``answer_hits_{vram,dram,ssd}``). Tests: tests/unit/store/
 test_writeback_retention.py.
 
 A block is written only behind a contiguous chain: should the store no longer hold the
@@ -227,7 +227,7 @@ class AnswerWriteBack:
             retention=self.req.retention,
             context_ttl_s=self.req.context_ttl_s,
             lease_s=self.lease_s,
-            writeback=True,
+            answer=True,
         )
         jobs = {"writeback": (self.node, msg)}
         if self.follow_node is not None:

@@ -56,12 +56,13 @@ from services.store.eviction import LRUEviction
 from services.store.tiers.lower import TIER_COUNTERS, FreeList, LowerTiers, operation
 from services.store.tiers.policy import TierIndex
 
-# Decode write-back (issue 24): answer blocks stored, and later hits on them by tier.
-WRITEBACK_COUNTERS = (
-    "writeback_blocks",
-    "writeback_hits_vram",
-    "writeback_hits_dram",
-    "writeback_hits_ssd",
+# Decode write-back (issue 24): answer blocks stored, and later hits on them by tier
+# (not the SSD tier's write-back, whose counters are writeback_*).
+ANSWER_COUNTERS = (
+    "answer_blocks",
+    "answer_hits_vram",
+    "answer_hits_dram",
+    "answer_hits_ssd",
 )
 
 
@@ -87,7 +88,7 @@ class _Tx:
     hit_blocks: int
     writable: frozenset[int] = field(default_factory=frozenset)  # slots allocated by this tx
     readable: frozenset[int] = field(default_factory=frozenset)  # every slot of this tx
-    writeback: bool = False  # a decode worker's answer blocks (TxAllocate.writeback)
+    answer: bool = False  # a decode worker's answer blocks (TxAllocate.answer)
 
 
 class BlockPool(LowerTiers):
@@ -142,7 +143,7 @@ class BlockPool(LowerTiers):
                 "evictions",
                 "unpinned_blocks",
                 *TIER_COUNTERS,
-                *WRITEBACK_COUNTERS,
+                *ANSWER_COUNTERS,
             ),
             0,
         )
@@ -328,7 +329,7 @@ class BlockPool(LowerTiers):
         self._tx_owned += need_new
         slots = [self._cached[h] for h in hits] + new
         self._open(req, new_id, hashes, slots, hit, writable=frozenset(new))
-        if self._answers and not req.writeback:  # a writer extending its chain is no reuse
+        if self._answers and not req.answer:  # a writer extending its chain is no reuse
             self._count_answer_hits(hits, promote)
         self.counters["hit_blocks"] += hit if req.role != TxRole.SOURCE else 0
         self.counters["new_blocks"] += need_new
@@ -360,9 +361,9 @@ class BlockPool(LowerTiers):
                     if h is not None and keep:
                         self.counters["duplicate_blocks"] += 1
                     self._free.append(slot)
-            if tx.writeback and newly:
+            if tx.answer and newly:
                 self._answers.update(tx.hashes[i] for i in newly)
-                self.counters["writeback_blocks"] += len(newly)
+                self.counters["answer_blocks"] += len(newly)
             if tx.retention == Retention.CONTEXT_CACHE and tx.context_ttl_s > 0:
                 until = self.clock.now() + tx.context_ttl_s
                 for h in tx.hashes:
@@ -588,7 +589,7 @@ class BlockPool(LowerTiers):
             hit_blocks=hit,
             writable=writable,
             readable=frozenset(slots),
-            writeback=req.writeback,
+            answer=req.answer,
         )
         heapq.heappush(self._lease_heap, (deadline, tx_id))
         self.counters["tx_allocated"] += 1
@@ -614,7 +615,7 @@ class BlockPool(LowerTiers):
         for h in hits:
             if h in self._answers:
                 tier = promote[h].tier.name.lower() if h in promote else "dram"
-                self.counters[f"writeback_hits_{tier}"] += 1
+                self.counters[f"answer_hits_{tier}"] += 1
 
     def _unknown(self, tx_id: str) -> Refused:
         if not tx_id.startswith(self.id_prefix):

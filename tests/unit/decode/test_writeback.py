@@ -191,7 +191,7 @@ async def test_answer_blocks_are_stored_under_prompt_plus_answer_hashes_with_the
     assert full == 4
     chain = block_hashes(conv, BS)[:full]
     assert [store.pool.is_cached(h) for h in chain] == [True] * full
-    assert counters["writeback_blocks"] == 2 and store.pool.counters["writeback_blocks"] == 2
+    assert counters["writeback_blocks"] == 2 and store.pool.counters["answer_blocks"] == 2
     events = store.pool.take_events()
     assert [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes] == chain[2:]
     # The bytes are the engine's KV of those positions (what prefill would compute).
@@ -203,7 +203,7 @@ async def test_answer_blocks_are_stored_under_prompt_plus_answer_hashes_with_the
         assert store.slot(store.pool.slot_of(chain[j])) == expect.slots[j], j
     # One transaction per block as it filled (the second after the first committed).
     assert [len(a.block_hashes) for a in store.allocs] == [3, 4]
-    assert all(a.writeback and a.role == TxRole.DECODE for a in store.allocs)
+    assert all(a.answer and a.role == TxRole.DECODE for a in store.allocs)
 
 
 async def test_a_chain_missing_its_prompt_writes_nothing(spec, layout):
@@ -237,7 +237,7 @@ async def test_hits_on_written_back_blocks_are_counted_by_tier(spec, layout):
         )
     )
     assert a.hit_blocks == 4  # the prompt's 2 blocks and the answer's 2
-    assert store.pool.counters["writeback_hits_dram"] == 2
+    assert store.pool.counters["answer_hits_dram"] == 2
 
 
 async def test_the_answer_follows_the_prompt_to_the_prefill_node(spec, layout):

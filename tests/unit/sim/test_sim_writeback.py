@@ -69,7 +69,7 @@ def test_the_next_turn_finds_the_answer_cached_only_with_write_back(wb):
     assert t2.cached_tokens == (10 if wb else 8) * B
     if wb:
         assert sim.writeback.stats["blocks"] == 2 and sim.writeback.stats["followed_blocks"] == 2
-        hits = sum(n.pool.counters["writeback_hits_dram"] for n in sim.cluster.nodes.values())
+        hits = sum(n.pool.counters["answer_hits_dram"] for n in sim.cluster.nodes.values())
         assert hits >= 2  # the next turn's prefill (and its decode tx) found them
 
 

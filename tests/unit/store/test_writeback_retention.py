@@ -18,14 +18,14 @@ def chain(tag: int, n: int) -> list[int]:
     return [tag * 1000 + i for i in range(n)]
 
 
-def commit(pool: BlockPool, hashes: list[int], *, writeback=False, **kw) -> None:
+def commit(pool: BlockPool, hashes: list[int], *, answer=False, **kw) -> None:
     a = pool.allocate(
         TxAllocate(
             request_id="r",
             role=TxRole.DECODE,
             block_hashes=hashes,
             num_tokens=len(hashes) * BS,
-            writeback=writeback,
+            answer=answer,
             **kw,
         )
     )
@@ -36,7 +36,7 @@ def commit(pool: BlockPool, hashes: list[int], *, writeback=False, **kw) -> None
 def turn(pool: BlockPool, conv: list[int], prompt_blocks: int, **kw) -> None:
     """One turn on the decode node: the prompt's decode_tx, then the answer's write-back."""
     commit(pool, conv[:prompt_blocks], **kw)
-    commit(pool, conv, writeback=True, **kw)
+    commit(pool, conv, answer=True, **kw)
 
 
 def removed(pool: BlockPool) -> list[int]:
@@ -72,7 +72,7 @@ def test_a_context_cache_turn_pins_its_answer_for_the_ttl_from_the_end_of_the_tu
     a = chain(1, 5)
     commit(pool, a[:3], retention=Retention.CONTEXT_CACHE, context_ttl_s=60)
     clock.advance(30)  # the answer is written back at the end of the turn
-    commit(pool, a, writeback=True, retention=Retention.CONTEXT_CACHE, context_ttl_s=60)
+    commit(pool, a, answer=True, retention=Retention.CONTEXT_CACHE, context_ttl_s=60)
     clock.advance(45)  # the prompt's first pin (t=60) ran out; the turn's (t=90) holds
     pool.expire()
     assert pool.eviction_order() == []  # every block of the conversation still pinned
