@@ -187,10 +187,17 @@ def writeback_hits(cluster: Cluster) -> dict[str, int]:
 # ---------------------------------------------------------------- perigee sim repro multiturn
 
 
-def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dict:
+def multiturn(
+    trace: Sequence[TraceRequest],
+    out: str,
+    speeds=(1.0, 2.0),
+    capacities=(1_000_000, 300_000),
+) -> dict:
     """Cache hit rate and TTFT with and without decode write-back, 8P+8D, early
     admission, replay at each of ``speeds``; over every request and over the next
-    turns the rule finds (those whose predecessor's answer fills a block)."""
+    turns the rule finds (those whose predecessor's answer fills a block). Retention:
+    the same at x1 with smaller stores (``capacities``, tokens per node), and how many
+    next turns still found their whole previous answer cached."""
     import os
 
     from perigee.sim import plots
@@ -207,9 +214,11 @@ def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dic
         "runs": {},
     }
     rows = []
-    for speed in speeds:
+    setups = [(speed, 3_000_000) for speed in speeds] + [(1.0, cap) for cap in capacities]
+    for speed, cap in setups:
         for wb in (False, True):
-            sim = Simulator(trace, SimConfig(speed=speed, decode_writeback=wb)).run()
+            cfg = SimConfig(speed=speed, decode_writeback=wb, cache_tokens_per_node=cap)
+            sim = Simulator(trace, cfg).run()
             s = summarize(sim)
             nt = [r for r in sim.requests if r.index in turns and r.state == "DONE"]
             ttft = sorted(r.ttft_s for r in nt)
@@ -219,6 +228,13 @@ def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dic
                 / max(1, sum(r.num_tokens for r in nt)),
                 "ttft_p50_s": ttft[len(ttft) // 2] if ttft else 0.0,
                 "ttft_p90_s": ttft[int(len(ttft) * 0.9)] if ttft else 0.0,
+                # next turns that found every block of their predecessor's prompt + answer
+                "whole_answer_cached": sum(
+                    1
+                    for i, a in answers.items()
+                    if sim.requests[nxt[i]].cached_tokens
+                    >= (len(sim.requests[i].hashes) + len(a)) * TRACE_BLOCK
+                ),
             }
             if sim.writeback is not None:
                 s["writeback"] = {
@@ -226,10 +242,13 @@ def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dic
                     "hits_by_tier": writeback_hits(sim.cluster),
                 }
             key = f"x{speed:g}-{'writeback' if wb else 'none'}"
+            if cap != 3_000_000:
+                key += f"-{cap // 1000}k"
             res["runs"][key] = s
             rows.append(
                 [
                     f"x{speed:g}",
+                    f"{cap / 1e6:g}M",
                     "on" if wb else "off",
                     s["cache_hit_rate"],
                     s["next_turns"]["cache_hit_rate"],
@@ -237,11 +256,13 @@ def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dic
                     s["ttft_s"]["p90"],
                     s["next_turns"]["ttft_p50_s"],
                     s["next_turns"]["ttft_p90_s"],
+                    s["next_turns"]["whole_answer_cached"],
                     s["rejected"],
                 ]
             )
     header = [
         "replay",
+        "store/node",
         "write-back",
         "hit rate",
         "hit rate (next turns)",
@@ -249,6 +270,7 @@ def multiturn(trace: Sequence[TraceRequest], out: str, speeds=(1.0, 2.0)) -> dic
         "TTFT p90 s",
         "next turns TTFT p50 s",
         "next turns TTFT p90 s",
+        f"whole answer cached (of {len(answers)})",
         "rejected",
     ]
     res["table"] = _table(header, rows)

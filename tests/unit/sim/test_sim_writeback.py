@@ -80,10 +80,13 @@ def test_write_back_needs_the_traces_block_size():
 
 
 def test_repro_multiturn_writes_its_table_and_figure(tmp_path):
-    res = multiturn(conversation(), str(tmp_path), speeds=(1.0,))
+    res = multiturn(conversation(), str(tmp_path), speeds=(1.0,), capacities=(4096,))
     runs = res["runs"]
     assert runs["x1-writeback"]["next_turns"]["cache_hit_rate"] == pytest.approx(10 / 11)
     assert runs["x1-none"]["next_turns"]["cache_hit_rate"] == pytest.approx(8 / 11)
     assert (tmp_path / "sim_multiturn.png").stat().st_size > 0
-    assert "| x1 | on |" in res["table"]
+    assert "| x1 | 3M | on |" in res["table"]
+    assert runs["x1-writeback"]["next_turns"]["whole_answer_cached"] == 1
+    # A store of 8 blocks per node cannot keep turn 1's 10 blocks for turn 2.
+    assert runs["x1-writeback-4k"]["next_turns"]["whole_answer_cached"] == 0
     json.dumps(res)  # what repro writes
