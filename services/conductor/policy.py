@@ -54,6 +54,13 @@ short one goes to an instance that is no stage.
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
 
+Search (issue 27): ``global`` and ``local`` without CPP groups do not evaluate every
+instance. The prefix holders come from the index's match, the rest from ordered load
+structures (:mod:`services.conductor.search`, kept by the observe/dispatch hooks in
+O(log n)), walked only until a lower bound shows nobody further can win; the choice is
+the full scan's (``pruned = False`` runs the scan, the reference the tests hold it to).
+CPP groups and the ``random`` / ``load`` baselines scan.
+
 Dispatch accounting (so back-to-back placements spread before the next report):
 ``place`` records the request's work on its prefill instance, its tokens on its decode
 instance and its transfer bytes on the source node. The prefill part is dropped by a
