@@ -417,6 +417,7 @@ def main(argv: list[str]) -> int:
     extra: dict = {}
     if a.name == "scale":
         extra = scale.main_args(["--help"] if "--help-scale" in rest else rest)
+        extra["source"] = (a.trace, a.limit)  # each run in a fresh process
     elif rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     os.makedirs(a.out, exist_ok=True)

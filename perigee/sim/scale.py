@@ -114,6 +114,49 @@ def timed_run(
     return sim, s
 
 
+POINT_KEYS = (*OUTCOME, "requests", "cache_hit_rate", "wall_s", "wall_split_s")
+
+
+def point(
+    source: tuple[str, int | None],
+    k: int,
+    prefill: int,
+    decode: int,
+    *,
+    reference: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """One point of the curve in a fresh Python process (each run starts from the same
+    empty heap, whatever ran before it): the trace ``source`` (path, limit) ``k`` times
+    over on ``k*prefill + k*decode`` nodes; the summary's keys the curve keeps."""
+    spec = {
+        "trace": source[0],
+        "limit": source[1],
+        "copies": k,
+        "prefill": prefill,
+        "decode": decode,
+        "reference": reference,
+        "progress": progress,
+    }
+    p = subprocess.run(
+        [sys.executable, "-m", "perigee.sim.scale", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _point_main(spec: dict[str, Any]) -> None:
+    from perigee.trace import load_trace
+
+    k = spec["copies"]
+    tr = replicate(load_trace(spec["trace"], spec["limit"]), k)
+    cfg = SimConfig(prefill=k * spec["prefill"], decode=k * spec["decode"])
+    _, s = timed_run(tr, cfg, progress=spec["progress"], reference=spec["reference"])
+    print(json.dumps({key: s[key] for key in POINT_KEYS}))
+
+
 def dynamo_run(python: str, trace: Sequence[TraceRequest], workers: int) -> dict[str, Any]:
     """``dynamo.replay.run_trace_replay`` on ``trace`` in ``python`` (a separate venv):
     wall time of the call, and what its report says it did."""
@@ -164,9 +207,11 @@ def scale(
     dynamo: str | None = None,
     progress: bool = False,
     reference: bool = False,
+    source: tuple[str, int | None] | None = None,
 ) -> dict:
     """The curve: each ``k`` in ``copies`` (1 first, added when missing) on
-    ``k*prefill + k*decode`` nodes."""
+    ``k*prefill + k*decode`` nodes; each run in a fresh process when the trace's
+    ``source`` (path, limit) is given, else in this one."""
     copies = sorted({1, *copies})
     if dynamo is None and DYNAMO_VENV.exists():
         dynamo = str(DYNAMO_VENV)  # "" : none
@@ -181,10 +226,16 @@ def scale(
     for k in copies:
         tr = replicate(trace, k)
         cfg = SimConfig(prefill=k * prefill, decode=k * decode)
-        _, s = timed_run(tr, cfg, progress=progress)
+        if source is not None:
+            s = point(source, k, prefill, decode, progress=progress)
+        else:
+            s = timed_run(tr, cfg, progress=progress)[1]
         ref: dict[str, Any] = {}
         if reference:
-            _, r = timed_run(tr, cfg, reference=True)
+            if source is not None:
+                r = point(source, k, prefill, decode, reference=True)
+            else:
+                r = timed_run(tr, cfg, reference=True)[1]
             same = all(r[key] == s[key] for key in OUTCOME)
             ref = {"wall_s": r["wall_s"], "wall_split_s": r["wall_split_s"], "same": same}
         pt: dict[str, Any] = {
@@ -334,5 +385,7 @@ def main_args(argv: list[str]) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("run: perigee sim repro scale")
+if __name__ == "__main__":  # one point, for scale(): python -m perigee.sim.scale SPEC
+    if len(sys.argv) != 2:
+        sys.exit("run: perigee sim repro scale")
+    _point_main(json.loads(sys.argv[1]))
