@@ -29,6 +29,9 @@ class LoadOrder:
         if old is not None:
             self._sorted.remove((old, instance))
 
+    def instances(self) -> list[str]:
+        return list(self._keys)
+
     def key(self, instance: str) -> Any:
         return self._keys.get(instance)
 

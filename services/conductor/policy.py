@@ -387,6 +387,26 @@ class PlacementPolicy:
         self._touch_prefill(instance)
         self._touch_decode(instance)
 
+    def prune(self, older_than_s: float) -> int:
+        """Forget instances silent for more than ``older_than_s`` (LoadBook.prune) and
+        drop them from the search's orders and node maps; how many. Periodic (the
+        service's sweep), not per request: it walks the orders."""
+        gone = self.loads.prune(older_than_s)
+        orders = self.orders
+        for order, books in ((orders.prefill, self._prefill), (orders.decode, self._decode)):
+            for instance in [i for i in order.instances() if i not in books]:
+                order.discard(instance)
+        for by_node, books in (
+            (orders.on_node, self._prefill),
+            (orders.decode_on_node, self._decode),
+        ):
+            for node in list(by_node):
+                held = by_node[node]
+                held -= {i for i in held if i not in books or books[i].node != node}
+                if not held:
+                    del by_node[node]
+        return gone
+
     def _touch_prefill(self, instance: str) -> None:
         """Re-key ``instance`` in the prefill order: the queued work ``queue_s`` sums for
         a request that interleaves (at most what any request waits for there)."""

@@ -547,7 +547,7 @@ class ConductorService:
 
     def sweep(self) -> None:
         """Forget requests no worker settled (its instance died) and dead stores."""
-        self.policy.loads.prune(FORGET_INSTANCE_S)
+        self.policy.prune(FORGET_INSTANCE_S)
         for name, size in (
             ("pending", len(self.pending)),
             ("unclaimed", len(self._unclaimed)),

@@ -93,3 +93,17 @@ def test_ordered_liveness_finds_the_silent_ones(ops):
             clock.advance(dt)
         silent = {n for n in (f"s{k}" for k in range(7)) if live.known(n) and not live.alive(n)}
         assert set(live.silent()) == silent
+
+
+def test_prune_forgets_silent_instances_in_the_orders_too():
+    clock = ManualClock(0.0)
+    p = _policy(clock)
+    clock.advance(5.0)
+    p.observe_prefill(PrefillLoad("p1", "n1", 0, 0, 0.0, clock.now()))
+    p.observe_decode(DecodeLoad("d1", "n2", 1, 0, 128, 100, 0.02, clock.now()))
+    clock.advance(3.0)  # p0, p2, d0 silent 8 s; p1, d1 3 s
+    assert p.prune(4.0) == 3
+    assert [i for _, i in p.orders.prefill] == ["p1"]
+    assert [i for _, i in p.orders.decode] == ["d1"]
+    assert p.on_nodes("prefill", ["n0", "n1"]) == {"p1": "n1"}
+    assert p.orders.on_node == {"n1": {"p1"}} and p.orders.decode_on_node == {"n2": {"d1"}}
