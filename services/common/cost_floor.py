@@ -127,12 +127,23 @@ class CostFloor:
     # ------------------------------------------------------------ bounds
 
     def _min_model(self) -> CostModel:
+        """The reported forms with every coefficient at its minimum, built as
+        services.common.calibration.model_from builds an instance's model."""
         if self._floor_model is None:
-            from services.common.calibration import model_from
-
-            pc = [s[0] for s in self._coefs[:3]] if self._fitted_prefill else None
-            dc = [s[0] for s in self._coefs[3:]] if self._fitted_decode else None
-            self._floor_model = model_from(self._analytic, pc, dc)
+            a = self._analytic
+            pf = df = None
+            if self._fitted_prefill:
+                c0, c1, c2 = (s[0] for s in self._coefs[:3])
+                pf = Poly2D(((0, 0, c0), (1, 0, c1), (0, 1, -c1), (2, 0, c2), (0, 2, -c2)))
+            if self._fitted_decode:
+                d0, d1, d2 = (s[0] for s in self._coefs[3:])
+                df = Poly2D(((0, 0, d0), (1, 0, d1), (0, 1, d2)))
+            self._floor_model = FittedCostModel(
+                **{f: getattr(a, f) for f in CostModel.__dataclass_fields__},
+                prefill_fit=pf,
+                decode_fit=df,
+                fitted_speedup=a.speedup if math.isfinite(a.speedup) else 1.0,
+            )
         return self._floor_model
 
     def prefill(self, n: int, prefix: int) -> float:

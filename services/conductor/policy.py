@@ -832,6 +832,5 @@ def _ratio(best: int, own: int) -> float:
 
 
 def _computed_prefix(req: PlacementRequest, prefix_blocks: int) -> int:
-    """Tokens of the prompt whose KV is reused; at least the last token is always
-    recomputed (its logits give the first token)."""
-    return min(prefix_blocks * req.block_size, max(req.num_tokens - 1, 0))
+    """Tokens of the prompt whose KV is reused (search.computed_prefix)."""
+    return search.computed_prefix(req.num_tokens, req.block_size, prefix_blocks)

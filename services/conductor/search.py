@@ -31,18 +31,15 @@ skipped (and dropped from the orders when met); an instance excluded by the requ
 """
 
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bus_schemas.roles import Role
 from services.conductor.load_order import LoadOrder
 
-if TYPE_CHECKING:
-    from services.conductor.policy import (
-        PlacementPolicy,
-        PlacementRequest,
-        RemoteSource,
-        _Candidate,
-    )
+# The policy, its requests and candidates are services.conductor.policy's, which imports
+# this module (typed Any here: no import back).
+Policy = Any
+Candidate = Any
 
 
 class Orders:
@@ -70,26 +67,32 @@ class Orders:
             by_node.setdefault(node, set()).add(instance)
 
 
-def rank(c: "_Candidate") -> tuple[Any, ...]:
+def computed_prefix(num_tokens: int, block_size: int, prefix_blocks: int) -> int:
+    """Tokens of the prompt whose KV is reused; at least the last token is always
+    recomputed (its logits give the first token)."""
+    return min(prefix_blocks * block_size, max(num_tokens - 1, 0))
+
+
+def rank(c: Candidate) -> tuple[Any, ...]:
     """The full scan's order of candidates (PlacementPolicy.place)."""
     return (c.ttft_s, len(c.stages), c.in_pipeline, -c.prefix_blocks, c.instance)
 
 
 def best_prefill(
-    policy: "PlacementPolicy",
-    req: "PlacementRequest",
+    policy: Policy,
+    req: Any,
     own: Mapping[str, int],
     best_len: int,
     best_node: str | None,
     excluded: Collection[str],
-) -> "_Candidate | None":
+) -> Candidate | None:
     """The candidate the full scan's ``min(cands, key=rank)`` picks; None when no live
     prefill instance is left."""
     orders, loads, prefill = policy.orders, policy.loads, policy.loads.prefill
     inflight = policy.inflight_bytes(best_node) if best_node is not None else 0.0
     threshold = policy.threshold()
-    options: dict[int, tuple[int, RemoteSource | None, float]] = {}
-    best: _Candidate | None = None
+    options: dict[int, tuple[int, Any, float]] = {}
+    best: Candidate | None = None
     best_rank: tuple[Any, ...] | None = None
 
     def usable(instance: str) -> bool:
@@ -108,9 +111,8 @@ def best_prefill(
 
     opt = policy._option(req, 0, best_len, best_node, inflight, threshold, options)
     prefix, _, transfer_s = opt
-    from services.conductor.policy import _computed_prefix
-
-    prefill_floor = policy._book.floor.prefill(req.num_tokens, _computed_prefix(req, prefix))
+    computed = computed_prefix(req.num_tokens, req.block_size, prefix)
+    prefill_floor = policy._book.floor.prefill(req.num_tokens, computed)
     factor_floor = policy.feedback.floor() if policy.feedback is not None else 1.0
     stale = []
     for key, instance in orders.prefill:
@@ -132,7 +134,7 @@ def best_prefill(
 
 
 def best_decode(
-    policy: "PlacementPolicy", num_tokens: int, slo: float, excluded: Collection[str]
+    policy: Policy, num_tokens: int, slo: float, excluded: Collection[str]
 ) -> tuple[str, float] | None:
     """(instance, predicted TBT) as the full scan's ``_pick_decode`` chooses; None when
     no live decode instance is left."""
