@@ -188,6 +188,7 @@ cluster = st.fixed_dictionaries(
                 st.sampled_from([0.02, 0.05, 0.1, math.inf]),  # TBT SLO
                 st.booleans(),  # finish a placed one (prefill_done with a TTFT)
                 st.lists(st.integers(0, 11), max_size=2),  # excluded prefill
+                st.lists(st.integers(0, 9), max_size=2),  # excluded decode
             ),
             min_size=1,
             max_size=8,
@@ -214,25 +215,34 @@ def test_pruned_search_chooses_as_the_full_scan(c):
     for pruned in (True, False):
         fb = TtftFeedback() if c["feedback"] else None
         pair.append(_policy(pruned, clock, feedback=fb, **kw))
-    for p in pair:
-        for i, (node, q, age, fit) in enumerate(c["prefills"]):
-            p.observe_prefill(_prefill(i, q, node=f"n{node}", ts=10.0 - age, fit=fit))
-        for i, (batch, kv, mb, age, fit) in enumerate(c["decodes"]):
-            p.observe_decode(_decode(i, batch, kv, mb, ts=10.0 - age, fit=fit))
-    # Liveness is judged by when a report arrived: age them by advancing the clock
-    # between reports instead would reorder them; here all arrived now, so kill some by
-    # forgetting (a role switch) the ones with the largest age.
+    # Instances whose report is older than 2.5 s are dead (dead_after 2 s): reported
+    # before the clock moves on; the rest after. Ages in (2.0, 2.5] are forgotten (a
+    # role switch) instead.
+    for late in (False, True):
+        if late:
+            clock.advance(2.5)
+        for p in pair:
+            for i, (node, q, age, fit) in enumerate(c["prefills"]):
+                if (age <= 2.5) == late:
+                    p.observe_prefill(_prefill(i, q, node=f"n{node}", ts=clock.now(), fit=fit))
+            for i, (batch, kv, mb, age, fit) in enumerate(c["decodes"]):
+                if (age <= 2.5) == late:
+                    p.observe_decode(_decode(i, batch, kv, mb, ts=clock.now(), fit=fit))
     for p in pair:
         for i, (_, _, age, _) in enumerate(c["prefills"]):
-            if age > 2.5:
+            if 2.0 < age <= 2.5:
                 p.forget_instance("prefill", f"p{i}")
+        for i, (_, _, _, age, _) in enumerate(c["decodes"]):
+            if 2.0 < age <= 2.5:
+                p.forget_instance("decode", f"d{i}")
     placed = []
-    for k, (blocks, matches, slo, finish, excl) in enumerate(c["requests"]):
+    for k, (blocks, matches, slo, finish, excl, excl_d) in enumerate(c["requests"]):
         req = PlacementRequest(f"r{k}", blocks * BS - 7, tuple(range(blocks)), BS, tbt_slo_s=slo)
         m = {f"n{n}": v for n, v in matches.items() if v > 0}
         ex = tuple(f"p{i}" for i in excl)
-        a = pair[0].place(req, m, exclude_prefill=ex)
-        b = pair[1].place(req, m, exclude_prefill=ex)
+        ex_d = tuple(f"d{i}" for i in excl_d)
+        a = pair[0].place(req, m, exclude_prefill=ex, exclude_decode=ex_d)
+        b = pair[1].place(req, m, exclude_prefill=ex, exclude_decode=ex_d)
         assert a == b
         if isinstance(a, Placement):
             placed.append(a)
