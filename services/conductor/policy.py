@@ -54,12 +54,12 @@ short one goes to an instance that is no stage.
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
 
-Search (issue 27): ``global`` and ``local`` without CPP groups do not evaluate every
+Search (issue 27): ``global``, ``local`` and ``load`` without CPP groups do not evaluate every
 instance. The prefix holders come from the index's match, the rest from ordered load
 structures (:mod:`services.conductor.search`, kept by the observe/dispatch hooks in
 O(log n)), walked only until a lower bound shows nobody further can win; the choice is
 the full scan's (``pruned = False`` runs the scan, the reference the tests hold it to).
-CPP groups and the ``random`` / ``load`` baselines scan.
+CPP groups and the ``random`` baseline scan.
 
 Dispatch accounting (so back-to-back placements spread before the next report):
 ``place`` records the request's work on its prefill instance, its tokens on its decode
@@ -530,7 +530,7 @@ class PlacementPolicy:
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
 
-        if self.pruned and self.strategy in ("global", "local") and not self.cpp.enabled:
+        if self.pruned and self.strategy != "random" and not self.cpp.enabled:
             # The same choice as the scan below, from a few candidates (search module).
             found = search.best_prefill(self, req, own, best_len, best_node, ex_p)
             if found is None:

@@ -2,7 +2,8 @@
 the same choice as :class:`~services.conductor.policy.PlacementPolicy` scanning every
 instance, from a few candidates.
 
-Prefill (strategies ``global`` and ``local``, no CPP groups)::
+Prefill (strategies ``global`` and ``local``, no CPP groups; ``load`` takes the
+order's first usable instance)::
 
     holders  the instances on the nodes the prefix index matched (their own prefix
              differs per node): each evaluated exactly
@@ -97,6 +98,21 @@ def best_prefill(
 
     def usable(instance: str) -> bool:
         return instance not in excluded and loads.alive(Role.PREFILL, instance)
+
+    if policy.strategy == "load":  # least queued work, then name: the order's first
+        stale = []
+        for _, instance in orders.prefill:
+            ld = prefill.get(instance)
+            if ld is None:
+                stale.append(instance)
+            elif usable(instance):
+                own_len = own.get(ld.node, 0)
+                opt = policy._option(req, own_len, best_len, best_node, inflight, threshold, {})
+                best = policy._candidate(req, instance, ld.node, own_len, opt)
+                break
+        for instance in stale:
+            orders.prefill.discard(instance)
+        return best
 
     for node, own_len in own.items():
         for instance in orders.on_node.get(node, ()):

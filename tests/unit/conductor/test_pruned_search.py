@@ -193,7 +193,7 @@ cluster = st.fixed_dictionaries(
             min_size=1,
             max_size=8,
         ),
-        "strategy": st.sampled_from(["global", "local"]),
+        "strategy": st.sampled_from(["global", "local", "load"]),
         "tbt_check": st.booleans(),
         "idle": st.booleans(),
         "feedback": st.booleans(),
