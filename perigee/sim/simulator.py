@@ -311,7 +311,7 @@ class Simulator:
         if self.cfg.report_interval_s > 0 and not force:
             return
         now = self.loop.now()
-        if self._incremental and now - self._swept_at < self._keepalive_s:
+        if self._incremental and not force and now - self._swept_at < self._keepalive_s:
             self._refresh_changed(now)
         else:
             for inst in [*self.prefills.values(), *self.decodes.values()]:
