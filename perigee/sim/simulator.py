@@ -22,7 +22,9 @@ Per request (times from the cost model, decisions from the real classes)::
       --> continuous batching --> done: policy.release
 
 Load reports: with ``report_interval_s == 0`` both policies get an exact snapshot of
-every instance right before each decision. With ``report_interval_s > 0`` every
+every instance right before each decision (only the instances whose load may have
+changed report, which gives the same books at a cost that follows the changes, not
+the cluster: :meth:`Simulator.refresh`). With ``report_interval_s > 0`` every
 instance reports on its own timer, as the live workers do (``--report-interval``): the
 first report at the first arrival, then every ``report_interval_s`` from a phase drawn
 per instance (seeded), so decisions see reports up to one interval old and the
