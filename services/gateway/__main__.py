@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "another with the tokens it has (its prompt KV from the stores); "
         "past it, or with 0, the request fails with 503",
     )
+    ap.add_argument(
+        "--migration-wait",
+        type=float,
+        default=GatewayConfig.migration_wait_s,
+        help="seconds a migrating request waits for a live instance of the role that "
+        "died (the restart of the only one) before it fails with 503",
+    )
     intake_queue.add_patience_argument(ap)
     ap.add_argument(
         "--durable-intake",
@@ -189,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         wedge_factor=args.wedge_factor,
         wedge_floor_s=args.wedge_floor,
         migration_limit=args.migration_limit,
+        migration_wait_s=args.migration_wait,
         gateway_id=args.gateway_id,
         api_keys=parse_keys(args.api_key),
         durable_intake=args.durable_intake,

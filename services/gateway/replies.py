@@ -117,6 +117,7 @@ class _Flight:
     bus_resumes: int = 0  # attempts resent after a bus loss (not a worker's death)
     resent: GenerateRequest | None = None  # the current attempt, when it is a migration
     resend_tries: int = 0  # its sends answered "no responders" so far
+    wait_until: float = 0.0  # a migration waiting for a live instance: until then (monotonic)
 
 
 class ReplyRouter:
@@ -134,6 +135,10 @@ class ReplyRouter:
         self.migration_limit = migration_limit
         self.eos_token_ids = tuple(eos_token_ids)
         self.migrations = 0
+        # A migration answered "no live ... instance" is sent again, for up to this long,
+        # as an instance of that role comes back (a restart of the only one).
+        self.migration_wait_s = 0.0
+        self.migration_waits = 0  # such answers waited out (a send again each)
         self.resends_unanswered = 0  # migration sends answered "no responders"
         # Requests go on the INTAKE work queue (stored before send returns: crash-safe,
         # services.common.intake_queue) rather than core NATS REQUESTS.
@@ -543,10 +548,61 @@ class ReplyRouter:
                     )
                 )
                 return
+            if type(ev) is Error and self._wait_for_instance(f, ev):
+                return
             wd.untrack(rid)
             if f.attempt:
                 ev = self._from_attempt(f, ev)
         q.put_nowait(ev)
+
+    def _wait_for_instance(self, f: _Flight, ev: Error) -> bool:
+        """A migration that the conductor answered "no live ... instance": send it again
+        shortly, until ``migration_wait_s`` after the first such answer, since the only
+        instance of a role is restarting (a vLLM engine takes tens of seconds) or another
+        is on its way. Whether it was (False: the error goes to the client)."""
+        if not (
+            f.attempt
+            and f.resent is not None
+            and ev.code == ErrorCode.UNAVAILABLE
+            and ev.message.startswith("no live ")
+        ):
+            return False
+        now = time.monotonic()
+        if not f.wait_until:
+            f.wait_until = now + self.migration_wait_s
+        if now >= f.wait_until:
+            return False
+        self.migration_waits += 1
+        pause = min(max(ev.retry_after_s or 0.0, 0.5), 2.0, f.wait_until - now)
+        log.warning(
+            "migration_waiting",
+            request_id=ev.request_id,
+            why=ev.message,
+            retry_in_s=round(pause, 2),
+            gives_up_in_s=round(f.wait_until - now, 1),
+        )
+        self._spawn(self._send_again(f, f.resent, pause))
+        return True
+
+    async def _send_again(self, f: _Flight, req: GenerateRequest, pause: float) -> None:
+        await asyncio.sleep(pause)
+        old = req.request_id
+        rid = self._routes.get(old, "")
+        if f.resent is not req or self._flights.get(rid) is not f:
+            return  # finished, cancelled or migrated again meanwhile
+        # Under a new attempt id: the intake would drop the same id as a duplicate, and
+        # the answered one is over (its error placed nothing).
+        new = f"{old}-w{self.migration_waits}"
+        again = msgspec.structs.replace(req, request_id=new, reply_subject=self.reply_subject(new))
+        self._routes.pop(old, None)
+        self._nonces.pop(old, None)
+        self._routes[new] = rid
+        f.current, f.resent = new, again
+        self.watchdog.track(rid)  # queued again: only the idle timeout until Accepted
+        try:
+            await self._dispatch(again)
+        except Exception as e:  # noqa: BLE001 - NATS down or closing: the watchdog ends it
+            log.warning("migration_resend_failed", request_id=new, error=str(e))
 
     @staticmethod
     def _lost_before(f: _Flight, ev: StreamEvent) -> bool:

@@ -118,6 +118,9 @@ class GatewayConfig:
     # Times a request whose prefill or decode instance died is resent with the tokens
     # it has (services.gateway.migration); 0: such a request fails with 503.
     migration_limit: int = 3
+    # A migration that finds no live instance of the dead one's role waits this long for
+    # one (the restart of the only one: a vLLM engine takes tens of seconds) before 503.
+    migration_wait_s: float = 60.0
     # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue),
     # not core NATS REQUESTS (False: a bus without JetStream, or a test's fake admission).
     durable_intake: bool = True
@@ -178,6 +181,7 @@ class Gateway:
             eos_token_ids=(*spec.eos_token_ids, *self.extra_eos),
         )
         self.router.durable_intake = cfg.durable_intake
+        self.router.migration_wait_s = cfg.migration_wait_s
         self.router.intake_patience_s = cfg.intake_patience_s
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
