@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from perigee.sim import plots, scale, writeback
+from perigee.sim import plots, repro_multiturn, scale
 from perigee.sim.capacity import hit_rate
 from perigee.sim.metrics import effective, summarize
 from perigee.sim.simulator import SimConfig, Simulator
@@ -387,7 +387,7 @@ EXPERIMENTS = {
     "table4": table4,
     "fig23": fig23,
     "cpp": cpp,
-    "multiturn": writeback.multiturn,
+    "multiturn": repro_multiturn.multiturn,
     "scale": scale.scale,
 }
 

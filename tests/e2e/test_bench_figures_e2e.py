@@ -137,3 +137,20 @@ def test_reuse(tmp_path):
     assert out["details"]["trace"]["perigee_failed"] == 0
     # The hit90 prompt found its cold twin's blocks on both sides.
     assert all(n > 0 for n in out["details"]["hit90_cached_tokens"].values()), out["details"]
+
+
+def test_capacity(tmp_path):
+    """One layout, one rate, a p99 bound no run misses: the step is held (no error but
+    429) and every figure, the bus's own request/reply rate too, is a number."""
+    out = run_bench(
+        tmp_path,
+        "capacity",
+        *("--rates", "5", "--step-s", "1", "--layouts", "1x1", "--warmup", "2"),
+        *("--nats-clients", "1", "--nats-s", "0.5", "--p99-ms", "1e9"),
+    )
+    [layout] = out["layouts"]
+    assert (layout["conductors"], layout["admissions"]) == (1, 1)
+    assert layout["held_rps"] == 5
+    [s] = layout["steps"]
+    assert not s["errors"]
+    assert_measured(layout, "nats_request_reply.*", "steps.*.overhead_ms.*")

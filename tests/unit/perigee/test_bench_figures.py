@@ -31,6 +31,7 @@ COVERED = {
     "chaos": "tests/e2e/test_chaos.py::test_a_chaos_run_loses_no_accepted_request",
     "agreement": "tests/e2e/test_live_vs_sim.py::test_the_bench_reports_finite_figures",
     "multiturn": "tests/e2e/test_bench_multiturn_e2e.py::test_the_bench_reports_finite_figures",
+    "capacity": "tests/e2e/test_bench_figures_e2e.py::test_capacity",
 }
 
 

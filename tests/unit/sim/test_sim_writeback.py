@@ -5,8 +5,9 @@ import json
 
 import pytest
 
+from perigee.sim.repro_multiturn import multiturn
 from perigee.sim.simulator import SimConfig, Simulator
-from perigee.sim.writeback import SimWriteBack, coverage, infer_answers, multiturn
+from perigee.sim.writeback import SimWriteBack, coverage, infer_answers
 from perigee.trace import TraceRequest
 
 B = 512
