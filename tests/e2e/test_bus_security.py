@@ -165,7 +165,7 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
         (dec, subjects.bus_reconnected("worker", "prefill-0")),  # another's notice
         (dec, subjects.bus_reconnected("gateway", "gateway")),
         (dec, "perigee.bus.reconnected"),  # the old, unattributed notice
-        (dec, subjects.store_ctl("p0", "tx.commit")),  # its tx is on its own node
+        (dec, subjects.store_ctl("p0", "tx.renew")),  # renews only its own node's txs
         (pre, subjects.load_report("decode", "decode-0")),
         (pre, subjects.store_ctl("d0", "tx.commit")),  # the conductor settles
         (store, subjects.kv_events("p0")),  # another node's KV events
@@ -197,6 +197,8 @@ async def test_a_worker_cannot_publish_on_another_ones_control_subjects(stack):
         (dec, subjects.load_report("decode", "decode-0")),  # its own
         (dec, subjects.bus_reconnected("worker", "decode-0")),
         (dec, "_INBOX.nobody.1"),  # a bus client's reply subject
+        # the answer's write-back commits on the prefill node holding the prompt (#24)
+        (dec, subjects.store_ctl("nobody", "tx.commit")),
         (store, subjects.kv_events("d0")),
         (store, subjects.store_announce("d0")),
         (cond, subjects.store_ctl("nobody", "dump")),  # it rebuilds its index so
