@@ -11,14 +11,12 @@ left in vLLM's prefix cache. OUT: ``{"start_s": s, "conversations": [[{"prompt":
 """
 
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from services.engine.vllm.options import prepare_env
-from services.engine.vllm.reference import build_engine, run_one
+from services.engine.vllm.reference import Reference, build_engine, run_one
 
 
 def converse(engine, turns: list[dict], tag: str) -> list[dict]:
@@ -31,42 +29,15 @@ def converse(engine, turns: list[dict], tag: str) -> list[dict]:
     return out
 
 
-class ConversationReference:
+class ConversationReference(Reference):
     """The runner as a child process: ``.start()`` ... ``.result()`` (``.kill()``)."""
 
+    MODULE = "services.engine.vllm.conversation"
+    WHAT = "vLLM conversation reference"
+    RESULT_TIMEOUT_S = 900.0
+
     def __init__(self, spec: dict, workdir: str | Path, name: str = "conversations") -> None:
-        self.dir = Path(workdir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.spec_path = self.dir / f"{name}-spec.json"
-        self.out_path = self.dir / f"{name}-out.json"
-        self.log_path = self.dir / f"{name}.log"
-        self.spec_path.write_text(json.dumps(spec))
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "ConversationReference":
-        root = Path(__file__).resolve().parents[3]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", __spec__.name, str(self.spec_path), str(self.out_path)],
-                cwd=root,
-                env={**os.environ, "PYTHONPATH": str(root)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        return self
-
-    def result(self, timeout: float = 900.0) -> dict:
-        assert self.proc is not None, "start() first"
-        rc = self.proc.wait(timeout=timeout)
-        if rc != 0 or not self.out_path.exists():
-            tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM conversation reference exited with {rc}:\n{tail}")
-        return json.loads(self.out_path.read_text())
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().__init__(spec, workdir, name)
 
 
 def main(argv: list[str]) -> int:

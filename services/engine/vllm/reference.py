@@ -106,7 +106,12 @@ def run_one(
 
 
 class Reference:
-    """The runner as a child process: ``Reference(spec, workdir).start()`` ... ``.result()``."""
+    """The runner as a child process: ``Reference(spec, workdir).start()`` ... ``.result()``.
+    A subclass names another runner module (``MODULE``, same SPEC/OUT arguments)."""
+
+    MODULE = "services.engine.vllm.reference"
+    WHAT = "vLLM reference"
+    RESULT_TIMEOUT_S = 600.0
 
     def __init__(self, spec: dict, workdir: str | Path, name: str = "reference") -> None:
         self.dir = Path(workdir)
@@ -122,13 +127,7 @@ class Reference:
         env = {**os.environ, "PYTHONPATH": str(root)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "services.engine.vllm.reference",
-                    str(self.spec_path),
-                    str(self.out_path),
-                ],
+                [sys.executable, "-m", self.MODULE, str(self.spec_path), str(self.out_path)],
                 cwd=root,
                 env=env,
                 stdout=log,
@@ -136,12 +135,12 @@ class Reference:
             )
         return self
 
-    def result(self, timeout: float = 600.0) -> dict:
+    def result(self, timeout: float | None = None) -> dict:
         assert self.proc is not None, "start() first"
-        rc = self.proc.wait(timeout=timeout)
+        rc = self.proc.wait(timeout=self.RESULT_TIMEOUT_S if timeout is None else timeout)
         if rc != 0 or not self.out_path.exists():
             tail = self.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"vLLM reference exited with {rc}:\n{tail}")
+            raise RuntimeError(f"{self.WHAT} exited with {rc}:\n{tail}")
         return json.loads(self.out_path.read_text())
 
     def kill(self) -> None:
