@@ -29,6 +29,7 @@ from bus_schemas.requests import Error, ErrorCode
 from services.common import metrics, shutdown
 from services.common.errors import CodedError
 from services.common.placeholders import refuse_placeholder
+from services.common.tasks import cancel_and_wait
 from tracing import extract, inject, tracer
 
 T = TypeVar("T")
@@ -415,10 +416,7 @@ class Subscriptions:
                 await s.unsubscribe()
             except Exception:  # noqa: BLE001 - connection may already be gone
                 pass
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
 
 
 def install_signal_handlers(stop: asyncio.Event, bound_s: float = shutdown.BOUND_S) -> None:

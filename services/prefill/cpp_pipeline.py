@@ -49,6 +49,7 @@ from services.common import bus
 from services.common.clock import Clock, SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
+from services.common.tasks import cancel_and_wait
 from services.conductor.cpp import chunk_bounds
 from services.prefill.cpp_stage import (
     StageError,
@@ -305,7 +306,5 @@ async def run_pipeline(
             if t.exception() is not None:
                 raise t.exception()  # type: ignore[misc]
     finally:
-        for t in runs:
-            t.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        await cancel_and_wait(runs)
     return [t.result() for t in runs]  # type: ignore[misc]

@@ -81,6 +81,7 @@ from services.common import defaults, kv_stream
 from services.common.bus import Subscriptions, js_publish, publish
 from services.common.clock import Clock, WallClock
 from services.common.incarnation import new_incarnation
+from services.common.tasks import cancel_and_wait
 from services.store import tiering
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
@@ -274,9 +275,7 @@ class StoreService:
             log.warning(
                 "writeback_not_flushed", node=self.node, pending=self.pool.writeback_pending()
             )
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self.data is not None:
             await self.data.close()
         if self.obj_server is not None:

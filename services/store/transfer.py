@@ -64,6 +64,7 @@ import zmq
 import zmq.asyncio
 from opentelemetry import trace
 
+from services.common.tasks import cancel_and_wait
 from services.store import auth, transport, wire
 from services.store.arena import Arena
 from services.store.block_pool import BlockPool
@@ -990,10 +991,7 @@ class DataPlane:
     # ---------------------------------------------------------------- shutdown
 
     async def close(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks))
         await self.peers.aclose()
         self.sock.close(linger=0)
         if self.local is not None:

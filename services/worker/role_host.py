@@ -31,6 +31,7 @@ from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import RoleSwitch
 from bus_schemas.roles import ROLES
+from services.common.tasks import cancel_and_wait
 from services.worker.factory import WorkerSettings, make_worker
 
 log = structlog.get_logger()
@@ -116,7 +117,5 @@ async def _first(*aws: Awaitable[Any]) -> int:
     """Index of the first awaitable to finish; the others are cancelled."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    await cancel_and_wait(pending)
     return min(tasks.index(t) for t in done)
