@@ -3,10 +3,12 @@
 One ``Task.cancel()`` is not always the end of a task on Python 3.11:
 ``asyncio.wait_for`` (which nats.py uses inside ``publish`` and ``request``) returns its
 inner future's result, and drops the cancellation, when both land in the same loop
-step (CPython gh-86296, fixed in 3.12). The task then runs on and blocks at its next
+step (CPython bpo-42130, fixed in 3.12). The task then runs on and blocks at its next
 await (a queue's ``get``), and a ``gather`` over it never returns: a store's ``stop``
 hung this way on a loaded CI box. :func:`cancel_and_wait` cancels again whatever is
-still running until it has ended.
+still running until it has ended. It is for long-lived loops (a service's
+background tasks, its subscriptions' handlers): a task whose cancellation starts a
+clean-up longer than ``retry_s`` has that clean-up cut short.
 """
 
 import asyncio
@@ -16,7 +18,9 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-RETRY_S = 0.05  # how long one cancellation gets before the next
+# How long a task gets after one cancellation before the next: its own clean-up (a
+# ``finally`` that awaits) runs in this window, so it is not short.
+RETRY_S = 1.0
 BOUND_S = 10.0  # a task still running after this is left behind, with a warning
 
 

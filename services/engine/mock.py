@@ -26,6 +26,7 @@ import structlog
 from services.common.clock import SleepFn
 from services.common.cost_model import CostModel
 from services.common.model_spec import ModelSpec
+from services.common.tasks import cancel_and_wait
 from services.engine import synth
 from services.engine.base import (
     DecodeJob,
@@ -101,8 +102,7 @@ class MockEngine(Engine):
         self._kill(EngineDeadError("engine stopped"))
         task, self._loop_task = self._loop_task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait([task])
 
     def _kill(self, err: EngineDeadError) -> None:
         if self._dead is None:

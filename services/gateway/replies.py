@@ -58,6 +58,7 @@ from bus_schemas.roles import Role
 from services.common import bus, intake_queue, metrics
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
+from services.common.tasks import cancel_and_wait
 from services.gateway import migration
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
@@ -203,9 +204,7 @@ class ReplyRouter:
         for t in list(self._cancelling):
             t.cancel()
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait([self._sweeper])
         for s in self._subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()

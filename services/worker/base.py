@@ -26,6 +26,7 @@ from services.common import bus
 from services.common.clock import Clock, WallClock
 from services.common.incarnation import addressed_elsewhere, process_incarnation
 from services.common.kv_errors import restarted_message
+from services.common.tasks import cancel_and_wait
 
 log = structlog.get_logger()
 
@@ -126,8 +127,7 @@ class WorkerBase:
 
     async def _close_common(self) -> None:
         if self._reporter is not None:
-            self._reporter.cancel()
-            await asyncio.gather(self._reporter, return_exceptions=True)
+            await cancel_and_wait([self._reporter])
         if self._stats_sub is not None:
             try:
                 await self._stats_sub.unsubscribe()

@@ -104,9 +104,7 @@ class RoleHost:
                 self._switch.clear()
                 self.switches += 1
         finally:
-            for told in list(self._told):
-                told.cancel()
-            await asyncio.gather(*self._told, return_exceptions=True)
+            await cancel_and_wait(list(self._told))
             try:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001 - connection may be gone

@@ -29,7 +29,7 @@ async def test_ends_a_task_that_lost_its_first_cancellation():
     if sys.version_info < (3, 12):  # the race this helper is for: the task runs on
         await reached_queue.wait()
         assert lost == [True] and not task.done()
-    left = await cancel_and_wait([task])
+    left = await cancel_and_wait([task], retry_s=0.05)
     assert left == set()
     assert task.done()
 
@@ -47,7 +47,7 @@ async def test_a_task_that_swallows_one_cancel_is_cancelled_again():
 
     task = asyncio.create_task(stubborn())
     await asyncio.sleep(0)
-    assert await cancel_and_wait([task]) == set()
+    assert await cancel_and_wait([task], retry_s=0.05) == set()
     assert released.is_set() and task.cancelled()
 
 
