@@ -4,10 +4,15 @@ only to score placements).
 
 Pure: no I/O, no clock. The service feeds it :class:`EventBatch` es and dump pages.
 
-Layout: ``hash -> int bitmask`` over node indices, so matching a request walks its
-chained block hashes once, AND-ing masks, and stops as soon as no node still
-matches; cost is O(matched prefix), independent of the number of indexed blocks
-and nodes (64 nodes and 1M blocks: one dict lookup per block of the prompt).
+Layout: ``hash -> holders``, only the nodes that hold the block (a handful after
+replication), never a slot per node of the cluster: one node id (an int), a tuple of up
+to :data:`SMALL` ids, or a set beyond. Matching a request walks its chained block
+hashes once, keeping the nodes that still match and intersecting them with each
+block's holders from the smaller side; it stops as soon as no node still matches. A
+match costs O(sum over the matched blocks of min(nodes still matching, holders)): the
+prompt's own holders, independent of the number of indexed blocks and of the nodes in
+the cluster, and so does a block's memory (issue 27: a bitmask per block cost
+nodes/30 machine words each, 7.9 GB at 4,096 nodes and 10M blocks).
 
 Per-node stream state, with the node's recovery lifecycle:
 
@@ -30,10 +35,16 @@ from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, E
 # re-dumped (the buffer only exists to bridge the dump's round trip).
 MAX_BUFFERED_BATCHES = 10_000
 
+# Holders kept as a tuple up to this many (a membership test walks it), a set beyond:
+# a tuple of 2-3 ids is a quarter of a set's memory, and most blocks have 1-3 holders.
+SMALL = 8
+
+Holders = int | tuple[int, ...] | set[int]
+
 
 @dataclass
 class _Node:
-    bit: int
+    id: int
     epoch: int = 0
     seq: int = 0  # last applied sequence number (0: nothing yet)
     blocks: set[int] = field(default_factory=set)
@@ -43,11 +54,11 @@ class _Node:
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._masks: dict[int, int] = {}
+        self._holders: dict[int, Holders] = {}
         self._nodes: dict[str, _Node] = {}
-        self._by_bit: dict[int, str] = {}
-        self._free_bits: list[int] = []
-        self._next_bit = 0
+        self._by_id: dict[int, str] = {}
+        self._free_ids: list[int] = []
+        self._next_id = 0
 
     # ---------------------------------------------------------------- queries
 
@@ -69,33 +80,52 @@ class PrefixIndex:
 
     def num_blocks(self) -> int:
         """Distinct block hashes held anywhere."""
-        return len(self._masks)
+        return len(self._holders)
+
+    def holders(self, block_hash: int) -> frozenset[str]:
+        """The nodes holding ``block_hash``."""
+        v = self._holders.get(block_hash)
+        if v is None:
+            return frozenset()
+        ids = (v,) if isinstance(v, int) else v
+        return frozenset(self._by_id[i] for i in ids)
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
         """Prefix length in blocks per node, for nodes holding at least the first block."""
-        masks = self._masks
         if not block_hashes:
             return {}
-        alive = masks.get(block_hashes[0], 0)
-        if not alive:
+        holders = self._holders
+        first = holders.get(block_hashes[0])
+        if first is None:
             return {}
+        alive = {first} if isinstance(first, int) else set(first)
         out: dict[str, int] = {}
+        by_id = self._by_id
         total = len(block_hashes)
         for i in range(1, total):
-            m = alive & masks.get(block_hashes[i], 0)
-            if m != alive:
-                self._record(out, alive & ~m, i)
-                if not m:
+            v = holders.get(block_hashes[i])
+            if v is None:
+                still: set[int] = set()
+            elif isinstance(v, int):
+                if v in alive:
+                    if len(alive) == 1:
+                        continue
+                    still = {v}
+                else:
+                    still = set()
+            elif isinstance(v, tuple) or len(v) < len(alive):
+                still = {x for x in v if x in alive}
+            else:
+                still = {x for x in alive if x in v}
+            if len(still) != len(alive):
+                for x in alive - still if still else alive:
+                    out[by_id[x]] = i
+                if not still:
                     return out
-                alive = m
-        self._record(out, alive, total)
+                alive = still
+        for x in alive:
+            out[by_id[x]] = total
         return out
-
-    def _record(self, out: dict[str, int], mask: int, length: int) -> None:
-        while mask:
-            low = mask & -mask
-            out[self._by_bit[low.bit_length() - 1]] = length
-            mask ^= low
 
     # ---------------------------------------------------------------- updates
 
@@ -154,12 +184,10 @@ class PrefixIndex:
         newer = [b for b in n.buffer if b.epoch > epoch]
         self._clear(n)
         n.epoch, n.seq, n.resyncing, n.buffer = epoch, seq, False, []
-        bit = 1 << n.bit
-        masks = self._masks
         for h in hashes:
             if h not in n.blocks:
                 n.blocks.add(h)
-                masks[h] = masks.get(h, 0) | bit
+                self._add(h, n.id)
         for b in buffered:
             if b.seq != n.seq + 1:
                 return self._start_resync(n, b)
@@ -183,20 +211,20 @@ class PrefixIndex:
         if n is None:
             return
         self._clear(n)
-        del self._by_bit[n.bit]
-        self._free_bits.append(n.bit)
+        del self._by_id[n.id]
+        self._free_ids.append(n.id)
 
     # ---------------------------------------------------------------- internals
 
     def _add_node(self, node: str) -> _Node:
-        if self._free_bits:
-            bit = self._free_bits.pop()
+        if self._free_ids:
+            nid = self._free_ids.pop()
         else:
-            bit = self._next_bit
-            self._next_bit += 1
-        n = _Node(bit=bit)
+            nid = self._next_id
+            self._next_id += 1
+        n = _Node(id=nid)
         self._nodes[node] = n
-        self._by_bit[bit] = node
+        self._by_id[nid] = node
         return n
 
     def _start_resync(self, n: _Node, batch: EventBatch) -> bool:
@@ -211,31 +239,53 @@ class PrefixIndex:
             n.buffer.append(batch)
 
     def _apply_events(self, n: _Node, batch: EventBatch) -> None:
-        bit = 1 << n.bit
-        masks = self._masks
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
                     if h not in n.blocks:
                         n.blocks.add(h)
-                        masks[h] = masks.get(h, 0) | bit
+                        self._add(h, n.id)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
                     if h in n.blocks:
                         n.blocks.discard(h)
-                        self._unset(h, bit)
+                        self._remove(h, n.id)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(n)
 
-    def _unset(self, h: int, bit: int) -> None:
-        m = self._masks.get(h, 0) & ~bit
-        if m:
-            self._masks[h] = m
+    def _add(self, h: int, nid: int) -> None:
+        """``nid`` now holds ``h`` (it did not: its node's block set says so)."""
+        holders = self._holders
+        v = holders.get(h)
+        if v is None:
+            holders[h] = nid
+        elif isinstance(v, int):
+            holders[h] = (v, nid)
+        elif isinstance(v, tuple):
+            holders[h] = v + (nid,) if len(v) < SMALL else {*v, nid}
         else:
-            self._masks.pop(h, None)
+            v.add(nid)
+
+    def _remove(self, h: int, nid: int) -> None:
+        """``nid`` no longer holds ``h`` (it did)."""
+        holders = self._holders
+        v = holders[h]
+        if isinstance(v, int):
+            del holders[h]
+        elif isinstance(v, tuple):
+            rest = tuple(x for x in v if x != nid)
+            if len(rest) > 1:
+                holders[h] = rest
+            elif rest:
+                holders[h] = rest[0]
+            else:
+                del holders[h]
+        else:
+            v.discard(nid)
+            if len(v) <= SMALL // 2:  # back to a tuple, with room before the next set
+                holders[h] = tuple(v)
 
     def _clear(self, n: _Node) -> None:
-        bit = 1 << n.bit
         for h in n.blocks:
-            self._unset(h, bit)
+            self._remove(h, n.id)
         n.blocks = set()

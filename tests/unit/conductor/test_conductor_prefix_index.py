@@ -1,9 +1,12 @@
 """Shadow prefix index: exact match lengths, sequence gaps, epochs, removal."""
 
+from unittest.mock import patch
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from services.conductor import prefix_index
 from services.conductor.prefix_index import PrefixIndex
 
 E1, E2 = 1_000, 2_000
@@ -176,3 +179,73 @@ def test_match_agrees_with_brute_force(ops, query):
         s = held.setdefault(node, set())
         s.update(hashes) if add else s.difference_update(hashes)
     assert idx.match(query) == brute_match(held, query)
+
+
+NODES = [f"n{i}" for i in range(24)]  # more than prefix_index.SMALL holders per block
+node_ops = st.lists(
+    st.tuples(
+        st.sampled_from(("stored", "removed", "cleared", "restart", "dump", "remove_node")),
+        st.sampled_from(NODES),
+        st.lists(st.integers(0, 9), max_size=10),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=node_ops,
+    queries=st.lists(st.lists(st.integers(0, 10), max_size=10), min_size=1, max_size=6),
+    small=st.sampled_from((2, 3, prefix_index.SMALL)),
+)
+def test_holders_index_agrees_with_exhaustive_on_random_clusters(ops, queries, small):
+    """Issue 27: the per-block holder lists (int, tuple or set as the holders grow and
+    shrink; ``small`` low so that sets arise often) give every node's exact prefix, as a
+    walk over every node's blocks does, through stores, removals, clears, restarts,
+    dumps and forgotten nodes."""
+    with patch.object(prefix_index, "SMALL", small):
+        check_against_exhaustive(ops, queries)
+
+
+def check_against_exhaustive(ops, queries):
+    idx = PrefixIndex()
+    held: dict[str, set[int]] = {}
+    seq: dict[str, int] = {}
+    epoch: dict[str, int] = {}
+    for op, node, hashes in ops:
+        if op == "remove_node":
+            idx.remove_node(node)
+            held.pop(node, None)
+            seq.pop(node, None)
+            epoch.pop(node, None)
+            continue
+        if op == "restart":  # a new incarnation's first batch
+            epoch[node] = epoch.get(node, E1) + 1
+            seq[node] = 1
+            assert idx.apply(batch(node, 1, stored(*hashes), epoch=epoch[node])) is False
+            held[node] = set(hashes)
+            continue
+        if op == "dump":
+            epoch.setdefault(node, E1)
+            seq[node] = seq.get(node, 0) + 5
+            idx.begin_resync(node)
+            assert idx.replace_node(node, epoch[node], seq[node], hashes) is False
+            held[node] = set(hashes)
+            continue
+        seq[node] = seq.get(node, 0) + 1
+        ev = {"stored": stored(*hashes), "removed": removed(*hashes)}.get(op, AllBlocksCleared())
+        assert idx.apply(batch(node, seq[node], ev, epoch=epoch.setdefault(node, E1))) is False
+        s = held.setdefault(node, set())
+        if op == "stored":
+            s.update(hashes)
+        elif op == "removed":
+            s.difference_update(hashes)
+        else:
+            s.clear()
+    for q in queries:
+        assert idx.match(q) == brute_match(held, q)
+        assert idx.match(sorted(set(q))) == brute_match(held, sorted(set(q)))
+    everything = set().union(*held.values()) if held else set()
+    assert idx.num_blocks() == len(everything)
+    for h in range(11):
+        assert idx.holders(h) == {n for n, b in held.items() if h in b}
