@@ -76,9 +76,6 @@ from bus_schemas.roles import Role
 from services.common.metric_collectors import (  # noqa: F401 - part of this module's API
     WORKERS,
     FnCollector,
-    conductor_collector,
-    store_collector,
-    store_tiers,
     track_worker,
     untrack_worker,
     worker_collector,

@@ -13,6 +13,7 @@ clean-up longer than ``retry_s`` has that clean-up cut short.
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 import structlog
 
@@ -25,11 +26,11 @@ BOUND_S = 10.0  # a task still running after this is left behind, with a warning
 
 
 async def cancel_and_wait(
-    tasks: Iterable["asyncio.Future[object]"],
+    tasks: Iterable["asyncio.Future[Any]"],
     *,
     retry_s: float = RETRY_S,
     bound_s: float = BOUND_S,
-) -> set["asyncio.Future[object]"]:
+) -> set["asyncio.Future[Any]"]:
     """Cancel ``tasks`` and wait for each to end (their exceptions are retrieved, so
     none is reported as never retrieved). Returns what still runs after ``bound_s``:
     empty unless a task ignores every cancellation."""
@@ -52,5 +53,5 @@ async def cancel_and_wait(
         await asyncio.wait(pending, timeout=retry_s)
 
 
-def _name(t: "asyncio.Future[object]") -> str:
+def _name(t: "asyncio.Future[Any]") -> str:
     return t.get_name() if isinstance(t, asyncio.Task) else repr(t)

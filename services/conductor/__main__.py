@@ -9,6 +9,7 @@ from services.common import bus, defaults, intake_queue, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.conductor import cpp
+from services.conductor import metrics as conductor_metrics
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
 from tracing import setup_tracing, shutdown_tracing
@@ -173,7 +174,9 @@ async def amain(args: argparse.Namespace) -> int:
     )
     svc = ConductorService(nc, cfg)
     await svc.start()
-    mserver = await metrics.start_from_args(args, "conductor", metrics.conductor_collector(svc))
+    mserver = await metrics.start_from_args(
+        args, "conductor", conductor_metrics.conductor_collector(svc)
+    )
     await stop.wait()
     log.info("conductor_stopping")
     await svc.stop()

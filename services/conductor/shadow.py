@@ -72,7 +72,8 @@ class ShadowView:
         self.clock = clock
         self._live_since: float | None = None  # first sweep after the replay
         self._gone: set[str] = set()  # swept as silent, until the store shows up again
-        self._discovering: set[str] | None = None  # nodes announced during a discovery
+        # Nodes announced during each discovery under way (start's and a caller's can overlap).
+        self._discovering: list[set[str]] = []
 
     async def start(self, discover_window_s: float = 0.5) -> None:
         """Follow the KV events (the stream's history first), then in the background
@@ -162,13 +163,12 @@ class ShadowView:
         their own subject, to the subscription :meth:`start` made) came within
         ``window_s``. Each is handled as any announce (dumped when new)."""
         found: set[str] = set()
-        self._discovering = found
+        self._discovering.append(found)
         try:
             await self.nc.publish(subjects.STORE_DISCOVER, b"{}", headers=inject())
             await asyncio.sleep(window_s)
         finally:
-            if self._discovering is found:
-                self._discovering = None
+            self._discovering = [f for f in self._discovering if f is not found]
         log.info("stores_discovered", nodes=sorted(found))
         return sorted(found)
 
@@ -195,8 +195,8 @@ class ShadowView:
         if not subjects.announced_by(m.subject, info.node):
             log.warning("store_announce_impostor", subject=m.subject, claimed=info.node)
             return
-        if self._discovering is not None:
-            self._discovering.add(info.node)
+        for found in self._discovering:
+            found.add(info.node)
         self.on_info(info)
 
     async def _on_batch(self, batch: EventBatch, m: NatsMsg) -> None:

@@ -52,6 +52,7 @@ from services.common import bus, metrics
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, LeaseKeeper, StoreTx
+from services.decode import metrics as decode_metrics
 from services.decode import writeback
 from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
 from services.worker.base import WorkerBase
@@ -148,7 +149,7 @@ class DecodeWorker(WorkerBase):
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
         await self._start_common()
         await self.nc.flush()
-        metrics.track_worker(Role.DECODE, self)
+        metrics.track_worker(Role.DECODE, self, lambda: decode_metrics.sample(self))
         log.info("decode_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:

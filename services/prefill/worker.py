@@ -64,6 +64,7 @@ from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, StoreTx
 from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
 from services.engine.base import EngineRequestError
+from services.prefill import metrics as prefill_metrics
 from services.prefill.cpp_pipeline import (
     DEFAULT_TIMEOUT_S as DEFAULT_STAGE_TIMEOUT_S,
 )
@@ -240,7 +241,7 @@ class PrefillWorker(WorkerBase):
         await self._start_common()
         self._runner = asyncio.create_task(self._run(), name="prefill-run")
         await self.nc.flush()
-        metrics.track_worker(Role.PREFILL, self)
+        metrics.track_worker(Role.PREFILL, self, lambda: prefill_metrics.sample(self))
         log.info("prefill_started", instance=self.instance, node=self.node)
 
     async def close(self) -> None:

@@ -11,6 +11,7 @@ from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.store import auth
+from services.store import metrics as store_metrics
 from services.store.server import StoreService
 from tracing import setup_tracing, shutdown_tracing
 
@@ -135,7 +136,7 @@ async def main(args: argparse.Namespace) -> int:
         mserver = await metrics.start_from_args(
             args,
             "store",
-            metrics.store_collector(service),
+            store_metrics.store_collector(service),
             ready=lambda: not service.failed.is_set(),
         )
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())]

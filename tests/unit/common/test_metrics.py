@@ -10,8 +10,13 @@ from prometheus_client import CollectorRegistry, Histogram
 from services.common import metrics as m
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
+from services.common.metric_collectors import WorkerSample
+from services.conductor import metrics as conductor_metrics
+from services.decode import metrics as decode_metrics
 from services.engine.base import EngineStats
+from services.prefill import metrics as prefill_metrics
 from services.prefill.queue import PrefillQueue
+from services.store import metrics as store_metrics
 from services.store.block_pool import BlockPool
 
 
@@ -111,7 +116,7 @@ def _decode_worker(batch=5, waiting=2, loading=1):
 
 def test_worker_collector_prefill_and_decode():
     reg = CollectorRegistry()
-    workers = {"prefill": _prefill_worker()}
+    workers = {"prefill": lambda: prefill_metrics.sample(_prefill_worker())}
     reg.register(m.worker_collector(workers))
     assert value(reg, "perigee:num_requests_waiting") == 0
     assert value(reg, "perigee:num_requests_running") == 0
@@ -119,7 +124,7 @@ def test_worker_collector_prefill_and_decode():
     assert value(reg, "perigee:prefix_cache_hits_total") == 300
     assert value(reg, "perigee:prefix_cache_remote_hits_total") == 64
     assert value(reg, "perigee:prefill_tasks_done_total") == 3
-    workers["decode"] = _decode_worker()
+    workers["decode"] = lambda: decode_metrics.sample(_decode_worker())
     # a switchable instance mid-switch: both roles add up
     assert value(reg, "perigee:num_requests_running") == 5
     assert value(reg, "perigee:num_requests_waiting") == 3
@@ -131,9 +136,9 @@ def test_worker_collector_prefill_and_decode():
 
 def test_track_worker():
     w, other = object(), object()
-    m.track_worker("decode", w)
+    m.track_worker("decode", w, lambda: WorkerSample(0, 0, []))
     m.untrack_worker("decode", other)
-    assert m.WORKERS["decode"] is w
+    assert m.WORKERS["decode"][0] is w
     m.untrack_worker("decode", w)
     assert "decode" not in m.WORKERS
 
@@ -164,7 +169,7 @@ def test_store_collector_bytes_per_tier_and_transfers():
         ),
     )
     reg = CollectorRegistry()
-    reg.register(m.store_collector(svc))
+    reg.register(store_metrics.store_collector(svc))
     assert value(reg, "perigee:store_bytes", tier="dram") == 0
     assert value(reg, "perigee:store_capacity_bytes", tier="dram") == 10_000
     assert value(reg, "perigee:store_blocks", state="free") == 10
@@ -194,7 +199,11 @@ def test_store_tiers_from_tiered_pool_stats():
         "vram_capacity_blocks": 8,
         "vram_blocks": 8,
     }
-    assert m.store_tiers(stats, 2) == {"dram": (20, 200), "ssd": (80, 2000), "vram": (16, 16)}
+    assert store_metrics.store_tiers(stats, 2) == {
+        "dram": (20, 200),
+        "ssd": (80, 2000),
+        "vram": (16, 16),
+    }
 
 
 def test_conductor_collector():
@@ -202,7 +211,7 @@ def test_conductor_collector():
         pending={"a": 1, "b": 2}, policy=SimpleNamespace(stats={"placed": 7, "pulls": 2})
     )
     reg = CollectorRegistry()
-    reg.register(m.conductor_collector(svc))
+    reg.register(conductor_metrics.conductor_collector(svc))
     assert value(reg, "perigee:conductor_pending_requests") == 2
     assert value(reg, "perigee:conductor_placed_total") == 7
     assert value(reg, "perigee:conductor_pulls_total") == 2
