@@ -36,7 +36,8 @@ from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
-from services.common import bus, defaults
+from services.common import admission_mode, bus, defaults
+from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.store.auth import ENV as DATA_KEY_ENV
 from services.store.auth import new_key as new_data_key
@@ -103,7 +104,9 @@ class StackConfig:
     store_ssd_blocks: int = 0
     ttft_slo: float = defaults.TTFT_SLO_S
     tbt_slo: float = defaults.TBT_SLO_S
-    admission_policy: str = "early"  # baseline | early | predict
+    # Where overload is refused; every admission, conductor and worker gets it as
+    # PERIGEE_ADMISSION_MODE (services.common.admission_mode).
+    admission_mode: AdmissionMode = admission_mode.DEFAULT
     # Conductors conductor-0..N-1 in one queue group against the same stores (§5.3);
     # the child is named "conductor" when there is one, "conductor-<i>" otherwise.
     conductors: int = 1
@@ -272,8 +275,7 @@ class Stack:
                 args += ["--max-model-len", str(c.max_model_len)]
             if c.switchable:
                 args += ["--switchable"]
-            if c.admission_policy == "baseline":  # decode rejects after prefill
-                args += ["--tbt-gate-slo", str(c.tbt_slo)]
+            args += ["--tbt-slo", str(c.tbt_slo)]  # a decode's in baseline mode
             if c.engine == "vllm":
                 if c.load_format:
                     args += ["--load-format", c.load_format]
@@ -293,7 +295,8 @@ class Stack:
             str(c.block_size),
         ]
         model = ["--cost-model", c.cost_model] if c.cost_model else []
-        adm = ["--decode-time", str(c.decode_time)] if c.admission_policy == "predict" else []
+        predict = c.admission_mode == AdmissionMode.PREDICT
+        adm = ["--decode-time", str(c.decode_time)] if predict else []
         for i in range(c.admissions):
             out.append(
                 Child(
@@ -303,8 +306,6 @@ class Stack:
                         *self._common(),
                         *slo,
                         *model,
-                        "--policy",
-                        c.admission_policy,
                         *adm,
                     ],
                 )
@@ -313,8 +314,6 @@ class Stack:
             args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
             if c.balancing_threshold:
                 args += ["--balancing-threshold", c.balancing_threshold]
-            if c.admission_policy == "baseline":
-                args += ["--tbt-check", "none"]
             if c.pd_controller and i == 0:
                 args += ["--pd-controller"]
             if not c.serve_when_idle:
@@ -354,6 +353,9 @@ class Stack:
                 + (["--served-model-name", c.served_model_name] if c.served_model_name else []),
             )
         )
+        for child in out:  # one setting for every service that follows it
+            if child.argv[0] in admission_mode.SERVICES:
+                child.env[admission_mode.ENV] = str(c.admission_mode)
         return out
 
     def observability(self, children: list[Child]) -> list[Child]:

@@ -28,6 +28,7 @@ from perigee.models import DEFAULT_MODEL_NAME, TINY_NAME
 from perigee.rundir import Refused
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
 from perigee.supervise import RestartPolicy
+from services.common import admission_mode
 from services.common.kv_layout import store_too_small
 from services.common.model_spec import ModelSpec
 
@@ -128,9 +129,12 @@ def parse(argv: list[str]) -> StackConfig:
     )
     p.add_argument(
         "--admission",
-        dest="admission_policy",
-        default=d.admission_policy,
-        choices=["baseline", "early", "predict"],
+        admission_mode.FLAG,
+        dest="admission_mode",
+        default=None,
+        choices=admission_mode.names(),
+        help=f"admission mode of every service (default: ${admission_mode.ENV}, else "
+        f"{admission_mode.DEFAULT})",
     )
     p.add_argument(
         "--conductors",
@@ -212,6 +216,7 @@ def parse(argv: list[str]) -> StackConfig:
             f"(repeatable; its flags: python -m services.{kind} --help)",
         )
     a = p.parse_args(argv)
+    admission_mode.settle(p, a)
     if a.cpp_group > 1 and a.engine != "mock":
         # A vLLM anchor would compute the whole prompt again after the stages.
         p.error("--cpp-group runs on the mock engine only (vLLM stages: issue 16 item 4)")
@@ -250,7 +255,7 @@ def parse(argv: list[str]) -> StackConfig:
         store_capacity_blocks=capacity,
         ttft_slo=slos[0] if a.ttft_slo is None else a.ttft_slo,
         tbt_slo=slos[1] if a.tbt_slo is None else a.tbt_slo,
-        admission_policy=a.admission_policy,
+        admission_mode=a.admission_mode,
         log_dir=a.log_dir,
         log_level=a.log_level,
         api_key=a.api_key,

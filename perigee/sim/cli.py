@@ -11,14 +11,13 @@ import json
 import sys
 
 from perigee.trace import DEFAULT_TRACE, TRACE_BLOCK, load_trace
-from services.common import defaults
+from services.common import admission_mode, defaults
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 
 
 def admission_modes() -> list[str]:
-    from services.admission.policy import ADMISSION_POLICIES
-
-    return sorted(ADMISSION_POLICIES)
+    """The live services' modes (services.common.admission_mode), by the same names."""
+    return admission_mode.names()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--png", default=None, help="plot TTFT/TBT and load over time here")
     p.add_argument("--policy", choices=STRATEGIES, default="global", help="placement strategy")
-    p.add_argument("--admission", choices=admission_modes(), default="early")
+    p.add_argument(
+        "--admission",
+        choices=admission_modes(),
+        default=str(admission_mode.DEFAULT),
+        help="admission mode, as the live services' --admission-mode",
+    )
     p.add_argument("--prefill", type=int, default=8, help="prefill nodes")
     p.add_argument("--decode", type=int, default=8, help="decode nodes")
     p.add_argument(

@@ -180,9 +180,9 @@ def fig17(trace, out: str, speeds=(1.0, 3.0), cap: int = 3_000_000) -> dict:
 
 
 def table4(trace, out: str, setups=((8, 8, 2.0), (8, 8, 8.0), (14, 2, 8.0))) -> dict:
-    from services.admission.policy import ADMISSION_POLICIES
+    from services.common.admission_mode import names
 
-    modes = [m for m in ("baseline", "early", "predict") if m in ADMISSION_POLICIES]
+    modes = names()  # baseline, early, predict: the live services' admission modes
     res: dict = {"modes": modes, "runs": {}}
     rows = []
     for p, d, speed in setups:

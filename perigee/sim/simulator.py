@@ -58,7 +58,7 @@ from services.admission.policy import (
     AdmissionRequest,
     make_admission_policy,
 )
-from services.common import defaults
+from services.common import admission_mode, defaults
 from services.common import reservation as plan
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
@@ -97,7 +97,7 @@ class SimConfig:
     prefill: int = 8
     decode: int = 8
     policy: str = "global"  # random | load | local | global
-    admission: str = "early"  # baseline | early | predict (when registered)
+    admission: str = "early"  # services.common.admission_mode: baseline | early | predict
     cache_tokens_per_node: int = 3_000_000
     decode_cache_tokens: int | None = None  # None: as prefill nodes; 0: decode nodes cache nothing
     block_size: int = TRACE_BLOCK
@@ -151,10 +151,11 @@ class Simulator:
         clock, cost = self.loop.clock, cfg.cost
         self.cost = cost
         self.cluster = Cluster(cost, clock, cfg.block_size)
-        baseline = cfg.admission == "baseline"
-        # The paper's baseline: no TBT check at placement, the decode instance rejects
-        # after the prefill (services/decode with --tbt-gate-slo).
-        self.decode_gate = DecodeSideCheck(cost, cfg.tbt_slo_s) if baseline else None
+        # What each service does in this admission mode, as the live services read it
+        # (baseline: no TBT check at placement, the decode instance rejects after the
+        # prefill).
+        mode = admission_mode.behaviour(cfg.admission)
+        self.decode_gate = DecodeSideCheck(cost, cfg.tbt_slo_s) if mode.decode_gate else None
         adaptive = None
         if cfg.adaptive_threshold:
             adaptive = AdaptiveThreshold(
@@ -170,7 +171,7 @@ class Simulator:
             rng=random.Random(cfg.seed),
             adaptive=adaptive,
             cpp=CppConfig(cfg.cpp_group, cfg.cpp_chunk_tokens),
-            **{"tbt_check": not baseline, **cfg.placement_kw},
+            **{"tbt_check": mode.placement_tbt_check, **cfg.placement_kw},
         )
         make = admission or make_admission_policy
         self.admission = make(

@@ -1,11 +1,11 @@
-"""python -m services.admission --nats URL --policy early ..."""
+"""python -m services.admission --nats URL --admission-mode early ..."""
 
 import argparse
 import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import bus, defaults, intake_queue, metrics, runner
+from services.common import admission_mode, bus, defaults, intake_queue, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from tracing import setup_tracing, shutdown_tracing
@@ -22,8 +22,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
+    admission_mode.add_argument(ap)
+    # Kept for the deployments written before --admission-mode (compose and k8s
+    # manifests copied from this repository said --policy=early): it may only agree.
     ap.add_argument(
-        "--policy", choices=sorted(ADMISSION_POLICIES), default="early", help="admission policy"
+        "--policy",
+        choices=sorted(ADMISSION_POLICIES),
+        default=None,
+        help=f"deprecated: {admission_mode.FLAG} (a contradiction is an error)",
     )
     ap.add_argument(
         "--dead-after",
@@ -61,7 +67,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.block_size <= 0:
         ap.error("--block-size must be positive")
+    admission_mode.settle(ap, args, legacy=("--policy", args.policy))
     return args
+
+
+def config_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    return AdmissionConfig(
+        durable_intake=args.durable_intake,
+        intake_ack_wait_s=args.intake_ack_wait,
+        intake_patience_s=args.intake_patience,
+        block_size=args.block_size,
+        ttft_slo_s=args.ttft_slo,
+        tbt_slo_s=args.tbt_slo,
+        speedup=args.speedup,
+        policy=admission_mode.behaviour(args.admission_mode).admission_policy,
+        dead_after_s=args.dead_after,
+        cost_model=args.cost_model,
+        decode_time_s=args.decode_time,
+    )
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -70,22 +93,8 @@ async def amain(args: argparse.Namespace) -> int:
     stop = StopEvent()
     bus.install_signal_handlers(stop)
     nc = await bus.connect(args.nats, name="admission", kind="admission")
-    svc = AdmissionService(
-        nc,
-        AdmissionConfig(
-            durable_intake=args.durable_intake,
-            intake_ack_wait_s=args.intake_ack_wait,
-            intake_patience_s=args.intake_patience,
-            block_size=args.block_size,
-            ttft_slo_s=args.ttft_slo,
-            tbt_slo_s=args.tbt_slo,
-            speedup=args.speedup,
-            policy=args.policy,
-            dead_after_s=args.dead_after,
-            cost_model=args.cost_model,
-            decode_time_s=args.decode_time,
-        ),
-    )
+    log.info("admission_mode", mode=str(args.admission_mode))
+    svc = AdmissionService(nc, config_from_args(args))
     await svc.start()
     mserver = await metrics.start_from_args(args, "admission")
     await stop.wait()

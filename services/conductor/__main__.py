@@ -5,7 +5,7 @@ import sys
 
 import structlog
 
-from services.common import bus, defaults, intake_queue, metrics, runner
+from services.common import admission_mode, bus, defaults, intake_queue, metrics, runner
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.conductor import cpp
@@ -85,12 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=cpp.DEFAULT_MIN_TOKENS,
         help="tokens to compute below which a request is not offered to a group",
     )
-    ap.add_argument(
-        "--tbt-check",
-        choices=("placement", "none"),
-        default="placement",
-        help="reject on predicted TBT at placement, or not (baseline admission: decode rejects)",
-    )
+    # Whether placement rejects on predicted TBT (not in baseline: decode rejects).
+    admission_mode.add_argument(ap)
     ap.add_argument(
         "--pd-controller",
         action="store_true",
@@ -135,16 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.block_size <= 0:
         ap.error("--block-size must be positive")
+    admission_mode.settle(ap, args)
     return args
 
 
-async def amain(args: argparse.Namespace) -> int:
-    log = configure("conductor", args.log_level)
-    setup_tracing("conductor")
-    stop = StopEvent()
-    bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name=args.id, kind="conductor")
-    cfg = ConductorConfig(
+def config_from_args(args: argparse.Namespace) -> ConductorConfig:
+    return ConductorConfig(
         durable_intake=args.durable_intake,
         intake_ack_wait_s=args.intake_ack_wait,
         intake_patience_s=args.intake_patience,
@@ -155,7 +147,7 @@ async def amain(args: argparse.Namespace) -> int:
         balancing_threshold=args.balancing_threshold[1],
         adaptive_threshold=args.balancing_threshold[0],
         cost_model=args.cost_model,
-        tbt_check=args.tbt_check == "placement",
+        tbt_check=admission_mode.behaviour(args.admission_mode).placement_tbt_check,
         ttft_feedback=not args.no_ttft_feedback,
         ttft_margin=args.ttft_margin,
         serve_when_idle=not args.no_serve_when_idle,
@@ -172,6 +164,16 @@ async def amain(args: argparse.Namespace) -> int:
         tx_timeout_s=args.tx_timeout,
         report_grace_s=args.report_grace,
     )
+
+
+async def amain(args: argparse.Namespace) -> int:
+    log = configure("conductor", args.log_level)
+    setup_tracing("conductor")
+    stop = StopEvent()
+    bus.install_signal_handlers(stop)
+    nc = await bus.connect(args.nats, name=args.id, kind="conductor")
+    log.info("admission_mode", mode=str(args.admission_mode))
+    cfg = config_from_args(args)
     svc = ConductorService(nc, cfg)
     await svc.start()
     mserver = await metrics.start_from_args(

@@ -25,7 +25,7 @@ CancelRequest aborts the request in the engine (Finished "abort"); a failure sen
 Error to the client and RequestFailed to the conductor; shutdown fails what is
 running with Error 503.
 
-Optional ``admit`` hook (the paper's baseline admission, ``--tbt-gate-slo``): asked per
+Optional ``admit`` hook (the baseline admission mode, services.common.admission_mode): asked per
 arriving task before its KV is loaded; a reason rejects it with Error 429 after its
 prefill was done (RequestFailed makes the conductor abort both transactions).
 Role switch (§5.1, ``--switchable``): :meth:`DecodeWorker.drain` stops the load reports

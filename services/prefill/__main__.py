@@ -10,7 +10,7 @@ from services.worker import main as worker_main
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return worker_main.parser(Role.PREFILL, "p0", __doc__).parse_args(argv)
+    return worker_main.parse_args(Role.PREFILL, "p0", __doc__, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from bus_schemas.roles import ROLES, Role
+from services.common import admission_mode
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 
@@ -33,11 +34,12 @@ def settings_from_args(
     args: argparse.Namespace, layout: KVLayout, cost: CostModel, calibrator: object = None
 ) -> WorkerSettings:
     admit = None
-    if args.tbt_gate_slo > 0:
+    # Built for a prefill instance too: a switchable one may serve as decode.
+    if admission_mode.behaviour(args.admission_mode).decode_gate:
         from services.decode.side_check import DecodeSideCheck
 
         admit = DecodeSideCheck(
-            cost, args.tbt_gate_slo, max_batch=args.max_batch, serve_when_idle=True
+            cost, args.tbt_slo, max_batch=args.max_batch, serve_when_idle=True
         ).as_admit_hook()
     return WorkerSettings(
         instance=args.instance,

@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from bus_schemas.roles import Role
-from services.common import bus, defaults, metric_collectors, metrics
+from services.common import admission_mode, bus, defaults, metric_collectors, metrics
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout, store_too_small
@@ -84,12 +84,14 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
         default=str(pod_role.LABELS_FILE),
         help="the downward API file of the pod's labels (default: %(default)s)",
     )
+    # As decode in baseline mode: reject a prefilled request over the TBT SLO.
+    admission_mode.add_argument(p)
     p.add_argument(
-        "--tbt-gate-slo",
+        "--tbt-slo",
         type=float,
-        default=0.0,
-        help="as decode: reject a prefilled request whose step time would exceed "
-        "this TBT SLO, s (the paper's baseline admission; 0: off)",
+        default=defaults.TBT_SLO_S,
+        help="TBT SLO, s: what a decode instance holds a prefilled request to in the "
+        "baseline admission mode (the stack's, as the conductor's --tbt-slo)",
     )
     p.add_argument(
         "--no-write-back",
@@ -122,6 +124,13 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(role: str, node: str, doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    p = parser(role, node, doc)
+    args = p.parse_args(argv)
+    admission_mode.settle(p, args)
+    return args
+
+
 async def run(role: str, args: argparse.Namespace) -> int:
     """Exit codes: 0 stopped by a signal, 1 engine died or store unreachable,
     2 engine unavailable or store layout mismatch."""
@@ -133,6 +142,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
     if role != started_as:
         log.info("role_from_pod_label", role=role, started_as=started_as)
     structlog.contextvars.bind_contextvars(instance=args.instance)
+    log.info("admission_mode", mode=str(args.admission_mode))
     setup_tracing(role)
     auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
     spec = ModelSpec.from_dir(args.model_dir)

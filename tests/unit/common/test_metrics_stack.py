@@ -4,6 +4,7 @@ Prometheus file_sd targets, the spans file, the gateway's API key."""
 import json
 
 from perigee.stack import Stack, StackConfig
+from services.common import admission_mode
 
 
 def test_metrics_ports_targets_and_api_key(tmp_path, monkeypatch):
@@ -21,7 +22,8 @@ def test_metrics_ports_targets_and_api_key(tmp_path, monkeypatch):
         i = c.argv.index("--metrics-port")
         ports[c.name] = int(c.argv[i + 1])
         assert c.argv[c.argv.index("--metrics-host") + 1] == "127.0.0.1"
-        assert c.env == {}
+        # No API key (nor anything but the admission mode) reaches the other services.
+        assert set(c.env) <= {admission_mode.ENV}
     assert len(set(ports.values())) == len(ports) == len(children) - 1
     targets = json.loads((tmp_path / "logs" / "metrics-targets.json").read_text())
     assert {t["labels"]["service"]: t["targets"] for t in targets} == {
@@ -49,6 +51,6 @@ def test_metrics_off_and_spans_file_from_extra_env(tmp_path):
     s = Stack(cfg)
     children = s.observability(s.plan())
     assert all("--metrics-port" not in c.argv for c in children)
-    assert all(c.env == {} for c in children)
+    assert all(set(c.env) <= {admission_mode.ENV} for c in children)
     assert not (tmp_path / "metrics-targets.json").exists()
     assert s.spans_file == str(tmp_path / "x.jsonl")

@@ -216,3 +216,38 @@ def test_stores_bind_their_data_ports_to_their_own_address(config):
         assert args.advertise_host in (None, name)
     for worker, store in WORKERS.items():
         assert services[worker]["ipc"] == f"service:{store}"
+
+
+def _modes(services: dict, monkeypatch) -> dict[str, str]:
+    """Each mode-following service's admission mode, as its own parser resolves its
+    command line under its compose environment."""
+    import importlib
+
+    from services.common import admission_mode
+
+    out = {}
+    for name, s in services.items():
+        module = (s.get("command") or [""])[0]
+        if module not in admission_mode.SERVICES:
+            continue
+        monkeypatch.setenv(admission_mode.ENV, s["environment"][admission_mode.ENV])
+        parse = importlib.import_module(f"{module}.__main__").parse_args
+        out[name] = str(parse(s["command"][1:]).admission_mode)
+    return out
+
+
+def test_every_service_follows_one_admission_mode_from_the_environment(monkeypatch):
+    """PERIGEE_ADMISSION_MODE is set once (the shared environment; early unless the
+    shell or .env says otherwise) and admission, conductor and both workers follow it."""
+    from services.common import admission_mode
+
+    monkeypatch.delenv(admission_mode.ENV, raising=False)
+    for shell, want in (({}, "early"), ({admission_mode.ENV: "baseline"}, "baseline")):
+        out = compose_config(PERIGEE_DATA_KEY=DATA_KEY, **shell)
+        assert out.returncode == 0, out.stderr
+        modes = _modes(json.loads(out.stdout)["services"], monkeypatch)
+        assert set(modes) == {"admission", "conductor", "prefill-0", "decode-0"}
+        assert set(modes.values()) == {want}, modes
+    raw = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    for s in raw["services"].values():  # no command line names a mode of its own
+        assert not any("--admission-mode" in a or "--policy" in a for a in s.get("command") or [])

@@ -21,6 +21,7 @@ import yaml
 from perigee import models
 from perigee.natsd import nats_server_binary
 from services.authn import nkeys
+from services.common import admission_mode
 from services.common.model_spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -259,20 +260,52 @@ def test_every_perigee_pod_is_annotated_for_prometheus_on_a_metrics_port(rendere
 @pytest.mark.parametrize("tree", list(TREES))
 def test_every_service_that_takes_the_slos_gets_the_configmaps(rendered, tree):
     """TTFT_SLO/TBT_SLO of perigee-config reach admission, the conductors and the
-    gateway (which reports them on GET /v1/perigee/config, read by perigee replay)."""
+    gateway (which reports them on GET /v1/perigee/config, read by perigee replay); the
+    TBT SLO reaches the workers too (a decode's check in the baseline admission mode)."""
     docs = rendered[tree]
     config = objs(docs, "ConfigMap")
     [cm] = [d["data"] for n, d in config.items() if n.startswith("perigee-config")]
     seen = set()
     for _, c in perigee_containers(docs):
         module, args = parsed(docs, c)
-        if module == "services.gateway" or hasattr(args, "tbt_slo"):
-            seen.add(module)
+        if hasattr(args, "ttft_slo"):
             assert args.ttft_slo == float(cm["TTFT_SLO"]), (module, args.ttft_slo)
+        if hasattr(args, "tbt_slo"):
+            seen.add(module)
             assert args.tbt_slo == float(cm["TBT_SLO"]), (module, args.tbt_slo)
-    assert {"services.gateway", "services.admission", "services.conductor"} <= seen
+    assert {
+        "services.gateway",
+        "services.admission",
+        "services.conductor",
+        "services.prefill",
+        "services.decode",
+    } <= seen
     if tree == "cpu":
         assert (float(cm["TTFT_SLO"]), float(cm["TBT_SLO"])) == (15.0, 1.0)
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+def test_every_service_follows_the_one_admission_mode_of_perigee_config(
+    rendered, tree, monkeypatch
+):
+    """PERIGEE_ADMISSION_MODE lives once, in perigee-config; every admission, conductor
+    and worker container gets it, parses it (its own parser, its own environment) and
+    maps it to its behaviour; no container names another mode on its command line."""
+    docs = rendered[tree]
+    [cm] = [d["data"] for n, d in objs(docs, "ConfigMap").items() if n.startswith("perigee-config")]
+    mode = admission_mode.parse(cm[admission_mode.ENV])
+    seen = set()
+    for _, c in perigee_containers(docs):
+        env = environment(docs, c)
+        module = c["args"][0]
+        if module not in admission_mode.SERVICES:
+            continue
+        assert env.get(admission_mode.ENV) == str(mode), c["name"]
+        monkeypatch.setenv(admission_mode.ENV, env[admission_mode.ENV])
+        _, args = parsed(docs, c)
+        assert args.admission_mode == mode, (module, args.admission_mode)
+        seen.add(module)
+    assert seen == set(admission_mode.SERVICES)
 
 
 # -- resources, GPUs, shared memory ----------------------------------------------------
