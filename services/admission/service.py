@@ -310,6 +310,12 @@ class AdmissionService:
         if bad is not None:
             return req, bad[1]
         bs = req.block_size or self.cfg.block_size
+        # The one check of the block hashes between the gateway and placement: here a
+        # request from another login (the gateway's, or a bus client's on
+        # perigee.requests / perigee.intake) enters the control plane. Their number must
+        # match the prompt's full blocks; their values are the client's to choose (a
+        # salted chain shares nothing, perigee bench migration). The conductor trusts
+        # the field (services.conductor.policy.PlacementRequest.from_request says why).
         try:
             hashes = hashes_for(req.prompt_token_ids, req.block_hashes, bs, bs)
         except ValueError as e:

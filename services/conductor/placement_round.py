@@ -1,7 +1,8 @@
 """One placement round, the conductor's and the simulator's alike. Pure: no I/O.
 
-    hashes checked once (:func:`request_for`; the simulator's trace requests come
-    hashed) -> PlacementRequest -> a migrated request's exclusions
+    the request's block hashes as admission checked them (:func:`request_for`; the
+    simulator's trace requests come hashed) -> PlacementRequest -> a migrated request's
+    exclusions
     (services.conductor.migration.placement_for) -> store exclusions
     (:func:`~services.conductor.migration.away_from_stores`: instances on a node whose
     store is down) -> ``PlacementPolicy.place`` over the prefix index's match ->
@@ -51,8 +52,10 @@ class Placed:
 
 
 def request_for(req: GenerateRequest, block_size: int) -> PlacementRequest:
-    """The request as placement sees it, its block hashes checked (or computed) once.
-    A hash count that does not match the prompt is a ValueError: a bad request."""
+    """The request as placement sees it. Its block hashes are trusted as admission
+    checked them (the one check: services.admission.service.AdmissionService.fill;
+    :meth:`PlacementRequest.from_request` says why), computed only for another block
+    size."""
     return PlacementRequest.from_request(req, block_size)
 
 

@@ -92,8 +92,8 @@ from services.common import defaults
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
+from services.common.hashing import block_hashes
 from services.common.incarnation import RESTARTED, STALE
-from services.common.intake import hashes_for
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
 from services.common.slo_check import TbtCheck
@@ -121,9 +121,15 @@ class PlacementRequest:
 
     @classmethod
     def from_request(cls, req: GenerateRequest, block_size: int) -> "PlacementRequest":
-        # Admission's rule (services.common.intake): a count that does not match the
-        # prompt is a ValueError, which the service answers as a bad request first.
-        hashes = hashes_for(req.prompt_token_ids, req.block_hashes, req.block_size, block_size)
+        # The hashes are used as they come, unchecked: admission checked them against the
+        # prompt (AdmissionService.fill, where a gateway's or a bus client's request
+        # enters), and only admission's login may publish on the conductors' subjects
+        # (services.common.bus_permissions; the admin login is the operator's). They are
+        # computed here only for another block size (or none), a conversion, not a check.
+        if req.block_hashes is not None and req.block_size == block_size:
+            hashes: Sequence[int] = req.block_hashes
+        else:
+            hashes = block_hashes(req.prompt_token_ids, block_size)
         return cls(
             request_id=req.request_id,
             num_tokens=len(req.prompt_token_ids),

@@ -345,11 +345,7 @@ class ConductorService:
 
     async def schedule(self, req: GenerateRequest, reply: str, claim: bool = False) -> None:
         bs = self.cfg.block_size
-        try:
-            preq = placement_round.request_for(req, bs)  # the one check of the hashes
-        except ValueError as e:
-            await self._error(req.request_id, reply, ErrorCode.BAD_REQUEST, str(e))
-            return
+        preq = placement_round.request_for(req, bs)  # hashes as admission checked them
         req = _with(req, block_hashes=list(preq.block_hashes), block_size=bs, reply_subject=reply)
         if req.migration is not None:  # a dead worker's request: services.conductor.migration
             metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()

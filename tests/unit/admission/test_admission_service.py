@@ -204,3 +204,36 @@ async def test_role_switch_on_the_bus_drops_the_instance_old_role(nats_url):
         assert "decode-0" in h.svc.policy.decode
     finally:
         await h.close()
+
+
+async def test_a_hash_count_off_the_prompt_is_refused_at_either_door(admission):
+    """Admission is where the block hashes are checked (once): a count that does not
+    match the prompt's full blocks is a 400 naming both numbers, on core NATS and on
+    the durable intake alike, and nothing of it reaches the conductors; the pools are
+    healthy, so it is the check that refuses."""
+    await admission.loads(prefill_work=1.0)
+    two_blocks = list(range(1, 70))  # 2 full blocks of 32 and a tail
+    want = "block_hashes has 3 entries, the prompt has 2 full blocks of 32"
+    bad = GenerateRequest(request_id="h1", prompt_token_ids=two_blocks, block_hashes=[1, 2, 3])
+    await admission.send(encode(bad))
+    err = await admission.event()
+    assert (err.request_id, err.code, err.message) == ("h1", ErrorCode.BAD_REQUEST, want)
+    js = admission.nc.jetstream()
+    stored = GenerateRequest(
+        request_id="h2",
+        prompt_token_ids=two_blocks,
+        block_size=32,
+        block_hashes=[1],
+        reply_subject=admission.inbox,
+    )
+    await js.publish(subjects.INTAKE, encode(stored), headers={"Nats-Msg-Id": "h2"})
+    err = await admission.event()
+    assert (err.request_id, err.code) == ("h2", ErrorCode.BAD_REQUEST)
+    assert err.message == "block_hashes has 1 entries, the prompt has 2 full blocks of 32"
+    # The same prompt with its own hashes passes: only what was refused stayed behind.
+    ok = GenerateRequest(
+        request_id="h3", prompt_token_ids=two_blocks, block_hashes=block_hashes(two_blocks, 32)
+    )
+    await admission.send(encode(ok))
+    fwd = decode((await admission.scheduled.next_msg(timeout=5)).data, GenerateRequest)
+    assert fwd.request_id == "h3"

@@ -50,22 +50,25 @@ def test_a_down_store_takes_its_nodes_instances_and_prefix_out():
     assert p.on_nodes("prefill", ["n0", "n3"]) == {"p0": "n0", "p2": "n3"}
 
 
-def test_a_hash_count_that_does_not_match_the_prompt_is_a_value_error():
+def test_placement_trusts_the_hashes_admission_checked():
+    """Admission is the one check of the hash count (tests/unit/admission); placement
+    takes the field as it comes for its block size, and computes it only for another
+    size or none."""
     from bus_schemas.requests import GenerateRequest
+    from services.common.hashing import block_hashes
 
-    req = GenerateRequest(
-        request_id="r", prompt_token_ids=list(range(100)), block_size=32, block_hashes=[1, 2]
+    tokens = list(range(100))
+    as_given = placement_round.request_for(
+        GenerateRequest(request_id="r", prompt_token_ids=tokens, block_size=32, block_hashes=[7]),
+        32,
     )
-    try:
-        placement_round.request_for(req, 32)
-    except ValueError as e:
-        assert "3 full blocks" in str(e)
-    else:
-        raise AssertionError("accepted 2 hashes for 3 blocks")
-    ok = placement_round.request_for(
-        GenerateRequest(request_id="r", prompt_token_ids=list(range(100))), 32
-    )
-    assert len(ok.block_hashes) == 3 and ok.num_tokens == 100
+    assert as_given.block_hashes == (7,)  # not checked again, not recomputed
+    for other in (
+        GenerateRequest(request_id="r", prompt_token_ids=tokens, block_size=16, block_hashes=[7]),
+        GenerateRequest(request_id="r", prompt_token_ids=tokens),
+    ):
+        p = placement_round.request_for(other, 32)
+        assert p.block_hashes == tuple(block_hashes(tokens, 32)) and p.num_tokens == 100
 
 
 @settings(max_examples=200, deadline=None)
