@@ -34,6 +34,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (and OpenAI's top_logprobs bound)
 LOGIT_BIAS_RANGE = 100.0  # vLLM clamps a bias to [-100, 100]
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS
+# Sequences per request (``n``). vLLM sets no bound of its own but max_num_seqs; each
+# sequence is a decode slot, and the decode instance's batch (128 by default) must hold
+# them all at once.
+MAX_N = 16
 
 # One position's log-probabilities: ``[token id, logprob]`` pairs in vLLM's order (the
 # token at that position first, then the most likely ones by rank), each logprob clamped
@@ -97,6 +101,11 @@ class SamplingParams(Msg):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None
+    # Sequences sampled from the one prompt (OpenAI's ``n``). Prefill computes the
+    # prompt's KV once and samples sequence 0's first token; the decode instance runs
+    # every sequence on that KV, shipped once (services.decode.worker). Sequence i's
+    # seed is ``seed + i``, as vLLM's parallel sampling gives its children.
+    n: int = 1
 
     def problem(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first value out of bounds, None when all are in.
@@ -123,7 +132,15 @@ class SamplingParams(Msg):
             return "repetition_penalty", (
                 f"repetition_penalty must be a finite number above 0, got {self.repetition_penalty}"
             )
+        if not 1 <= self.n <= MAX_N:
+            return "n", f"n must be in [1, {MAX_N}], got {self.n}"
+        if self.n > 1 and self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            return "seed", f"seed + n - 1 must be a 64-bit signed integer, got {self.seed}"
         return self._problem_extra()
+
+    def seq_seed(self, seq: int) -> int | None:
+        """The seed of sequence ``seq`` (vLLM's ``ParentRequest``: ``seed + index``)."""
+        return None if self.seed is None else self.seed + seq
 
     def _problem_extra(self) -> tuple[str, str] | None:
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -240,14 +257,20 @@ class Tokens(Msg, tag="tokens"):
     # With the first token (index 0) when it asked for ``prompt_logprobs``: one entry per
     # prompt position, None for the first (nothing precedes it).
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # Which of the request's ``n`` sequences these tokens belong to; ``index`` counts
+    # within that sequence.
+    seq: int = 0
 
 
 class Finished(Msg, tag="finished"):
     request_id: str
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" (sequence 0's when n > 1)
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # of every sequence
     cached_tokens: int
+    # n > 1: each sequence's finish reason and completion tokens, by sequence.
+    seq_finish: list[str] = []
+    seq_tokens: list[int] = []
 
 
 class Error(Msg, tag="error"):

@@ -53,8 +53,16 @@ from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, LeaseKeeper, StoreTx
 from services.decode import metrics as decode_metrics
-from services.decode import writeback
-from services.engine import DecodeJob, Engine, EngineDeadError, EngineError, EngineStats, SlotKV
+from services.decode import sequences, writeback
+from services.engine import (
+    DecodeJob,
+    Engine,
+    EngineDeadError,
+    EngineError,
+    EngineStats,
+    RequestStream,
+    SlotKV,
+)
 from services.worker.base import WorkerBase
 from tracing import tracer
 
@@ -124,6 +132,7 @@ class DecodeWorker(WorkerBase):
                 "tokens_generated",
                 "kv_tokens_loaded",
                 "commits_failed",
+                "sequences_sharing_kv",
                 *writeback.COUNTERS,
             ),
             0,
@@ -136,6 +145,7 @@ class DecodeWorker(WorkerBase):
         self._idle = asyncio.Event()
         self._idle.set()
         self._stop_reason: dict[str, tuple[ErrorCode, str]] = {}
+        self._seqs: dict[str, int] = {}  # request id -> its sequences in the engine (n)
 
     # -- lifecycle --
     async def start(self) -> None:
@@ -160,7 +170,7 @@ class DecodeWorker(WorkerBase):
             self._stop_reason.setdefault(
                 rid, (ErrorCode.UNAVAILABLE, "decode instance shutting down")
             )
-            self.engine.abort(rid)
+            self._abort(rid)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout=5)
         except TimeoutError:
@@ -203,7 +213,7 @@ class DecodeWorker(WorkerBase):
                 counter = "tasks_aborted" if code == ErrorCode.CANCELLED else "tasks_failed"
                 await self._fail(task, code, message, counter=counter)
             except Exception as e:  # noqa: BLE001 - one request's failure, not the worker's
-                self.engine.abort(rid)
+                self._abort(rid)
                 code, message = classify(e)
                 log.warning("decode_failed", error=f"{type(e).__name__}: {e}", code=int(code))
                 await self._fail(task, code, message)
@@ -211,6 +221,7 @@ class DecodeWorker(WorkerBase):
                     self.dead.set()
             finally:
                 self._stop_reason.pop(rid, None)
+                self._seqs.pop(rid, None)
                 self._active.discard(rid)
                 if not self._active:
                     self._idle.set()
@@ -222,7 +233,7 @@ class DecodeWorker(WorkerBase):
             held = rid in self._active
             if held:
                 self._stop_reason.setdefault(rid, (ErrorCode.CANCELLED, f"cancelled: {c.reason}"))
-                self.engine.abort(rid)
+                self._abort(rid)
         await self.ack_cancel(c, msg, held)
 
     def stats_counters(self) -> dict[str, int]:
@@ -262,7 +273,7 @@ class DecodeWorker(WorkerBase):
             with tracer().start_as_current_span("decode.load_kv", attributes={"tokens": n}):
                 await self.store.attached(task.decode_tx)  # its store may have restarted
                 slots = [self.store.slot(s) for s in task.decode_tx.slots]
-                load = self.engine.add_request(
+                jobs = [
                     DecodeJob(
                         request_id=rid,
                         prompt_token_ids=req.prompt_token_ids,
@@ -270,16 +281,21 @@ class DecodeWorker(WorkerBase):
                         sampling=req.sampling,
                         kv=SlotKV(self.layout, slots, n),
                         on_block=wb.on_block if wb is not None else None,
-                    )
-                )
-                stream = await self._before_lease_ends(load, task)
+                    ),
+                    *sequences.more_jobs(req, slots, self.layout),
+                ]
+                self._seqs[rid] = len(jobs)
+                streams = await self._before_lease_ends(self._add_all(jobs), task)
         finally:
             self._loading -= 1
         self.counters["kv_tokens_loaded"] += n
+        # n > 1: the sequences after the first read the prompt's KV from the same slots
+        # (shipped once by prefill, one transaction on this node's store).
+        self.counters["sequences_sharing_kv"] += len(jobs) - 1
         if req.migration is not None:
             self._count_migration(task)
         if rid in self._stop_reason:  # cancelled while the KV was loading
-            self.engine.abort(rid)
+            self._abort(rid)
             raise _Stopped()
         if not task.first_token_sent:
             with tracer().start_as_current_span("decode.first_token"):
@@ -300,43 +316,84 @@ class DecodeWorker(WorkerBase):
         if wb is not None:  # the prompt's blocks head the answer's chain
             commit.add_done_callback(lambda _: wb.prompt_committed())
         self.counters["tokens_generated"] += 1
-        index = 1
         with tracer().start_as_current_span("decode.generate") as span:
-            while batch := await stream.next_batch():
-                await self._emit(
-                    req.reply_subject,
-                    Tokens(
-                        request_id=rid,
-                        token_ids=batch,
-                        index=index,
-                        incarnation=self.incarnation,
-                        logprobs=stream.take_logprobs(),
-                    ),
+            counts = await asyncio.gather(
+                *(
+                    self._pump(req, st, seq, 1 if seq == 0 else 0, wb if seq == 0 else None)
+                    for seq, st in enumerate(streams)
                 )
-                index += len(batch)
-                self.counters["tokens_generated"] += len(batch)
-                if wb is not None:
-                    wb.add_tokens(batch)
-            span.set_attribute("completion_tokens", index)
+            )
+            span.set_attribute("completion_tokens", sum(counts))
         await commit  # never raises; ordered before Finished so the node's cache is settled
         if wb is not None:
             with tracer().start_as_current_span("decode.writeback") as span:
                 await wb.finish()
                 span.set_attribute("blocks", wb.written)
         stop = self._stop_reason.get(rid)
-        if stream.finish_reason == "abort" and stop is not None and stop[0] != ErrorCode.CANCELLED:
+        reasons = [st.finish_reason or "abort" for st in streams]
+        if "abort" in reasons and stop is not None and stop[0] != ErrorCode.CANCELLED:
             raise _Stopped()  # shutting down: the client gets Error 503, not a short answer
+        many = len(streams) > 1
         await self._emit(
             req.reply_subject,
             Finished(
                 request_id=rid,
-                finish_reason=stream.finish_reason or "abort",
+                finish_reason=reasons[0],
                 prompt_tokens=n,
-                completion_tokens=index,
+                completion_tokens=sum(counts),
                 cached_tokens=task.cached_tokens,
+                seq_finish=reasons if many else [],
+                seq_tokens=list(counts) if many else [],
             ),
         )
-        self.counters["tasks_aborted" if stream.finish_reason == "abort" else "tasks_done"] += 1
+        self.counters["tasks_aborted" if "abort" in reasons else "tasks_done"] += 1
+
+    async def _add_all(self, jobs: list[DecodeJob]) -> list[RequestStream]:
+        """Every sequence's job into the engine (each loads the KV from the same slots);
+        should one fail, the others are dropped and the failure raised."""
+        got = await asyncio.gather(
+            *(self.engine.add_request(j) for j in jobs), return_exceptions=True
+        )
+        err = next((g for g in got if isinstance(g, BaseException)), None)
+        if err is not None:
+            for j, g in zip(jobs, got, strict=True):
+                if not isinstance(g, BaseException):
+                    self.engine.abort(j.request_id)
+            raise err
+        return [g for g in got if isinstance(g, RequestStream)]
+
+    async def _pump(
+        self,
+        req: Any,
+        stream: RequestStream,
+        seq: int,
+        index: int,
+        wb: "writeback.AnswerWriteBack | None",
+    ) -> int:
+        """Sequence ``seq``'s tokens to the client as the engine makes them, from
+        ``index`` (1: its first token went out already); returns its token count."""
+        while batch := await stream.next_batch():
+            await self._emit(
+                req.reply_subject,
+                Tokens(
+                    request_id=req.request_id,
+                    token_ids=batch,
+                    index=index,
+                    incarnation=self.incarnation,
+                    logprobs=stream.take_logprobs(),
+                    seq=seq,
+                ),
+            )
+            index += len(batch)
+            self.counters["tokens_generated"] += len(batch)
+            if wb is not None:
+                wb.add_tokens(batch)
+        return index
+
+    def _abort(self, rid: str) -> None:
+        """Drop ``rid`` from the engine, each of its sequences when n > 1."""
+        for seq_id in sequences.ids(rid, self._seqs.get(rid, 1)):
+            self.engine.abort(seq_id)
 
     async def _before_lease_ends(self, load: Any, task: DecodeTask) -> Any:
         """``load`` (the engine taking the KV from the slots) while this worker renews the
@@ -350,7 +407,7 @@ class DecodeWorker(WorkerBase):
             # The handle's expiry dates from prefill's reservation: renew before judging.
             return await self.leases.before_expiry(key, load, renew_first=True)
         except LeaseExpired:
-            self.engine.abort(task.request.request_id)
+            self._abort(task.request.request_id)
             raise LeaseExpired(
                 "the store no longer holds the request's KV for the decode engine"
             ) from None

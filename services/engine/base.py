@@ -135,11 +135,16 @@ class PrefillJob:
 
 @dataclass
 class DecodeJob:
-    """Continue a request whose prompt KV is in ``kv`` and whose first token is known."""
+    """Continue a request whose prompt KV is in ``kv`` and whose first token is known.
+
+    ``first_token`` None (a request's sequence ``seq`` > 0 when n > 1): the engine
+    samples the first token itself, from the prompt's KV in ``kv`` (it computes only
+    the last prompt position again) with ``sampling`` as given (its seed is the
+    sequence's), and streams it first."""
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    first_token: int
+    first_token: int | None
     sampling: SamplingParams
     kv: KVAccess
     # Write-back (issue 24): called on the event loop with (block index j, the block's
@@ -149,6 +154,7 @@ class DecodeJob:
     # copied out as it is computed; the last sampled token has none (it was never fed
     # back), so the blocks end before it. The bytes are the callee's.
     on_block: Callable[[int, memoryview], None] | None = None
+    seq: int = 0  # which of the request's n sequences this is
 
 
 @dataclass(frozen=True)

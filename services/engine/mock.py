@@ -190,8 +190,9 @@ class MockEngine(Engine):
             raise EngineError("empty prompt")
         if job.kv.num_tokens < n:
             raise EngineError(f"kv holds {job.kv.num_tokens} positions, prompt has {n}")
-        if not 0 <= job.first_token < self.spec.vocab_size:
-            raise EngineError(f"first token {job.first_token} outside the vocabulary")
+        first = job.first_token
+        if first is not None and not 0 <= first < self.spec.vocab_size:
+            raise EngineError(f"first token {first} outside the vocabulary")
         hashes = synth.prefix_hashes(prompt)
         if n * job.kv.layout.row * 2 >= THREAD_ELEMENTS:
             await asyncio.to_thread(self._verify_all, job.kv, hashes, n)
@@ -200,13 +201,23 @@ class MockEngine(Engine):
         self._check_alive()
         if rid in self._by_id:
             raise EngineError(f"request {rid} is already decoding")
-        h = synth.extend_hash(int(hashes[-1]), job.first_token)
+        if first is None:
+            # Sequence seq > 0 of n: its own first token, the prompt's hash salted with
+            # the sequence (the mock ignores seeds), pushed as the stream's first token.
+            first = synth.next_token(
+                synth.extend_hash(int(hashes[-1]), self.spec.vocab_size + job.seq),
+                self.spec.vocab_size,
+                self.spec.eos_token_id,
+            )
+        h = synth.extend_hash(int(hashes[-1]), first)
         req = _Req(job=job, stream=RequestStream(rid), h=h, generated=1, context=n + 1)
+        if job.first_token is None:
+            req.stream.push(first)
         if job.on_block is not None:
             bs = job.kv.layout.block_size
             req.wb_block = n // bs
             req.wb_hashes = [int(x) for x in hashes[req.wb_block * bs :]] + [h]
-        reason = self._finish_reason(req, job.first_token)
+        reason = self._finish_reason(req, first)
         if reason is not None:
             req.stream.finish(reason)
             return req.stream

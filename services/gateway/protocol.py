@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from bus_schemas.requests import MAX_BAD_WORDS, SamplingParams, StructuredOutput
+from bus_schemas.requests import MAX_BAD_WORDS, MAX_N, SamplingParams, StructuredOutput
 
 # ---------------------------------------------------------------------------- errors
 
@@ -109,7 +109,8 @@ Neutral = Callable[[Any], bool]
 UNSUPPORTED: dict[str, Neutral] = {
     "prompt_logprobs": _unset,  # served through completions' echo + logprobs
     "logprob_token_ids": _empty,
-    "best_of": _one,
+    # best_of: vLLM 0.32's SamplingParams has none and its OpenAI server drops the field;
+    # checked against n in _common (equal to n is what vLLM's answer amounts to).
     "suffix": _empty,
     "use_beam_search": _off,
     "length_penalty": _one,
@@ -174,6 +175,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = 1
+    best_of: Any = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -281,6 +283,7 @@ class ParsedRequest:
     # (services.gateway.tools) and puts the ToolRequest in ``tools``
     tool_fields: tuple[Any, Any, bool | None] = (None, None, None)
     tools: Any = None
+    n: int = 1  # sequences (choices) sampled from the prompt
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """What goes on the bus; :class:`ApiError` (400) when a value is out of bounds."""
@@ -302,6 +305,7 @@ class ParsedRequest:
             # vLLM: echo with logprobs scores the prompt too (lm-eval's loglikelihood)
             prompt_logprobs=self.logprobs if self.echo else None,
             structured=self.structured,
+            n=self.n,
         )
         bad = s.problem()
         if bad is not None:
@@ -354,8 +358,7 @@ def _common(
     body: _Common, parsed: ParsedRequest, vocab_size: int, names: dict[str, Neutral]
 ) -> None:
     _unsupported(body, names)
-    if body.n is not None and body.n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    _choices(body, parsed)
     _penalty("presence_penalty", body.presence_penalty)
     _penalty("frequency_penalty", body.frequency_penalty)
     if body.temperature is not None:
@@ -398,6 +401,25 @@ def _common(
                 400, "stream_options is only allowed with stream=true", param="stream_options"
             )
         parsed.include_usage = bool(body.stream_options.include_usage)
+
+
+def _choices(body: _Common, parsed: ParsedRequest) -> None:
+    """``n`` and ``best_of``. vLLM 0.32 has no ``best_of`` (its server ignores the
+    field); a value other than ``n`` asks for a ranking this server does not do, so it
+    is refused by name rather than silently ignored."""
+    n = 1 if body.n is None else body.n
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+    best = body.best_of
+    if best is not None and not (type(best) is int and best == n):
+        raise ApiError(
+            400,
+            "`best_of` is not supported by this server (vLLM 0.32 dropped it): leave it "
+            "out, or send null or the value of n",
+            param="best_of",
+            code="unsupported_parameter",
+        )
+    parsed.n = n
 
 
 def _engine_fields(body: _Common, parsed: ParsedRequest, vocab_size: int) -> None:
@@ -570,6 +592,13 @@ def parse_completion(data: bytes, vocab_size: int) -> ParsedRequest:
     parsed = ParsedRequest(chat=False, model=body.model, max_tokens=body.max_tokens)
     parsed.logprobs = body.logprobs
     parsed.echo = bool(body.echo)
+    if parsed.echo and body.n not in (None, 1):
+        raise ApiError(
+            400,
+            "echo with n > 1 is not supported by this server",
+            param="echo",
+            code="unsupported_parameter",
+        )
     if parsed.echo and body.stream:
         raise ApiError(
             400,
@@ -736,17 +765,21 @@ class ChunkWriter:
             obj["usage"] = use if with_usage else None
         return b"data: " + self._enc.encode(obj) + b"\n\n"
 
-    def role(self) -> bytes:
-        """Chat only: the first chunk, announcing the assistant's role."""
+    def role(self, index: int = 0) -> bytes:
+        """Chat only: the first chunk (of choice ``index``), announcing the assistant's role."""
         delta = {"role": "assistant", "content": ""}
-        return self._frame([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self._frame(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
 
-    def text(self, text: str, finish: str | None = None, logprobs: dict | None = None) -> bytes:
+    def text(
+        self, text: str, finish: str | None = None, logprobs: dict | None = None, index: int = 0
+    ) -> bytes:
         if self.chat:
             delta = {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return self._frame([choice])
 
     def delta(self, delta: dict, finish: str | None = None, logprobs: dict | None = None) -> bytes:

@@ -119,6 +119,9 @@ class _Flight:
     resent: GenerateRequest | None = None  # the current attempt, when it is a migration
     resend_tries: int = 0  # its sends answered "no responders" so far
     wait_until: float = 0.0  # a migration waiting for a live instance: until then (monotonic)
+    # n > 1: tokens the client has of each sequence after the first (sequence 0's are
+    # ``generated``)
+    seq_counts: dict[int, int] = field(default_factory=dict)
 
 
 class ReplyRouter:
@@ -606,16 +609,22 @@ class ReplyRouter:
     @staticmethod
     def _lost_before(f: _Flight, ev: StreamEvent) -> bool:
         """A token past the ones the client has, or an end that counts more tokens
-        than the client got (each attempt's indices and counts start at its offset)."""
+        than the client got (each attempt's indices and counts start at its offset;
+        with n > 1, each sequence's indices start at 0 and the end counts them all)."""
         if type(ev) is Tokens:
-            return ev.index + f.offset > len(f.generated)
+            have = len(f.generated) if ev.seq == 0 else f.seq_counts.get(ev.seq, 0)
+            return ev.index + f.offset > have
         if type(ev) is Finished:
-            return ev.completion_tokens + f.offset > len(f.generated)
+            have = len(f.generated) + sum(f.seq_counts.values())
+            return ev.completion_tokens + f.offset > have
         return False
 
     def _note_tokens(self, f: _Flight, ev: Tokens) -> Tokens:
         """Record what the client gets (for a later migration) and shift the index of a
         migrated attempt's tokens to the client's."""
+        if ev.seq:  # n > 1 is never migrated: only counted, for the loss check
+            f.seq_counts[ev.seq] = max(f.seq_counts.get(ev.seq, 0), ev.index + len(ev.token_ids))
+            return ev
         index = ev.index + f.offset
         have = len(f.generated)
         if index <= have:
@@ -696,6 +705,12 @@ class ReplyRouter:
         if f is None:
             return
         message = v.message
+        if f.request is not None and f.request.sampling.n > 1 and v.dead_role:
+            # n sequences are not resumed (each would need its own prompt + answer so
+            # far): the request fails, none of its sequences is cut short silently.
+            message = f"{message}; a request with n > 1 is not migrated, send it again"
+            f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
+            return
         if (
             v.dead_instance or v.dead_role in (BUS_LOSS, migration.STORE)
         ) and f.request is not None:

@@ -55,7 +55,7 @@ from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.tokenizer import Tokenizer
-from services.gateway import auth, connections, telemetry, tools
+from services.gateway import auth, choices, connections, telemetry, tools
 from services.gateway.logprobs import LogprobsOut
 from services.gateway.output import TextOutput
 from services.gateway.protocol import (
@@ -562,12 +562,7 @@ class Gateway:
             reply_subject=self.router.reply_subject(rid),
         )
         q = self.router.open(rid)
-        text = TextOutput(
-            self.tok.detokenizer(p.skip_special_tokens),
-            p.stop,
-            p.include_stop_str_in_output,
-            self._hidden(sampling, p.include_stop_str_in_output),
-        )
+        text = self._text_output(p, sampling)
         extras = self._extras(p, ids)
         cancel_reason = ""  # set when the backend may still be working and must be told
         try:
@@ -592,6 +587,15 @@ class Gateway:
                 out.note(ev, t0)
                 return ev
 
+            if p.n > 1:
+                many = choices.make_choices(
+                    p.n, lambda: self._text_output(p, sampling), lambda: self._extras(p, ids)
+                )
+                if p.stream:
+                    return await choices.stream_n(
+                        request, next_event, p, rid, model, many, out, self._guard_s
+                    )
+                return await choices.collect_n(next_event, p, rid, model, many, out)
             if p.stream:
                 return await stream(
                     request, next_event, p, rid, model, text, out, self._guard_s, extras
@@ -619,6 +623,14 @@ class Gateway:
             if cancel_reason:
                 self._spawn(self.router.cancel(current, cancel_reason, holders))
 
+    def _text_output(self, p: ParsedRequest, sampling: SamplingParams) -> TextOutput:
+        return TextOutput(
+            self.tok.detokenizer(p.skip_special_tokens),
+            p.stop,
+            p.include_stop_str_in_output,
+            self._hidden(sampling, p.include_stop_str_in_output),
+        )
+
     def _tools(self, p: ParsedRequest, data: bytes) -> None:
         """A chat's tools (services.gateway.tools): named or required constrain the
         answer by their JSON schema (over any other structured output, as vLLM does)."""
@@ -632,6 +644,13 @@ class Gateway:
             p.structured = StructuredOutput(json=json.dumps(schema))
         if tr.choice == "none":
             return
+        if p.n > 1:
+            raise ApiError(
+                400,
+                "tools with n > 1 are not supported by this server (tool_choice none is)",
+                param="n",
+                code="unsupported_parameter",
+            )
         if tr.choice != "auto" or self._tool_parser is None:
             tr.output = tools.ToolOutput(tr)
             return

@@ -300,26 +300,31 @@ class VllmEngine(Engine):
         n, first = len(prompt), job.first_token
         if n == 0:
             raise EngineError("empty prompt")
-        if not 0 <= first < self.spec.vocab_size:
+        if first is not None and not 0 <= first < self.spec.vocab_size:
             raise EngineError(f"first token {first} outside the vocabulary")
         if rid in self._active:
             raise EngineError(f"request {rid} is already decoding")
         slots = self._slots(job.kv, n)
+        # No first token (a sequence > 0 of n): vLLM samples it here, after the prompt's
+        # last position, whose KV it computes again (the rest is loaded from the slots):
+        # the whole budget, and a fresh generator of the sequence's seed as vLLM's own
+        # parallel sampling has it.
+        own = 0 if first is None else 1
         params = self._request_params(
             prompt,
             job.sampling,
-            max(job.sampling.max_tokens - 1, 1),
+            max(job.sampling.max_tokens - own, 1),
             rid,
-            min_tokens=max(job.sampling.min_tokens - 1, 0),  # the first token counts
+            min_tokens=max(job.sampling.min_tokens - own, 0),  # the first token counts
         )
         stream = RequestStream(rid)
-        reason = self._first_token_finish(job.sampling, first, n + 1)
+        reason = None if first is None else self._first_token_finish(job.sampling, first, n + 1)
         if reason is not None:
             stream.finish(reason)
             return stream
         loop = self._loop
         loaded = loop.create_future()
-        a = _Active("decode", stream=stream, loaded=loaded, context=n + 1)
+        a = _Active("decode", stream=stream, loaded=loaded, context=n + own)
 
         def on_loaded() -> None:  # engine thread
             loop.call_soon_threadsafe(_settle, loaded)
@@ -327,7 +332,7 @@ class VllmEngine(Engine):
         plan = Plan(
             key=rid,
             slots=slots,
-            load_tokens=n,
+            load_tokens=n - 1 + own,
             on_loaded=on_loaded,
             grammar_prefix=_answer_so_far(job.sampling, prompt, first),
         )
@@ -341,7 +346,7 @@ class VllmEngine(Engine):
             plan.on_block = on_block
         self.bridge.add(plan)
         self._active[rid] = a
-        self._cmds.put(("add", rid, [*prompt, first], params))
+        self._cmds.put(("add", rid, prompt if first is None else [*prompt, first], params))
         try:
             await loaded
         except asyncio.CancelledError:

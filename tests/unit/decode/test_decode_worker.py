@@ -268,3 +268,43 @@ async def test_a_cancel_naming_another_incarnation_is_refused_and_ignored(slow_r
     events = [ev, *await until_terminal(q)]
     fin = events[-1]
     assert isinstance(fin, Finished) and fin.finish_reason == "length"  # ran to its end
+
+
+async def test_n_sequences_share_the_shipped_kv_and_end_in_one_finished(rig):
+    # n = 3: sequence 0 continues prefill's first token; 1 and 2 are engine requests on
+    # the same decode_tx slots, each sampling its own first token (index 0 of its seq).
+    p = rig.prompt(45, seed=30)
+    dt = decode_task(rig, p, max_tokens=6, n=3, seed=11)
+    before = await rig.stats("decode", rig.di)
+    events = await until_terminal(await send(rig, dt))
+    seqs: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for e in events:
+        if isinstance(e, Tokens):
+            assert e.index == len(seqs[e.seq])  # each sequence's indices run from 0
+            seqs[e.seq] += e.token_ids
+    assert seqs[0] == rig.reference(p, 6)  # as for n = 1
+    assert all(len(s) == 6 for s in seqs.values())
+    assert len({tuple(s) for s in seqs.values()}) == 3  # three different answers
+    fin = events[-1]
+    assert isinstance(fin, Finished)
+    assert fin.completion_tokens == 18
+    assert fin.seq_finish == ["length"] * 3 and fin.seq_tokens == [6, 6, 6]
+    after = await rig.stats("decode", rig.di)
+    assert after["sequences_sharing_kv"] - before.get("sequences_sharing_kv", 0) == 2
+    assert after["kv_tokens_loaded"] - before["kv_tokens_loaded"] == len(p)  # one task's KV
+    assert [c.tx_id for c in rig.commits] == [dt.decode_tx.tx_id]  # one transaction
+    assert rig.dengine.stats().batch_size == 0
+
+
+async def test_cancel_stops_every_sequence(slow_rig):
+    rig = slow_rig
+    dt = decode_task(rig, rig.prompt(30, seed=31), max_tokens=100_000, n=2)
+    q = await send(rig, dt)
+    events = []
+    while not (events and isinstance(events[-1], Tokens) and events[-1].index >= 2):
+        events.append(await asyncio.wait_for(q.get(), 5))
+    await cancel(rig, dt.request.request_id)
+    events += await until_terminal(q)
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.seq_finish == ["abort", "abort"]
+    assert rig.dengine.stats().batch_size == 0

@@ -39,7 +39,7 @@ def test_completion_errors():
     assert _err(parse_completion, b"{not json").param is None
     assert _err(parse_completion, {"prompt": "x", "max_tokens": "5"}).param == "max_tokens"
     assert _err(parse_completion, {"max_tokens": 5}).param == "prompt"
-    assert _err(parse_completion, {"prompt": "x", "n": 2}).param == "n"
+    assert _err(parse_completion, {"prompt": "x", "n": 0}).param == "n"
     assert _err(parse_completion, {"prompt": ["a", "b"]}).param == "prompt"
     assert _err(parse_completion, {"prompt": []}).param == "prompt"
     assert _err(parse_completion, {"prompt": [1, 5000]}).param == "prompt"

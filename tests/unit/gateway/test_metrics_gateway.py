@@ -122,7 +122,7 @@ async def test_metrics_endpoint_counts_requests(env):  # noqa: F811 - fixture
     env.set_behaviour(serve_reject)
     async with env.post("/v1/completions", {"prompt": "hi"}) as r:
         assert r.status == 429
-    async with env.post("/v1/completions", {"prompt": "hi", "n": 2}) as r:
+    async with env.post("/v1/completions", {"prompt": "hi", "n": 17}) as r:
         assert r.status == 400
     after = await scrape()
     assert after[ttft] - before.get(ttft, 0) == 2

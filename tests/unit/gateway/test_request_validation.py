@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from bus_schemas.requests import INT32_MAX, INT64_MAX, INT64_MIN, SamplingParams
+from bus_schemas.requests import INT32_MAX, INT64_MAX, INT64_MIN, MAX_N, SamplingParams
 from services.common import metrics
 from services.gateway.protocol import (
     MAX_STOP_STRINGS,
@@ -170,8 +170,10 @@ def test_served_sampling_fields_pass_through(chat):
         ({"stop_token_ids": [V]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)}, "stop_token_ids"),
-        ({"n": 2}, "n"),
+        ({"n": MAX_N + 1}, "n"),
         ({"n": 0}, "n"),
+        ({"n": 1.5}, "n"),
+        ({"n": 2, "seed": INT64_MAX}, "seed"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
@@ -185,6 +187,7 @@ def test_out_of_bounds_is_a_400_naming_the_field(body, param, chat):
     ("body", "param"),
     [
         ({"best_of": 2}, "best_of"),
+        ({"best_of": 3, "n": 2}, "best_of"),
         ({"suffix": "s"}, "suffix"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"frequency_penalty": -1}, "frequency_penalty"),
@@ -368,3 +371,24 @@ async def test_router_input_is_fresh_only_while_its_echoes_come_back(env):  # no
     await env.gw.nc.publish(router._echo_subject, repr(time.monotonic()).encode())
     await until(lambda: router._echo_lag < 5.0)
     assert router.input_fresh()
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_reaches_the_bus_and_best_of_equal_to_n_passes(chat):
+    p = _parse({"n": 3, "seed": 5, "best_of": 3}, chat)
+    s = p.sampling(8)
+    assert (p.n, s.n) == (3, 3)
+    assert [s.seq_seed(i) for i in range(3)] == [5, 6, 7]  # vLLM's children: seed + i
+    assert _parse({"n": MAX_N, "best_of": None}, chat).sampling(8).n == MAX_N
+    assert _parse({}, chat).sampling(8).n == 1
+
+
+def test_best_of_names_vllms_dropped_field():
+    e = _err({"best_of": 4, "n": 2})
+    assert (e.param, e.code) == ("best_of", "unsupported_parameter")
+    assert "vLLM 0.32 dropped it" in e.message
+
+
+def test_echo_with_n_is_refused_by_name():
+    e = _err({"echo": True, "n": 2})
+    assert (e.param, e.code) == ("echo", "unsupported_parameter")
