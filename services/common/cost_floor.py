@@ -124,6 +124,12 @@ class CostFloor:
             + ("weight_bytes", "hbm_bw", "decode_seq_s")
         )
 
+    @property
+    def uniform(self) -> bool:
+        """No instance predicts with a model of its own: every one uses the prior, so
+        equal inputs give every instance equal times."""
+        return not self._sig
+
     # ------------------------------------------------------------ bounds
 
     def _min_model(self) -> CostModel:

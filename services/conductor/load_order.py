@@ -8,6 +8,19 @@ from typing import Any
 from sortedcontainers import SortedList
 
 
+class _Top:
+    """Above every instance name: ``(key, TOP)`` sorts after each ``(key, name)``."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return True
+
+
+TOP = _Top()
+
+
 class LoadOrder:
     """instance -> key, iterable as (key, instance) in ascending order."""
 
@@ -37,6 +50,11 @@ class LoadOrder:
 
     def __iter__(self) -> Iterator[tuple[Any, str]]:
         return iter(self._sorted)
+
+    def after(self, key: Any) -> Iterator[tuple[Any, str]]:
+        """As iterating, from the first instance whose key is above ``key``: a walk
+        skips the rest of a group of equal keys in O(log n)."""
+        return iter(self._sorted.irange(minimum=(key, TOP), inclusive=(False, False)))
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -382,15 +382,18 @@ class PlacementPolicy:
 
     def _touch_decode(self, instance: str) -> None:
         """Re-key ``instance`` in the decode order: (decode_occupancy, KV tokens as
-        predicted_tbt sums them)."""
+        predicted_tbt sums them), then the rest of predicted_tbt's inputs, so that equal
+        keys predict equal TBTs under one model (the search's ties)."""
         load = self._decode.get(instance)
         if load is None:
             self.orders.decode.discard(instance)
             return
         pending = self._by_decode.get(instance, {})
-        occupancy = (load.batch_size + load.waiting + len(pending) + 1) / max(1, load.max_batch)
+        waiting = load.waiting + len(pending)
+        occupancy = (load.batch_size + waiting + 1) / max(1, load.max_batch)
         kv = load.kv_tokens + sum(d.tokens for d in pending.values())
-        self.orders.decode.set(instance, (occupancy, kv))
+        key = (occupancy, kv, load.batch_size, waiting, load.max_batch)
+        self.orders.decode.set(instance, key)
 
     def prefill_done(
         self, request_id: str, ts: float | None = None, handoff_ts: float | None = None

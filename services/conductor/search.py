@@ -130,8 +130,13 @@ def best_prefill(
     computed = computed_prefix(req.num_tokens, req.block_size, prefix)
     prefill_floor = policy._book.floor.prefill(req.num_tokens, computed)
     factor_floor = policy.feedback.floor() if policy.feedback is not None else 1.0
+    # Instances with equal keys tie exactly when they share a model and their factor is
+    # the least there is: the first usable one by name is then the group's choice.
+    same_model = policy._book.floor.uniform
     stale = []
-    for key, instance in orders.prefill:
+    it = iter(orders.prefill)
+    while (entry := next(it, None)) is not None:
+        key, instance = entry
         if best is not None and factor_floor * (transfer_s + key + prefill_floor) > best.ttft_s:
             break
         ld = prefill.get(instance)
@@ -144,6 +149,8 @@ def best_prefill(
         r = rank(c)
         if best_rank is None or r < best_rank:
             best, best_rank = c, r
+        if same_model and c.factor <= factor_floor:
+            it = orders.prefill.after(key)  # the rest of this key's group ties, later by name
     for instance in stale:
         orders.prefill.discard(instance)
     return best
@@ -159,8 +166,14 @@ def best_decode(
     level = None
     fit: tuple[float, str] | None = None  # (tbt, instance) at the level
     over: tuple[float, str] | None = None  # the least (tbt, instance) over the SLO
+    # Equal keys are equal inputs to the TBT model: with one model for all, the first
+    # usable instance of a group by name is the group's choice.
+    same_model = floor.uniform
     stale = []
-    for (occupancy, kv), instance in orders.decode:
+    it = iter(orders.decode)
+    while (entry := next(it, None)) is not None:
+        key, instance = entry
+        occupancy, kv = key[0], key[1]
         if level is not None:
             if occupancy > level:
                 break
@@ -179,6 +192,8 @@ def best_decode(
                 fit = (tbt, instance)
         elif fit is None and (over is None or (tbt, instance) < over):
             over = (tbt, instance)
+        if same_model:
+            it = orders.decode.after(key)  # the rest of this key's group ties, later by name
     for instance in stale:
         orders.decode.discard(instance)
     pick = fit or over

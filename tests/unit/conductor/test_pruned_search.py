@@ -197,6 +197,8 @@ cluster = st.fixed_dictionaries(
         "tbt_check": st.booleans(),
         "idle": st.booleans(),
         "feedback": st.booleans(),
+        # Factors from the start (feedback on): equal queues with unequal factors.
+        "factors": st.dictionaries(st.integers(0, 11), st.sampled_from([0.5, 1.0, 2.0])),
     }
 )
 
@@ -213,7 +215,8 @@ def test_pruned_search_chooses_as_the_full_scan(c):
     )
     pair = []
     for pruned in (True, False):
-        fb = TtftFeedback() if c["feedback"] else None
+        factors = {f"p{i}": f for i, f in c["factors"].items()}
+        fb = TtftFeedback(factors=factors) if c["feedback"] else None
         pair.append(_policy(pruned, clock, feedback=fb, **kw))
     # Instances whose report is older than 2.5 s are dead (dead_after 2 s): reported
     # before the clock moves on; the rest after. Ages in (2.0, 2.5] are forgotten (a
@@ -251,3 +254,82 @@ def test_pruned_search_chooses_as_the_full_scan(c):
             done = placed.pop(0)
             for p in pair:
                 p.prefill_done(done.request_id, clock.now())
+
+
+def test_ties_among_idle_instances_cost_one_evaluation_per_group():
+    """1,000 idle prefill and 1,000 idle decode instances, one cost model: every idle
+    instance predicts the same TTFT (TBT), so the first by name wins, as in the scan,
+    and the walk evaluates one instance of the tied group instead of all of them
+    (issue 27: the walk through ties)."""
+    clock = ManualClock(0.0)
+    pruned, full = _policy(True, clock), _policy(False, clock)
+    for p in (pruned, full):
+        for i in range(1000):
+            p.observe_prefill(_prefill(i, 0.0))
+            p.observe_decode(_decode(i, 0, 0))
+        p.observe_prefill(_prefill(1000, 0.5))
+        p.observe_decode(_decode(1000, 3, 9_000))
+    evaluated, tbts = [], []
+    cand, tbt = pruned._candidate, pruned.predicted_tbt
+
+    def counting(*a, **k):
+        evaluated.append(a[1])
+        return cand(*a, **k)
+
+    def counting_tbt(*a, **k):
+        tbts.append(a[0])
+        return tbt(*a, **k)
+
+    pruned._candidate = counting  # type: ignore[method-assign]
+    pruned.predicted_tbt = counting_tbt  # type: ignore[method-assign]
+    for k in range(3):
+        a = pruned.place(_req(f"r{k}", 2), {})
+        b = full.place(_req(f"r{k}", 2), {})
+        assert isinstance(a, Placement) and a == b
+    # Each placement books work on its choice, so the next goes to the next idle name.
+    assert [evaluated[0], evaluated[-1]] == ["p0", "p10"]
+    assert len(evaluated) <= 3 * 2 and len(tbts) <= 3 * 2
+
+
+def test_ties_under_different_models_are_walked():
+    """Instances with models of their own may differ at equal keys: the walk does not
+    skip the group, and a faster instance later by name wins, as in the scan."""
+    clock = ManualClock(0.0)
+    slow = CostFit(prefill=[0.05, 2e-4, 1e-8], decode=None)
+    fast = CostFit(prefill=[0.0, 1e-5, 0.0], decode=None)
+    for pruned in (True, False):
+        p = _policy(pruned, clock)
+        for i in range(5):
+            p.observe_prefill(_prefill(i, 0.0, fit=fast if i == 3 else slow))
+        p.observe_decode(_decode(0, 0, 0))
+        d = p.place(_req("r", 4), {})
+        assert isinstance(d, Placement) and d.prefill_instance == "p3"
+
+
+def test_a_tied_group_is_walked_past_an_instance_slower_by_its_feedback():
+    """Equal queues and one model, but p0's TTFT feedback is 2x: p1 (factor 1) wins, as
+    in the scan; the group skip applies only from an instance at the least factor."""
+    clock = ManualClock(0.0)
+    for pruned in (True, False):
+        p = _policy(pruned, clock, feedback=TtftFeedback(factors={"p0": 2.0}))
+        for i in range(3):
+            p.observe_prefill(_prefill(i, 0.0))
+        p.observe_decode(_decode(0, 0, 0))
+        d = p.place(_req("r", 4), {})
+        assert isinstance(d, Placement) and d.prefill_instance == "p1"
+
+
+def test_equal_occupancy_and_kv_with_unequal_batches_are_not_one_group():
+    """d0 runs 63 of 128, d1 1 of 4: the same occupancy once one joins (0.5) and the
+    same KV, but d0 steps 63 sequences: d1's TBT is lower and it wins, as in the scan
+    (the decode order's key holds every input of the TBT model, not just the first two)."""
+    clock = ManualClock(0.0)
+    for pruned in (True, False):
+        p = PlacementPolicy(clock, CostModel(decode_seq_s=1e-4))  # a step grows with its batch
+        p.pruned = pruned
+        p.observe_prefill(_prefill(0, 0.0))
+        p.observe_decode(_decode(0, 63, 10_000, max_batch=128))
+        p.observe_decode(_decode(1, 1, 10_000, max_batch=4))
+        assert p.predicted_tbt("d1", 2 * BS) < p.predicted_tbt("d0", 2 * BS)
+        d = p.place(_req("r", 2), {})
+        assert isinstance(d, Placement) and d.decode_instance == "d1"
