@@ -126,7 +126,7 @@ class StackConfig:
     switchable: bool = False  # workers obey RoleSwitch (--switchable)
     decode_time: float = 5.0  # predict admission: uniform decode time t_d, s
     max_batch: int = 128
-    dead_after: float = 2.0
+    dead_after: float = defaults.DEAD_AFTER_S
     migration_limit: int = 3  # gateway: resends of a request whose worker died (0: fail it)
     report_interval: float = defaults.REPORT_INTERVAL_S
     log_dir: str = ".perigee/logs"

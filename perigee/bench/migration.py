@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kill-after", type=int, default=16, help="tokens out before the kill")
     p.add_argument("--trials", type=int, default=None, help="default 5 (mock), 2 (vllm)")
-    p.add_argument("--dead-after", type=float, default=2.0)
+    p.add_argument("--dead-after", type=float, default=defaults.DEAD_AFTER_S)
     p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     p.add_argument("--restart-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=13)

@@ -65,7 +65,7 @@ class AdmissionConfig:
     tbt_slo_s: float = defaults.TBT_SLO_S
     speedup: float = 1.0
     policy: str = "early"
-    dead_after_s: float = 2.0
+    dead_after_s: float = defaults.DEAD_AFTER_S
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     decode_time_s: float = 5.0  # predict: the uniform decode time t_d
     # Serve the gateway's INTAKE work queue and forward on SCHEDULE_QUEUE (False: core

@@ -6,12 +6,13 @@ fail streams whose worker went silent or restarted; the conductor to stop placin
 
 from sortedcontainers import SortedList
 
+from services.common import defaults
 from services.common.clock import Clock
 from services.common.incarnation import SAME, STALE, judge
 
 
 class Liveness:
-    def __init__(self, clock: Clock, dead_after_s: float = 2.0) -> None:
+    def __init__(self, clock: Clock, dead_after_s: float = defaults.DEAD_AFTER_S) -> None:
         self.clock = clock
         self.dead_after_s = dead_after_s
         self._last: dict[str, float] = {}
@@ -61,7 +62,7 @@ class OrderedLiveness(Liveness):
     ones are found without a walk over every name: O(log n) per sighting, O(silent)
     per :meth:`silent`."""
 
-    def __init__(self, clock: Clock, dead_after_s: float = 2.0) -> None:
+    def __init__(self, clock: Clock, dead_after_s: float = defaults.DEAD_AFTER_S) -> None:
         super().__init__(clock, dead_after_s)
         self._by_time: SortedList = SortedList()
 

@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--dead-after",
         type=float,
-        default=2.0,
+        default=defaults.DEAD_AFTER_S,
         help="seconds without a load report before a worker counts as dead (503)",
     )
     ap.add_argument(

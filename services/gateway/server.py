@@ -102,7 +102,7 @@ class GatewayConfig:
     max_tokens_limit: int = 4096
     max_body_bytes: int = 1 << 20
     request_timeout_s: float = 120.0
-    dead_after_s: float = 2.0
+    dead_after_s: float = defaults.DEAD_AFTER_S
     # A request with no progress for wedge_factor x its prediction + wedge_floor_s, on an
     # instance that still reports load, counts as wedged there (services.gateway.watchdog).
     wedge_factor: float = 10.0

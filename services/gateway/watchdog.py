@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from bus_schemas.requests import ErrorCode
 from bus_schemas.roles import Role
+from services.common import defaults
 from services.common.clock import Clock
 from services.common.incarnation import RESTARTED, STALE
 from services.common.liveness import Liveness
@@ -76,7 +77,7 @@ class Watchdog:
     def __init__(
         self,
         clock: Clock,
-        dead_after_s: float = 2.0,
+        dead_after_s: float = defaults.DEAD_AFTER_S,
         request_timeout_s: float = 120.0,
         wedge_factor: float = 10.0,
         wedge_floor_s: float = 10.0,
