@@ -34,24 +34,24 @@ from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
 
 from bus_schemas import subjects
-from bus_schemas.codec import BadMessage, decode, encode
+from bus_schemas.codec import BadMessage, encode
 from bus_schemas.control import RoleSwitch
 from bus_schemas.load import DecodeLoad, PrefillLoad
-from bus_schemas.requests import Error, ErrorCode, GenerateRequest
+from bus_schemas.requests import ErrorCode, GenerateRequest
 from services.admission.policy import (
     AdmissionPolicy,
     AdmissionRequest,
     make_admission_policy,
 )
-from services.common import bus, defaults, intake_queue, metrics
+from services.common import bus, defaults, intake, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
-from services.common.intake import hashes_for, reply_to, salvage
+from services.common.intake import hashes_for
 from services.common.pools_heard import PoolsHeard
 from services.common.rejection import Rejection
-from tracing import extract, inject, tracer
+from tracing import inject
 
 log = structlog.get_logger()
 
@@ -181,39 +181,15 @@ class AdmissionService:
         log.info("role_switch_seen", instance=rs.instance, role=rs.role)
 
     async def _on_bad(self, m: NatsMsg, err: BadMessage) -> None:
-        """Answer a malformed request in the stream protocol, so bus clients see an Error event."""
-        request_id, reply = salvage(m.data)
-        reply = reply_to(reply, m.reply)
-        if not reply:
-            log.warning("bad_request_dropped", error=str(err))
-            return
-        await bus.publish(
-            self.nc,
-            reply,
-            Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
-        )
+        await intake.answer_malformed(self.nc, "admission", m, err, durable=False)
 
     async def _on_intake(self, m: NatsMsg) -> None:
         """A request off the gateway's work queue: acked once it is forwarded or
         answered, so one an admission dies holding comes again."""
-        try:
-            req = decode(m.data, GenerateRequest)
-        except BadMessage as e:
-            log.warning("bad_message", subject=m.subject, error=str(e))
-            request_id, reply = salvage(m.data)  # m.reply is the stream's ack subject
-            if reply:
-                await self._error(request_id, reply, ErrorCode.BAD_REQUEST, str(e))
-            await m.term()
-            return
-        with tracer().start_as_current_span(
-            "admission.request", context=extract(m.headers), kind=trace.SpanKind.CONSUMER
-        ):
-            await self._on_request(req, m, durable=True)
-        await m.ack()
+        await intake.consume_durable(self.nc, "admission", "admission.request", m, self._on_request)
 
     async def _on_request(self, req: GenerateRequest, m: NatsMsg, durable: bool = False) -> None:
-        # A stored message has no NATS reply: the gateway's travels in the request.
-        reply = req.reply_subject if durable else reply_to(req.reply_subject, m.reply)
+        reply = intake.reply_for(req, m, durable)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")

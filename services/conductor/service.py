@@ -43,7 +43,6 @@ import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
-from opentelemetry import trace
 from structlog.contextvars import bound_contextvars
 
 from bus_schemas import subjects
@@ -55,13 +54,12 @@ from bus_schemas.placement import (
     PrefillTask,
     RequestFailed,
 )
-from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest
-from services.common import bus, defaults, intake_queue, metrics
+from bus_schemas.requests import Accepted, ErrorCode, GenerateRequest
+from services.common import bus, defaults, intake, intake_queue, metrics
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
-from services.common.intake import reply_to, salvage
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
 from services.conductor import cpp as cpp_
@@ -75,7 +73,7 @@ from services.conductor.policy import (
 )
 from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
-from tracing import extract, tracer
+from tracing import tracer
 
 log = structlog.get_logger()
 
@@ -282,40 +280,17 @@ class ConductorService:
     # ------------------------------------------------------------ placement
 
     async def _on_bad_request(self, m: NatsMsg, err: BadMessage) -> None:
-        request_id, reply = salvage(m.data)
-        reply = reply_to(reply, m.reply)
-        if reply:
-            await bus.publish(
-                self.nc,
-                reply,
-                Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(err)),
-            )
+        await intake.answer_malformed(self.nc, "conductor", m, err, durable=False)
 
     async def _on_queued(self, m: NatsMsg) -> None:
         """A request off the crash-safe intake: placed (or its claimed placement re-sent)
         and acked only then, so a conductor that dies before the ack loses nothing."""
-        try:
-            req = decode(m.data, GenerateRequest)
-        except BadMessage as e:
-            log.warning("bad_message", subject=m.subject, error=str(e))
-            request_id, reply = salvage(m.data)
-            if reply:
-                await bus.publish(
-                    self.nc,
-                    reply,
-                    Error(request_id=request_id, code=ErrorCode.BAD_REQUEST, message=str(e)),
-                )
-            await m.term()
-            return
-        with tracer().start_as_current_span(
-            "conductor.schedule", context=extract(m.headers), kind=trace.SpanKind.CONSUMER
-        ):
-            # The reply travels in the request: a stored message has no NATS reply.
-            await self._on_schedule(req, m, durable=True)
-        await m.ack()
+        await intake.consume_durable(
+            self.nc, "conductor", "conductor.schedule", m, self._on_schedule
+        )
 
     async def _on_schedule(self, req: GenerateRequest, m: NatsMsg, durable: bool = False) -> None:
-        reply = req.reply_subject if durable else reply_to(req.reply_subject, m.reply)
+        reply = intake.reply_for(req, m, durable)
         with bound_contextvars(request_id=req.request_id):
             if not reply:
                 log.warning("no_reply_subject_dropped")
