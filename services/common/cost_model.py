@@ -74,13 +74,21 @@ class CostModel:
         return rounds * self.decode_step_time(batch_size / rounds, context_tokens / rounds)
 
     def tbt_joining(
-        self, running: int, waiting: int, kv_tokens: int, num_tokens: int, max_batch: int = 0
+        self,
+        running: int,
+        waiting: int,
+        kv_tokens: int,
+        num_tokens: int,
+        max_batch: int = 0,
+        seqs: int = 1,
     ) -> float:
         """The TBT rule every decision uses (placement, Early Rejection, the decode-side
         check): the token interval on an instance with ``running`` + ``waiting``
         sequences holding ``kv_tokens`` of context once a request of ``num_tokens``
-        joins."""
-        return self.decode_tbt(running + waiting + 1, kv_tokens + num_tokens, max_batch)
+        joins. A request with n sequences (OpenAI's ``n``) joins as ``seqs`` = n
+        sequences of ``num_tokens`` each: the engine holds (and each step reads) one
+        copy of the prompt's KV per sequence, loaded from the one copy in the store."""
+        return self.decode_tbt(running + waiting + seqs, kv_tokens + seqs * num_tokens, max_batch)
 
     def decode_step_time(self, batch_size: float, context_tokens: float) -> float:
         """One decode step of ``batch_size`` sequences holding ``context_tokens`` in all

@@ -1,8 +1,9 @@
 """The one TBT rule that admission, placement and a decode instance apply (paper §4.3).
 Pure.
 
-    tbt   = cost(d).tbt_joining(running, waiting, kv_tokens, n, max_batch)
-            (the token interval on decode instance d once a request of n tokens joins)
+    tbt   = cost(d).tbt_joining(running, waiting, kv_tokens, n, max_batch, seqs)
+            (the token interval on decode instance d once a request of n tokens and
+            ``seqs`` sequences (OpenAI's n, 1 by default) joins)
     share = tbt / TBT SLO                       (services.common.rejection.slo_share)
             an idle instance (nothing running or waiting) counts at most max_load when
             ``serve_when_idle``: the request alone gets the best TBT it can ever get
@@ -31,10 +32,16 @@ class TbtCheck:
 
     @staticmethod
     def tbt(
-        cost: CostModel, running: int, waiting: int, kv_tokens: int, num_tokens: int, max_batch: int
+        cost: CostModel,
+        running: int,
+        waiting: int,
+        kv_tokens: int,
+        num_tokens: int,
+        max_batch: int,
+        seqs: int = 1,
     ) -> float:
-        """The predicted token interval once the request joins."""
-        return cost.tbt_joining(running, waiting, kv_tokens, num_tokens, max_batch)
+        """The predicted token interval once the request (``seqs`` sequences) joins."""
+        return cost.tbt_joining(running, waiting, kv_tokens, num_tokens, max_batch, seqs)
 
     def share(self, tbt: float, slo: float, idle: bool = False) -> float:
         """``tbt`` as a share of ``slo``, an idle instance's capped at ``max_load``."""

@@ -118,6 +118,8 @@ class PlacementRequest:
     # the TTFT SLO is the client's, so what the request already spent in the gateway,
     # admission and the bus counts against it.
     arrival_ts: float = 0.0
+    # Sequences sampled from the prompt (OpenAI's n): one prefill, n decode sequences.
+    seqs: int = 1
 
     @classmethod
     def from_request(cls, req: GenerateRequest, block_size: int) -> "PlacementRequest":
@@ -138,6 +140,7 @@ class PlacementRequest:
             ttft_slo_s=req.ttft_slo_s,
             tbt_slo_s=req.tbt_slo_s,
             arrival_ts=req.arrival_ts,
+            seqs=req.sampling.n,
         )
 
 
@@ -201,7 +204,7 @@ class _Dispatch:
     source_node: str | None
     transfer_bytes: float
     work_s: float
-    tokens: int
+    tokens: int  # KV tokens on the decode instance: the prompt once per sequence
     placed_at: float
     est_ttft_s: float = 0.0  # as placed, before the TTFT feedback's factor
     prefill_open: bool = True
@@ -210,6 +213,7 @@ class _Dispatch:
     stage_work: dict[str, float] = field(default_factory=dict)
     # And when each member's stage is expected done (the policy clock's time).
     stage_end_at: dict[str, float] = field(default_factory=dict)
+    seqs: int = 1  # decode sequences (OpenAI's n)
 
     def work_on(self, instance: str) -> float:
         return self.stage_work.get(instance, self.work_s) if self.stage_work else self.work_s
@@ -389,7 +393,7 @@ class PlacementPolicy:
             self.orders.decode.discard(instance)
             return
         pending = self._by_decode.get(instance, {})
-        waiting = load.waiting + len(pending)
+        waiting = load.waiting + _seqs(pending)
         occupancy = (load.batch_size + waiting + 1) / max(1, load.max_batch)
         kv = load.kv_tokens + sum(d.tokens for d in pending.values())
         key = (occupancy, kv, load.batch_size, waiting, load.max_batch)
@@ -475,28 +479,30 @@ class PlacementPolicy:
     def inflight_bytes(self, node: str) -> float:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
 
-    def predicted_tbt(self, instance: str, num_tokens: int) -> float:
-        """Decode step time on ``instance`` once a request of ``num_tokens`` joins."""
+    def predicted_tbt(self, instance: str, num_tokens: int, seqs: int = 1) -> float:
+        """Decode step time on ``instance`` once a request of ``num_tokens`` (and
+        ``seqs`` sequences, OpenAI's n) joins."""
         load = self._decode[instance]
         pending = self._by_decode.get(instance, {})  # placed here, not yet in its reports
         return self._book.cost(instance).tbt_joining(
             load.batch_size,
-            load.waiting + len(pending),
+            load.waiting + _seqs(pending),
             load.kv_tokens + sum(d.tokens for d in pending.values()),
             num_tokens,
             load.max_batch,
+            seqs,
         )
 
     def decode_occupancy(self, instance: str) -> float:
         """Fraction of ``instance``'s batch slots taken once one more request joins."""
         load = self._decode[instance]
-        taken = load.batch_size + load.waiting + len(self._by_decode.get(instance, {})) + 1
+        taken = load.batch_size + load.waiting + _seqs(self._by_decode.get(instance, {})) + 1
         return taken / max(1, load.max_batch)
 
     def decode_idle(self, instance: str) -> bool:
         """Nothing runs, waits or is placed on ``instance`` (as far as this policy knows)."""
         load = self._decode[instance]
-        return load.batch_size + load.waiting + len(self._by_decode.get(instance, {})) == 0
+        return load.batch_size + load.waiting + _seqs(self._by_decode.get(instance, {})) == 0
 
     def _pick_decode(self, decodes: list[str], tbts: Mapping[str, float], slo: float) -> str:
         # Balance load among the instances that meet the TBT SLO (the paper's
@@ -548,7 +554,7 @@ class PlacementPolicy:
                     ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
                 )
             chosen = found
-            picked = search.best_decode(self, req.num_tokens, tbt_slo, ex_d)
+            picked = search.best_decode(self, req.num_tokens, tbt_slo, ex_d, req.seqs)
             if picked is None:
                 self.stats["unavailable"] += 1
                 return Rejection(
@@ -578,7 +584,7 @@ class PlacementPolicy:
                 cands += self._group_candidates(req, prefills, own)
                 # On a tie a short request goes where no pipeline would be stretched by it.
                 chosen = min(cands, key=search.rank)
-            tbts = {i: self.predicted_tbt(i, req.num_tokens) for i in decodes}
+            tbts = {i: self.predicted_tbt(i, req.num_tokens, req.seqs) for i in decodes}
             decode = self._pick_decode(decodes, tbts, tbt_slo)
             decode_tbt = tbts[decode]
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
@@ -611,7 +617,8 @@ class PlacementPolicy:
             if remote
             else 0.0,
             work_s=chosen.transfer_s + chosen.prefill_s,
-            tokens=req.num_tokens,
+            tokens=req.num_tokens * req.seqs,
+            seqs=req.seqs,
             placed_at=self.clock.now(),
             est_ttft_s=chosen.raw_ttft_s,
             stage_work=dict(zip(chosen.stages, chosen.stage_work, strict=True)),
@@ -843,3 +850,9 @@ def _ratio(best: int, own: int) -> float:
 def _computed_prefix(req: PlacementRequest, prefix_blocks: int) -> int:
     """Tokens of the prompt whose KV is reused (search.computed_prefix)."""
     return search.computed_prefix(req.num_tokens, req.block_size, prefix_blocks)
+
+
+def _seqs(pending: Mapping[str, _Dispatch]) -> int:
+    """Decode sequences of the requests placed on an instance and not yet in its
+    reports (a report counts each of a request's n sequences as one request)."""
+    return sum(d.seqs for d in pending.values())

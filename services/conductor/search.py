@@ -157,10 +157,10 @@ def best_prefill(
 
 
 def best_decode(
-    policy: Policy, num_tokens: int, slo: float, excluded: Collection[str]
+    policy: Policy, num_tokens: int, slo: float, excluded: Collection[str], seqs: int = 1
 ) -> tuple[str, float] | None:
-    """(instance, predicted TBT) as the full scan's ``_pick_decode`` chooses; None when
-    no live decode instance is left."""
+    """(instance, predicted TBT) as the full scan's ``_pick_decode`` chooses for a
+    request of ``seqs`` sequences; None when no live decode instance is left."""
     orders, loads, decode = policy.orders, policy.loads, policy.loads.decode
     floor = policy._book.floor
     level = None
@@ -178,14 +178,14 @@ def best_decode(
             if occupancy > level:
                 break
             assert fit is not None
-            if floor.tbt(kv + num_tokens) > fit[0]:
+            if floor.tbt(kv + seqs * num_tokens) > fit[0]:
                 break  # the rest of the level holds more KV
         if instance not in decode:
             stale.append(instance)
             continue
         if instance in excluded or not loads.alive(Role.DECODE, instance):
             continue
-        tbt = policy.predicted_tbt(instance, num_tokens)
+        tbt = policy.predicted_tbt(instance, num_tokens, seqs)
         if tbt <= slo:
             level = occupancy
             if fit is None or (tbt, instance) < fit:

@@ -43,11 +43,12 @@ class DecodeSideCheck:
         num_tokens: int,
         tbt_slo_s: float | None = None,
         max_batch: int | None = None,
+        seqs: int = 1,
     ) -> Rejection | None:
         slo = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         cap = self.max_batch if max_batch is None else max_batch
         rule = TbtCheck(self.max_load, self.serve_when_idle)  # admission's and placement's
-        tbt = rule.tbt(self.cost, batch_size, waiting, kv_tokens, num_tokens, cap)
+        tbt = rule.tbt(self.cost, batch_size, waiting, kv_tokens, num_tokens, cap, seqs)
         if not rule.over(tbt, slo, idle=batch_size + waiting == 0):
             return None  # within the SLO, or alone on an idle instance (its best TBT)
         self.rejected += 1
@@ -69,6 +70,7 @@ class DecodeSideCheck:
                 len(req.prompt_token_ids),
                 req.tbt_slo_s,
                 getattr(stats, "max_batch", None),
+                req.sampling.n,
             )
             return None if r is None else r.reason
 
