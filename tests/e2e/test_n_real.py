@@ -1,0 +1,215 @@
+"""``n`` > 1 through perigee on the real model (issue 25 item 4), asked with the
+official ``openai`` client, compared with monolithic vLLM's parallel sampling
+(``vllm.LLM``, ``SamplingParams(n=3, seed=...)``: :mod:`tests.e2e.parallel_reference`).
+
+- n=3 gives 3 choices, index 0..2, each a complete answer, for chat and completions,
+  streamed and not; usage counts every choice's completion tokens;
+- with a seed the choices are reproducible, and choices 1 and 2 equal vLLM's children 1
+  and 2 token for token: each is sampled on the decode instance from a generator that
+  starts at its seed (seed + i), as vLLM's child's does. Choice 0's first token equals
+  vLLM's child 0's (prefill samples it from the same fresh generator); its later tokens
+  come from the decode engine's own generator of the same seed, which starts again at
+  the seed instead of one draw on, so they are not vLLM's (n = 1 is the same: see the
+  README's API section);
+- the prompt's KV is computed and shipped once: prefill ships each layer once for the
+  request, one DECODE transaction holds it, and the decode engine loads the two other
+  sequences from the same slots (worker and connector counters, not timings).
+
+One stack (1 prefill + 1 decode, vLLM) and one reference for the module.
+"""
+
+import importlib.util
+
+import openai
+import pytest
+
+from perigee import models
+from tests.e2e.conftest import make_stack
+from tests.e2e.helpers import worker_stats
+
+MODEL_DIR = models.default_model_dir()
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
+    ),
+    pytest.mark.skipif(
+        not models.is_prepared(MODEL_DIR),
+        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
+        "(make install, or perigee model prepare)",
+    ),
+]
+
+NAME = models.DEFAULT_MODEL_NAME
+LAYERS = 30  # SmolLM2-135M
+N, SEED, MAX_TOKENS, TEMP = 3, 1234, 12, 0.9
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
+    "small lantern and a notebook in which he recorded the ships that passed"
+)
+CHAT = [{"role": "user", "content": "Name a colour and say why you like it."}]
+SAMPLING = {"n": N, "seed": SEED, "temperature": TEMP, "max_tokens": MAX_TOKENS}
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
+
+
+@pytest.fixture(scope="module")
+def prompts(hf):
+    chat = hf.apply_chat_template(
+        CHAT, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return {"story": hf.encode(STORY), "chat": chat}
+
+
+@pytest.fixture(scope="module")
+def real_env(prompts, tmp_path_factory):
+    from tests.e2e.parallel_reference import ParallelReference
+
+    names = list(prompts)
+    ref = ParallelReference(
+        {
+            "model_dir": str(MODEL_DIR),
+            "max_model_len": 8192,
+            "requests": [
+                {"prompt": prompts[k], "sampling": {**SAMPLING, "ignore_eos": True}} for k in names
+            ],
+        },
+        tmp_path_factory.mktemp("reference"),
+    ).start()
+    s = make_stack(
+        tmp_path_factory,
+        "n-real",
+        engine="vllm",
+        prefill=1,
+        decode=1,
+        model_dir=str(MODEL_DIR),
+        served_model_name=NAME,
+        speedup="0.1",
+        tbt_slo=1.0,
+        store_capacity_blocks=512,
+        extra_env={"PERIGEE_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))},
+    )
+    try:
+        s.start()
+        results = dict(zip(names, ref.result()["results"], strict=True))
+        yield s, results
+    finally:
+        ref.kill()
+        s.stop()
+
+
+def client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _check_against_vllm(texts: list[str], seqs: list[list[int]], hf, skip_special: bool) -> None:
+    want = [hf.decode(s, skip_special_tokens=skip_special) for s in seqs]
+    # choices 1..n-1: vLLM's children token for token (as text: the API's answer)
+    assert texts[1:] == want[1:]
+    # choice 0: its first token is prefill's, from the same fresh generator as vLLM's
+    assert texts[0].startswith(hf.decode(seqs[0][:1], skip_special_tokens=skip_special))
+
+
+async def _completion(c, prompt: list[int], stream: bool) -> tuple[list[str], list[str], int]:
+    kw = {"model": NAME, "prompt": prompt, **SAMPLING, "extra_body": NO_EOS}
+    if not stream:
+        out = await c.completions.create(**kw)
+        got = sorted(out.choices, key=lambda ch: ch.index)
+        assert [ch.index for ch in got] == list(range(N))
+        return (
+            [ch.text for ch in got],
+            [ch.finish_reason for ch in got],
+            out.usage.completion_tokens,
+        )
+    texts, finishes, used = [""] * N, [None] * N, 0
+    async for ch in await c.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        if ch.usage:
+            used = ch.usage.completion_tokens
+    return texts, finishes, used
+
+
+async def _chat(c, stream: bool) -> tuple[list[str], list[str], int]:
+    kw = {"model": NAME, "messages": CHAT, **SAMPLING, "extra_body": NO_EOS}
+    if not stream:
+        out = await c.chat.completions.create(**kw)
+        got = sorted(out.choices, key=lambda ch: ch.index)
+        assert [ch.index for ch in got] == list(range(N))
+        texts = [ch.message.content for ch in got]
+        return texts, [ch.finish_reason for ch in got], out.usage.completion_tokens
+    texts, finishes, used = [""] * N, [None] * N, 0
+    async for ch in await c.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}
+    ):
+        for choice in ch.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        if ch.usage:
+            used = ch.usage.completion_tokens
+    return texts, finishes, used
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completion_n3_seeded_equals_vllm_children(real_env, prompts, hf, stream):
+    s, ref = real_env
+    async with client(s.url) as c:
+        texts, finishes, used = await _completion(c, prompts["story"], stream)
+        again, _, _ = await _completion(c, prompts["story"], stream)
+    assert finishes == ["length"] * N
+    assert used == N * MAX_TOKENS  # every choice's tokens
+    assert again == texts  # reproducible with the seed
+    assert len(set(texts)) == N  # three different answers
+    _check_against_vllm(texts, ref["story"]["seqs"], hf, skip_special=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_n3_seeded_equals_vllm_children(real_env, hf, stream):
+    s, ref = real_env
+    async with client(s.url) as c:
+        texts, finishes, used = await _chat(c, stream)
+        again, _, _ = await _chat(c, stream)
+    assert finishes == ["length"] * N
+    assert used == N * MAX_TOKENS
+    assert again == texts
+    _check_against_vllm(texts, ref["chat"]["seqs"], hf, skip_special=True)
+
+
+async def test_prompt_kv_is_computed_and_shipped_once(real_env, prompts):
+    s, _ = real_env
+    n = len(prompts["story"]) + 7  # a prompt no earlier test sent: nothing cached
+    prompt = [*prompts["story"], *prompts["story"][:7]]
+    assert len(prompt) == n
+    p0 = await worker_stats(s.nats_url, "prefill", "prefill-0")
+    d0 = await worker_stats(s.nats_url, "decode", "decode-0")
+    async with client(s.url) as c:
+        out = await c.completions.create(model=NAME, prompt=prompt, **SAMPLING, extra_body=NO_EOS)
+    assert len(out.choices) == N
+    p1 = await worker_stats(s.nats_url, "prefill", "prefill-0")
+    d1 = await worker_stats(s.nats_url, "decode", "decode-0")
+
+    def delta(a: dict, b: dict, key: str) -> int:
+        return b.get(key, 0) - a.get(key, 0)
+
+    # Prefill: the prompt computed once, each layer shipped once (as for n = 1).
+    assert delta(p0, p1, "tasks_done") == 1
+    assert delta(p0, p1, "vllm_prompt_tokens_computed") == n
+    assert delta(p0, p1, "connector_layers_shipped") == LAYERS
+    # Decode: one task, one transaction's KV; the 2 other sequences loaded from its
+    # slots, each computing only the prompt's last position again.
+    assert delta(d0, d1, "kv_tokens_loaded") == n
+    assert delta(d0, d1, "sequences_sharing_kv") == N - 1
+    assert delta(d0, d1, "vllm_requests") == N
+    assert delta(d0, d1, "vllm_prompt_tokens_computed") == N  # one position each
+    assert delta(d0, d1, "connector_tokens_loaded") == n + (N - 1) * (n - 1)
