@@ -5,7 +5,15 @@ import sys
 
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
-from services.common import admission_mode, bus, defaults, intake_queue, metrics, runner
+from services.common import (
+    admission_mode,
+    bus,
+    defaults,
+    intake_queue,
+    metrics,
+    runner,
+    shared_flags,
+)
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from tracing import setup_tracing, shutdown_tracing
@@ -17,8 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block (hashes)"
     )
-    ap.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO, seconds")
-    ap.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="TBT SLO, seconds")
+    shared_flags.add_slos(ap, "a request its pools would serve over it is refused (429)")
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
@@ -31,12 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"deprecated: {admission_mode.FLAG} (a contradiction is an error)",
     )
-    ap.add_argument(
-        "--dead-after",
-        type=float,
-        default=defaults.DEAD_AFTER_S,
-        help="instance silent this long is dead, s",
-    )
+    shared_flags.add_dead_after(ap, "out of the pools' loads")
     ap.add_argument(
         "--cost-model",
         default="",

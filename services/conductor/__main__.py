@@ -5,7 +5,15 @@ import sys
 
 import structlog
 
-from services.common import admission_mode, bus, defaults, intake_queue, metrics, runner
+from services.common import (
+    admission_mode,
+    bus,
+    defaults,
+    intake_queue,
+    metrics,
+    runner,
+    shared_flags,
+)
 from services.common.logging import configure
 from services.common.shutdown import StopEvent
 from services.conductor import cpp
@@ -35,8 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block"
     )
-    ap.add_argument("--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help="TTFT SLO, seconds")
-    ap.add_argument("--tbt-slo", type=float, default=defaults.TBT_SLO_S, help="TBT SLO, seconds")
+    shared_flags.add_slos(ap, "a placement predicted over it is rejected (429)")
     ap.add_argument(
         "--balancing-threshold",
         type=_threshold,
@@ -99,12 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
-    ap.add_argument(
-        "--dead-after",
-        type=float,
-        default=defaults.DEAD_AFTER_S,
-        help="instance silent this long is dead, s",
-    )
+    shared_flags.add_dead_after(ap, "no placement on it")
     ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
     ap.add_argument(
         "--report-grace",

@@ -10,7 +10,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from services.common import defaults, intake_queue, runner
+from services.common import defaults, intake_queue, runner, shared_flags
 from services.common.bus import connect, drain, install_signal_handlers
 from services.common.logging import configure
 from services.common.model_spec import DEFAULT_MODEL_DIR
@@ -55,12 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="seconds without any event before a request fails with 504",
     )
-    ap.add_argument(
-        "--dead-after",
-        type=float,
-        default=defaults.DEAD_AFTER_S,
-        help="seconds without a load report before a worker counts as dead (503)",
-    )
+    shared_flags.add_dead_after(ap, "its requests migrate, or fail with 503")
     ap.add_argument(
         "--wedge-floor",
         type=float,
@@ -105,18 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="seconds in-flight requests get to finish on SIGTERM before a 503",
     )
-    ap.add_argument(
-        "--ttft-slo",
-        type=float,
-        default=defaults.TTFT_SLO_S,
-        help="the stack's TTFT SLO, s: reported on GET /v1/perigee/config (admission and "
-        "the conductor enforce it)",
-    )
-    ap.add_argument(
-        "--tbt-slo",
-        type=float,
-        default=defaults.TBT_SLO_S,
-        help="the stack's TBT SLO, s: reported on GET /v1/perigee/config",
+    shared_flags.add_slos(
+        ap,
+        "the stack's, reported on GET /v1/perigee/config (admission and the conductor enforce it)",
     )
     ap.add_argument(
         "--max-connections",

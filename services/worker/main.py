@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 
 from bus_schemas.roles import Role
-from services.common import admission_mode, bus, defaults, metric_collectors, metrics
+from services.common import admission_mode, bus, defaults, metric_collectors, metrics, shared_flags
 from services.common import calibrator as calibration
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout, store_too_small
@@ -86,12 +86,8 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     )
     # As decode in baseline mode: reject a prefilled request over the TBT SLO.
     admission_mode.add_argument(p)
-    p.add_argument(
-        "--tbt-slo",
-        type=float,
-        default=defaults.TBT_SLO_S,
-        help="TBT SLO, s: what a decode instance holds a prefilled request to in the "
-        "baseline admission mode (the stack's, as the conductor's --tbt-slo)",
+    shared_flags.add_slos(
+        p, "a decode instance's check of a prefilled request in the baseline mode", ttft=False
     )
     p.add_argument(
         "--no-write-back",

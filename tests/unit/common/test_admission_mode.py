@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bus_schemas.requests import GenerateRequest
 from perigee.sim.cli import admission_modes
 from perigee.sim.simulator import SimConfig, Simulator
 from perigee.stack import Stack
@@ -120,7 +121,7 @@ def test_the_conductor_rejects_on_tbt_except_in_baseline(mode):
 
 
 def _busy_decode() -> tuple[SimpleNamespace, SimpleNamespace]:
-    req = SimpleNamespace(prompt_token_ids=list(range(256)), tbt_slo_s=None)
+    req = GenerateRequest(request_id="r", prompt_token_ids=list(range(256)))
     stats = SimpleNamespace(batch_size=8, waiting=0, kv_tokens=8 * 2048, max_batch=128)
     return SimpleNamespace(request=req), stats
 

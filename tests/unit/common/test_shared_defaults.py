@@ -75,11 +75,31 @@ def test_the_guard_sees_a_literal():
     ]
 
 
+def test_the_services_declare_the_shared_flags_in_one_place():
+    """--ttft-slo, --tbt-slo and --dead-after: services.common.shared_flags declares
+    them for every service (the tools in perigee/ keep their own: other defaults)."""
+    where = set()
+    for path in sorted((ROOT / "services").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+                flag = node.args[0] if node.args else None
+                if isinstance(flag, ast.Constant) and flag.value in FLAGS:
+                    where.add(str(path.relative_to(ROOT)))
+    assert where == {"services/common/shared_flags.py"}
+
+
 @pytest.mark.parametrize("service", ["gateway", "admission", "conductor"])
 def test_each_service_defaults_to_the_shared_values(service):
     args = importlib.import_module(f"services.{service}.__main__").parse_args([])
     assert args.dead_after == defaults.DEAD_AFTER_S
     assert (args.ttft_slo, args.tbt_slo) == (defaults.TTFT_SLO_S, defaults.TBT_SLO_S)
+
+
+def test_a_worker_takes_the_tbt_slo_only():
+    from services.decode.__main__ import parse_args
+
+    args = parse_args([])
+    assert args.tbt_slo == defaults.TBT_SLO_S and not hasattr(args, "ttft_slo")
 
 
 def test_the_configs_default_to_the_shared_values():
