@@ -44,6 +44,11 @@ Handler = Callable[[Any, NatsMsg], Awaitable[Any]]
 BadHandler = Callable[[NatsMsg, BadMessage], Awaitable[None]]
 
 ERROR_HEADER = "Perigee-Error"
+# nats.py micro's error convention (nats.micro.request), so that the nats CLI and any
+# micro-aware client read our request/reply errors: a status code and a description.
+MICRO_ERROR_HEADER = "Nats-Service-Error"
+MICRO_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+_MICRO_CODES = {"bad_request": "400", "payload_too_large": "413", "internal": "500"}
 
 # Periodic telemetry (load reports, KV events, store announces) is not traced: a
 # consumer span per message would be a new trace ten times a second per worker.
@@ -213,7 +218,13 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def error_reply(kind: str, message: str) -> tuple[bytes, dict[str, str]]:
-    return encode(ErrorReply(error=kind, message=message)), {ERROR_HEADER: kind}
+    """An error reply: an :class:`ErrorReply` body, our kind header, and micro's pair."""
+    headers = {
+        ERROR_HEADER: kind,
+        MICRO_ERROR_HEADER: message.replace("\r", " ").replace("\n", " ")[:256],
+        MICRO_ERROR_CODE_HEADER: _MICRO_CODES.get(kind, "500"),
+    }
+    return encode(ErrorReply(error=kind, message=message)), headers
 
 
 class PayloadTooLarge(ValueError):

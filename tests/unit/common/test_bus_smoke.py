@@ -44,6 +44,9 @@ async def test_a_readiness_probe_is_answered_empty_and_never_reaches_the_handler
         assert m.data == b"" and not (m.headers and ERROR_HEADER in m.headers)
         bad = await cli.request("t.probe", b"", timeout=5)  # the same bytes, no header
         assert bad.headers and ERROR_HEADER in bad.headers
+        # micro's convention too, as nats.micro.ServiceError reads it
+        assert bad.headers[bus.MICRO_ERROR_CODE_HEADER] == "400"
+        assert bad.headers[bus.MICRO_ERROR_HEADER]
         assert handled == []
     finally:
         await subs.close()
