@@ -7,6 +7,8 @@ role it left. A report of an older incarnation than the one known is a dead proc
 late on the bus, and ignored.
 """
 
+from sortedcontainers import SortedList
+
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.roles import Role
 from services.common import defaults
@@ -14,7 +16,7 @@ from services.common.calibration import CalibrationBook
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.common.incarnation import STALE, judge
-from services.common.liveness import Liveness
+from services.common.liveness import OrderedLiveness
 
 PREFILL, DECODE = Role.PREFILL, Role.DECODE
 PRUNE_EVERY = 1024
@@ -33,7 +35,10 @@ class LoadBook:
         self.calibration = calibration if calibration is not None else CalibrationBook(cost)
         self.prefill: dict[str, PrefillLoad] = {}
         self.decode: dict[str, DecodeLoad] = {}
-        self._liveness = Liveness(clock, dead_after_s)
+        # Each role's names in order and the silent ones in time order: a random pick
+        # among the live instances (the placement's ``random`` strategy) without a walk.
+        self._names: dict[str, SortedList] = {PREFILL: SortedList(), DECODE: SortedList()}
+        self._liveness = OrderedLiveness(clock, dead_after_s)
         self._observed = 0
 
     @property
@@ -47,6 +52,8 @@ class LoadBook:
         self._amortized_prune()
         verdict = judge(self.incarnation(PREFILL, load.instance), load.incarnation)
         if verdict != STALE:
+            if load.instance not in self.prefill:
+                self._names[PREFILL].add(load.instance)
             self.prefill[load.instance] = load
             self._liveness.seen(f"{PREFILL}:{load.instance}")
             self.calibration.observe_fit(load.instance, load.fit)
@@ -57,6 +64,8 @@ class LoadBook:
         self._amortized_prune()
         verdict = judge(self.incarnation(DECODE, load.instance), load.incarnation)
         if verdict != STALE:
+            if load.instance not in self.decode:
+                self._names[DECODE].add(load.instance)
             self.decode[load.instance] = load
             self._liveness.seen(f"{DECODE}:{load.instance}")
             self.calibration.observe_fit(load.instance, load.fit)
@@ -69,10 +78,7 @@ class LoadBook:
 
     def forget(self, role: str, instance: str) -> None:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
-        if role == PREFILL:
-            self.prefill.pop(instance, None)
-        else:
-            self.decode.pop(instance, None)
+        self._drop(role, instance)
         self._liveness.forget(f"{role}:{instance}")
 
     def _amortized_prune(self) -> None:
@@ -87,11 +93,25 @@ class LoadBook:
         gone = self._liveness.prune(older_than_s)
         for key in gone:
             role, _, instance = key.partition(":")
-            (self.prefill if role == PREFILL else self.decode).pop(instance, None)
+            self._drop(role, instance)
         return len(gone)
+
+    def _drop(self, role: str, instance: str) -> None:
+        if (self.prefill if role == PREFILL else self.decode).pop(instance, None) is not None:
+            self._names[role].remove(instance)
 
     def alive(self, role: str, instance: str) -> bool:
         return self._liveness.alive(f"{role}:{instance}")
+
+    def names(self, role: str) -> SortedList:
+        """The names of ``role`` with a report in the book, in order (read only)."""
+        return self._names[role]
+
+    def silent(self, role: str) -> list[str]:
+        """The names of ``role`` in the book that are not alive now: O(silent), not a
+        walk over every name."""
+        head = f"{role}:"
+        return [k[len(head) :] for k in self._liveness.silent() if k.startswith(head)]
 
     def live_prefill(self) -> list[PrefillLoad]:
         """The live prefill instances' latest reports, by instance name."""

@@ -54,12 +54,12 @@ short one goes to an instance that is no stage.
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
 
-Search (issue 27): ``global``, ``local`` and ``load`` without CPP groups do not evaluate every
-instance. The prefix holders come from the index's match, the rest from ordered load
-structures (:mod:`services.conductor.search`, kept by the observe/dispatch hooks in
-O(log n)), walked only until a lower bound shows nobody further can win; the choice is
-the full scan's (``pruned = False`` runs the scan, the reference the tests hold it to).
-CPP groups and the ``random`` baseline scan.
+Search (issue 27): without CPP groups no strategy evaluates every instance. The
+prefix holders come from the index's match, the rest from ordered load structures
+(:mod:`services.conductor.search`, kept by the observe/dispatch hooks in O(log n)),
+walked only until a lower bound shows nobody further can win; ``random`` draws from a
+view of the load book's ordered names. The choice is the full scan's (``pruned =
+False`` runs the scan, the reference the tests hold it to). CPP groups scan.
 
 Dispatch accounting (so back-to-back placements spread before the next report):
 ``place`` records the request's work on its prefill instance, its tokens on its decode
@@ -545,15 +545,18 @@ class PlacementPolicy:
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
 
-        if self.pruned and self.strategy != "random" and not self.cpp.enabled:
+        if self.pruned and not self.cpp.enabled:
             # The same choice as the scan below, from a few candidates (search module).
-            found = search.best_prefill(self, req, own, best_len, best_node, ex_p)
-            if found is None:
+            pool = search.live_pool(self, ex_p) if self.strategy == "random" else None
+            found = None
+            if pool is None:
+                found = search.best_prefill(self, req, own, best_len, best_node, ex_p)
+            none_left = found is None if pool is None else not len(pool)
+            if none_left:
                 self.stats["unavailable"] += 1
                 return Rejection(
                     ErrorCode.UNAVAILABLE, "no live prefill instance", self.min_retry_after_s
                 )
-            chosen = found
             picked = search.best_decode(self, req.num_tokens, tbt_slo, ex_d, req.seqs)
             if picked is None:
                 self.stats["unavailable"] += 1
@@ -561,6 +564,10 @@ class PlacementPolicy:
                     ErrorCode.UNAVAILABLE, "no live decode instance", self.min_retry_after_s
                 )
             decode, decode_tbt = picked
+            if pool is not None:  # drawn as the scan draws, once both pools are known
+                [found] = self._candidates(req, [self.rng.choice(pool)], own, best_len, best_node)
+            assert found is not None
+            chosen = found
         else:
             prefills = [i for i in self.live_prefill() if i not in ex_p]
             if not prefills:

@@ -26,6 +26,11 @@ it, stops once the TBT floor at the walked KV exceeds the best TBT. When no inst
 meets the SLO (overload: the request is rejected unless the TBT check is off) the
 walk sees every live decode instance, as the full scan does.
 
+Random (the ``random`` baseline): the full scan draws ``rng.choice`` over the live,
+non-excluded prefill instances in name order; :class:`LivePool` is that list as a view
+of the load book's ordered names less its silent and excluded ones, so the same draw
+picks the same instance in O((silent + excluded) log n), and only it is evaluated.
+
 What costs per instance here: dead or forgotten instances still in the orders are
 skipped (and dropped from the orders when met); an instance excluded by the request
 (migration, a store down) is skipped.
@@ -33,6 +38,8 @@ skipped (and dropped from the orders when met); an instance excluded by the requ
 
 from collections.abc import Collection, Mapping
 from typing import Any
+
+from sortedcontainers import SortedList
 
 from bus_schemas.roles import Role
 from services.conductor.load_order import LoadOrder
@@ -198,3 +205,33 @@ def best_decode(
         orders.decode.discard(instance)
     pick = fit or over
     return None if pick is None else (pick[1], pick[0])
+
+
+class LivePool:
+    """The sorted ``names`` less ``gone`` (a few of them), as a sequence: what
+    ``random.choice`` indexes, without building the list."""
+
+    def __init__(self, names: SortedList, gone: Collection[str]) -> None:
+        self._names = names
+        self._holes = sorted(names.index(i) for i in gone)
+
+    def __len__(self) -> int:
+        return len(self._names) - len(self._holes)
+
+    def __getitem__(self, k: int) -> str:
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        for hole in self._holes:  # ascending: each one at or before k shifts it on
+            if hole > k:
+                break
+            k += 1
+        return str(self._names[k])
+
+
+def live_pool(policy: Policy, excluded: Collection[str]) -> LivePool:
+    """The live prefill instances not ``excluded``, in name order (the full scan's list
+    for the ``random`` strategy)."""
+    loads = policy.loads
+    gone = set(loads.silent(Role.PREFILL))
+    gone.update(i for i in excluded if i in loads.prefill)
+    return LivePool(loads.names(Role.PREFILL), gone)

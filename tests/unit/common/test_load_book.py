@@ -89,3 +89,27 @@ def test_instances_silent_for_long_leave_the_book():
         )
     assert "gone" not in book.prefill and "live" in book.decode
     assert book.incarnation("prefill", "gone") == 0
+
+
+def test_ordered_names_and_silent_ones_follow_reports_forgets_and_prunes():
+    """What the random placement draws from (issue 27): each role's names in order and
+    the silent ones, as the live lists define them, without a walk."""
+    clock = ManualClock()
+    book = LoadBook(clock, CostModel(), dead_after_s=2.0)
+    for name in ("p2", "p0", "p1"):
+        book.observe_prefill(p(name, 1.0, 0.0))
+    book.observe_decode(d("d0", 0.0))
+    clock.advance(1.5)
+    book.observe_prefill(p("p1", 1.0, 1.5))
+    assert list(book.names("prefill")) == ["p0", "p1", "p2"]
+    assert book.silent("prefill") == [] and list(book.names("decode")) == ["d0"]
+    clock.advance(1.0)
+    assert sorted(book.silent("prefill")) == ["p0", "p2"] and book.silent("decode") == ["d0"]
+    live = {x.instance for x in book.live_prefill()}
+    assert live == set(book.names("prefill")) - set(book.silent("prefill"))
+    book.forget("prefill", "p2")
+    assert list(book.names("prefill")) == ["p0", "p1"] and book.silent("prefill") == ["p0"]
+    clock.advance(10.0)
+    assert book.prune(5.0) == 3  # p0, p1, d0
+    assert list(book.names("prefill")) == [] and list(book.names("decode")) == []
+    assert book.silent("prefill") == []

@@ -193,7 +193,7 @@ cluster = st.fixed_dictionaries(
             min_size=1,
             max_size=8,
         ),
-        "strategy": st.sampled_from(["global", "local", "load"]),
+        "strategy": st.sampled_from(["global", "local", "load", "random"]),
         "tbt_check": st.booleans(),
         "idle": st.booleans(),
         "feedback": st.booleans(),
@@ -333,3 +333,37 @@ def test_equal_occupancy_and_kv_with_unequal_batches_are_not_one_group():
         assert p.predicted_tbt("d1", 2 * BS) < p.predicted_tbt("d0", 2 * BS)
         d = p.place(_req("r", 2), {})
         assert isinstance(d, Placement) and d.decode_instance == "d1"
+
+
+def test_random_draws_what_the_scan_draws_and_evaluates_only_the_draw():
+    """The random baseline: 300 prefill instances, 20 of them dead, 2 excluded per
+    request; the pruned policy's rng picks what the scan's picks, request after
+    request, and evaluates only the drawn instance."""
+    clock = ManualClock(0.0)
+    pruned, full = (_policy(p, clock, strategy="random", dead_after_s=1.0) for p in (True, False))
+    for p in (pruned, full):
+        for i in range(20):
+            p.observe_prefill(_prefill(i, 0.1 * i))
+        p.observe_decode(_decode(0, 0, 0))
+    clock.advance(2.0)  # p0-p19 silent for 2 s: dead
+    for p in (pruned, full):
+        for i in range(20, 300):
+            p.observe_prefill(_prefill(i, 0.01 * i, ts=2.0))
+        p.observe_decode(_decode(0, 0, 0, ts=2.0))
+    evaluated = []
+    cand = pruned._candidate
+
+    def counting(*a, **k):
+        evaluated.append(a[1])
+        return cand(*a, **k)
+
+    pruned._candidate = counting  # type: ignore[method-assign]
+    chosen = set()
+    for k in range(60):
+        ex = (f"p{20 + 7 * k % 280}", f"p{21 + 13 * k % 279}")
+        a = pruned.place(_req(f"r{k}", 2), {}, exclude_prefill=ex)
+        b = full.place(_req(f"r{k}", 2), {}, exclude_prefill=ex)
+        assert isinstance(a, Placement) and a == b
+        assert a.prefill_instance not in ex and int(a.prefill_instance[1:]) >= 20
+        chosen.add(a.prefill_instance)
+    assert len(evaluated) == 60 and len(chosen) > 30
