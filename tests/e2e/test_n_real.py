@@ -4,13 +4,12 @@ official ``openai`` client, compared with monolithic vLLM's parallel sampling
 
 - n=3 gives 3 choices, index 0..2, each a complete answer, for chat and completions,
   streamed and not; usage counts every choice's completion tokens;
-- with a seed the choices are reproducible, and choices 1 and 2 equal vLLM's children 1
-  and 2 token for token: each is sampled on the decode instance from a generator that
-  starts at its seed (seed + i), as vLLM's child's does. Choice 0's first token equals
-  vLLM's child 0's (prefill samples it from the same fresh generator); its later tokens
-  come from the decode engine's own generator of the same seed, which starts again at
-  the seed instead of one draw on, so they are not vLLM's (n = 1 is the same: see the
-  README's API section);
+- with a seed the choices are reproducible and equal vLLM's children token for token.
+  Choices 1 and 2 are sampled on the decode instance from a generator that starts at
+  their seed (seed + i), as vLLM's children's do. Choice 0's first token is prefill's,
+  from a fresh generator of the seed as vLLM's child 0's; the decode engine's generator
+  of the same seed is advanced by that one draw before it samples the second token
+  (connector ``skip_draws``), so the rest is child 0's too, and so is a seeded n = 1;
 - the prompt's KV is computed and shipped once: prefill ships each layer once for the
   request, one DECODE transaction holds it, and the decode engine loads the two other
   sequences from the same slots (worker and connector counters, not timings).
@@ -108,12 +107,9 @@ def client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
 
 
-def _check_against_vllm(texts: list[str], seqs: list[list[int]], hf, skip_special: bool) -> None:
-    want = [hf.decode(s, skip_special_tokens=skip_special) for s in seqs]
-    # choices 1..n-1: vLLM's children token for token (as text: the API's answer)
-    assert texts[1:] == want[1:]
-    # choice 0: its first token is prefill's, from the same fresh generator as vLLM's
-    assert texts[0].startswith(hf.decode(seqs[0][:1], skip_special_tokens=skip_special))
+def _check_against_vllm(texts: list[str], seqs: list[list[int]], hf) -> None:
+    # vLLM's children token for token (as text: the API's answer)
+    assert texts == [hf.decode(s, skip_special_tokens=True) for s in seqs]
 
 
 async def _completion(c, prompt: list[int], stream: bool) -> tuple[list[str], list[str], int]:
@@ -171,7 +167,7 @@ async def test_completion_n3_seeded_equals_vllm_children(real_env, prompts, hf, 
     assert used == N * MAX_TOKENS  # every choice's tokens
     assert again == texts  # reproducible with the seed
     assert len(set(texts)) == N  # three different answers
-    _check_against_vllm(texts, ref["story"]["seqs"], hf, skip_special=True)
+    _check_against_vllm(texts, ref["story"]["seqs"], hf)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -183,7 +179,25 @@ async def test_chat_n3_seeded_equals_vllm_children(real_env, hf, stream):
     assert finishes == ["length"] * N
     assert used == N * MAX_TOKENS
     assert again == texts
-    _check_against_vllm(texts, ref["chat"]["seqs"], hf, skip_special=True)
+    _check_against_vllm(texts, ref["chat"]["seqs"], hf)
+
+
+async def test_seeded_n1_equals_vllms_first_child(real_env, prompts, hf):
+    # vLLM's child 0 of n=3 with seed s is its n=1 answer with seed s (seed + 0)
+    s, ref = real_env
+    d0 = await worker_stats(s.nats_url, "decode", "decode-0")
+    async with client(s.url) as c:
+        out = await c.completions.create(
+            model=NAME,
+            prompt=prompts["story"],
+            **{**SAMPLING, "n": 1},
+            extra_body=NO_EOS,
+        )
+    d1 = await worker_stats(s.nats_url, "decode", "decode-0")
+    want = hf.decode(ref["story"]["seqs"][0], skip_special_tokens=True)
+    assert out.choices[0].text == want
+    # the decode engine's generator went on from prefill's one draw
+    assert d1["connector_draws_skipped"] - d0.get("connector_draws_skipped", 0) == 1
 
 
 async def test_prompt_kv_is_computed_and_shipped_once(real_env, prompts):

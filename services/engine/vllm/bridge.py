@@ -53,6 +53,11 @@ class Plan:
     # request's grammar once it is compiled, before vLLM samples (advance_grammar).
     grammar_prefix: Sequence[int] = ()
     grammar_advanced: bool = False
+    # Seeded sampling that goes on from a token sampled elsewhere (decode after
+    # prefill's first token): the request's generator is advanced by this many sampling
+    # steps before its first sample here, so token k comes from the k-th draw of the
+    # seed's generator, as in one engine (skip_draws).
+    skip_draws: int = 0
     # Decode write-back: from perigee block ``writeback_from`` on, each block whose
     # positions all have KV is copied out of vLLM's pages (every layer, into
     # ``wb_tensors``) and handed to ``on_block(j, bytes)`` (engine thread).
@@ -108,10 +113,15 @@ class Bridge:
                 "connector_layers_shipped",
                 "connector_blocks_written_back",
                 "connector_errors",
+                "connector_draws_skipped",
             ),
             0,
         )
         self.layer_block_bytes = 0  # vLLM's bytes per block per layer, set by the worker
+        # vLLM request id -> its sampling generator (the model runner's), or None; set
+        # by the engine once vLLM is built (skip_draws).
+        self.generator_of: Callable[[str], Any] | None = None
+        self.vocab_size = 0
 
     def add(self, plan: Plan) -> None:
         if plan.key in self.plans:
@@ -156,3 +166,22 @@ def lookup(key: str | None) -> Bridge:
 def request_key(kv_transfer_params: dict | None) -> str | None:
     p = (kv_transfer_params or {}).get("perigee")
     return p.get("key") if isinstance(p, dict) else None
+
+
+def skip_draws(bridge: Bridge, req_id: str, steps: int) -> bool:
+    """Advance vLLM request ``req_id``'s seeded generator by ``steps`` sampling steps,
+    drawing exactly what vLLM's sampler draws per step: on CPU (``forward_cpu``) one
+    ``randint(0, 2**31)``; elsewhere (``random_sample``) one exponential per vocabulary
+    entry. False when the request has no generator (greedy, or no seed)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    gen = bridge.generator_of(req_id) if bridge.generator_of is not None else None
+    if gen is None:
+        return False
+    for _ in range(steps):
+        if current_platform.is_cpu():
+            torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
+        else:
+            torch.empty(bridge.vocab_size, device=gen.device).exponential_(generator=gen)
+    return True

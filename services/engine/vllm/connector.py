@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from services.engine.vllm.bridge import Plan, advance_grammar, lookup, request_key
+from services.engine.vllm.bridge import Plan, advance_grammar, lookup, request_key, skip_draws
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +90,9 @@ class PerigeeMeta(KVConnectorMetadata):
     saves: list[Copy] = field(default_factory=list)
     ship: list[str] = field(default_factory=list)  # plans whose prompt completes this step
     loaded: list[str] = field(default_factory=list)  # plans whose load runs this step
+    # (vLLM request id, sampling steps) whose generator is advanced before this step
+    # samples (Plan.skip_draws)
+    skips: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -197,6 +200,9 @@ class PerigeeConnector(KVConnectorBase_V1):
             if st is None:
                 continue
             st.block_ids = list(nr.block_ids[0])
+            if st.plan.skip_draws:
+                meta.skips.append((nr.req_id, st.plan.skip_draws))
+                st.plan.skip_draws = 0
             self._take_loads(st, meta)
             self._plan_saves(
                 st, nr.num_computed_tokens, sched.num_scheduled_tokens[nr.req_id], meta
@@ -325,6 +331,12 @@ class PerigeeConnector(KVConnectorBase_V1):
         assert isinstance(meta, PerigeeMeta)
         self._layers_loaded.clear()
         self._loads = []
+        for req_id, steps in meta.skips:
+            try:
+                if skip_draws(self.bridge, req_id, steps):
+                    self.bridge.counters["connector_draws_skipped"] += steps
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                log.warning("skip_draws_failed", request_id=req_id, error=str(e))
         for c in meta.loads:
             if c.eager:  # all layers now; see Copy.eager
                 for name in self._kv:

@@ -89,6 +89,24 @@ def _answer_so_far(s: SamplingParams, prompt: list[int], first: int | None = Non
     return [*prompt[so.answer_start or len(prompt) :], *(() if first is None else (first,))]
 
 
+def _generators(engine: Any) -> Callable[[str], Any] | None:
+    """vLLM request id -> its seeded sampling generator, from the in-process model
+    runner (``uni`` executor); None, with a warning, if this vLLM is laid out otherwise
+    (a seeded answer's tokens after the first then differ from one engine's)."""
+    try:
+        runner = engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        requests = runner.requests
+    except AttributeError:
+        log.warning("vllm_model_runner_not_found")
+        return None
+
+    def generator_of(req_id: str) -> Any:
+        state = requests.get(req_id)
+        return None if state is None else state.generator
+
+    return generator_of
+
+
 def _settle(
     fut: asyncio.Future | None, result: Any = None, error: BaseException | None = None
 ) -> None:
@@ -335,6 +353,9 @@ class VllmEngine(Engine):
             load_tokens=n - 1 + own,
             on_loaded=on_loaded,
             grammar_prefix=_answer_so_far(job.sampling, prompt, first),
+            # prefill drew the first token from the seed's generator: decode goes on
+            # from the second draw (no first token: it draws its own first)
+            skip_draws=own,
         )
         if job.on_block is not None:
             sink = job.on_block
@@ -442,6 +463,8 @@ class VllmEngine(Engine):
                 EngineDeadError(f"vLLM failed to start: {type(e).__name__}: {e}"),
             )
             return
+        self.bridge.generator_of = _generators(engine)
+        self.bridge.vocab_size = self.spec.vocab_size
         self._post(_settle, ready, None)
         try:
             self._serve(engine)
