@@ -68,6 +68,7 @@ class AdmissionRequest:
     max_tokens: int = 16
     ttft_slo_s: float | None = None  # None: the policy's default
     tbt_slo_s: float | None = None
+    seqs: int = 1  # decode sequences (OpenAI's n): priced as n joining the instance
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ class AdmissionPolicy(ABC):
                     d.kv_tokens,
                     req.num_tokens,
                     d.max_batch,
+                    req.seqs,
                 ),
                 slo,
                 idle=d.batch_size + d.waiting == 0,
@@ -306,18 +308,18 @@ class AdmissionPolicy(ABC):
         """:meth:`decode_load` from the states: one share per state with a live
         instance, each walk stopped where the floor's share at its KV reaches the best
         found (the floor grows with the KV; the cap of the idle keeps it monotone)."""
-        slo, n, rule = self.tbt_slo(req), req.num_tokens, self.tbt_rule
+        slo, n, rule, seqs = self.tbt_slo(req), req.num_tokens, self.tbt_rule, req.seqs
         alive, cost, floor = self.loads.alive, self.book.prior, self.book.floor.tbt
         states = self._states
         best: float | None = None
         for order, idle in ((states.idle, True), (states.busy, False)):
             for kv, state in order:
-                if best is not None and rule.share(floor(kv + n), slo, idle=idle) >= best:
+                if best is not None and rule.share(floor(kv + seqs * n), slo, idle=idle) >= best:
                     break
                 if not any(alive(Role.DECODE, name) for name in states.names[state]):
                     continue
                 running, waiting, _, max_batch = state
-                tbt = rule.tbt(cost, running, waiting, kv, n, max_batch)
+                tbt = rule.tbt(cost, running, waiting, kv, n, max_batch, seqs)
                 share = rule.share(tbt, slo, idle=idle)
                 if best is None or share < best:
                     best = share

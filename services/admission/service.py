@@ -222,6 +222,7 @@ class AdmissionService:
                 max_tokens=req.sampling.max_tokens,
                 ttft_slo_s=req.ttft_slo_s,
                 tbt_slo_s=req.tbt_slo_s,
+                seqs=req.sampling.n,
             )
             decision = self.policy.decide(areq)
             if isinstance(decision, Rejection):

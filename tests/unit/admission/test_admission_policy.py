@@ -171,3 +171,15 @@ def test_an_idle_decode_instance_takes_a_request_its_model_predicts_over_the_slo
     pol.observe_decode(dload("d0", batch=1, kv=10))
     d = pol.decide(AdmissionRequest(request_id="r", num_tokens=huge))
     assert isinstance(d, Rejection) and d.code == ErrorCode.REJECTED
+
+
+@pytest.mark.parametrize("pruned", [True, False])
+def test_early_rejection_prices_n_sequences(pruned):
+    # A request with n choices joins the decode pool as n sequences of its prompt.
+    pol = early()
+    pol.pruned = pruned
+    pol.observe_prefill(pload("p0", 6.0))
+    pol.observe_decode(dload("d0", batch=3, kv=4000, waiting=1))
+    d = pol.decide(req(seqs=3))
+    assert isinstance(d, Accept)
+    assert d.decode_load == pytest.approx(COST.decode_step_time(7, 4000 + 3 * N) / 0.1)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
-from bus_schemas.requests import ErrorCode
+from bus_schemas.requests import ErrorCode, SamplingParams
 from services.admission.policy import (
     Accept,
     AdmissionRequest,
@@ -269,6 +269,7 @@ class _Task:
     class request:  # noqa: N801 - stands in for a DecodeTask's request
         prompt_token_ids = [0] * N
         tbt_slo_s = None
+        sampling = SamplingParams()
 
 
 def test_decode_side_hook_uses_the_engines_max_batch_when_it_reports_one():
