@@ -22,8 +22,11 @@ Per request and per live prefill instance ``i`` (on node ``node(i)``)::
     TTFT(i)   = T_transfer + T_queue + T_prefill          -> choose argmin
 
 Decode: argmin over live decode instances of
-``cost(d).decode_tbt(batch + waiting + dispatched + 1, kv_tokens + dispatched_tokens + n, max_batch)``
-(past ``max_batch`` the sequences take turns, so a backlog counts as load).
+``cost(d).decode_tbt(batch + waiting + dispatched + s, kv_tokens + dispatched_tokens + s * n, max_batch)``
+(past ``max_batch`` the sequences take turns, so a backlog counts as load), where a
+request with ``s`` sequences (OpenAI's n choices, ``PlacementRequest.seqs``) joins as s
+sequences of its prompt's n tokens (the engine holds the prompt's KV once per sequence)
+and ``dispatched`` counts the sequences placed there; its TTFT is one prefill's.
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
 rejects at decode after the prefill: services.decode.side_check.DecodeSideCheck).
