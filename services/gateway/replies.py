@@ -705,9 +705,15 @@ class ReplyRouter:
         if f is None:
             return
         message = v.message
-        if f.request is not None and f.request.sampling.n > 1 and v.dead_role:
-            # n sequences are not resumed (each would need its own prompt + answer so
-            # far): the request fails, none of its sequences is cut short silently.
+        if (
+            f.request is not None
+            and f.request.sampling.n > 1
+            and v.dead_role
+            and (f.generated or f.seq_counts)
+        ):
+            # n sequences are not resumed once the client has tokens (each would need
+            # its own prompt + answer so far): the request fails, none of its sequences
+            # cut short silently. Before any token it is simply sent again, as n = 1 is.
             message = f"{message}; a request with n > 1 is not migrated, send it again"
             f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
             return

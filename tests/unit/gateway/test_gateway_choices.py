@@ -189,3 +189,31 @@ async def test_tools_with_n_are_refused(nenv):
     async with nenv.post("/v1/chat/completions", json.dumps(body).encode()) as r:
         assert r.status == 400
         assert (await r.json())["error"]["param"] == "n"
+
+
+async def test_a_death_before_any_token_sends_the_n_request_again(nenv):
+    async def first_dies(b, req, reply):
+        if req.migration is None:
+            await serve_accept_then_silence(b, req, reply)
+        else:
+            await serve_n(b, req, reply)
+
+    nenv.set_behaviour(first_dies)
+    await nenv.backend.load("p0", "d0")
+    await until(lambda: nenv.gw.watchdog.liveness.known("p0"))
+    task = asyncio.ensure_future(
+        nenv.post("/v1/completions", {"prompt": "hi", "n": 3}).__aenter__()
+    )
+    req, _ = await asyncio.wait_for(nenv.backend.requests.get(), 5)
+    await until(lambda: nenv.gw.watchdog.stage(req.request_id) == "prefill")
+    nenv.clock.advance(2.5)  # p0 reported nothing since: it died before the first token
+    assert nenv.gw.router.sweep() == 1
+    r = await asyncio.wait_for(task, 10)
+    assert r.status == 200
+    out = await r.json()
+    r.release()
+    again, _ = nenv.backend.requests.get_nowait()
+    assert again.migration is not None and again.sampling.n == 3
+    assert again.prompt_token_ids == req.prompt_token_ids  # nothing to resume
+    assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == TEXTS
+    assert nenv.gw.router.migrations == 1

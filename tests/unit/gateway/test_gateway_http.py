@@ -422,7 +422,7 @@ async def test_other_backend_errors_keep_their_status(env):
     [
         (b"{bad json", 400, None),
         ({"prompt": "hi", "max_tokens": "lots"}, 400, "max_tokens"),
-        ({"prompt": "hi", "n": 2}, 400, "n"),
+        ({"prompt": "hi", "n": 17}, 400, "n"),
         ({"prompt": list(range(3, 3 + 65))}, 400, "prompt"),  # > max_prompt_tokens
         ({"prompt": "hi", "max_tokens": 101}, 400, "max_tokens"),  # > max_tokens_limit
         ({"prompt": list(range(3, 3 + 60)), "max_tokens": 80}, 400, "prompt"),  # > max_model_len
