@@ -95,7 +95,10 @@ class WriteBackStore(Protocol):
 
 def prompt_chain(req: GenerateRequest, block_size: int) -> list[int]:
     """The prompt's full-block hashes as the decode_tx was committed under (the request's
-    own when it carries them for this block size)."""
+    own when it carries them for this block size). The count is guarded here although
+    admission checked it: a decode task comes from a prefill login (any prefill may
+    send to any decode instance), and the answer's chain is indexed from this list's
+    length, so a list off the prompt gives way to the tokens' own chain."""
     n_full = len(req.prompt_token_ids) // block_size
     if req.block_hashes is not None and req.block_size == block_size:
         if len(req.block_hashes) == n_full:
