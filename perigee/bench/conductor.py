@@ -9,7 +9,8 @@ per request: one placement round (services.conductor.placement_round: the shadow
 view's down stores, its match over the index, the policy's choice, the task fields)
 for a 16k-token prompt whose prefix is shared with a random chain. Load reports (and
 the stores' announces) arrive every 100 placements (0.1 s of simulated time at 1,000
-placements/s); a placed request is released at once.
+placements/s); a placed request is released at once. ``--idle``: every instance reports
+nothing queued and nothing running, so all tie (the walk through ties of issue 27).
 """
 
 import argparse
@@ -52,10 +53,15 @@ def build_index(instances: int, blocks: int, chain: int, rng: random.Random) -> 
 
 
 def report(
-    policy: PlacementPolicy, instances: int, decodes: int, rng: random.Random, now: float
+    policy: PlacementPolicy,
+    instances: int,
+    decodes: int,
+    rng: random.Random,
+    now: float,
+    idle: bool = False,
 ) -> None:
     for i in range(instances):
-        q = rng.random() * 5
+        q = 0.0 if idle else rng.random() * 5
         policy.observe_prefill(
             PrefillLoad(
                 instance=f"prefill-{i}",
@@ -67,7 +73,7 @@ def report(
             )
         )
     for i in range(decodes):
-        b = rng.randrange(1, 64)
+        b = 0 if idle else rng.randrange(1, 64)
         policy.observe_decode(
             DecodeLoad(
                 instance=f"decode-{i}",
@@ -91,6 +97,7 @@ def run(
     warmup: int = 1_000,
     seed: int = 0,
     scan: bool = False,
+    idle: bool = False,
 ) -> dict:
     rng = random.Random(seed)
     index = build_index(instances, blocks, chain, rng)
@@ -105,7 +112,7 @@ def run(
         for node in nodes:
             shadow.stores.seen(node)
 
-    report(policy, instances, decodes, rng, clock.now())
+    report(policy, instances, decodes, rng, clock.now(), idle)
     announce()
     chains = blocks // chain
     fresh = blocks + 1
@@ -128,7 +135,7 @@ def run(
         policy.release(req.request_id)
         clock.advance(0.001)
         if k % 100 == 99:
-            report(policy, instances, decodes, rng, clock.now())
+            report(policy, instances, decodes, rng, clock.now(), idle)
             announce()
     return {
         "placement_us": {
@@ -143,6 +150,7 @@ def run(
         "placements": placements,
         "placed": placed,
         "search": "scan" if scan else "pruned",
+        "idle": idle,
     }
 
 
@@ -161,12 +169,24 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--scan", action="store_true", help="evaluate every instance (the search's reference)"
     )
+    p.add_argument(
+        "--idle", action="store_true", help="every instance idle: all tie for every request"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    s = run(a.instances, a.decodes, a.blocks, a.chain, a.placements, seed=a.seed, scan=a.scan)
+    s = run(
+        a.instances,
+        a.decodes,
+        a.blocks,
+        a.chain,
+        a.placements,
+        seed=a.seed,
+        scan=a.scan,
+        idle=a.idle,
+    )
     u = s["placement_us"]
     print(
-        f"placement ({s['search']}) over {s['instances']} prefill + {s['decode_instances']} "
+        f"placement ({s['search']}{', idle' if s['idle'] else ''}) over {s['instances']} prefill + {s['decode_instances']} "
         f"decode instances, {s['indexed_blocks']:,} indexed blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
         f"(mean {u['mean']:.0f} us, {s['placements']} placements)"
     )

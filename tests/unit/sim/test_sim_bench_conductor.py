@@ -36,3 +36,9 @@ def test_the_cli_reports_finite_figures(tmp_path):
     s = json.loads(path.read_text())
     assert not unmeasured(s, "placement_us.p50", "placement_us.p99", "placement_us.mean")
     assert (s["indexed_blocks"], s["placements"], s["placed"]) == (320, 20, 20)
+
+
+def test_idle_run_places_every_request():
+    """``--idle``: every instance reports nothing queued or running (all tie)."""
+    s = run(instances=8, decodes=4, blocks=640, chain=32, placements=50, warmup=5, idle=True)
+    assert s["idle"] and s["placed"] == 50
