@@ -242,7 +242,8 @@ def test_every_service_follows_one_admission_mode_from_the_environment(monkeypat
     from services.common import admission_mode
 
     monkeypatch.delenv(admission_mode.ENV, raising=False)
-    for shell, want in (({}, "early"), ({admission_mode.ENV: "baseline"}, "baseline")):
+    default = str(admission_mode.DEFAULT)  # the services' own default, compose's too
+    for shell, want in (({}, default), ({admission_mode.ENV: "baseline"}, "baseline")):
         out = compose_config(PERIGEE_DATA_KEY=DATA_KEY, **shell)
         assert out.returncode == 0, out.stderr
         modes = _modes(json.loads(out.stdout)["services"], monkeypatch)

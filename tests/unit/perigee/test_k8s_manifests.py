@@ -294,6 +294,7 @@ def test_every_service_follows_the_one_admission_mode_of_perigee_config(
     docs = rendered[tree]
     [cm] = [d["data"] for n, d in objs(docs, "ConfigMap").items() if n.startswith("perigee-config")]
     mode = admission_mode.parse(cm[admission_mode.ENV])
+    assert mode == admission_mode.DEFAULT  # the base and overlays serve the default
     seen = set()
     for _, c in perigee_containers(docs):
         env = environment(docs, c)
