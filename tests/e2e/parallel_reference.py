@@ -1,7 +1,8 @@
 """Monolithic vLLM's parallel sampling as a child process (``Reference`` subclass):
 ``vllm.LLM`` on the model, one ``generate`` per request with ``SamplingParams(n=...,
 seed=...)`` as given. SPEC/OUT as services.engine.vllm.reference, but each result is
-``{"seqs": [[token ids of child 0], [child 1], ...]}`` (by the child's index)."""
+``{"seqs": [[token ids of child 0], [child 1], ...], "logprobs": [per child: [per
+position: [[token id, logprob], ...]]] or [None, ...]}`` (by the child's index)."""
 
 import json
 import sys
@@ -47,7 +48,13 @@ def main(argv: list[str]) -> int:
             [TokensPrompt(prompt_token_ids=list(r["prompt"]))], params, use_tqdm=False
         )
         seqs = sorted(out.outputs, key=lambda o: o.index)
-        results.append({"seqs": [list(o.token_ids) for o in seqs]})
+        lps = [
+            [[[t, lp.logprob] for t, lp in pos.items()] for pos in o.logprobs]
+            if o.logprobs
+            else None
+            for o in seqs
+        ]
+        results.append({"seqs": [list(o.token_ids) for o in seqs], "logprobs": lps})
     Path(argv[1]).write_text(json.dumps({"start_s": 0.0, "results": results}))
     return 0
 

@@ -10,6 +10,8 @@ official ``openai`` client, compared with monolithic vLLM's parallel sampling
   from a fresh generator of the seed as vLLM's child 0's; the decode engine's generator
   of the same seed is advanced by that one draw before it samples the second token
   (connector ``skip_draws``), so the rest is child 0's too, and so is a seeded n = 1;
+- each choice's logprobs are vLLM's child's (choice 1's first token is sampled on
+  decode, choice 0's on prefill);
 - the prompt's KV is computed and shipped once: prefill ships each layer once for the
   request, one DECODE transaction holds it, and the decode engine loads the two other
   sequences from the same slots (worker and connector counters, not timings).
@@ -66,17 +68,25 @@ def prompts(hf):
     return {"story": hf.encode(STORY), "chat": chat}
 
 
+LOGPROBS = {"n": 2, "seed": 99, "temperature": TEMP, "max_tokens": 6, "logprobs": 2}
+TOL = 2e-3  # float32 on both sides; batch shapes differ
+
+
 @pytest.fixture(scope="module")
 def real_env(prompts, tmp_path_factory):
     from tests.e2e.parallel_reference import ParallelReference
 
-    names = list(prompts)
+    names = [*prompts, "logprobs"]
     ref = ParallelReference(
         {
             "model_dir": str(MODEL_DIR),
             "max_model_len": 8192,
             "requests": [
-                {"prompt": prompts[k], "sampling": {**SAMPLING, "ignore_eos": True}} for k in names
+                *(
+                    {"prompt": prompts[k], "sampling": {**SAMPLING, "ignore_eos": True}}
+                    for k in prompts
+                ),
+                {"prompt": prompts["story"], "sampling": {**LOGPROBS, "ignore_eos": True}},
             ],
         },
         tmp_path_factory.mktemp("reference"),
@@ -180,6 +190,24 @@ async def test_chat_n3_seeded_equals_vllm_children(real_env, hf, stream):
     assert used == N * MAX_TOKENS
     assert again == texts
     _check_against_vllm(texts, ref["chat"]["seqs"], hf)
+
+
+async def test_each_choice_has_vllms_logprobs(real_env, prompts, hf):
+    # choice 1's first token is sampled on decode, choice 0's on prefill: both as vLLM's
+    s, ref = real_env
+    r = ref["logprobs"]
+    async with client(s.url) as c:
+        out = await c.completions.create(
+            model=NAME, prompt=prompts["story"], **LOGPROBS, extra_body=NO_EOS
+        )
+    got = sorted(out.choices, key=lambda ch: ch.index)
+    assert len(got) == 2
+    for ch, seq, lps in zip(got, r["seqs"], r["logprobs"], strict=True):
+        assert ch.text == hf.decode(seq, skip_special_tokens=True)
+        assert len(ch.logprobs.token_logprobs) == len(seq) == 6
+        for i, tok in enumerate(seq):
+            want = dict((t, lp) for t, lp in lps[i])[tok]
+            assert ch.logprobs.token_logprobs[i] == pytest.approx(want, abs=TOL)
 
 
 async def test_seeded_n1_equals_vllms_first_child(real_env, prompts, hf):
