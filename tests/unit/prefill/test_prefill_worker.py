@@ -91,6 +91,7 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
         "tokens_generated": 7,
         "kv_tokens_loaded": 100,
         "commits_failed": 0,
+        "sequences_sharing_kv": 0,  # n = 1
         "running": 0,
     }
 
