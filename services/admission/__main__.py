@@ -3,20 +3,20 @@
 import argparse
 import sys
 
+import structlog
+from nats.aio.client import Client as NATS
+
 from services.admission.policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.common import (
     admission_mode,
-    bus,
     defaults,
     intake_queue,
     metrics,
     runner,
     shared_flags,
+    shell,
 )
-from services.common.logging import configure
-from services.common.shutdown import StopEvent
-from tracing import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,23 +90,11 @@ def config_from_args(args: argparse.Namespace) -> AdmissionConfig:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    log = configure("admission", args.log_level)
-    setup_tracing("admission")
-    stop = StopEvent()
-    bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name="admission", kind="admission")
-    log.info("admission_mode", mode=str(args.admission_mode))
-    svc = AdmissionService(nc, config_from_args(args))
-    await svc.start()
-    mserver = await metrics.start_from_args(args, "admission")
-    await stop.wait()
-    log.info("admission_stopping")
-    await svc.stop()
-    if mserver is not None:
-        await mserver.close()
-    await bus.drain(nc)
-    shutdown_tracing()
-    return 0
+    def build(nc: NATS) -> AdmissionService:
+        structlog.get_logger().info("admission_mode", mode=str(args.admission_mode))
+        return AdmissionService(nc, config_from_args(args))
+
+    return await shell.serve("admission", args, build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,23 +4,21 @@ import argparse
 import sys
 
 import structlog
+from nats.aio.client import Client as NATS
 
 from services.common import (
     admission_mode,
-    bus,
     defaults,
     intake_queue,
     metrics,
     runner,
     shared_flags,
+    shell,
 )
-from services.common.logging import configure
-from services.common.shutdown import StopEvent
 from services.conductor import cpp
 from services.conductor import metrics as conductor_metrics
 from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
-from tracing import setup_tracing, shutdown_tracing
 
 
 def _threshold(s: str) -> tuple[bool, float]:
@@ -169,27 +167,17 @@ def config_from_args(args: argparse.Namespace) -> ConductorConfig:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    log = configure("conductor", args.log_level)
-    setup_tracing("conductor")
-    stop = StopEvent()
-    bus.install_signal_handlers(stop)
-    nc = await bus.connect(args.nats, name=args.id, kind="conductor")
-    log.info("admission_mode", mode=str(args.admission_mode))
-    cfg = config_from_args(args)
-    svc = ConductorService(nc, cfg)
-    await svc.start()
-    mserver = await metrics.start_from_args(
-        args, "conductor", conductor_metrics.conductor_collector(svc)
+    def build(nc: NATS) -> ConductorService:
+        structlog.get_logger().info("admission_mode", mode=str(args.admission_mode))
+        return ConductorService(nc, config_from_args(args))
+
+    return await shell.serve(
+        "conductor",
+        args,
+        build,
+        connection=args.id,
+        collector=conductor_metrics.conductor_collector,
     )
-    await stop.wait()
-    log.info("conductor_stopping")
-    await svc.stop()
-    if mserver is not None:
-        await mserver.close()
-    await bus.drain(nc)
-    shutdown_tracing()
-    structlog.get_logger().info("conductor_stopped")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

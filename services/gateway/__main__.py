@@ -10,15 +10,14 @@ import sys
 import uuid
 from pathlib import Path
 
-from services.common import defaults, intake_queue, runner, shared_flags
-from services.common.bus import connect, drain, install_signal_handlers
-from services.common.logging import configure
+import structlog
+from nats.aio.client import Client as NATS
+
+from services.common import defaults, intake_queue, runner, shared_flags, shell
 from services.common.model_spec import DEFAULT_MODEL_DIR
-from services.common.shutdown import StopEvent
 from services.gateway.auth import ENV_VAR, parse_keys
 from services.gateway.connections import raise_fd_limit
 from services.gateway.server import Gateway, GatewayConfig
-from tracing import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -200,26 +199,29 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    log = configure("gateway", args.log_level)
-    setup_tracing("gateway")
-    stop = StopEvent()
-    # In-flight requests get the grace, then a 503 and a few seconds to say so.
-    install_signal_handlers(stop, bound_s=args.shutdown_grace + 3.0)
     cfg = config_from_args(args)
     # Each connection is a socket; the bus, the model files and logs take a few more.
     raise_fd_limit(cfg.max_connections + 256)
     # Drawn here: the connection's reconnect notices name it (services.gateway.replies).
     args.gateway_id = args.gateway_id or uuid.uuid4().hex[:12]
-    nc = await connect(args.nats, name="gateway", kind="gateway", sender=args.gateway_id)
-    gw = Gateway(cfg, nc)
-    await gw.start()
-    log.info("gateway_auth", api_keys=len(cfg.api_keys))
-    await stop.wait()
-    log.info("gateway_stopping", in_flight=gw.router.in_flight)
-    await gw.close(args.shutdown_grace)
-    await drain(nc)
-    shutdown_tracing()
-    return 0
+
+    def build(nc: NATS) -> Gateway:
+        structlog.get_logger().info("gateway_auth", api_keys=len(cfg.api_keys))
+        return Gateway(cfg, nc)
+
+    async def close(gw: Gateway) -> None:
+        structlog.get_logger().info("gateway_closing", in_flight=gw.router.in_flight)
+        await gw.close(args.shutdown_grace)
+
+    return await shell.serve(
+        "gateway",
+        args,
+        build,
+        sender=args.gateway_id,
+        stop=close,
+        # In-flight requests get the grace, then a 503 and a few seconds to say so.
+        bound_s=args.shutdown_grace + 3.0,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

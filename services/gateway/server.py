@@ -252,6 +252,9 @@ class Gateway:
         log.info("gateway_started", host=self.cfg.host, port=self.port, gateway_id=self.gateway_id)
         return self
 
+    async def stop(self) -> None:
+        await self.close()
+
     async def close(self, grace_s: float = 5.0) -> None:
         """Stop listening, give in-flight requests ``grace_s`` to finish, fail the rest
         with 503 (their backends get a CancelRequest), then shut down."""

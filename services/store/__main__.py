@@ -1,19 +1,15 @@
 """``python -m services.store --nats URL --node p0 ...``: run one node's KV store."""
 
 import argparse
-import asyncio
 import sys
 
 import structlog
+from nats.aio.client import Client as NATS
 
-from services.common import defaults, metrics, runner
-from services.common.bus import connect, drain, install_signal_handlers
-from services.common.logging import configure
-from services.common.shutdown import StopEvent
+from services.common import defaults, metrics, runner, shell
 from services.store import auth
 from services.store import metrics as store_metrics
 from services.store.server import StoreService
-from tracing import setup_tracing, shutdown_tracing
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,57 +98,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def main(args: argparse.Namespace) -> int:
-    configure("store", args.log_level)
-    setup_tracing("store")
-    auth.data_key()  # a placeholder key stops the store now, before it connects
-    log = structlog.get_logger()
     structlog.contextvars.bind_contextvars(node=args.node)
-    stop = StopEvent()
-    install_signal_handlers(stop)
-    nc = await connect(args.nats, name=f"store-{args.node}", kind="store", sender=args.node)
-    service = StoreService(
-        nc,
-        node=args.node,
-        block_size=args.block_size,
-        block_bytes=args.block_bytes,
-        capacity_blocks=args.capacity_blocks,
-        host=args.host,
-        port=args.port,
-        advertise_host=args.advertise_host,
-        announce_interval_s=args.announce_interval,
-        sweep_interval_s=args.sweep_interval,
-        peer_timeout_s=args.peer_timeout,
-        transports=tuple(t for t in args.transports.split(",") if t) + ("tcp",),
-        shm_copy_threads=args.shm_copy_threads,
-        prefault=args.prefault,
-        ssd_dir=args.ssd_dir,
-        ssd_capacity_blocks=args.ssd_capacity_blocks,
-        vram_capacity_blocks=args.vram_capacity_blocks,
-        replay_batches=args.replay_batches,
-    )
-    mserver = None
-    try:
-        await service.start()
-        mserver = await metrics.start_from_args(
-            args,
-            "store",
-            store_metrics.store_collector(service),
-            ready=lambda: not service.failed.is_set(),
+
+    def build(nc: NATS) -> StoreService:
+        return StoreService(
+            nc,
+            node=args.node,
+            block_size=args.block_size,
+            block_bytes=args.block_bytes,
+            capacity_blocks=args.capacity_blocks,
+            host=args.host,
+            port=args.port,
+            advertise_host=args.advertise_host,
+            announce_interval_s=args.announce_interval,
+            sweep_interval_s=args.sweep_interval,
+            peer_timeout_s=args.peer_timeout,
+            transports=tuple(t for t in args.transports.split(",") if t) + ("tcp",),
+            shm_copy_threads=args.shm_copy_threads,
+            prefault=args.prefault,
+            ssd_dir=args.ssd_dir,
+            ssd_capacity_blocks=args.ssd_capacity_blocks,
+            vram_capacity_blocks=args.vram_capacity_blocks,
+            replay_batches=args.replay_batches,
         )
-        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(service.failed.wait())]
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        for w in waiters:
-            w.cancel()
-    finally:
-        if mserver is not None:
-            await mserver.close()
-        await service.stop()
-        await drain(nc)
-        shutdown_tracing()
-    if service.failed.is_set():
-        log.error("store_exiting_after_failure")
-        return 1
-    return 0
+
+    return await shell.serve(
+        "store",
+        args,
+        build,
+        connection=f"store-{args.node}",
+        sender=args.node,
+        collector=store_metrics.store_collector,
+        ready=lambda service: not service.failed.is_set(),
+        failed=lambda service: service.failed,
+        before_connect=auth.data_key,  # a placeholder key stops the store before it connects
+    )
 
 
 if __name__ == "__main__":
