@@ -360,9 +360,10 @@ class PlacementPolicy:
         service's sweep), not per request: it walks the orders."""
         gone = self.loads.prune(older_than_s)
         orders = self.orders
-        for order, books in ((orders.prefill, self._prefill), (orders.decode, self._decode)):
-            for instance in [i for i in order.instances() if i not in books]:
-                order.discard(instance)
+        for instance in [i for i in orders.prefill.instances() if i not in self._prefill]:
+            orders.drop(instance)
+        for instance in [i for i in orders.decode.instances() if i not in self._decode]:
+            orders.decode.discard(instance)
         for by_node, books in (
             (orders.on_node, self._prefill),
             (orders.decode_on_node, self._decode),
@@ -379,7 +380,7 @@ class PlacementPolicy:
         a request that interleaves (at most what any request waits for there)."""
         load = self._prefill.get(instance)
         if load is None:
-            self.orders.prefill.discard(instance)
+            self.orders.drop(instance)
             return
         key = load.queued_work_s
         for d in self._by_prefill.get(instance, {}).values():

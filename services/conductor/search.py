@@ -15,9 +15,12 @@ order's first usable instance)::
 The bound holds for every instance not yet walked: its queue is at least the walked
 key, its prefill time at least the cost floor's (services.common.cost_floor), its TTFT
 feedback factor at least the floor of the factors. A tie (bound equal to the best) goes
-on walking, so the tie-breaks decide as in the full scan. With the uniform cost model
-and no feedback (the simulator, the bench) the walk stops after the first instance
-whose queue exceeds the best TTFT less its compute.
+on walking, so the tie-breaks decide as in the full scan. When no instance has a model
+of its own (``CostFloor.uniform``: the simulator, the bench, a fixed cost model) every
+instance left computes what the first one walked does, so its prefill time replaces the
+floor and the bound is exact: the walk stops at the first key that cannot match the
+best TTFT, and a group of equal keys costs one evaluation (the first by name, when its
+factor is the least; the rest tie or lose).
 
 Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens),
 the first keys of the full scan's choice among the instances meeting the TBT SLO. The
@@ -44,6 +47,9 @@ from sortedcontainers import SortedList
 from bus_schemas.roles import Role
 from services.conductor.load_order import LoadOrder
 
+# Holders of one prefix length on at most this many instances are evaluated outright.
+DIRECT = 16
+
 # The policy, its requests and candidates are services.conductor.policy's, which imports
 # this module (typed Any here: no import back).
 Policy = Any
@@ -56,12 +62,32 @@ class Orders:
     def __init__(self) -> None:
         self.prefill = LoadOrder()
         self.decode = LoadOrder()
-        self.on_node: dict[str, set[str]] = {}  # prefill instances by node
+        # Prefill instances by node: always a subset of ``prefill`` (drop removes from
+        # both), so the search can count the instances that hold no prefix.
+        self.on_node: dict[str, set[str]] = {}
+        self.node_of: dict[str, str] = {}  # prefill instance -> its node in on_node
         self.decode_on_node: dict[str, set[str]] = {}
+
+    def drop(self, instance: str) -> None:
+        """``instance`` leaves the prefill order and its node's set."""
+        self.prefill.discard(instance)
+        node = self.node_of.pop(instance, None)
+        held = self.on_node.get(node) if node is not None else None
+        if held is not None:
+            held.discard(instance)
+            if not held:
+                del self.on_node[node]  # type: ignore[arg-type]
 
     def moved(
         self, instance: str, old_node: str | None, node: str | None, role: str = Role.PREFILL
     ) -> None:
+        if role == Role.PREFILL:
+            # Where on_node holds it, even if the load book forgot it meanwhile.
+            old_node = self.node_of.get(instance)
+            if node is None:
+                self.node_of.pop(instance, None)
+            else:
+                self.node_of[instance] = node
         if old_node == node:
             return
         by_node = self.on_node if role == Role.PREFILL else self.decode_on_node
@@ -118,48 +144,81 @@ def best_prefill(
                 best = policy._candidate(req, instance, ld.node, own_len, opt)
                 break
         for instance in stale:
-            orders.prefill.discard(instance)
+            orders.drop(instance)
         return best
 
+    # Holders share an option per prefix length. A length held by few instances is
+    # evaluated outright; the others (a prefix every node holds, and the instances
+    # holding nothing) are walked from the least queued, each with its own option.
+    by_len: dict[int, list[str]] = {}
     for node, own_len in own.items():
-        for instance in orders.on_node.get(node, ()):
-            ld = prefill.get(instance)
-            if ld is None or ld.node != node or not usable(instance):
-                continue
-            opt = policy._option(req, own_len, best_len, best_node, inflight, threshold, options)
-            c = policy._candidate(req, instance, node, own_len, opt)
-            r = rank(c)
-            if best_rank is None or r < best_rank:
-                best, best_rank = c, r
-
-    opt = policy._option(req, 0, best_len, best_node, inflight, threshold, options)
-    prefix, _, transfer_s = opt
-    computed = computed_prefix(req.num_tokens, req.block_size, prefix)
-    prefill_floor = policy._book.floor.prefill(req.num_tokens, computed)
+        by_len.setdefault(own_len, []).append(node)
+    held = 0
+    walked: dict[int, list[Any]] = {}  # own length -> [transfer_s, compute floor, option]
+    floor = policy._book.floor
+    for own_len, nodes in by_len.items():
+        size = sum(len(orders.on_node.get(node, ())) for node in nodes)
+        held += size
+        if size > DIRECT:
+            walked[own_len] = []
+            continue
+        for node in nodes:
+            for instance in orders.on_node.get(node, ()):
+                ld = prefill.get(instance)
+                if ld is None or ld.node != node or not usable(instance):
+                    continue
+                opt = policy._option(
+                    req, own_len, best_len, best_node, inflight, threshold, options
+                )
+                c = policy._candidate(req, instance, node, own_len, opt)
+                r = rank(c)
+                if best_rank is None or r < best_rank:
+                    best, best_rank = c, r
+    if len(orders.prefill) > held:  # some instance holds nothing (on_node is a subset)
+        walked[0] = []
+    if not walked:
+        return best
+    for own_len, bound in walked.items():
+        opt = policy._option(req, own_len, best_len, best_node, inflight, threshold, options)
+        computed = computed_prefix(req.num_tokens, req.block_size, opt[0])
+        bound += [opt[2], floor.prefill(req.num_tokens, computed), opt]
     factor_floor = policy.feedback.floor() if policy.feedback is not None else 1.0
-    # Instances with equal keys tie exactly when they share a model and their factor is
-    # the least there is: the first usable one by name is then the group's choice.
-    same_model = policy._book.floor.uniform
+    # With one model for all (none has its own) an option's first walked instance
+    # computes exactly what every later one with that option does: its prefill time
+    # replaces the floor and the bound is exact. Equal keys then tie (one option) and the
+    # first usable one by name is the group's choice, when its factor is the least.
+    same_model = floor.uniform
+    one_option = len(walked) == 1
     stale = []
     it = iter(orders.prefill)
-    while (entry := next(it, None)) is not None:
+    entry = next(it, None)
+    while entry is not None:
         key, instance = entry
-        if best is not None and factor_floor * (transfer_s + key + prefill_floor) > best.ttft_s:
+        entry = next(it, None)  # read ahead: does this key have a group to skip?
+        if (
+            best is not None
+            and factor_floor * min((t + key) + f for t, f, _ in walked.values()) > best.ttft_s
+        ):
             break
         ld = prefill.get(instance)
         if ld is None:
             stale.append(instance)
             continue
-        if ld.node in own or not usable(instance):
-            continue
-        c = policy._candidate(req, instance, ld.node, 0, opt)
+        own_len = own.get(ld.node, 0)
+        option = walked.get(own_len)
+        if option is None or not usable(instance):
+            continue  # evaluated outright above, or not to be placed on
+        c = policy._candidate(req, instance, ld.node, own_len, option[2])
         r = rank(c)
         if best_rank is None or r < best_rank:
             best, best_rank = c, r
-        if same_model and c.factor <= factor_floor:
-            it = orders.prefill.after(key)  # the rest of this key's group ties, later by name
+        if same_model:
+            option[1] = c.prefill_s
+            if one_option and c.factor <= factor_floor and entry is not None and entry[0] == key:
+                it = orders.prefill.after(key)  # the rest of this key's group ties, later by name
+                entry = next(it, None)
     for instance in stale:
-        orders.prefill.discard(instance)
+        orders.drop(instance)
     return best
 
 
@@ -178,8 +237,10 @@ def best_decode(
     same_model = floor.uniform
     stale = []
     it = iter(orders.decode)
-    while (entry := next(it, None)) is not None:
+    entry = next(it, None)
+    while entry is not None:
         key, instance = entry
+        entry = next(it, None)
         occupancy, kv = key[0], key[1]
         if level is not None:
             if occupancy > level:
@@ -199,8 +260,9 @@ def best_decode(
                 fit = (tbt, instance)
         elif fit is None and (over is None or (tbt, instance) < over):
             over = (tbt, instance)
-        if same_model:
+        if same_model and entry is not None and entry[0] == key:
             it = orders.decode.after(key)  # the rest of this key's group ties, later by name
+            entry = next(it, None)
     for instance in stale:
         orders.decode.discard(instance)
     pick = fit or over
