@@ -10,6 +10,7 @@ official ``openai`` client, compared with monolithic vLLM's parallel sampling
   from a fresh generator of the seed as vLLM's child 0's; the decode engine's generator
   of the same seed is advanced by that one draw before it samples the second token
   (connector ``skip_draws``), so the rest is child 0's too, and so is a seeded n = 1;
+- structured output constrains every choice;
 - each choice's logprobs are vLLM's child's (choice 1's first token is sampled on
   decode, choice 0's on prefill);
 - the prompt's KV is computed and shipped once: prefill ships each layer once for the
@@ -208,6 +209,26 @@ async def test_each_choice_has_vllms_logprobs(real_env, prompts, hf):
         for i, tok in enumerate(seq):
             want = dict((t, lp) for t, lp in lps[i])[tok]
             assert ch.logprobs.token_logprobs[i] == pytest.approx(want, abs=TOL)
+
+
+async def test_structured_output_constrains_every_choice(real_env):
+    # the grammar runs on prefill for choice 0's first token and afresh on decode for
+    # the others' (their first token is sampled there)
+    s, _ = real_env
+    colours = ["red", "green", "blue", "yellow"]
+    async with client(s.url) as c:
+        out = await c.chat.completions.create(
+            model=NAME,
+            messages=CHAT,
+            n=4,
+            seed=5,
+            temperature=1.5,
+            max_tokens=8,
+            extra_body={"structured_outputs": {"choice": colours}},
+        )
+    got = sorted(out.choices, key=lambda ch: ch.index)
+    assert [ch.index for ch in got] == [0, 1, 2, 3]
+    assert all(ch.message.content in colours for ch in got), [ch.message.content for ch in got]
 
 
 async def test_seeded_n1_equals_vllms_first_child(real_env, prompts, hf):
