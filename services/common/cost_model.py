@@ -19,6 +19,9 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class CostModel:
+    """The paper's analytic cost model: prefill, decode-step and transfer times from its
+    constants."""
+
     layers: int = 80
     d: int = 8192
     a: float = 4.0

@@ -11,6 +11,8 @@ from services.common.incarnation import SAME, STALE, judge
 
 
 class Liveness:
+    """Which instances reported recently enough to count as alive, and their live incarnations."""
+
     def __init__(self, clock: Clock, dead_after_s: float = 2.0) -> None:
         self.clock = clock
         self.dead_after_s = dead_after_s
