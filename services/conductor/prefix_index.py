@@ -42,6 +42,8 @@ class _Node:
 
 
 class PrefixIndex:
+    """Which node holds which KV block, as the stores' events say: a copy to score placements."""
+
     def __init__(self) -> None:
         self._masks: dict[int, int] = {}
         self._nodes: dict[str, _Node] = {}
