@@ -24,8 +24,7 @@ class CostFit(Msg):
 
 
 class PrefillLoad(Msg):
-    """A prefill instance's periodic report: its queue, its outstanding work and what it
-    measured."""
+    """A prefill instance's periodic report: its queue, its work to do and what it measured."""
 
     instance: str
     node: str

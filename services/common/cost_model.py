@@ -19,8 +19,7 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class CostModel:
-    """The paper's analytic cost model: prefill, decode-step and transfer times from its
-    constants."""
+    """The paper's analytic cost model (eq. 1): prefill, decode-step and transfer times."""
 
     layers: int = 80
     d: int = 8192
