@@ -97,6 +97,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/pytest -q tests/unit/test_import_layers.py
 
 unit: install
 	$(BIN)/pytest -q tests/unit

@@ -18,12 +18,16 @@ from bus_schemas.roles import ROLES, Role
 
 
 class TxRole(IntEnum):
+    """What a store transaction does on its node: a prefill's, a decode's or a source's part."""
+
     PREFILL = 0  # lock the reusable prefix, allocate the rest, cache on commit
     DECODE = 1  # receive a whole request's KV (tail block included)
     SOURCE = 2  # lock blocks another node will pull; allocates nothing
 
 
 class TxAllocate(Msg):
+    """Lock a request's cached prefix on a node and allocate slots for the rest."""
+
     request_id: str
     role: TxRole
     block_hashes: list[int]  # full blocks of the prompt, chained
@@ -37,6 +41,8 @@ class TxAllocate(Msg):
 
 
 class TxHandle(Msg, tag="handle"):
+    """An open transaction: its slots on the node, its leading hits, and where its bytes go."""
+
     tx_id: str
     node: str
     epoch: int
@@ -53,6 +59,8 @@ class TxHandle(Msg, tag="handle"):
 
 
 class Refused(Msg, tag="refused"):
+    """A store's no to a control request, with a reason code."""
+
     reason: str  # "capacity" | "epoch" | "unknown_tx" | "bad_request" ...
     message: str
 
@@ -61,17 +69,23 @@ TxReply = TxHandle | Refused
 
 
 class TxCommit(Msg):
+    """Close a transaction: its newly written blocks become cached and announced."""
+
     tx_id: str
     request_id: str
 
 
 class TxAbort(Msg):
+    """Roll a transaction back: its locks and unwritten slots are released."""
+
     tx_id: str
     request_id: str
     reason: str = ""
 
 
 class TxDone(Msg, tag="done"):
+    """A store's yes to a commit, abort or replication, with the blocks it stored."""
+
     tx_id: str
     stored_blocks: int = 0
 
@@ -90,12 +104,16 @@ class TxRenew(Msg):
 
 
 class TxRenewed(Msg):
+    """The answer to a TxRenew: the new lease end, and the transactions not open here."""
+
     expires_at: float  # unix seconds, the new end of every lease named in ``renewed``
     renewed: list[str]
     unknown: list[str]  # not open here (committed, aborted, expired, or another epoch)
 
 
 class StoreInfo(Msg):
+    """A store's announcement of itself: node, epoch, endpoints and capacity."""
+
     node: str
     epoch: int
     seq: int  # last KV-event sequence number published
@@ -121,6 +139,8 @@ class DumpRequest(Msg):
 
 
 class DumpPage(Msg):
+    """One page of a store's block list, consistent with its KV-event ``seq``."""
+
     node: str
     epoch: int
     seq: int  # sequence number the snapshot is consistent with
@@ -137,6 +157,8 @@ class Replicate(Msg):
 
 
 class RoleSwitch(Msg):
+    """Move an instance to another role (``ctl.role``, from the P/D ratio controller)."""
+
     instance: str
     role: str  # a Role ("prefill" | "decode"); anything else is ignored
 
@@ -155,6 +177,8 @@ class ClearRequest(Msg):
 
 
 class ClearDone(Msg):
+    """A wiped store's answer: what went and what open transactions still hold."""
+
     node: str
     epoch: int
     seq: int  # the batch that announced the wipe (AllBlocksCleared or BlockRemoved)
@@ -170,6 +194,8 @@ class ReplayRequest(Msg):
 
 
 class ReplayPage(Msg):
+    """A store's recent event batches after ``after_seq``, or word that the consumer must dump."""
+
     node: str
     epoch: int
     seq: int  # the store's latest seq
@@ -194,6 +220,8 @@ class ObjectKey(Msg):
 
 
 class ObjectDone(Msg, tag="object_done"):
+    """A store's answer about one object: its node, its size and whether it is there."""
+
     key: str
     node: str
     size: int = 0

@@ -12,6 +12,8 @@ from bus_schemas._base import Msg
 
 
 class StageOpen(Msg):
+    """Open one stage of a request's pipeline for its chunks."""
+
     request_id: str
     stage: int
     stages: int
@@ -22,6 +24,8 @@ class StageOpen(Msg):
 
 
 class StageOpened(Msg):
+    """A stage's answer to StageOpen: the inbox the stage before it writes activations into."""
+
     request_id: str
     stage: int
     segment: str = ""  # the inbox (stage > 0): its TransferEngine segment and region
@@ -30,11 +34,15 @@ class StageOpened(Msg):
 
 
 class StageRun(Msg):
+    """Run a stage's chunks, sending activations on to the next stage's inbox."""
+
     request_id: str
     next_stage: StageOpened | None = None  # None: the last stage
 
 
 class StageDone(Msg):
+    """A stage's answer once its last chunk is through, with the compute it spent."""
+
     request_id: str
     stage: int
     chunks: int

@@ -9,14 +9,20 @@ from bus_schemas._base import Msg
 
 
 class BlockStored(Msg, tag="stored"):
+    """Blocks that became readable on the node."""
+
     block_hashes: list[int]
 
 
 class BlockRemoved(Msg, tag="removed"):
+    """Blocks the node no longer holds on any tier."""
+
     block_hashes: list[int]
 
 
 class AllBlocksCleared(Msg, tag="cleared"):
+    """The node dropped every block: consumers forget all they knew of it."""
+
     pass
 
 
@@ -24,6 +30,8 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(Msg):
+    """One sequenced batch of a node's KV events; a gap in ``seq`` or a new ``epoch`` means dump."""
+
     node: str
     epoch: int
     seq: int

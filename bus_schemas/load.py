@@ -24,6 +24,8 @@ class CostFit(Msg):
 
 
 class PrefillLoad(Msg):
+    """A prefill instance's periodic report: its queue, its work to do and what it measured."""
+
     instance: str
     node: str
     queue_len: int  # requests waiting or running
@@ -40,6 +42,8 @@ class PrefillLoad(Msg):
 
 
 class DecodeLoad(Msg):
+    """A decode instance's periodic report: its batch, its step time and what it measured."""
+
     instance: str
     node: str
     batch_size: int  # running requests

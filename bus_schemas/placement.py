@@ -40,6 +40,8 @@ class PrefixSource(Msg):
 
 
 class PrefillTask(Msg):
+    """A placed request for its prefill instance: where it runs and which prefix it reuses."""
+
     request: GenerateRequest
     conductor_id: str
     prefill_instance: str
@@ -68,6 +70,8 @@ class PrefillTask(Msg):
 
 
 class DecodeTask(Msg):
+    """A prefilled request for its decode instance, with the transaction that holds its KV."""
+
     request: GenerateRequest
     conductor_id: str
     prefill_instance: str
@@ -86,6 +90,8 @@ class DecodeTask(Msg):
 
 
 class FirstTokenNotice(Msg, tag="first_token"):
+    """Prefill's word to the placing conductor that a request is handed to decode."""
+
     request_id: str
     prefill_node: str
     prefill_tx_id: str

@@ -15,12 +15,16 @@ from bus_schemas._base import Msg
 
 
 class Retention(IntEnum):
+    """How a store keeps a request's new blocks (paper §5.2)."""
+
     DEFAULT = 0  # LRU
     EPHEMERAL = 1  # new blocks are not cached (paper §5.2: web-search content)
     CONTEXT_CACHE = 2  # pinned for ``context_ttl_s``; offloaded, never evicted while pinned
 
 
 class ErrorCode(IntEnum):
+    """Why a request ended in an Error; the values are the HTTP statuses the gateway answers."""
+
     BAD_REQUEST = 400
     CANCELLED = 499
     REJECTED = 429
@@ -207,6 +211,8 @@ class Migration(Msg):
 
 
 class GenerateRequest(Msg):
+    """One request to generate: prompt tokens, sampling, retention and SLOs."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
@@ -231,6 +237,8 @@ class GenerateRequest(Msg):
 
 
 class Accepted(Msg, tag="accepted"):
+    """The first stream event: the request is placed, on these instances."""
+
     request_id: str
     prefill_instance: str
     decode_instance: str
@@ -245,6 +253,8 @@ class Accepted(Msg, tag="accepted"):
 
 
 class Tokens(Msg, tag="tokens"):
+    """Generated tokens in order from ``index``, with their log-probabilities when asked."""
+
     request_id: str
     token_ids: list[int]
     index: int  # position of token_ids[0] among the generated tokens
@@ -263,6 +273,8 @@ class Tokens(Msg, tag="tokens"):
 
 
 class Finished(Msg, tag="finished"):
+    """The last stream event of a request that completed, with its token counts."""
+
     request_id: str
     finish_reason: str  # "stop" | "length" | "abort" (sequence 0's when n > 1)
     prompt_tokens: int
@@ -274,6 +286,8 @@ class Finished(Msg, tag="finished"):
 
 
 class Error(Msg, tag="error"):
+    """The last stream event of a request that failed; a rejection says when to retry."""
+
     request_id: str
     code: ErrorCode
     message: str

@@ -4,6 +4,8 @@ from enum import StrEnum
 
 
 class Role(StrEnum):
+    """A worker's role in the disaggregated pipeline."""
+
     PREFILL = "prefill"
     DECODE = "decode"
 

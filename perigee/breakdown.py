@@ -71,6 +71,8 @@ ROOT = "gateway.request"
 
 @dataclass
 class Request:
+    """One request's trace split into the stages of the paper's Fig. 22."""
+
     trace_id: str
     request_id: str
     status: int

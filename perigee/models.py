@@ -50,6 +50,8 @@ class ModelNotReady(RuntimeError):
 
 @dataclass(frozen=True)
 class ResolvedModel:
+    """A model folder found on disk and the name the gateway serves it under."""
+
     path: Path  # an HF-format folder: config.json, tokenizer, maybe safetensors
     name: str  # the name the gateway serves it under
 

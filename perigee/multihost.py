@@ -69,6 +69,8 @@ def _sh(*argv: str) -> None:
 
 @dataclass(frozen=True)
 class Host:
+    """One simulated host: its network and mount namespaces and its address."""
+
     index: int
     netns: str  # ip netns name
     addr: str  # its eth0 address

@@ -73,6 +73,8 @@ from services.common.bus_permissions import (  # noqa: F401 - this module's publ
 
 @dataclass(frozen=True)
 class User:
+    """One NATS login: its password and the subjects it may publish and subscribe to."""
+
     name: str
     password: str
     publish: tuple[str, ...] = ()

@@ -169,6 +169,8 @@ async def profile_decode_engine(
 
 @dataclass
 class Outcome:
+    """One profiled request: its seconds and cached tokens, or its error."""
+
     seconds: float
     cached_tokens: int
     error: str = ""

@@ -29,6 +29,8 @@ from services.common import defaults
 
 @dataclass
 class Outcome:
+    """One replayed request: status, TTFT, token gaps and counts, or its error."""
+
     ok: bool
     status: int = 0
     ttft_s: float = math.nan

@@ -89,6 +89,8 @@ def default_slos(engine: str) -> tuple[float, float]:
 
 @dataclass
 class StackConfig:
+    """What ``perigee up`` starts: the bus, pool sizes, engine, model and each service's flags."""
+
     nats_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -161,6 +163,8 @@ class StackConfig:
 
 @dataclass
 class Child:
+    """One service process of the stack: its name, command line and environment."""
+
     name: str
     argv: list[str]
     proc: subprocess.Popen | None = None
@@ -168,6 +172,8 @@ class Child:
 
 
 class Stack:
+    """Starts, watches and stops the services of one local stack."""
+
     def __init__(self, cfg: StackConfig) -> None:
         # The services run in the repository root: a relative log dir (and spans file)
         # would name another folder for them than for this process and its messages.

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """How often a dying service is restarted, and after how many deaths it is given up."""
+
     max_restarts: int = 5  # within window_s; one more exit and the service is given up
     window_s: float = 60.0
     backoff_s: float = 0.5  # before the first restart; doubles for each recent one
@@ -56,6 +58,8 @@ class RestartBook:
 
 @dataclass
 class SupervisedEvent:
+    """A supervised service exited, was restarted or was given up."""
+
     name: str
     kind: str  # "exited" | "restarted" | "gave_up"
     returncode: int | None

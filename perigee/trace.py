@@ -19,6 +19,8 @@ TRACE_BLOCK = 512
 
 @dataclass(frozen=True)
 class TraceRequest:
+    """One request of the Mooncake trace: arrival time, lengths and block hash ids."""
+
     timestamp_s: float
     input_length: int
     output_length: int

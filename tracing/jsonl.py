@@ -40,6 +40,8 @@ def span_to_dict(span: ReadableSpan) -> dict:
 
 
 class JsonlSpanExporter(SpanExporter):
+    """Appends each finished span to a file as one JSON line (perigee.breakdown reads them)."""
+
     def __init__(self, path: str) -> None:
         self.path = path
         d = os.path.dirname(path)

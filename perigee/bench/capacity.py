@@ -34,6 +34,8 @@ DEFAULT_RATES = "25,50,100,150,200,300,400,600,800"
 
 @dataclass
 class Step:
+    """One rate step of the capacity bench: what was sent and how it fared."""
+
     rate: float
     sent: int
     ok: int = 0

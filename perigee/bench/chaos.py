@@ -50,6 +50,8 @@ FAULTS = ("decode-0", "prefill-0", "store-p1", "conductor-0", "admission", "nats
 
 @dataclass
 class Sent:
+    """One replayed request of the chaos bench: when it went, how it ended, whether it hung."""
+
     t_send: float  # perf_counter
     t_end: float
     outcome: Outcome

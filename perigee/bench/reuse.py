@@ -55,6 +55,8 @@ VOCAB_LOW = 3  # skip <unk>, <s>, </s>
 
 
 class Outcome:
+    """One bus request of the reuse bench: its TTFT, cached and prompt tokens, or its error."""
+
     def __init__(self) -> None:
         self.ttft_s: float | None = None
         self.cached_tokens = 0

@@ -1,3 +1,6 @@
+"""What every bench reports with: nearest-rank percentiles, millisecond summaries, and the
+figures a result should hold but does not (:func:`unmeasured`)."""
+
 import fnmatch
 import math
 from collections.abc import Iterator

@@ -33,6 +33,8 @@ LEASE_S = 1e12  # nothing expires in the simulator: every transaction is closed 
 
 @dataclass
 class Link:
+    """A node's NIC in the simulator: when it is free and what it has moved."""
+
     cost: CostModel
     free_at: float = 0.0
     bytes_moved: float = 0.0
@@ -70,6 +72,8 @@ class Link:
 
 @dataclass
 class Node:
+    """A simulated node: its store's block pool, its link and its role."""
+
     name: str
     pool: BlockPool | None  # None: no store (KV goes straight to HBM, nothing cached)
     link: Link
@@ -79,6 +83,8 @@ class Node:
 
 @dataclass
 class Cluster:
+    """The simulated nodes, their stores and the prefix index their KV events feed."""
+
     cost: CostModel
     clock: Clock
     block_size: int

@@ -84,6 +84,8 @@ class StageTask:
 
 
 class Gang:
+    """One request's pipelined prefill across a group of simulated prefill instances."""
+
     def __init__(
         self,
         req: SimRequest,

@@ -16,6 +16,8 @@ from services.common.clock import ManualClock
 
 
 class EventLoop:
+    """The simulator's discrete-event loop: callbacks in time order on a manual clock."""
+
     def __init__(self, start: float = 0.0) -> None:
         self.clock = ManualClock(start)
         self._heap: list[tuple[float, int, Callable[..., Any], tuple]] = []

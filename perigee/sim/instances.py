@@ -61,6 +61,8 @@ TBT_TOP_FRACTION = 0.10  # paper §7.1: TBT = mean of the longest 10% token gaps
 
 
 class PrefillInstance:
+    """A simulated prefill instance: the live PrefillQueue, timed by the cost model."""
+
     def __init__(
         self,
         name: str,
@@ -212,6 +214,8 @@ class PrefillInstance:
 
 
 class DecodeInstance:
+    """A simulated decode instance: continuous batching timed by the cost model."""
+
     def __init__(
         self,
         name: str,

@@ -17,6 +17,8 @@ from services.conductor.pd_ratio import PDRatioController
 
 
 class PoolResizer:
+    """Feeds the P/D controller simulated loads and resizes the pools as it plans."""
+
     def __init__(
         self,
         sim,

@@ -15,6 +15,8 @@ from typing import Any
 
 @dataclass(eq=False, slots=True)
 class SimRequest:
+    """One trace request as it moves through the simulator, and what happened to it."""
+
     rid: str
     index: int
     arrival: float

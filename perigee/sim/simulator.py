@@ -94,6 +94,8 @@ LIVE_PREFILL_HANDOFF_S = 0.002
 
 @dataclass
 class SimConfig:
+    """A simulation's settings: pool sizes, policies, cache sizes, SLOs and trace speed."""
+
     prefill: int = 8
     decode: int = 8
     policy: str = "global"  # random | load | local | global
@@ -135,6 +137,8 @@ class SimConfig:
 
 
 class Simulator:
+    """Replays a trace through the live admission and placement policies on simulated time."""
+
     def __init__(
         self,
         trace: Sequence[TraceRequest],

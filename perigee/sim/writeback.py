@@ -87,6 +87,8 @@ def _infer(
 
 @dataclass(frozen=True)
 class Coverage:
+    """How many requests the next-turn rule pairs, and the answer blocks it finds."""
+
     requests: int
     with_next_turn: int  # requests the rule pairs with a predecessor
     with_answer_blocks: int  # of those, predecessors whose answer fills a block

@@ -63,6 +63,8 @@ from services.common.slo_check import TbtCheck
 
 @dataclass(frozen=True)
 class AdmissionRequest:
+    """What admission needs of a request: its size and its SLOs."""
+
     request_id: str
     num_tokens: int  # prompt length
     max_tokens: int = 16
@@ -73,6 +75,8 @@ class AdmissionRequest:
 
 @dataclass(frozen=True)
 class Accept:
+    """Admission's yes, with the pool loads it judged by."""
+
     prefill_load: float = 0.0
     decode_load: float = 0.0
 

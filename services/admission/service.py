@@ -60,6 +60,8 @@ REMEMBER_DECIDED = 100_000
 
 @dataclass(frozen=True)
 class AdmissionConfig:
+    """The admission service's settings: SLOs, policy mode, cost model and intake."""
+
     block_size: int = defaults.BLOCK_SIZE
     ttft_slo_s: float = defaults.TTFT_SLO_S
     tbt_slo_s: float = defaults.TBT_SLO_S
@@ -80,6 +82,8 @@ class AdmissionConfig:
 
 
 class AdmissionService:
+    """The NATS adapter of admission: decodes requests, asks the policy, forwards or rejects."""
+
     def __init__(
         self,
         nc: NATS,

@@ -14,6 +14,8 @@ _LEVELS = 44  # buckets 0 .. 2**44 - 2: ~557 years of 1 ms buckets
 
 
 class TimeIndex:
+    """Entries on a time axis, counted with their tokens up to any time in O(log T)."""
+
     def __init__(self, origin: float = 0.0, resolution: float = 1e-3) -> None:
         if resolution <= 0:
             raise ValueError("resolution must be positive")

@@ -22,6 +22,8 @@ ACCOUNT = "$G"  # the server's global account (no accounts in perigee's nats.con
 
 
 class Refused(Exception):
+    """A login the callout refuses, with the reason the server logs."""
+
     pass
 
 

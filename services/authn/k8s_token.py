@@ -18,6 +18,8 @@ _MAX_TOKEN = 16 * 1024
 
 
 class TokenError(ValueError):
+    """A ServiceAccount token that is malformed or fails a check."""
+
     pass
 
 

@@ -12,6 +12,8 @@ HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
 
 
 class JWTError(ValueError):
+    """A NATS JWT that does not decode or verify."""
+
     pass
 
 

@@ -21,6 +21,8 @@ _PUBLIC = (ACCOUNT, SERVER, USER, OPERATOR)
 
 
 class NKeyError(ValueError):
+    """An NKEY of the wrong form, type or checksum."""
+
     pass
 
 

@@ -61,6 +61,8 @@ class Member:
 
 @dataclass
 class Deployment:
+    """Every service of a deployment, from which each role's allow-lists are made."""
+
     members: list[Member] = field(default_factory=list)
     switchable: bool = False  # workers change role (RoleSwitch): either role's subjects
 

@@ -47,6 +47,8 @@ YOUNG_SAMPLES = 32
 
 
 class Calibrator:
+    """One instance's online calibration: its fit, its fresh measurements and its fit on disk."""
+
     def __init__(
         self,
         fit: OnlineFit,

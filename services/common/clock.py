@@ -9,6 +9,8 @@ SleepFn = Callable[[float], Awaitable[object]]
 
 
 class Clock(Protocol):
+    """Anything that tells the time in seconds: injected wherever time matters."""
+
     def now(self) -> float: ...
 
 

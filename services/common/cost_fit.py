@@ -47,6 +47,8 @@ VERSION = 1
 
 @dataclass(frozen=True)
 class PrefillSample:
+    """One measured prefill: prompt tokens, reused prefix tokens and seconds."""
+
     n: int  # prompt tokens
     p: int  # prefix tokens whose KV was reused (not computed)
     seconds: float
@@ -54,6 +56,8 @@ class PrefillSample:
 
 @dataclass(frozen=True)
 class DecodeSample:
+    """One measured decode step: batch, context tokens and seconds."""
+
     batch: int  # running sequences
     context: float  # context tokens held by the batch, in all (a mean over steps)
     seconds: float  # one decode step
@@ -159,6 +163,8 @@ _ANALYTIC = [f.name for f in fields(CostModel) if f.name != "speedup"]
 
 @dataclass(frozen=True)
 class FittedCostModel(CostModel):
+    """The cost model with prefill and decode times from fitted polynomials (eq. 1 if unfitted)."""
+
     prefill_fit: Poly2D | None = None  # seconds(n, p); None: the analytic eq. 1
     decode_fit: Poly2D | None = None  # seconds(batch, context); None: analytic
     fitted_speedup: float = 1.0  # the profiled system's --speedup

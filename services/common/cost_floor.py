@@ -48,6 +48,8 @@ def _decode_coef(poly: Poly2D | None) -> tuple[float, float, float] | None:
 
 
 class CostFloor:
+    """The cheapest any instance's cost model could predict, kept as the models change."""
+
     def __init__(self, prior: CostModel) -> None:
         self.prior = prior
         self._analytic = CostModel(

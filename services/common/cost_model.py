@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class CostModel:
+    """The paper's analytic cost model (eq. 1): prefill, decode-step and transfer times."""
+
     layers: int = 80
     d: int = 8192
     a: float = 4.0

@@ -3,6 +3,8 @@ labels, retries, error replies), ``message`` for people."""
 
 
 class CodedError(Exception):
+    """An error with a stable ``code`` for programs and a ``message`` for people."""
+
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code

@@ -17,6 +17,8 @@ from services.common.model_spec import ModelSpec
 
 
 class KVLayout:
+    """Where each layer, K/V half and token of a block sits in its slot's bytes."""
+
     def __init__(self, spec: ModelSpec, block_size: int) -> None:
         self.spec = spec
         self.block_size = block_size

@@ -12,6 +12,8 @@ from services.common.incarnation import SAME, STALE, judge
 
 
 class Liveness:
+    """Which instances reported recently enough to count as alive, and their live incarnations."""
+
     def __init__(self, clock: Clock, dead_after_s: float = defaults.DEAD_AFTER_S) -> None:
         self.clock = clock
         self.dead_after_s = dead_after_s

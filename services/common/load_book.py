@@ -24,6 +24,8 @@ FORGET_AFTER_S = 600.0
 
 
 class LoadBook:
+    """Every instance's latest load report and fitted costs, and which instances are alive."""
+
     def __init__(
         self,
         clock: Clock,

@@ -17,6 +17,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-llama
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model's KV shape and stop tokens, as the serving path needs them."""
+
     name: str
     num_layers: int
     hidden_size: int

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sized
 
 
 class PoolsHeard:
+    """Set once both the prefill and the decode pool have reported load."""
+
     def __init__(self, live_prefill: Callable[[], Sized], live_decode: Callable[[], Sized]) -> None:
         self._live = (live_prefill, live_decode)
         self._heard = asyncio.Event()

@@ -8,6 +8,8 @@ from bus_schemas.requests import ErrorCode
 
 @dataclass(frozen=True)
 class Rejection:
+    """Why a request is refused, with the error code and Retry-After it gets."""
+
     code: ErrorCode  # REJECTED (429, with Retry-After) or UNAVAILABLE (503)
     reason: str
     retry_after_s: float | None = None

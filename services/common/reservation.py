@@ -95,6 +95,8 @@ def wanted(source: PrefixSource | None) -> set[str]:
 
 
 class Step(Enum):
+    """What a reservation round leads to: done, wait for room, or fail."""
+
     DONE = "done"  # everything wanted is granted
     WAIT = "wait"  # a store is short of room: ask again later, keeping the grants
     FAIL = "fail"  # a store did not answer or refused otherwise
@@ -102,6 +104,8 @@ class Step(Enum):
 
 @dataclass(frozen=True)
 class Verdict:
+    """A reservation round's outcome: the next step and whether to drop the remote prefix."""
+
     step: Step
     drop_source: bool  # the holder refused or is gone: compute its prefix here
     detail: str = ""  # what refused, for the error or the log

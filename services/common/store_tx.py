@@ -72,6 +72,8 @@ class Unanswered:
 
 
 class StoreTx:
+    """Opens, commits and aborts store transactions over NATS; answers are values, never raised."""
+
     def __init__(self, nc: NATS, *, timeout_s: float = 2.0) -> None:
         self.nc = nc
         self.timeout_s = timeout_s

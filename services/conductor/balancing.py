@@ -35,6 +35,8 @@ from services.common.clock import Clock
 
 @dataclass
 class AdaptiveThreshold:
+    """Moves the balancing threshold by how much worse pulled placements did than predicted."""
+
     clock: Clock
     initial: float = 2.0
     lo: float = 1.0

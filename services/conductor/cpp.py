@@ -62,6 +62,8 @@ DEFAULT_INTERLEAVE_TOKENS = 8192
 
 @dataclass(frozen=True)
 class CppConfig:
+    """Chunked pipeline parallelism's settings: group size, chunk size and interleaving."""
+
     group_size: int = 1  # X; 1: no groups
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # the paper's prefill_chunk
     min_tokens: int = DEFAULT_MIN_TOKENS  # computed tokens below which no group is tried

@@ -46,6 +46,8 @@ from services.common.clock import Clock
 
 @dataclass(frozen=True)
 class RoleChange:
+    """One instance moving from one role to the other."""
+
     instance: str
     from_role: str
     to_role: str
@@ -53,6 +55,8 @@ class RoleChange:
 
 @dataclass(frozen=True)
 class PDPlan:
+    """The P/D controller's decision: pool size changes, role switches and why."""
+
     f_im: float | None
     prefill_load: float | None  # trimmed mean
     decode_load: float | None
@@ -79,6 +83,8 @@ def trimmed_mean(values: Sequence[float], trim: float = 0.1) -> float | None:
 
 @dataclass
 class PDRatioController:
+    """Samples prefill and decode loads and moves capacity towards the heavier pool."""
+
     clock: Clock
     window_s: float = 60.0
     trim: float = 0.1

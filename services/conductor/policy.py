@@ -111,6 +111,8 @@ DEFAULT_BALANCING_THRESHOLD = 2.0
 
 @dataclass(frozen=True)
 class PlacementRequest:
+    """What placement needs of a request: its length, block hashes and SLOs."""
+
     request_id: str
     num_tokens: int  # prompt length
     block_hashes: tuple[int, ...]  # chained hashes of the full blocks
@@ -158,6 +160,8 @@ class RemoteSource:
 
 @dataclass(frozen=True)
 class Placement:
+    """Where a request runs, what prefix it reuses, and the times the policy expects."""
+
     request_id: str
     prefill_instance: str
     prefill_node: str
@@ -253,6 +257,8 @@ class _Candidate:
 
 @dataclass
 class PlacementPolicy:
+    """Algorithm 1 with cache load balancing: picks a request's prefill and decode instances."""
+
     clock: Clock
     cost: CostModel
     ttft_slo_s: float = defaults.TTFT_SLO_S

@@ -53,6 +53,8 @@ class _Node:
 
 
 class PrefixIndex:
+    """Which node holds which KV block, as the stores' events say: a copy to score placements."""
+
     def __init__(self) -> None:
         self._holders: dict[int, Holders] = {}
         self._nodes: dict[str, _Node] = {}

@@ -29,6 +29,8 @@ log = structlog.get_logger()
 
 
 class RoleControl:
+    """Applies role switches to the placement policy and publishes the P/D controller's."""
+
     def __init__(
         self,
         nc: NATS,

@@ -83,6 +83,8 @@ FORGET_INSTANCE_S = 600.0
 
 @dataclass(frozen=True)
 class ConductorConfig:
+    """The conductor service's settings: SLOs, placement strategy, timeouts and controllers."""
+
     conductor_id: str = "conductor-0"
     block_size: int = defaults.BLOCK_SIZE
     ttft_slo_s: float = defaults.TTFT_SLO_S
@@ -131,6 +133,8 @@ class ConductorConfig:
 
 
 class ConductorService:
+    """The NATS adapter of placement: places admitted requests and drives their transactions."""
+
     def __init__(
         self, nc: NATS, cfg: ConductorConfig, clock=None, cost: CostModel | None = None
     ) -> None:

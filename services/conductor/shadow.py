@@ -45,6 +45,8 @@ log = structlog.get_logger()
 
 
 class ShadowView:
+    """Keeps the prefix index in step with every store: dumps, replays and live KV events."""
+
     def __init__(
         self,
         nc: NATS,

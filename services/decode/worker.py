@@ -99,6 +99,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
 
 
 class DecodeWorker(WorkerBase):
+    """A decode instance: admits requests whose KV has landed and streams their tokens."""
+
     role = Role.DECODE
     cancelled_counter = "tasks_aborted"
 

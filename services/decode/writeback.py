@@ -107,6 +107,8 @@ def prompt_chain(req: GenerateRequest, block_size: int) -> list[int]:
 
 
 class AnswerWriteBack:
+    """Writes one request's generated blocks back to its node's store as they fill."""
+
     def __init__(
         self,
         req: GenerateRequest,

@@ -159,6 +159,8 @@ class DecodeJob:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """What an engine's decode batch looks like now, for the load report."""
+
     batch_size: int  # requests in the running batch
     waiting: int  # admitted to the engine, waiting for a batch slot
     kv_tokens: int  # context tokens held by the running batch

@@ -61,6 +61,8 @@ class _Req:
 
 
 class MockEngine(Engine):
+    """An engine timed by the cost model that writes and checks real-sized synthetic KV."""
+
     def __init__(
         self,
         spec: ModelSpec,

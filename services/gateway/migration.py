@@ -46,17 +46,23 @@ REASONS: dict[str, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Resume:
+    """Migration's decision to resend: the new attempt and where its tokens start."""
+
     request: GenerateRequest  # the attempt to publish
     offset: int  # generated tokens the client has; the attempt's index 0 is this one
 
 
 @dataclass(frozen=True, slots=True)
 class Finish:
+    """Migration's decision to end the stream: the client already has every token."""
+
     finish_reason: str  # "length" | "stop"
 
 
 @dataclass(frozen=True, slots=True)
 class GiveUp:
+    """Migration's decision to fail the request, with the client's message."""
+
     message: str
 
 

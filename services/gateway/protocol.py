@@ -66,6 +66,8 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's ``stream_options``: whether the last chunk carries usage."""
+
     include_usage: bool | None = False
 
 
@@ -207,11 +209,15 @@ def _with_unsupported(name: str, base: type, names: dict[str, Neutral]) -> type:
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a chat message's content (only text is served)."""
+
     type: str
     text: str | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """One message of a chat request, as the chat template sees it."""
+
     role: str
     content: str | list[ContentPart] | None = None
     # tool calling: what the chat template sees of an assistant's calls and their results

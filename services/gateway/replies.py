@@ -125,6 +125,8 @@ class _Flight:
 
 
 class ReplyRouter:
+    """Routes every stream event to its request's queue and sweeps what the watchdog fails."""
+
     def __init__(
         self,
         nc: NATS,

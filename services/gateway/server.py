@@ -93,6 +93,8 @@ LISTEN_BACKLOG = (
 
 @dataclass
 class GatewayConfig:
+    """The gateway's settings: its address, model, limits and timeouts."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     model_dir: str | None = None
@@ -147,6 +149,8 @@ class GatewayConfig:
 
 
 class Gateway:
+    """The OpenAI-compatible HTTP server that turns requests into bus requests and streams."""
+
     def __init__(
         self,
         cfg: GatewayConfig,

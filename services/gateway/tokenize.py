@@ -14,6 +14,8 @@ from services.gateway.protocol import ApiError, ChatMessage, flatten_messages
 
 
 class TokenizeBody(msgspec.Struct, kw_only=True):
+    """The body of ``POST /tokenize``: a completion prompt or chat messages."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -23,6 +25,8 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """The body of ``POST /detokenize``: token ids."""
+
     model: str | None = None
     tokens: list[int]
 

@@ -61,6 +61,8 @@ class _Tracked:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
+    """The watchdog's ruling on a request: the error it gets and, on a death, who died."""
+
     request_id: str
     code: ErrorCode
     message: str
@@ -74,6 +76,8 @@ class Verdict:
 
 
 class Watchdog:
+    """Tracks requests in flight and fails those whose worker died or went quiet."""
+
     def __init__(
         self,
         clock: Clock,

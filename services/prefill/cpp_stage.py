@@ -44,6 +44,8 @@ class StageError(CodedError, RuntimeError):
 
 
 class ChunkNote(msgspec.Struct, frozen=True):
+    """A stage's note that chunk ``chunk`` is in the next stage's inbox slot ``slot``."""
+
     request_id: str
     chunk: int
     slot: int
@@ -51,6 +53,8 @@ class ChunkNote(msgspec.Struct, frozen=True):
 
 
 class Freed(msgspec.Struct, frozen=True):
+    """A stage's note that it has read inbox slot ``slot``: the sender may reuse it."""
+
     request_id: str
     slot: int
 

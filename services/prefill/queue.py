@@ -117,6 +117,8 @@ class _Entry(Generic[T]):
 
 
 class PrefillQueue(Generic[T]):
+    """A prefill instance's FIFO of placed work, and the load it reports."""
+
     def __init__(self, cost: CostModel, clock: Clock, *, chunk_tokens: int = 0) -> None:
         self.cost = cost
         self.clock = clock

@@ -41,6 +41,8 @@ class ReserveError(Exception):
 
 @dataclass(frozen=True)
 class Reservation:
+    """A request's open transactions: prefill, decode and the remote prefix to pull."""
+
     prefill_tx: TxHandle
     decode_tx: TxHandle
     remote: RemotePrefix | None = None  # what to pull, under a SOURCE transaction
@@ -76,6 +78,8 @@ T = TypeVar("T")
 
 
 class Reserver(Protocol):
+    """What the prefill worker asks of its store reservations, from open to release."""
+
     async def reserve(self, task: PrefillTask) -> Reservation: ...
     async def computing(self, r: Reservation, work: Awaitable[T]) -> T: ...
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None: ...

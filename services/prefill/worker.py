@@ -162,6 +162,8 @@ def classify(exc: BaseException) -> tuple[ErrorCode, str]:
 
 
 class PrefillWorker(WorkerBase):
+    """A prefill instance: computes placed requests' KV, ships it to decode, hands them on."""
+
     role = Role.PREFILL
 
     def __init__(

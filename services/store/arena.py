@@ -22,10 +22,14 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 
 class ArenaError(RuntimeError):
+    """The arena's shared-memory segment is missing, of the wrong size, or not ours to unlink."""
+
     pass
 
 
 class Arena:
+    """The node's KV slots in one shared-memory segment, made by the store and mapped by workers."""
+
     def __init__(
         self,
         name: str,

@@ -92,6 +92,8 @@ class _Tx:
 
 
 class BlockPool(LowerTiers):
+    """A node's block metadata: slots, transactions, holders, LRU and pins (DRAM's books)."""
+
     def __init__(
         self,
         capacity: int,

@@ -53,6 +53,8 @@ class TransferError(CodedError, RuntimeError):
 
 
 class StoreClient:
+    """A worker's handle on its node's store: the arena's slots and ship/pull requests."""
+
     def __init__(
         self,
         nc: NATS,

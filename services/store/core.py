@@ -16,6 +16,8 @@ from services.store.block_pool import BlockPool
 
 @dataclass
 class StoreCore:
+    """What a store's tiering, objects and replication share: pool, arena and geometry."""
+
     node: str
     epoch: int  # start time in ns: transaction ids and object versions count from it
     pool: BlockPool

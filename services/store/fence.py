@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Grant:
+    """A grant as it opened: its slots, their generations then, and its direction."""
+
     id: int
     slots: tuple[int, ...]
     gens: tuple[int, ...]
@@ -60,11 +62,15 @@ class _Capability:
 
 @dataclass(frozen=True)
 class Op:
+    """One transfer in progress: its slots and the generations it saw when it started."""
+
     slots: tuple[int, ...]
     gens: tuple[int, ...]
 
 
 class SlotFence:
+    """Which slots a transfer may touch, and when a freed slot may be handed out again."""
+
     def __init__(self, capacity: int, gens: MutableSequence[int] | None = None) -> None:
         """``gens``: where the generations live, zeros, ``capacity`` long (the data plane
         passes an int64 view of shared memory, so a same-host writer can check them

@@ -107,6 +107,8 @@ class _ServerConn(asyncio.Protocol):
 
 
 class LocalServer:
+    """The store's end of its workers' Unix socket: reads their requests, writes replies."""
+
     def __init__(self, path: str, handle: Handler) -> None:
         self.path = path
         self._handle = handle

@@ -48,6 +48,8 @@ class _Meta:
 
 
 class ObjectService:
+    """One store's objects: each key's value kept as pool blocks, by version."""
+
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self.table: dict[str, _Meta] = {}

@@ -128,6 +128,8 @@ class _LinkPool:
 
 
 class ObjectClient:
+    """put / get / remove / change_replica over the stores, replicas on distinct nodes."""
+
     def __init__(
         self,
         nc: NATS,

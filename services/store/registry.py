@@ -33,6 +33,8 @@ class _Entry:
 
 
 class NodeRegistry:
+    """Which stores exist and at which data address, as their announcements say."""
+
     def __init__(
         self,
         own_node: str,

@@ -22,6 +22,8 @@ def rank(key: str, nodes: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Plan:
+    """How to make the top ``n`` nodes hold a key: who keeps it, the copies and the removals."""
+
     keep: list[str]  # nodes that should hold the key, in preference order
     copies: list[tuple[str, str]]  # (source holder, destination)
     removes: list[str]

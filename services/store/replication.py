@@ -46,6 +46,8 @@ log = structlog.get_logger()
 
 
 class Replicator:
+    """Copies blocks and objects from another store into this one when asked over NATS."""
+
     def __init__(
         self, core: StoreCore, nc: NATS, objects: ObjectService, *, peer_timeout_s: float = 5.0
     ) -> None:

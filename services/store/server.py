@@ -103,6 +103,8 @@ ANNOUNCE_MIN_GAP_S = 0.05  # announces at most this often, however many discover
 
 
 class StoreService:
+    """One node's store: control endpoints, KV events and the data plane around its pool."""
+
     def __init__(
         self,
         nc: NATS,

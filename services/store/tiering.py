@@ -67,6 +67,8 @@ class ReplayBuffer:
 
 
 class Tiers:
+    """The store's lower tiers in bytes: SSD and GPU stores, block moves, write-back."""
+
     def __init__(
         self,
         core: StoreCore,

@@ -149,6 +149,8 @@ def pieces(
 
 
 class DataPlane:
+    """The store's data plane: grants for peers, ships and pulls for workers, over ZeroMQ."""
+
     def __init__(
         self,
         ctx: zmq.asyncio.Context,

@@ -38,6 +38,8 @@ class TransferApiError(CodedError, ValueError):
 
 @dataclass(frozen=True)
 class TransferRequest:
+    """One entry of a transfer batch: which local bytes to read or write at which peer."""
+
     opcode: Opcode
     source: int  # local region id
     source_offset: int
@@ -51,6 +53,8 @@ class TransferRequest:
 
 @dataclass(frozen=True)
 class TransferStatus:
+    """Where one batch entry stands: its state, bytes moved and, on failure, why."""
+
     state: Poll
     transferred_bytes: int
     code: str = ""
@@ -64,6 +68,8 @@ class _Batch:
 
 
 class TransferEngine:
+    """The paper's batch transfer API (Listing 1) over one transport backend."""
+
     def __init__(
         self,
         backend: str = "tcp",

@@ -47,6 +47,8 @@ from services.store.auth import Macs
 
 
 class Kind(IntEnum):
+    """The kind byte of a data-plane frame: requests first, replies from 16."""
+
     SHIP = 1
     PULL = 2
     OPEN = 3
@@ -74,6 +76,8 @@ class _Header(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class Ship(_Header):
+    """Worker to store: send a span of my slots into a transaction's slots on another store."""
+
     src_tx: str
     src_epoch: int
     src_slots: list[int]
@@ -89,6 +93,8 @@ class Ship(_Header):
 
 
 class Lease(_Header):
+    """Worker to store: open the write grant for later ships into a transaction's slots."""
+
     dst_addr: str
     dst_tx: str
     dst_epoch: int
@@ -97,6 +103,8 @@ class Lease(_Header):
 
 
 class Pull(_Header):
+    """Worker to store: fetch whole slots from another store into mine."""
+
     dst_tx: str
     dst_epoch: int
     dst_slots: list[int]
@@ -108,6 +116,8 @@ class Pull(_Header):
 
 
 class Open(_Header):
+    """Store to store: ask for a grant to write or read a span of a transaction's slots."""
+
     tx: str
     epoch: int
     slots: list[int]
@@ -120,6 +130,8 @@ class Open(_Header):
 
 
 class Granted(_Header):
+    """The answer to OPEN: the grant, where its bytes go, how long it lives."""
+
     grant: int
     segments: dict[str, str]  # transport (tcp, shm, rdma) -> this store's segment
     regions: dict[str, int]  # transport -> the arena's region id there
@@ -134,6 +146,8 @@ class Granted(_Header):
 
 
 class Close(_Header):
+    """Store to store: a grant is done or failed."""
+
     grant: int
     ok: bool
     nbytes: int = 0
@@ -141,10 +155,14 @@ class Close(_Header):
 
 
 class Ok(_Header):
+    """A request done, with the bytes it moved."""
+
     nbytes: int = 0
 
 
 class Err(_Header):
+    """A request refused or failed: a stable code and a message."""
+
     code: str
     message: str
 

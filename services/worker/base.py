@@ -34,6 +34,8 @@ REMEMBER_CANCELLED = 10_000
 
 
 class WorkerBase:
+    """What prefill and decode instances share: cancels, stats, load reports and the task gate."""
+
     role: Role
     cancelled_counter = "tasks_cancelled"  # counts tasks dropped because of a cancel
     # The instance's services.common.calibrator.Calibrator (set by whoever runs the

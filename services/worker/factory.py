@@ -16,6 +16,8 @@ from services.common.kv_layout import KVLayout
 
 @dataclass
 class WorkerSettings:
+    """What building a worker needs beyond its role: instance, node, layout, costs and hooks."""
+
     instance: str
     node: str
     layout: KVLayout

@@ -39,6 +39,8 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class PodApiError(Exception):
+    """No Kubernetes API for this pod (not in a pod, no service account), or it refused a PATCH."""
+
     pass
 
 

@@ -38,6 +38,8 @@ log = structlog.get_logger()
 
 
 class RoleHost:
+    """Runs a worker in one role and drains and rebuilds it in the other on a RoleSwitch."""
+
     def __init__(
         self,
         nc: NATS,

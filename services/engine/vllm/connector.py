@@ -86,6 +86,8 @@ class Copy:
 
 @dataclass
 class PerigeeMeta(KVConnectorMetadata):
+    """What the scheduler tells the workers to do this step: loads, saves and ships."""
+
     loads: list[Copy] = field(default_factory=list)
     saves: list[Copy] = field(default_factory=list)
     ship: list[str] = field(default_factory=list)  # plans whose prompt completes this step
@@ -114,6 +116,8 @@ def layer_index(name: str) -> int:
 
 
 class PerigeeConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over the node store's slots: loads prefixes and saves new KV."""
+
     def __init__(
         self,
         vllm_config: "VllmConfig",

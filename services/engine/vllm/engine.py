@@ -119,6 +119,8 @@ def _settle(
 
 
 class VllmEngine(Engine):
+    """vLLM in-process on its own thread, behind the Engine interface."""
+
     def __init__(
         self,
         spec: ModelSpec,

@@ -32,6 +32,8 @@ log = structlog.get_logger()
 
 
 class TierStore(ABC):
+    """Whole blocks of one tier, read and written by slot."""
+
     tier: Tier
 
     @abstractmethod
@@ -45,6 +47,8 @@ class TierStore(ABC):
 
 
 class ArenaStore(TierStore):
+    """DRAM's blocks: the shared-memory arena."""
+
     tier = Tier.DRAM
 
     def __init__(self, arena: Arena) -> None:
@@ -83,6 +87,8 @@ def vram_available() -> tuple[bool, str]:
 
 
 class VramStore(TierStore):
+    """GPU memory's blocks: one CUDA tensor of slots."""
+
     tier = Tier.VRAM
 
     def __init__(self, capacity: int, block_bytes: int, device: str = "cuda") -> None:
@@ -133,6 +139,8 @@ class SsdState:
 
 
 class SsdStore(TierStore):
+    """SSD's blocks: one sparse file of slots and an index that survives a restart."""
+
     tier = Tier.SSD
 
     def __init__(self, directory: str, capacity: int, block_bytes: int) -> None:

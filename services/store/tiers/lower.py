@@ -62,6 +62,8 @@ class FreeList(Protocol):
 
 
 class LowerTiers:
+    """The block pool's hooks for the tiers below DRAM: promote, demote, offload, drop."""
+
     # DRAM's books and helpers, kept by BlockPool (declared here for the reader).
     _free: "FreeList"
     _cached: dict[int, int]

@@ -33,6 +33,8 @@ from services.store.eviction import LRUEviction
 
 
 class Tier(IntEnum):
+    """A storage tier, fastest first."""
+
     VRAM = 0
     DRAM = 1
     SSD = 2
@@ -40,6 +42,8 @@ class Tier(IntEnum):
 
 @dataclass(frozen=True)
 class Move:
+    """One block copied from a slot of one tier to a slot of another."""
+
     block_hash: int
     src: Tier
     src_slot: int

@@ -43,6 +43,8 @@ class Poll(IntEnum):
 
 
 class Opcode(IntEnum):
+    """The direction of a one-sided transfer: read from or write to the peer."""
+
     READ = 0
     WRITE = 1
 
@@ -53,6 +55,8 @@ class TransportError(CodedError, RuntimeError):
 
 @dataclass(frozen=True)
 class Availability:
+    """Whether a backend can run here, and if not why."""
+
     ok: bool
     reason: str = ""
 

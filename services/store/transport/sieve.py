@@ -19,6 +19,8 @@ V = TypeVar("V")
 
 
 class SievePool(Generic[K, V]):
+    """A capped pool of endpoints that evicts by SIEVE: a hit moves nothing."""
+
     def __init__(self, capacity: int, busy: Callable[[V], bool] | None = None) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")

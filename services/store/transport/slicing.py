@@ -18,6 +18,8 @@ MAX_SLICE = 4 << 20
 
 @dataclass(frozen=True)
 class Slice:
+    """One slice of a request: where it starts, how long, on which path."""
+
     offset: int  # from the start of the request
     length: int
     path: int

@@ -123,6 +123,8 @@ def _recv_json(sock: socket.socket) -> dict:
 
 
 class RdmaReceiver(Receiver):
+    """Exposes registered memory to RDMA peers (the target side)."""
+
     scheme = "rdma"
 
     def __init__(
@@ -293,6 +295,8 @@ class _Endpoint:
 
 
 class RdmaSender(Sender):
+    """Moves bytes to and from peers' regions with RDMA (the initiator side)."""
+
     scheme = "rdma"
 
     def __init__(

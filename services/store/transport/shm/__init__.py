@@ -88,6 +88,8 @@ def copy(dst: memoryview, src: memoryview) -> None:
 
 
 class ShmReceiver(Receiver):
+    """Exposes registered memory to same-host peers through shared memory."""
+
     scheme = "shm"
 
     def __init__(self, token: str | None = None) -> None:
@@ -206,6 +208,8 @@ class _Parts:
 
 
 class ShmSender(Sender):
+    """Copies bytes to and from same-host peers' shared-memory regions."""
+
     scheme = "shm"
 
     def __init__(

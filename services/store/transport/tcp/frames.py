@@ -31,6 +31,8 @@ MAX_REFUSAL = 4096  # a REFUSED reply's message is at most this long (else out o
 
 
 class Status(IntEnum):
+    """A TCP transfer reply's verdict on a request."""
+
     OK = 0
     CHECKSUM = 1
     REFUSED = 2

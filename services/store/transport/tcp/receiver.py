@@ -41,6 +41,8 @@ MAX_REQUEST = 256 << 20  # bytes of one request (slices are a few MiB)
 
 
 class TcpReceiver(Receiver):
+    """Exposes registered memory to TCP peers: serves their read and write requests."""
+
     scheme = "tcp"
 
     def __init__(

@@ -137,6 +137,8 @@ class _Endpoint:
 
 
 class TcpSender(Sender):
+    """Moves bytes to and from peers' regions over several TCP streams per endpoint."""
+
     scheme = "tcp"
 
     def __init__(

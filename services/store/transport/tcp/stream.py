@@ -43,6 +43,8 @@ LAZY_READ_MAX = 4 << 20
 
 @dataclass(eq=False)
 class Slice:
+    """One slice in flight on a stream: the bytes, where they go and the ticket to settle."""
+
     ticket: Ticket
     opcode: Opcode
     view: memoryview
@@ -89,6 +91,8 @@ class Endpoint(Protocol):
 
 
 class Stream:
+    """One TCP connection of an endpoint, with the thread that writes and reads it."""
+
     def __init__(self, ep: Endpoint, index: int) -> None:
         self.ep = ep
         self.index = index
