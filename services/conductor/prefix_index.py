@@ -104,8 +104,11 @@ class PrefixIndex:
         out: dict[str, int] = {}
         by_id = self._by_id
         total = len(block_hashes)
+        prev: Holders = first
         for i in range(1, total):
             v = holders.get(block_hashes[i])
+            if v == prev:
+                continue  # the holders of the block before: those still matching hold it
             if v is None:
                 still: set[int] = set()
             elif isinstance(v, int):
@@ -125,6 +128,7 @@ class PrefixIndex:
                 if not still:
                     return out
                 alive = still
+            prev = v  # type: ignore[assignment]  # not None here: None ends the match
         for x in alive:
             out[by_id[x]] = total
         return out
