@@ -36,7 +36,7 @@ from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
-from services.common import admission_mode, bus, defaults
+from services.common import admission_mode, bus, defaults, shared_flags
 from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.store.auth import ENV as DATA_KEY_ENV
@@ -205,7 +205,7 @@ class Stack:
 
     # -- topology -----------------------------------------------------------------
     def _common(self) -> list[str]:
-        return ["--nats", self.nats_url, "--log-level", self.cfg.log_level]
+        return shared_flags.Bus(self.nats_url, self.cfg.log_level).argv()
 
     def _engine_env(self, engines: int) -> dict[str, str]:
         """vLLM on CPU: each engine gets its share of the cores as OpenMP threads. Left
@@ -223,6 +223,7 @@ class Stack:
         spec = ModelSpec.from_dir(c.model_dir)
         block_bytes = spec.block_bytes(c.block_size)
         out: list[Child] = []
+        slos = shared_flags.Slos(c.ttft_slo, c.tbt_slo)
         workers = [(Role.PREFILL, f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
         workers += [(Role.DECODE, f"decode-{i}", f"d{i}") for i in range(c.decode)]
         for _, _, node in workers:
@@ -281,7 +282,7 @@ class Stack:
                 args += ["--max-model-len", str(c.max_model_len)]
             if c.switchable:
                 args += ["--switchable"]
-            args += ["--tbt-slo", str(c.tbt_slo)]  # a decode's in baseline mode
+            args += slos.argv(ttft=False)  # a decode's in baseline mode
             if c.engine == "vllm":
                 if c.load_format:
                     args += ["--load-format", c.load_format]
@@ -289,14 +290,10 @@ class Stack:
                     args += ["--kv-blocks", str(c.kv_blocks)]
             out.append(Child(inst, args, env=self._engine_env(len(workers))))
         slo = [
-            "--ttft-slo",
-            str(c.ttft_slo),
-            "--tbt-slo",
-            str(c.tbt_slo),
+            *slos.argv(),
             "--speedup",
             c.speedup,
-            "--dead-after",
-            str(c.dead_after),
+            *shared_flags.DeadAfter(c.dead_after).argv(),
             "--block-size",
             str(c.block_size),
         ]
@@ -345,14 +342,10 @@ class Stack:
                     c.model_dir,
                     "--block-size",
                     str(c.block_size),
-                    "--dead-after",
-                    str(c.dead_after),
+                    *shared_flags.DeadAfter(c.dead_after).argv(),
                     "--migration-limit",
                     str(c.migration_limit),
-                    "--ttft-slo",
-                    str(c.ttft_slo),
-                    "--tbt-slo",
-                    str(c.tbt_slo),
+                    *slos.argv(),
                     *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
                 ]
                 + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])

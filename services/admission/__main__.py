@@ -11,7 +11,6 @@ from services.admission.service import AdmissionConfig, AdmissionService
 from services.common import (
     admission_mode,
     defaults,
-    intake_queue,
     metrics,
     runner,
     shared_flags,
@@ -21,7 +20,7 @@ from services.common import (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.admission", description=__doc__)
-    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    shared_flags.Bus.add(ap)
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block (hashes)"
     )
@@ -50,21 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="predict: uniform decode time t_d of every request, s (paper §4.3.4)",
     )
-    ap.add_argument(
-        "--durable-intake",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="serve the JetStream intake work queue (services.common.intake_queue); "
-        "--no-durable-intake: core NATS only, for a bus without JetStream",
-    )
-    ap.add_argument(
-        "--intake-ack-wait",
-        type=float,
-        default=intake_queue.ACK_WAIT_S,
-        help="seconds a request held by a copy that died waits before another copy gets it",
-    )
-    intake_queue.add_patience_argument(ap)
-    ap.add_argument("--log-level", default="INFO")
+    shared_flags.Intake.add(ap)
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.block_size <= 0:

@@ -9,7 +9,6 @@ from nats.aio.client import Client as NATS
 from services.common import (
     admission_mode,
     defaults,
-    intake_queue,
     metrics,
     runner,
     shared_flags,
@@ -36,7 +35,7 @@ def _threshold(s: str) -> tuple[bool, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.conductor", description=__doc__)
-    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    shared_flags.Bus.add(ap)
     ap.add_argument("--id", default="conductor-0", help="conductor id (its events subject)")
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block"
@@ -112,21 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.05,
         help="a load report must be this much newer than a dispatch to cover it, s",
     )
-    ap.add_argument(
-        "--durable-intake",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="serve the JetStream intake work queue (services.common.intake_queue); "
-        "--no-durable-intake: core NATS only, for a bus without JetStream",
-    )
-    intake_queue.add_patience_argument(ap, "the placement claim")
-    ap.add_argument(
-        "--intake-ack-wait",
-        type=float,
-        default=intake_queue.ACK_WAIT_S,
-        help="seconds a request held by a copy that died waits before another copy gets it",
-    )
-    ap.add_argument("--log-level", default="INFO")
+    shared_flags.Intake.add(ap, "the placement claim")
     metrics.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.block_size <= 0:

@@ -22,7 +22,7 @@ from services.gateway.server import Gateway, GatewayConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m services.gateway", description=__doc__)
-    ap.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    shared_flags.Bus.add(ap)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument(
@@ -160,7 +160,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"accept this Bearer key (repeatable, or a comma list; also ${ENV_VAR}); "
         "default: no authentication",
     )
-    ap.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
 

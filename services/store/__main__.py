@@ -6,7 +6,7 @@ import sys
 import structlog
 from nats.aio.client import Client as NATS
 
-from services.common import defaults, metrics, runner, shell
+from services.common import defaults, metrics, runner, shared_flags, shell
 from services.store import auth
 from services.store import metrics as store_metrics
 from services.store.server import StoreService
@@ -14,7 +14,7 @@ from services.store.server import StoreService
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.store", description=__doc__)
-    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    shared_flags.Bus.add(p)
     p.add_argument("--node", required=True, help="node id (store subjects, kv events)")
     p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per block")
     p.add_argument("--block-bytes", type=int, default=131072, help="bytes per block slot")
@@ -78,7 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1024,
         help="recent KV-event batches kept for the replay endpoint",
     )
-    p.add_argument("--log-level", default="INFO")
     metrics.add_arguments(p)
     args = p.parse_args(argv)
     if not args.node or any(c in args.node for c in ".*> \t"):

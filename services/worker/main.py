@@ -29,7 +29,7 @@ from tracing import setup_tracing, shutdown_tracing
 
 def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m services.{role}", description=doc)
-    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    shared_flags.Bus.add(p)
     p.add_argument("--instance", default=f"{role}-0", help="instance id (subjects, load reports)")
     p.add_argument("--node", default=node, help="node whose store this instance uses")
     p.add_argument("--engine", default="mock", choices=ENGINE_KINDS)
@@ -114,7 +114,6 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
         help="lease of the store transactions this worker holds, s; renewed "
         "every third of it while the request lives",
     )
-    p.add_argument("--log-level", default="INFO")
     vllm_options.add_arguments(p)
     metrics.add_arguments(p)
     return p
