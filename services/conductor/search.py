@@ -5,25 +5,29 @@ instance, from a few candidates.
 Prefill (strategies ``global`` and ``local``, no CPP groups; ``load`` takes the
 order's first usable instance)::
 
-    holders  the instances on the nodes the prefix index matched (their own prefix
-             differs per node): each evaluated exactly
-    others   every other instance has no prefix of its own, so one (prefix, pull,
-             transfer) option: walked from the least queued (``orders.prefill``, keyed
-             by each instance's queued work as ``queue_s`` sums it) until the bound
-             factor_floor * (transfer + queue + prefill_floor) exceeds the best TTFT found
+    holders  the instances on the nodes the prefix index matched share one (prefix,
+             pull, transfer) option per prefix length: a length held by at most
+             ``DIRECT`` instances is evaluated outright; one held by more (a system
+             prompt every node holds) is walked with the others
+    others   the instances holding nothing share one option; they and the walked
+             holders go from the least queued (``orders.prefill``, keyed by each
+             instance's queued work as ``queue_s`` sums it), each with its own option,
+             until the least over the walked options of
+             factor_floor * (transfer + queue + prefill_floor) exceeds the best TTFT
 
 The bound holds for every instance not yet walked: its queue is at least the walked
 key, its prefill time at least the cost floor's (services.common.cost_floor), its TTFT
 feedback factor at least the floor of the factors. A tie (bound equal to the best) goes
 on walking, so the tie-breaks decide as in the full scan. When no instance has a model
 of its own (``CostFloor.uniform``: the simulator, the bench, a fixed cost model) every
-instance left computes what the first one walked does, so its prefill time replaces the
-floor and the bound is exact: the walk stops at the first key that cannot match the
-best TTFT, and a group of equal keys costs one evaluation (the first by name, when its
-factor is the least; the rest tie or lose).
+instance left with an option computes what the first one walked with it does, so its
+prefill time replaces the floor and the bound is exact: the walk stops at the first key
+that cannot match the best TTFT, and with one option walked a group of equal keys costs
+one evaluation (the first by name, when its factor is the least; the rest tie or lose).
 
-Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens),
-the first keys of the full scan's choice among the instances meeting the TBT SLO. The
+Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens,
+then the TBT model's other inputs), the first keys of the full scan's choice among the
+instances meeting the TBT SLO; equal keys tie under one model (one evaluation). The
 walk takes the first level of occupancy holding an instance that meets it and, inside
 it, stops once the TBT floor at the walked KV exceeds the best TBT. When no instance
 meets the SLO (overload: the request is rejected unless the TBT check is off) the
@@ -36,7 +40,10 @@ picks the same instance in O((silent + excluded) log n), and only it is evaluate
 
 What costs per instance here: dead or forgotten instances still in the orders are
 skipped (and dropped from the orders when met); an instance excluded by the request
-(migration, a store down) is skipped.
+(migration, a store down) is skipped; instances with fitted models of their own that tie
+on their key are each evaluated until the shaded bound stops the walk; an overloaded
+decode pool is walked whole (above). CPP groups are not searched here: the policy
+scans every instance and group when they are on.
 """
 
 from collections.abc import Collection, Mapping
