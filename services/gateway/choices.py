@@ -21,13 +21,14 @@ from bus_schemas.requests import Accepted, Error, Finished, Tokens
 from services.gateway.output import TextOutput
 from services.gateway.protocol import ChunkWriter, ParsedRequest, usage
 from services.gateway.responses import (
-    SSE_HEADERS,
     Extras,
     NextEvent,
     Outcome,
     StopEarly,
     api_error,
+    fail_stream,
     json_response,
+    open_stream,
     try_eof,
     try_write,
 )
@@ -152,19 +153,10 @@ async def stream_n(
         if isinstance(ev, Accepted):
             continue
         if isinstance(ev, Error):
-            err = api_error(ev)
-            if resp is None:
-                raise err
-            await try_write(resp, w.error(err), write_timeout_s)
-            await try_eof(resp)
-            raise StopEarly(resp, err.status, err.message, local=err.local)
+            await fail_stream(resp, w, ev, write_timeout_s)
         buf = b""
         if resp is None:
-            resp = web.StreamResponse(headers=SSE_HEADERS)
-            try:
-                await resp.prepare(request)
-            except (ConnectionResetError, OSError):
-                raise StopEarly(resp, 499, "client disconnected") from None
+            resp = await open_stream(request)
             if p.chat:
                 buf = b"".join(w.role(c.index) for c in choices)
         last: Finished | None = None

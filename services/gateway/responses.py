@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import msgspec
 from aiohttp import web
@@ -216,19 +217,10 @@ async def stream(
         if isinstance(ev, Accepted):
             continue
         if isinstance(ev, Error):
-            err = api_error(ev)
-            if resp is None:
-                raise err
-            await try_write(resp, w.error(err), write_timeout_s)
-            await try_eof(resp)
-            raise StopEarly(resp, err.status, err.message, local=err.local)
+            await fail_stream(resp, w, ev, write_timeout_s)
         buf = b""
         if resp is None:
-            resp = web.StreamResponse(headers=SSE_HEADERS)
-            try:
-                await resp.prepare(request)
-            except (ConnectionResetError, OSError):
-                raise StopEarly(resp, 499, "client disconnected") from None
+            resp = await open_stream(request)
             buf = w.role() if p.chat else b""
         tools = extras.tools
         if isinstance(ev, Tokens):
@@ -265,6 +257,28 @@ async def stream(
             if text.stopped:
                 raise StopEarly(resp, 200, "stop string")  # cancels the backend
             return resp
+
+
+async def open_stream(request: web.Request) -> web.StreamResponse:
+    """The SSE response, its headers sent (a client gone already stops the request)."""
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    try:
+        await resp.prepare(request)
+    except (ConnectionResetError, OSError):
+        raise StopEarly(resp, 499, "client disconnected") from None
+    return resp
+
+
+async def fail_stream(
+    resp: web.StreamResponse | None, w: ChunkWriter, ev: Error, write_timeout_s: float
+) -> NoReturn:
+    """A backend error: an HTTP error before the stream opened, else its last event."""
+    err = api_error(ev)
+    if resp is None:
+        raise err
+    await try_write(resp, w.error(err), write_timeout_s)
+    await try_eof(resp)
+    raise StopEarly(resp, err.status, err.message, local=err.local)
 
 
 async def try_write(resp: web.StreamResponse, data: bytes, timeout: float) -> bool:
