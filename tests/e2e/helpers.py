@@ -1,11 +1,32 @@
 import asyncio
+import importlib.util
 
 import nats
+import pytest
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.kv_events import BlockStored, EventBatch
 from bus_schemas.load import WorkerStats
+from perigee import models
+
+
+def real_model_marks() -> list[pytest.MarkDecorator]:
+    """An e2e test on the default real model through vLLM: skipped, saying how to install
+    what is missing, where vLLM or the prepared model is not there."""
+    model_dir = models.default_model_dir()
+    return [
+        pytest.mark.e2e,
+        pytest.mark.skipif(
+            importlib.util.find_spec("vllm") is None,
+            reason="vLLM is not installed (make install-vllm)",
+        ),
+        pytest.mark.skipif(
+            not models.is_prepared(model_dir),
+            reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {model_dir} "
+            "(make install, or perigee model prepare)",
+        ),
+    ]
 
 
 async def worker_stats(nats_url: str, role: str, instance: str) -> dict[str, int]:

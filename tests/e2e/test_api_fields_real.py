@@ -18,7 +18,6 @@ asked with the official ``openai`` client, each compared with one monolithic vLL
 One stack (1 prefill + 1 decode, vLLM) and one reference for the module.
 """
 
-import importlib.util
 import math
 
 import aiohttp
@@ -27,19 +26,10 @@ import pytest
 
 from perigee import models
 from tests.e2e.conftest import make_stack
+from tests.e2e.helpers import real_model_marks
 
 MODEL_DIR = models.default_model_dir()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-        "(make install, or perigee model prepare)",
-    ),
-]
+pytestmark = real_model_marks()
 
 NAME = models.DEFAULT_MODEL_NAME
 EOS = 2  # <|im_end|>

@@ -8,7 +8,6 @@ the same accuracy, and every choice's log-likelihood within float tolerance with
 servers run one after the other (two engines on two cores would compete).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ from perigee import models
 from perigee.natsd import free_port
 from services.engine.vllm.options import DEFAULT_ENV, FORCED_ENV
 from tests.e2e.conftest import make_stack
+from tests.e2e.helpers import real_model_marks
 
 ROOT = Path(__file__).resolve().parents[2]
 LM_EVAL = ROOT / ".venv-lmeval" / "bin" / "lm_eval"
@@ -31,14 +31,7 @@ NAME = models.DEFAULT_MODEL_NAME
 TOL = 5e-3  # a sum of a few float32 logprobs, batch shapes differ
 
 pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{NAME} is not prepared in {MODEL_DIR} (make install)",
-    ),
+    *real_model_marks(),
     pytest.mark.skipif(
         not LM_EVAL.exists(), reason="lm-eval is not installed (make install-lmeval)"
     ),

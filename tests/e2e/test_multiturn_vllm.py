@@ -9,8 +9,6 @@ One stack and one reference for the module, started side by side (two engines an
 the reference on two cores compete: nothing here is timed).
 """
 
-import importlib.util
-
 import nats
 import pytest
 
@@ -18,21 +16,11 @@ from perigee import models
 from services.common.cost_fit import PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
 from tests.e2e.conftest import make_stack
-from tests.e2e.helpers import worker_stats
+from tests.e2e.helpers import real_model_marks, worker_stats
 from tests.e2e.test_multiturn_writeback import turn
 
 MODEL_DIR = models.default_model_dir()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-        "(make install, or perigee model prepare)",
-    ),
-]
+pytestmark = real_model_marks()
 
 BS = 32
 ANSWER = 72  # tokens per answer (ignore_eos): two full blocks and a partial one

@@ -20,27 +20,15 @@ official ``openai`` client, compared with monolithic vLLM's parallel sampling
 One stack (1 prefill + 1 decode, vLLM) and one reference for the module.
 """
 
-import importlib.util
-
 import openai
 import pytest
 
 from perigee import models
 from tests.e2e.conftest import make_stack
-from tests.e2e.helpers import worker_stats
+from tests.e2e.helpers import real_model_marks, worker_stats
 
 MODEL_DIR = models.default_model_dir()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-        "(make install, or perigee model prepare)",
-    ),
-]
+pytestmark = real_model_marks()
 
 NAME = models.DEFAULT_MODEL_NAME
 LAYERS = 30  # SmolLM2-135M

@@ -13,7 +13,6 @@ kept busy) and pulls it from there. One stack and one reference for the module.
 """
 
 import asyncio
-import importlib.util
 import time
 import uuid
 
@@ -30,20 +29,10 @@ from services.common.cost_fit import PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 from tests.e2e.conftest import make_stack
-from tests.e2e.helpers import KVEventWatcher, worker_stats
+from tests.e2e.helpers import KVEventWatcher, real_model_marks, worker_stats
 
 MODEL_DIR = models.default_model_dir()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-        "(make install, or perigee model prepare)",
-    ),
-]
+pytestmark = real_model_marks()
 
 NAME = models.DEFAULT_MODEL_NAME
 BS = 32

@@ -11,7 +11,6 @@ far to the grammar before sampling) and the client's text still validates.
 """
 
 import asyncio
-import importlib.util
 import json
 import re
 import signal
@@ -27,19 +26,10 @@ from bus_schemas.codec import decode
 from bus_schemas.requests import Accepted, GenerateRequest, StreamEvent
 from perigee import models
 from tests.e2e.conftest import make_stack
+from tests.e2e.helpers import real_model_marks
 
 MODEL_DIR = models.default_model_dir()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm)"
-    ),
-    pytest.mark.skipif(
-        not models.is_prepared(MODEL_DIR),
-        reason=f"{models.DEFAULT_MODEL_NAME} is not prepared in {MODEL_DIR} "
-        "(make install, or perigee model prepare)",
-    ),
-]
+pytestmark = real_model_marks()
 
 NAME = models.DEFAULT_MODEL_NAME
 CITY = {
