@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block (hashes)"
     )
-    shared_flags.add_slos(ap, "a request its pools would serve over it is refused (429)")
+    shared_flags.Slos.add(ap, "a request its pools would serve over it is refused (429)")
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"deprecated: {admission_mode.FLAG} (a contradiction is an error)",
     )
-    shared_flags.add_dead_after(ap, "out of the pools' loads")
+    shared_flags.DeadAfter.add(ap, "out of the pools' loads")
     ap.add_argument(
         "--cost-model",
         default="",

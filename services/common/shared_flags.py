@@ -114,13 +114,3 @@ class Intake:
             "--intake-patience",
             str(self.patience_s),
         ]
-
-
-def add_slos(p: argparse.ArgumentParser, use: str = "", *, ttft: bool = True) -> None:
-    """``--ttft-slo`` (unless ``ttft`` is False) and ``--tbt-slo``, seconds."""
-    Slos.add(p, use, ttft=ttft)
-
-
-def add_dead_after(p: argparse.ArgumentParser, use: str = "") -> None:
-    """``--dead-after``, seconds."""
-    DeadAfter.add(p, use)

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--block-size", type=int, default=defaults.BLOCK_SIZE, help="tokens per KV block"
     )
-    shared_flags.add_slos(ap, "a placement predicted over it is rejected (429)")
+    shared_flags.Slos.add(ap, "a placement predicted over it is rejected (429)")
     ap.add_argument(
         "--balancing-threshold",
         type=_threshold,
@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--speedup", type=float, default=1.0, help="cost-model speedup ('inf': no compute)"
     )
-    shared_flags.add_dead_after(ap, "no placement on it")
+    shared_flags.DeadAfter.add(ap, "no placement on it")
     ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
     ap.add_argument(
         "--report-grace",

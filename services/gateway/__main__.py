@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120.0,
         help="seconds without any event before a request fails with 504",
     )
-    shared_flags.add_dead_after(ap, "its requests migrate, or fail with 503")
+    shared_flags.DeadAfter.add(ap, "its requests migrate, or fail with 503")
     ap.add_argument(
         "--wedge-floor",
         type=float,
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="seconds in-flight requests get to finish on SIGTERM before a 503",
     )
-    shared_flags.add_slos(
+    shared_flags.Slos.add(
         ap,
         "the stack's, reported on GET /v1/perigee/config (admission and the conductor enforce it)",
     )

@@ -86,7 +86,7 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     )
     # As decode in baseline mode: reject a prefilled request over the TBT SLO.
     admission_mode.add_argument(p)
-    shared_flags.add_slos(
+    shared_flags.Slos.add(
         p, "a decode instance's check of a prefilled request in the baseline mode", ttft=False
     )
     p.add_argument(
