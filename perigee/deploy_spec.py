@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bus_schemas.roles import Role
 from services.common.admission_mode import AdmissionMode
+from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shared_flags import Arg, Bus, DeadAfter, Group, Metrics, Slos, joined, split
 
 if TYPE_CHECKING:
@@ -288,9 +289,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
 
 # Every server of the cluster; each service's own login is NATS_USER/NATS_PASSWORD.
 COMPOSE_NATS = "nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222"
-# The image's default model (models/tiny-llama): its KV bytes per block of 32 tokens.
 COMPOSE_BLOCK_SIZE = 32
-COMPOSE_BLOCK_BYTES = 131072
 COMPOSE_STORE_PORT = 5555
 METRICS_PORT = 9400  # every service but the gateway (its own port 8000)
 
@@ -302,6 +301,9 @@ def compose() -> dict[str, Service]:
     bus = Bus(COMPOSE_NATS, None)
     metrics = Metrics(METRICS_PORT, "0.0.0.0")
     block = COMPOSE_BLOCK_SIZE
+    # The image's model, models/tiny-llama: its KV bytes per block (the worker refuses
+    # a store of any other block size).
+    block_bytes = ModelSpec.from_dir(DEFAULT_MODEL_DIR).block_bytes(block)
     out: dict[str, Service] = {
         "gateway": Gateway(bus, "0.0.0.0", 8000, block_size=block),
         "admission": Admission(bus, block_size=block, metrics=metrics),
@@ -318,7 +320,7 @@ def compose() -> dict[str, Service]:
             name,
             COMPOSE_STORE_PORT,
             block,
-            COMPOSE_BLOCK_BYTES,
+            block_bytes,
             4096,
             metrics=metrics,
         )
