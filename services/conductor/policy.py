@@ -309,6 +309,8 @@ class PlacementPolicy:
         self._by_prefill: dict[str, dict[str, _Dispatch]] = {}
         self._by_decode: dict[str, dict[str, _Dispatch]] = {}
         self._by_source: dict[str, dict[str, _Dispatch]] = {}
+        # source node -> its pulls in flight with bytes > 0 (_least_inflight)
+        self._loaded: dict[str, int] = {}
         self._pipelines: dict[str, _Dispatch] = {}  # pipelined, first token not out yet
         self.orders = search.Orders()  # for the pruned search (services.conductor.search)
         # False: every placement scans every live instance (the reference the pruned
@@ -492,22 +494,20 @@ class PlacementPolicy:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
 
     def _least_inflight(self, nodes: Collection[str]) -> str:
-        """``min(nodes, key=(inflight_bytes, name))``, in set operations and a walk over
-        the nodes that are pull sources now (``_by_source`` keeps only those): a prefix
-        every node holds does not cost a Python step per node."""
-        busy = self._by_source
-        if not busy:
+        """``min(nodes, key=(inflight_bytes, name))`` in set operations: the least name
+        of the nodes with no positive bytes in flight (``_loaded`` counts the pulls
+        with bytes per source), summed one by one only when every node has some. A
+        prefix every node holds does not cost a Python step per node."""
+        loaded = self._loaded
+        if not loaded:
             return min(nodes)
         held = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
-        hot = [n for n in busy if n in held] if len(busy) < len(held) else busy.keys() & held
-        best = min(((self.inflight_bytes(n), n) for n in hot), default=None)
-        idle = held.difference(hot) if hot else held
+        # Bytes are never negative: a node with no positive pull in flight has 0, the
+        # least there is, and among those the first name wins.
+        idle = held.difference(loaded)
         if idle:
-            first = (0.0, min(idle))
-            if best is None or first < best:
-                best = first
-        assert best is not None
-        return best[1]
+            return min(idle)
+        return min((self.inflight_bytes(n), n) for n in held)[1]
 
     def predicted_tbt(self, instance: str, num_tokens: int, seqs: int = 1) -> float:
         """Decode step time on ``instance`` once a request of ``num_tokens`` (and
@@ -843,6 +843,8 @@ class PlacementPolicy:
         self._by_decode.setdefault(d.decode_instance, {})[d.request_id] = d
         if d.source_node is not None:
             self._by_source.setdefault(d.source_node, {})[d.request_id] = d
+            if d.transfer_bytes > 0:
+                self._loaded[d.source_node] = self._loaded.get(d.source_node, 0) + 1
         for m in d.prefill_members():
             self._touch_prefill(m)
         self._touch_decode(d.decode_instance)
@@ -858,10 +860,15 @@ class PlacementPolicy:
         )
         if source_too and d.source_node is not None:
             pulls = self._by_source.get(d.source_node)
-            if pulls is not None:
-                pulls.pop(d.request_id, None)
-                if not pulls:  # only the nodes with pulls in flight (_least_inflight)
+            if pulls is not None and pulls.pop(d.request_id, None) is not None:
+                if not pulls:  # only the nodes with pulls in flight
                     del self._by_source[d.source_node]
+                if d.transfer_bytes > 0:
+                    left = self._loaded[d.source_node] - 1
+                    if left:
+                        self._loaded[d.source_node] = left
+                    else:
+                        del self._loaded[d.source_node]
             d.source_node = None
         self._maybe_drop(d)
 

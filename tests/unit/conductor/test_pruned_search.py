@@ -483,4 +483,4 @@ def test_least_inflight_source_by_bytes_then_name():
     assert isinstance(d, Placement) and d.remote is not None and d.remote.node == "n1"
     for rid in ("pull0", "pull1", "pull2", "s"):
         p.release(rid)
-    assert not p._by_source  # only the nodes with pulls in flight are kept
+    assert not p._by_source and not p._loaded  # only the nodes with pulls in flight
