@@ -70,7 +70,7 @@ log = structlog.get_logger()
 
 
 class DecodeStore(Protocol):
-    """What this worker needs of services.store.client.StoreClient."""
+    """What this worker needs of services.store.client.store_client.StoreClient."""
 
     def slot(self, i: int) -> memoryview: ...
 

@@ -58,7 +58,7 @@ from services.prefill.cpp_stage import (
     activation_nbytes,
     run_stage,
 )
-from services.store.transfer_api import TransferEngine
+from services.transfer.batch_api import TransferEngine
 
 log = structlog.get_logger()
 

@@ -35,8 +35,8 @@ import zmq.asyncio
 from services.common.clock import SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
-from services.store.transfer_api import TransferEngine, TransferRequest
-from services.store.transport import Opcode, Poll
+from services.transfer.backends import Opcode, Poll
+from services.transfer.batch_api import TransferEngine, TransferRequest
 
 
 class StageError(CodedError, RuntimeError):

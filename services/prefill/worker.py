@@ -71,7 +71,7 @@ from services.prefill.cpp_pipeline import (
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
-from services.store.client import TransferError
+from services.store.client.store_client import TransferError
 from services.worker.base import WorkerBase
 from tracing import tracer
 
@@ -81,7 +81,7 @@ REMEMBER_TAKEN = 100_000  # request ids: a redelivery comes within seconds
 
 
 class PrefillStore(Protocol):
-    """What this worker needs of services.store.client.StoreClient."""
+    """What this worker needs of services.store.client.store_client.StoreClient."""
 
     def slot(self, i: int) -> memoryview: ...
     async def ship_layer(

@@ -18,8 +18,8 @@ from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shutdown import StopEvent
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
-from services.store import auth
-from services.store.client import StoreClient, TransferError
+from services.store.client.store_client import StoreClient, TransferError
+from services.transfer import data_auth
 from services.worker import pod_role
 from services.worker.factory import make_worker, settings_from_args
 from services.worker.role_host import RoleHost
@@ -139,7 +139,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
     structlog.contextvars.bind_contextvars(instance=args.instance)
     log.info("admission_mode", mode=str(args.admission_mode))
     setup_tracing(role)
-    auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
+    data_auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
     spec = ModelSpec.from_dir(args.model_dir)
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)

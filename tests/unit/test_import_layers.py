@@ -31,7 +31,8 @@ from tests.unit.import_graph import import_graph, libraries, project_modules
 # runs the same policy code"): what perigee/sim loads of services/, and the store's
 # replica ranking. Pure, but not here: the gateway's own helpers
 # (services.gateway.migration, .watchdog: importing them runs services/gateway/__init__,
-# which loads the server) and the store's data-plane pieces (fence, transport slicing).
+# which loads the server) and the data plane's pieces (the store's fence, the transfer
+# backends' slicing).
 # A module listed here that no longer exists fails the test: move its line with it.
 PURE_POLICIES = frozenset(
     {
@@ -49,11 +50,11 @@ PURE_POLICIES = frozenset(
         "services.conductor.search",
         "services.decode.side_check",
         "services.prefill.queue",
-        "services.store.block_pool",
-        "services.store.eviction",
-        "services.store.replicas",
-        "services.store.tiers.lower",
-        "services.store.tiers.policy",
+        "services.store.pool.block_pool",
+        "services.store.pool.eviction",
+        "services.store.pool.lower_tiers",
+        "services.store.pool.replicas",
+        "services.store.pool.tier_policy",
     }
 )
 
@@ -228,7 +229,7 @@ def test_each_module_is_in_the_layer_its_role_says() -> None:
     assert [layer(m) for m in ("bus_schemas.requests", "tracing.setup")] == [0, 0]
     assert [layer(m) for m in ("services", "services.common.clock")] == [1, 1]
     assert layer("services.conductor.policy") == layer("services.prefill.queue") == 2
-    assert layer("services.conductor.service") == layer("services.store.server") == 3
+    assert layer("services.conductor.service") == layer("services.store.node.server") == 3
     assert layer("perigee.stack") == layer("perigee.sim.simulator") == 4
 
 

@@ -18,7 +18,7 @@ from services.common.model_spec import ModelSpec
 from services.common.store_tx import AllocationRound
 from services.decode.writeback import COUNTERS, AnswerWriteBack
 from services.engine import DecodeJob, SlotKV, make_engine, synth
-from services.store.block_pool import BlockPool
+from services.store.pool.block_pool import BlockPool
 from tests.unit.conftest_fakestore import write_expected
 
 BS = 16

@@ -19,7 +19,7 @@ from services.prefill.cpp_stage import (
     run_stage,
     stage_transform,
 )
-from services.store.transfer_api import TransferEngine
+from services.transfer.batch_api import TransferEngine
 
 # d = 512, 2 bytes: 1 KiB of activations per token; a 64-token chunk is 64 KiB
 COST = CostModel(layers=8, d=512)

@@ -6,8 +6,9 @@ import secrets
 
 import pytest
 
-from services.store import auth, object_server, wire
-from services.store.object_server import ObjectServer
+from services.store.node import object_server
+from services.store.node.object_server import ObjectServer
+from services.transfer import data_auth, wire
 
 KEY = secrets.token_bytes(32)
 
@@ -47,7 +48,7 @@ async def connect(addr: str, key: bytes | None = KEY, hello: bytes | None = None
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     if hello is None and key is not None:
-        hello = auth.obj_hello(key, addr)
+        hello = data_auth.obj_hello(key, addr)
     if hello is not None:
         writer.write(hello)
     return reader, writer
@@ -130,8 +131,8 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
     """ObjectClient's per-store links (no ZeroMQ fallback): concurrent requests open up
     to ``max_links`` connections and then reuse them; an error reply keeps its link, a
     request cancelled mid-flight closes its own (its reply may still come)."""
-    from services.store.channel import ChannelError
-    from services.store.objects import _LinkPool
+    from services.store.client.object_client import _LinkPool
+    from services.transfer.channel import ChannelError
 
     objects = Objects()
     objects.kv = {f"k{i}": bytes([i]) * (1000 + i) for i in range(6)}
@@ -181,10 +182,10 @@ async def test_a_stranger_gets_no_byte_and_a_holder_beside_it_is_served():
     try:
         honest = await connect(addr)
         cases = {
-            "other key": auth.obj_hello(secrets.token_bytes(32), addr),
-            "another server's": auth.obj_hello(KEY, "tcp://127.0.0.1:1"),
-            "no hello, a request": put + get + bytes(auth.OBJ_HELLO_BYTES),
-            "garbage": secrets.token_bytes(auth.OBJ_HELLO_BYTES),
+            "other key": data_auth.obj_hello(secrets.token_bytes(32), addr),
+            "another server's": data_auth.obj_hello(KEY, "tcp://127.0.0.1:1"),
+            "no hello, a request": put + get + bytes(data_auth.OBJ_HELLO_BYTES),
+            "garbage": secrets.token_bytes(data_auth.OBJ_HELLO_BYTES),
         }
         for why, hello in cases.items():
             reader, writer = await connect(addr, hello=hello)
@@ -193,7 +194,7 @@ async def test_a_stranger_gets_no_byte_and_a_holder_beside_it_is_served():
             writer.close()
         assert "a" not in srv.objects.kv
         # a HELLO seen once opens nothing more (a replay from the wire)
-        hello = auth.obj_hello(KEY, addr)
+        hello = data_auth.obj_hello(KEY, addr)
         first = await connect(addr, hello=hello)
         again = await connect(addr, hello=hello)
         again[1].write(get)

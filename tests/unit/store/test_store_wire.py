@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from services.store import wire
 from services.store.arena import Arena, ArenaError
+from services.transfer import wire
 
 
 @pytest.fixture

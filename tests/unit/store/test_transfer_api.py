@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.store.transfer_api import TransferApiError, TransferEngine, TransferRequest
-from services.store.transport import Opcode, Poll
+from services.transfer.backends import Opcode, Poll
+from services.transfer.batch_api import TransferApiError, TransferEngine, TransferRequest
 from tests.unit.fake_transport import FakeNetwork, FakeReceiver, FakeSender, available
 
 
@@ -139,7 +139,7 @@ async def test_wait_batch_completes_from_another_thread():
 
 
 def test_unavailable_backend_is_refused_with_its_reason():
-    from services.store.transport import TransportError, availability
+    from services.transfer.backends import TransportError, availability
 
     assert availability("nope").ok is False
     with pytest.raises(TransportError) as e:
@@ -148,12 +148,12 @@ def test_unavailable_backend_is_refused_with_its_reason():
 
 
 def test_registered_backend_is_listed_and_cannot_shadow_a_built_in():
-    from services.store import transport
+    from services.transfer import backends
 
-    assert "fake" in transport.backends() and "fake" not in transport.BACKENDS
+    assert "fake" in backends.backends() and "fake" not in backends.BACKENDS
     with pytest.raises(ValueError):
-        transport.register("tcp", available, FakeSender, FakeReceiver)
-    built_in = transport.make_sender("tcp")
+        backends.register("tcp", available, FakeSender, FakeReceiver)
+    built_in = backends.make_sender("tcp")
     try:
         assert built_in.scheme == "tcp"
     finally:
@@ -164,7 +164,7 @@ def test_fake_sender_close_fails_pending():
     net = FakeNetwork()
     FakeReceiver(net, "b")
     s = FakeSender(net, manual=True)
-    from services.store.transport import Request
+    from services.transfer.backends import Request
 
     t = s.submit(Request(Opcode.WRITE, memoryview(bytearray(4)), "fake://b", 1, 0))
     s.close()

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from services.store.transfer_api import TransferEngine, TransferRequest
-from services.store.transport import Opcode, Poll, Region, Request, TransportError
-from services.store.transport.rdma import RdmaReceiver, RdmaSender, verbs
+from services.transfer.backends import Opcode, Poll, Region, Request, TransportError
+from services.transfer.backends.rdma import RdmaReceiver, RdmaSender, verbs
+from services.transfer.batch_api import TransferEngine, TransferRequest
 from tests.unit import fake_verbs
 
 WAIT = 30.0
@@ -46,7 +46,7 @@ def test_shm_write_read_and_checksum_between_two_engines():
 
 
 def test_a_big_shm_copy_split_across_helper_threads_lands_exactly(monkeypatch):
-    from services.store.transport import shm
+    from services.transfer.backends import shm
 
     a = TransferEngine("shm", sender_opts={"split_min": 1 << 16, "split_threads": 2})
     b = TransferEngine("shm")

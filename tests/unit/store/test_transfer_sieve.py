@@ -2,8 +2,8 @@
 
 import pytest
 
-from services.store.transport import slicing
-from services.store.transport.sieve import SievePool
+from services.transfer.backends import slicing
+from services.transfer.backends.sieve import SievePool
 
 
 def test_sieve_evicts_the_first_unvisited_from_the_hand():

@@ -10,9 +10,9 @@ import socket
 import pytest
 
 from perigee.natsd import free_port
-from services.store.transport import Opcode, Poll, Region, Request
-from services.store.transport.tcp import TcpReceiver, TcpSender
-from services.store.transport.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
+from services.transfer.backends import Opcode, Poll, Region, Request
+from services.transfer.backends.tcp import TcpReceiver, TcpSender
+from services.transfer.backends.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
 
 WAIT = 30.0
 
@@ -164,7 +164,7 @@ def test_bad_target_and_closed_sender():
 
 
 async def test_engine_batch_to_a_dead_peer_ends_failed_and_frees():
-    from services.store.transfer_api import TransferEngine, TransferRequest
+    from services.transfer.batch_api import TransferEngine, TransferRequest
 
     a, b = TransferEngine("tcp"), TransferEngine("tcp")
     try:
@@ -204,7 +204,7 @@ def record_readers(monkeypatch) -> list[int]:
     """Thread ids that read each reply."""
     import threading
 
-    from services.store.transport.tcp.stream import Stream
+    from services.transfer.backends.tcp.stream import Stream
 
     who: list[int] = []
     orig = Stream._reply
