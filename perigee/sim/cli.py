@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpp-chunk-tokens",
         type=int,
         default=None,
-        help="the pipeline's prefill_chunk (default: services.conductor.cpp's)",
+        help="the pipeline's prefill_chunk (default: services.policy.chunk_timing's)",
     )
     p.add_argument("--balancing-threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD)
     p.add_argument(

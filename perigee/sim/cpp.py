@@ -16,7 +16,7 @@ from the placement on)::
 A member is therefore held one chunk at a time, never while it waits for input: work
 placed on it meanwhile (a short request) runs between two of the pipeline's chunks,
 waiting at most for the chunk in progress, and the pipeline's stage stretches by it.
-With nothing else queued this is :func:`services.conductor.cpp.pipeline_timing`
+With nothing else queued this is :func:`services.policy.chunk_timing.pipeline_timing`
 exactly. When stage s is done, member s ships its 1/X of the layers' KV to the decode
 node (overlapped with its stage, as a single instance does); the last stage's end is
 the first token, and the KV has landed once every stage's ship has.
@@ -30,7 +30,7 @@ from perigee.sim.cluster import Link
 from perigee.sim.events import EventLoop
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 
 
 class StageMember(Protocol):
@@ -100,12 +100,12 @@ class Gang:
         self.on_prefilled = on_prefilled
         n, x = req.num_tokens, len(members)
         self.prefix = min(req.cached_tokens, n - 1)
-        self.chunks = cpp.chunk_bounds(n, self.prefix, chunk_tokens)
+        self.chunks = chunk_timing.chunk_bounds(n, self.prefix, chunk_tokens)
         self.chunk_s = [cost.prefill_time(b, a) / x for a, b in self.chunks]
-        self.handoff_s = [cpp.handoff_time(cost, b - a) for a, b in self.chunks]
+        self.handoff_s = [chunk_timing.handoff_time(cost, b - a) for a, b in self.chunks]
         req.compute_s = x * sum(self.chunk_s)
         now = loop.now()
-        slices = cpp.slice_tokens(self.prefix, x)
+        slices = chunk_timing.slice_tokens(self.prefix, x)
         slices_at = anchor_link.transfer(slices, now) if slices else now
         anchor = next(i for i, m in enumerate(self.members) if m.link is anchor_link)
         self.ready_at = [now if s == anchor else slices_at for s in range(x)]

@@ -64,13 +64,13 @@ from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
-from services.conductor.cpp import DEFAULT_CHUNK_TOKENS, CppConfig
 from services.conductor.policy import (
     DEFAULT_BALANCING_THRESHOLD,
     PlacementPolicy,
     PlacementRequest,
 )
-from services.decode.side_check import DecodeSideCheck
+from services.policy.chunk_timing import DEFAULT_CHUNK_TOKENS, CppConfig
+from services.policy.decode_side_check import DecodeSideCheck
 
 # What the live stack (perigee.stack, mock engine, one host) adds to the cost model,
 # measured by scripts/measure_live_overheads.py in the configuration of

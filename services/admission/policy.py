@@ -12,7 +12,7 @@ Modes (``make_admission_policy(name, ...)``):
 - ``baseline`` (§4.3.2's strawman): accept everything here; the conductor still rejects
   a request whose predicted TTFT misses the SLO (Algorithm 1), and the decode instance
   rejects it *after its prefill* when taking it on would break the TBT SLO
-  (:class:`services.decode.side_check.DecodeSideCheck`, wired into the decode worker;
+  (:class:`services.policy.decode_side_check.DecodeSideCheck`, wired into the decode worker;
   the conductor then places with no TBT check: one mode for all three,
   services.common.admission_mode). That prefill was wasted.
 - ``early`` (§4.3.2 Early Rejection): accept only if both pools are under their SLO

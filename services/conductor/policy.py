@@ -29,7 +29,7 @@ sequences of its prompt's n tokens (the engine holds the prompt's KV once per se
 and ``dispatched`` counts the sequences placed there; its TTFT is one prefill's.
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
-rejects at decode after the prefill: services.decode.side_check.DecodeSideCheck).
+rejects at decode after the prefill: services.policy.decode_side_check.DecodeSideCheck).
 
 Hot-spot migration (§4.2, Algorithm 1 lines 20-21): a placement with ``remote`` set
 makes the chosen instance pull blocks [first_block, first_block + num_blocks) from the
@@ -45,7 +45,7 @@ policy feeds: every placement is recorded with its predicted TTFT, and
 :meth:`prefill_done` reports the observed one (placement -> first token).
 
 Chunked pipeline parallelism (§3.3, ``cpp``): with ``cpp.group_size`` X > 1 every X
-live prefill instances form a group (:mod:`services.conductor.cpp`), and for the
+live prefill instances form a group (:mod:`services.policy.chunk_timing`), and for the
 cache-aware strategies each group is one more candidate: its anchor's own prefix, the
 members' queues and the pipeline timing; the argmin takes it only when strictly
 faster, so a one-chunk request stays on one instance. The dispatch records each
@@ -100,10 +100,10 @@ from services.common.incarnation import RESTARTED, STALE
 from services.common.load_book import LoadBook
 from services.common.rejection import Rejection
 from services.common.slo_check import TbtCheck
-from services.conductor import cpp as cpp_
 from services.conductor import search
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.feedback import TtftFeedback
+from services.policy import chunk_timing as cpp_
 
 STRATEGIES = ("global", "local", "load", "random")
 DEFAULT_BALANCING_THRESHOLD = 2.0
@@ -176,7 +176,7 @@ class Placement:
     est_prefill_s: float
     est_tbt_s: float
     strategy: str
-    # Chunked pipeline parallelism (services.conductor.cpp): the stages in pipeline
+    # Chunked pipeline parallelism (services.policy.chunk_timing): the stages in pipeline
     # order (``prefill_instance`` is the anchor, one of them), their nodes, the chunk size and when
     # each stage is done (seconds after placement, queues included). Empty: one instance.
     cpp_stages: tuple[str, ...] = ()
@@ -755,7 +755,7 @@ class PlacementPolicy:
     def _group_candidates(
         self, req: PlacementRequest, prefills: Sequence[str], own: Mapping[str, int]
     ) -> list[_Candidate]:
-        """Every CPP group of live instances as one candidate (services.conductor.cpp):
+        """Every CPP group of live instances as one candidate (services.policy.chunk_timing):
         its members' longest own prefix, the other stages' slices of it from the
         anchor, and the pipeline's timing with each stage starting once its member's
         queue is done."""

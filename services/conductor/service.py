@@ -62,7 +62,6 @@ from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
-from services.conductor import cpp as cpp_
 from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.pd_ratio import PDRatioController
@@ -73,6 +72,7 @@ from services.conductor.policy import (
 )
 from services.conductor.roles import RoleControl
 from services.conductor.shadow import ShadowView
+from services.policy import chunk_timing as cpp_
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -119,7 +119,7 @@ class ConductorConfig:
     # At start, wait up to this long for a load report from each pool before placing
     # (services.common.pools_heard).
     pools_wait_s: float = 2.0
-    # Chunked pipeline parallelism (services.conductor.cpp): groups of this many prefill
+    # Chunked pipeline parallelism (services.policy.chunk_timing): groups of this many prefill
     # instances (1: none), their chunk size and the computed tokens a group needs.
     cpp_group: int = 1
     cpp_chunk_tokens: int = cpp_.DEFAULT_CHUNK_TOKENS

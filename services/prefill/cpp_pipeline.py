@@ -21,7 +21,7 @@ TransferEngine over TCP for the activations); the anchor's own stage is one of t
 member computes one thing at a time (its worker's ``compute_lock``, fair): a chunk of
 a stage, or a request of its own queue, so a request placed on a member while its
 stage runs is computed between two chunks, as the simulator and the policy assume
-(services.conductor.cpp). Its load report shows the chunk in progress, not the
+(services.policy.chunk_timing). Its load report shows the chunk in progress, not the
 stage's later chunks; the conductor counts the stages still to run on a member for
 what is not that short.
 
@@ -50,7 +50,7 @@ from services.common.clock import Clock, SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
 from services.common.tasks import cancel_and_wait
-from services.conductor.cpp import chunk_bounds
+from services.policy.chunk_timing import chunk_bounds
 from services.prefill.cpp_stage import (
     StageError,
     StageInbox,

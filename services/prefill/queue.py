@@ -21,7 +21,7 @@ which covers a dispatch replaces it with the same number:
                       remote prefix into its own slots before computing, so the pull
                       holds it as the compute does.
     a pipeline stage  ``stage_work_s``: the member's share as the conductor's pipeline
-                      timing booked it (services.conductor.cpp.member_work).
+                      timing booked it (services.policy.chunk_timing.member_work).
 
 The running item counts until its end: its start plus its price, or what
 :meth:`PrefillQueue.runs_until` said.

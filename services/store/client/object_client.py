@@ -25,9 +25,8 @@ from bus_schemas.control import ObjectDone, ObjectKey, ObjectReplicate, Refused,
 from services.common.bus import request
 from services.common.errors import CodedError
 from services.store.client.store_client import TransferError, fetch_info
-from services.store.node import object_server
 from services.store.pool import replicas
-from services.transfer import data_auth, wire
+from services.transfer import data_auth, object_frames, wire
 from services.transfer.channel import ChannelError, next_id
 
 
@@ -65,10 +64,10 @@ class _TcpLink:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     self.writer.write(data_auth.obj_hello(self.key, self.addr))  # with the request
                 assert self.reader is not None
-                self.writer.write(object_server.encode(_KIND[type(header)], header, payload))
+                self.writer.write(object_frames.encode(_KIND[type(header)], header, payload))
                 n = int.from_bytes(await self.reader.readexactly(4), "little")
                 frame = memoryview(await self.reader.readexactly(n))
-            kind, reply, data = object_server.decode(frame)
+            kind, reply, data = object_frames.decode(frame)
         except (TimeoutError, OSError, asyncio.IncompleteReadError, wire.WireError) as e:
             self.close()
             code = "timeout" if isinstance(e, TimeoutError) else "closed"
@@ -318,11 +317,11 @@ class SyncObjectClient:
     def _request(self, node: str, header, payload=()) -> memoryview:
         try:
             s = self._sock(node)
-            s.sendall(object_server.encode(_KIND[type(header)], header, payload))
+            s.sendall(object_frames.encode(_KIND[type(header)], header, payload))
             _recv_into(s, self._hdr)
             frame = memoryview(bytearray(int.from_bytes(self._hdr, "little")))
             _recv_into(s, frame)
-            kind, reply, data = object_server.decode(frame)
+            kind, reply, data = object_frames.decode(frame)
         except (OSError, ConnectionError, wire.WireError) as e:
             bad = self._socks.pop(node, None)
             if bad is not None:

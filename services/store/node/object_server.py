@@ -5,10 +5,9 @@ those hand-offs cost more than the work. This endpoint is one asyncio (uvloop)
 protocol on a plain TCP socket: a request is parsed and answered inside
 ``data_received``, in the same synchronous step as the pool work.
 
-Frames (both directions): ``u32 length`` (of what follows), ``u8 kind``
-(:class:`services.transfer.wire.Kind`), ``u16 header length``, the msgpack header
-(:mod:`services.transfer.wire`'s ObjPut / ObjGet / Ok / Err), then the payload bytes.
-It is the only way an object's value enters or leaves a store from a client; the
+Frames (both directions, :mod:`services.transfer.object_frames`): ``u32 length`` (of
+what follows), ``u8 kind``, ``u16 header length``, the msgpack header, then the payload
+bytes. It is the only way an object's value enters or leaves a store from a client; the
 ZeroMQ data plane carries no payload. Requests on a connection are answered in order. A
 frame that does not parse gets an ERR reply.
 
@@ -28,45 +27,17 @@ closed; while replies are backed up nothing more is read from it. A length over
 
 import asyncio
 import socket
-import struct
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
 import structlog
 
 from services.transfer import data_auth, wire
+from services.transfer.object_frames import MAX_FRAME, decode, encode
 
 log = structlog.get_logger()
 
-PREFIX = struct.Struct("<IBH")  # length, kind, header length
-MAX_FRAME = 1 << 30
 SCRATCH = 256 * 1024
-_enc = msgspec.msgpack.Encoder()
-
-
-def encode(kind: wire.Kind, header: Any, payload: list[Any] | tuple = ()) -> bytes:
-    hdr = _enc.encode(header)
-    n = sum(len(p) for p in payload)
-    return b"".join([PREFIX.pack(1 + 2 + len(hdr) + n, kind, len(hdr)), hdr, *payload])
-
-
-def decode(frame: memoryview) -> tuple[wire.Kind, Any, memoryview]:
-    """``frame`` is what follows the length word."""
-    if len(frame) < 3:
-        raise wire.WireError("short frame")
-    kind_b, hlen = frame[0], int.from_bytes(frame[1:3], "little")
-    try:
-        kind = wire.Kind(kind_b)
-    except ValueError:
-        raise wire.WireError(f"unknown frame kind {kind_b}") from None
-    if 3 + hlen > len(frame):
-        raise wire.WireError("header runs past the frame")
-    try:
-        header = msgspec.msgpack.decode(frame[3 : 3 + hlen], type=wire.HEADER_TYPES[kind])
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise wire.WireError(f"bad {kind.name} header: {e}") from None
-    return kind, header, frame[3 + hlen :]
 
 
 class _Protocol(asyncio.BufferedProtocol):

@@ -17,7 +17,7 @@ from services.admission.policy import (
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
-from services.decode.side_check import DecodeSideCheck
+from services.policy.decode_side_check import DecodeSideCheck
 
 COST = CostModel()
 N = 500

@@ -12,7 +12,7 @@ from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.common.slo_check import TbtCheck
 from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
-from services.decode.side_check import DecodeSideCheck
+from services.policy.decode_side_check import DecodeSideCheck
 
 COST = CostModel()
 

@@ -52,7 +52,7 @@ def test_placement_request_takes_n_from_the_sampling_parameters():
 def test_the_decode_side_check_counts_n_sequences():
     from types import SimpleNamespace
 
-    from services.decode.side_check import DecodeSideCheck
+    from services.policy.decode_side_check import DecodeSideCheck
 
     n = 4000
     slo = (COST.decode_step_time(1, n) + COST.decode_step_time(8, 8 * n)) / 2
