@@ -23,7 +23,7 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bus_schemas import subjects  # noqa: E402
+from bus_schemas import subjects
 from bus_schemas.codec import decode  # noqa: E402
 from bus_schemas.load import WorkerStats  # noqa: E402
 from perigee.natsd import free_port  # noqa: E402

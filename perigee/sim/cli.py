@@ -12,7 +12,7 @@ import sys
 
 from perigee.trace import DEFAULT_TRACE, TRACE_BLOCK, load_trace
 from services.common import admission_mode, defaults
-from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
+from services.conductor.placement_policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 
 
 def admission_modes() -> list[str]:
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = Simulator(trace, cfg, progress=not a.no_progress).run()
     s = summarize(sim)
     if a.cpp_group > 1:
-        from perigee.sim.cpp import ttft_buckets
+        from perigee.sim.pipeline_gang import ttft_buckets
 
         s["buckets"] = ttft_buckets({a.cpp_group: sim.requests})
         s["pipelined"] = len(sim.pipelined)

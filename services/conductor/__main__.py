@@ -15,7 +15,7 @@ from services.common import (
     shell,
 )
 from services.conductor import metrics as conductor_metrics
-from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
+from services.conductor.placement_policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
 from services.policy import chunk_timing
 

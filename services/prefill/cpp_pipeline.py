@@ -44,7 +44,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from bus_schemas import subjects
-from bus_schemas.cpp import StageDone, StageOpen, StageOpened, StageRun
+from bus_schemas.pipeline_stages import StageDone, StageOpen, StageOpened, StageRun
 from services.common import bus
 from services.common.clock import Clock, SleepFn
 from services.common.cost_model import CostModel

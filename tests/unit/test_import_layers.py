@@ -39,21 +39,21 @@ from tests.unit.import_graph import import_graph, libraries, project_modules
 # runs the same policy code"): services/policy (what several services share) and, in
 # the services' own packages, what perigee/sim loads of services/ and the store's
 # replica ranking. Pure, but not here: the gateway's own helpers
-# (services.gateway.migration, .watchdog: importing them runs services/gateway/__init__,
+# (services.gateway.resend, .watchdog: importing them runs services/gateway/__init__,
 # which loads the server) and the data plane's pieces (the store's fence, the transfer
 # backends' slicing).
 # A module listed here that no longer exists fails the test: move its line with it.
 PURE_POLICIES = frozenset(
     {
-        "services.admission.policy",
+        "services.admission.admission_policy",
         "services.admission.time_index",
         "services.conductor.balancing",
         "services.conductor.feedback",
         "services.conductor.load_order",
-        "services.conductor.migration",
+        "services.conductor.migrated_placement",
         "services.conductor.pd_ratio",
         "services.conductor.placement_round",
-        "services.conductor.policy",
+        "services.conductor.placement_policy",
         "services.conductor.prefix_index",
         "services.conductor.search",
         "services.prefill.queue",
@@ -286,7 +286,7 @@ def test_every_listed_pure_policy_and_allowance_exists() -> None:
 def test_each_module_is_in_the_layer_its_role_says() -> None:
     assert [layer(m) for m in ("bus_schemas.requests", "tracing.setup")] == [0, 0]
     assert [layer(m) for m in ("services", "services.common.clock")] == [1, 1]
-    assert layer("services.conductor.policy") == layer("services.prefill.queue") == 2
+    assert layer("services.conductor.placement_policy") == layer("services.prefill.queue") == 2
     assert layer("services.policy") == layer("services.policy.chunk_timing") == 2
     assert layer("services.transfer.batch_api") == layer("services.store.pool.registry") == 3
     assert layer("services.conductor.service") == layer("services.store.node.server") == 3

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Grant:
+class SlotGrant:
     """A grant as it opened: its slots, their generations then, and its direction."""
 
     id: int
@@ -55,7 +55,7 @@ class Grant:
 
 @dataclass
 class _Capability:
-    grant: Grant
+    grant: SlotGrant
     slots: frozenset[int]
     session: bytes | None = None  # bound on first use
 
@@ -140,7 +140,7 @@ class SlotFence:
 
     # ------------------------------------------------------------------ grants
 
-    def open(self, slots: Iterable[int], write: bool) -> Grant:
+    def open(self, slots: Iterable[int], write: bool) -> SlotGrant:
         """Allow ops on ``slots`` (the caller checked they belong to a live transaction)."""
         s = tuple(slots)
         live = self._live_w if write else self._live_r
@@ -149,9 +149,9 @@ class SlotFence:
                 live[i] += 1
                 self._busy[i] += 1
             self.counters["grants"] += 1
-            return Grant(next(self._ids), s, tuple(self._gen[i] for i in s), write)
+            return SlotGrant(next(self._ids), s, tuple(self._gen[i] for i in s), write)
 
-    def close(self, g: Grant) -> bool:
+    def close(self, g: SlotGrant) -> bool:
         """End ``g``; False when any of its slots was freed meanwhile (fenced)."""
         live = self._live_w if g.write else self._live_r
         ok = True
@@ -166,7 +166,7 @@ class SlotFence:
                 self.counters["fenced_grants"] += 1
         return ok
 
-    def admit(self, token: bytes, g: Grant) -> None:
+    def admit(self, token: bytes, g: SlotGrant) -> None:
         """Ops presenting ``token`` may move bytes of ``g``'s slots (until :meth:`revoke`)."""
         with self._lock:
             self._caps[token] = _Capability(g, frozenset(g.slots))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.store.node.fence import Grant, SlotFence
+from services.store.node.fence import SlotFence, SlotGrant
 from services.store.node.shared_gens import OwnGens
 from services.transfer import wire
 
@@ -36,7 +36,7 @@ log = structlog.get_logger()
 class _Served:
     """A grant this store gave a peer."""
 
-    grant: Grant
+    grant: SlotGrant
     tx: str
     nbytes: int
     deadline: float

@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from services.store.arena import Arena
-from services.store.node.fence import Grant, SlotFence
+from services.store.node.fence import SlotFence, SlotGrant
 from services.store.node.shared_gens import PeerGens
 from services.transfer import wire
 from services.transfer.backends import Opcode, Poll, TransportError
@@ -348,7 +348,7 @@ class TransferInitiator:
         self,
         peer: str,
         opened: wire.Open,
-        mine: Grant,
+        mine: SlotGrant,
         opcode: Opcode,
         runs: list[tuple[int, int, int]],
         nbytes: int,
@@ -382,7 +382,7 @@ class TransferInitiator:
     async def _transfer(
         self,
         granted: wire.Granted,
-        mine: Grant,
+        mine: SlotGrant,
         opcode: Opcode,
         runs: list[tuple[int, int, int]],
         nbytes: int,

@@ -21,7 +21,7 @@ def rank(key: str, nodes: list[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ReplicaPlan:
     """How to make the top ``n`` nodes hold a key: who keeps it, the copies and the removals."""
 
     keep: list[str]  # nodes that should hold the key, in preference order
@@ -29,7 +29,7 @@ class Plan:
     removes: list[str]
 
 
-def plan(key: str, nodes: list[str], holders: set[str], n: int) -> Plan:
+def plan(key: str, nodes: list[str], holders: set[str], n: int) -> ReplicaPlan:
     """What to do so that exactly the top ``n`` live nodes hold ``key``. With no holder
     nothing can be copied (the plan only removes nothing and copies nothing)."""
     if n < 0:
@@ -44,4 +44,4 @@ def plan(key: str, nodes: list[str], holders: set[str], n: int) -> Plan:
     removes = [h for h in order if h in holders and h not in want] if live_holders and n > 0 else []
     if n == 0:
         removes = live_holders
-    return Plan(keep=want, copies=copies, removes=removes)
+    return ReplicaPlan(keep=want, copies=copies, removes=removes)

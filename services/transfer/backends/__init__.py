@@ -1,4 +1,4 @@
-"""The store's transfer engine: backends behind one Sender/Receiver interface.
+"""The transfer engine's backends behind one Sender/Receiver interface.
 
 ``backends()`` says which backends can run on this machine and, for those that
 cannot, why (RDMA without a device is skipped, never an error at import time).

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode, SamplingParams
-from services.admission.policy import (
+from services.admission.admission_policy import (
     Accept,
     AdmissionRequest,
     EarlyRejectionPolicy,

@@ -15,7 +15,7 @@ from perigee.sim.simulator import SimConfig, Simulator
 from perigee.stack import Stack
 from perigee.up import parse as up_parse
 from services.admission import __main__ as admission_main
-from services.admission.policy import (
+from services.admission.admission_policy import (
     ADMISSION_POLICIES,
     BaselinePolicy,
     EarlyRejectionPolicy,

@@ -10,7 +10,12 @@ import pytest
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.placement_policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    Rejection,
+)
 from services.policy import chunk_timing
 
 LIN = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=1, elem_bytes=1, gpu_flops=1.0, nic_bw=4.0)
@@ -312,7 +317,7 @@ def test_on_a_tie_a_short_request_keeps_off_a_pipeline():
 
 
 def test_a_pipelines_ttft_feedback_is_its_groups_not_its_anchors():
-    from services.conductor.policy import TtftFeedback
+    from services.conductor.placement_policy import TtftFeedback
 
     pol, clock = make_policy(feedback=TtftFeedback())
     d = placed(pol.place(req(8), {}))

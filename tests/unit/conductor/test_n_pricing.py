@@ -4,7 +4,7 @@ as for n = 1), n decode sequences of the prompt's length (TBT and the load book)
 import pytest
 
 from bus_schemas.requests import GenerateRequest, SamplingParams
-from services.conductor.policy import PlacementRequest, Rejection
+from services.conductor.placement_policy import PlacementRequest, Rejection
 from tests.unit.conductor.test_conductor_policy import (
     BS,
     COST,

@@ -1,7 +1,7 @@
 """The simulator runs a request placed on a CPP group as a pipeline across the group's
 instances, with exactly the timing the conductor's policy estimated."""
 
-from perigee.sim.cpp import ttft_buckets
+from perigee.sim.pipeline_gang import ttft_buckets
 from perigee.sim.simulator import SimConfig, Simulator
 from perigee.trace import TraceRequest
 from services.common.cost_model import CostModel

@@ -37,7 +37,7 @@ from services.transfer.backends import slicing
 from services.transfer.backends.contract import Request, Sender, Ticket, TransportError
 from services.transfer.backends.sieve import SievePool
 from services.transfer.backends.tcp.frames import NO_TOKEN
-from services.transfer.backends.tcp.stream import Slice, Stream
+from services.transfer.backends.tcp.stream import InFlightSlice, Stream
 
 # Requests up to INLINE_MAX bytes are sent by the submitting thread, in INLINE_SLICE
 # slices dealt over the streams (so the peer starts copying the first while the next
@@ -94,7 +94,7 @@ class _Endpoint:
                     self.streams[i] = Stream(self, i)
 
     def dispatch(
-        self, slices: list[Slice], plan: list[slicing.Slice], inline: bool = False
+        self, slices: list[InFlightSlice], plan: list[slicing.Slice], inline: bool = False
     ) -> None:
         """``inline``: send each slice on the calling thread when its stream is free
         (else queue it); otherwise queue them all for the streams' threads."""
@@ -103,7 +103,7 @@ class _Endpoint:
                 continue
             self._place(s, p.path)
 
-    def redispatch(self, orphans: list[Slice], failed: Stream) -> None:
+    def redispatch(self, orphans: list[InFlightSlice], failed: Stream) -> None:
         for s in orphans:
             s.tried.add(failed.index)
             if self.closed:
@@ -111,7 +111,7 @@ class _Endpoint:
                 continue
             self._place(s, failed.index + 1, failed)
 
-    def _place(self, s: Slice, start: int, failed: Stream | None = None) -> None:
+    def _place(self, s: InFlightSlice, start: int, failed: Stream | None = None) -> None:
         n = len(self.streams)
         for k in range(n):
             i = (start + k) % n
@@ -191,7 +191,7 @@ class TcpSender(Sender):
             t.fail(e)
             return t
         slices = [
-            Slice(
+            InFlightSlice(
                 t,
                 req.opcode,
                 req.local[p.offset : p.offset + p.length],
@@ -235,7 +235,7 @@ class TcpSender(Sender):
                 ep.close()
 
 
-def _drive(t: Ticket, slices: list[Slice], deadline: float | None) -> None:
+def _drive(t: Ticket, slices: list[InFlightSlice], deadline: float | None) -> None:
     """Read ``t``'s replies on the calling thread, stream by stream, until it ended, the
     deadline passed, or a slice is somewhere this thread cannot read (then the caller
     kicks the streams and waits)."""
@@ -248,7 +248,7 @@ def _drive(t: Ticket, slices: list[Slice], deadline: float | None) -> None:
                 return
 
 
-def _kick(slices: list[Slice]) -> None:
+def _kick(slices: list[InFlightSlice]) -> None:
     for s in slices:
         st = s.stream
         if st is not None:

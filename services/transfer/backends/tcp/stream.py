@@ -42,7 +42,7 @@ LAZY_READ_MAX = 4 << 20
 
 
 @dataclass(eq=False)
-class Slice:
+class InFlightSlice:
     """One slice in flight on a stream: the bytes, where they go and the ticket to settle."""
 
     ticket: Ticket
@@ -87,7 +87,7 @@ class Endpoint(Protocol):
     key: bytes | None  # the run's data key (the HELLO's MAC)
     session: bytes  # this endpoint's session id (its streams share it)
 
-    def redispatch(self, orphans: list["Slice"], failed: "Stream") -> None: ...
+    def redispatch(self, orphans: list["InFlightSlice"], failed: "Stream") -> None: ...
 
 
 class Stream:
@@ -101,8 +101,8 @@ class Stream:
         self.connected = False
         self.error = ""
         self._cv = threading.Condition()
-        self._queue: deque[Slice] = deque()
-        self._inflight: deque[Slice] = deque()
+        self._queue: deque[InFlightSlice] = deque()
+        self._inflight: deque[InFlightSlice] = deque()
         self._seq = 0
         self._sending = False  # the write right: the thread or an inline submitter
         self._reading = False  # the read right: the thread or a driving waiter
@@ -116,7 +116,7 @@ class Stream:
     def load(self) -> int:
         return len(self._queue) + len(self._inflight)
 
-    def push(self, s: Slice) -> bool:
+    def push(self, s: InFlightSlice) -> bool:
         with self._cv:
             if self.broken:
                 return False
@@ -125,7 +125,7 @@ class Stream:
             self._cv.notify()
         return True
 
-    def send_inline(self, s: Slice) -> bool:
+    def send_inline(self, s: InFlightSlice) -> bool:
         """Send ``s`` on the calling thread if the stream is connected and nobody else
         writes to it (nothing queued, no send under way); False leaves it to ``push``.
         Its reply is left for ``drive`` (see the module docstring)."""
@@ -147,14 +147,14 @@ class Stream:
         self._sent()
         return True
 
-    def kick(self, s: Slice) -> None:
+    def kick(self, s: InFlightSlice) -> None:
         """Have the thread read the replies up to ``s``'s (someone watches its ticket)."""
         with self._cv:
             if not self._kicked and not s.finished and s.stream is self:
                 self._kicked = True
                 self._cv.notify()
 
-    def drive(self, s: Slice, deadline: float | None) -> bool:
+    def drive(self, s: InFlightSlice, deadline: float | None) -> bool:
         """Read replies on the calling thread until ``s`` (in flight here) has its own or
         ``deadline`` (monotonic) passes. False when someone else holds the read right
         or ``s`` is not in flight on this stream (then wait on the ticket instead)."""
@@ -189,7 +189,7 @@ class Stream:
             if self._inflight and self._kicked:
                 self._cv.notify()
 
-    def _claim(self, s: Slice) -> None:
+    def _claim(self, s: InFlightSlice) -> None:
         """Under ``_cv``: number ``s``, count it in flight, take the write right."""
         self._seq += 1
         s.seq = self._seq
@@ -239,7 +239,7 @@ class Stream:
         except (OSError, ConnectionError, ValueError) as e:
             self._break(f"stream to {self.ep.target} broke: {why(e, self.ep.io_timeout_s)}")
 
-    def _next(self) -> "Slice | bool | None":
+    def _next(self) -> "InFlightSlice | bool | None":
         """Wait for work: a slice to send, True to read one reply, None when broken."""
         with self._cv:
             while True:
@@ -255,7 +255,7 @@ class Stream:
                     return True
                 self._cv.wait()
 
-    def _send(self, sock: socket.socket, s: Slice) -> None:
+    def _send(self, sock: socket.socket, s: InFlightSlice) -> None:
         s.ticket.started()
         flags = FLAG_CRC if s.checksum else 0
         if s.opcode == Opcode.WRITE:
@@ -312,7 +312,7 @@ class Stream:
                 )
             )
 
-    def _pop(self, s: Slice) -> None:
+    def _pop(self, s: InFlightSlice) -> None:
         with self._cv:
             if self._inflight and self._inflight[0] is s:
                 self._inflight.popleft()

@@ -23,7 +23,7 @@ from bus_schemas.control import RoleSwitch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from services.common import bus
 from services.conductor.pd_ratio import PDRatioController
-from services.conductor.policy import PlacementPolicy
+from services.conductor.placement_policy import PlacementPolicy
 
 log = structlog.get_logger()
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from bus_schemas.requests import Migration
 from bus_schemas.roles import Role
-from services.conductor.policy import PlacementRequest
+from services.conductor.placement_policy import PlacementRequest
 
 
 def placement_for(
