@@ -20,6 +20,10 @@ COMMANDS = {
     "breakdown": ("perigee.breakdown", "per-request latency breakdown from a spans file (Fig. 22)"),
     "sim": ("perigee.sim.cli", "discrete-event simulator: replay a trace through the policies"),
     "profile": ("perigee.profile", "measure prefill/decode times and fit the cost model"),
+    "render": (
+        "perigee.render",
+        "write compose.yaml's and deploy/k8s's command lines from perigee.deploy_spec",
+    ),
 }
 
 

@@ -51,7 +51,7 @@ import secrets
 import sys
 from dataclasses import dataclass
 
-from bus_schemas.roles import Role
+from perigee import deploy_spec
 from services.common.bus_permissions import (  # noqa: F401 - this module's public names
     ADMIN,
     AUTH_CALLOUT,
@@ -170,18 +170,9 @@ def member(name: str, argv: list[str]) -> Member:
     return Member(name, role)
 
 
-# The services of compose.yaml (one node of each serving role).
-COMPOSE = Deployment(
-    [
-        Member("gateway", "gateway"),
-        Member("admission", "admission"),
-        Member("conductor", "conductor", ident="conductor-0"),
-        Member("prefill-0", Role.PREFILL, instance="prefill-0", node="p0"),
-        Member("decode-0", Role.DECODE, instance="decode-0", node="d0"),
-        Member("store-p0", "store", node="p0"),
-        Member("store-d0", "store", node="d0"),
-    ]
-)
+# The services of compose.yaml (one node of each serving role), as perigee.deploy_spec
+# renders them there.
+COMPOSE = Deployment([member(n, s.manifest_argv()) for n, s in deploy_spec.compose().items()])
 
 
 def compose_authorization() -> str:

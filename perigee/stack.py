@@ -30,13 +30,12 @@ from pathlib import Path
 import nats
 
 from bus_schemas import subjects
-from bus_schemas.roles import Role
-from perigee import natsauth
+from perigee import deploy_spec, natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
-from services.common import admission_mode, bus, defaults, shared_flags
+from services.common import admission_mode, bus, defaults
 from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.transfer.data_auth import ENV as DATA_KEY_ENV
@@ -204,9 +203,6 @@ class Stack:
         self.on_supervised: Callable[[SupervisedEvent], None] = lambda e: None
 
     # -- topology -----------------------------------------------------------------
-    def _common(self) -> list[str]:
-        return shared_flags.Bus(self.nats_url, self.cfg.log_level).argv()
-
     def _engine_env(self, engines: int) -> dict[str, str]:
         """vLLM on CPU: each engine gets its share of the cores as OpenMP threads. Left
         at every core each, two engines on two cores oversubscribe them and spin against
@@ -219,142 +215,19 @@ class Stack:
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, engines)))}
 
     def plan(self) -> list[Child]:
+        """The children, in start order: their command lines from perigee.deploy_spec
+        (the one source compose.yaml and deploy/k8s are rendered from too), their
+        environment from here."""
         c = self.cfg
-        spec = ModelSpec.from_dir(c.model_dir)
-        block_bytes = spec.block_bytes(c.block_size)
-        out: list[Child] = []
-        slos = shared_flags.Slos(c.ttft_slo, c.tbt_slo)
-        workers = [(Role.PREFILL, f"prefill-{i}", f"p{i}") for i in range(c.prefill)]
-        workers += [(Role.DECODE, f"decode-{i}", f"d{i}") for i in range(c.decode)]
-        for _, _, node in workers:
-            out.append(
-                Child(
-                    f"store-{node}",
-                    [
-                        "services.store",
-                        *self._common(),
-                        "--node",
-                        node,
-                        "--block-size",
-                        str(c.block_size),
-                        "--block-bytes",
-                        str(block_bytes),
-                        "--capacity-blocks",
-                        str(c.store_capacity_blocks),
-                        "--host",
-                        c.host,
-                    ]
-                    + (
-                        [
-                            "--ssd-dir",
-                            str(Path(c.log_dir) / "ssd" / node),
-                            "--ssd-capacity-blocks",
-                            str(c.store_ssd_blocks),
-                        ]
-                        if c.store_ssd_blocks
-                        else []
-                    ),
-                )
-            )
-        for role, inst, node in workers:
-            args = [
-                "services." + role,
-                *self._common(),
-                "--instance",
-                inst,
-                "--node",
-                node,
-                "--engine",
-                c.engine,
-                "--model-dir",
-                c.model_dir,
-                "--block-size",
-                str(c.block_size),
-                "--speedup",
-                c.speedup,
-                "--report-interval",
-                str(c.report_interval),
-            ]
-            args += ["--max-batch", str(c.max_batch)]
-            if c.lease_s:
-                args += ["--lease", str(c.lease_s)]
-            if c.max_model_len:
-                args += ["--max-model-len", str(c.max_model_len)]
-            if c.switchable:
-                args += ["--switchable"]
-            args += slos.argv(ttft=False)  # a decode's in baseline mode
-            if c.engine == "vllm":
-                if c.load_format:
-                    args += ["--load-format", c.load_format]
-                if c.kv_blocks:
-                    args += ["--kv-blocks", str(c.kv_blocks)]
-            out.append(Child(inst, args, env=self._engine_env(len(workers))))
-        slo = [
-            *slos.argv(),
-            "--speedup",
-            c.speedup,
-            *shared_flags.DeadAfter(c.dead_after).argv(),
-            "--block-size",
-            str(c.block_size),
-        ]
-        model = ["--cost-model", c.cost_model] if c.cost_model else []
-        predict = c.admission_mode == AdmissionMode.PREDICT
-        adm = ["--decode-time", str(c.decode_time)] if predict else []
-        for i in range(c.admissions):
-            out.append(
-                Child(
-                    "admission" if c.admissions == 1 else f"admission-{i}",
-                    [
-                        "services.admission",
-                        *self._common(),
-                        *slo,
-                        *model,
-                        *adm,
-                    ],
-                )
-            )
-        for i in range(c.conductors):
-            args = ["services.conductor", *self._common(), *slo, *model, "--id", f"conductor-{i}"]
-            if c.balancing_threshold:
-                args += ["--balancing-threshold", c.balancing_threshold]
-            if c.pd_controller and i == 0:
-                args += ["--pd-controller"]
-            if not c.serve_when_idle:
-                args += ["--no-serve-when-idle"]
-            if c.cpp_group > 1:
-                args += ["--cpp-group", str(c.cpp_group)]
-                if c.cpp_chunk_tokens:
-                    args += ["--cpp-chunk-tokens", str(c.cpp_chunk_tokens)]
-                if c.cpp_min_tokens:
-                    args += ["--cpp-min-tokens", str(c.cpp_min_tokens)]
-            out.append(Child("conductor" if c.conductors == 1 else f"conductor-{i}", args))
-        out.append(
-            Child(
-                "gateway",
-                [
-                    "services.gateway",
-                    *self._common(),
-                    "--host",
-                    c.host,
-                    "--port",
-                    str(c.port),
-                    "--model-dir",
-                    c.model_dir,
-                    "--block-size",
-                    str(c.block_size),
-                    *shared_flags.DeadAfter(c.dead_after).argv(),
-                    "--migration-limit",
-                    str(c.migration_limit),
-                    *slos.argv(),
-                    *(["--tool-call-parser", c.tool_call_parser] if c.tool_call_parser else []),
-                ]
-                + (["--max-model-len", str(c.max_model_len)] if c.max_model_len else [])
-                + (["--served-model-name", c.served_model_name] if c.served_model_name else []),
-            )
-        )
-        for child in out:  # one setting for every service that follows it
-            if child.argv[0] in admission_mode.SERVICES:
-                child.env[admission_mode.ENV] = str(c.admission_mode)
+        block_bytes = ModelSpec.from_dir(c.model_dir).block_bytes(c.block_size)
+        services = deploy_spec.local(c, self.nats_url, block_bytes)
+        engine_env = self._engine_env(c.prefill + c.decode)
+        out = []
+        for name, svc in services:
+            env = dict(engine_env) if isinstance(svc, deploy_spec.Worker) else {}
+            if svc.module in admission_mode.SERVICES:  # one setting for all who follow it
+                env[admission_mode.ENV] = str(c.admission_mode)
+            out.append(Child(name, svc.argv(), env=env))
         return out
 
     def observability(self, children: list[Child]) -> list[Child]:

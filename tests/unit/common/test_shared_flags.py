@@ -10,7 +10,7 @@ import pytest
 
 from perigee.stack import Stack
 from perigee.up import parse as up_parse
-from services.common.shared_flags import Bus, DeadAfter, Intake, Slos
+from services.common.shared_flags import Bus, DeadAfter, Intake, Metrics, Slos, joined
 
 
 def _parser(*groups) -> argparse.ArgumentParser:
@@ -28,9 +28,22 @@ def test_each_group_renders_what_it_reads_back():
     ns = _parser(Slos, DeadAfter).parse_args([*Slos(3.0, 0.07).argv(), *DeadAfter(4.5).argv()])
     assert (ns.ttft_slo, ns.tbt_slo, ns.dead_after) == (3.0, 0.07, 4.5)
     assert Slos(3.0, 0.07).argv(ttft=False) == ["--tbt-slo", "0.07"]
+    metrics = Metrics(9400, "0.0.0.0")
+    assert Metrics.of(_parser(Metrics).parse_args(metrics.argv())) == metrics
     # the defaults are the parsers' defaults
     assert Bus.of(_parser(Bus).parse_args([])) == Bus()
     assert Intake.of(_parser(Intake).parse_args([])) == Intake()
+    assert Metrics.of(_parser(Metrics).parse_args([])) == Metrics()
+
+
+def test_a_field_left_none_is_not_passed_and_a_manifest_may_name_a_variable():
+    assert Bus("nats://n:4222", None).argv() == ["--nats", "nats://n:4222"]
+    assert Slos(None, 0.5).argv() == ["--tbt-slo", "0.5"]
+    assert joined(Slos("$(TTFT_SLO)", "$(TBT_SLO)").args()) == [
+        "--ttft-slo=$(TTFT_SLO)",
+        "--tbt-slo=$(TBT_SLO)",
+    ]
+    assert joined(Intake(durable=False).args())[0] == "--no-durable-intake"
 
 
 def _parsed(child, monkeypatch) -> argparse.Namespace:
