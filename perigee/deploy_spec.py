@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from bus_schemas.roles import Role
 from services.common.admission_mode import AdmissionMode
+from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shared_flags import Arg, Bus, DeadAfter, Group, Metrics, Slos, joined, split
 
 if TYPE_CHECKING:
@@ -222,12 +223,12 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
             bus,
             inst,
             node,
-            c.engine,
-            c.model_dir,
-            c.block_size,
-            c.speedup,
-            c.report_interval,
-            c.max_batch,
+            engine=c.engine,
+            model_dir=c.model_dir,
+            block_size=c.block_size,
+            speedup=c.speedup,
+            report_interval=c.report_interval,
+            max_batch=c.max_batch,
             lease=c.lease_s or None,
             max_model_len=c.max_model_len or None,
             slos=Slos(None, c.tbt_slo),
@@ -242,10 +243,10 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
         admission = Admission(
             bus,
             slos,
-            c.speedup,
-            dead,
-            c.block_size,
-            model,
+            speedup=c.speedup,
+            dead_after=dead,
+            block_size=c.block_size,
+            cost_model=model,
             decode_time=c.decode_time if predict else None,
         )
         out.append(("admission" if c.admissions == 1 else f"admission-{i}", admission))
@@ -255,10 +256,10 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
             bus,
             f"conductor-{i}",
             slos,
-            c.speedup,
-            dead,
-            c.block_size,
-            model,
+            speedup=c.speedup,
+            dead_after=dead,
+            block_size=c.block_size,
+            cost_model=model,
             balancing_threshold=c.balancing_threshold or None,
             pd_controller=c.pd_controller and i == 0,
             no_serve_when_idle=not c.serve_when_idle,
@@ -271,14 +272,14 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
         bus,
         c.host,
         c.port,
-        c.model_dir,
-        c.block_size,
-        slos,
-        dead,
-        c.migration_limit,
-        c.tool_call_parser or None,
-        c.max_model_len or None,
-        c.served_model_name or None,
+        model_dir=c.model_dir,
+        block_size=c.block_size,
+        slos=slos,
+        dead_after=dead,
+        migration_limit=c.migration_limit,
+        tool_call_parser=c.tool_call_parser or None,
+        max_model_len=c.max_model_len or None,
+        served_model_name=c.served_model_name or None,
     )
     out.append(("gateway", gateway))
     return out
@@ -288,9 +289,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
 
 # Every server of the cluster; each service's own login is NATS_USER/NATS_PASSWORD.
 COMPOSE_NATS = "nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222"
-# The image's default model (models/tiny-llama): its KV bytes per block of 32 tokens.
 COMPOSE_BLOCK_SIZE = 32
-COMPOSE_BLOCK_BYTES = 131072
 COMPOSE_STORE_PORT = 5555
 METRICS_PORT = 9400  # every service but the gateway (its own port 8000)
 
@@ -302,6 +301,9 @@ def compose() -> dict[str, Service]:
     bus = Bus(COMPOSE_NATS, None)
     metrics = Metrics(METRICS_PORT, "0.0.0.0")
     block = COMPOSE_BLOCK_SIZE
+    # The image's model, models/tiny-llama: its KV bytes per block (the worker refuses
+    # a store of any other block size).
+    block_bytes = ModelSpec.from_dir(DEFAULT_MODEL_DIR).block_bytes(block)
     out: dict[str, Service] = {
         "gateway": Gateway(bus, "0.0.0.0", 8000, block_size=block),
         "admission": Admission(bus, block_size=block, metrics=metrics),
@@ -318,7 +320,7 @@ def compose() -> dict[str, Service]:
             name,
             COMPOSE_STORE_PORT,
             block,
-            COMPOSE_BLOCK_BYTES,
+            block_bytes,
             4096,
             metrics=metrics,
         )

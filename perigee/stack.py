@@ -35,7 +35,7 @@ from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
 from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
-from services.common import admission_mode, bus, defaults
+from services.common import admission_mode, bus, defaults, shared_flags
 from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.transfer.data_auth import ENV as DATA_KEY_ENV
@@ -246,7 +246,7 @@ class Stack:
                 addr = f"{c.host}:{c.port}"
             elif c.metrics:
                 port = free_port()
-                child.argv += ["--metrics-port", str(port), "--metrics-host", c.host]
+                child.argv += shared_flags.Metrics(port, c.host).argv()
                 addr = f"{c.host}:{port}"
             else:
                 continue

@@ -375,8 +375,9 @@ class EarlyRejectionPolicy(AdmissionPolicy):
 class _Admitted:
     accepted_at: float
     prefill_done_at: float  # predicted: joins the decode pool then
-    tokens: int  # context it brings to the decode pool
+    tokens: int  # context it brings to the decode pool: the prompt once per sequence
     work_s: float  # predicted prefill work
+    seqs: int = 1  # decode sequences (OpenAI's n)
 
 
 class PredictiveRejectionPolicy(EarlyRejectionPolicy):
@@ -395,12 +396,13 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
 
     - admitted requests with predicted prefill completion ``f_r <= t < f_r + t_d`` are
       in the decode pool at ``t`` (those finishing prefill by then join, those older
-      than ``t_d`` have left), with their prompt tokens;
+      than ``t_d`` have left), each as its ``s`` sequences (OpenAI's n) with its prompt
+      tokens once per sequence, as placement prices them;
     - the reported residents (sum of batch + waiting over live decode instances) minus
       the admitted ones already in decode (``f_r <= now < f_r + t_d``) are residents of
       unknown age; with uniform ``t_d`` their ages are spread evenly, so a fraction
       ``max(0, 1 - h / t_d)`` of them, and of their share of kv_tokens, is still there;
-    - this request joins (+1, +n tokens);
+    - this request joins (+s sequences, +s x n tokens);
     - spread evenly over the D live decode instances, each sees
       ``cost(d).decode_tbt(batch / D, tokens / D, max_batch)`` (past its ``max_batch`` the
       sequences take turns, as placement and Early Rejection count them); decode load =
@@ -412,8 +414,8 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
     Cost per decision: O(live instances + log T), not O(admitted): each prefill
     instance keeps the running sum of the admitted work its last report has not seen
     (reset from the requests of the last ``report_grace_s`` on each report, adjusted
-    as requests come and go); two :class:`TimeIndex` count the admitted requests (and
-    their tokens) that have joined the decode pool (``f <= x``) and left it
+    as requests come and go); two :class:`TimeIndex` count the admitted requests'
+    sequences (and their tokens) that have joined the decode pool (``f <= x``) and left it
     (``f + t_d <= x``) by any time x; a heap on ``f + t_d`` expires them.
     """
 
@@ -477,9 +479,9 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         while recent and recent[0][0] + grace <= a.accepted_at:  # every report from now on saw it
             recent.popleft()
         recent.append((a.accepted_at, rid, a))
-        self._joined.add(rid, a.prefill_done_at, a.tokens)
+        self._joined.add(rid, a.prefill_done_at, a.tokens, a.seqs)
         leave = a.prefill_done_at + self.decode_time_s
-        self._left.add(rid, leave, a.tokens)
+        self._left.add(rid, leave, a.tokens, a.seqs)
         self._seq += 1
         heapq.heappush(self._expiry, (leave, self._seq, rid, a))
 
@@ -536,14 +538,16 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         return self.clock.now() + plan[0] + plan[1]
 
     def _in_decode(self, at: float) -> tuple[int, int]:
-        """(requests, tokens) of the admitted with ``f <= at < f + t_d``."""
+        """(sequences, tokens) of the admitted with ``f <= at < f + t_d``."""
         joined, joined_tokens = self._joined.upto(at)
         left, left_tokens = self._left.upto(at)
         return joined - left, joined_tokens - left_tokens
 
-    def predicted_decode(self, at: float, join_tokens: int | None) -> tuple[float, float]:
+    def predicted_decode(
+        self, at: float, join_tokens: int | None, join_seqs: int = 1
+    ) -> tuple[float, float]:
         """(batch, context tokens) of the whole decode pool at time ``at``, plus one
-        request of ``join_tokens`` if not None."""
+        request of ``join_tokens`` and ``join_seqs`` sequences if not None."""
         now = self.clock.now()
         td = self.decode_time_s
         live = self.live_decode()
@@ -558,8 +562,8 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         batch += count
         ctx += tokens
         if join_tokens is not None:
-            batch += 1
-            ctx += join_tokens
+            batch += join_seqs
+            ctx += join_seqs * join_tokens
         return batch, ctx
 
     def prefill_load(self, req: AdmissionRequest) -> float | None:
@@ -571,7 +575,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
         at = self.prefill_done_at(req)
         if not live or at is None:
             return None
-        batch, ctx = self.predicted_decode(at, req.num_tokens)
+        batch, ctx = self.predicted_decode(at, req.num_tokens, req.seqs)
         n = len(live)
         tbt = (
             sum(
@@ -580,7 +584,7 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             / n
         )
         # Alone in the predicted pool: as an idle instance in Early Rejection.
-        return self.tbt_rule.share(tbt, self.tbt_slo(req), idle=batch <= 1.0)
+        return self.tbt_rule.share(tbt, self.tbt_slo(req), idle=batch <= req.seqs)
 
     def decide(self, req: AdmissionRequest) -> AdmissionDecision:
         self._gc(self.clock.now())
@@ -596,8 +600,9 @@ class PredictiveRejectionPolicy(EarlyRejectionPolicy):
             _Admitted(
                 accepted_at=now,
                 prefill_done_at=now + plan[0] + plan[1],
-                tokens=req.num_tokens,
+                tokens=req.num_tokens * req.seqs,
                 work_s=plan[1],
+                seqs=req.seqs,
             ),
         )
 

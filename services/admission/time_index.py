@@ -14,7 +14,8 @@ _LEVELS = 44  # buckets 0 .. 2**44 - 2: ~557 years of 1 ms buckets
 
 
 class TimeIndex:
-    """Entries on a time axis, counted with their tokens up to any time in O(log T)."""
+    """Entries on a time axis, counted (each with its weight, 1 unless given) with their
+    tokens up to any time in O(log T)."""
 
     def __init__(self, origin: float = 0.0, resolution: float = 1e-3) -> None:
         if resolution <= 0:
@@ -22,7 +23,7 @@ class TimeIndex:
         self.origin = origin
         self.resolution = resolution
         self._tree: dict[int, list[int]] = {}  # Fenwick node -> [count, tokens]
-        self._buckets: dict[int, dict[object, tuple[float, int]]] = {}
+        self._buckets: dict[int, dict[object, tuple[float, int, int]]] = {}
         self._where: dict[object, int] = {}  # key -> bucket
 
     def __len__(self) -> int:
@@ -47,23 +48,25 @@ class TimeIndex:
                 del tree[i]
             i += i & -i
 
-    def add(self, key: object, t: float, tokens: int = 0) -> None:
-        """Insert ``key`` at time ``t`` (replacing it if present)."""
+    def add(self, key: object, t: float, tokens: int = 0, count: int = 1) -> None:
+        """Insert ``key`` at time ``t`` (replacing it if present), counting ``count``."""
+        if count < 1:
+            raise ValueError("count must be at least 1")
         self.remove(key)
         b = self._bucket(t)
-        self._buckets.setdefault(b, {})[key] = (t, tokens)
+        self._buckets.setdefault(b, {})[key] = (t, tokens, count)
         self._where[key] = b
-        self._update(b, 1, tokens)
+        self._update(b, count, tokens)
 
     def remove(self, key: object) -> None:
         b = self._where.pop(key, None)
         if b is None:
             return
         bucket = self._buckets[b]
-        _, tokens = bucket.pop(key)
+        _, tokens, count = bucket.pop(key)
         if not bucket:
             del self._buckets[b]
-        self._update(b, -1, -tokens)
+        self._update(b, -count, -tokens)
 
     def upto(self, x: float) -> tuple[int, int]:
         """(count, tokens) of the entries whose time is <= ``x``."""
@@ -76,8 +79,8 @@ class TimeIndex:
                 count += node[0]
                 tokens += node[1]
             i &= i - 1
-        for t, n in self._buckets.get(b, {}).values():
+        for t, n, c in self._buckets.get(b, {}).values():
             if t <= x:
-                count += 1
+                count += c
                 tokens += n
         return count, tokens

@@ -88,8 +88,12 @@ class CostModel:
         check): the token interval on an instance with ``running`` + ``waiting``
         sequences holding ``kv_tokens`` of context once a request of ``num_tokens``
         joins. A request with n sequences (OpenAI's ``n``) joins as ``seqs`` = n
-        sequences of ``num_tokens`` each: the engine holds (and each step reads) one
-        copy of the prompt's KV per sequence, loaded from the one copy in the store."""
+        sequences of ``num_tokens`` each. The engine holds one copy of the prompt's KV,
+        loaded once from the one copy in the store into pages the n sequences share,
+        but a step's attention reads a sequence's pages for that sequence (paged
+        attention; no shared-prefix kernel on the CPU backend), so a step reads the
+        prompt's KV n times: the step time's ``context_tokens`` are what it reads, not
+        what the engine holds."""
         return self.decode_tbt(running + waiting + seqs, kv_tokens + seqs * num_tokens, max_batch)
 
     def decode_step_time(self, batch_size: float, context_tokens: float) -> float:

@@ -73,15 +73,24 @@ class Slos(Group):
     tbt_slo: float | str | None = defaults.TBT_SLO_S
 
     @staticmethod
-    def add(p: argparse.ArgumentParser, use: str = "", *, ttft: bool = True) -> None:
-        """``--ttft-slo`` (unless ``ttft`` is False) and ``--tbt-slo``."""
+    def add(
+        p: argparse.ArgumentParser, use: str = "", *, ttft: bool = True, unset: bool = False
+    ) -> None:
+        """``--ttft-slo`` (unless ``ttft`` is False) and ``--tbt-slo``; ``unset``: their
+        default is None, for a caller that settles them (perigee up, by engine)."""
         tail = f": {use}" if use else ""
         if ttft:
             p.add_argument(
-                "--ttft-slo", type=float, default=defaults.TTFT_SLO_S, help=f"TTFT SLO, s{tail}"
+                "--ttft-slo",
+                type=float,
+                default=None if unset else defaults.TTFT_SLO_S,
+                help=f"TTFT SLO, s{tail}",
             )
         p.add_argument(
-            "--tbt-slo", type=float, default=defaults.TBT_SLO_S, help=f"TBT SLO, s{tail}"
+            "--tbt-slo",
+            type=float,
+            default=None if unset else defaults.TBT_SLO_S,
+            help=f"TBT SLO, s{tail}",
         )
 
     def argv(self, *, ttft: bool = True) -> list[str]:

@@ -25,8 +25,10 @@ Decode: argmin over live decode instances of
 ``cost(d).decode_tbt(batch + waiting + dispatched + s, kv_tokens + dispatched_tokens + s * n, max_batch)``
 (past ``max_batch`` the sequences take turns, so a backlog counts as load), where a
 request with ``s`` sequences (OpenAI's n choices, ``PlacementRequest.seqs``) joins as s
-sequences of its prompt's n tokens (the engine holds the prompt's KV once per sequence)
-and ``dispatched`` counts the sequences placed there; its TTFT is one prefill's.
+sequences of its prompt's n tokens and ``dispatched`` counts the sequences placed
+there; its TTFT is one prefill's. The decode engine holds the prompt's KV once, in
+pages its s sequences share, but each step's attention reads it once per sequence, and
+the step time prices what a step reads: s x n (``CostModel.tbt_joining``).
 Reject with 429 when TTFT > TTFT SLO or TBT > TBT SLO; 503 when no live instance of a
 role. ``tbt_check=False`` skips the TBT rejection here (the paper's baseline, which
 rejects at decode after the prefill: services.policy.decode_side_check.DecodeSideCheck).
@@ -211,7 +213,7 @@ class _Dispatch:
     source_node: str | None
     transfer_bytes: float
     work_s: float
-    tokens: int  # KV tokens on the decode instance: the prompt once per sequence
+    tokens: int  # KV tokens a decode step reads there: the prompt once per sequence
     placed_at: float
     est_ttft_s: float = 0.0  # as placed, before the TTFT feedback's factor
     prefill_open: bool = True

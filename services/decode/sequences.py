@@ -2,11 +2,15 @@
 
 Prefill computed the prompt's KV once, sampled sequence 0's first token and shipped
 the KV once into this node's store (one DECODE transaction). Sequence 0 decodes as any
-request does. Each sequence i > 0 is one more engine request on the same slots: the
-engine loads the prompt's KV from them (no ship, no store read over the network),
-computes the prompt's last position again and samples its own first token with seed
-``seed + i`` (vLLM's parallel sampling: a child's generator starts fresh from its
-seed, so sequence i's tokens are those of vLLM's child i).
+request does. Each sequence i > 0 is one more engine request on the same slots, in
+sequence 0's group (``DecodeJob.prefix_group``: the request id). The worker adds
+sequence 0 first and the others once the engine has its KV, so they share the
+prompt's pages (vLLM's prefix cache) and the slots are read once; an engine that
+cannot share loads the KV from the slots again (still no ship, no store read over the
+network). Each computes the prompt's last position again (vLLM: the partial block
+after the shared ones) and samples its own first token with seed ``seed + i`` (vLLM's
+parallel sampling: a child's generator starts fresh from its seed, so sequence i's
+tokens are those of vLLM's child i).
 """
 
 from collections.abc import Sequence
@@ -41,6 +45,7 @@ def more_jobs(
             sampling=msgspec.structs.replace(s, seed=s.seq_seed(i), n=1),
             kv=SlotKV(layout, slots, n),
             seq=i,
+            prefix_group=req.request_id,
         )
         for i in range(1, s.n)
     ]

@@ -292,8 +292,9 @@ class DecodeWorker(WorkerBase):
         finally:
             self._loading -= 1
         self.counters["kv_tokens_loaded"] += n
-        # n > 1: the sequences after the first read the prompt's KV from the same slots
-        # (shipped once by prefill, one transaction on this node's store).
+        # n > 1: the sequences after the first share the prompt's KV, shipped once by
+        # prefill into one transaction on this node's store (the engine's pages the
+        # first loaded, or the same slots).
         self.counters["sequences_sharing_kv"] += len(jobs) - 1
         if req.migration is not None:
             self._count_migration(task)
@@ -352,14 +353,28 @@ class DecodeWorker(WorkerBase):
         self.counters["tasks_aborted" if "abort" in reasons else "tasks_done"] += 1
 
     async def _add_all(self, jobs: list[DecodeJob]) -> list[RequestStream]:
-        """Every sequence's job into the engine (each loads the KV from the same slots);
-        should one fail, the others are dropped and the failure raised."""
-        got = await asyncio.gather(
-            *(self.engine.add_request(j) for j in jobs), return_exceptions=True
-        )
+        """Every sequence's job into the engine: the first alone, the others once the
+        engine has its KV, so that they share the prompt's pages it loaded
+        (``DecodeJob.prefix_group``) rather than load the slots again. Should the first
+        be over at once (its first token, prefill's, ended it), the next one leads.
+        Should one fail, the others are dropped and the failure raised."""
+        got: list[RequestStream | BaseException] = []
+        for job in jobs:  # the lead: the first sequence that is still running
+            try:
+                lead = await self.engine.add_request(job)
+            except Exception as e:  # noqa: BLE001 - raised below
+                got.append(e)
+                break
+            got.append(lead)
+            if not lead.done:
+                break
+        if len(got) < len(jobs) and not isinstance(got[-1], BaseException):
+            got += await asyncio.gather(
+                *(self.engine.add_request(j) for j in jobs[len(got) :]), return_exceptions=True
+            )
         err = next((g for g in got if isinstance(g, BaseException)), None)
         if err is not None:
-            for j, g in zip(jobs, got, strict=True):
+            for j, g in zip(jobs, got, strict=False):
                 if not isinstance(g, BaseException):
                     self.engine.abort(j.request_id)
             raise err

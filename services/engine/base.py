@@ -155,6 +155,10 @@ class DecodeJob:
     # back), so the blocks end before it. The bytes are the callee's.
     on_block: Callable[[int, memoryview], None] | None = None
     seq: int = 0  # which of the request's n sequences this is
+    # The request this job is a sequence of (n > 1), None for its own: an engine that
+    # can (vLLM on decode: its prefix cache, salted with it) lets the jobs of one group
+    # share the prompt's pages, and keeps other groups' pages apart.
+    prefix_group: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ official ``openai`` client, compared with monolithic vLLM's parallel sampling
 - structured output constrains every choice;
 - each choice's logprobs are vLLM's child's (choice 1's first token is sampled on
   decode, choice 0's on prefill);
-- the prompt's KV is computed and shipped once: prefill ships each layer once for the
-  request, one DECODE transaction holds it, and the decode engine loads the two other
-  sequences from the same slots (worker and connector counters, not timings).
+- the prompt's KV is computed, shipped and read once: prefill ships each layer once
+  for the request, one DECODE transaction holds it, the decode engine loads it from the
+  slots for sequence 0 alone, and the two other sequences share its pages (vLLM's
+  prefix cache, salted per request), computing only the partial block after the shared
+  ones (worker and connector counters, not timings), their answers still vLLM's
+  children's.
 
 One stack (1 prefill + 1 decode, vLLM) and one reference for the module.
 """
@@ -32,6 +35,7 @@ pytestmark = real_model_marks()
 
 NAME = models.DEFAULT_MODEL_NAME
 LAYERS = 30  # SmolLM2-135M
+VLLM_BLOCK = 32  # the decode engine's vLLM block size (CPU)
 N, SEED, MAX_TOKENS, TEMP = 3, 1234, 12, 0.9
 STORY = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a "
@@ -54,7 +58,10 @@ def prompts(hf):
     chat = hf.apply_chat_template(
         CHAT, tokenize=True, add_generation_prompt=True, return_dict=False
     )
-    return {"story": hf.encode(STORY), "chat": chat}
+    story = hf.encode(STORY)
+    # Sent once, by the last test: more than three of the decode engine's vLLM blocks.
+    long = [*story, *story, *story, *story, *story[:7]]
+    return {"story": story, "chat": chat, "long": long}
 
 
 LOGPROBS = {"n": 2, "seed": 99, "temperature": TEMP, "max_tokens": 6, "logprobs": 2}
@@ -237,18 +244,20 @@ async def test_seeded_n1_equals_vllms_first_child(real_env, prompts, hf):
     assert d1["connector_draws_skipped"] - d0.get("connector_draws_skipped", 0) == 1
 
 
-async def test_prompt_kv_is_computed_and_shipped_once(real_env, prompts):
-    s, _ = real_env
-    n = len(prompts["story"]) + 7  # a prompt no earlier test sent: nothing cached
-    prompt = [*prompts["story"], *prompts["story"][:7]]
-    assert len(prompt) == n
+async def test_prompt_kv_is_computed_shipped_and_read_once(real_env, prompts, hf):
+    s, ref = real_env
+    prompt = prompts["long"]  # no earlier test sent it: nothing cached
+    n = len(prompt)
+    shared = (n - 1) // VLLM_BLOCK * VLLM_BLOCK  # the full blocks before the last position
+    assert shared >= 3 * VLLM_BLOCK
     p0 = await worker_stats(s.nats_url, "prefill", "prefill-0")
     d0 = await worker_stats(s.nats_url, "decode", "decode-0")
     async with client(s.url) as c:
         out = await c.completions.create(model=NAME, prompt=prompt, **SAMPLING, extra_body=NO_EOS)
-    assert len(out.choices) == N
+    got = sorted(out.choices, key=lambda ch: ch.index)
     p1 = await worker_stats(s.nats_url, "prefill", "prefill-0")
     d1 = await worker_stats(s.nats_url, "decode", "decode-0")
+    _check_against_vllm([ch.text for ch in got], ref["long"]["seqs"], hf)
 
     def delta(a: dict, b: dict, key: str) -> int:
         return b.get(key, 0) - a.get(key, 0)
@@ -257,10 +266,15 @@ async def test_prompt_kv_is_computed_and_shipped_once(real_env, prompts):
     assert delta(p0, p1, "tasks_done") == 1
     assert delta(p0, p1, "vllm_prompt_tokens_computed") == n
     assert delta(p0, p1, "connector_layers_shipped") == LAYERS
-    # Decode: one task, one transaction's KV; the 2 other sequences loaded from its
-    # slots, each computing only the prompt's last position again.
+    # Decode: one task, one transaction's KV, read from its slots once: sequence 0 loads
+    # every prompt position (each vLLM block of each layer copied once)...
     assert delta(d0, d1, "kv_tokens_loaded") == n
     assert delta(d0, d1, "sequences_sharing_kv") == N - 1
     assert delta(d0, d1, "vllm_requests") == N
-    assert delta(d0, d1, "vllm_prompt_tokens_computed") == N  # one position each
-    assert delta(d0, d1, "connector_tokens_loaded") == n + (N - 1) * (n - 1)
+    assert delta(d0, d1, "connector_loads") == 1
+    assert delta(d0, d1, "connector_tokens_loaded") == n
+    assert delta(d0, d1, "connector_layer_blocks_loaded") == -(-n // VLLM_BLOCK) * LAYERS
+    # ... and the 2 others find its full blocks in the engine's pages, computing the
+    # partial block after them (sequence 0 computes only its first token's position).
+    assert delta(d0, d1, "connector_tokens_cached") == (N - 1) * shared
+    assert delta(d0, d1, "vllm_prompt_tokens_computed") == 1 + (N - 1) * (n - shared)

@@ -17,9 +17,12 @@ def engine_args(
     max_batch: int,
     registry_key: str,
 ) -> Any:
-    """In-process engine ("uni" executor), the PerigeeConnector, vLLM's prefix cache off
-    (the node store is the cache). Prefill: 2 sequences, a whole prompt per step;
-    decode: ``max_batch`` sequences, chunked prefill for recomputation after preemption."""
+    """In-process engine ("uni" executor), the PerigeeConnector. Prefill: 2 sequences, a
+    whole prompt per step, vLLM's prefix cache off (the node store is the cache);
+    decode: ``max_batch`` sequences, chunked prefill for recomputation after preemption,
+    and vLLM's prefix cache on so that the n sequences of one request share the prompt's
+    pages (each request's prompt is salted with its id: no request reads another's
+    pages, see :meth:`~.engine.VllmEngine.add_request`)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -43,7 +46,7 @@ def engine_args(
         max_num_batched_tokens=max(batched, seqs),
         enable_chunked_prefill=True,
         num_gpu_blocks_override=kv_blocks,
-        enable_prefix_caching=False,
+        enable_prefix_caching=role != Role.PREFILL,
         enforce_eager=o.enforce_eager,
         seed=o.seed,
         distributed_executor_backend="uni",

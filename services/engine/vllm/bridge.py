@@ -12,7 +12,8 @@ hands the request to vLLM, keyed by the perigee request id, which rides in
 Lifecycle of a plan:
 
     engine (event loop)  add(plan)          before vLLM sees the request
-    connector (sched.)   load planned       plan.consumed: never loaded twice
+    connector (sched.)   load planned       plan.consumed: never loaded twice (also set
+                                            when first scheduled with nothing to load)
     connector (worker)   load done          plan.on_loaded() (decode: slots released)
                          layer saved        plan.on_layer(layer) (prefill: ship it)
                          answer block full  plan.on_block(j, bytes) (decode write-back)
@@ -51,6 +52,12 @@ class Plan:
     on_loaded: Callable[[], None] | None = None
     # Structured output: the answer so far (tokens already in the prompt), fed to the
     # request's grammar once it is compiled, before vLLM samples (advance_grammar).
+    # A sequence > 0 of a request's n (decode): sequence 0 loaded the same prompt into
+    # pages vLLM's prefix cache holds, salted for the request. When the cache holds every
+    # full vLLM block of the load, the partial block after them is computed here rather
+    # than loaded, so the slots are read once for the n sequences; otherwise (the
+    # pages were evicted) whatever the cache lacks is loaded, as for any request.
+    shared_prefix: bool = False
     grammar_prefix: Sequence[int] = ()
     grammar_advanced: bool = False
     # Seeded sampling that goes on from a token sampled elsewhere (decode after
@@ -107,6 +114,10 @@ class Bridge:
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "connector_tokens_loaded",
+                # plans whose KV was copied from the slots (a load), and the positions
+                # of plans' loads that vLLM's prefix cache held instead (decode, n > 1)
+                "connector_loads",
+                "connector_tokens_cached",
                 "connector_layer_blocks_loaded",
                 "connector_layer_blocks_saved",
                 "connector_blocks_saved",

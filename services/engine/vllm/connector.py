@@ -10,10 +10,15 @@ the prefill instance reserved them when its compute started (prefill_tx / decode
 
 Scheduler side, per request (sync loads: vLLM loads before the forward of the same step):
   get_num_new_matched_tokens -> min(plan.load_tokens, prompt - 1) minus vLLM's own hit
+                                (decode engines run vLLM's prefix cache, salted per
+                                request: the n sequences of one request share pages;
+                                a plan.shared_prefix sequence whose full blocks are all
+                                hits loads nothing and computes the partial tail)
   update_state_after_alloc    -> (vLLM block id, perigee block, sub-block) per loaded block
   build_connector_meta        -> this step's loads, saves of the blocks this step computes
                                  (block >= plan.save_from), and "ship" once the prompt is
-                                 complete
+                                 complete; a request first scheduled with nothing to load
+                                 is consumed too (plan.on_loaded after the step)
   request_finished            -> counters back as kv_transfer_params
   (decode write-back)         -> saves of every vLLM block from plan.writeback_from on,
                                  in the step whose forward completes it (a block of the
@@ -106,6 +111,7 @@ class _Req:
     pending_load: list[Copy] = field(default_factory=list)
     shipped: bool = False
     wb_next: int | None = None  # next vLLM block to write back (decode)
+    cached: int = 0  # positions of the load vLLM's prefix cache holds (its local hit)
 
 
 def layer_index(name: str) -> int:
@@ -167,6 +173,11 @@ class PerigeeConnector(KVConnectorBase_V1):
             # vLLM must compute at least one token to sample from; a load may end
             # mid-block (vLLM computes the rest of that block).
             target = min(st.plan.load_tokens, request.num_tokens - 1)
+            st.cached = min(num_computed_tokens, target)
+            if st.plan.shared_prefix and num_computed_tokens >= target - target % (
+                self.vllm_block_tokens
+            ):
+                target = num_computed_tokens  # every full block is a hit: compute the tail
             if target > num_computed_tokens:
                 st_load = (num_computed_tokens, target)
         if st is not None:
@@ -194,6 +205,7 @@ class PerigeeConnector(KVConnectorBase_V1):
         ]
         st.plan.consumed = True  # the slots may be gone once the request is running
         st.plan.loaded_tokens += num_external_tokens
+        self.bridge.counters["connector_loads"] += 1
         st.load_range = None
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -208,6 +220,12 @@ class PerigeeConnector(KVConnectorBase_V1):
                 meta.skips.append((nr.req_id, st.plan.skip_draws))
                 st.plan.skip_draws = 0
             self._take_loads(st, meta)
+            self.bridge.counters["connector_tokens_cached"] += st.cached
+            if not st.plan.consumed:
+                # Nothing to load (vLLM's prefix cache holds it, or there is none): the
+                # slots are never read for this request, now or after a preemption.
+                st.plan.consumed = True
+                meta.loaded.append(st.plan.key)
             self._plan_saves(
                 st, nr.num_computed_tokens, sched.num_scheduled_tokens[nr.req_id], meta
             )

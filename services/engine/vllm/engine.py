@@ -2,9 +2,12 @@
 
 One ``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor "uni") is built and
 stepped by one dedicated thread; the event loop talks to it through a command queue
-and gets results back with ``call_soon_threadsafe``. vLLM's own prefix cache is off:
-the node store is the cache, and :class:`~.connector.PerigeeConnector` moves KV between
-the store's shared-memory slots and vLLM's paged cache.
+and gets results back with ``call_soon_threadsafe``. The node store is the cache, and
+:class:`~.connector.PerigeeConnector` moves KV between the store's shared-memory slots
+and vLLM's paged cache. vLLM's own prefix cache is off on prefill; on decode it is on,
+each request's prompt salted with the request's id (``DecodeJob.prefix_group``), so
+that it serves one thing only: the n sequences of one request share the prompt's
+pages, which the first of them loads from the slots.
 
 Request states (event-loop side, ``_active``):
 
@@ -12,7 +15,9 @@ Request states (event-loop side, ``_active``):
              on_layer after each layer) -> first token, or the error a layer hand-off
              recorded; cancelled -> abort, and wait until the engine dropped it (its
              slots are not written after prefill() returns)
-    decode   add (prompt + first token, plan: load every prompt position) -> "loaded"
+    decode   add (prompt + first token, plan: load every prompt position; a sequence
+             > 0 of n: the prompt, its full blocks shared with the sequence loaded
+             before it when vLLM's cache holds them) -> "loaded"
              (add_request returns: the slots are free) -> Tokens as each step makes them
              (and each answer block, copied out as it fills: job.on_block) -> finished
              (stop | length | abort)
@@ -326,9 +331,11 @@ class VllmEngine(Engine):
             raise EngineError(f"request {rid} is already decoding")
         slots = self._slots(job.kv, n)
         # No first token (a sequence > 0 of n): vLLM samples it here, after the prompt's
-        # last position, whose KV it computes again (the rest is loaded from the slots):
-        # the whole budget, and a fresh generator of the sequence's seed as vLLM's own
-        # parallel sampling has it.
+        # last position, whose KV it computes again: the whole budget, and a fresh
+        # generator of the sequence's seed as vLLM's own parallel sampling has it. The
+        # prompt's full blocks are the pages of the group's sequence added before this
+        # one (vLLM's prefix cache), the partial block after them is computed again;
+        # should the cache lack them, they are loaded from the slots.
         own = 0 if first is None else 1
         params = self._request_params(
             prompt,
@@ -358,6 +365,7 @@ class VllmEngine(Engine):
             # prefill drew the first token from the seed's generator: decode goes on
             # from the second draw (no first token: it draws its own first)
             skip_draws=own,
+            shared_prefix=first is None,
         )
         if job.on_block is not None:
             sink = job.on_block
@@ -369,7 +377,8 @@ class VllmEngine(Engine):
             plan.on_block = on_block
         self.bridge.add(plan)
         self._active[rid] = a
-        self._cmds.put(("add", rid, prompt if first is None else [*prompt, first], params))
+        salt = job.prefix_group or rid
+        self._cmds.put(("add", rid, prompt if first is None else [*prompt, first], params, salt))
         try:
             await loaded
         except asyncio.CancelledError:
@@ -503,9 +512,12 @@ class VllmEngine(Engine):
                 if cmd[0] == "stop":
                     return
                 if cmd[0] == "add":
-                    _, rid, prompt, params = cmd
+                    _, rid, prompt, params, *salt = cmd  # salt: decode's prefix cache
+                    inputs = TokensPrompt(prompt_token_ids=prompt)
+                    if salt:
+                        inputs["cache_salt"] = salt[0]
                     try:
-                        engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
+                        engine.add_request(rid, inputs, params)
                     except Exception as e:  # noqa: BLE001 - one bad request
                         self.bridge.drop(rid)
                         self._post(

@@ -106,6 +106,26 @@ def test_admitted_requests_join_at_their_prefill_completion_and_queue_prefill_wo
     assert pol.prefill_wait() == min(1.0 + OWN, 3.0 + OWN * 0.5)
 
 
+def test_prediction_counts_n_sequences_as_the_rest_of_admission():
+    # A request with n choices joins the predicted pool as n sequences of its prompt,
+    # and is counted so while it decodes there (issue 25: as placement prices it).
+    clock = ManualClock()
+    pol = predict(clock)
+    cluster(pol)
+    f = 1.0 + OWN
+    s = 1.0 - f / TD
+    assert pol.predicted_decode(f, N, 3) == (8 * s + 3, 12000.0 * s + 3 * N)
+    want_tbt = COST.decode_step_time((8 * s + 3) / 2, (12000.0 * s + 3 * N) / 2)
+    assert pol.decide(req(seqs=3)) == Accept(prefill_load=1.0 / 30.0, decode_load=want_tbt / 0.1)
+    pol.on_accepted(req("a", seqs=3))
+    fa = pol.admitted["a"].prefill_done_at
+    assert pol._in_decode(fa) == (3, 3 * N)
+    # b (one sequence) sees a's three beside it once both have prefilled
+    fb = pol.prefill_done_at(req("b"))
+    s = 1.0 - fb / TD
+    assert pol.predicted_decode(fb, N) == (8 * s + 3 + 1, 12000.0 * s + 3 * N + N)
+
+
 def test_requests_older_than_td_leave_and_already_decoding_ones_are_not_counted_twice():
     clock = ManualClock()
     pol = predict(clock)
@@ -300,14 +320,18 @@ def _ref_wait(pol):
 def _ref_in_decode(pol, at):
     td = pol.decode_time_s
     inside = [a for a in pol.admitted.values() if a.prefill_done_at <= at < a.prefill_done_at + td]
-    return len(inside), sum(a.tokens for a in inside)
+    return sum(a.seqs for a in inside), sum(a.tokens for a in inside)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("accept"), st.integers(0, 12), st.integers(1, 4000)),
+            st.tuples(
+                st.just("accept"),
+                st.integers(0, 12),
+                st.tuples(st.integers(1, 4000), st.integers(1, 4)),
+            ),
             st.tuples(st.just("report"), st.sampled_from(["p0", "p1", "p2"]), st.floats(0, 5)),
             st.tuples(st.just("forget"), st.integers(0, 12), st.just(0)),
             st.tuples(st.just("tick"), st.floats(0, 3), st.just(0)),
@@ -327,7 +351,7 @@ def test_running_sums_match_the_brute_force(ops, grace):
     pol.observe_decode(dload("d0", batch=3, kv=3000))
     for op, x, y in ops:
         if op == "accept":
-            pol.on_accepted(req(f"r{x}", n=y))
+            pol.on_accepted(req(f"r{x}", n=y[0], seqs=y[1]))
         elif op == "report":
             pol.observe_prefill(pload(x, y))
         elif op == "forget":

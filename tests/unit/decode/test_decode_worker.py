@@ -296,6 +296,47 @@ async def test_n_sequences_share_the_shipped_kv_and_end_in_one_finished(rig):
     assert rig.dengine.stats().batch_size == 0
 
 
+def record_adds(rig: Rig, monkeypatch) -> list[tuple]:
+    """(event, seq, prefix group) of each engine.add_request: when called, when back."""
+    calls: list[tuple] = []
+    real = rig.dengine.add_request
+
+    async def add(job):
+        calls.append(("add", job.seq, job.prefix_group))
+        stream = await real(job)
+        calls.append(("back", job.seq, stream.done))
+        return stream
+
+    monkeypatch.setattr(rig.dengine, "add_request", add)
+    return calls
+
+
+async def test_sequence_0_is_in_the_engine_before_the_others_share_its_prompt(rig, monkeypatch):
+    # The others are added once the engine has sequence 0's KV (its add returned), in
+    # its group: an engine with a prefix cache then finds the prompt's pages there.
+    calls = record_adds(rig, monkeypatch)
+    dt = decode_task(rig, rig.prompt(45, seed=35), max_tokens=6, n=3, seed=3)
+    fin = (await until_terminal(await send(rig, dt)))[-1]
+    assert isinstance(fin, Finished) and fin.seq_tokens == [6, 6, 6]
+    rid = dt.request.request_id
+    assert calls[:2] == [("add", 0, None), ("back", 0, False)]
+    assert sorted(c for c in calls[2:] if c[0] == "add") == [("add", 1, rid), ("add", 2, rid)]
+
+
+async def test_a_sequence_0_over_at_its_first_token_hands_the_lead_on(rig, monkeypatch):
+    # max_tokens 1: prefill's first token ends sequence 0 before it reaches the engine,
+    # so sequence 1 loads the prompt and sequence 2 joins it afterwards.
+    calls = record_adds(rig, monkeypatch)
+    dt = decode_task(rig, rig.prompt(45, seed=36), max_tokens=1, n=3, seed=3)
+    fin = (await until_terminal(await send(rig, dt)))[-1]
+    assert isinstance(fin, Finished) and fin.seq_tokens == [1, 1, 1]
+    rid = dt.request.request_id
+    assert calls[:3] == [("add", 0, None), ("back", 0, True), ("add", 1, rid)]
+    assert calls.index(("add", 2, rid)) > next(
+        i for i, c in enumerate(calls) if c[:2] == ("back", 1)
+    )
+
+
 async def test_cancel_stops_every_sequence(slow_rig):
     rig = slow_rig
     dt = decode_task(rig, rig.prompt(30, seed=31), max_tokens=100_000, n=2)

@@ -157,6 +157,43 @@ def test_decode_loads_every_prompt_position_and_saves_nothing(bridge):
     assert len(meta.loads) == 5 and meta.saves == [] and meta.ship == []
 
 
+def test_a_shared_sequence_finding_every_full_block_cached_loads_nothing(bridge):
+    # Sequence 1 of n (decode): vLLM's prefix cache holds the 4 full blocks sequence 0
+    # loaded; the partial block after them is computed, not loaded: the slots are read
+    # once for the n sequences.
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("s", 5, load_tokens=136, shared_prefix=True))
+    req = request("s-1", "s", 137)  # the prompt only: it samples its own first token
+    assert c.get_num_new_matched_tokens(req, 128) == (0, False)
+    meta = c.build_connector_meta(step_new("s-1", [1, 2, 3, 4, 9], 128, 9))
+    assert meta.loads == [] and meta.loaded == ["s"]  # on_loaded after this step
+    assert bridge.plans["s"].consumed
+    # never from the slots afterwards (preempted, its pages evicted: recomputed)
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert bridge.counters["connector_tokens_cached"] == 128
+    assert bridge.counters["connector_loads"] == 0
+
+
+def test_a_shared_sequence_loads_what_the_cache_lacks(bridge):
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("s", 5, load_tokens=136, shared_prefix=True))
+    req = request("s-1", "s", 137)
+    assert c.get_num_new_matched_tokens(req, 64) == (72, False)  # blocks 2.. evicted
+    c.update_state_after_alloc(req, blocks([1, 2, 3, 4, 9]), 72)
+    meta = c.build_connector_meta(step_new("s-1", [1, 2, 3, 4, 9], 136, 1))
+    assert [x.block_id for x in meta.loads] == [3, 4, 9] and meta.loaded == ["s"]
+    assert bridge.counters["connector_tokens_cached"] == 64
+    assert bridge.counters["connector_loads"] == 1
+
+
+def test_an_unshared_request_loads_its_tail_after_a_cache_hit(bridge):
+    # Sequence 0 (or n = 1) resumed with its full blocks cached: the rest from the slots.
+    c = connector(bridge, KVConnectorRole.SCHEDULER)
+    bridge.add(plan("d", 5, load_tokens=136))
+    req = request("d-x", "d", 137)
+    assert c.get_num_new_matched_tokens(req, 128) == (8, False)
+
+
 def test_chunked_prefill_saves_each_chunk_and_ships_after_the_last(bridge):
     c = connector(bridge, KVConnectorRole.SCHEDULER)
     bridge.add(
