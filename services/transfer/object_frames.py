@@ -1,8 +1,8 @@
 """The object endpoint's frames, the same both ways (the store's
-:mod:`services.store.node.object_server` and the clients' :mod:`services.store.client.object_client`):
-``u32 length`` (of what follows), ``u8 kind`` (:class:`services.transfer.wire.Kind`),
-``u16 header length``, the msgpack header (:mod:`services.transfer.wire`'s ObjPut /
-ObjGet / Ok / Err), then the payload bytes."""
+:mod:`services.store.node.object_server` and the clients'
+:mod:`services.store.client.object_client`): ``u32 length`` (of what follows), ``u8
+kind`` (:class:`services.transfer.wire.Kind`), ``u16 header length``, the msgpack header
+(:mod:`services.transfer.wire`'s ObjPut / ObjGet / Ok / Err), then the payload bytes."""
 
 import struct
 from typing import Any
