@@ -277,6 +277,13 @@ INFLIGHT_REJECTIONS = Counter(
     registry=None,
 )
 
+DECISION_LAG_REJECTIONS = Counter(
+    P + "gateway_requests_over_decision_lag",
+    "Requests the gateway answered 429 because the control plane was behind its "
+    "placement decisions (--max-decision-lag-ms).",
+    registry=None,
+)
+
 # ------------------------------------------------------------------ state and failures
 STATE_ENTRIES = Gauge(
     P + "state_entries",
@@ -420,6 +427,7 @@ GROUPS: dict[str, list[Any]] = {
         IN_FLIGHT,
         MAX_INFLIGHT,
         INFLIGHT_REJECTIONS,
+        DECISION_LAG_REJECTIONS,
         STATE_ENTRIES,
         INTAKE_BYPASSES,
         INSTANCE_RESTARTS,

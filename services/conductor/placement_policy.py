@@ -86,7 +86,7 @@ which still replicates hot prefixes to new nodes (own = 0 gives ratio inf).
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
@@ -491,6 +491,24 @@ class PlacementPolicy:
     def inflight_bytes(self, node: str) -> float:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
 
+    def _least_inflight(self, nodes: Collection[str]) -> str:
+        """``min(nodes, key=(inflight_bytes, name))``, in set operations and a walk over
+        the nodes that are pull sources now (``_by_source`` keeps only those): a prefix
+        every node holds does not cost a Python step per node."""
+        busy = self._by_source
+        if not busy:
+            return min(nodes)
+        held = nodes if isinstance(nodes, (set, frozenset)) else set(nodes)
+        hot = [n for n in busy if n in held] if len(busy) < len(held) else busy.keys() & held
+        best = min(((self.inflight_bytes(n), n) for n in hot), default=None)
+        idle = held.difference(hot) if hot else held
+        if idle:
+            first = (0.0, min(idle))
+            if best is None or first < best:
+                best = first
+        assert best is not None
+        return best[1]
+
     def predicted_tbt(self, instance: str, num_tokens: int, seqs: int = 1) -> float:
         """Decode step time on ``instance`` once a request of ``num_tokens`` (and
         ``seqs`` sequences, OpenAI's n) joins."""
@@ -544,16 +562,14 @@ class PlacementPolicy:
         (node -> prefix length in blocks), and record the dispatch on success."""
         self.release(req.request_id)  # a retry replaces the earlier attempt
         ex_p, ex_d = set(exclude_prefill), set(exclude_decode)
-        nblocks = len(req.block_hashes)
-        own = {node: min(n, nblocks) for node, n in matches.items() if n > 0}
+        own, groups = _holder_groups(matches, len(req.block_hashes))
         ex_s = set(exclude_sources)
-        holders = [(n, node) for node, n in own.items() if node not in ex_s]
         best_len, best_node = 0, None
-        if holders:
-            best_len = max(n for n, _ in holders)
-            best_node = min(
-                (self.inflight_bytes(node), node) for n, node in holders if n == best_len
-            )[1]
+        for length in sorted(groups, reverse=True):
+            nodes = set(groups[length]).difference(ex_s) if ex_s else groups[length]
+            if nodes:
+                best_len, best_node = length, self._least_inflight(nodes)
+                break
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
 
@@ -562,7 +578,7 @@ class PlacementPolicy:
             pool = search.live_pool(self, ex_p) if self.strategy == "random" else None
             found = None
             if pool is None:
-                found = search.best_prefill(self, req, own, best_len, best_node, ex_p)
+                found = search.best_prefill(self, req, own, best_len, best_node, ex_p, groups)
             none_left = found is None if pool is None else not len(pool)
             if none_left:
                 self.stats["unavailable"] += 1
@@ -841,7 +857,11 @@ class PlacementPolicy:
             d.request_id in self._by_prefill.get(m, {}) for m in d.prefill_members()
         )
         if source_too and d.source_node is not None:
-            self._by_source.get(d.source_node, {}).pop(d.request_id, None)
+            pulls = self._by_source.get(d.source_node)
+            if pulls is not None:
+                pulls.pop(d.request_id, None)
+                if not pulls:  # only the nodes with pulls in flight (_least_inflight)
+                    del self._by_source[d.source_node]
             d.source_node = None
         self._maybe_drop(d)
 
@@ -860,6 +880,23 @@ class PlacementPolicy:
 def _group_key(members: Iterable[str]) -> str:
     """The TTFT feedback's key of a CPP group (any stage order)."""
     return "cpp:" + "+".join(sorted(members))
+
+
+def _holder_groups(
+    matches: Mapping[str, int], nblocks: int
+) -> tuple[Mapping[str, int], dict[int, list[str]]]:
+    """(node -> own prefix in blocks, capped at the request's ``nblocks``, nodes
+    matching nothing left out; the same nodes grouped by length). The prefix index's
+    :class:`~services.conductor.prefix_index.Matches` carries the groups: taken as
+    they are (no step per node) when no length needs capping."""
+    by_length: dict[int, list[str]] | None = getattr(matches, "by_length", None)
+    if by_length is not None and (not by_length or max(by_length) <= nblocks):
+        return matches, by_length
+    own = {node: min(n, nblocks) for node, n in matches.items() if n > 0}
+    groups: dict[int, list[str]] = {}
+    for node, n in own.items():
+        groups.setdefault(n, []).append(node)
+    return own, groups
 
 
 def _ratio(best: int, own: int) -> float:

@@ -8,9 +8,10 @@ Layout: ``hash -> holders``, only the nodes that hold the block (a handful after
 replication), never a slot per node of the cluster: one node id (an int), a tuple of up
 to :data:`SMALL` ids, or a set beyond. Matching a request walks its chained block
 hashes once, keeping the nodes that still match and intersecting them with each
-block's holders from the smaller side; it stops as soon as no node still matches. A
-match costs O(sum over the matched blocks of min(nodes still matching, holders)): the
-prompt's own holders, independent of the number of indexed blocks and of the nodes in
+block's holders from the smaller side (set operations: no Python step per node); it
+stops as soon as no node still matches, and returns the nodes grouped by length as well
+(:class:`Matches`). A match costs O(sum over the matched blocks of min(nodes still
+matching, holders)): the prompt's own holders, independent of the number of indexed blocks and of the nodes in
 the cluster, and so does a block's memory (issue 27: a bitmask per block cost
 nodes/30 machine words each, 7.9 GB at 4,096 nodes and 10M blocks).
 
@@ -26,7 +27,7 @@ Per-node stream state, with the node's recovery lifecycle:
         batch is seq 1, else resyncing
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
@@ -40,6 +41,31 @@ MAX_BUFFERED_BATCHES = 10_000
 SMALL = 8
 
 Holders = int | tuple[int, ...] | set[int]
+
+
+class Matches(dict[str, int]):
+    """node -> prefix length in blocks (what :meth:`PrefixIndex.match` returns), with
+    ``by_length``: length -> the nodes matching that many blocks. The placement reads
+    the groups (a few lengths) instead of walking every holder of a prefix that many
+    nodes hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_length: dict[int, list[str]] = {}
+
+    @classmethod
+    def of(cls, lengths: Mapping[str, int]) -> "Matches":
+        """The matches ``lengths`` gives (nodes with a length of at least 1)."""
+        out = cls()
+        for node, n in lengths.items():
+            if n > 0:
+                out[node] = n
+                out.by_length.setdefault(n, []).append(node)
+        return out
+
+    def _add(self, nodes: list[str], length: int) -> None:
+        self.update(dict.fromkeys(nodes, length))
+        self.by_length[length] = nodes
 
 
 @dataclass
@@ -92,45 +118,48 @@ class PrefixIndex:
         ids = (v,) if isinstance(v, int) else v
         return frozenset(self._by_id[i] for i in ids)
 
-    def match(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Prefix length in blocks per node, for nodes holding at least the first block."""
+    def match(self, block_hashes: Sequence[int]) -> "Matches":
+        """Prefix length in blocks per node, for nodes holding at least the first block
+        (a dict, with the same nodes grouped by length in ``by_length``). The per-node
+        work is done by set operations and ``dict.fromkeys`` (no Python step per node):
+        a prefix every node of a large cluster holds costs little per node."""
+        out = Matches()
         if not block_hashes:
-            return {}
+            return out
         holders = self._holders
         first = holders.get(block_hashes[0])
         if first is None:
-            return {}
-        alive = {first} if isinstance(first, int) else set(first)
-        out: dict[str, int] = {}
-        by_id = self._by_id
+            return out
+        # Never mutated below (each change makes a new set), so the first block's own
+        # holder set can stand for the nodes still matching until one drops out.
+        alive: set[int] | frozenset[int] = (
+            frozenset((first,)) if isinstance(first, int) else frozenset(first)
+        )
+        name = self._by_id.__getitem__
         total = len(block_hashes)
         prev: Holders = first
         for i in range(1, total):
             v = holders.get(block_hashes[i])
-            if v == prev:
+            if v is prev or v == prev:
                 continue  # the holders of the block before: those still matching hold it
             if v is None:
-                still: set[int] = set()
+                still: set[int] | frozenset[int] = frozenset()
             elif isinstance(v, int):
                 if v in alive:
                     if len(alive) == 1:
                         continue
-                    still = {v}
+                    still = frozenset((v,))
                 else:
-                    still = set()
-            elif isinstance(v, tuple) or len(v) < len(alive):
-                still = {x for x in v if x in alive}
+                    still = frozenset()
             else:
-                still = {x for x in alive if x in v}
+                still = alive.intersection(v)
             if len(still) != len(alive):
-                for x in alive - still if still else alive:
-                    out[by_id[x]] = i
+                out._add(list(map(name, alive.difference(still) if still else alive)), i)
                 if not still:
                     return out
                 alive = still
             prev = v  # type: ignore[assignment]  # not None here: None ends the match
-        for x in alive:
-            out[by_id[x]] = total
+        out._add(list(map(name, alive)), total)
         return out
 
     # ---------------------------------------------------------------- updates

@@ -22,8 +22,18 @@ on walking, so the tie-breaks decide as in the full scan. When no instance has a
 of its own (``CostFloor.uniform``: the simulator, the bench, a fixed cost model) every
 instance left with an option computes what the first one walked with it does, so its
 prefill time replaces the floor and the bound is exact: the walk stops at the first key
-that cannot match the best TTFT, and with one option walked a group of equal keys costs
-one evaluation (the first by name, when its factor is the least; the rest tie or lose).
+that cannot match the best TTFT, and in a group of equal keys each walked option costs
+one evaluation (its first instance by name, when its factor is the least, settles it: the
+rest with that option tie and lose by name); once every walked option is settled the
+walk jumps past the group (an x10 cluster's idle instances, some holding a copy's system
+prompt and some not, cost two evaluations, not one per idle instance).
+
+The holders come grouped by length from the prefix index
+(:class:`~services.conductor.prefix_index.Matches`): the instances on a length's nodes
+are counted with ``map``/``sum`` over the node map, and the pull source (least bytes in
+flight, then name) is the least name among the holders less the nodes with pulls in
+flight, which alone are looked at one by one (``PlacementPolicy._least_inflight``). A
+prefix that every node holds costs set operations over its holders, no Python step each.
 
 Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens,
 then the TBT model's other inputs), the first keys of the full scan's choice among the
@@ -126,9 +136,11 @@ def best_prefill(
     best_len: int,
     best_node: str | None,
     excluded: Collection[str],
+    groups: Mapping[int, Collection[str]] | None = None,
 ) -> Candidate | None:
     """The candidate the full scan's ``min(cands, key=rank)`` picks; None when no live
-    prefill instance is left."""
+    prefill instance is left. ``groups``: ``own``'s nodes by length (built from
+    ``own`` when not given)."""
     orders, loads, prefill = policy.orders, policy.loads, policy.loads.prefill
     inflight = policy.inflight_bytes(best_node) if best_node is not None else 0.0
     threshold = policy.threshold()
@@ -157,14 +169,18 @@ def best_prefill(
     # Holders share an option per prefix length. A length held by few instances is
     # evaluated outright; the others (a prefix every node holds, and the instances
     # holding nothing) are walked from the least queued, each with its own option.
-    by_len: dict[int, list[str]] = {}
-    for node, own_len in own.items():
-        by_len.setdefault(own_len, []).append(node)
+    by_len = groups
+    if by_len is None:
+        by_len = {}
+        for node, own_len in own.items():
+            by_len.setdefault(own_len, []).append(node)  # type: ignore[attr-defined]
     held = 0
     walked: dict[int, list[Any]] = {}  # own length -> [transfer_s, compute floor, option]
     floor = policy._book.floor
+    on_node = orders.on_node
     for own_len, nodes in by_len.items():
-        size = sum(len(orders.on_node.get(node, ())) for node in nodes)
+        # The prefill instances on these nodes, counted without a Python step per node.
+        size = sum(map(len, filter(None, map(on_node.get, nodes))))
         held += size
         if size > DIRECT:
             walked[own_len] = []
@@ -194,8 +210,12 @@ def best_prefill(
     # computes exactly what every later one with that option does: its prefill time
     # replaces the floor and the bound is exact. Equal keys then tie (one option) and the
     # first usable one by name is the group's choice, when its factor is the least.
+    # Under one model an option evaluated at a key, with the least factor, settles that
+    # option for the rest of the key's group (same TTFT, later by name): those are
+    # passed over unevaluated, and once every walked option is settled the walk jumps
+    # past the group.
     same_model = floor.uniform
-    one_option = len(walked) == 1
+    settled: dict[int, Any] = {}  # own length -> the key it was settled at
     stale = []
     it = iter(orders.prefill)
     entry = next(it, None)
@@ -215,15 +235,23 @@ def best_prefill(
         option = walked.get(own_len)
         if option is None or not usable(instance):
             continue  # evaluated outright above, or not to be placed on
+        if own_len in settled and settled[own_len] == key:
+            continue  # ties the option's first instance of this key, later by name
         c = policy._candidate(req, instance, ld.node, own_len, option[2])
         r = rank(c)
         if best_rank is None or r < best_rank:
             best, best_rank = c, r
         if same_model:
             option[1] = c.prefill_s
-            if one_option and c.factor <= factor_floor and entry is not None and entry[0] == key:
-                it = orders.prefill.after(key)  # the rest of this key's group ties, later by name
-                entry = next(it, None)
+            if c.factor <= factor_floor:
+                settled[own_len] = key
+                if (
+                    entry is not None
+                    and entry[0] == key
+                    and all(settled.get(n) == key for n in walked)
+                ):
+                    it = orders.prefill.after(key)  # every option of the group is settled
+                    entry = next(it, None)
     for instance in stale:
         orders.drop(instance)
     return best

@@ -6,6 +6,7 @@ it, or a comma list; also ``PERIGEE_API_KEY``) makes every route but ``/health``
 """
 
 import argparse
+import os
 import sys
 import uuid
 from pathlib import Path
@@ -18,6 +19,9 @@ from services.common.model_spec import DEFAULT_MODEL_DIR
 from services.gateway.auth import ENV_VAR, parse_keys
 from services.gateway.connections import raise_fd_limit
 from services.gateway.server import Gateway, GatewayConfig
+
+# The deployment's setting for every gateway (perigee up and the benches set it this way).
+DECISION_LAG_ENV = "PERIGEE_MAX_DECISION_LAG_MS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=GatewayConfig.max_inflight,
         help="generation requests served at once; the next gets 429 + Retry-After",
+    )
+    ap.add_argument(
+        "--max-decision-lag-ms",
+        type=float,
+        default=float(os.environ.get(DECISION_LAG_ENV) or 0),
+        help="answer 429 + Retry-After while the oldest request waiting for its placement "
+        f"has waited longer than this (0: never; default ${DECISION_LAG_ENV} or 0)",
     )
     ap.add_argument(
         "--request-timeout",
@@ -175,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
+        max_decision_lag_s=args.max_decision_lag_ms / 1e3,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
         wedge_factor=args.wedge_factor,

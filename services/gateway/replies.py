@@ -60,6 +60,7 @@ from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.common.tasks import cancel_and_wait
 from services.gateway import resend
+from services.gateway.decision_lag import DecisionLag
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
 
@@ -184,6 +185,7 @@ class ReplyRouter:
         self._cancelling: set[asyncio.Task] = set()
         self.cancels_acked = 0  # targeted cancels every holder acknowledged
         self.cancel_sends = 0  # CancelRequest messages published
+        self.undecided = DecisionLag()  # sent, not yet placed or answered
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(
@@ -247,6 +249,7 @@ class ReplyRouter:
         return self.watchdog.placement(request_id)
 
     def close_request(self, request_id: str) -> None:
+        self.undecided.decided(request_id)
         f = self._flights.pop(request_id, None)
         if f is not None:
             self._routes.pop(f.current, None)
@@ -280,6 +283,7 @@ class ReplyRouter:
         f = self._flights.get(req.request_id)
         if f is not None:
             f.request = req
+        self.undecided.sent(req.request_id, self.watchdog.clock.now())
         await self._dispatch(req)
 
     async def _dispatch(self, req: GenerateRequest) -> None:
@@ -497,6 +501,7 @@ class ReplyRouter:
             log.warning("bad_stream_event", request_id=rid, error=str(e))
             return
         wd = self.watchdog
+        self.undecided.decided(rid)  # any event of it: the control plane has answered
         if self._lost_before(f, ev):
             # Events before this one never came (a NATS server died with them in
             # flight): showing it would cut tokens out of the stream, so it goes on

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from services.conductor import prefix_index
-from services.conductor.prefix_index import PrefixIndex
+from services.conductor.prefix_index import Matches, PrefixIndex
 
 E1, E2 = 1_000, 2_000
 
@@ -179,6 +179,14 @@ def test_match_agrees_with_brute_force(ops, query):
         s = held.setdefault(node, set())
         s.update(hashes) if add else s.difference_update(hashes)
     assert idx.match(query) == brute_match(held, query)
+    assert_grouped(idx.match(query))
+
+
+def assert_grouped(m) -> None:
+    """``by_length`` holds exactly the dict's nodes, each under its own length."""
+    grouped = [(node, n) for n, nodes in m.by_length.items() for node in nodes]
+    assert sorted(grouped) == sorted(m.items())
+    assert all(m.by_length.values())
 
 
 NODES = [f"n{i}" for i in range(24)]  # more than prefix_index.SMALL holders per block
@@ -245,7 +253,25 @@ def check_against_exhaustive(ops, queries):
     for q in queries:
         assert idx.match(q) == brute_match(held, q)
         assert idx.match(sorted(set(q))) == brute_match(held, sorted(set(q)))
+        assert_grouped(idx.match(q))
     everything = set().union(*held.values()) if held else set()
     assert idx.num_blocks() == len(everything)
     for h in range(11):
         assert idx.holders(h) == {n for n, b in held.items() if h in b}
+
+
+def test_match_groups_the_nodes_by_length():
+    """Exact: 30 nodes hold block 1, 20 of them blocks 1-2, 5 of those 1-3: three
+    groups, every node under the length it matches (the placement reads the groups)."""
+    idx = PrefixIndex()
+    for i in range(30):
+        blocks = (1, 2, 3) if i < 5 else (1, 2) if i < 20 else (1,)
+        assert idx.apply(batch(f"n{i}", 1, stored(*blocks))) is False
+    m = idx.match([1, 2, 3, 4])
+    assert {n: sorted(v) for n, v in m.by_length.items()} == {
+        1: sorted(f"n{i}" for i in range(20, 30)),
+        2: sorted(f"n{i}" for i in range(5, 20)),
+        3: sorted(f"n{i}" for i in range(5)),
+    }
+    assert m == {f"n{i}": 3 if i < 5 else 2 if i < 20 else 1 for i in range(30)}
+    assert Matches.of({"a": 2, "b": 0, "c": 2}).by_length == {2: ["a", "c"]}

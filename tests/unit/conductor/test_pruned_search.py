@@ -22,6 +22,7 @@ from services.conductor.placement_policy import (
     RemoteSource,
     TtftFeedback,
 )
+from services.conductor.prefix_index import Matches
 
 BS = 512
 
@@ -190,6 +191,7 @@ cluster = st.fixed_dictionaries(
                 st.booleans(),  # finish a placed one (prefill_done with a TTFT)
                 st.lists(st.integers(0, 11), max_size=2),  # excluded prefill
                 st.lists(st.integers(0, 9), max_size=2),  # excluded decode
+                st.lists(st.integers(0, 6), max_size=2),  # excluded sources
             ),
             min_size=1,
             max_size=8,
@@ -247,13 +249,18 @@ def check_against_the_scan(c):
             if 2.0 < age <= 2.5:
                 p.forget_instance("decode", f"d{i}")
     placed = []
-    for k, (blocks, matches, slo, finish, excl, excl_d) in enumerate(c["requests"]):
+    for k, (blocks, matches, slo, finish, excl, excl_d, excl_s) in enumerate(c["requests"]):
         req = PlacementRequest(f"r{k}", blocks * BS - 7, tuple(range(blocks)), BS, tbt_slo_s=slo)
         m = {f"n{n}": v for n, v in matches.items() if v > 0}
+        # The pruned policy reads the index's grouped matches where no length needs
+        # capping at the request's blocks (the prefix index never gives one longer).
+        grouped = Matches.of(m)
         ex = tuple(f"p{i}" for i in excl)
         ex_d = tuple(f"d{i}" for i in excl_d)
-        a = pair[0].place(req, m, exclude_prefill=ex, exclude_decode=ex_d)
-        b = pair[1].place(req, m, exclude_prefill=ex, exclude_decode=ex_d)
+        ex_s = tuple(f"n{i}" for i in excl_s)
+        kw = dict(exclude_prefill=ex, exclude_decode=ex_d, exclude_sources=ex_s)
+        a = pair[0].place(req, grouped, **kw)
+        b = pair[1].place(req, m, **kw)
         assert a == b
         if isinstance(a, Placement):
             placed.append(a)
@@ -418,3 +425,62 @@ def test_a_prefix_every_node_holds_is_walked_not_evaluated_per_instance():
     b = full.place(_req("r", 24), matches)
     assert isinstance(a, Placement) and a == b
     assert "p7" in evaluated and len(evaluated) <= 3
+
+
+def test_idle_holders_and_idle_others_cost_one_evaluation_each():
+    """300 idle instances, a prefix (walked: on more than DIRECT instances) on the odd
+    nodes: two options tie among the idle, each settled by its first instance by name,
+    and the walk jumps past the group, as one option's group does: the choice is the
+    scan's with two evaluations, not 300 (issue 27 item 2: an x10 cluster's idle
+    instances, half of them holding a copy's system prompt)."""
+    clock = ManualClock(0.0)
+    pruned, full = _policy(True, clock), _policy(False, clock)
+    for p in (pruned, full):
+        for i in range(300):
+            p.observe_prefill(_prefill(i, 0.0))
+        p.observe_prefill(_prefill(300, 0.5))
+        p.observe_decode(_decode(0, 0, 0))
+    evaluated = []
+    cand = pruned._candidate
+
+    def counting(*a, **k):
+        evaluated.append(a[1])
+        return cand(*a, **k)
+
+    pruned._candidate = counting  # type: ignore[method-assign]
+    matches = {f"n{i}": 1 for i in range(1, 300, 2)}
+    for k, blocks in enumerate((2, 8)):  # own prefix 1 of 2 (pulled), of 8 (kept)
+        a = pruned.place(_req(f"r{k}", blocks), Matches.of(matches))
+        b = full.place(_req(f"r{k}", blocks), matches)
+        assert isinstance(a, Placement) and a == b
+    assert len(evaluated) <= 2 * 2
+
+
+def test_least_inflight_source_by_bytes_then_name():
+    """The pull source among 100 holders of the longest prefix: the least bytes in
+    flight, then the first name, as the scan's min over (inflight_bytes, node); the
+    sources excluded are skipped."""
+    clock = ManualClock(0.0)
+    p = _policy(True, clock)
+    for i in range(100):
+        p.observe_prefill(_prefill(i, 0.0))
+    p.observe_decode(_decode(0, 0, 0))
+    # Two pulls from n0 and one from n1 in flight: n10 is the first name with 0 bytes.
+    for k, src in enumerate(("n0", "n0", "n1")):
+        p.observe_prefill(_prefill(100 + k, 0.0, node=f"x{k}"))
+        d = p.place(_req(f"pull{k}", 4), {src: 4}, exclude_prefill=[f"p{i}" for i in range(100)])
+        assert isinstance(d, Placement) and d.remote is not None and d.remote.node == src
+    assert p._least_inflight({f"n{i}" for i in range(100)}) == "n10"
+    assert p._least_inflight(["n0", "n1"]) == "n1"
+    d = p.place(_req("r", 4), Matches.of({f"n{i}": 4 for i in range(100)}))
+    assert isinstance(d, Placement) and d.remote is None
+    d = p.place(
+        _req("s", 4),
+        Matches.of({f"n{i}": 4 for i in range(3)}),
+        exclude_prefill=("p0", "p1", "p2"),
+        exclude_sources=("n2",),
+    )
+    assert isinstance(d, Placement) and d.remote is not None and d.remote.node == "n1"
+    for rid in ("pull0", "pull1", "pull2", "s"):
+        p.release(rid)
+    assert not p._by_source  # only the nodes with pulls in flight are kept

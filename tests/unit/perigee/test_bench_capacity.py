@@ -13,9 +13,12 @@ from perigee.natsd import free_port
 def test_a_step_holds_without_errors_and_under_the_p99():
     s = Step(100.0, 4, ok=4, overhead_s=[0.01, 0.01, 0.02, 0.04])
     assert s.held(50.0) and not s.held(30.0)
-    assert Step(100.0, 4, ok=3, rejected=1, overhead_s=[0.01] * 3).held(50.0)  # 429s are answers
-    assert not Step(100.0, 4, ok=3, errors={"500": 1}, overhead_s=[0.01] * 3).held(50.0)
-    assert not Step(100.0, 4, rejected=4).held(50.0)  # nothing served: nothing to hold
+    shed = Step(100.0, 4, ok=3, rejected=1, overhead_s=[0.01] * 3)
+    assert shed.answered(50.0)  # 429s are answers ...
+    assert not shed.held(50.0)  # ... but a rate that needs them is not held
+    assert shed.held(50.0, max_429_share=0.25)
+    assert not Step(100.0, 4, ok=3, errors={"500": 1}, overhead_s=[0.01] * 3).answered(50.0)
+    assert not Step(100.0, 4, rejected=4).answered(50.0)  # nothing served: nothing to hold
 
 
 def test_the_held_rate_is_the_last_of_the_leading_held_steps():
@@ -25,6 +28,8 @@ def test_the_held_rate_is_the_last_of_the_leading_held_steps():
     assert held_rate([*good, slow, late], 50.0) == 100
     assert held_rate([slow, *good], 50.0) == 0.0
     assert held_rate([], 50.0) == 0.0
+    shedding = Step(200, 100, ok=50, rejected=50, overhead_s=[0.01] * 50)
+    assert held_rate([*good, shedding], 50.0) == 100
 
 
 def test_layouts_and_rates_are_checked():
