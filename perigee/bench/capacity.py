@@ -11,9 +11,8 @@ besides, at most ``--max-429-share`` of its requests got a 429. The highest rate
 leading held steps is the result; the run goes on above it while steps are answered
 (overload answered with 429s only) and stops at the first step that is not. Once per
 stack layout (``--layouts``: conductors x admissions, e.g. ``1x1,2x2``).
-``--max-decision-lag-ms`` sets the gateways' control-plane gate
-(``PERIGEE_MAX_DECISION_LAG_MS``, services.gateway.decision_lag): 429 while the oldest
-request waiting for its placement has waited longer.
+``--max-lateness-ms`` sets the gateways' gate (``PERIGEE_MAX_LATENESS_MS``,
+services.gateway.lateness): 429 while a request's first token is overdue by more.
 
 Beside it, on the same nats-server and in the same run: NATS's own request/reply rate
 (``--nats-clients`` requesters back to back against one responder for
@@ -188,9 +187,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         log_dir=f"{a.log_dir}/{conductors}x{admissions}",
         log_level="WARNING",
         extra_env=(
-            {"PERIGEE_MAX_DECISION_LAG_MS": f"{a.max_decision_lag_ms:g}"}
-            if a.max_decision_lag_ms
-            else {}
+            {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
         ),
     )
     steps: list[Step] = []
@@ -222,7 +219,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         "held_rps": held_rate(steps, a.p99_ms, a.max_429_share),
         # Every step run above the held rate answered with 429s only, in time.
         "answered_rps": max((s.rate for s in steps if s.answered(a.p99_ms)), default=0.0),
-        "max_decision_lag_ms": a.max_decision_lag_ms,
+        "max_lateness_ms": a.max_lateness_ms,
         "nats_request_reply": bus,
         "steps": [s.report() for s in steps],
     }
@@ -244,10 +241,10 @@ def main(argv: list[str]) -> int:
         help="share of a step's requests that may get a 429 for the step to be held",
     )
     p.add_argument(
-        "--max-decision-lag-ms",
+        "--max-lateness-ms",
         type=float,
         default=0.0,
-        help="the gateways' --max-decision-lag-ms (0: the gate off, their default)",
+        help="the gateways' --max-lateness-ms (0: the gate off, their default)",
     )
     p.add_argument("--layouts", default="1x1,2x2", help="conductors x admissions, comma list")
     p.add_argument("--warmup", type=int, default=20)

@@ -277,10 +277,10 @@ INFLIGHT_REJECTIONS = Counter(
     registry=None,
 )
 
-DECISION_LAG_REJECTIONS = Counter(
-    P + "gateway_requests_over_decision_lag",
-    "Requests the gateway answered 429 because the control plane was behind its "
-    "placement decisions (--max-decision-lag-ms).",
+LATENESS_REJECTIONS = Counter(
+    P + "gateway_requests_over_lateness",
+    "Requests the gateway answered 429 because a first token was overdue by more than "
+    "--max-lateness-ms (the stack behind its own estimates).",
     registry=None,
 )
 
@@ -427,7 +427,7 @@ GROUPS: dict[str, list[Any]] = {
         IN_FLIGHT,
         MAX_INFLIGHT,
         INFLIGHT_REJECTIONS,
-        DECISION_LAG_REJECTIONS,
+        LATENESS_REJECTIONS,
         STATE_ENTRIES,
         INTAKE_BYPASSES,
         INSTANCE_RESTARTS,

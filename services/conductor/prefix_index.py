@@ -308,7 +308,8 @@ class PrefixIndex:
         if isinstance(v, int):
             del holders[h]
         elif isinstance(v, tuple):
-            rest = tuple(x for x in v if x != nid)
+            at = v.index(nid)
+            rest = v[:at] + v[at + 1 :]
             if len(rest) > 1:
                 holders[h] = rest
             elif rest:

@@ -21,7 +21,7 @@ from services.gateway.connections import raise_fd_limit
 from services.gateway.server import Gateway, GatewayConfig
 
 # The deployment's setting for every gateway (perigee up and the benches set it this way).
-DECISION_LAG_ENV = "PERIGEE_MAX_DECISION_LAG_MS"
+LATENESS_ENV = "PERIGEE_MAX_LATENESS_MS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,11 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="generation requests served at once; the next gets 429 + Retry-After",
     )
     ap.add_argument(
-        "--max-decision-lag-ms",
+        "--max-lateness-ms",
         type=float,
-        default=float(os.environ.get(DECISION_LAG_ENV) or 0),
-        help="answer 429 + Retry-After while the oldest request waiting for its placement "
-        f"has waited longer than this (0: never; default ${DECISION_LAG_ENV} or 0)",
+        default=float(os.environ.get(LATENESS_ENV) or 0),
+        help="answer 429 + Retry-After while a request's first token is overdue by more "
+        "than this (unplaced: since sent; placed: since the conductor's TTFT estimate); "
+        f"0: never; default ${LATENESS_ENV} or 0",
     )
     ap.add_argument(
         "--request-timeout",
@@ -186,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
-        max_decision_lag_s=args.max_decision_lag_ms / 1e3,
+        max_lateness_s=args.max_lateness_ms / 1e3,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
         wedge_factor=args.wedge_factor,

@@ -60,7 +60,7 @@ from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.common.tasks import cancel_and_wait
 from services.gateway import resend
-from services.gateway.decision_lag import DecisionLag
+from services.gateway.lateness import Lateness
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
 
@@ -185,7 +185,7 @@ class ReplyRouter:
         self._cancelling: set[asyncio.Task] = set()
         self.cancels_acked = 0  # targeted cancels every holder acknowledged
         self.cancel_sends = 0  # CancelRequest messages published
-        self.undecided = DecisionLag()  # sent, not yet placed or answered
+        self.lateness = Lateness()  # requests waiting for their first token, and when due
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(
@@ -249,7 +249,7 @@ class ReplyRouter:
         return self.watchdog.placement(request_id)
 
     def close_request(self, request_id: str) -> None:
-        self.undecided.decided(request_id)
+        self.lateness.done(request_id)
         f = self._flights.pop(request_id, None)
         if f is not None:
             self._routes.pop(f.current, None)
@@ -283,7 +283,7 @@ class ReplyRouter:
         f = self._flights.get(req.request_id)
         if f is not None:
             f.request = req
-        self.undecided.sent(req.request_id, self.watchdog.clock.now())
+        self.lateness.sent(req.request_id, self.watchdog.clock.now())
         await self._dispatch(req)
 
     async def _dispatch(self, req: GenerateRequest) -> None:
@@ -501,7 +501,6 @@ class ReplyRouter:
             log.warning("bad_stream_event", request_id=rid, error=str(e))
             return
         wd = self.watchdog
-        self.undecided.decided(rid)  # any event of it: the control plane has answered
         if self._lost_before(f, ev):
             # Events before this one never came (a NATS server died with them in
             # flight): showing it would cut tokens out of the stream, so it goes on
@@ -513,6 +512,10 @@ class ReplyRouter:
                 )
             )
             return
+        if type(ev) is Accepted:
+            self.lateness.placed(rid, wd.clock.now(), ev.est_ttft_s)
+        else:  # its first token, its end or its failure: it owes nothing more
+            self.lateness.done(rid)
         if type(ev) is Tokens:
             wd.tokens(rid, ev.from_prefill, ev.incarnation)
             ev = self._note_tokens(f, ev)

@@ -146,12 +146,12 @@ class GatewayConfig:
     content_special_tokens: bool = False
     # vLLM's tool parser for tool_choice "auto" (--tool-call-parser); None: auto refused.
     tool_call_parser: str | None = None
-    # A new request gets 429 while the oldest request still waiting for admission's and
-    # the conductor's decision has waited longer than this (the control plane is behind:
-    # services.gateway.decision_lag); 0: never. Off by default: a restarting admission
-    # also leaves requests undecided (the durable intake keeps them), and those should
-    # not turn the next requests away.
-    max_decision_lag_s: float = 0.0
+    # A new request gets 429 while a request waiting for its first token is overdue by
+    # more than this: unplaced, since it was sent; placed, since the conductor's TTFT
+    # estimate (the stack is behind its own promises: services.gateway.lateness);
+    # 0: never. Off by default: a restarting admission also leaves requests waiting (the
+    # durable intake keeps them), and those should not turn the next requests away.
+    max_lateness_s: float = 0.0
 
 
 class Gateway:
@@ -497,15 +497,15 @@ class Gateway:
                     headers={"Retry-After": "1"},
                 )
             )
-        lag = self.router.undecided.age(self.watchdog.clock.now())
-        if self.cfg.max_decision_lag_s and lag > self.cfg.max_decision_lag_s:
-            metrics.DECISION_LAG_REJECTIONS.inc()
+        late = self.router.lateness.overdue(self.watchdog.clock.now())
+        if self.cfg.max_lateness_s and late > self.cfg.max_lateness_s:
+            metrics.LATENESS_REJECTIONS.inc()
             telemetry.rejected(self.cfg.served_model_name, 429)
             return error_response(
                 ApiError(
                     429,
-                    f"the control plane is {lag * 1e3:.0f} ms behind its placement decisions "
-                    f"(limit {self.cfg.max_decision_lag_s * 1e3:.0f} ms); retry shortly",
+                    f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
+                    f"(limit {self.cfg.max_lateness_s * 1e3:.0f} ms); retry shortly",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": "1"},
                 )

@@ -384,6 +384,11 @@ class VllmEngine(Engine):
         except asyncio.CancelledError:
             await self._abort_and_wait(rid)
             raise
+        if plan.error is not None:
+            # A connector hook failed, the load perhaps (the engine drops the request):
+            # raised here, so that no other sequence of the request is added to share
+            # the pages it left.
+            raise EngineError(f"{type(plan.error).__name__}: {plan.error}")
         return stream
 
     def _sampling(self, s: SamplingParams, max_tokens: int, key: str | None, **role: Any) -> Any:

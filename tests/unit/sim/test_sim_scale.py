@@ -2,6 +2,7 @@
 and give exactly what reporting every instance gives; the trace copies of
 ``perigee sim repro scale``."""
 
+import gc
 import json
 import random
 
@@ -112,6 +113,19 @@ def test_a_decision_reports_what_changed_not_the_cluster():
     full = Simulator(trace, SimConfig(prefill=40, decode=40, incremental_reports=False))
     assert count_reports(full) == [80] * 12
     assert outcome(full) == outcome(sim)
+
+
+def test_a_run_keeps_the_collector_off_what_existed_before_it():
+    """While it runs, what existed before (trace, requests, cluster) is frozen out of
+    the cyclic collector's scans and a young collection waits for 50,000 new objects
+    (a large run's full collections would scan its whole heap); both restored after."""
+    before = gc.get_threshold()
+    sim = Simulator(random_trace(20, 0), SimConfig(prefill=2, decode=2))
+    seen: list[tuple[int, int]] = []
+    sim.hooks.append(lambda: seen.append((gc.get_threshold()[0], gc.get_freeze_count())))
+    sim.run()
+    assert seen and all(t >= 50_000 and frozen > 0 for t, frozen in seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
 
 
 def test_incremental_reports_stay_off_where_a_report_is_not_idempotent():

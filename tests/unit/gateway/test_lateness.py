@@ -1,0 +1,147 @@
+"""The stack behind its own promises (services.gateway.lateness): a new request gets
+429 + Retry-After while a request's first token is overdue by more than
+--max-lateness-ms (not placed: since it was sent; placed: since the conductor's TTFT
+estimate); its first token, end or failure ends what it owes; off by default.
+
+On a real nats-server with a fake admission that answers only when the test says;
+time is the gateway's injected clock, moved by hand."""
+
+import asyncio
+
+import aiohttp
+import nats
+import pytest
+
+from bus_schemas.requests import Accepted, Tokens
+from services.common.clock import ManualClock
+from services.gateway.lateness import Lateness
+from services.gateway.server import Gateway, GatewayConfig
+from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, until
+
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_the_most_overdue_request_sets_the_lateness():
+    late = Lateness()
+    assert late.overdue(5.0) == 0.0
+    late.sent("a", 1.0)
+    late.sent("b", 2.0)
+    late.sent("a", 3.0)  # a resend keeps what it owed
+    assert late.overdue(4.0) == 3.0 and len(late) == 2
+    late.placed("a", 4.0, est_ttft_s=2.0)  # due at 6
+    assert late.overdue(4.5) == 2.5  # b, unplaced since 2
+    late.done("b")
+    assert late.overdue(4.5) == 0.0  # a is not due yet
+    assert late.overdue(7.0) == 1.0
+    late.placed("gone", 7.0, 1.0)  # never sent (or already done): nothing owed
+    late.done("a")
+    late.done("never-sent")
+    assert late.overdue(100.0) == 0.0 and len(late) == 0
+
+
+def test_stale_heap_entries_stay_bounded():
+    late = Lateness()
+    for i in range(10_000):
+        late.sent("r", float(i))
+        late.placed("r", float(i), 0.5)
+        late.done("r")
+        late.sent(f"k{i % 3}", float(i))
+    assert len(late) == 3
+    assert len(late._heap) <= 4 * len(late) + 64 + 1
+    assert late.overdue(10_000.0) == 10_000.0  # k0, k1, k2 were first sent at 0, 1, 2
+
+
+@pytest.fixture
+async def make(nats_url):
+    made = []
+
+    async def build(max_lateness_s: float):
+        clock = ManualClock()
+        cfg = GatewayConfig(
+            port=0,
+            durable_intake=False,
+            max_prompt_tokens=64,
+            max_tokens_limit=100,
+            max_model_len=128,
+            sweep_interval_s=0,
+            migration_limit=0,
+            max_lateness_s=max_lateness_s,
+        )
+        nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
+        gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
+
+        async def hold(b, req, reply):  # answered only when the test says
+            return None
+
+        backend = await FakeBackend(nc_be, hold).start()
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+        made.append((gw, http, [nc_gw, nc_be]))
+        return gw, backend, http, clock
+
+    yield build
+    for gw, http, ncs in made:
+        await http.close()
+        await gw.close(0.5)
+        for nc in ncs:
+            await nc.close()
+
+
+async def post(http, gw):
+    async with http.post(f"http://127.0.0.1:{gw.port}/v1/chat/completions", json=HI) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+def accepted(req, est: float) -> Accepted:
+    return Accepted(
+        request_id=req.request_id, prefill_instance="p0", decode_instance="d0", est_ttft_s=est
+    )
+
+
+async def refused(http, gw, backend) -> str:
+    status, headers, body = await post(http, gw)
+    assert status == 429 and headers["Retry-After"] == "1", (status, body)
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert backend.requests.empty()  # turned away before it reached the bus
+    return body["error"]["message"]
+
+
+async def test_overdue_first_tokens_turn_new_requests_away(make):
+    gw, backend, http, clock = await make(max_lateness_s=0.05)
+    waiting = [asyncio.ensure_future(post(http, gw))]
+    r1, reply1 = await backend.requests.get()
+    clock.advance(0.04)  # within the limit: the next request is sent too
+    waiting.append(asyncio.ensure_future(post(http, gw)))
+    r2, reply2 = await backend.requests.get()
+    clock.advance(0.02)  # r1 unplaced for 0.06 s
+    assert "60 ms overdue" in await refused(http, gw, backend)
+    # Both placed with a 1 s estimate: nothing is due for a second, requests go through.
+    await backend.send(reply1, accepted(r1, 1.0))
+    await backend.send(reply2, accepted(r2, 1.0))
+    await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
+    waiting.append(asyncio.ensure_future(post(http, gw)))
+    r3, reply3 = await backend.requests.get()
+    await backend.send(reply3, accepted(r3, 5.0))
+    await until(lambda: gw.router.lateness._due.get(r3.request_id, 0) > clock.now())
+    clock.advance(1.1)  # r1 and r2 placed, first tokens 0.1 s past their estimates
+    assert "100 ms overdue" in await refused(http, gw, backend)
+    # Their first tokens come: r3 is not due for another 3.9 s.
+    await backend.send(reply1, Tokens(request_id=r1.request_id, token_ids=[5], index=0))
+    await backend.send(reply2, Tokens(request_id=r2.request_id, token_ids=[5], index=0))
+    await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
+    waiting.append(asyncio.ensure_future(post(http, gw)))
+    await backend.requests.get()  # sent, not refused
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_off_by_default(make):
+    gw, backend, http, clock = await make(max_lateness_s=0.0)
+    held = asyncio.ensure_future(post(http, gw))
+    await backend.requests.get()
+    clock.advance(3600.0)
+    second = asyncio.ensure_future(post(http, gw))
+    await backend.requests.get()  # an hour overdue, and still sent
+    for t in (held, second):
+        t.cancel()
+    await asyncio.gather(held, second, return_exceptions=True)
