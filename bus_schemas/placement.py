@@ -58,7 +58,7 @@ class PrefillTask(Msg):
     # False: the decode instance emits the first token once the KV has landed (the
     # paper's baseline admission, which may still reject the request at decode).
     stream_first_token: bool = True
-    # Chunked pipeline parallelism (services.conductor.cpp): the group's instances in
+    # Chunked pipeline parallelism (services.policy.chunk_timing): the group's instances in
     # pipeline order, this one (the anchor, which holds the request's transactions)
     # among them, and the chunk size. Empty: the instance computes it alone.
     cpp_stages: list[str] = []

@@ -192,7 +192,7 @@ class SamplingParams(Msg):
 
 class Migration(Msg):
     """Marks a GenerateRequest that continues an accepted request whose prefill or decode
-    instance died (the gateway resends it; services.gateway.migration). Its prompt is
+    instance died (the gateway resends it; services.gateway.resend). Its prompt is
     the original prompt followed by the ``resumed_tokens`` tokens the client already
     has, so placement finds the prompt's KV in the stores and only the rest is
     recomputed. Admission passes it through (it was accepted once) and the conductor

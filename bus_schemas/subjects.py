@@ -54,7 +54,7 @@ def prefill_tasks(instance: str) -> str:
 
 def cpp_stage(instance: str, op: str) -> str:
     """Where a pipeline's anchor opens (``op`` "open") and runs ("run") ``instance``'s
-    stage (bus_schemas.cpp)."""
+    stage (bus_schemas.pipeline_stages)."""
     return f"{NS}.prefill.{instance}.cpp.{op}"
 
 

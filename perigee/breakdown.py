@@ -70,7 +70,7 @@ ROOT = "gateway.request"
 
 
 @dataclass
-class Request:
+class TracedRequest:
     """One request's trace split into the stages of the paper's Fig. 22."""
 
     trace_id: str
@@ -139,7 +139,7 @@ def _first(spans: list[dict], name: str) -> dict | None:
     return min(found, key=lambda s: s["start_ns"]) if found else None
 
 
-def breakdown(spans: list[dict]) -> Request | None:
+def breakdown(spans: list[dict]) -> TracedRequest | None:
     """One request's stages from its trace; None if the trace is not a complete request
     (no gateway span, or it never reached prefill and decode)."""
     root = _first(spans, ROOT)
@@ -175,7 +175,7 @@ def breakdown(spans: list[dict]) -> Request | None:
     stages = {s: stages[s] for s in STAGES}
     ttft = points[order.index("first_token") + 1] - points[0]
     ship = _first(spans, "prefill.ship")
-    return Request(
+    return TracedRequest(
         trace_id=root["trace_id"],
         request_id=str(a.get("gen_ai.response.id", "")),
         status=int(a.get("http.response.status_code", 200)),
@@ -190,7 +190,7 @@ def breakdown(spans: list[dict]) -> Request | None:
     )
 
 
-def requests_from(spans: Iterable[dict]) -> list[Request]:
+def requests_from(spans: Iterable[dict]) -> list[TracedRequest]:
     out = [r for t in by_trace(spans).values() if (r := breakdown(t)) is not None]
     return sorted(out, key=lambda r: (r.start_ns, r.trace_id))
 
@@ -209,9 +209,9 @@ def length_class(tokens: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, tokens))))
 
 
-def groups(reqs: list[Request], high: float = 0.5) -> list[dict]:
+def groups(reqs: list[TracedRequest], high: float = 0.5) -> list[dict]:
     """Mean stages per (prompt length class, prefix hit class), successful requests only."""
-    bins: dict[tuple[int, str], list[Request]] = defaultdict(list)
+    bins: dict[tuple[int, str], list[TracedRequest]] = defaultdict(list)
     for r in reqs:
         if r.status == 200:
             bins[(length_class(r.prompt_tokens), hit_class(r.hit, high))].append(r)
@@ -243,7 +243,7 @@ def _ms(ns_or_s: float, seconds: bool = False) -> str:
     return f"{(ns_or_s * 1e3 if seconds else ns_or_s / 1e6):9.2f}"
 
 
-def render(reqs: list[Request], grps: list[dict], limit: int = 20) -> str:
+def render(reqs: list[TracedRequest], grps: list[dict], limit: int = 20) -> str:
     head = "".join(f"{s[:9]:>10}" for s in STAGES)
     lines = [f"{len(reqs)} requests; stages in ms (critical path; they add up to e2e)", ""]
     lines.append(f"{'request':<22}{'prompt':>7}{'hit':>6}{head}{'ttft':>10}{'e2e':>10}")

@@ -43,7 +43,7 @@ from typing import TypeVar
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.stack import ROOT, Child, Stack, StackConfig, StartAborted
-from services.store.auth import ENV as DATA_KEY_ENV
+from services.transfer.data_auth import ENV as DATA_KEY_ENV
 
 SUBNET = "10.77.0"  # /24, assigned only inside the namespaces built here
 NETNS_DIR = Path("/run/netns")

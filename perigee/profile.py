@@ -168,7 +168,7 @@ async def profile_decode_engine(
 
 
 @dataclass
-class Outcome:
+class ProfileOutcome:
     """One profiled request: its seconds and cached tokens, or its error."""
 
     seconds: float
@@ -192,7 +192,7 @@ class BusTarget:
     async def __aexit__(self, *exc) -> None:
         await self.nc.close()
 
-    async def generate(self, ids: list[int]) -> Outcome:
+    async def generate(self, ids: list[int]) -> ProfileOutcome:
         from bus_schemas import subjects
         from bus_schemas.codec import encode
         from bus_schemas.requests import (
@@ -225,9 +225,9 @@ class BusTarget:
                 elif isinstance(ev, Tokens) and first is None:
                     first = self.now() - t0
                 elif isinstance(ev, Error):
-                    return Outcome(0.0, 0, f"{int(ev.code)} {ev.message}")
+                    return ProfileOutcome(0.0, 0, f"{int(ev.code)} {ev.message}")
                 elif isinstance(ev, Finished):
-                    return Outcome(first if first is not None else self.now() - t0, cached)
+                    return ProfileOutcome(first if first is not None else self.now() - t0, cached)
         finally:
             await sub.unsubscribe()
 
@@ -248,16 +248,16 @@ class HttpTarget:
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
 
-    async def generate(self, ids: list[int]) -> Outcome:
+    async def generate(self, ids: list[int]) -> ProfileOutcome:
         body = {"prompt": ids, "max_tokens": 1, "ignore_eos": True}
         t0 = self.now()
         async with self.session.post(self.url + "/v1/completions", json=body) as r:
             data = await r.json(content_type=None)
             dt = self.now() - t0
         if r.status != 200:
-            return Outcome(0.0, 0, f"HTTP {r.status}: {data}")
+            return ProfileOutcome(0.0, 0, f"HTTP {r.status}: {data}")
         cached = data.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        return Outcome(dt, int(cached or 0))
+        return ProfileOutcome(dt, int(cached or 0))
 
 
 async def profile_live(

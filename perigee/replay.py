@@ -28,7 +28,7 @@ from services.common import defaults
 
 
 @dataclass
-class Outcome:
+class ReplayOutcome:
     """One replayed request: status, TTFT, token gaps and counts, or its error."""
 
     ok: bool
@@ -61,7 +61,7 @@ class Outcome:
 
 async def send(
     http, url: str, model: str, prompt: list[int], max_tokens: int, headers: dict
-) -> Outcome:
+) -> ReplayOutcome:
     body = {
         "model": model,
         "prompt": prompt,
@@ -73,7 +73,7 @@ async def send(
     }
     t0 = time.perf_counter()
     last = None
-    out = Outcome(ok=False, expected_tokens=max_tokens)
+    out = ReplayOutcome(ok=False, expected_tokens=max_tokens)
     try:
         async with http.post(url.rstrip("/") + "/v1/completions", json=body, headers=headers) as r:
             out.status = r.status
@@ -152,7 +152,7 @@ async def replay(
     max_output: int,
     api_key: str | None,
     progress: bool = True,
-) -> tuple[list[Outcome], float]:
+) -> tuple[list[ReplayOutcome], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
@@ -163,7 +163,7 @@ async def replay(
         t_start = time.perf_counter()
         base = reqs[0].timestamp_s if reqs else 0.0
 
-        async def one(r: TraceRequest) -> Outcome:
+        async def one(r: TraceRequest) -> ReplayOutcome:
             delay = t_start + (r.timestamp_s - base) / speedup - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -178,7 +178,7 @@ async def replay(
     return list(outs), wall
 
 
-def summarize(outs: list[Outcome], wall_s: float, ttft_slo: float, tbt_slo: float) -> dict:
+def summarize(outs: list[ReplayOutcome], wall_s: float, ttft_slo: float, tbt_slo: float) -> dict:
     done = [o for o in outs if o.ok and not o.cut]
     ttfts = [o.ttft_s for o in done]
     tbts = [o.tbt_s for o in done]

@@ -24,7 +24,7 @@ LOCK_NAME = "perigee.lock"
 ENV_NAME = "env"
 
 
-class Refused(RuntimeError):
+class RunCollision(RuntimeError):
     """The run would collide with another one (its port or its log directory)."""
 
 
@@ -36,7 +36,7 @@ class RunLock:
         self._fd: int | None = None
 
     def acquire(self, url: str = "") -> "RunLock":
-        """Take the lock or raise :class:`Refused` naming the run that holds it."""
+        """Take the lock or raise :class:`RunCollision` naming the run that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -45,7 +45,7 @@ class RunLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
-            raise Refused(
+            raise RunCollision(
                 f"another perigee run{self._holder()} is using the log directory "
                 f"{self.path.parent}: stop it, or give this one another --log-dir"
             ) from None
@@ -90,7 +90,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 def check_port(host: str, port: int, flag: str = "--port") -> None:
     if port_in_use(host, port):
-        raise Refused(
+        raise RunCollision(
             f"port {port} on {host} is already in use (another perigee up, or another "
             f"server): give this one another port with {flag} N"
         )

@@ -38,8 +38,8 @@ from perigee.supervise import RestartPolicy, SupervisedEvent, Supervisor
 from services.common import admission_mode, bus, defaults, shared_flags
 from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
-from services.store.auth import ENV as DATA_KEY_ENV
-from services.store.auth import new_key as new_data_key
+from services.transfer.data_auth import ENV as DATA_KEY_ENV
+from services.transfer.data_auth import new_key as new_data_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +191,7 @@ class Stack:
             or str(log_dir / "spans.jsonl")
         )
         self.metrics_targets_file = log_dir / "metrics-targets.json"
-        # The data plane's key for this run (services.store.auth), like the NATS passwords:
+        # The data plane's key for this run (services.transfer.data_auth), like the NATS passwords:
         # every store and worker gets it; a restarted service gets the same one.
         self.data_key = os.environ.get(DATA_KEY_ENV) or new_data_key()
         # Held from before anything is written into log_dir until stop() (perigee.rundir).

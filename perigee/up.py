@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from perigee import models, up_flags
 from perigee.models import TINY_NAME
-from perigee.rundir import Refused
+from perigee.rundir import RunCollision
 from perigee.stack import Stack, StackConfig, StartAborted, default_slos
 from perigee.supervise import RestartPolicy
 from services.common import admission_mode
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
         return 0
-    except Refused as e:  # nothing was started nor written
+    except RunCollision as e:  # nothing was started nor written
         print(f"perigee up: refused: {e}", file=sys.stderr, flush=True)
         return 1
     except (RuntimeError, TimeoutError) as e:  # start() stopped what it had started

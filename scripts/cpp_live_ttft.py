@@ -6,7 +6,7 @@ instances (``--prefill``), one decode instance, and the simulator's estimate bes
 
 Each run sends a fresh prompt (no cached prefix) alone and times the first streamed
 token (TTFT) at the client. The estimate is the conductor's prior model through
-services.conductor.cpp.pipeline_timing (X = 1: one instance's chunked prefill).
+services.policy.chunk_timing.pipeline_timing (X = 1: one instance's chunked prefill).
 """
 
 import argparse
@@ -23,13 +23,13 @@ import nats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bus_schemas import subjects  # noqa: E402
+from bus_schemas import subjects
 from bus_schemas.codec import decode  # noqa: E402
 from bus_schemas.load import WorkerStats  # noqa: E402
 from perigee.natsd import free_port  # noqa: E402
 from perigee.stack import Stack, StackConfig  # noqa: E402
 from services.common.cost_model import CostModel  # noqa: E402
-from services.conductor import cpp  # noqa: E402
+from services.policy import chunk_timing
 
 
 async def ttft(url: str, ids: list[int]) -> tuple[float, bool]:
@@ -76,7 +76,7 @@ def main() -> int:
     out: dict = {"setup": vars(a), "groups": {}}
     rng = random.Random(0)
     for x in a.groups:
-        est = cpp.pipeline_timing([cost] * x, a.tokens, 0, a.chunk).ttft_s
+        est = chunk_timing.pipeline_timing([cost] * x, a.tokens, 0, a.chunk).ttft_s
         with tempfile.TemporaryDirectory() as tmp:
             cfg = StackConfig(
                 port=free_port(),

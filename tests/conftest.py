@@ -3,11 +3,11 @@ import os
 import pytest
 
 from perigee.natsd import NatsServer
-from services.store import auth
+from services.transfer import data_auth
 
 # One data key for the session: stores the tests start and the clients in this process
 # share it, as a run's services do (perigee up draws one per run).
-os.environ.setdefault(auth.ENV, auth.new_key())
+os.environ.setdefault(data_auth.ENV, data_auth.new_key())
 
 
 @pytest.fixture(scope="session")

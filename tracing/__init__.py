@@ -1,6 +1,6 @@
 """OpenTelemetry for perigee: one tracer provider per process, W3C trace context
 carried in NATS headers (:func:`services.common.bus.publish`) and in the ZeroMQ
-data-plane headers (``trace`` of :mod:`services.store.wire` requests).
+data-plane headers (``trace`` of :mod:`services.transfer.wire` requests).
 
 The exporters follow the standard variables (see :mod:`tracing.setup`):
 ``OTEL_TRACES_EXPORTER`` = ``jsonl`` (default: one span per line in

@@ -37,7 +37,7 @@ from bus_schemas import subjects
 from perigee import models
 from perigee.bench.stats import percentile
 from perigee.natsd import free_port
-from perigee.replay import Outcome, send
+from perigee.replay import ReplayOutcome, send
 from perigee.stack import Stack, StackConfig
 from perigee.supervise import RestartPolicy, SupervisedEvent
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, TraceRequest, load_trace, spread_ties
@@ -54,7 +54,7 @@ class Sent:
 
     t_send: float  # perf_counter
     t_end: float
-    outcome: Outcome
+    outcome: ReplayOutcome
     hung: bool = False
 
 
@@ -97,7 +97,7 @@ async def replay_slice(
                 )
                 return Sent(t, time.perf_counter(), o)
             except TimeoutError:
-                o = Outcome(ok=False, status=-1, expected_tokens=n_out, error="no answer")
+                o = ReplayOutcome(ok=False, status=-1, expected_tokens=n_out, error="no answer")
                 return Sent(t, time.perf_counter(), o, hung=True)
 
         return list(await asyncio.gather(*(one(r) for r in reqs)))

@@ -24,7 +24,7 @@ from perigee.bench.stats import percentile
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.conductor import placement_round
-from services.conductor.policy import PlacementPolicy, PlacementRequest
+from services.conductor.placement_policy import PlacementPolicy, PlacementRequest
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.shadow import ShadowView
 

@@ -70,9 +70,11 @@ def _store(
     capacity: int,
     log_dir: str,
 ) -> subprocess.Popen:
-    from services.store import auth
+    from services.transfer import data_auth
 
-    os.environ.setdefault(auth.ENV, auth.new_key())  # both stores (and this process) share it
+    os.environ.setdefault(
+        data_auth.ENV, data_auth.new_key()
+    )  # both stores (and this process) share it
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "none", "PYTHONUNBUFFERED": "1"}
     with open(os.path.join(log_dir, f"{node}.log"), "wb") as log:
         return subprocess.Popen(
@@ -188,7 +190,7 @@ async def _run(
 ) -> tuple[dict, dict, str, dict, dict]:
     import nats
 
-    from services.store.client import StoreClient
+    from services.store.client.store_client import StoreClient
 
     sizes = {t: -(-t // BLOCK_TOKENS) for t in tokens}  # tokens -> blocks
     top = max(sizes.values()) * block_bytes

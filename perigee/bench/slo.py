@@ -33,7 +33,7 @@ from pathlib import Path
 
 from perigee import models, up
 from perigee.natsd import free_port
-from perigee.replay import Outcome, replay, summarize
+from perigee.replay import ReplayOutcome, replay, summarize
 from perigee.stack import Stack, StackConfig, default_slos
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, load_trace, spread_ties
 from services.common.model_spec import ModelSpec
@@ -41,7 +41,12 @@ from services.engine.vllm import options as vllm_options
 
 
 def run_row(
-    system: str, speed: float, outs: list[Outcome], wall: float, ttft_slo: float, tbt_slo: float
+    system: str,
+    speed: float,
+    outs: list[ReplayOutcome],
+    wall: float,
+    ttft_slo: float,
+    tbt_slo: float,
 ) -> dict:
     s = summarize(outs, wall, ttft_slo, tbt_slo)
     return {

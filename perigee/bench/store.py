@@ -3,9 +3,9 @@
 perigee: a nats-server, one store process (``python -m services.store``) and this
 process as the client: every put and get is one request/reply on the store's ZeroMQ
 data plane, the value copied into / out of the store's shared-memory arena. Measured
-with the blocking :class:`~services.store.objects.SyncObjectClient` ("perigee", the
+with the blocking :class:`~services.store.client.object_client.SyncObjectClient` ("perigee", the
 same shape as Mooncake's Python API) and with the asyncio
-:class:`~services.store.objects.ObjectClient` ("perigee-async").
+:class:`~services.store.client.object_client.ObjectClient` ("perigee-async").
 
 Mooncake (same run, same sizes and counts, when a Python that imports ``mooncake``
 is found): ``mooncake_master`` (with its HTTP metadata server), one client process
@@ -33,7 +33,7 @@ from pathlib import Path
 from perigee.bench.stats import percentile
 from perigee.bench.transfer import find_mooncake_python
 from perigee.natsd import NatsServer, free_port
-from services.store import auth
+from services.transfer import data_auth
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,7 +157,7 @@ async def run_all(
     Mooncake chunk, so that both see the same load on a shared box."""
     import nats
 
-    from services.store.objects import ObjectClient, SyncObjectClient
+    from services.store.client.object_client import ObjectClient, SyncObjectClient
 
     ours: dict[int, dict[str, list[float]]] = {s: {"put": [], "get": []} for s in sizes}
     ours_async: dict[int, dict[str, list[float]]] = {s: {"put": [], "get": []} for s in sizes}
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mooncake-python", default=None)
     p.add_argument("--no-mooncake", action="store_true")
     args = p.parse_args(argv)
-    os.environ.setdefault(auth.ENV, auth.new_key())  # the store and this client share it
+    os.environ.setdefault(data_auth.ENV, data_auth.new_key())  # the store and this client share it
     sizes = [int(x) for x in args.sizes.split(",") if x]
     py = None if args.no_mooncake else find_mooncake_python(args.mooncake_python)
     why = "skipped" if args.no_mooncake else "mooncake is not importable here"

@@ -87,7 +87,7 @@ else:
 
 def _raw_sink(buf: memoryview) -> int:
     """Plain sockets: per connection, [offset, length] then that many bytes, then an ack."""
-    from services.store.transport.tcp.frames import recv_exact, tune
+    from services.transfer.backends.tcp.frames import recv_exact, tune
 
     lsock = socket.create_server(("127.0.0.1", 0), backlog=64)
 
@@ -113,7 +113,7 @@ def _raw_sink(buf: memoryview) -> int:
 
 
 def peer(size: int) -> int:
-    from services.store.transfer_api import TransferEngine
+    from services.transfer.batch_api import TransferEngine
 
     tcp = TransferEngine("tcp")
     tcp_rid, tcp_buf = tcp.allocate_managed_buffer(size)
@@ -145,7 +145,7 @@ def peer(size: int) -> int:
 
 def _connect(port: int, streams: int) -> list[socket.socket]:
     """``streams`` plain loopback connections, tuned as the engine tunes its own."""
-    from services.store.transport.tcp.frames import tune
+    from services.transfer.backends.tcp.frames import tune
 
     socks = []
     for _ in range(streams):
@@ -298,8 +298,8 @@ def bench(
 ) -> dict:
     """Per size: warm-up, then ``repeats`` rounds of tcp, raw_socket, memcpy, shm back to
     back (each round's ratios are kept: the paired ratios), then Mooncake's runs."""
-    from services.store.transfer_api import TransferEngine, TransferRequest
-    from services.store.transport import Opcode
+    from services.transfer.backends import Opcode
+    from services.transfer.batch_api import TransferEngine, TransferRequest
 
     top = max(sizes)
     proc = subprocess.Popen(
@@ -539,7 +539,7 @@ def main(argv: list[str]) -> int:
     py = None if args.no_mooncake else find_mooncake_python(args.mooncake_python)
     report = bench(sizes, max(1, args.repeats), max(1, args.streams), py, args.no_mooncake)
     report["mooncake_python"] = py
-    from services.store.transport import backends
+    from services.transfer.backends import backends
 
     report["backends"] = {k: {"ok": v.ok, "reason": v.reason} for k, v in backends().items()}
     print(render(report))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from bus_schemas.control import TxAllocate, TxDone, TxRole
 from perigee.trace import TRACE_BLOCK, TraceRequest
 from services.common.clock import ManualClock
-from services.store.block_pool import Allocation, BlockPool
+from services.store.pool.block_pool import Allocation, BlockPool
 
 
 def hit_rate(

@@ -12,7 +12,7 @@ import sys
 
 from perigee.trace import DEFAULT_TRACE, TRACE_BLOCK, load_trace
 from services.common import admission_mode, defaults
-from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
+from services.conductor.placement_policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 
 
 def admission_modes() -> list[str]:
@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpp-chunk-tokens",
         type=int,
         default=None,
-        help="the pipeline's prefill_chunk (default: services.conductor.cpp's)",
+        help="the pipeline's prefill_chunk (default: services.policy.chunk_timing's)",
     )
     p.add_argument("--balancing-threshold", type=float, default=DEFAULT_BALANCING_THRESHOLD)
     p.add_argument(
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = Simulator(trace, cfg, progress=not a.no_progress).run()
     s = summarize(sim)
     if a.cpp_group > 1:
-        from perigee.sim.cpp import ttft_buckets
+        from perigee.sim.pipeline_gang import ttft_buckets
 
         s["buckets"] = ttft_buckets({a.cpp_group: sim.requests})
         s["pipelined"] = len(sim.pipelined)

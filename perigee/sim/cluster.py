@@ -26,7 +26,7 @@ from bus_schemas.kv_events import EventBatch, KVEvent
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
 from services.conductor.prefix_index import PrefixIndex
-from services.store.block_pool import Allocation, BlockPool
+from services.store.pool.block_pool import Allocation, BlockPool
 
 LEASE_S = 1e12  # nothing expires in the simulator: every transaction is closed explicitly
 

@@ -11,7 +11,7 @@ Prefill instance (one GPU node, like ``services/prefill``)::
         --> handing over for ``handoff_s`` (0: none) --> free: on_free, next task
 
 A pipelined request (chunked pipeline parallelism) puts a :class:`StageTask` per chunk
-in its group's queues instead (:mod:`perigee.sim.cpp`): each is queued once its input
+in its group's queues instead (:mod:`perigee.sim.pipeline_gang`): each is queued once its input
 is there, and an instance that reaches it computes that chunk of its stage, so work
 queued meanwhile runs between two chunks.
 
@@ -51,8 +51,8 @@ import numpy as np
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from perigee.sim.cluster import Link
-from perigee.sim.cpp import StageTask
 from perigee.sim.events import EventLoop
+from perigee.sim.pipeline_gang import StageTask
 from perigee.sim.request import SimRequest
 from services.common.cost_model import CostModel
 from services.prefill.queue import PrefillQueue, compute_time

@@ -324,7 +324,7 @@ def plot_fig23(res: dict, labels: list[str], speeds, out: str) -> None:
 def cpp(
     trace, out: str, groups=(1, 2, 4), prefill: int = 8, decode: int = 8, speed: float = 1.0
 ) -> dict:
-    from perigee.sim.cpp import TTFT_THRESHOLD_S, ttft_buckets
+    from perigee.sim.pipeline_gang import TTFT_THRESHOLD_S, ttft_buckets
 
     res: dict = {
         "setup": f"{prefill}P{decode}D, replay x{speed:g}, early admission, "

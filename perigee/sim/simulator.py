@@ -50,12 +50,12 @@ from dataclasses import dataclass, field, replace
 from bus_schemas.control import Refused
 from bus_schemas.roles import Role
 from perigee.sim.cluster import Cluster, Link
-from perigee.sim.cpp import Gang
 from perigee.sim.events import EventLoop
 from perigee.sim.instances import DecodeInstance, PrefillInstance
+from perigee.sim.pipeline_gang import Gang
 from perigee.sim.request import SimRequest
 from perigee.trace import TRACE_BLOCK, PromptBuilder, TraceRequest
-from services.admission.policy import (
+from services.admission.admission_policy import (
     AdmissionPolicy,
     AdmissionRequest,
     make_admission_policy,
@@ -66,13 +66,13 @@ from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
-from services.conductor.cpp import DEFAULT_CHUNK_TOKENS, CppConfig
-from services.conductor.policy import (
+from services.conductor.placement_policy import (
     DEFAULT_BALANCING_THRESHOLD,
     PlacementPolicy,
     PlacementRequest,
 )
-from services.decode.side_check import DecodeSideCheck
+from services.policy.chunk_timing import DEFAULT_CHUNK_TOKENS, CppConfig
+from services.policy.decode_side_check import DecodeSideCheck
 
 # What the live stack (perigee.stack, mock engine, one host) adds to the cost model,
 # measured by scripts/measure_live_overheads.py in the configuration of
@@ -497,15 +497,15 @@ class Simulator:
         req.want = plan.wanted(req.source)
         self.inbound[p.decode_instance] = self.inbound.get(p.decode_instance, 0) + 1
         if p.cpp_stages:
-            # A pipeline's stages start at different times and perigee.sim.cpp reads the
+            # A pipeline's stages start at different times and perigee.sim.pipeline_gang reads the
             # prefix at push: its slots are reserved now, in one round.
             v = self._allocate(req)
-            if v.step is not plan.Step.DONE:
+            if v.step is not plan.ReservationStep.DONE:
                 self._unreserve(
                     req,
                     "conductor",
                     "store capacity"
-                    if v.step is plan.Step.WAIT
+                    if v.step is plan.ReservationStep.WAIT
                     else f"store unavailable ({v.detail})",
                 )
                 return
@@ -530,13 +530,13 @@ class Simulator:
 
     def _reserve_round(self, req: SimRequest, inst: PrefillInstance) -> None:
         v = self._allocate(req)
-        if v.step is plan.Step.WAIT and self.loop.now() < req.reserve_until:
+        if v.step is plan.ReservationStep.WAIT and self.loop.now() < req.reserve_until:
             self.loop.after(self.cfg.reserve_retry_s, self._reserve_round, req, inst)
             return
-        if v.step is not plan.Step.DONE:
+        if v.step is not plan.ReservationStep.DONE:
             why = (
                 f"no room in the store after {self.cfg.reserve_wait_s:g} s ({v.detail})"
-                if v.step is plan.Step.WAIT
+                if v.step is plan.ReservationStep.WAIT
                 else f"store unavailable ({v.detail})"
             )
             self._unreserve(req, "prefill", f"kv reservation failed: {why}")
@@ -545,7 +545,7 @@ class Simulator:
         self._granted(req)
         inst.compute(req)
 
-    def _allocate(self, req: SimRequest) -> plan.Verdict:
+    def _allocate(self, req: SimRequest) -> plan.ReservationVerdict:
         """One reservation round: TxAllocate what is still wanted, keep the grants."""
         todo = plan.jobs(
             prefill_node=req.prefill_node,

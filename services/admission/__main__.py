@@ -6,7 +6,7 @@ import sys
 import structlog
 from nats.aio.client import Client as NATS
 
-from services.admission.policy import ADMISSION_POLICIES
+from services.admission.admission_policy import ADMISSION_POLICIES
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.common import (
     admission_mode,

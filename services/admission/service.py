@@ -38,7 +38,7 @@ from bus_schemas.codec import BadMessage, encode
 from bus_schemas.control import RoleSwitch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode, GenerateRequest
-from services.admission.policy import (
+from services.admission.admission_policy import (
     AdmissionPolicy,
     AdmissionRequest,
     make_admission_policy,
@@ -296,7 +296,7 @@ class AdmissionService:
         # perigee.requests / perigee.intake) enters the control plane. Their number must
         # match the prompt's full blocks; their values are the client's to choose (a
         # salted chain shares nothing, perigee bench migration). The conductor trusts
-        # the field (services.conductor.policy.PlacementRequest.from_request says why).
+        # the field (services.conductor.placement_policy.PlacementRequest.from_request says why).
         try:
             hashes = hashes_for(req.prompt_token_ids, req.block_hashes, bs, bs)
         except ValueError as e:

@@ -21,7 +21,7 @@ _PODS = perms.Deployment(switchable=True)  # as perigee.natsauth.K8S: RoleSwitch
 ACCOUNT = "$G"  # the server's global account (no accounts in perigee's nats.conf)
 
 
-class Refused(Exception):
+class LoginRefused(Exception):
     """A login the callout refuses, with the reason the server logs."""
 
     pass
@@ -48,19 +48,19 @@ def decide(
 ) -> tuple[list[str], list[str]]:
     role, _, pod = user.partition("-")
     if role not in ROLES or not _POD.fullmatch(pod):
-        raise Refused(
+        raise LoginRefused(
             f"unknown login {user[:80]!r}: serving pods log in as worker-<pod> or store-<pod>"
         )
     try:
         who = verifier.verify(token)
     except TokenError as e:
-        raise Refused(f"token refused: {e}") from e
+        raise LoginRefused(f"token refused: {e}") from e
     if who.namespace != policy.namespace:
-        raise Refused(f"token of namespace {who.namespace!r}")
+        raise LoginRefused(f"token of namespace {who.namespace!r}")
     if who.service_account not in policy.accounts.get(role, frozenset()):
-        raise Refused(f"service account {who.service_account!r} may not log in as {role}")
+        raise LoginRefused(f"service account {who.service_account!r} may not log in as {role}")
     if who.pod != pod:
-        raise Refused(f"token of pod {who.pod!r} presented for {pod!r}")
+        raise LoginRefused(f"token of pod {who.pod!r} presented for {pod!r}")
     return permissions(user, pod)
 
 
@@ -112,7 +112,7 @@ def respond(
             },
             issuer,
         )
-    except Refused as e:
+    except LoginRefused as e:
         reason = str(e)
         body["error"] = reason
     response = natsjwt.encode(

@@ -42,7 +42,7 @@ SERVICES = ("services.admission", "services.conductor", "services.prefill", "ser
 class Behaviour:
     """What each service does in one mode."""
 
-    admission_policy: str  # services.admission.policy.ADMISSION_POLICIES name
+    admission_policy: str  # services.admission.admission_policy.ADMISSION_POLICIES name
     placement_tbt_check: bool  # the conductor rejects a placement over the TBT SLO
     decode_gate: bool  # a decode instance rejects a prefilled request over the TBT SLO
 

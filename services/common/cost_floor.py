@@ -1,5 +1,5 @@
 """Lower bounds on what any instance's cost model predicts, kept as instances' models
-change: a pruned placement search (services.conductor.policy) stops looking once even
+change: a pruned placement search (services.conductor.placement_policy) stops looking once even
 the fastest conceivable instance could not beat the best one found.
 
 Pure. :class:`CostFloor` belongs to a :class:`~services.common.calibration.CalibrationBook`

@@ -13,5 +13,5 @@ DEAD_AFTER_S = 2.0
 # How often a worker reports its load (--report-interval; the simulator's timed reports).
 REPORT_INTERVAL_S = 0.1
 # A load report covers a dispatch only when generated this long after it: the task's time
-# on the bus (services.conductor.policy.PlacementPolicy.report_grace_s).
+# on the bus (services.conductor.placement_policy.PlacementPolicy.report_grace_s).
 REPORT_GRACE_S = 0.05

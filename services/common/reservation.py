@@ -94,7 +94,7 @@ def wanted(source: PrefixSource | None) -> set[str]:
     return {PREFILL, DECODE} | ({SOURCE} if source is not None else set())
 
 
-class Step(Enum):
+class ReservationStep(Enum):
     """What a reservation round leads to: done, wait for room, or fail."""
 
     DONE = "done"  # everything wanted is granted
@@ -103,29 +103,29 @@ class Step(Enum):
 
 
 @dataclass(frozen=True)
-class Verdict:
+class ReservationVerdict:
     """A reservation round's outcome: the next step and whether to drop the remote prefix."""
 
-    step: Step
+    step: ReservationStep
     drop_source: bool  # the holder refused or is gone: compute its prefix here
     detail: str = ""  # what refused, for the error or the log
 
 
-def next_step(refused: dict[str, str], failed: dict[str, str]) -> Verdict:
+def next_step(refused: dict[str, str], failed: dict[str, str]) -> ReservationVerdict:
     """What one round's refusals (role -> reason) and failures (role -> error) mean."""
     drop = SOURCE in refused or SOURCE in failed
     refused = {k: v for k, v in refused.items() if k != SOURCE}
     failed = {k: v for k, v in failed.items() if k != SOURCE}
     detail = "; ".join(f"{k}: {v}" for k, v in {**refused, **failed}.items())
     if failed or any(r != CAPACITY for r in refused.values()):
-        return Verdict(Step.FAIL, drop, detail)
+        return ReservationVerdict(ReservationStep.FAIL, drop, detail)
     if refused:
-        return Verdict(Step.WAIT, drop, ", ".join(sorted(refused)))
-    return Verdict(Step.DONE, drop)
+        return ReservationVerdict(ReservationStep.WAIT, drop, ", ".join(sorted(refused)))
+    return ReservationVerdict(ReservationStep.DONE, drop)
 
 
 @dataclass(frozen=True)
-class Grant:
+class ReservationGrant:
     """What the granted transactions mean for the compute."""
 
     prefix_blocks: int  # leading blocks on the prefill node before compute
@@ -163,10 +163,10 @@ def source_plan(source: PrefixSource | None, hit: int) -> tuple[int, int] | None
 
 def grant(
     source: PrefixSource | None, *, prefill_hit: int, decode_hit: int = 0, source_granted: bool
-) -> Grant:
+) -> ReservationGrant:
     """From the grants: the prefill node's hit (``prefill_hit`` blocks), the decode
     node's, and whether the SOURCE transaction was granted."""
     pull = source_plan(source, prefill_hit) if source_granted else None
-    return Grant(
+    return ReservationGrant(
         prefix_blocks=prefix_after(prefill_hit, pull), pull=pull, ship_from_block=decode_hit
     )

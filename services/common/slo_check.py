@@ -12,7 +12,7 @@ Pure.
 Early Rejection (services.admission) takes the least share over the decode pool (or
 over the predicted pool) as the pool's load; the conductor rejects a placement whose
 chosen decode instance is over; the paper's baseline rejects on the decode instance
-(services.decode.side_check) once the prefill is spent. One object, so the three
+(services.policy.decode_side_check) once the prefill is spent. One object, so the three
 cannot drift apart.
 """
 

@@ -14,10 +14,10 @@ from services.common import (
     shared_flags,
     shell,
 )
-from services.conductor import cpp
 from services.conductor import metrics as conductor_metrics
-from services.conductor.policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
+from services.conductor.placement_policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
 from services.conductor.service import ConductorConfig, ConductorService
+from services.policy import chunk_timing
 
 
 def _threshold(s: str) -> tuple[bool, float]:
@@ -80,13 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--cpp-chunk-tokens",
         type=int,
-        default=cpp.DEFAULT_CHUNK_TOKENS,
+        default=chunk_timing.DEFAULT_CHUNK_TOKENS,
         help="a pipeline's chunk (the paper's prefill_chunk), tokens",
     )
     ap.add_argument(
         "--cpp-min-tokens",
         type=int,
-        default=cpp.DEFAULT_MIN_TOKENS,
+        default=chunk_timing.DEFAULT_MIN_TOKENS,
         help="tokens to compute below which a request is not offered to a group",
     )
     # Whether placement rejects on predicted TBT (not in baseline: decode rejects).

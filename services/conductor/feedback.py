@@ -1,5 +1,5 @@
 """Per prefill instance (or CPP group), how far observed TTFT runs from the predicted
-one; the placement policy scales its predictions by it (services.conductor.policy).
+one; the placement policy scales its predictions by it (services.conductor.placement_policy).
 Pure."""
 
 from dataclasses import dataclass, field

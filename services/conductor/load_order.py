@@ -1,5 +1,5 @@
 """Instances kept in order of a load key, O(log n) per change: the placement search
-(services.conductor.policy) walks them from the least loaded and stops at a bound, so
+(services.conductor.placement_policy) walks them from the least loaded and stops at a bound, so
 a decision does not scan the cluster. Pure."""
 
 from collections.abc import Iterator

@@ -3,8 +3,8 @@
     the request's block hashes as admission checked them (:func:`request_for`; the
     simulator's trace requests come hashed) -> PlacementRequest -> a migrated request's
     exclusions
-    (services.conductor.migration.placement_for) -> store exclusions
-    (:func:`~services.conductor.migration.away_from_stores`: instances on a node whose
+    (services.conductor.migrated_placement.placement_for) -> store exclusions
+    (:func:`~services.conductor.migrated_placement.away_from_stores`: instances on a node whose
     store is down) -> ``PlacementPolicy.place`` over the prefix index's match ->
     :class:`TaskFields` (what the PrefillTask carries; the simulator reads the same)
 
@@ -20,8 +20,8 @@ from bus_schemas.placement import PrefixSource
 from bus_schemas.requests import GenerateRequest, Migration
 from bus_schemas.roles import Role
 from services.common.rejection import Rejection
-from services.conductor.migration import away_from_stores, placement_for
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
+from services.conductor.migrated_placement import away_from_stores, placement_for
+from services.conductor.placement_policy import Placement, PlacementPolicy, PlacementRequest
 
 NO_STORE_DOWN: frozenset[str] = frozenset()
 

@@ -1,5 +1,5 @@
 """The placement search in time independent of the cluster's size (issue 27 item 1):
-the same choice as :class:`~services.conductor.policy.PlacementPolicy` scanning every
+the same choice as :class:`~services.conductor.placement_policy.PlacementPolicy` scanning every
 instance, from a few candidates.
 
 Prefill (strategies ``global`` and ``local``, no CPP groups; ``load`` takes the
@@ -67,7 +67,7 @@ from services.conductor.load_order import LoadOrder
 # Holders of one prefix length on at most this many instances are evaluated outright.
 DIRECT = 16
 
-# The policy, its requests and candidates are services.conductor.policy's, which imports
+# The policy, its requests and candidates are services.conductor.placement_policy's, which imports
 # this module (typed Any here: no import back).
 Policy = Any
 Candidate = Any

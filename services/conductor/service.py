@@ -21,7 +21,7 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
 Rejections from the policy go to the client as Error 429 (with retry_after_s) or 503.
 A migrated request (``GenerateRequest.migration``: the gateway resent it after its
 worker died) is placed by the same policy without SLO rejection and away from the dead
-instance (services.conductor.migration); the dead attempt's books are dropped.
+instance (services.conductor.migrated_placement); the dead attempt's books are dropped.
 Load reports (load.prefill.*, load.decode.*) feed the policy and liveness; the shadow
 view follows KV events and store announces. Nothing here is durable: a restarted
 conductor rebuilds its view from the KV-event stream (dumping a store only where the
@@ -62,17 +62,13 @@ from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
-from services.conductor import cpp as cpp_
 from services.conductor import placement_round
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.pd_ratio import PDRatioController
-from services.conductor.policy import (
-    PlacementPolicy,
-    Rejection,
-    TtftFeedback,
-)
-from services.conductor.roles import RoleControl
+from services.conductor.placement_policy import PlacementPolicy, Rejection, TtftFeedback
+from services.conductor.role_control import RoleControl
 from services.conductor.shadow import ShadowView
+from services.policy import chunk_timing as cpp_
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -119,7 +115,7 @@ class ConductorConfig:
     # At start, wait up to this long for a load report from each pool before placing
     # (services.common.pools_heard).
     pools_wait_s: float = 2.0
-    # Chunked pipeline parallelism (services.conductor.cpp): groups of this many prefill
+    # Chunked pipeline parallelism (services.policy.chunk_timing): groups of this many prefill
     # instances (1: none), their chunk size and the computed tokens a group needs.
     cpp_group: int = 1
     cpp_chunk_tokens: int = cpp_.DEFAULT_CHUNK_TOKENS
@@ -326,7 +322,9 @@ class ConductorService:
         bs = self.cfg.block_size
         preq = placement_round.request_for(req, bs)  # hashes as admission checked them
         req = _with(req, block_hashes=list(preq.block_hashes), block_size=bs, reply_subject=reply)
-        if req.migration is not None:  # a dead worker's request: services.conductor.migration
+        if (
+            req.migration is not None
+        ):  # a dead worker's request: services.conductor.migrated_placement
             metrics.MIGRATIONS.labels(reason=req.migration.reason).inc()
             # The dead attempt's books (a prefill death leaves it unsettled) go now.
             self.pending.pop(req.migration.dead_request_id, None)
@@ -342,7 +340,7 @@ class ConductorService:
             span.set_attribute("request_id", req.request_id)
             span.set_attribute("prompt_tokens", preq.num_tokens)
             span.set_attribute("strategy", self.cfg.strategy)
-            # A dead store takes its node's instances out (services.conductor.migration).
+            # A dead store takes its node's instances out (services.conductor.migrated_placement).
             decision = placement_round.place(
                 self.policy,
                 preq,

@@ -153,7 +153,7 @@ class ShadowView:
 
     def down(self) -> set[str]:
         """Nodes whose store was seen and has gone silent (or was swept since), until it
-        shows up again: placement keeps their instances out (services.conductor.migration)."""
+        shows up again: placement keeps their instances out (services.conductor.migrated_placement)."""
         # The silent stores in time order, not a walk over every node (issue 27).
         silent = {n for n in self.stores.silent() if self.index.state(n) is not None}
         return silent | self._gone

@@ -8,7 +8,7 @@ from services.common.metric_collectors import WorkerSample, counters, gauge
 from services.engine.base import Engine
 
 
-class Sampled(Protocol):
+class ScrapedDecode(Protocol):
     """What a scrape reads of a :class:`services.decode.worker.DecodeWorker`."""
 
     engine: Engine
@@ -16,7 +16,7 @@ class Sampled(Protocol):
     _loading: int  # requests whose KV is being loaded
 
 
-def sample(worker: Sampled) -> WorkerSample:
+def sample(worker: ScrapedDecode) -> WorkerSample:
     st = worker.engine.stats()
     return WorkerSample(
         st.batch_size,

@@ -63,14 +63,15 @@ from services.engine import (
     RequestStream,
     SlotKV,
 )
-from services.worker.base import WorkerBase
+from services.worker.lifecycle import WorkerBase
+from services.worker.settings import WorkerSettings
 from tracing import tracer
 
 log = structlog.get_logger()
 
 
 class DecodeStore(Protocol):
-    """What this worker needs of services.store.client.StoreClient."""
+    """What this worker needs of services.store.client.store_client.StoreClient."""
 
     def slot(self, i: int) -> memoryview: ...
 
@@ -513,3 +514,20 @@ class DecodeWorker(WorkerBase):
             step_time_s=st.step_time_s,
             ts=time.time(),
         )
+
+
+def build_decode(nc: NATS, store: Any, engine: Any, s: WorkerSettings) -> DecodeWorker:
+    """A decode worker from the worker settings (``WorkerSettings.builders``' decode)."""
+    return DecodeWorker(
+        nc,
+        store,
+        engine,
+        instance=s.instance,
+        node=s.node,
+        layout=s.layout,
+        report_interval=s.report_interval,
+        commit_timeout=s.commit_timeout,
+        admit=s.admit,
+        lease_s=s.lease_s,
+        write_back=s.write_back,
+    )

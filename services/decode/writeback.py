@@ -28,7 +28,7 @@ Lifecycle of one request's write-back (:class:`AnswerWriteBack`):
                prefill node still lack the prompt, it is asked again in the
                background (FOLLOW_RETRY_S)
 
-Retention (the store's semantics-aware policy, services.store.block_pool): a turn's
+Retention (the store's semantics-aware policy, services.store.pool.block_pool): a turn's
 write-back commits at the end of the turn, after its decode_tx, and locks the prompt's
 blocks on its way, so the conversation's last turn is the node's most recently used
 chain: under pressure other, older conversations go first, and within the last turn
@@ -76,7 +76,7 @@ COUNTERS = (
 
 
 class WriteBackStore(Protocol):
-    """What this needs of services.store.client.StoreClient."""
+    """What this needs of services.store.client.store_client.StoreClient."""
 
     def slot(self, i: int) -> memoryview: ...
 

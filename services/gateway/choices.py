@@ -23,7 +23,7 @@ from services.gateway.protocol import ChunkWriter, ParsedRequest, usage
 from services.gateway.responses import (
     Extras,
     NextEvent,
-    Outcome,
+    RequestOutcome,
     StopEarly,
     api_error,
     fail_stream,
@@ -77,7 +77,7 @@ def _finish_all(choices: list[Choice], ev: Finished) -> list[tuple[Choice, str]]
     return tails
 
 
-def _settle(out: Outcome, choices: list[Choice], ev: Finished | None) -> dict:
+def _settle(out: RequestOutcome, choices: list[Choice], ev: Finished | None) -> dict:
     out.finish = choices[0].finish
     out.completion_tokens = sum(c.tokens() for c in choices)
     if ev is not None:
@@ -97,7 +97,7 @@ async def collect_n(
     rid: str,
     model: str,
     choices: list[Choice],
-    out: Outcome,
+    out: RequestOutcome,
 ) -> web.Response:
     last: Finished | None = None
     while not all(c.finish for c in choices):
@@ -143,7 +143,7 @@ async def stream_n(
     rid: str,
     model: str,
     choices: list[Choice],
-    out: Outcome,
+    out: RequestOutcome,
     write_timeout_s: float,
 ) -> web.StreamResponse:
     w = ChunkWriter(rid, int(time.time()), model, p.chat, p.include_usage)

@@ -11,7 +11,7 @@ Lifecycle of a request's queue:
 
 No per-request subscription: ``perigee.gw.<gateway>.>`` is subscribed once at start.
 
-Migration (services.gateway.migration): a death verdict for a request whose client
+Migration (services.gateway.resend): a death verdict for a request whose client
 has not got every token resends it (``--migration-limit`` times at most) under a new
 attempt id with its own reply subject; from then on only that attempt's events reach
 the request's queue, their token indices shifted by the tokens the client already
@@ -59,7 +59,7 @@ from services.common import bus, intake_queue, metrics
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.common.tasks import cancel_and_wait
-from services.gateway import migration
+from services.gateway import resend
 from services.gateway.lateness import Lateness
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
@@ -535,7 +535,7 @@ class ReplyRouter:
         else:  # Finished / Error: terminal, the watchdog has nothing left to guard
             if type(ev) is Error and f.request is not None and store_failure(ev.code, ev.message):
                 self._resolve(
-                    Verdict(rid, ErrorCode.UNAVAILABLE, ev.message, dead_role=migration.STORE)
+                    Verdict(rid, ErrorCode.UNAVAILABLE, ev.message, dead_role=resend.STORE)
                 )
                 return
             if (
@@ -727,10 +727,8 @@ class ReplyRouter:
             message = f"{message}; a request with n > 1 is not migrated, send it again"
             f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
             return
-        if (
-            v.dead_instance or v.dead_role in (BUS_LOSS, migration.STORE)
-        ) and f.request is not None:
-            d = migration.plan(
+        if (v.dead_instance or v.dead_role in (BUS_LOSS, resend.STORE)) and f.request is not None:
+            d = resend.plan(
                 f.request,
                 f.generated,
                 attempts=f.attempt,
@@ -742,15 +740,15 @@ class ReplyRouter:
                 ),
                 dead_role=v.dead_role,
                 dead_instance=v.dead_instance,
-                reply_subject=self.reply_subject(migration.attempt_id(v.request_id, f.attempt + 1)),
+                reply_subject=self.reply_subject(resend.attempt_id(v.request_id, f.attempt + 1)),
                 eos_token_ids=self.eos_token_ids,
                 dead_incarnation=v.dead_incarnation,
             )
-            if isinstance(d, migration.Resume):
+            if isinstance(d, resend.Resume):
                 f.bus_resumes += v.dead_role == BUS_LOSS
                 self._migrate(f, d, v)
                 return
-            if isinstance(d, migration.Finish):
+            if isinstance(d, resend.Finish):
                 self._spawn(self.cancel(f.current, f"{v.dead_role} instance died", v.placement))
                 f.queue.put_nowait(
                     Finished(
@@ -831,7 +829,7 @@ class ReplyRouter:
                 )
             )
 
-    def _migrate(self, f: _Flight, d: "migration.Resume", v: Verdict) -> None:
+    def _migrate(self, f: _Flight, d: "resend.Resume", v: Verdict) -> None:
         rid, old, new = v.request_id, f.current, d.request.request_id
         self._routes.pop(old, None)
         self._routes[new] = rid

@@ -43,7 +43,7 @@ SSE_HEADERS = {
 
 
 @dataclass
-class Outcome:
+class RequestOutcome:
     """What happened to one request: for the span, the log line and the metrics."""
 
     status: int = 200
@@ -164,7 +164,7 @@ async def collect(
     rid: str,
     model: str,
     text: TextOutput,
-    out: Outcome,
+    out: RequestOutcome,
     extras: Extras | None = None,
 ) -> web.Response:
     extras = extras or Extras()
@@ -205,7 +205,7 @@ async def stream(
     rid: str,
     model: str,
     text: TextOutput,
-    out: Outcome,
+    out: RequestOutcome,
     write_timeout_s: float,
     extras: Extras | None = None,
 ) -> web.StreamResponse:

@@ -21,7 +21,7 @@ Lifecycle of one request (``/v1/completions``, ``/v1/chat/completions``):
 Client disconnect, a watchdog verdict or a stop string publishes CancelRequest. A
 verdict that the request's prefill or decode instance died resends it instead, with
 the tokens the client already has, up to ``migration_limit`` times
-(:mod:`services.gateway.migration`, :mod:`services.gateway.replies`): the stream goes on.
+(:mod:`services.gateway.resend`, :mod:`services.gateway.replies`): the stream goes on.
 Responses are built in :mod:`services.gateway.responses`; spans, metrics and the log
 line in :mod:`services.gateway.telemetry`; API keys (``api_keys``) are checked by
 :mod:`services.gateway.auth` before any of this (401). ``/metrics`` is Prometheus
@@ -70,7 +70,7 @@ from services.gateway.replies import LocalError, ReplyRouter
 from services.gateway.responses import (
     BackendError,
     Extras,
-    Outcome,
+    RequestOutcome,
     StopEarly,
     collect,
     error_response,
@@ -118,7 +118,7 @@ class GatewayConfig:
     # Each holds a socket, a reply queue and its detokenizer: this bounds the memory.
     max_inflight: int = 1024
     # Times a request whose prefill or decode instance died is resent with the tokens
-    # it has (services.gateway.migration); 0: such a request fails with 503.
+    # it has (services.gateway.resend); 0: such a request fails with 503.
     migration_limit: int = 3
     # A migration that finds no live instance of the dead one's role waits this long for
     # one (the restart of the only one: a vLLM engine takes tens of seconds) before 503.
@@ -560,7 +560,7 @@ class Gateway:
                 "gateway.request", kind=trace.SpanKind.SERVER, attributes=attrs
             ) as span,
         ):
-            out = Outcome(prompt_tokens=len(ids), max_tokens=max_tokens)
+            out = RequestOutcome(prompt_tokens=len(ids), max_tokens=max_tokens)
             try:
                 return await self._run(request, p, ids, sampling, rid, out, t0)
             finally:
@@ -573,7 +573,7 @@ class Gateway:
         ids: list[int],
         sampling: SamplingParams,
         rid: str,
-        out: Outcome,
+        out: RequestOutcome,
         t0: float,
     ) -> web.StreamResponse:
         bs = self.cfg.block_size

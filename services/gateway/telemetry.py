@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.common import metrics as m
-from services.gateway.responses import Outcome
+from services.gateway.responses import RequestOutcome
 
 log = structlog.get_logger()
 
@@ -55,7 +55,7 @@ def rejected(model: str, status: int) -> None:
     m.REQUEST_ERRORS.labels(model_name=model, status=str(status)).inc()
 
 
-def finish(span: trace.Span, out: Outcome, t0: float, model: str) -> None:
+def finish(span: trace.Span, out: RequestOutcome, t0: float, model: str) -> None:
     e2e = time.perf_counter() - t0
     span.set_attribute("gen_ai.response.model", model)
     span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
@@ -87,7 +87,7 @@ def finish(span: trace.Span, out: Outcome, t0: float, model: str) -> None:
     )
 
 
-def observe(out: Outcome, e2e_s: float, model: str) -> None:
+def observe(out: RequestOutcome, e2e_s: float, model: str) -> None:
     """The Prometheus side of :func:`finish`."""
     labels = {"model_name": model}
     if out.max_tokens:

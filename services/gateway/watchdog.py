@@ -67,7 +67,7 @@ class Verdict:
     code: ErrorCode
     message: str
     # Set when the verdict is a death: the role and instance that died (the gateway
-    # may migrate the request instead of failing it: services.gateway.migration).
+    # may migrate the request instead of failing it: services.gateway.resend).
     dead_role: str = ""
     dead_instance: str = ""
     dead_incarnation: int = 0

@@ -6,7 +6,12 @@ import sys
 
 from bus_schemas.roles import Role
 from services.common import runner
+from services.decode.worker import build_decode
+from services.prefill.worker import build_prefill
 from services.worker import main as worker_main
+
+# Each role's package builds its worker; a switchable process serves both roles.
+BUILDERS = {Role.PREFILL: build_prefill, Role.DECODE: build_decode}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -14,7 +19,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return runner.run(worker_main.run(Role.PREFILL, parse_args(argv)))
+    return runner.run(worker_main.run(Role.PREFILL, parse_args(argv), BUILDERS))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ TransferEngine over TCP for the activations); the anchor's own stage is one of t
 member computes one thing at a time (its worker's ``compute_lock``, fair): a chunk of
 a stage, or a request of its own queue, so a request placed on a member while its
 stage runs is computed between two chunks, as the simulator and the policy assume
-(services.conductor.cpp). Its load report shows the chunk in progress, not the
+(services.policy.chunk_timing). Its load report shows the chunk in progress, not the
 stage's later chunks; the conductor counts the stages still to run on a member for
 what is not that short.
 
@@ -44,13 +44,13 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from bus_schemas import subjects
-from bus_schemas.cpp import StageDone, StageOpen, StageOpened, StageRun
+from bus_schemas.pipeline_stages import StageDone, StageOpen, StageOpened, StageRun
 from services.common import bus
 from services.common.clock import Clock, SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
 from services.common.tasks import cancel_and_wait
-from services.conductor.cpp import chunk_bounds
+from services.policy.chunk_timing import chunk_bounds
 from services.prefill.cpp_stage import (
     StageError,
     StageInbox,
@@ -58,7 +58,7 @@ from services.prefill.cpp_stage import (
     activation_nbytes,
     run_stage,
 )
-from services.store.transfer_api import TransferEngine
+from services.transfer.batch_api import TransferEngine
 
 log = structlog.get_logger()
 

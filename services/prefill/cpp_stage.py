@@ -2,7 +2,7 @@
 
 A stage computes its share of the layers for every chunk of a prompt, paced by the
 cost model (``cost.prefill_time(b, a) / X`` per chunk, as
-:func:`services.conductor.cpp.pipeline_timing` assumes), and hands each chunk's
+:func:`services.policy.chunk_timing.pipeline_timing` assumes), and hands each chunk's
 activations (``(b - a) * d * elem_bytes`` bytes) to the next stage::
 
     stage s:  [recv chunk k from s-1] -> compute -> write the activations into a free
@@ -35,8 +35,8 @@ import zmq.asyncio
 from services.common.clock import SleepFn
 from services.common.cost_model import CostModel
 from services.common.errors import CodedError
-from services.store.transfer_api import TransferEngine, TransferRequest
-from services.store.transport import Opcode, Poll
+from services.transfer.backends import Opcode, Poll
+from services.transfer.batch_api import TransferEngine, TransferRequest
 
 
 class StageError(CodedError, RuntimeError):
@@ -252,7 +252,7 @@ async def _serve(a) -> int:  # type: ignore[no-untyped-def]
     import sys
     import time
 
-    from services.conductor.cpp import chunk_bounds
+    from services.policy.chunk_timing import chunk_bounds
 
     cost = CostModel(d=a.d).with_speedup(a.speedup)
     nbytes = activation_nbytes(cost, a.chunk)

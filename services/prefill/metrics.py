@@ -8,14 +8,14 @@ from services.common.metric_collectors import WorkerSample, counter, counters, g
 from services.prefill.queue import PrefillQueue
 
 
-class Sampled(Protocol):
+class ScrapedPrefill(Protocol):
     """What a scrape reads of a :class:`services.prefill.worker.PrefillWorker`."""
 
     queue: PrefillQueue[Any]
     counters: dict[str, int]
 
 
-def sample(worker: Sampled) -> WorkerSample:
+def sample(worker: ScrapedPrefill) -> WorkerSample:
     q = worker.queue
     _, queued_tokens, work_s = q.load()
     c = dict(worker.counters)

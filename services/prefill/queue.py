@@ -10,10 +10,10 @@ the live worker (``services/prefill/worker.py``) and the simulator
 
 It queues anything shaped like :class:`QueueItem`: the live worker's
 :class:`QueuedPrefill` (a bus ``PrefillTask`` and its expected prefix), the simulator's
-requests, and its pipelined requests' stage tasks (``perigee.sim.cpp.StageTask``).
+requests, and its pipelined requests' stage tasks (``perigee.sim.pipeline_gang.StageTask``).
 
 One pricing rule (:func:`price`), the one the conductor books a placement with
-(``transfer_s + prefill_s``, services/conductor/policy.py), so that the load report
+(``transfer_s + prefill_s``, services/conductor/placement_policy.py), so that the load report
 which covers a dispatch replaces it with the same number:
 
     a request         transfer_time(pulled_tokens) + prefill of tokens [min(prefix, n-1), n)
@@ -21,7 +21,7 @@ which covers a dispatch replaces it with the same number:
                       remote prefix into its own slots before computing, so the pull
                       holds it as the compute does.
     a pipeline stage  ``stage_work_s``: the member's share as the conductor's pipeline
-                      timing booked it (services.conductor.cpp.member_work).
+                      timing booked it (services.policy.chunk_timing.member_work).
 
 The running item counts until its end: its start plus its price, or what
 :meth:`PrefillQueue.runs_until` said.
@@ -276,7 +276,7 @@ class QueuedPrefill:
         )
         return item
 
-    def settle(self, grant: plan.Grant, block_size: int) -> None:
+    def settle(self, grant: plan.ReservationGrant, block_size: int) -> None:
         """What is on the node before compute and what of it is pulled, by ``grant``: the
         conductor's expectation, then the store reservation's answer."""
         self.prefix_tokens = grant.prefix_tokens(self.prompt_tokens, block_size)

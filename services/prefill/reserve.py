@@ -54,11 +54,11 @@ class Reservation:
         return self.grant.prefix_blocks
 
     @property
-    def grant(self) -> plan.Grant:
+    def grant(self) -> plan.ReservationGrant:
         """What the transactions mean for the compute (services.common.reservation)."""
         r = self.remote
         pull = (r.first_block, r.num_blocks) if r else None
-        return plan.Grant(
+        return plan.ReservationGrant(
             prefix_blocks=plan.prefix_after(self.prefill_tx.hit_blocks, pull),
             pull=pull,
             ship_from_block=self.decode_tx.hit_blocks,
@@ -157,9 +157,9 @@ class StoreReserver:
                         reason=att.refused.get("source") or att.failed.get("source"),
                     )
                     want.discard(plan.SOURCE)
-                if v.step is plan.Step.FAIL:
+                if v.step is plan.ReservationStep.FAIL:
                     raise ReserveError("unavailable", f"{STORE_UNAVAILABLE} ({v.detail})")
-                if v.step is plan.Step.DONE:
+                if v.step is plan.ReservationStep.DONE:
                     break
                 if self.clock.now() >= give_up:
                     raise ReserveError(

@@ -71,8 +71,9 @@ from services.prefill.cpp_pipeline import (
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
-from services.store.client import TransferError
-from services.worker.base import WorkerBase
+from services.store.client.store_client import TransferError
+from services.worker.lifecycle import WorkerBase
+from services.worker.settings import WorkerSettings
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -81,7 +82,7 @@ REMEMBER_TAKEN = 100_000  # request ids: a redelivery comes within seconds
 
 
 class PrefillStore(Protocol):
-    """What this worker needs of services.store.client.StoreClient."""
+    """What this worker needs of services.store.client.store_client.StoreClient."""
 
     def slot(self, i: int) -> memoryview: ...
     async def ship_layer(
@@ -746,3 +747,19 @@ class PrefillWorker(WorkerBase):
             queued_work_s=work + self.stages.busy_s(),
             ts=self.unix.now(),
         )
+
+
+def build_prefill(nc: NATS, store: Any, engine: Any, s: WorkerSettings) -> PrefillWorker:
+    """A prefill worker from the worker settings (``WorkerSettings.builders``' prefill)."""
+    return PrefillWorker(
+        nc,
+        store,
+        engine,
+        instance=s.instance,
+        node=s.node,
+        layout=s.layout,
+        cost=s.cost,
+        report_interval=s.report_interval,
+        lease_s=s.lease_s,
+        reserver=s.reserver,
+    )

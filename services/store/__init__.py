@@ -1,6 +1,5 @@
-"""A node's KV store: block metadata (:mod:`.block_pool`, the tiers below DRAM in
-:mod:`.tiers`), the shared-memory arena (:mod:`.arena`), the data plane
-(:mod:`.transfer`: bytes through the transfer engine, coordination over ZeroMQ), the
-plain-TCP object endpoint (:mod:`.object_server`), the NATS service (:mod:`.server`, which hands tiering, objects and
-replication a :class:`~.core.StoreCore`, not itself) and the worker-side client
-(:mod:`.client`)."""
+"""A node's KV store, in three parts over the transfer engine (:mod:`services.transfer`):
+the metadata (:mod:`.pool`: block pool, eviction, tiers' policy, replicas, registry),
+the store process (:mod:`.node`: the NATS service, data plane, objects, replication,
+tiering) and the clients (:mod:`.client`: the worker's handle, the object API). The
+shared-memory arena (:mod:`.arena`) is the store's and its clients' alike."""

@@ -7,9 +7,9 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services.common import defaults, metrics, runner, shared_flags, shell
-from services.store import auth
 from services.store import metrics as store_metrics
-from services.store.server import StoreService
+from services.store.node.server import StoreService
+from services.transfer import data_auth
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,7 +130,7 @@ async def main(args: argparse.Namespace) -> int:
         collector=store_metrics.store_collector,
         ready=lambda service: not service.failed.is_set(),
         failed=lambda service: service.failed,
-        before_connect=auth.data_key,  # a placeholder key stops the store before it connects
+        before_connect=data_auth.data_key,  # a placeholder key stops the store before it connects
     )
 
 

@@ -10,7 +10,7 @@ from prometheus_client.registry import Collector
 from services.common.metric_collectors import FnCollector, counters, gauge, labelled
 
 if TYPE_CHECKING:
-    from services.store.server import StoreService
+    from services.store.node.server import StoreService
 
 _BLOCK_STATES = {
     "free_blocks": "free",

@@ -1,9 +1,11 @@
 """``python -m services.prefill`` and ``python -m services.decode``: the arguments, the
 engine and store set-up, and the run-until-signal loop, for either role; the worker
-itself comes from :mod:`services.worker.factory`."""
+itself comes from its role's builder, which the entry point hands over (see
+:mod:`services.worker.settings`)."""
 
 import argparse
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 
 import structlog
@@ -18,11 +20,11 @@ from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shutdown import StopEvent
 from services.engine import ENGINE_KINDS, make_engine
 from services.engine.vllm import options as vllm_options
-from services.store import auth
-from services.store.client import StoreClient, TransferError
+from services.store.client.store_client import StoreClient, TransferError
+from services.transfer import data_auth
 from services.worker import pod_role
-from services.worker.factory import make_worker, settings_from_args
 from services.worker.role_host import RoleHost
+from services.worker.settings import Builder, make_worker, settings_from_args
 from services.worker.warmup import calibrate
 from tracing import setup_tracing, shutdown_tracing
 
@@ -126,7 +128,7 @@ def parse_args(role: str, node: str, doc: str | None, argv: list[str] | None) ->
     return args
 
 
-async def run(role: str, args: argparse.Namespace) -> int:
+async def run(role: str, args: argparse.Namespace, builders: Mapping[str, Builder]) -> int:
     """Exit codes: 0 stopped by a signal, 1 engine died or store unreachable,
     2 engine unavailable or store layout mismatch."""
     started_as = role
@@ -139,7 +141,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
     structlog.contextvars.bind_contextvars(instance=args.instance)
     log.info("admission_mode", mode=str(args.admission_mode))
     setup_tracing(role)
-    auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
+    data_auth.data_key()  # a placeholder key stops the worker now, not at its first transfer
     spec = ModelSpec.from_dir(args.model_dir)
     layout = KVLayout(spec, args.block_size)
     cost = CostModel.llama3_70b_a800(speedup=args.speedup)
@@ -205,7 +207,7 @@ async def run(role: str, args: argparse.Namespace) -> int:
             return 0
         calib.save()
         cost = calib.model()
-        settings = settings_from_args(args, layout, cost, calibrator=calib)
+        settings = settings_from_args(args, layout, cost, calibrator=calib, builders=builders)
         if args.switchable:
             on_role = None
             if args.pod_role_label:

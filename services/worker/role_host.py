@@ -32,7 +32,7 @@ from bus_schemas.codec import BadMessage, decode
 from bus_schemas.control import RoleSwitch
 from bus_schemas.roles import ROLES
 from services.common.tasks import cancel_and_wait
-from services.worker.factory import WorkerSettings, make_worker
+from services.worker.settings import WorkerSettings, make_worker
 
 log = structlog.get_logger()
 

@@ -24,7 +24,7 @@ import pytest
 
 from bus_schemas import subjects
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 from tests.e2e.conftest import make_stack
 from tests.e2e.helpers import worker_stats
 from tests.e2e.sse import stream
@@ -86,9 +86,9 @@ def test_the_simulators_order():
     """What the live placements below must follow: the conductor's prior cost model
     (the analytic model at the stack's speedup) through the simulator's timing."""
     cost = CostModel.llama3_70b_a800(speedup=SPEEDUP)
-    group = cpp.pipeline_timing([cost] * 2, LONG, 0, CHUNK).ttft_s
+    group = chunk_timing.pipeline_timing([cost] * 2, LONG, 0, CHUNK).ttft_s
     assert group < cost.prefill_time(LONG)  # the long prompt: the group first
-    short = cpp.pipeline_timing([cost] * 2, SHORT, 0, CHUNK).ttft_s
+    short = chunk_timing.pipeline_timing([cost] * 2, SHORT, 0, CHUNK).ttft_s
     assert short > cost.prefill_time(SHORT)  # one chunk: one instance first
 
 

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 from services.prefill.cpp_stage import activation_nbytes, first_activations, stage_transform
 
 N, CHUNK, SPEEDUP = 8192, 2048, 0.5
@@ -106,7 +106,7 @@ def expected_digest(x: int) -> str:
     """What the last of ``x`` stages must have produced: every chunk's input bytes
     through every stage's transform."""
     h = hashlib.sha256()
-    for k, (a, b) in enumerate(cpp.chunk_bounds(N, 0, CHUNK)):
+    for k, (a, b) in enumerate(chunk_timing.chunk_bounds(N, 0, CHUNK)):
         data = first_activations("r1", k, activation_nbytes(CostModel(), b - a))
         for s in range(x):
             data = stage_transform(data, s)

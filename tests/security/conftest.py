@@ -11,8 +11,8 @@ import nats
 import pytest
 import zmq
 
-from services.store import auth, wire
-from services.store.client import StoreClient
+from services.store.client.store_client import StoreClient
+from services.transfer import data_auth, wire
 from tests.unit.store.test_store_integration import BB, BS, stop_store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +67,7 @@ async def env(stores, nats_url):
 class Dealer:
     """A blocking DEALER on a store's ROUTER; ``macs`` signs (None: a stranger)."""
 
-    def __init__(self, addr: str, macs: auth.Macs | None) -> None:
+    def __init__(self, addr: str, macs: data_auth.Macs | None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -80,7 +80,7 @@ class Dealer:
 
     def ask(self, header) -> tuple[wire.Kind, object]:
         """A signed request and its (signed) reply."""
-        macs = self.macs or auth.Macs(auth.data_key())
+        macs = self.macs or data_auth.Macs(data_auth.data_key())
         self.sock.send_multipart(wire.frames(header, macs))
         return wire.parse(self.sock.recv_multipart(), macs)
 

@@ -16,14 +16,14 @@ from bus_schemas.control import TxDone, TxHandle, TxRole
 from bus_schemas.load import WorkerStats
 from perigee.natsd import free_port
 from services.common.bus import request
-from services.store import auth, wire
-from services.store.client import TransferError
-from services.store.object_server import MAX_FRAME, encode
-from services.store.objects import SyncObjectClient
-from services.store.transport.base import Opcode, Request
-from services.store.transport.tcp import TcpSender
-from services.store.transport.tcp.frames import NO_TOKEN, REP, REQ, Status, recv_exact
-from services.store.transport.tcp.sender import parse_addr
+from services.store.client.object_client import SyncObjectClient
+from services.store.client.store_client import TransferError
+from services.store.node.object_server import MAX_FRAME, encode
+from services.transfer import data_auth, wire
+from services.transfer.backends.contract import Opcode, Request
+from services.transfer.backends.tcp import TcpSender
+from services.transfer.backends.tcp.frames import NO_TOKEN, REP, REQ, Status, recv_exact
+from services.transfer.backends.tcp.sender import parse_addr
 from tests.security.conftest import Dealer
 from tests.unit.store.test_store_integration import BB, BS, commit, fill, tx
 
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.timeout(120)
 def stream(addr: str, key: bytes | None) -> socket.socket:
     """A TCP transfer stream to ``addr``; ``key`` None: a stranger's HELLO."""
     s = socket.create_connection(parse_addr(addr), timeout=10)
-    session = secrets.token_bytes(auth.SESSION_BYTES)
-    s.sendall(auth.hello(key if key is not None else secrets.token_bytes(32), session))
+    session = secrets.token_bytes(data_auth.SESSION_BYTES)
+    s.sendall(data_auth.hello(key if key is not None else secrets.token_bytes(32), session))
     return s
 
 
@@ -60,7 +60,7 @@ def grant(addr: str, h: TxHandle, write: bool = True, **kw) -> wire.Granted:
     d = Dealer(addr, None)
     try:
         opened = wire.Open(
-            id=auth.new_id(),
+            id=data_auth.new_id(),
             tx=h.tx_id,
             epoch=h.epoch,
             slots=h.slots,
@@ -97,7 +97,7 @@ async def test_a_write_without_the_grants_token_or_on_another_session_is_refused
     other = await tx(nc, "hb", TxRole.DECODE, [13], BS)
     g = grant(b.info.data_addr, dst)
     seg, region = g.segments["tcp"], g.regions["tcp"]
-    key = auth.data_key()
+    key = data_auth.data_key()
     slot0 = dst.slots[0] * BB
     mine = stream(seg, key)
     try:
@@ -127,9 +127,9 @@ async def test_a_write_without_the_grants_token_or_on_another_session_is_refused
     # a CLOSE without the token is refused as if the grant did not exist
     d = Dealer(b.info.data_addr, None)
     try:
-        kind, err = d.ask(wire.Close(id=auth.new_id(), grant=g.grant, ok=True))
+        kind, err = d.ask(wire.Close(id=data_auth.new_id(), grant=g.grant, ok=True))
         assert kind == wire.Kind.ERR and err.code == "fenced"
-        kind, ok = d.ask(wire.Close(id=auth.new_id(), grant=g.grant, ok=True, token=g.token))
+        kind, ok = d.ask(wire.Close(id=data_auth.new_id(), grant=g.grant, ok=True, token=g.token))
         assert kind == wire.Kind.OK
     finally:
         d.close()
@@ -149,7 +149,7 @@ async def test_a_replayed_hello_opens_no_stream(env):
     dst = await tx(nc, "hb", TxRole.DECODE, [21], BS)
     g = grant(b.info.data_addr, dst)
     seg, region = g.segments["tcp"], g.regions["tcp"]
-    hello = auth.hello(auth.data_key(), secrets.token_bytes(auth.SESSION_BYTES))
+    hello = data_auth.hello(data_auth.data_key(), secrets.token_bytes(data_auth.SESSION_BYTES))
     bad_before = (await stats(nc, "hb"))["tcp_rx_bad_hellos"]
     first = socket.create_connection(parse_addr(seg), timeout=10)
     replay = socket.create_connection(parse_addr(seg), timeout=10)
@@ -173,20 +173,20 @@ async def test_unsigned_router_messages_get_no_reply_and_errors_reveal_no_epoch(
     d = Dealer(b.info.data_addr, None)
     try:
         bogus = wire.Open(
-            id=auth.new_id(), tx="x", epoch=1, slots=[0], offset=0, length=BB, write=True
+            id=data_auth.new_id(), tx="x", epoch=1, slots=[0], offset=0, length=BB, write=True
         )
         d.send(wire.frames(bogus))  # a stranger's: dropped, unanswered
-        d.send([*wire.frames(bogus), secrets.token_bytes(auth.MAC_BYTES)])  # forged MAC
+        d.send([*wire.frames(bogus), secrets.token_bytes(data_auth.MAC_BYTES)])  # forged MAC
         kind, err = d.ask(bogus)  # the first reply that comes is the signed one's
         assert kind == wire.Kind.ERR and err.id == bogus.id and err.code == "epoch"
         assert str(b.info.epoch) not in err.message
         # a replayed signed message is dropped too
-        parts = wire.frames(bogus, auth.Macs(auth.data_key()))
+        parts = wire.frames(bogus, data_auth.Macs(data_auth.data_key()))
         d.send(parts)
         d.send(parts)
         again = wire.Open(**{**{f: getattr(bogus, f) for f in bogus.__struct_fields__}, "id": 5})
         kind, err = d.ask(again)
-        first = wire.parse(d.sock.recv_multipart(), auth.Macs(auth.data_key()))
+        first = wire.parse(d.sock.recv_multipart(), data_auth.Macs(data_auth.data_key()))
         assert {err.id, first[1].id} == {bogus.id, 5}  # one reply each, the replay none
     finally:
         d.close()
@@ -206,7 +206,7 @@ async def test_a_pid_1_same_host_open_does_not_keep_its_grant_past_the_ttl(env):
         await asyncio.sleep(0.2)
     d = Dealer(b.info.data_addr, None)
     try:  # its holder's late CLOSE: fenced (the grant is gone)
-        kind, err = d.ask(wire.Close(id=auth.new_id(), grant=g.grant, ok=True, token=g.token))
+        kind, err = d.ask(wire.Close(id=data_auth.new_id(), grant=g.grant, ok=True, token=g.token))
         assert kind == wire.Kind.ERR and err.code == "fenced"
     finally:
         d.close()
@@ -268,7 +268,7 @@ async def test_an_oversize_length_drops_the_stream_without_allocating(env):
     nc, a, b = env
     dst = await tx(nc, "hb", TxRole.DECODE, [41], BS)
     g = grant(b.info.data_addr, dst)
-    s = stream(g.segments["tcp"], auth.data_key())
+    s = stream(g.segments["tcp"], data_auth.data_key())
     s.sendall(REQ.pack(1, 0, 0, g.regions["tcp"], 1, 0, 1 << 62, 0, g.token))
     assert dropped(s)  # nothing drained or allocated
     s.close()
@@ -281,7 +281,7 @@ def test_a_refusal_length_is_checked_before_it_is_allocated():
 
     def serve() -> None:
         conn, _ = lsock.accept()
-        recv_exact(conn, memoryview(bytearray(auth.HELLO_BYTES)))
+        recv_exact(conn, memoryview(bytearray(data_auth.HELLO_BYTES)))
         hdr = memoryview(bytearray(REQ.size))
         recv_exact(conn, hdr)
         seq = REQ.unpack(hdr)[4]
@@ -307,7 +307,7 @@ async def test_many_idle_connections_are_bounded_and_honest_streams_still_connec
     dst = await tx(nc, "hb", TxRole.DECODE, [51], BS)
     g = grant(b.info.data_addr, dst)
     d = Dealer(b.info.data_addr, None)
-    d.ask(wire.Close(id=auth.new_id(), grant=g.grant, ok=True, token=g.token))
+    d.ask(wire.Close(id=data_auth.new_id(), grant=g.grant, ok=True, token=g.token))
     d.close()
     idle = [socket.create_connection(parse_addr(g.segments["tcp"])) for _ in range(100)]
     try:
@@ -355,18 +355,20 @@ async def test_the_object_server_tells_a_stranger_nothing_and_serves_holders(env
     put = encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=1, key="stranger", size=1), [b"x"])
     get = encode(wire.Kind.OBJ_GET, wire.ObjGet(id=2, key="stranger"))
     before = await stats(nc, "ha")
-    replayed = auth.obj_hello(auth.data_key(), addr)
+    replayed = data_auth.obj_hello(data_auth.data_key(), addr)
     await asyncio.to_thread(honest_objects, addr, "before")
     first = obj_conn(addr, replayed)  # a holder's connection, its HELLO then replayed
     strangers = [
-        obj_conn(addr, auth.obj_hello(secrets.token_bytes(32), addr)),  # another key
-        obj_conn(addr, auth.obj_hello(auth.data_key(), "tcp://127.0.0.1:1")),  # another store's
+        obj_conn(addr, data_auth.obj_hello(secrets.token_bytes(32), addr)),  # another key
+        obj_conn(
+            addr, data_auth.obj_hello(data_auth.data_key(), "tcp://127.0.0.1:1")
+        ),  # another store's
         obj_conn(addr, None),  # no HELLO: frames straight away
         obj_conn(addr, replayed),
     ]
     try:
         for s in strangers:
-            s.sendall(put + get + bytes(auth.OBJ_HELLO_BYTES))
+            s.sendall(put + get + bytes(data_auth.OBJ_HELLO_BYTES))
         for s in strangers:
             assert await asyncio.to_thread(dropped, s)  # not one byte back
         await asyncio.to_thread(honest_objects, addr, "beside")
@@ -388,7 +390,7 @@ async def test_the_object_server_tells_a_stranger_nothing_and_serves_holders(env
 async def test_an_oversize_object_length_is_refused_without_allocating(env):
     nc, a, _ = env
     addr = a.info.obj_addr
-    s = obj_conn(addr, auth.obj_hello(auth.data_key(), addr))
+    s = obj_conn(addr, data_auth.obj_hello(data_auth.data_key(), addr))
     try:
         s.sendall((MAX_FRAME + 1).to_bytes(4, "little") + b"\0" * 64)
         assert await asyncio.to_thread(dropped, s)  # nothing drained or allocated

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bus_schemas.control import TxRole
-from services.store import auth, wire
-from services.store.transport.tcp.sender import parse_addr
+from services.transfer import data_auth, wire
+from services.transfer.backends.tcp.sender import parse_addr
 from tests.security.conftest import Dealer
 from tests.security.test_data_plane import grant, honest_objects, honest_ship
 from tests.unit.store.test_store_integration import BS, tx
@@ -30,7 +30,7 @@ def alive(addr: str) -> None:
     """A signed request gets its own reply (whatever fuzz replies are queued before it)."""
     d = Dealer(addr, None)
     try:
-        probe = wire.Close(id=auth.new_id(), grant=1, ok=True)
+        probe = wire.Close(id=data_auth.new_id(), grant=1, ok=True)
         kind, err = d.ask(probe)
         assert kind == wire.Kind.ERR and err.id == probe.id
     finally:
@@ -39,7 +39,7 @@ def alive(addr: str) -> None:
 
 async def test_router_fuzz(env):
     nc, a, b = env
-    macs = auth.Macs(auth.data_key())
+    macs = data_auth.Macs(data_auth.data_key())
     d = Dealer(b.info.data_addr, None)
 
     @FUZZ
@@ -88,7 +88,7 @@ async def test_tcp_receiver_fuzz(env):
     dst = await tx(nc, "hb", TxRole.DECODE, [2003], BS)
     g = grant(b.info.data_addr, dst)
     addr = parse_addr(g.segments["tcp"])
-    key = auth.data_key()
+    key = data_auth.data_key()
 
     @FUZZ
     @given(body=st.binary(max_size=512), keyed=st.booleans())
@@ -96,7 +96,7 @@ async def test_tcp_receiver_fuzz(env):
         s = socket.create_connection(addr, timeout=5)
         try:
             if keyed:
-                s.sendall(auth.hello(key, secrets.token_bytes(auth.SESSION_BYTES)))
+                s.sendall(data_auth.hello(key, secrets.token_bytes(data_auth.SESSION_BYTES)))
             s.sendall(body)
             s.shutdown(socket.SHUT_WR)
             while s.recv(65536):  # whatever it answers, until it closes
@@ -115,7 +115,7 @@ async def test_object_server_fuzz(env):
     nc, a, b = env
     obj_addr = a.info.obj_addr
     addr = parse_addr(obj_addr)
-    key = auth.data_key()
+    key = data_auth.data_key()
 
     @FUZZ
     @given(
@@ -127,7 +127,7 @@ async def test_object_server_fuzz(env):
         s = socket.create_connection(addr, timeout=5)
         try:
             if keyed:  # a holder's garbage: parsed, answered with an ERR at most
-                s.sendall(auth.obj_hello(key, obj_addr))
+                s.sendall(data_auth.obj_hello(key, obj_addr))
             for kind, raw in framed:  # frames that are framed, with any kind and header
                 s.sendall((1 + 2 + len(raw)).to_bytes(4, "little") + bytes([kind]))
                 s.sendall(len(raw).to_bytes(2, "little") + raw)

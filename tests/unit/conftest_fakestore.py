@@ -39,7 +39,7 @@ from services.decode.worker import DecodeWorker
 from services.engine import SlotKV, make_engine, synth
 from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
-from services.store.client import TransferError
+from services.store.client.store_client import TransferError
 
 
 class FakeNet(dict):

@@ -15,8 +15,8 @@ of every slice sent to the named targets (checksummed requests then fail).
 
 from collections import deque
 
-from services.store.transport import register, slicing
-from services.store.transport.base import (
+from services.transfer.backends import register, slicing
+from services.transfer.backends.contract import (
     Availability,
     Opcode,
     Receiver,

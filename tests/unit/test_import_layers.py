@@ -2,8 +2,10 @@
 
     0  bus_schemas, tracing          the wire types and trace propagation
     1  services/common               what several services share
-    2  pure policies (PURE_POLICIES) decisions with no I/O, shared with the simulator
+    2  pure policies                 decisions with no I/O, shared with the simulator:
+                                     services/policy and the modules in PURE_POLICIES
     3  services                      the adapters: bus, sockets, engines, processes
+                                     (services/transfer, the transfer engine, among them)
     4  perigee                       the CLI, the stack, benches and the simulator
 
 A module imports only from its own layer or those below (bus_schemas and tracing not
@@ -12,7 +14,13 @@ from each other). On top of that:
 - a pure policy, with everything it loads (the package ``__init__``s Python runs on the
   way included), reaches no service adapter and no I/O library;
 - the simulator (``perigee/sim``) runs the policies, not the services: it reaches no
-  service adapter and, of the CLI, only the trace reader and the bench statistics.
+  service adapter and, of the CLI, only the trace reader and the bench statistics;
+- within layer 3 (issue 26 item 3): the transfer engine (``services/transfer``) imports
+  no other service; the store's metadata (``services/store/pool``) imports nothing of
+  the store's node, clients or transfer engine, and its clients nothing of its node;
+  ``services/worker`` imports neither worker (each role's package builds its own), and
+  the prefill and decode packages import each other only in their entry points
+  (``__main__``: a switchable process serves both roles).
 
 The graph is tests/unit/import_graph.py's (read with ``ast``, nothing imported): an
 import inside a function or under ``TYPE_CHECKING`` counts as much as one at the top. An import that breaks a rule today
@@ -28,32 +36,32 @@ from dataclasses import dataclass
 from tests.unit.import_graph import import_graph, libraries, project_modules
 
 # Layer 2: the pure decisions (DESIGN: "policy is pure, services are thin, the simulator
-# runs the same policy code"): what perigee/sim loads of services/, and the store's
+# runs the same policy code"): services/policy (what several services share) and, in
+# the services' own packages, what perigee/sim loads of services/ and the store's
 # replica ranking. Pure, but not here: the gateway's own helpers
-# (services.gateway.migration, .watchdog: importing them runs services/gateway/__init__,
-# which loads the server) and the store's data-plane pieces (fence, transport slicing).
+# (services.gateway.resend, .watchdog: importing them runs services/gateway/__init__,
+# which loads the server) and the data plane's pieces (the store's fence, the transfer
+# backends' slicing).
 # A module listed here that no longer exists fails the test: move its line with it.
 PURE_POLICIES = frozenset(
     {
-        "services.admission.policy",
+        "services.admission.admission_policy",
         "services.admission.time_index",
         "services.conductor.balancing",
-        "services.conductor.cpp",
         "services.conductor.feedback",
         "services.conductor.load_order",
-        "services.conductor.migration",
+        "services.conductor.migrated_placement",
         "services.conductor.pd_ratio",
         "services.conductor.placement_round",
-        "services.conductor.policy",
+        "services.conductor.placement_policy",
         "services.conductor.prefix_index",
         "services.conductor.search",
-        "services.decode.side_check",
         "services.prefill.queue",
-        "services.store.block_pool",
-        "services.store.eviction",
-        "services.store.replicas",
-        "services.store.tiers.lower",
-        "services.store.tiers.policy",
+        "services.store.pool.block_pool",
+        "services.store.pool.eviction",
+        "services.store.pool.lower_tiers",
+        "services.store.pool.replicas",
+        "services.store.pool.tier_policy",
     }
 )
 
@@ -111,13 +119,17 @@ def _libraries(name: str) -> dict[str, int]:
     return libraries(name, MODULES[name])
 
 
+def is_pure(name: str) -> bool:
+    return name in PURE_POLICIES or name.split(".")[:2] == ["services", "policy"]
+
+
 def layer(name: str) -> int:
     top = name.split(".")[0]
     if top in ("bus_schemas", "tracing"):
         return 0
     if name == "services" or name.startswith("services.common"):
         return 1
-    if name in PURE_POLICIES:
+    if is_pure(name):
         return 2
     if top == "services":
         return 3
@@ -189,7 +201,7 @@ def _adapter(name: str) -> str:
 
 
 def impure_policies() -> list[str]:
-    return _crossings(sorted(PURE_POLICIES & MODULES.keys()), _adapter)
+    return _crossings(sorted(m for m in MODULES if is_pure(m)), _adapter)
 
 
 def simulator_reaches() -> list[str]:
@@ -199,6 +211,53 @@ def simulator_reaches() -> list[str]:
         return _adapter(m)
 
     return _crossings(sorted(m for m in MODULES if m.startswith("perigee.sim")), forbidden)
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+# (importer's package, imported package): an import that would tangle a service's parts
+# (issue 26 item 3). Entry points (``__main__``) are exempt: they put a process together.
+TANGLES = (
+    *(
+        ("services.transfer", s)
+        for s in ("services.store", "services.prefill", "services.decode", "services.worker")
+    ),
+    *(
+        ("services.store.pool", s)
+        for s in ("services.store.node", "services.store.client", "services.transfer")
+    ),
+    ("services.store.client", "services.store.node"),
+    ("services.worker", "services.prefill"),
+    ("services.worker", "services.decode"),
+    ("services.prefill", "services.decode"),
+    ("services.decode", "services.prefill"),
+)
+
+
+def tangles() -> list[str]:
+    return [
+        f"{e.where()} ({a} must not import {b})"
+        for edges in EDGES.values()
+        for e in edges
+        for a, b in TANGLES
+        if _within(e.importer, a)
+        and _within(e.imported, b)
+        and not e.importer.endswith(".__main__")
+        and not _allowed(e.importer, e.imported)
+    ]
+
+
+def test_the_transfer_engine_store_parts_and_workers_import_no_further() -> None:
+    bad = tangles()
+    assert not bad, "\n".join(["a service's parts tangle:", *bad])
+
+
+def test_a_tangle_is_caught(monkeypatch) -> None:
+    edge = Edge("services.worker.settings", "services.prefill.worker", 3)
+    monkeypatch.setitem(EDGES, edge.importer, [*EDGES[edge.importer], edge])
+    assert tangles() == [f"{edge.where()} (services.worker must not import services.prefill)"]
 
 
 def test_nothing_imports_upward() -> None:
@@ -227,8 +286,10 @@ def test_every_listed_pure_policy_and_allowance_exists() -> None:
 def test_each_module_is_in_the_layer_its_role_says() -> None:
     assert [layer(m) for m in ("bus_schemas.requests", "tracing.setup")] == [0, 0]
     assert [layer(m) for m in ("services", "services.common.clock")] == [1, 1]
-    assert layer("services.conductor.policy") == layer("services.prefill.queue") == 2
-    assert layer("services.conductor.service") == layer("services.store.server") == 3
+    assert layer("services.conductor.placement_policy") == layer("services.prefill.queue") == 2
+    assert layer("services.policy") == layer("services.policy.chunk_timing") == 2
+    assert layer("services.transfer.batch_api") == layer("services.store.pool.registry") == 3
+    assert layer("services.conductor.service") == layer("services.store.node.server") == 3
     assert layer("perigee.stack") == layer("perigee.sim.simulator") == 4
 
 

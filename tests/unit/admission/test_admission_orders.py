@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus_schemas.load import CostFit, DecodeLoad, PrefillLoad
-from services.admission.policy import AdmissionRequest, EarlyRejectionPolicy
+from services.admission.admission_policy import AdmissionRequest, EarlyRejectionPolicy
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 

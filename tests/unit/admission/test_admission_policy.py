@@ -4,7 +4,7 @@ import pytest
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
-from services.admission.policy import (
+from services.admission.admission_policy import (
     Accept,
     AdmissionRequest,
     BaselinePolicy,

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode, SamplingParams
-from services.admission.policy import (
+from services.admission.admission_policy import (
     Accept,
     AdmissionRequest,
     EarlyRejectionPolicy,
@@ -17,7 +17,7 @@ from services.admission.policy import (
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
-from services.decode.side_check import DecodeSideCheck
+from services.policy.decode_side_check import DecodeSideCheck
 
 COST = CostModel()
 N = 500

@@ -13,7 +13,7 @@ from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import Error, ErrorCode, GenerateRequest, stream_event_decoder
-from services.admission.policy import PredictiveRejectionPolicy
+from services.admission.admission_policy import PredictiveRejectionPolicy
 from services.admission.service import AdmissionConfig, AdmissionService
 from services.common import intake_queue
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model

@@ -15,7 +15,7 @@ from perigee.sim.simulator import SimConfig, Simulator
 from perigee.stack import Stack
 from perigee.up import parse as up_parse
 from services.admission import __main__ as admission_main
-from services.admission.policy import (
+from services.admission.admission_policy import (
     ADMISSION_POLICIES,
     BaselinePolicy,
     EarlyRejectionPolicy,
@@ -30,7 +30,7 @@ from services.conductor import __main__ as conductor_main
 from services.conductor.service import ConductorService
 from services.decode import __main__ as decode_main
 from services.prefill import __main__ as prefill_main
-from services.worker.factory import settings_from_args
+from services.worker.settings import settings_from_args
 
 MODES = list(AdmissionMode)
 

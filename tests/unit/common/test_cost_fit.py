@@ -237,7 +237,7 @@ class FakeTarget:
     async def generate(self, ids):
         self.sent.append(len(ids))
         if len(ids) == 999:
-            return profile.Outcome(0.0, 0, "429 busy")
+            return profile.ProfileOutcome(0.0, 0, "429 busy")
         hit = 0
         for k in range(len(ids) // self.bs, 0, -1):
             if tuple(ids[: k * self.bs]) in self.cached:
@@ -247,7 +247,7 @@ class FakeTarget:
         self.warmups[key] = self.warmups.get(key, 0) + 1
         if self.warmups[key] >= 1:
             self.cached[key] = 1
-        return profile.Outcome(COST.prefill_time(len(ids), hit) + 0.003, hit)
+        return profile.ProfileOutcome(COST.prefill_time(len(ids), hit) + 0.003, hit)
 
 
 async def test_profile_live_warms_prefixes_until_cached_and_skips_failures():

@@ -65,8 +65,9 @@ def test_cycle_finder_finds_exactly_the_cycles():
 
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph(project_modules())
-    assert "services.store.block_pool" in graph["services.store.server"]  # from x import y
-    assert "services.store.tiers.lower" in graph["services.store.block_pool"]
+    # from x import y
+    assert "services.store.pool.block_pool" in graph["services.store.node.server"]
+    assert "services.store.pool.lower_tiers" in graph["services.store.pool.block_pool"]
     assert "services.engine.vllm.options" in graph["services.engine"]  # under TYPE_CHECKING
     assert "services.common.admission_mode" in graph["perigee.sim.repro"]  # inside a function
 

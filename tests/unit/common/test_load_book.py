@@ -2,11 +2,11 @@
 admission and placement both keep."""
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
-from services.admission.policy import EarlyRejectionPolicy
+from services.admission.admission_policy import EarlyRejectionPolicy
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.load_book import LoadBook
-from services.conductor.policy import PlacementPolicy
+from services.conductor.placement_policy import PlacementPolicy
 
 
 def p(name: str, work: float, ts: float) -> PrefillLoad:

@@ -17,7 +17,7 @@ from services.engine.base import EngineStats
 from services.prefill import metrics as prefill_metrics
 from services.prefill.queue import PrefillQueue
 from services.store import metrics as store_metrics
-from services.store.block_pool import BlockPool
+from services.store.pool.block_pool import BlockPool
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float | None:

@@ -6,13 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bus_schemas.load import DecodeLoad, PrefillLoad
-from services.admission.policy import AdmissionRequest, EarlyRejectionPolicy
+from services.admission.admission_policy import AdmissionRequest, EarlyRejectionPolicy
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.common.slo_check import TbtCheck
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
-from services.decode.side_check import DecodeSideCheck
+from services.conductor.placement_policy import Placement, PlacementPolicy, PlacementRequest
+from services.policy.decode_side_check import DecodeSideCheck
 
 COST = CostModel()
 

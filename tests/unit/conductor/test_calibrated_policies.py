@@ -5,7 +5,7 @@ the prior for instances that report none or when the model is hand-given (fixed)
 import pytest
 
 from bus_schemas.load import CostFit, DecodeLoad, PrefillLoad
-from services.admission.policy import (
+from services.admission.admission_policy import (
     AdmissionRequest,
     EarlyRejectionPolicy,
     PredictiveRejectionPolicy,
@@ -14,7 +14,7 @@ from services.common.calibration import CalibrationBook, decode_features, prefil
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.conductor.pd_ratio import PDRatioController
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
+from services.conductor.placement_policy import Placement, PlacementPolicy, PlacementRequest
 
 BS = 32
 PRIOR = CostModel(speedup=100.0)

@@ -7,7 +7,12 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.conductor.balancing import AdaptiveThreshold
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, RemoteSource
+from services.conductor.placement_policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    RemoteSource,
+)
 
 BS = 32
 COST = CostModel()

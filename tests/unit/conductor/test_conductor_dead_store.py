@@ -1,7 +1,7 @@
 """A store that dies (issue 13 item 2), in the conductor's pure parts with a manual
 clock: the shadow view calls a node down once its store, seen before, goes silent (and
 after the sweep drops it) until it shows up again; placement then keeps that node's
-instances out (services.conductor.migration.away_from_stores): the request goes to
+instances out (services.conductor.migrated_placement.away_from_stores): the request goes to
 another node's instances, or gets 503 when there is none."""
 
 from bus_schemas.control import StoreInfo
@@ -10,8 +10,13 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import ErrorCode
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.conductor.migration import away_from_stores
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.migrated_placement import away_from_stores
+from services.conductor.placement_policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    Rejection,
+)
 from services.conductor.shadow import ShadowView
 
 BS = 32

@@ -8,8 +8,8 @@ import msgspec
 
 from services.common.clock import ManualClock
 from services.common.incarnation import RESTARTED, SAME, STALE
-from services.conductor.migration import placement_for
-from services.conductor.policy import Placement
+from services.conductor.migrated_placement import placement_for
+from services.conductor.placement_policy import Placement
 from tests.unit.conductor.test_conductor_policy import COST, N, dload, make_policy, pload, req
 from tests.unit.gateway.test_gateway_migration import mig
 

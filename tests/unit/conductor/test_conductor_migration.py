@@ -8,9 +8,14 @@ from bus_schemas.kv_events import BlockStored, EventBatch
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, RemoteSource
+from services.conductor.placement_policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    RemoteSource,
+)
 from services.conductor.prefix_index import PrefixIndex
-from services.store.block_pool import Allocation, BlockPool
+from services.store.pool.block_pool import Allocation, BlockPool
 from tests.unit.store.test_store_block_pool import with_events
 
 BS = 32

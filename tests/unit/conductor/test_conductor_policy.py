@@ -9,7 +9,7 @@ from bus_schemas.requests import ErrorCode, GenerateRequest
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
-from services.conductor.policy import (
+from services.conductor.placement_policy import (
     Placement,
     PlacementPolicy,
     PlacementRequest,

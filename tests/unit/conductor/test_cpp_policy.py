@@ -10,25 +10,30 @@ import pytest
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.conductor import cpp
-from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest, Rejection
+from services.conductor.placement_policy import (
+    Placement,
+    PlacementPolicy,
+    PlacementRequest,
+    Rejection,
+)
+from services.policy import chunk_timing
 
 LIN = CostModel(layers=1, d=1, a=0.0, b=1.0, gqa=1, elem_bytes=1, gpu_flops=1.0, nic_bw=4.0)
 BS = 4
 
 
 def test_chunk_bounds_cut_the_uncached_suffix_and_always_compute_the_last_token():
-    assert cpp.chunk_bounds(10, 3, 4) == [(3, 7), (7, 10)]
-    assert cpp.chunk_bounds(10, 0, 10) == [(0, 10)]
-    assert cpp.chunk_bounds(10, 10, 4) == [(9, 10)]
+    assert chunk_timing.chunk_bounds(10, 3, 4) == [(3, 7), (7, 10)]
+    assert chunk_timing.chunk_bounds(10, 0, 10) == [(0, 10)]
+    assert chunk_timing.chunk_bounds(10, 10, 4) == [(9, 10)]
     with pytest.raises(ValueError):
-        cpp.chunk_bounds(10, 0, 0)
+        chunk_timing.chunk_bounds(10, 0, 0)
 
 
 def test_two_stage_pipeline_timing_fill_then_steady_state():
     # chunk 0: stage 0 [0, 2], hand-off 1 s, stage 1 [3, 5]
     # chunk 1: stage 0 [2, 4], hand-off to 5, stage 1 [5, 7]
-    t = cpp.pipeline_timing([LIN, LIN], 8, 0, 4)
+    t = chunk_timing.pipeline_timing([LIN, LIN], 8, 0, 4)
     assert t.chunks == ((0, 4), (4, 8))
     assert t.stage_start_s == (0.0, 3.0)
     assert t.stage_end_s == (4.0, 7.0)
@@ -40,7 +45,7 @@ def test_two_stage_pipeline_timing_fill_then_steady_state():
 def test_a_slow_stage_sets_the_pace_and_hand_offs_wait_for_it():
     slow = CostModel(layers=1, d=1, a=0.0, b=2.0, gqa=1, elem_bytes=1, gpu_flops=1.0, nic_bw=4.0)
     # stage 1 takes 4 s per 4-token chunk: chunk 1 waits for it, not for its input
-    t = cpp.pipeline_timing([LIN, slow], 8, 0, 4, link=LIN)
+    t = chunk_timing.pipeline_timing([LIN, slow], 8, 0, 4, link=LIN)
     assert t.stage_end_s == (4.0, 11.0)  # stage 1: [3, 7], then [7, 11]
 
 
@@ -49,7 +54,7 @@ def test_one_stage_is_the_chunked_prefill_of_one_instance():
 
     cost = CostModel()
     for n, prefix in ((100_000, 0), (70_000, 20_000), (3000, 0)):
-        t = cpp.pipeline_timing([cost], n, prefix, 4096)
+        t = chunk_timing.pipeline_timing([cost], n, prefix, 4096)
         assert t.ttft_s == chunked_prefill_time(cost, n, prefix, 4096)
 
 
@@ -57,38 +62,41 @@ def test_four_stages_cut_a_long_prompt_below_forty_percent_on_the_paper_model():
     cost = CostModel()
     n = 65_536
     one = cost.prefill_time(n)
-    four = cpp.pipeline_timing([cost] * 4, n, 0, cpp.DEFAULT_CHUNK_TOKENS).ttft_s
+    four = chunk_timing.pipeline_timing([cost] * 4, n, 0, chunk_timing.DEFAULT_CHUNK_TOKENS).ttft_s
     assert four < 0.4 * one
     # one chunk: the group only adds hand-offs
-    short = cpp.pipeline_timing([cost] * 4, 2000, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    short = chunk_timing.pipeline_timing([cost] * 4, 2000, 0, chunk_timing.DEFAULT_CHUNK_TOKENS)
     assert short.ttft_s == pytest.approx(cost.prefill_time(2000) + 3 * short.handoff_s[0])
     assert short.ttft_s > cost.prefill_time(2000)
 
 
 def test_groups_are_every_x_instances_in_name_order():
-    assert cpp.form_groups(["p3", "p1", "p4", "p0", "p2"], 2) == [("p0", "p1"), ("p2", "p3")]
-    assert cpp.form_groups(["p0", "p1"], 4) == []
-    assert cpp.form_groups(["p0", "p1"], 1) == []
+    assert chunk_timing.form_groups(["p3", "p1", "p4", "p0", "p2"], 2) == [
+        ("p0", "p1"),
+        ("p2", "p3"),
+    ]
+    assert chunk_timing.form_groups(["p0", "p1"], 4) == []
+    assert chunk_timing.form_groups(["p0", "p1"], 1) == []
     node_of = {"p0": "n0", "p1": "n1", "p2": "n2"}
-    assert cpp.anchor_of(("p0", "p1", "p2"), node_of, {"n2": 3, "n1": 1}) == "p2"
-    assert cpp.anchor_of(("p0", "p1", "p2"), node_of, {}) == "p0"
+    assert chunk_timing.anchor_of(("p0", "p1", "p2"), node_of, {"n2": 3, "n1": 1}) == "p2"
+    assert chunk_timing.anchor_of(("p0", "p1", "p2"), node_of, {}) == "p0"
     queues = {"p0": 2.0, "p1": 0.0, "p2": 0.0}
-    assert cpp.order_stages(("p0", "p1", "p2"), queues) == ("p1", "p2", "p0")
-    assert cpp.order_stages(("p0", "p1", "p2"), queues, anchor="p2") == ("p2", "p1", "p0")
+    assert chunk_timing.order_stages(("p0", "p1", "p2"), queues) == ("p1", "p2", "p0")
+    assert chunk_timing.order_stages(("p0", "p1", "p2"), queues, anchor="p2") == ("p2", "p1", "p0")
     with pytest.raises(ValueError):
-        cpp.CppConfig(group_size=0)
+        chunk_timing.CppConfig(group_size=0)
 
 
 def test_ready_times_and_member_work():
-    assert cpp.ready_times([1.0, 3.0, 0.0], 2.0, anchor=0) == [1.0, 3.0, 2.0]
-    assert cpp.ready_times([1.0, 3.0, 0.0], 2.0, anchor=2) == [2.0, 3.0, 0.0]
+    assert chunk_timing.ready_times([1.0, 3.0, 0.0], 2.0, anchor=0) == [1.0, 3.0, 2.0]
+    assert chunk_timing.ready_times([1.0, 3.0, 0.0], 2.0, anchor=2) == [2.0, 3.0, 0.0]
     # stage 0 from 1 s: [1, 3], [3, 5]; stage 1 from 4 s (its queue), input at 4 s:
     # [4, 6], then chunk 1's input at 6: [6, 8]
-    t = cpp.pipeline_timing([LIN, LIN], 8, 0, 4, ready=[1.0, 4.0])
+    t = chunk_timing.pipeline_timing([LIN, LIN], 8, 0, 4, ready=[1.0, 4.0])
     assert t.stage_start_s == (1.0, 4.0) and t.stage_end_s == (5.0, 8.0)
-    assert cpp.member_work([1.0, 4.0], t) == [4.0, 4.0]
+    assert chunk_timing.member_work([1.0, 4.0], t) == [4.0, 4.0]
     # the first stages of a longer pipeline compute their 1/parts of the layers
-    assert cpp.pipeline_timing([LIN], 8, 0, 4, parts=2).stage_end_s == (4.0,)
+    assert chunk_timing.pipeline_timing([LIN], 8, 0, 4, parts=2).stage_end_s == (4.0,)
 
 
 # ---------------------------------------------------------------- Algorithm 1
@@ -107,7 +115,7 @@ def make_policy(works=(0.0, 0.0), group=2, chunk=4, cost=LIN, min_tokens=1, inte
         cost,
         ttft_slo_s=1000.0,
         tbt_slo_s=10.0,
-        cpp=cpp.CppConfig(
+        cpp=chunk_timing.CppConfig(
             group_size=group,
             chunk_tokens=chunk,
             min_tokens=min_tokens,
@@ -309,7 +317,7 @@ def test_on_a_tie_a_short_request_keeps_off_a_pipeline():
 
 
 def test_a_pipelines_ttft_feedback_is_its_groups_not_its_anchors():
-    from services.conductor.policy import TtftFeedback
+    from services.conductor.placement_policy import TtftFeedback
 
     pol, clock = make_policy(feedback=TtftFeedback())
     d = placed(pol.place(req(8), {}))

@@ -4,7 +4,7 @@ as for n = 1), n decode sequences of the prompt's length (TBT and the load book)
 import pytest
 
 from bus_schemas.requests import GenerateRequest, SamplingParams
-from services.conductor.policy import PlacementRequest, Rejection
+from services.conductor.placement_policy import PlacementRequest, Rejection
 from tests.unit.conductor.test_conductor_policy import (
     BS,
     COST,
@@ -52,7 +52,7 @@ def test_placement_request_takes_n_from_the_sampling_parameters():
 def test_the_decode_side_check_counts_n_sequences():
     from types import SimpleNamespace
 
-    from services.decode.side_check import DecodeSideCheck
+    from services.policy.decode_side_check import DecodeSideCheck
 
     n = 4000
     slo = (COST.decode_step_time(1, n) + COST.decode_step_time(8, 8 * n)) / 2

@@ -9,8 +9,8 @@ from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.liveness import OrderedLiveness
 from services.conductor import placement_round
-from services.conductor.migration import away_from_stores
-from services.conductor.policy import PlacementPolicy, PlacementRequest
+from services.conductor.migrated_placement import away_from_stores
+from services.conductor.placement_policy import PlacementPolicy, PlacementRequest
 
 BS = 512
 

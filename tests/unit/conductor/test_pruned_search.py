@@ -15,7 +15,7 @@ from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
 from services.conductor import search
-from services.conductor.policy import (
+from services.conductor.placement_policy import (
     Placement,
     PlacementPolicy,
     PlacementRequest,

@@ -3,6 +3,7 @@ a RoleSwitch makes it drain its prefill work, then serve as a decode instance wi
 same engine."""
 
 import asyncio
+import dataclasses
 import uuid
 
 import nats
@@ -16,13 +17,17 @@ from bus_schemas.requests import GenerateRequest, SamplingParams
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 from services.common.model_spec import ModelSpec
+from services.decode import __main__ as decode_main
 from services.decode.worker import DecodeWorker
 from services.engine import make_engine
+from services.prefill import __main__ as prefill_main
 from services.prefill.reserve import Reservation
 from services.prefill.worker import PrefillWorker
-from services.worker.factory import WorkerSettings, make_worker
 from services.worker.role_host import RoleHost
+from services.worker.settings import WorkerSettings, make_worker
 from tests.unit.conftest_fakestore import FakeNet, FakeReserver, FakeStore, handle
+
+BUILDERS = {"prefill": prefill_main.build_prefill, "decode": decode_main.build_decode}
 
 
 async def wait_until(pred, timeout: float = 5.0) -> None:
@@ -62,6 +67,7 @@ async def host(nats_url):
         report_interval=0.02,
         drain_quiet_s=0.1,
         reserver=reserver,
+        builders=BUILDERS,
     )
     told: list[str] = []  # what Kubernetes would be told (services.worker.pod_role)
 
@@ -174,9 +180,19 @@ async def test_stop_while_draining_exits_cleanly(host):
 
 def test_make_worker_builds_either_role():
     spec = ModelSpec.from_dir()
-    s = WorkerSettings(instance="i", node="n", layout=KVLayout(spec, 32), cost=CostModel())
+    s = WorkerSettings(
+        instance="i", node="n", layout=KVLayout(spec, 32), cost=CostModel(), builders=BUILDERS
+    )
     engine = make_engine("mock", spec, CostModel())
     assert isinstance(make_worker("prefill", None, None, engine, s), PrefillWorker)
     assert isinstance(make_worker("decode", None, None, engine, s), DecodeWorker)
     with pytest.raises(ValueError):
         make_worker("router", None, None, engine, s)
+    # without the role's builder (the entry point hands them over) there is no worker
+    with pytest.raises(ValueError, match="no builder"):
+        make_worker("decode", None, None, engine, dataclasses.replace(s, builders={}))
+
+
+def test_both_entry_points_hand_over_both_roles_builders():
+    # a switchable worker serves the other role too, whichever entry point started it
+    assert prefill_main.BUILDERS == decode_main.BUILDERS == BUILDERS

@@ -18,7 +18,7 @@ from services.common.model_spec import ModelSpec
 from services.common.store_tx import AllocationRound
 from services.decode.writeback import COUNTERS, AnswerWriteBack
 from services.engine import DecodeJob, SlotKV, make_engine, synth
-from services.store.block_pool import BlockPool
+from services.store.pool.block_pool import BlockPool
 from tests.unit.conftest_fakestore import write_expected
 
 BS = 16
@@ -296,7 +296,7 @@ async def test_a_prefill_node_that_commits_the_prompt_late_gets_the_answer_after
 
 def test_decode_writes_back_unless_told_not_to(layout):
     from services.decode.__main__ import parse_args
-    from services.worker.factory import settings_from_args
+    from services.worker.settings import settings_from_args
 
     on = settings_from_args(parse_args([]), layout, CostModel())
     off = settings_from_args(parse_args(["--no-write-back"]), layout, CostModel())

@@ -10,9 +10,9 @@ import pytest
 from bus_schemas.requests import SamplingParams, Tokens
 from services.common.tokenizer import Tokenizer
 from services.gateway.logprobs import LogprobsOut
-from services.gateway.migration import Resume, plan
 from services.gateway.output import TextOutput
 from services.gateway.protocol import ApiError, bad_words_token_ids, parse_chat, parse_completion
+from services.gateway.resend import Resume, plan
 from services.gateway.responses import Extras
 
 V = 1024

@@ -1,5 +1,5 @@
-"""Migration of a request whose worker died: the pure plan (services.gateway.migration),
-the conductor's placement of a migrated request (services.conductor.migration), and
+"""Migration of a request whose worker died: the pure plan (services.gateway.resend),
+the conductor's placement of a migrated request (services.conductor.migrated_placement), and
 the gateway in-process over a real nats-server with a fake backend that plays the
 dead and the new instance (services.gateway.replies)."""
 
@@ -21,9 +21,9 @@ from bus_schemas.requests import (
 )
 from services.common.clock import ManualClock
 from services.common.hashing import block_hashes
-from services.conductor.migration import placement_for
-from services.conductor.policy import Placement, Rejection
-from services.gateway import migration
+from services.conductor.migrated_placement import placement_for
+from services.conductor.placement_policy import Placement, Rejection
+from services.gateway import resend
 from services.gateway.server import Gateway, GatewayConfig
 from tests.unit.conductor.test_conductor_policy import make_policy, req
 from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
@@ -42,7 +42,7 @@ ORIGINAL = GenerateRequest(
 
 
 def plan(generated, attempts=0, limit=3, role="decode", **kw):
-    return migration.plan(
+    return resend.plan(
         ORIGINAL,
         generated,
         attempts=attempts,
@@ -59,7 +59,7 @@ def plan(generated, attempts=0, limit=3, role="decode", **kw):
 
 def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
     d = plan([7, 8, 9])
-    assert isinstance(d, migration.Resume) and d.offset == 3
+    assert isinstance(d, resend.Resume) and d.offset == 3
     r = d.request
     assert r.request_id == "cmpl-1-m1" and r.reply_subject == "perigee.gw.g.cmpl-1-m1"
     assert r.prompt_token_ids == [*PROMPT, 7, 8, 9]
@@ -80,7 +80,7 @@ def test_resume_appends_the_generated_tokens_and_asks_for_the_rest():
 
 def test_prefill_death_before_the_first_token_resends_the_prompt_as_it_was():
     d = plan([], role="prefill")
-    assert isinstance(d, migration.Resume) and d.offset == 0
+    assert isinstance(d, resend.Resume) and d.offset == 0
     assert d.request.prompt_token_ids == PROMPT and d.request.sampling.max_tokens == 8
     assert d.request.migration.reason == "prefill_died"
 
@@ -92,10 +92,10 @@ def test_second_migration_counts_attempts():
 
 
 def test_nothing_is_resent_when_the_client_has_every_token():
-    assert plan(list(range(8))) == migration.Finish("length")
-    assert plan([7, 2], eos_token_ids=(2,)) == migration.Finish("stop")
+    assert plan(list(range(8))) == resend.Finish("length")
+    assert plan([7, 2], eos_token_ids=(2,)) == resend.Finish("stop")
     s = SamplingParams(max_tokens=8, ignore_eos=True)
-    d = migration.plan(
+    d = resend.plan(
         GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s),
         [7, 2],
         attempts=0,
@@ -105,9 +105,9 @@ def test_nothing_is_resent_when_the_client_has_every_token():
         reply_subject="x",
         eos_token_ids=(2,),
     )
-    assert isinstance(d, migration.Resume)  # EOS does not end an ignore_eos request
+    assert isinstance(d, resend.Resume)  # EOS does not end an ignore_eos request
     s = SamplingParams(max_tokens=8, stop_token_ids=[9])
-    d = migration.plan(
+    d = resend.plan(
         GenerateRequest(request_id="r", prompt_token_ids=PROMPT, sampling=s),
         [7, 9],
         attempts=0,
@@ -116,18 +116,17 @@ def test_nothing_is_resent_when_the_client_has_every_token():
         dead_instance="d",
         reply_subject="x",
     )
-    assert d == migration.Finish("stop")
+    assert d == resend.Finish("stop")
 
 
 def test_past_the_limit_is_a_clear_error():
     d = plan([7], attempts=2, limit=2)
-    assert isinstance(d, migration.GiveUp)
+    assert isinstance(d, resend.GiveUp)
     assert "decode instance decode-0 stopped responding" in d.message
     assert "migrated 2 time(s) already (--migration-limit 2)" in d.message
     off = plan([7], limit=0)
     assert (
-        isinstance(off, migration.GiveUp)
-        and "migration is off (--migration-limit 0)" in off.message
+        isinstance(off, resend.GiveUp) and "migration is off (--migration-limit 0)" in off.message
     )
 
 

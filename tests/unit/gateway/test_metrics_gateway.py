@@ -4,7 +4,7 @@
 from bus_schemas.requests import Accepted, Finished, Tokens
 from services.common import metrics as m
 from services.gateway import telemetry
-from services.gateway.responses import Outcome
+from services.gateway.responses import RequestOutcome
 from tests.unit.gateway.test_gateway_http import env, serve_reject  # noqa: F401 - fixture
 
 MODEL = "unit-model"
@@ -35,7 +35,7 @@ def delta(before: dict, after: dict) -> dict:
 
 
 def test_outcome_times_first_token_and_inter_token_gaps():
-    out = Outcome(prompt_tokens=10, max_tokens=8)
+    out = RequestOutcome(prompt_tokens=10, max_tokens=8)
     out.note(
         Accepted(request_id="r", prefill_instance="p", decode_instance="d", cached_tokens=4),
         t0=100.0,
@@ -48,7 +48,7 @@ def test_outcome_times_first_token_and_inter_token_gaps():
 
 
 def test_observe_a_finished_request_exactly():
-    out = Outcome(prompt_tokens=10, max_tokens=8)
+    out = RequestOutcome(prompt_tokens=10, max_tokens=8)
     out.note(Tokens(request_id="r", token_ids=[1], index=0), t0=0.0, now=0.5)
     out.note(Tokens(request_id="r", token_ids=[2, 3, 4], index=1), t0=0.0, now=1.25)
     out.finish, out.completion_tokens = "length", 4
@@ -70,14 +70,14 @@ def test_observe_a_finished_request_exactly():
 
 
 def test_observe_a_rejected_request():
-    out = Outcome(prompt_tokens=10, max_tokens=8, status=429, error="overloaded")
+    out = RequestOutcome(prompt_tokens=10, max_tokens=8, status=429, error="overloaded")
     before = snapshot()
     telemetry.observe(out, e2e_s=0.01, model=MODEL)
     assert delta(before, snapshot()) == {"err_429": 1, "max_tokens_sum": 8}
 
 
 def test_finished_after_tokens_counts_once():
-    out = Outcome(prompt_tokens=3)
+    out = RequestOutcome(prompt_tokens=3)
     out.note(Tokens(request_id="r", token_ids=[1], index=0), t0=0.0, now=0.1)
     out.finished(
         Finished(

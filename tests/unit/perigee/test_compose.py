@@ -173,7 +173,7 @@ WORKERS = {"prefill-0": "store-p0", "decode-0": "store-d0"}
 
 
 def test_stores_and_workers_share_one_data_key_from_the_environment(config, tmp_path):
-    """PERIGEE_DATA_KEY (services.store.auth) comes from the environment or .env, as the
+    """PERIGEE_DATA_KEY (services.transfer.data_auth) comes from the environment or .env, as the
     NATS passwords do: one value for every store and worker, nobody else's, on no
     command line; compose refuses to start without it."""
     services = config["services"]

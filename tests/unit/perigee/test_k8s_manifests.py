@@ -484,7 +484,7 @@ DATA_PLANE = ("services.store", "services.prefill", "services.decode")
 
 @pytest.mark.parametrize("tree", list(TREES))
 def test_every_store_and_worker_has_the_data_key_from_the_secret(rendered, tree):
-    """PERIGEE_DATA_KEY (services.store.auth) is one value per deployment, in every store's
+    """PERIGEE_DATA_KEY (services.transfer.data_auth) is one value per deployment, in every store's
     and worker's environment from the Secret, on no command line, and only where the
     data plane needs it."""
     docs = rendered[tree]

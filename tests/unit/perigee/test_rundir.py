@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from perigee.rundir import Refused, RunLock, check_port, port_in_use, read_env, write_env
+from perigee.rundir import RunCollision, RunLock, check_port, port_in_use, read_env, write_env
 from perigee.stack import Stack, StackConfig
 
 
 def test_a_held_lock_refuses_another_holder_and_names_it(tmp_path):
     first = RunLock(tmp_path).acquire("http://127.0.0.1:8000")
-    with pytest.raises(Refused) as e:
+    with pytest.raises(RunCollision) as e:
         RunLock(tmp_path).acquire()
     msg = str(e.value)
     assert f"pid {os.getpid()}" in msg and "http://127.0.0.1:8000" in msg
@@ -39,7 +39,7 @@ def test_a_listening_port_is_in_use():
         port = s.getsockname()[1]
         s.listen()
         assert port_in_use("127.0.0.1", port)
-        with pytest.raises(Refused, match=f"port {port} .*--port"):
+        with pytest.raises(RunCollision, match=f"port {port} .*--port"):
             check_port("127.0.0.1", port)
 
 

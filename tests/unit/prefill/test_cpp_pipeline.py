@@ -10,7 +10,7 @@ import pytest
 
 from services.common.clock import ManualClock, WallClock
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 
 COST = CostModel(layers=8, d=512).with_speedup(1000.0)
@@ -39,7 +39,7 @@ async def test_every_stage_runs_its_share_of_every_chunk(nats_url):
     anchor = await nats.connect(nats_url)
     try:
         done = await run_pipeline(anchor, "r1", ["a", "b", "c"], N, 0, CHUNK, expected_s=1.0)
-        chunks = cpp.chunk_bounds(N, 0, CHUNK)
+        chunks = chunk_timing.chunk_bounds(N, 0, CHUNK)
         share = sum(COST.prefill_time(b, a) for a, b in chunks) / 3
         assert [(d.stage, d.chunks, d.compute_s) for d in done] == [
             (s, len(chunks), share) for s in range(3)
@@ -47,7 +47,11 @@ async def test_every_stage_runs_its_share_of_every_chunk(nats_url):
         assert [c for _, _, c in ms] == [{"cpp_stages_run": 1}] * 3
         # a cached prefix is not computed again: the chunks cover [prefix, n)
         done = await run_pipeline(anchor, "r2", ["a", "b"], N, 600, CHUNK, expected_s=1.0)
-        assert [d.chunks for d in done] == [len(cpp.chunk_bounds(N, 600, CHUNK))] * 2 == [2, 2]
+        assert (
+            [d.chunks for d in done]
+            == [len(chunk_timing.chunk_bounds(N, 600, CHUNK))] * 2
+            == [2, 2]
+        )
     finally:
         await anchor.close()
         await close(ms)
@@ -94,7 +98,7 @@ async def test_the_chunk_in_progress_is_what_the_member_reports_busy(nats_url):
     await srv.start()
     try:
         await run_pipeline(nc, "r1", ["a"], N, 0, CHUNK, expected_s=1.0)
-        chunk_s = [COST.prefill_time(b, a) for a, b in cpp.chunk_bounds(N, 0, CHUNK)]
+        chunk_s = [COST.prefill_time(b, a) for a, b in chunk_timing.chunk_bounds(N, 0, CHUNK)]
         assert [t for t, _ in seen] == pytest.approx(chunk_s)
         assert [busy for _, busy in seen] == pytest.approx(chunk_s)
         assert srv.busy_s() == 0.0

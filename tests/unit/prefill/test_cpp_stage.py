@@ -9,7 +9,7 @@ import pytest
 import zmq.asyncio
 
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 from services.prefill.cpp_stage import (
     StageError,
     StageInbox,
@@ -19,7 +19,7 @@ from services.prefill.cpp_stage import (
     run_stage,
     stage_transform,
 )
-from services.store.transfer_api import TransferEngine
+from services.transfer.batch_api import TransferEngine
 
 # d = 512, 2 bytes: 1 KiB of activations per token; a 64-token chunk is 64 KiB
 COST = CostModel(layers=8, d=512)
@@ -70,7 +70,7 @@ def pacing():
 
 def test_four_stages_chain_every_chunk_and_pace_by_their_layer_share():
     n, x = 5 * CHUNK + 10, 4
-    chunks = cpp.chunk_bounds(n, 0, CHUNK)
+    chunks = chunk_timing.chunk_bounds(n, 0, CHUNK)
     ctx, engines, inboxes, outboxes = build(x)
     asked, sleeper = pacing()
 
@@ -107,7 +107,7 @@ def test_four_stages_chain_every_chunk_and_pace_by_their_layer_share():
 
 
 def test_a_dead_next_stage_fails_the_write_at_once_with_the_transport_error():
-    chunks = cpp.chunk_bounds(3 * CHUNK, 0, CHUNK)
+    chunks = chunk_timing.chunk_bounds(3 * CHUNK, 0, CHUNK)
     ctx, engines, inboxes, outboxes = build(2)
     _, sleeper = pacing()
     inboxes[1].close()
@@ -139,7 +139,7 @@ def test_a_dead_next_stage_fails_the_write_at_once_with_the_transport_error():
 
 
 def test_an_out_of_order_or_foreign_chunk_is_refused():
-    chunks = cpp.chunk_bounds(2 * CHUNK, 0, CHUNK)
+    chunks = chunk_timing.chunk_bounds(2 * CHUNK, 0, CHUNK)
     ctx, engines, inboxes, outboxes = build(2)
     _, sleeper = pacing()
 

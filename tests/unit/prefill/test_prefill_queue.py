@@ -133,7 +133,7 @@ def test_reprice_takes_the_new_cost_for_queued_and_running_work():
 
 @dataclass
 class Stage:
-    """A pipeline stage as the simulator queues one (perigee.sim.cpp.StageTask's shape)."""
+    """A pipeline stage as the simulator queues one (perigee.sim.pipeline_gang.StageTask's shape)."""
 
     request_id: str
     prompt_tokens: int

@@ -41,13 +41,13 @@ def test_jobs_lock_the_holders_whole_prefix_and_cap_its_tokens():
 @pytest.mark.parametrize(
     ("refused", "failed", "step", "drop"),
     [
-        ({}, {}, plan.Step.DONE, False),
-        ({"source": "missing"}, {}, plan.Step.DONE, True),
-        ({}, {"source": "timeout"}, plan.Step.DONE, True),
-        ({"decode": "capacity"}, {}, plan.Step.WAIT, False),
-        ({"decode": "capacity", "source": "capacity"}, {}, plan.Step.WAIT, True),
-        ({"prefill": "bad_request"}, {}, plan.Step.FAIL, False),
-        ({"prefill": "capacity"}, {"decode": "timeout"}, plan.Step.FAIL, False),
+        ({}, {}, plan.ReservationStep.DONE, False),
+        ({"source": "missing"}, {}, plan.ReservationStep.DONE, True),
+        ({}, {"source": "timeout"}, plan.ReservationStep.DONE, True),
+        ({"decode": "capacity"}, {}, plan.ReservationStep.WAIT, False),
+        ({"decode": "capacity", "source": "capacity"}, {}, plan.ReservationStep.WAIT, True),
+        ({"prefill": "bad_request"}, {}, plan.ReservationStep.FAIL, False),
+        ({"prefill": "capacity"}, {"decode": "timeout"}, plan.ReservationStep.FAIL, False),
     ],
 )
 def test_next_step(refused, failed, step, drop):

@@ -1,11 +1,11 @@
 """The simulator runs a request placed on a CPP group as a pipeline across the group's
 instances, with exactly the timing the conductor's policy estimated."""
 
-from perigee.sim.cpp import ttft_buckets
+from perigee.sim.pipeline_gang import ttft_buckets
 from perigee.sim.simulator import SimConfig, Simulator
 from perigee.trace import TraceRequest
 from services.common.cost_model import CostModel
-from services.conductor import cpp
+from services.policy import chunk_timing
 
 COST = CostModel()
 LONG = 180 * 512 + 17
@@ -29,7 +29,7 @@ def test_a_long_prompt_runs_as_a_pipeline_with_the_policys_timing():
     assert r1.state == r4.state == "DONE"
     assert four.pipelined == {"r0"} and one.pipelined == set()
     assert r1.ttft_s == COST.prefill_time(LONG)
-    timing = cpp.pipeline_timing([COST] * 4, LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    timing = chunk_timing.pipeline_timing([COST] * 4, LONG, 0, chunk_timing.DEFAULT_CHUNK_TOKENS)
     assert r4.ttft_s == timing.ttft_s
     assert r4.ttft_s < 0.4 * r1.ttft_s
     # every member computed its stage: the GPU time is the chunked prefill's, spread
@@ -56,7 +56,7 @@ def test_a_busy_member_delays_its_stage_and_frees_the_others():
     assert sim.placement.stats["placed"] == 2
     # the long request's last stage is the instance the short one occupied: it ran the
     # short request, then the stage's chunks one by one
-    chunks = cpp.chunk_bounds(LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    chunks = chunk_timing.chunk_bounds(LONG, 0, chunk_timing.DEFAULT_CHUNK_TOKENS)
     assert sim.prefills[busy].done == 1 + len(chunks)
 
 
@@ -83,11 +83,11 @@ def test_a_short_request_on_a_member_runs_between_two_chunks_of_the_pipeline():
     sim = run([(0.0, LONG, 0), (2.0, SHORT, 1000)], 4, prefill=4)
     long_, short = sim.requests
     assert [long_.state, short.state] == ["DONE", "DONE"] and sim.pipelined == {"r0"}
-    chunks = cpp.chunk_bounds(LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    chunks = chunk_timing.chunk_bounds(LONG, 0, chunk_timing.DEFAULT_CHUNK_TOKENS)
     one_chunk = max(COST.prefill_time(b, a) / 4 for a, b in chunks)
     # it waits at most for the chunk in progress on its member, not for the stage
     assert short.ttft_s <= one_chunk + COST.prefill_time(SHORT)
     # and the pipeline is stretched by at most its compute (here not at all: its member
     # was stage 0, which runs ahead of the stages after it)
-    timing = cpp.pipeline_timing([COST] * 4, LONG, 0, cpp.DEFAULT_CHUNK_TOKENS)
+    timing = chunk_timing.pipeline_timing([COST] * 4, LONG, 0, chunk_timing.DEFAULT_CHUNK_TOKENS)
     assert timing.ttft_s <= long_.ttft_s <= timing.ttft_s + COST.prefill_time(SHORT)

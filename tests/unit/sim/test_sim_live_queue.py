@@ -142,7 +142,7 @@ def test_the_queue_prices_a_placement_as_the_conductor_booked_it():
     """A load report that covers a dispatch replaces the conductor's booking with the
     queue's price: the two are one rule (the pull holds the instance too)."""
     from bus_schemas.load import DecodeLoad, PrefillLoad
-    from services.conductor.policy import Placement, PlacementPolicy, PlacementRequest
+    from services.conductor.placement_policy import Placement, PlacementPolicy, PlacementRequest
 
     clock = ManualClock(0.0)
     pol = PlacementPolicy(clock, COST, ttft_slo_s=1e9, tbt_slo_s=1e9)

@@ -11,9 +11,9 @@ import pytest
 from perigee.sim.metrics import summarize
 from perigee.sim.simulator import SimConfig, Simulator, simulate
 from perigee.trace import TraceRequest
-from services.admission.policy import EarlyRejectionPolicy
+from services.admission.admission_policy import EarlyRejectionPolicy
 from services.common.cost_model import CostModel
-from services.conductor.policy import PlacementPolicy
+from services.conductor.placement_policy import PlacementPolicy
 
 # prefill 0.05 s/token, decode step = context tokens / 1000 s, KV 1 byte/token, free links
 TOY = CostModel(
@@ -192,7 +192,7 @@ def test_simulate_returns_the_summary_dict():
 
 
 def test_predict_admission_is_the_live_class_and_forgets_downstream_rejections():
-    from services.admission.policy import PredictiveRejectionPolicy
+    from services.admission.admission_policy import PredictiveRejectionPolicy
 
     # admission sees an idle cluster (no wait) and accepts; the conductor's TTFT estimate
     # (0.1 s of prefill) misses the 0.05 s SLO and rejects: admission must stop counting it

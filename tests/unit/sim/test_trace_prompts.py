@@ -1,4 +1,4 @@
-from perigee.replay import Outcome, summarize
+from perigee.replay import ReplayOutcome, summarize
 from perigee.trace import PromptBuilder, TraceRequest, load_trace, spread_ties
 
 
@@ -20,11 +20,11 @@ def test_trace_loads_and_is_ms_timestamps():
 
 
 def test_tbt_is_mean_of_longest_tenth_and_goodput():
-    o = Outcome(
+    o = ReplayOutcome(
         ok=True, ttft_s=1.0, gaps=[0.01] * 18 + [0.5, 0.3], prompt_tokens=100, cached_tokens=40
     )
     assert abs(o.tbt_s - 0.4) < 1e-12  # the two longest of 20 gaps
-    s = summarize([o, Outcome(ok=False, status=429)], wall_s=2.0, ttft_slo=30, tbt_slo=0.5)
+    s = summarize([o, ReplayOutcome(ok=False, status=429)], wall_s=2.0, ttft_slo=30, tbt_slo=0.5)
     assert s["completed"] == 1 and s["rejected"] == 1
     assert s["goodput"]["requests"] == 1
     assert s["cached_token_ratio"] == 0.4

@@ -4,8 +4,8 @@ from bus_schemas.control import Refused, TxAllocate, TxDone, TxRole
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store.block_pool import Allocation, BlockPool
-from services.store.eviction import LRUEviction
+from services.store.pool.block_pool import Allocation, BlockPool
+from services.store.pool.eviction import LRUEviction
 
 
 def make_pool(

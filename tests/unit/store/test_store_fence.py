@@ -24,15 +24,15 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from bus_schemas.control import Refused, TxAllocate, TxDone, TxRole
 from services.common.clock import ManualClock
-from services.store import wire
 from services.store.arena import Arena
-from services.store.block_pool import BlockPool
-from services.store.fence import ArenaGuard, SlotFence
-from services.store.shared_gens import unchanged
-from services.store.transfer import LEASE_IDLE_S, DataPlane
-from services.store.transport import Region
-from services.store.transport.tcp import TcpReceiver
-from services.store.transport.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
+from services.store.node.data_plane import LEASE_IDLE_S, DataPlane
+from services.store.node.fence import ArenaGuard, SlotFence
+from services.store.node.shared_gens import unchanged
+from services.store.pool.block_pool import BlockPool
+from services.transfer import wire
+from services.transfer.backends import Region
+from services.transfer.backends.tcp import TcpReceiver
+from services.transfer.backends.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
 
 BS = 2  # tokens per block
 SLOTS = 6
@@ -646,7 +646,7 @@ async def test_an_shm_copy_into_a_tx_aborted_mid_copy_is_fenced_and_never_read(
     kind, ((a, pa, arena_a), (b, pb, arena_b)) = both_planes
     if kind != "shm":
         pytest.skip("the TCP receiver's own check is the mid-receive test above")
-    from services.store.transport import shm as shm_transport
+    from services.transfer.backends import shm as shm_transport
 
     bb = arena_a.block_bytes
     src = alloc(pa, "r", [1, 2], role=TxRole.PREFILL)

@@ -38,10 +38,10 @@ from bus_schemas.load import WorkerStats
 from bus_schemas.placement import RemotePrefix
 from perigee.natsd import free_port
 from services.common.bus import ERROR_HEADER, request
-from services.store import auth, wire
-from services.store.channel import Channel, ChannelError
-from services.store.client import StoreClient, TransferError, _channel_to, fetch_info
-from services.store.local_channel import LocalChannel
+from services.store.client.store_client import StoreClient, TransferError, _channel_to, fetch_info
+from services.transfer import data_auth, wire
+from services.transfer.channel import Channel, ChannelError
+from services.transfer.local_channel import LocalChannel
 
 ROOT = Path(__file__).resolve().parents[3]
 BS = 4  # tokens per block
@@ -265,7 +265,7 @@ async def test_malformed_input_gets_an_error_and_the_store_keeps_serving(env):
     write = wire.Open(
         id=5, tx="nope", epoch=a.info.epoch, slots=[10_000], offset=0, length=4, write=True
     )
-    macs = auth.Macs(auth.data_key())  # this run's key: the store answers
+    macs = data_auth.Macs(data_auth.data_key())  # this run's key: the store answers
     for parts, code in (
         ([b"\x99", b"junk"], "bad_frame"),
         (wire.frames(write), "forbidden"),
@@ -407,7 +407,7 @@ def test_the_kv_event_outbox_is_bounded_an_overflow_is_a_gap(monkeypatch):
     """The bus down or slower than the pool: the outbox keeps the newest MAX_OUTBOX
     batches; the oldest go, and the sequence gap makes consumers dump the node."""
     from bus_schemas.kv_events import BlockStored
-    from services.store import server as srv
+    from services.store.node import server as srv
 
     monkeypatch.setattr(srv, "MAX_OUTBOX", 3)
 

@@ -6,8 +6,9 @@ import secrets
 
 import pytest
 
-from services.store import auth, object_server, wire
-from services.store.object_server import ObjectServer
+from services.store.node import object_server
+from services.store.node.object_server import ObjectServer
+from services.transfer import data_auth, object_frames, wire
 
 KEY = secrets.token_bytes(32)
 
@@ -36,7 +37,7 @@ async def roundtrip(reader, writer, frames: list[bytes]) -> list[tuple]:
     out = []
     for _ in frames:
         n = int.from_bytes(await reader.readexactly(4), "little")
-        kind, header, payload = object_server.decode(memoryview(await reader.readexactly(n)))
+        kind, header, payload = object_frames.decode(memoryview(await reader.readexactly(n)))
         out.append((kind, header, bytes(payload)))
     return out
 
@@ -47,7 +48,7 @@ async def connect(addr: str, key: bytes | None = KEY, hello: bytes | None = None
     host, port = addr.removeprefix("tcp://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     if hello is None and key is not None:
-        hello = auth.obj_hello(key, addr)
+        hello = data_auth.obj_hello(key, addr)
     if hello is not None:
         writer.write(hello)
     return reader, writer
@@ -74,7 +75,7 @@ async def endpoint():
 async def test_pipelined_small_and_big_frames(endpoint):
     srv, reader, writer = endpoint
     big = bytes(range(256)) * (3 * object_server.SCRATCH // 256 + 7)  # bigger than the scratch
-    enc = object_server.encode
+    enc = object_frames.encode
     got = await roundtrip(
         reader,
         writer,
@@ -100,11 +101,11 @@ async def test_pipelined_small_and_big_frames(endpoint):
 async def test_bad_frames_get_errors_and_the_connection_goes_on(endpoint):
     _, reader, writer = endpoint
     bad_kind = (3).to_bytes(4, "little") + bytes([99, 0, 0])
-    bad_header = object_server.PREFIX.pack(1 + 2 + 2, wire.Kind.OBJ_GET, 2) + b"\xc1\xc1"
-    write_kind = object_server.encode(
+    bad_header = object_frames.PREFIX.pack(1 + 2 + 2, wire.Kind.OBJ_GET, 2) + b"\xc1\xc1"
+    write_kind = object_frames.encode(
         wire.Kind.OPEN, wire.Open(id=7, tx="t", epoch=1, slots=[], offset=0, length=0, write=True)
     )
-    wrong_size = object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=8, key="k", size=9), [b"x"])
+    wrong_size = object_frames.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=8, key="k", size=9), [b"x"])
     got = await roundtrip(reader, writer, [bad_kind, bad_header, write_kind, wrong_size])
     assert [(k, h.code) for k, h, _ in got] == [
         (wire.Kind.ERR, "bad_frame"),
@@ -115,14 +116,14 @@ async def test_bad_frames_get_errors_and_the_connection_goes_on(endpoint):
     ok = await roundtrip(
         reader,
         writer,
-        [object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=9, key="k", size=1), [b"x"])],
+        [object_frames.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=9, key="k", size=1), [b"x"])],
     )
     assert ok[0][0] == wire.Kind.OK
 
 
 async def test_an_oversized_length_closes_the_connection(endpoint):
     _, reader, writer = endpoint
-    writer.write((object_server.MAX_FRAME + 1).to_bytes(4, "little"))
+    writer.write((object_frames.MAX_FRAME + 1).to_bytes(4, "little"))
     assert await asyncio.wait_for(reader.read(), timeout=10) == b""
 
 
@@ -130,8 +131,8 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
     """ObjectClient's per-store links (no ZeroMQ fallback): concurrent requests open up
     to ``max_links`` connections and then reuse them; an error reply keeps its link, a
     request cancelled mid-flight closes its own (its reply may still come)."""
-    from services.store.channel import ChannelError
-    from services.store.objects import _LinkPool
+    from services.store.client.object_client import _LinkPool
+    from services.transfer.channel import ChannelError
 
     objects = Objects()
     objects.kv = {f"k{i}": bytes([i]) * (1000 + i) for i in range(6)}
@@ -176,15 +177,15 @@ async def test_the_clients_links_run_requests_side_by_side_and_drop_a_poisoned_o
 async def test_a_stranger_gets_no_byte_and_a_holder_beside_it_is_served():
     srv = ObjectServer(Objects(), KEY)
     addr = await srv.start("127.0.0.1")
-    get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="a"))
-    put = object_server.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=2, key="a", size=1), [b"z"])
+    get = object_frames.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="a"))
+    put = object_frames.encode(wire.Kind.OBJ_PUT, wire.ObjPut(id=2, key="a", size=1), [b"z"])
     try:
         honest = await connect(addr)
         cases = {
-            "other key": auth.obj_hello(secrets.token_bytes(32), addr),
-            "another server's": auth.obj_hello(KEY, "tcp://127.0.0.1:1"),
-            "no hello, a request": put + get + bytes(auth.OBJ_HELLO_BYTES),
-            "garbage": secrets.token_bytes(auth.OBJ_HELLO_BYTES),
+            "other key": data_auth.obj_hello(secrets.token_bytes(32), addr),
+            "another server's": data_auth.obj_hello(KEY, "tcp://127.0.0.1:1"),
+            "no hello, a request": put + get + bytes(data_auth.OBJ_HELLO_BYTES),
+            "garbage": secrets.token_bytes(data_auth.OBJ_HELLO_BYTES),
         }
         for why, hello in cases.items():
             reader, writer = await connect(addr, hello=hello)
@@ -193,7 +194,7 @@ async def test_a_stranger_gets_no_byte_and_a_holder_beside_it_is_served():
             writer.close()
         assert "a" not in srv.objects.kv
         # a HELLO seen once opens nothing more (a replay from the wire)
-        hello = auth.obj_hello(KEY, addr)
+        hello = data_auth.obj_hello(KEY, addr)
         first = await connect(addr, hello=hello)
         again = await connect(addr, hello=hello)
         again[1].write(get)
@@ -232,7 +233,7 @@ async def test_bounds_pending_hellos_stalls_and_oversize_lengths():
         assert await closed_silently(r)
         assert srv.counters["obj_dropped_frames"] == 1
         # at most max_conns served; idle ones between requests are kept
-        get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=3, key="k"))
+        get = object_frames.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=3, key="k"))
         served = [await connect(addr) for _ in range(2)]
         for reader, writer in served:
             assert (await roundtrip(reader, writer, [get]))[0][0] == wire.Kind.ERR
@@ -254,7 +255,7 @@ async def test_replies_a_peer_does_not_read_stop_the_reading_and_then_close_it()
     addr = await srv.start("127.0.0.1")
     try:
         reader, writer = await connect(addr)
-        get = object_server.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="big"))
+        get = object_frames.encode(wire.Kind.OBJ_GET, wire.ObjGet(id=1, key="big"))
         writer.write(get * 2000)  # 2 GiB of replies asked for, none read
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20

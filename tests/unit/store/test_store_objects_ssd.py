@@ -6,14 +6,14 @@ from bus_schemas.control import Refused
 from bus_schemas.kv_events import BlockRemoved, BlockStored, EventBatch
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store import replicas
 from services.store.__main__ import parse_args
-from services.store.block_pool import BlockPool
-from services.store.object_service import object_hashes
-from services.store.tiering import ReplayBuffer
-from services.store.tiers import Move, Tier
-from services.store.tiers.backends import MemoryStore, SsdStore, execute
-from services.store.transport.base import crc32
+from services.store.node.object_service import object_hashes
+from services.store.node.tier_stores import MemoryStore, SsdStore, execute
+from services.store.node.tiering import ReplayBuffer
+from services.store.pool import replicas
+from services.store.pool.block_pool import BlockPool
+from services.store.pool.tier_policy import Move, Tier
+from services.transfer.backends.contract import crc32
 from tests.unit.store.test_store_block_pool import with_events
 
 
@@ -140,7 +140,7 @@ def test_cli_flags_for_tiers():
 
 
 def test_kv_events_leave_object_blocks_out():
-    from services.store.object_service import ObjectService
+    from services.store.node.object_service import ObjectService
 
     svc = ObjectService.__new__(ObjectService)
     svc.block_hashes = {1, 2}
@@ -188,7 +188,7 @@ def test_ssd_index_carries_the_objects_whose_blocks_it_holds(tmp_path):
 def test_object_service_restores_whole_objects_and_names_the_orphan_blocks():
     from types import SimpleNamespace
 
-    from services.store.object_service import ObjectService
+    from services.store.node.object_service import ObjectService
 
     pool = BlockPool(4, 1, ManualClock(), "t-", ssd_capacity=8)
     svc = ObjectService(SimpleNamespace(epoch=5, block_bytes=8, pool=pool))  # type: ignore[arg-type]

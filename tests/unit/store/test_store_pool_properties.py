@@ -9,7 +9,7 @@ from bus_schemas.control import TxAllocate, TxDone, TxRole
 from bus_schemas.kv_events import BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store.block_pool import Allocation, BlockPool
+from services.store.pool.block_pool import Allocation, BlockPool
 from tests.unit.store.test_store_block_pool import with_events
 
 BLOCK = 2

@@ -9,7 +9,7 @@ import nats
 from bus_schemas import subjects
 from bus_schemas.control import TxAllocate, TxCommit, TxDone, TxHandle, TxReply, TxRole
 from services.common.bus import request
-from services.store.server import StoreService
+from services.store.node.server import StoreService
 
 BS, BB = 4, 16 * 1024
 

@@ -6,9 +6,9 @@ from bus_schemas.requests import Retention
 from perigee.sim.cluster import Cluster
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
-from services.store.block_pool import Allocation, BlockPool
-from services.store.server import StoreService
-from services.store.tiers import Move, Tier
+from services.store.node.server import StoreService
+from services.store.pool.block_pool import Allocation, BlockPool
+from services.store.pool.tier_policy import Move, Tier
 from tests.unit.store.test_store_block_pool import with_events
 
 D, S, V = Tier.DRAM, Tier.SSD, Tier.VRAM

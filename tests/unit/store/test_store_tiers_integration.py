@@ -39,8 +39,8 @@ from bus_schemas.kv_events import AllBlocksCleared, BlockStored, EventBatch
 from bus_schemas.load import WorkerStats
 from bus_schemas.requests import Retention
 from services.common.bus import request
-from services.store.client import StoreClient, fetch_info
-from services.store.objects import ObjectClient, SyncObjectClient
+from services.store.client.object_client import ObjectClient, SyncObjectClient
+from services.store.client.store_client import StoreClient, fetch_info
 
 ROOT = Path(__file__).resolve().parents[3]
 BS, BB = 4, 16 * 1024

@@ -16,8 +16,8 @@ from bus_schemas.control import TxAllocate, TxDone, TxRole
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store.block_pool import Allocation, BlockPool
-from services.store.tiers import Tier
+from services.store.pool.block_pool import Allocation, BlockPool
+from services.store.pool.tier_policy import Tier
 
 DRAM, SSD, VRAM = 6, 4, 2
 

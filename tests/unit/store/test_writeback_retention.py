@@ -9,7 +9,7 @@ from bus_schemas.control import TxAllocate, TxRole
 from bus_schemas.kv_events import BlockRemoved
 from bus_schemas.requests import Retention
 from services.common.clock import ManualClock
-from services.store.block_pool import BlockPool
+from services.store.pool.block_pool import BlockPool
 
 BS = 4
 

@@ -1,0 +1,192 @@
+"""Request/reply over one ZeroMQ DEALER socket, many requests in flight at once.
+
+Used by a worker to talk to its node's store and by a store to talk to its peers.
+Lifecycle: ``Channel(ctx, addr)`` connects; ``request()`` sends, parks a future under
+the request id and waits (with a deadline) for the reader task to hand it the
+reply; ``close()`` (or a timeout, which usually means the peer is gone) fails every
+waiting request. ``PeerPool`` keeps at most ``max_peers`` channels, least recently
+used closed first.
+
+``ZMQ_IMMEDIATE`` keeps messages from queueing on a connection that is not up, so a
+request to a dead peer waits for the deadline instead of being delivered, stale, to
+whatever comes up at that address later.
+"""
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from services.common.errors import CodedError
+from services.transfer import data_auth, wire
+
+log = structlog.get_logger()
+
+
+def next_id() -> int:
+    """A request id (random: a stranger cannot guess one in flight)."""
+    return data_auth.new_id()
+
+
+class ChannelError(CodedError, RuntimeError):
+    """A request to a peer store that failed (timeout, closed, the peer's ERR)."""
+
+
+def tune(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDBUF, 4 << 20)
+    sock.setsockopt(zmq.RCVBUF, 4 << 20)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+
+
+class Requests:
+    """Requests in flight on one connection, parked by id until the reader hands each its
+    reply: what :class:`Channel` (ZeroMQ) and ``local_channel.LocalChannel`` (the
+    store's Unix socket) share. A subclass puts a request on the wire (``_send``),
+    calls ``_deliver`` for each reply and ``_fail_all`` when the connection ends."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._pending: dict[int, asyncio.Future[tuple[wire.Kind, Any]]] = {}
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def _send(self, header: Any) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
+        """Send one request and return its reply (kind OK or GRANTED); ERR raises
+        :class:`ChannelError` with the peer's code; no reply in ``timeout`` raises
+        ``ChannelError("timeout")`` and closes the channel."""
+        if self._closed:
+            raise ChannelError("closed", f"channel to {self.addr} is closed")
+        fut: asyncio.Future[tuple[wire.Kind, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[header.id] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(header)
+                kind, reply = await fut
+        except TimeoutError:
+            self.close()
+            raise ChannelError(
+                "timeout", f"no reply from {self.addr} within {timeout:.1f}s (peer down?)"
+            ) from None
+        finally:
+            self._pending.pop(header.id, None)
+        if kind == wire.Kind.ERR:
+            raise ChannelError(reply.code, reply.message)
+        return kind, reply
+
+    def _deliver(self, kind: wire.Kind, header: Any) -> None:
+        fut = self._pending.get(header.id)
+        if fut is not None and not fut.done():
+            fut.set_result((kind, header))
+
+    def _fail_all(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ChannelError("closed", f"channel to {self.addr} closed"))
+        self._pending.clear()
+
+
+class Channel(Requests):
+    """Requests over ZeroMQ, every message MAC'd with the run's data key (``macs``; by
+    default this process's, :func:`services.transfer.data_auth.data_key`); a reply without a
+    valid MAC is dropped."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, addr: str, macs: data_auth.Macs | None = None
+    ) -> None:
+        super().__init__(addr)
+        self.macs = macs or data_auth.Macs(data_auth.data_key())
+        self.sock = ctx.socket(zmq.DEALER)
+        tune(self.sock)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.connect(addr)
+        self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"channel:{addr}")
+
+    async def _send(self, header: Any) -> None:
+        await self.sock.send_multipart(wire.frames(header, self.macs))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                parts = await self.sock.recv_multipart(copy=False)
+                try:
+                    kind, header = wire.parse(parts, self.macs)
+                except wire.WireError as e:
+                    log.warning("bad_reply", addr=self.addr, error=str(e))
+                    continue
+                self._deliver(kind, header)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            self._fail_all()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        self._fail_all()
+        self.sock.close(linger=0)
+
+    async def aclose(self) -> None:
+        self.close()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+
+
+class PeerPool:
+    """One channel per peer address, at most ``max_peers``, least recently used evicted
+    (a channel with requests in flight is only evicted when every channel is busy)."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, max_peers: int = 64, macs: data_auth.Macs | None = None
+    ) -> None:
+        self.ctx = ctx
+        self.macs = macs
+        self.max_peers = max(1, max_peers)
+        self._peers: OrderedDict[str, Channel] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def get(self, addr: str) -> Channel:
+        ch = self._peers.get(addr)
+        if ch is not None and not ch.closed:
+            self._peers.move_to_end(addr)
+            return ch
+        self._peers.pop(addr, None)
+        while len(self._peers) >= self.max_peers:
+            victim = next((a for a, c in self._peers.items() if c.in_flight == 0), None)
+            victim = victim or next(iter(self._peers))
+            self._peers.pop(victim).close()
+        ch = self._peers[addr] = Channel(self.ctx, addr, self.macs)
+        return ch
+
+    async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
+        return await self.get(addr).request(header, timeout)
+
+    async def aclose(self) -> None:
+        peers, self._peers = list(self._peers.values()), OrderedDict()
+        for ch in peers:
+            await ch.aclose()
