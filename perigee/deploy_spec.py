@@ -23,7 +23,7 @@ from services.common.model_spec import DEFAULT_MODEL_DIR, ModelSpec
 from services.common.shared_flags import Arg, Bus, DeadAfter, Group, Metrics, Slos, joined, split
 
 if TYPE_CHECKING:
-    from perigee.stack import StackConfig
+    from perigee.stack_config import StackConfig
 
 Value = str | int | float | bool | tuple[str, ...] | None
 
