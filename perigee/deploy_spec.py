@@ -29,7 +29,7 @@ Value = str | int | float | bool | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
-class Service:
+class ServiceCmd:
     """A service's command line: ``python -m <module>`` and its fields as flags."""
 
     module: ClassVar[str] = ""
@@ -59,7 +59,7 @@ class Service:
 
 
 @dataclass(frozen=True)
-class Store(Service):
+class StoreCmd(ServiceCmd):
     """A node's KV store (services.store)."""
 
     module: ClassVar[str] = "services.store"
@@ -77,7 +77,7 @@ class Store(Service):
 
 
 @dataclass(frozen=True)
-class Worker(Service):
+class WorkerCmd(ServiceCmd):
     """A prefill or decode worker (services.prefill, services.decode)."""
 
     role: ClassVar[Role]
@@ -101,7 +101,7 @@ class Worker(Service):
 
 
 @dataclass(frozen=True)
-class Prefill(Worker):
+class PrefillCmd(WorkerCmd):
     """A prefill worker."""
 
     module: ClassVar[str] = "services.prefill"
@@ -109,7 +109,7 @@ class Prefill(Worker):
 
 
 @dataclass(frozen=True)
-class Decode(Worker):
+class DecodeCmd(WorkerCmd):
     """A decode worker."""
 
     module: ClassVar[str] = "services.decode"
@@ -117,7 +117,7 @@ class Decode(Worker):
 
 
 @dataclass(frozen=True)
-class Admission(Service):
+class AdmissionCmd(ServiceCmd):
     """Admission (services.admission)."""
 
     module: ClassVar[str] = "services.admission"
@@ -132,7 +132,7 @@ class Admission(Service):
 
 
 @dataclass(frozen=True)
-class Conductor(Service):
+class ConductorCmd(ServiceCmd):
     """A conductor (services.conductor)."""
 
     module: ClassVar[str] = "services.conductor"
@@ -153,7 +153,7 @@ class Conductor(Service):
 
 
 @dataclass(frozen=True)
-class Gateway(Service):
+class GatewayCmd(ServiceCmd):
     """The OpenAI-compatible gateway (services.gateway); /metrics on its own port."""
 
     module: ClassVar[str] = "services.gateway"
@@ -172,7 +172,7 @@ class Gateway(Service):
 
 
 @dataclass(frozen=True)
-class Authn(Service):
+class AuthnCmd(ServiceCmd):
     """The NATS auth callout for serving pods (services.authn; Kubernetes only)."""
 
     module: ClassVar[str] = "services.authn"
@@ -186,15 +186,15 @@ class Authn(Service):
 # -- perigee up ----------------------------------------------------------------------
 
 
-def nodes(prefill: int, decode: int) -> list[tuple[type[Worker], str, str]]:
+def nodes(prefill: int, decode: int) -> list[tuple[type[WorkerCmd], str, str]]:
     """(worker class, instance, node) of a local stack: one node per instance."""
-    out: list[tuple[type[Worker], str, str]] = [
-        (Prefill, f"prefill-{i}", f"p{i}") for i in range(prefill)
+    out: list[tuple[type[WorkerCmd], str, str]] = [
+        (PrefillCmd, f"prefill-{i}", f"p{i}") for i in range(prefill)
     ]
-    return out + [(Decode, f"decode-{i}", f"d{i}") for i in range(decode)]
+    return out + [(DecodeCmd, f"decode-{i}", f"d{i}") for i in range(decode)]
 
 
-def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Service]]:
+def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, ServiceCmd]]:
     """What ``perigee up`` starts for ``c``, by child name, in start order: the stores,
     the workers, admission, the conductors, the gateway. ``nats``: the services' bus;
     ``block_bytes``: the model's KV bytes per block. The metrics ports are drawn when
@@ -204,10 +204,10 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
     dead = DeadAfter(c.dead_after)
     vllm = c.engine == "vllm"
     workers = nodes(c.prefill, c.decode)
-    out: list[tuple[str, Service]] = []
+    out: list[tuple[str, ServiceCmd]] = []
     for _, _, node in workers:
         ssd = bool(c.store_ssd_blocks)
-        store = Store(
+        store = StoreCmd(
             bus,
             node,
             c.host,
@@ -240,7 +240,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
     model = c.cost_model or None
     predict = c.admission_mode == AdmissionMode.PREDICT
     for i in range(c.admissions):
-        admission = Admission(
+        admission = AdmissionCmd(
             bus,
             slos,
             speedup=c.speedup,
@@ -252,7 +252,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
         out.append(("admission" if c.admissions == 1 else f"admission-{i}", admission))
     cpp = c.cpp_group > 1
     for i in range(c.conductors):
-        conductor = Conductor(
+        conductor = ConductorCmd(
             bus,
             f"conductor-{i}",
             slos,
@@ -268,7 +268,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
             cpp_min_tokens=(cpp and c.cpp_min_tokens) or None,
         )
         out.append(("conductor" if c.conductors == 1 else f"conductor-{i}", conductor))
-    gateway = Gateway(
+    gateway = GatewayCmd(
         bus,
         c.host,
         c.port,
@@ -294,7 +294,7 @@ COMPOSE_STORE_PORT = 5555
 METRICS_PORT = 9400  # every service but the gateway (its own port 8000)
 
 
-def compose() -> dict[str, Service]:
+def compose() -> dict[str, ServiceCmd]:
     """compose.yaml's perigee services, by compose service name: one prefill node and
     one decode node, the control plane and the gateway; SLOs and liveness are the
     services' defaults, the admission mode PERIGEE_ADMISSION_MODE."""
@@ -304,16 +304,16 @@ def compose() -> dict[str, Service]:
     # The image's model, models/tiny-llama: its KV bytes per block (the worker refuses
     # a store of any other block size).
     block_bytes = ModelSpec.from_dir(DEFAULT_MODEL_DIR).block_bytes(block)
-    out: dict[str, Service] = {
-        "gateway": Gateway(bus, "0.0.0.0", 8000, block_size=block),
-        "admission": Admission(bus, block_size=block, metrics=metrics),
-        "conductor": Conductor(bus, "conductor-0", block_size=block, metrics=metrics),
+    out: dict[str, ServiceCmd] = {
+        "gateway": GatewayCmd(bus, "0.0.0.0", 8000, block_size=block),
+        "admission": AdmissionCmd(bus, block_size=block, metrics=metrics),
+        "conductor": ConductorCmd(bus, "conductor-0", block_size=block, metrics=metrics),
     }
     for kind, inst, node in nodes(1, 1):
         out[inst] = kind(bus, inst, node, "mock", block_size=block, speedup="1.0", metrics=metrics)
     for _, _, node in nodes(1, 1):
         name = f"store-{node}"  # --host: its name resolves to the container's own address
-        out[name] = Store(
+        out[name] = StoreCmd(
             bus,
             node,
             name,
@@ -339,7 +339,7 @@ class Container:
     """A perigee container of deploy/k8s/base: its service and the comments its
     arguments carry in the manifest, by flag."""
 
-    service: Service
+    service: ServiceCmd
     notes: dict[str, str]
 
 
@@ -350,8 +350,8 @@ def k8s() -> dict[tuple[str, str], Container]:
     metrics = Metrics(METRICS_PORT, "0.0.0.0")
     slos = Slos("$(TTFT_SLO)", "$(TBT_SLO)")
     block = COMPOSE_BLOCK_SIZE
-    admission = Admission(bus, slos, block_size=block, metrics=metrics)
-    conductor = Conductor(bus, POD, slos, block_size=block, metrics=metrics)
+    admission = AdmissionCmd(bus, slos, block_size=block, metrics=metrics)
+    conductor = ConductorCmd(bus, POD, slos, block_size=block, metrics=metrics)
     out = {
         ("perigee-admission", "admission"): Container(admission, {}),
         ("perigee-conductor", "conductor"): Container(conductor, {}),
@@ -359,11 +359,11 @@ def k8s() -> dict[tuple[str, str], Container]:
             replace(conductor, pd_controller=True), {}
         ),
         ("perigee-gateway", "gateway"): Container(
-            Gateway(bus, "0.0.0.0", 8000, "$(MODEL_DIR)", block, slos, shutdown_grace=5),
+            GatewayCmd(bus, "0.0.0.0", 8000, "$(MODEL_DIR)", block, slos, shutdown_grace=5),
             {"--ttft-slo": "GET /v1/perigee/config reports both"},
         ),
         ("perigee-authn", "authn"): Container(
-            Authn(
+            AuthnCmd(
                 bus,
                 "$(SA_TOKEN_ISSUER)",
                 "perigee-nats",
@@ -373,9 +373,9 @@ def k8s() -> dict[tuple[str, str], Container]:
             {},
         ),
     }
-    for kind in (Prefill, Decode):
+    for kind in (PrefillCmd, DecodeCmd):
         workload = f"perigee-{kind.role}"
-        store = Store(
+        store = StoreCmd(
             bus,
             POD,
             "$(POD_IP)",

@@ -54,7 +54,7 @@ def _flow(tokens: list[str], indent: int, first: str) -> list[str]:
     return [*lines, line]
 
 
-def render_compose(text: str, services: dict[str, deploy_spec.Service] | None = None) -> str:
+def render_compose(text: str, services: dict[str, deploy_spec.ServiceCmd] | None = None) -> str:
     """``text`` (compose.yaml) with each perigee service's ``command:`` rendered."""
     services = deploy_spec.compose() if services is None else services
     aliases = _anchors(text)

@@ -150,7 +150,7 @@ class Stack:
         engine_env = self._engine_env(c.prefill + c.decode)
         out = []
         for name, svc in services:
-            env = dict(engine_env) if isinstance(svc, deploy_spec.Worker) else {}
+            env = dict(engine_env) if isinstance(svc, deploy_spec.WorkerCmd) else {}
             if svc.module in admission_mode.SERVICES:  # one setting for all who follow it
                 env[admission_mode.ENV] = str(c.admission_mode)
             out.append(Child(name, svc.argv(), env=env))

@@ -9,3 +9,8 @@ class CodedError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class BadTask(ValueError):
+    """A task a worker cannot run as placed (wrong node, inconsistent blocks or slots).
+    Here, not in services.worker, because the prefill queue (a pure policy) raises it too."""

@@ -49,6 +49,7 @@ from bus_schemas.placement import DecodeTask
 from bus_schemas.requests import CancelRequest, ErrorCode, Finished, Tokens
 from bus_schemas.roles import Role
 from services.common import bus, metrics
+from services.common.errors import BadTask
 from services.common.hashing import num_blocks
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, LeaseKeeper, StoreTx
@@ -58,11 +59,11 @@ from services.engine import (
     DecodeJob,
     Engine,
     EngineDeadError,
-    EngineError,
     EngineStats,
     RequestStream,
     SlotKV,
 )
+from services.worker import failures
 from services.worker.lifecycle import WorkerBase
 from services.worker.settings import WorkerSettings
 from tracing import tracer
@@ -76,27 +77,24 @@ class DecodeStore(Protocol):
     def slot(self, i: int) -> memoryview: ...
 
 
-class BadTask(ValueError):
-    """A DecodeTask this instance cannot serve as placed."""
-
-
 class _Stopped(Exception):
     """Cancelled or shut down before the request reached the running batch."""
 
 
+# A decode's own failures, ahead of the ones every worker shares (services.worker.failures).
+FAILURES: tuple[failures.Rule, ...] = (
+    (LeaseExpired, ErrorCode.UNAVAILABLE, str),
+    (
+        (bus.RemoteError, nats.errors.NoRespondersError, TimeoutError),
+        ErrorCode.UNAVAILABLE,
+        lambda e: "decode store unavailable",
+    ),
+)
+
+
 def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     """(code, short client message) for a failed decode."""
-    if isinstance(exc, BadTask):
-        return ErrorCode.INTERNAL, f"bad decode task: {exc}"
-    if isinstance(exc, LeaseExpired):
-        return ErrorCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, EngineDeadError):
-        return ErrorCode.UNAVAILABLE, "decode engine is down"
-    if isinstance(exc, EngineError):
-        return ErrorCode.INTERNAL, f"decode failed: {exc}"
-    if isinstance(exc, bus.RemoteError | nats.errors.NoRespondersError | TimeoutError):
-        return ErrorCode.UNAVAILABLE, "decode store unavailable"
-    return ErrorCode.INTERNAL, "decode failed: internal error"
+    return failures.classify(exc, "decode", FAILURES)
 
 
 class DecodeWorker(WorkerBase):

@@ -35,10 +35,7 @@ from bus_schemas.placement import PrefillTask
 from services.common import reservation as plan
 from services.common.clock import Clock
 from services.common.cost_model import CostModel
-
-
-class BadTask(ValueError):
-    """A task this instance cannot run as placed (wrong node, inconsistent blocks)."""
+from services.common.errors import BadTask
 
 
 class QueueItem(Protocol):

@@ -58,20 +58,22 @@ from bus_schemas.roles import Role
 from services.common import bus, metrics
 from services.common.clock import Clock, UnixClock
 from services.common.cost_model import CostModel
+from services.common.errors import BadTask
 from services.common.hashing import num_blocks
 from services.common.kv_errors import KV_RESERVATION_FAILED, KV_TRANSFER_FAILED
 from services.common.kv_layout import KVLayout
 from services.common.store_tx import LeaseExpired, StoreTx
-from services.engine import Engine, EngineDeadError, EngineError, PrefillJob, SlotKV
+from services.engine import Engine, EngineDeadError, PrefillJob, SlotKV
 from services.engine.base import EngineRequestError
 from services.prefill import metrics as prefill_metrics
 from services.prefill.cpp_pipeline import (
     DEFAULT_TIMEOUT_S as DEFAULT_STAGE_TIMEOUT_S,
 )
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
-from services.prefill.queue import BadTask, PrefillQueue, QueuedPrefill
+from services.prefill.queue import PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
 from services.store.client.store_client import TransferError
+from services.worker import failures
 from services.worker.lifecycle import WorkerBase
 from services.worker.settings import WorkerSettings
 from tracing import tracer
@@ -141,25 +143,27 @@ def _ignore_result(task: "asyncio.Task[None]") -> None:
         task.exception()
 
 
+# A prefill's own failures, ahead of the ones every worker shares (services.worker.failures).
+FAILURES: tuple[failures.Rule, ...] = (
+    (LeaseExpired, ErrorCode.UNAVAILABLE, lambda e: f"{KV_RESERVATION_FAILED}: {e}"),
+    (EngineRequestError, ErrorCode.BAD_REQUEST, lambda e: f"the engine refused the request: {e}"),
+    (
+        PipelineError,
+        ErrorCode.UNAVAILABLE,
+        lambda e: f"cpp pipeline failed: {getattr(e, 'message', e)}",
+    ),
+    (ReserveError, ErrorCode.UNAVAILABLE, lambda e: f"{KV_RESERVATION_FAILED}: {e}"),
+    (
+        (TransferError, TimeoutError, ConnectionError),
+        ErrorCode.UNAVAILABLE,
+        lambda e: f"{KV_TRANSFER_FAILED}: {e}",
+    ),
+)
+
+
 def classify(exc: BaseException) -> tuple[ErrorCode, str]:
     """(code, short client message) for a failed prefill."""
-    if isinstance(exc, BadTask):
-        return ErrorCode.INTERNAL, f"bad prefill task: {exc}"
-    if isinstance(exc, LeaseExpired):
-        return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
-    if isinstance(exc, EngineDeadError):
-        return ErrorCode.UNAVAILABLE, "prefill engine is down"
-    if isinstance(exc, EngineRequestError):
-        return ErrorCode.BAD_REQUEST, f"the engine refused the request: {exc}"
-    if isinstance(exc, EngineError):
-        return ErrorCode.INTERNAL, f"prefill failed: {exc}"
-    if isinstance(exc, PipelineError):
-        return ErrorCode.UNAVAILABLE, f"cpp pipeline failed: {exc.message}"
-    if isinstance(exc, ReserveError):
-        return ErrorCode.UNAVAILABLE, f"{KV_RESERVATION_FAILED}: {exc}"
-    if isinstance(exc, TransferError | TimeoutError | ConnectionError):
-        return ErrorCode.UNAVAILABLE, f"{KV_TRANSFER_FAILED}: {exc}"
-    return ErrorCode.INTERNAL, "prefill failed: internal error"
+    return failures.classify(exc, "prefill", FAILURES)
 
 
 class PrefillWorker(WorkerBase):

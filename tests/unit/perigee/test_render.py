@@ -41,7 +41,7 @@ def test_a_changed_spec_changes_the_files():
     """The renderer writes what the spec says, here a store's capacity."""
     services = deploy_spec.compose()
     store = services["store-p0"]
-    assert isinstance(store, deploy_spec.Store)
+    assert isinstance(store, deploy_spec.StoreCmd)
     services["store-p0"] = dataclasses.replace(store, capacity_blocks=8)
     out = render.render_compose(render.COMPOSE_FILE.read_text(), services)
     block = out.split("\n  store-p0:")[1].split("\n  store-d0:")[0]

@@ -7,8 +7,8 @@ from bus_schemas.requests import GenerateRequest
 from services.common import reservation as plan
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
+from services.common.errors import BadTask
 from services.prefill.queue import (
-    BadTask,
     PrefillQueue,
     QueuedPrefill,
     chunked_prefill_time,
