@@ -8,6 +8,8 @@ from aiohttp import ClientSession, web
 
 from perigee.bench.multiturn import _retry_after, chat_turn
 
+SEEN = web.AppKey("seen", dict)
+
 
 def _server(rejections: int) -> web.Application:
     seen = {"n": 0}
@@ -29,7 +31,7 @@ def _server(rejections: int) -> web.Application:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    app["seen"] = seen
+    app[SEEN] = seen
     return app
 
 
@@ -51,7 +53,7 @@ async def test_retries_after_429(rejections, retries, ok, counted, calls):
         await runner.cleanup()
     assert out["ok"] is ok
     assert out["rejections"] == counted
-    assert app["seen"]["n"] == calls
+    assert app[SEEN]["n"] == calls
     if ok:
         assert out["text"] == "ab" and out["prompt_tokens"] == 5
     else:
