@@ -486,35 +486,35 @@ class Gateway:
                 request.protocol.force_close()
             return resp
         if self.inflight >= self.cfg.max_inflight:
-            metrics.INFLIGHT_REJECTIONS.inc()
-            telemetry.rejected(self.cfg.served_model_name, 429)
-            return error_response(
-                ApiError(
-                    429,
-                    f"the gateway is serving its limit of {self.cfg.max_inflight} requests; "
-                    "retry shortly",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": "1"},
-                )
+            return self._turned_away(
+                metrics.INFLIGHT_REJECTIONS,
+                f"the gateway is serving its limit of {self.cfg.max_inflight} requests",
             )
-        late = self.router.lateness.overdue(self.watchdog.clock.now())
-        if self.cfg.max_lateness_s and late > self.cfg.max_lateness_s:
-            metrics.LATENESS_REJECTIONS.inc()
-            telemetry.rejected(self.cfg.served_model_name, 429)
-            return error_response(
-                ApiError(
-                    429,
-                    f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
-                    f"(limit {self.cfg.max_lateness_s * 1e3:.0f} ms); retry shortly",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": "1"},
-                )
+        limit = self.cfg.max_lateness_s
+        if limit and (late := self.router.lateness.overdue(self.watchdog.clock.now())) > limit:
+            return self._turned_away(
+                metrics.LATENESS_REJECTIONS,
+                f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
+                f"(limit {limit * 1e3:.0f} ms)",
             )
         self.inflight += 1
         try:
             return await self._admitted(request, data, chat, t0)
         finally:
             self.inflight -= 1
+
+    def _turned_away(self, counter: Any, why: str) -> web.Response:
+        """429 + Retry-After before the request is accepted (gateway overload)."""
+        counter.inc()
+        telemetry.rejected(self.cfg.served_model_name, 429)
+        return error_response(
+            ApiError(
+                429,
+                f"{why}; retry shortly",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        )
 
     def _rejected(self, e: ApiError) -> web.Response:
         telemetry.rejected(self.cfg.served_model_name, e.status)
