@@ -8,8 +8,10 @@ import math
 
 import aiohttp
 import nats
+import nats.errors
 import pytest
 
+from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.requests import (
     Accepted,
@@ -326,6 +328,19 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     await until(lambda: gw.router.in_flight == 0)
 
 
+async def nobody_subscribes(nc, subject: str) -> None:
+    """Until the server answers "no responders" on ``subject`` (a closed client's
+    subscriptions outlive its close() until the server has read it)."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                await nc.request(subject, b"", timeout=0.5)
+            except nats.errors.NoRespondersError:
+                return
+            except nats.errors.TimeoutError:
+                continue  # delivered to the closed client's stale subscription
+
+
 async def test_a_migration_nobody_takes_yet_is_sent_again_until_admission_is_back(nats_url):
     """A NATS server died: the resend of an accepted request can find admission still
     reconnecting (no responders on perigee.requests). It is sent again, not failed."""
@@ -360,6 +375,9 @@ async def test_a_migration_nobody_takes_yet_is_sent_again_until_admission_is_bac
             async with await asyncio.wait_for(post, 5) as r:
                 await until(lambda: gw.watchdog.stage(rid) == "decode")
                 await nc_b1.close()  # admission is gone from the bus for now
+                # The server drops b1's subscription when it reads the close, which can
+                # come after the gateway's resend on a loaded box: wait until it has.
+                await nobody_subscribes(nc_b2, subjects.REQUESTS)
                 clock.advance(2.5)
                 gw.watchdog.seen("p0")
                 assert gw.router.sweep() == 1
