@@ -120,6 +120,8 @@ class _Flight:
     resent: GenerateRequest | None = None  # the current attempt, when it is a migration
     resend_tries: int = 0  # its sends answered "no responders" so far
     wait_until: float = 0.0  # a migration waiting for a live instance: until then (monotonic)
+    store_retries: int = 0  # attempts resent after a store failure, within the wait
+    store_wait_until: float = 0.0  # store failures are waited out until then (monotonic)
     # n > 1: tokens the client has of each sequence after the first (sequence 0's are
     # ``generated``)
     seq_counts: dict[int, int] = field(default_factory=dict)
@@ -728,6 +730,7 @@ class ReplyRouter:
             f.queue.put_nowait(LocalError(request_id=v.request_id, code=v.code, message=message))
             return
         if (v.dead_instance or v.dead_role in (BUS_LOSS, resend.STORE)) and f.request is not None:
+            pause = self._store_pause(f) if v.dead_role == resend.STORE else 0.0
             d = resend.plan(
                 f.request,
                 f.generated,
@@ -736,17 +739,18 @@ class ReplyRouter:
                 limit=(
                     f.attempt + 1
                     if v.dead_role == BUS_LOSS
-                    else self.migration_limit + f.bus_resumes
+                    else self.migration_limit + f.bus_resumes + f.store_retries
                 ),
                 dead_role=v.dead_role,
                 dead_instance=v.dead_instance,
                 reply_subject=self.reply_subject(resend.attempt_id(v.request_id, f.attempt + 1)),
                 eos_token_ids=self.eos_token_ids,
                 dead_incarnation=v.dead_incarnation,
+                failure=v.message if v.dead_role == resend.STORE else "",
             )
             if isinstance(d, resend.Resume):
                 f.bus_resumes += v.dead_role == BUS_LOSS
-                self._migrate(f, d, v)
+                self._migrate(f, d, v, pause)
                 return
             if isinstance(d, resend.Finish):
                 self._spawn(self.cancel(f.current, f"{v.dead_role} instance died", v.placement))
@@ -829,7 +833,21 @@ class ReplyRouter:
                 )
             )
 
-    def _migrate(self, f: _Flight, d: "resend.Resume", v: Verdict) -> None:
+    def _store_pause(self, f: _Flight) -> float:
+        """A store that failed under a request is usually restarting (a supervisor brings
+        it back in seconds) and the next placement may land on it again. Until
+        ``migration_wait_s`` after the first such failure, the request is sent again
+        after a growing pause and the attempt is not counted against
+        ``--migration-limit``; after that, it counts as any migration does."""
+        now = time.monotonic()
+        if not f.store_wait_until:
+            f.store_wait_until = now + self.migration_wait_s
+        if now >= f.store_wait_until:
+            return 0.0
+        f.store_retries += 1
+        return min(0.25 * 2 ** (f.store_retries - 1), 2.0, f.store_wait_until - now)
+
+    def _migrate(self, f: _Flight, d: "resend.Resume", v: Verdict, pause: float = 0.0) -> None:
         rid, old, new = v.request_id, f.current, d.request.request_id
         self._routes.pop(old, None)
         self._routes[new] = rid
@@ -845,6 +863,7 @@ class ReplyRouter:
             role=v.dead_role,
             resumed_tokens=d.offset,
             why=v.message,
+            pause_s=round(pause, 2),
         )
 
         async def resend() -> None:
@@ -854,6 +873,10 @@ class ReplyRouter:
                     old, f"migrated: {v.dead_role} instance {v.dead_instance} died", v.placement
                 )
             )
+            if pause:
+                await asyncio.sleep(pause)
+                if self._routes.get(new) != rid or self._flights.get(rid) is not f:
+                    return  # cancelled or ended meanwhile
             try:
                 await self._dispatch(d.request)
             except Exception as e:  # noqa: BLE001 - NATS down or closing

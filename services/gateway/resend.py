@@ -85,10 +85,12 @@ def plan(
     reply_subject: str,
     eos_token_ids: Sequence[int] = (),
     dead_incarnation: int = 0,
+    failure: str = "",
 ) -> Decision:
     """What to do for ``original`` (as the client sent it) whose ``dead_role`` instance
     died after the client got ``generated``; ``attempts`` migrations happened before;
-    ``reply_subject`` maps the new attempt's id to its stream."""
+    ``reply_subject`` maps the new attempt's id to its stream. ``failure``: what went
+    wrong, for the client, when no instance died (a store failed under the request)."""
     s = original.sampling
     k = len(generated)
     if k >= s.max_tokens:
@@ -103,9 +105,8 @@ def plan(
             if limit == 0
             else f"the request was migrated {attempts} time(s) already (--migration-limit {limit})"
         )
-        return GiveUp(
-            f"{dead_role} instance {dead_instance} stopped responding and {why}; request aborted"
-        )
+        what = failure or f"{dead_role} instance {dead_instance} stopped responding"
+        return GiveUp(f"{what} and {why}; request aborted")
     attempt = attempts + 1
     prompt = [*original.prompt_token_ids, *generated]
     bs = original.block_size

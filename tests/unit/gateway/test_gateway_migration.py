@@ -15,6 +15,8 @@ from bus_schemas import subjects
 from bus_schemas.codec import encode
 from bus_schemas.requests import (
     Accepted,
+    Error,
+    ErrorCode,
     Finished,
     GenerateRequest,
     Migration,
@@ -326,6 +328,82 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     assert "(--migration-limit 1)" in err["message"]
     assert b.requests.empty()  # no third attempt
     await until(lambda: gw.router.in_flight == 0)
+
+
+STORE_DOWN = "kv transfer failed: closed: channel tcp://p1 closed"
+
+
+async def _store_fails_under(gw, b, http, failures: int):
+    """A stream whose first attempt gets 2 tokens, then a store failure; each resend
+    fails on the store again ``failures - 1`` times; whatever is sent after that is
+    served. Returns (the SSE chunks, whether [DONE] came, the attempts sent)."""
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
+    post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+    first, reply = await asyncio.wait_for(b.requests.get(), 5)
+    rid = first.request_id
+    await send(
+        b,
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"),
+        Tokens(request_id=rid, token_ids=OUT[:2], index=0),
+    )
+    sent = [first]
+    async with await asyncio.wait_for(post, 5) as r:
+        await send(b, reply, Error(request_id=rid, code=ErrorCode.UNAVAILABLE, message=STORE_DOWN))
+        for k in range(1, failures + 1):
+            try:
+                again, reply_k = await asyncio.wait_for(b.requests.get(), 10)
+            except TimeoutError:
+                break  # not sent again: the stream ended
+            sent.append(again)
+            aid = again.request_id
+            assert aid == f"{rid}-m{k}" and again.migration.resumed_tokens == 2
+            if k < failures:
+                await send(
+                    b, reply_k, Error(request_id=aid, code=ErrorCode.UNAVAILABLE, message=STORE_DOWN)
+                )
+                continue
+            await send(
+                b,
+                reply_k,
+                Accepted(request_id=aid, prefill_instance="p1", decode_instance="d1"),
+                Tokens(request_id=aid, token_ids=OUT[2:], index=0),
+                Finished(
+                    request_id=aid,
+                    finish_reason="length",
+                    prompt_tokens=len(again.prompt_token_ids),
+                    completion_tokens=len(OUT) - 2,
+                    cached_tokens=0,
+                ),
+            )
+        chunks, done = await read_sse(r)
+    return chunks, done, sent
+
+
+async def test_a_store_restarting_under_a_request_is_waited_out_not_counted(env):
+    """Store p1 was SIGKILLed: each placement on it fails at once until its supervisor
+    brings it back. Three failures in a row under --migration-limit 1 still end in a
+    whole stream: within --migration-wait, a store failure is sent again after a pause
+    and not counted as a migration."""
+    gw, b, http, clock = env
+    chunks, done, sent = await _store_fails_under(gw, b, http, failures=3)
+    assert done
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (
+        TOK.decode(OUT)
+    )
+    assert len(sent) == 4 and gw.router.migrations == 3
+
+
+async def test_a_store_failure_past_the_wait_counts_as_a_migration(env):
+    gw, b, http, clock = env
+    gw.router.migration_wait_s = 0.0  # no wait: each store failure is a migration
+    chunks, done, sent = await _store_fails_under(gw, b, http, failures=3)
+    assert not done
+    assert len(sent) == 2  # the first attempt and one migration (--migration-limit 1)
+    err = chunks[-1]["error"]
+    assert err["code"] == "service_unavailable"
+    assert STORE_DOWN in err["message"] and "(--migration-limit 1)" in err["message"]
 
 
 async def nobody_subscribes(nc, subject: str) -> None:
