@@ -106,6 +106,7 @@ from services.conductor import search
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.feedback import TtftFeedback
 from services.policy import chunk_timing as cpp_
+from services.policy.retry_schedule import RetrySchedule
 
 STRATEGIES = ("global", "local", "load", "random")
 DEFAULT_BALANCING_THRESHOLD = 2.0
@@ -295,6 +296,9 @@ class PlacementPolicy:
     # Chunked pipeline parallelism: groups of cpp.group_size prefill instances compete
     # with the single instances (group_size 1: off).
     cpp: cpp_.CppConfig = field(default_factory=cpp_.CppConfig)
+    # Spreads the Retry-After of requests turned away for a full prefill pool over the
+    # time the pool needs to serve them (services/policy/retry_schedule.py).
+    retries: RetrySchedule = field(default_factory=RetrySchedule)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -466,6 +470,10 @@ class PlacementPolicy:
     def live_decode(self) -> list[str]:
         return [load.instance for load in self.loads.live_decode()]
 
+    def _live_prefill_count(self) -> int:
+        """Live prefill instances: the reported less the silent, O(silent)."""
+        return len(self.loads.names("prefill")) - len(self.loads.silent("prefill"))
+
     def queue_s(self, instance: str, interleave: bool = False) -> float:
         """Seconds of prefill work ahead of a new request on ``instance``: its report
         plus what this policy dispatched there since. A pipeline's stage holds a member
@@ -632,7 +640,14 @@ class PlacementPolicy:
                 ErrorCode.REJECTED,
                 f"predicted TTFT {chosen.ttft_s:.3f}s{late} exceeds the {ttft_slo:g}s SLO"
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
-                max(self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin),
+                self.retries.retry_after(
+                    self.clock.now(),
+                    max(
+                        self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin
+                    ),
+                    chosen.prefill_s,
+                    self._live_prefill_count(),
+                ),
             )
         if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):
             self.stats["rejected_tbt"] += 1

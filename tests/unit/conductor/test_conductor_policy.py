@@ -135,6 +135,18 @@ def test_rejects_when_ttft_slo_cannot_be_met():
     assert isinstance(pol.place(req(ttft_slo_s=60.0), {}), Placement)
 
 
+def test_a_burst_turned_away_is_told_to_come_back_one_after_another():
+    """Each rejection books its prefill work: the next is told to come back after it,
+    so a burst does not return at once into the same backlog."""
+    pol = make_policy(prefills=(("p0", "n0", 40.0),), ttft_slo_s=30.0)
+    work = COST.prefill_time(N, 0)
+    first = pol.place(req("a"), {})
+    second = pol.place(req("b"), {})
+    assert isinstance(first, Rejection) and isinstance(second, Rejection)
+    assert first.retry_after_s == pytest.approx(40.0 + work - 30.0)
+    assert second.retry_after_s == pytest.approx(first.retry_after_s + work)
+
+
 def test_unmeetable_slo_retry_after_is_at_least_one_second():
     pol = make_policy(ttft_slo_s=0.001)
     d = pol.place(req(), {})

@@ -361,7 +361,9 @@ async def _store_fails_under(gw, b, http, failures: int):
             assert aid == f"{rid}-m{k}" and again.migration.resumed_tokens == 2
             if k < failures:
                 await send(
-                    b, reply_k, Error(request_id=aid, code=ErrorCode.UNAVAILABLE, message=STORE_DOWN)
+                    b,
+                    reply_k,
+                    Error(request_id=aid, code=ErrorCode.UNAVAILABLE, message=STORE_DOWN),
                 )
                 continue
             await send(
@@ -389,9 +391,7 @@ async def test_a_store_restarting_under_a_request_is_waited_out_not_counted(env)
     gw, b, http, clock = env
     chunks, done, sent = await _store_fails_under(gw, b, http, failures=3)
     assert done
-    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (
-        TOK.decode(OUT)
-    )
+    assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (TOK.decode(OUT))
     assert len(sent) == 4 and gw.router.migrations == 3
 
 
