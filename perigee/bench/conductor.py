@@ -14,7 +14,7 @@ nothing queued and nothing running, so all tie (the walk through ties of issue 2
 ``--cpp-group X``: chunked pipeline parallelism's groups of X prefill instances compete
 (with ``--cpp-min-tokens`` at most the prompt's 16k tokens, every request evaluates
 them). ``--overloaded``: every decode instance runs a full batch of 8 with a backlog of
-8 to 200 waiting, so none meets the TBT SLO (the requests are rejected, the TBT check
+96 to 400 waiting, so none meets the TBT SLO (the requests are rejected, the TBT check
 on, after the same search). ``--fitted``: every instance reports a fitted model of its
 own (coefficients spread by up to 20%).
 """
@@ -86,7 +86,7 @@ def report(
         b = 0 if idle else rng.randrange(1, 64)
         waiting, cap = 0, 128
         if overloaded:
-            b, waiting, cap = 8, rng.randrange(8, 200), 8
+            b, waiting, cap = 8, rng.randrange(96, 400), 8
         policy.observe_decode(
             DecodeLoad(
                 instance=f"decode-{i}",
