@@ -11,6 +11,12 @@ for a 16k-token prompt whose prefix is shared with a random chain. Load reports 
 the stores' announces) arrive every 100 placements (0.1 s of simulated time at 1,000
 placements/s); a placed request is released at once. ``--idle``: every instance reports
 nothing queued and nothing running, so all tie (the walk through ties of issue 27).
+``--cpp-group X``: chunked pipeline parallelism's groups of X prefill instances compete
+(with ``--cpp-min-tokens`` at most the prompt's 16k tokens, every request evaluates
+them). ``--overloaded``: every decode instance runs a full batch of 8 with a backlog of
+96 to 400 waiting, so none meets the TBT SLO (the requests are rejected, the TBT check
+on, after the same search). ``--fitted``: every instance reports a fitted model of its
+own (coefficients spread by up to 20%).
 """
 
 import argparse
@@ -19,7 +25,7 @@ import random
 import time
 
 from bus_schemas.kv_events import BlockStored, EventBatch
-from bus_schemas.load import DecodeLoad, PrefillLoad
+from bus_schemas.load import CostFit, DecodeLoad, PrefillLoad
 from perigee.bench.stats import percentile
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
@@ -27,6 +33,7 @@ from services.conductor import placement_round
 from services.conductor.placement_policy import PlacementPolicy, PlacementRequest
 from services.conductor.prefix_index import PrefixIndex
 from services.conductor.shadow import ShadowView
+from services.policy.chunk_timing import DEFAULT_MIN_TOKENS, CppConfig
 
 BLOCK = 512
 
@@ -59,6 +66,8 @@ def report(
     rng: random.Random,
     now: float,
     idle: bool = False,
+    overloaded: bool = False,
+    fitted: bool = False,
 ) -> None:
     for i in range(instances):
         q = 0.0 if idle else rng.random() * 5
@@ -70,22 +79,34 @@ def report(
                 queued_tokens=int(q * 8000),
                 queued_work_s=q,
                 ts=now,
+                fit=_fit(i) if fitted else None,
             )
         )
     for i in range(decodes):
         b = 0 if idle else rng.randrange(1, 64)
+        waiting, cap = 0, 128
+        if overloaded:
+            b, waiting, cap = 8, rng.randrange(96, 400), 8
         policy.observe_decode(
             DecodeLoad(
                 instance=f"decode-{i}",
                 node=f"d{i:02d}",
                 batch_size=b,
-                waiting=0,
-                max_batch=128,
-                kv_tokens=b * 12_000,
+                waiting=waiting,
+                max_batch=cap,
+                kv_tokens=(b + waiting) * 12_000,
                 step_time_s=0.02,
                 ts=now,
+                fit=_fit(i) if fitted else None,
             )
         )
+
+
+def _fit(i: int) -> CostFit:
+    """Instance ``i``'s own fitted model: the reported forms, coefficients spread by up
+    to 20% (deterministic in ``i``)."""
+    s = 1.0 + (i * 7919 % 101) / 500
+    return CostFit(prefill=[0.01 * s, 5e-5 * s, 2e-9 * s], decode=[0.02 * s, 1e-4 * s, 1e-8 * s])
 
 
 def run(
@@ -98,11 +119,16 @@ def run(
     seed: int = 0,
     scan: bool = False,
     idle: bool = False,
+    cpp_group: int = 1,
+    cpp_min_tokens: int = DEFAULT_MIN_TOKENS,
+    overloaded: bool = False,
+    fitted: bool = False,
 ) -> dict:
     rng = random.Random(seed)
     index = build_index(instances, blocks, chain, rng)
     clock = ManualClock(0.0)
-    policy = PlacementPolicy(clock, CostModel(), strategy="global")
+    cpp = CppConfig(group_size=cpp_group, min_tokens=cpp_min_tokens)
+    policy = PlacementPolicy(clock, CostModel(), strategy="global", cpp=cpp)
     policy.pruned = not scan  # --scan: every live instance evaluated (the reference)
     shadow = ShadowView(None, None, clock)  # type: ignore[arg-type]  # no bus: fed here
     shadow.index = index
@@ -112,7 +138,8 @@ def run(
         for node in nodes:
             shadow.stores.seen(node)
 
-    report(policy, instances, decodes, rng, clock.now(), idle)
+    loads = dict(idle=idle, overloaded=overloaded, fitted=fitted)
+    report(policy, instances, decodes, rng, clock.now(), **loads)
     announce()
     chains = blocks // chain
     fresh = blocks + 1
@@ -135,7 +162,7 @@ def run(
         policy.release(req.request_id)
         clock.advance(0.001)
         if k % 100 == 99:
-            report(policy, instances, decodes, rng, clock.now(), idle)
+            report(policy, instances, decodes, rng, clock.now(), **loads)
             announce()
     return {
         "placement_us": {
@@ -151,6 +178,10 @@ def run(
         "placed": placed,
         "search": "scan" if scan else "pruned",
         "idle": idle,
+        "cpp_group": cpp_group,
+        "cpp_min_tokens": cpp_min_tokens,
+        "overloaded": overloaded,
+        "fitted": fitted,
     }
 
 
@@ -172,6 +203,17 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--idle", action="store_true", help="every instance idle: all tie for every request"
     )
+    p.add_argument("--cpp-group", type=int, default=1, help="CPP group size (1: none)")
+    p.add_argument(
+        "--cpp-min-tokens",
+        type=int,
+        default=DEFAULT_MIN_TOKENS,
+        help="computed tokens from which a request is offered a group",
+    )
+    p.add_argument("--overloaded", action="store_true", help="no decode instance meets the TBT SLO")
+    p.add_argument(
+        "--fitted", action="store_true", help="every instance reports a fitted model of its own"
+    )
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     s = run(
@@ -183,10 +225,16 @@ def main(argv: list[str]) -> int:
         seed=a.seed,
         scan=a.scan,
         idle=a.idle,
+        cpp_group=a.cpp_group,
+        cpp_min_tokens=a.cpp_min_tokens,
+        overloaded=a.overloaded,
+        fitted=a.fitted,
     )
     u = s["placement_us"]
     print(
-        f"placement ({s['search']}{', idle' if s['idle'] else ''}) over {s['instances']} prefill + {s['decode_instances']} "
+        f"placement ({s['search']}{', idle' if s['idle'] else ''}"
+        f"{', cpp ' + str(a.cpp_group) if a.cpp_group > 1 else ''}"
+        f"{', overloaded' if a.overloaded else ''}{', fitted' if a.fitted else ''}) over {s['instances']} prefill + {s['decode_instances']} "
         f"decode instances, {s['indexed_blocks']:,} indexed blocks: p50 {u['p50']:.0f} us  p90 {u['p90']:.0f} us  p99 {u['p99']:.0f} us  "
         f"(mean {u['mean']:.0f} us, {s['placements']} placements)"
     )

@@ -163,9 +163,13 @@ class CostFloor:
             t = min(t, m.prefill_time(n, prefix))
         return t * SHADE
 
-    def tbt(self, context_tokens: int) -> float:
+    def tbt(self, context_tokens: int, rounds: int = 1) -> float:
         """At most the TBT of any instance whose sequences hold ``context_tokens`` in all
-        (whatever its batch and batch cap); -inf when some model's shape is unknown."""
+        and take at least ``rounds`` steps per token (``CostModel.decode_tbt``: past the
+        batch cap, ``ceil(batch / max_batch)``), whatever its batch; -inf when some
+        model's shape is unknown. ``rounds`` steps of a model ``c + b batch + k
+        context`` cost ``rounds c + b batch + k context``: the bound keeps the first and
+        the last term."""
         if self._no_decode_shape:
             return -math.inf
         prior = self.prior
@@ -173,20 +177,19 @@ class CostFloor:
             d = _decode_coef(prior.decode_fit)
             if d is None:
                 return -math.inf
-            t = prior._fitted(d[0] + d[2] * context_tokens)
+            t = prior._fitted(rounds * d[0] + d[2] * context_tokens)
         else:
-            t = self._step_floor(prior, context_tokens)
-        t = min(t, self._step_floor(self._analytic, context_tokens))
+            t = self._step_floor(prior, context_tokens, rounds)
+        t = min(t, self._step_floor(self._analytic, context_tokens, rounds))
         if self._fitted_decode:
             m = self._min_model()
             assert isinstance(m, FittedCostModel) and m.decode_fit is not None
             d = _decode_coef(m.decode_fit)
             assert d is not None
-            t = min(t, m._fitted(d[0] + d[2] * context_tokens))
+            t = min(t, m._fitted(rounds * d[0] + d[2] * context_tokens))
         return t * SHADE
 
     @staticmethod
-    def _step_floor(m: CostModel, context_tokens: int) -> float:
-        """The analytic step without the per-sequence term: a batch (or rounds of one)
-        only adds to it."""
-        return m._scale((m.weight_bytes + m.kv_bytes(context_tokens)) / m.hbm_bw)
+    def _step_floor(m: CostModel, context_tokens: int, rounds: int = 1) -> float:
+        """The analytic steps without the per-sequence term: a batch only adds to it."""
+        return m._scale((rounds * m.weight_bytes + m.kv_bytes(context_tokens)) / m.hbm_bw)

@@ -84,6 +84,18 @@ class OrderedLiveness(Liveness):
             self._by_time.remove((t, instance))
         super().forget(instance)
 
+    def prune(self, older_than_s: float) -> list[str]:
+        """As :meth:`Liveness.prune` (those forgotten, oldest first), from the oldest
+        sighting on: O(forgotten log n), not a walk over every name."""
+        now, gone = self.clock.now(), []
+        for t, instance in self._by_time:
+            if now - t <= older_than_s:
+                break
+            gone.append(instance)
+        for i in gone:
+            self.forget(i)
+        return gone
+
     def silent(self) -> list[str]:
         """The known names not alive now (as :meth:`alive` judges), oldest first."""
         now, out = self.clock.now(), []

@@ -42,6 +42,9 @@ class LoadBook:
         self._names: dict[str, SortedList] = {PREFILL: SortedList(), DECODE: SortedList()}
         self._liveness = OrderedLiveness(clock, dead_after_s)
         self._observed = 0
+        # Bumped whenever a name enters or leaves ``names``: what is built over the names
+        # (the placement's CPP groups) knows when to build again.
+        self.version = 0
 
     @property
     def dead_after_s(self) -> float:
@@ -56,6 +59,7 @@ class LoadBook:
         if verdict != STALE:
             if load.instance not in self.prefill:
                 self._names[PREFILL].add(load.instance)
+                self.version += 1
             self.prefill[load.instance] = load
             self._liveness.seen(f"{PREFILL}:{load.instance}")
             self.calibration.observe_fit(load.instance, load.fit)
@@ -68,6 +72,7 @@ class LoadBook:
         if verdict != STALE:
             if load.instance not in self.decode:
                 self._names[DECODE].add(load.instance)
+                self.version += 1
             self.decode[load.instance] = load
             self._liveness.seen(f"{DECODE}:{load.instance}")
             self.calibration.observe_fit(load.instance, load.fit)
@@ -101,6 +106,7 @@ class LoadBook:
     def _drop(self, role: str, instance: str) -> None:
         if (self.prefill if role == PREFILL else self.decode).pop(instance, None) is not None:
             self._names[role].remove(instance)
+            self.version += 1
 
     def alive(self, role: str, instance: str) -> bool:
         return self._liveness.alive(f"{role}:{instance}")

@@ -59,12 +59,14 @@ short one goes to an instance that is no stage.
 Strategies (paper Fig. 5 baselines): ``global`` (above), ``local`` (cache-aware, never
 transfers), ``load`` (least queued work), ``random``.
 
-Search (issue 27): without CPP groups no strategy evaluates every instance. The
-prefix holders come from the index's match, the rest from ordered load structures
+Search (issue 27): no strategy evaluates every instance. The prefix holders come from
+the index's match, the rest from ordered load structures
 (:mod:`services.conductor.search`, kept by the observe/dispatch hooks in O(log n)),
-walked only until a lower bound shows nobody further can win; ``random`` draws from a
-view of the load book's ordered names. The choice is the full scan's (``pruned =
-False`` runs the scan, the reference the tests hold it to). CPP groups scan.
+walked only until a lower bound shows nobody further can win; CPP groups likewise,
+ordered by their busiest member; ``random`` draws from a view of the load book's
+ordered names. The choice is the full scan's (``pruned = False`` runs the scan, the
+reference the tests hold it to); the search module lists what still costs per
+instance.
 
 Dispatch accounting (so back-to-back placements spread before the next report):
 ``place`` records the request's work on its prefill instance, its tokens on its decode
@@ -316,6 +318,9 @@ class PlacementPolicy:
         # source node -> its pulls in flight with bytes > 0 (_least_inflight)
         self._loaded: dict[str, int] = {}
         self._pipelines: dict[str, _Dispatch] = {}  # pipelined, first token not out yet
+        # member -> its pipelines in _pipelines (in their order there): queue_s and
+        # in_pipeline read an instance's own, not every pipeline in flight.
+        self._stages_on: dict[str, dict[str, _Dispatch]] = {}
         self.orders = search.Orders()  # for the pruned search (services.conductor.search)
         # False: every placement scans every live instance (the reference the pruned
         # search is tested against).
@@ -401,6 +406,7 @@ class PlacementPolicy:
             if not d.stage_work:
                 key += d.work_on(instance)
         self.orders.prefill.set(instance, key)
+        self.orders.groups.touched(instance)
 
     def _touch_decode(self, instance: str) -> None:
         """Re-key ``instance`` in the decode order: (decode_occupancy, KV tokens as
@@ -416,6 +422,10 @@ class PlacementPolicy:
         kv = load.kv_tokens + sum(d.tokens for d in pending.values())
         key = (occupancy, kv, load.batch_size, waiting, load.max_batch)
         self.orders.decode.set(instance, key)
+        if load.max_batch <= 0:
+            self.orders.decode_uncapped.add(instance)
+        else:
+            self.orders.decode_uncapped.discard(instance)
 
     def prefill_done(
         self, request_id: str, ts: float | None = None, handoff_ts: float | None = None
@@ -425,7 +435,7 @@ class PlacementPolicy:
         over; the decode instance carries the request until a report at or after the
         handoff includes it."""
         ts = self.clock.now() if ts is None else ts
-        self._pipelines.pop(request_id, None)
+        self._pop_pipeline(request_id)
         if self.adaptive is not None:
             self.adaptive.first_token(request_id, ts)
         d = self._dispatches.get(request_id)
@@ -442,7 +452,7 @@ class PlacementPolicy:
         """Forget a dispatch entirely (rolled back, failed or finished)."""
         if self.adaptive is not None:
             self.adaptive.forget(request_id)
-        self._pipelines.pop(request_id, None)
+        self._pop_pipeline(request_id)
         d = self._dispatches.get(request_id)
         if d is None:
             return
@@ -488,15 +498,30 @@ class PlacementPolicy:
                 base += d.work_on(instance)
         if not interleave:
             now = self.clock.now()
-            for d in self._pipelines.values():
-                end = d.stage_end_at.get(instance)
-                if end is not None and d.request_id not in own:
-                    base += max(0.0, end - now)
+            for d in self._stages_on.get(instance, {}).values():
+                if d.request_id not in own:
+                    base += max(0.0, d.stage_end_at[instance] - now)
         return base
 
     def in_pipeline(self, instance: str) -> bool:
         """``instance`` is a stage of a pipeline whose first token is not out yet."""
-        return any(instance in d.stage_end_at for d in self._pipelines.values())
+        return bool(self._stages_on.get(instance))
+
+    def _add_pipeline(self, d: _Dispatch) -> None:
+        self._pipelines[d.request_id] = d
+        for m in d.stage_end_at:
+            self._stages_on.setdefault(m, {})[d.request_id] = d
+
+    def _pop_pipeline(self, request_id: str) -> None:
+        d = self._pipelines.pop(request_id, None)
+        if d is None:
+            return
+        for m in d.stage_end_at:
+            on = self._stages_on.get(m)
+            if on is not None:
+                on.pop(request_id, None)
+                if not on:
+                    del self._stages_on[m]
 
     def inflight_bytes(self, node: str) -> float:
         return sum(d.transfer_bytes for d in self._by_source.get(node, {}).values())
@@ -581,12 +606,14 @@ class PlacementPolicy:
         ttft_slo = self.ttft_slo_s if req.ttft_slo_s is None else req.ttft_slo_s
         tbt_slo = self.tbt_slo_s if req.tbt_slo_s is None else req.tbt_slo_s
 
-        if self.pruned and not self.cpp.enabled:
+        if self.pruned:
             # The same choice as the scan below, from a few candidates (search module).
             pool = search.live_pool(self, ex_p) if self.strategy == "random" else None
             found = None
             if pool is None:
                 found = search.best_prefill(self, req, own, best_len, best_node, ex_p, groups)
+                if found is not None and self.cpp.enabled and self.strategy != "load":
+                    found = search.best_group(self, req, own, ex_p, found, groups)
             none_left = found is None if pool is None else not len(pool)
             if none_left:
                 self.stats["unavailable"] += 1
@@ -679,7 +706,7 @@ class PlacementPolicy:
         )
         self._record(d)
         if chosen.stages:
-            self._pipelines[req.request_id] = d
+            self._add_pipeline(d)
         self.stats["placed"] += 1
         if remote is not None:
             self.stats["pulls"] += 1
@@ -794,51 +821,58 @@ class PlacementPolicy:
         queue is done."""
         if not self.cpp.enabled:
             return []
-        node_of = {i: self._prefill[i].node for i in prefills}
         out = []
         for members in cpp_.form_groups(prefills, self.cpp.group_size):
-            anchor = cpp_.anchor_of(members, node_of, own)
-            prefix = own.get(node_of[anchor], 0)
-            computed_prefix = _computed_prefix(req, prefix)
-            if req.num_tokens - computed_prefix < self.cpp.min_tokens:
-                continue
-            slices_s = 0.0
-            if computed_prefix > 0:
-                slices_s = self.cost.transfer_time(
-                    0,
-                    self.cost.kv_bytes(1) * cpp_.slice_tokens(computed_prefix, len(members))
-                    + self.inflight_bytes(node_of[anchor]),
-                )
-            by_member = {m: self.queue_s(m) for m in members}
-            stages = cpp_.order_stages(members, by_member, anchor)
-            queues = [by_member[m] for m in stages]
-            timing = cpp_.pipeline_timing(
-                [self._book.cost(m) for m in stages],
-                req.num_tokens,
-                computed_prefix,
-                self.cpp.chunk_tokens,
-                link=self.cost,
-                ready=cpp_.ready_times(queues, slices_s, stages.index(anchor)),
-            )
-            # The queues and slices overlap the pipeline: the timing holds them all.
-            out.append(
-                _Candidate(
-                    instance=anchor,
-                    node=node_of[anchor],
-                    own_blocks=prefix,
-                    prefix_blocks=prefix,
-                    remote=None,
-                    queue_s=queues[0],
-                    transfer_s=0.0,
-                    prefill_s=timing.ttft_s - queues[0],
-                    factor=self._group_factor(stages),
-                    stages=stages,
-                    stage_nodes=tuple(node_of[m] for m in stages),
-                    stage_end_s=timing.stage_end_s,
-                    stage_work=tuple(cpp_.member_work(queues, timing)),
-                )
-            )
+            c = self._group_candidate(req, members, own)
+            if c is not None:
+                out.append(c)
         return out
+
+    def _group_candidate(
+        self, req: PlacementRequest, members: Sequence[str], own: Mapping[str, int]
+    ) -> _Candidate | None:
+        """One CPP group as a candidate (:meth:`_group_candidates`); None when it leaves
+        fewer than ``cpp.min_tokens`` to compute."""
+        node_of = {m: self._prefill[m].node for m in members}
+        anchor = cpp_.anchor_of(members, node_of, own)
+        prefix = own.get(node_of[anchor], 0)
+        computed_prefix = _computed_prefix(req, prefix)
+        if req.num_tokens - computed_prefix < self.cpp.min_tokens:
+            return None
+        slices_s = 0.0
+        if computed_prefix > 0:
+            slices_s = self.cost.transfer_time(
+                0,
+                self.cost.kv_bytes(1) * cpp_.slice_tokens(computed_prefix, len(members))
+                + self.inflight_bytes(node_of[anchor]),
+            )
+        by_member = {m: self.queue_s(m) for m in members}
+        stages = cpp_.order_stages(members, by_member, anchor)
+        queues = [by_member[m] for m in stages]
+        timing = cpp_.pipeline_timing(
+            [self._book.cost(m) for m in stages],
+            req.num_tokens,
+            computed_prefix,
+            self.cpp.chunk_tokens,
+            link=self.cost,
+            ready=cpp_.ready_times(queues, slices_s, stages.index(anchor)),
+        )
+        # The queues and slices overlap the pipeline: the timing holds them all.
+        return _Candidate(
+            instance=anchor,
+            node=node_of[anchor],
+            own_blocks=prefix,
+            prefix_blocks=prefix,
+            remote=None,
+            queue_s=queues[0],
+            transfer_s=0.0,
+            prefill_s=timing.ttft_s - queues[0],
+            factor=self._group_factor(stages),
+            stages=stages,
+            stage_nodes=tuple(node_of[m] for m in stages),
+            stage_end_s=timing.stage_end_s,
+            stage_work=tuple(cpp_.member_work(queues, timing)),
+        )
 
     def _group_factor(self, members: Sequence[str]) -> float:
         """A group's TTFT feedback: its pipelines' own observed/predicted ratio (their

@@ -2,8 +2,8 @@
 the same choice as :class:`~services.conductor.placement_policy.PlacementPolicy` scanning every
 instance, from a few candidates.
 
-Prefill (strategies ``global`` and ``local``, no CPP groups; ``load`` takes the
-order's first usable instance)::
+Prefill (strategies ``global`` and ``local``; ``load`` takes the order's first usable
+instance)::
 
     holders  the instances on the nodes the prefix index matched share one (prefix,
              pull, transfer) option per prefix length: a length held by at most
@@ -35,13 +35,25 @@ flight, then name) is the least name among the holders less the nodes with pulls
 flight, which alone are looked at one by one (``PlacementPolicy._least_inflight``). A
 prefix that every node holds costs set operations over its holders, no Python step each.
 
+CPP groups (:func:`best_group`, ``cpp.group_size`` > 1): a request computing fewer than
+``cpp.min_tokens`` tokens is offered none (no group evaluated). A longer one walks the
+groups (:class:`Groups`: every ``size`` live instances in name order, kept ordered by
+their busiest member's key) until the floor of a pipeline's TTFT (the busiest
+member's key plus a stage's share of the floor of the compute) exceeds the best.
+The singles' walk settles a tied group only on an instance that is no stage of a
+pipeline (the scan's tie-break after the TTFT prefers one that is none).
+
 Decode: ``orders.decode`` keyed by (batch occupancy once one more joins, KV tokens,
 then the TBT model's other inputs), the first keys of the full scan's choice among the
 instances meeting the TBT SLO; equal keys tie under one model (one evaluation). The
 walk takes the first level of occupancy holding an instance that meets it and, inside
-it, stops once the TBT floor at the walked KV exceeds the best TBT. When no instance
-meets the SLO (overload: the request is rejected unless the TBT check is off) the
-walk sees every live decode instance, as the full scan does.
+it, stops once the TBT floor at the walked KV exceeds the best TBT. While none meets
+the SLO (overload: the request is rejected unless the TBT check is off; the scan takes
+the least TBT) an instance past its batch cap takes ``ceil(occupancy)`` steps per
+token, so the floor of that many steps (``CostFloor.tbt``) bounds the rest of the
+walk: it stops once that floor is above both the SLO and the least TBT seen, and
+leaves an occupancy once the floor at its KV is. Instances reporting no cap count one
+step (``Orders.decode_uncapped``).
 
 Random (the ``random`` baseline): the full scan draws ``rng.choice`` over the live,
 non-excluded prefill instances in name order; :class:`LivePool` is that list as a view
@@ -50,19 +62,27 @@ picks the same instance in O((silent + excluded) log n), and only it is evaluate
 
 What costs per instance here: dead or forgotten instances still in the orders are
 skipped (and dropped from the orders when met); an instance excluded by the request
-(migration, a store down) is skipped; instances with fitted models of their own that tie
-on their key are each evaluated until the shaded bound stops the walk; an overloaded
-decode pool is walked whole (above). CPP groups are not searched here: the policy
-scans every instance and group when they are on.
+(migration, a store down) is skipped, and with CPP groups on it makes that request's
+groups be formed and evaluated all (the groups after it in name order are not the kept
+ones); the groups are built again, O(n log n), when a prefill name comes or goes or
+the silent set changes; instances with fitted models of their own that tie on their
+key (prefill: idle ones, key 0) are each evaluated until the floor of the fits stops
+the walk, which it does not inside a group of equal keys (the floor takes each
+coefficient's least over every instance: exact only when one fit is least in all);
+overloaded decode instances at the same number of rounds, KV below the bound, are each
+evaluated (fitted decode models: equal keys too).
 """
 
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from sortedcontainers import SortedList
 
 from bus_schemas.roles import Role
+from services.common.cost_floor import SHADE
 from services.conductor.load_order import LoadOrder
+from services.policy.chunk_timing import chunk_bounds, form_groups
 
 # Holders of one prefix length on at most this many instances are evaluated outright.
 DIRECT = 16
@@ -84,6 +104,11 @@ class Orders:
         self.on_node: dict[str, set[str]] = {}
         self.node_of: dict[str, str] = {}  # prefill instance -> its node in on_node
         self.decode_on_node: dict[str, set[str]] = {}
+        # Decode instances reporting no batch cap (max_batch <= 0): their steps do not
+        # take turns, so the decode walk's bound counts one step per token. A superset
+        # (one forgotten may stay): it only weakens the bound.
+        self.decode_uncapped: set[str] = set()
+        self.groups = Groups(self.prefill)
 
     def drop(self, instance: str) -> None:
         """``instance`` leaves the prefill order and its node's set."""
@@ -116,6 +141,44 @@ class Orders:
                     del by_node[old_node]
         if node is not None:
             by_node.setdefault(node, set()).add(instance)
+
+
+class Groups:
+    """The CPP groups (``chunk_timing.form_groups``: every ``size`` live prefill
+    instances in name order) ordered by their members' greatest key in ``order`` (the
+    prefill order's key: at most what the member's queue is), O(size + log n) per
+    re-key. Built over the load book's names less the silent ones; built again, in
+    O(n log n), when a name comes or goes or the silent set changes (an event, not a
+    request)."""
+
+    def __init__(self, order: LoadOrder) -> None:
+        self._order = order
+        self.stamp: tuple[Any, ...] | None = None
+        self.members: list[tuple[str, ...]] = []
+        self._of: dict[str, int] = {}
+        self._top: list[float] = []
+        self.by_top: SortedList = SortedList()  # (greatest member key, group index)
+
+    def build(self, stamp: tuple[Any, ...], pool: list[str], size: int) -> None:
+        self.stamp = stamp
+        self.members = form_groups(pool, size)
+        self._of = {m: k for k, g in enumerate(self.members) for m in g}
+        self._top = [self._top_of(g) for g in self.members]
+        self.by_top = SortedList(zip(self._top, range(len(self.members)), strict=True))
+
+    def _top_of(self, members: tuple[str, ...]) -> float:
+        return max(self._order.key(m) or 0.0 for m in members)
+
+    def touched(self, instance: str) -> None:
+        """``instance``'s key changed: its group's place in ``by_top`` follows."""
+        k = self._of.get(instance)
+        if k is None:
+            return
+        top = self._top_of(self.members[k])
+        if top != self._top[k]:
+            self.by_top.remove((self._top[k], k))
+            self._top[k] = top
+            self.by_top.add((top, k))
 
 
 def computed_prefix(num_tokens: int, block_size: int, prefix_blocks: int) -> int:
@@ -152,6 +215,8 @@ def best_prefill(
         return instance not in excluded and loads.alive(Role.PREFILL, instance)
 
     if policy.strategy == "load":  # least queued work, then name: the order's first
+        # Exact with CPP groups on too: ``load`` never places a group, so no pipeline
+        # adds to a queue (queue_s is the key).
         stale = []
         for _, instance in orders.prefill:
             ld = prefill.get(instance)
@@ -243,7 +308,10 @@ def best_prefill(
             best, best_rank = c, r
         if same_model:
             option[1] = c.prefill_s
-            if c.factor <= factor_floor:
+            # Settled for the rest of the key's group when nothing later can beat it: the
+            # least factor and no pipeline stage (the tie-break after the TTFT prefers an
+            # instance that is none; only a stage's queue can exceed its key).
+            if c.factor <= factor_floor and not c.in_pipeline:
                 settled[own_len] = key
                 if (
                     entry is not None
@@ -255,6 +323,79 @@ def best_prefill(
     for instance in stale:
         orders.drop(instance)
     return best
+
+
+def best_group(
+    policy: Policy,
+    req: Any,
+    own: Mapping[str, int],
+    excluded: Collection[str],
+    best: Candidate,
+    groups: Mapping[int, Collection[str]] | None = None,
+) -> Candidate:
+    """What the full scan's ``min(singles + groups, key=rank)`` picks given ``best``,
+    the singles' choice (:func:`best_prefill`): the CPP groups (PlacementPolicy's
+    ``_group_candidates``) walked from the least greatest member key until
+
+        SHADE * factor_floor * (greatest member key + compute floor)
+
+    exceeds the best TTFT. A pipeline's first token comes after every stage has
+    started (at the member's queue, at least its key) and computed its share of the
+    chunks (at least the cost floor's, ``CostFloor.prefill`` / size), whatever the
+    group's prefix (the floor is taken at the least over no prefix and every length
+    the request's holders hold). A request computing fewer than ``cpp.min_tokens``
+    tokens is offered no group: none evaluated. Where the request excludes a live
+    instance (a migration, a store down) the groups after it in name order are not the
+    ones kept: they are formed and evaluated for it alone, every one (the scan)."""
+    cpp = policy.cpp
+    if req.num_tokens < cpp.min_tokens:  # computes at most num_tokens on any group
+        return best
+    loads = policy.loads
+    if any(i in loads.prefill and loads.alive(Role.PREFILL, i) for i in excluded):
+        pool = [i for i in policy.live_prefill() if i not in excluded]
+        cands = [best, *policy._group_candidates(req, pool, own)]
+        return min(cands, key=rank)
+    silent = loads.silent(Role.PREFILL)
+    cache = policy.orders.groups
+    stamp = (loads.version, cpp.group_size, tuple(sorted(silent)))
+    if cache.stamp != stamp:
+        gone = set(silent)
+        pool = [i for i in loads.names(Role.PREFILL) if i not in gone]
+        cache.build(stamp, pool, cpp.group_size)
+    floor = policy._book.floor
+    lengths = {0, *(groups if groups is not None else own.values())}
+    size = cpp.group_size
+    compute = min(
+        sum(
+            floor.prefill(b, a)
+            for a, b in chunk_bounds(
+                req.num_tokens,
+                computed_prefix(req.num_tokens, req.block_size, n),
+                cpp.chunk_tokens,
+            )
+        )
+        for n in lengths
+    )
+    compute /= size
+    factor_floor = policy.feedback.floor() if policy.feedback is not None else 1.0
+    best_rank = rank(best)
+    for top, k in cache.by_top:
+        if SHADE * factor_floor * (top + compute) > best_rank[0]:
+            break
+        c = policy._group_candidate(req, cache.members[k], own)
+        if c is None:
+            continue
+        r = rank(c)
+        if r < best_rank:
+            best, best_rank = c, r
+    return best
+
+
+def _rounds(occupancy: float) -> int:
+    """``ceil(occupancy)``: the steps per token of an instance whose batch, once one
+    more joins, fills ``occupancy`` of its cap (a quotient of small integers: one above
+    an integer is above it by at least 1/max_batch, far beyond the shading)."""
+    return max(1, math.ceil(occupancy * (1 - 1e-12)))
 
 
 def best_decode(
@@ -270,6 +411,10 @@ def best_decode(
     # Equal keys are equal inputs to the TBT model: with one model for all, the first
     # usable instance of a group by name is the group's choice.
     same_model = floor.uniform
+    joining = seqs * num_tokens
+    # Steps per token of every instance from here on (ascending occupancy): at least
+    # ceil(occupancy) where each one has a batch cap (CostFloor.tbt).
+    capped = not orders.decode_uncapped
     stale = []
     it = iter(orders.decode)
     entry = next(it, None)
@@ -281,8 +426,19 @@ def best_decode(
             if occupancy > level:
                 break
             assert fit is not None
-            if floor.tbt(kv + seqs * num_tokens) > fit[0]:
+            if floor.tbt(kv + joining) > fit[0]:
                 break  # the rest of the level holds more KV
+        elif over is not None:
+            # Nothing fits yet: the rest is over the SLO and loses to ``over`` once the
+            # floor of its steps is above both (a tie walks on: the name decides).
+            rounds = _rounds(occupancy) if capped else 1
+            if floor.tbt(joining, rounds) > max(slo, over[0]):
+                break
+            if floor.tbt(kv + joining, rounds) > max(slo, over[0]):
+                # The rest of this occupancy holds more KV: on to the next one.
+                it = orders.decode.after((occupancy, math.inf))
+                entry = next(it, None)
+                continue
         if instance not in decode:
             stale.append(instance)
             continue

@@ -113,3 +113,24 @@ def test_ordered_names_and_silent_ones_follow_reports_forgets_and_prunes():
     assert book.prune(5.0) == 3  # p0, p1, d0
     assert list(book.names("prefill")) == [] and list(book.names("decode")) == []
     assert book.silent("prefill") == []
+
+
+def test_prune_forgets_only_the_long_silent_from_the_oldest_and_bumps_the_version():
+    """Pruning walks the sightings from the oldest (OrderedLiveness.prune) and stops at
+    the first recent one; each name that comes or goes bumps ``version`` (what the
+    placement's CPP groups are built over)."""
+    clock = ManualClock()
+    book = LoadBook(clock, CostModel(), dead_after_s=2.0)
+    v0 = book.version
+    book.observe_prefill(p("p0", 1.0, 0.0))
+    clock.advance(3.0)
+    book.observe_prefill(p("p1", 1.0, 3.0))
+    book.observe_decode(d("d0", 3.0))
+    clock.advance(3.0)
+    book.observe_prefill(p("p2", 1.0, 6.0))
+    book.observe_prefill(p("p1", 1.0, 6.0))  # seen again: no new name
+    assert book.version == v0 + 4
+    assert book.prune(4.0) == 1  # p0, silent 6 s; d0 (3 s) stays
+    assert book.prune(2.5) == 1  # d0; p1 and p2 were seen now
+    assert list(book.names("prefill")) == ["p1", "p2"] and list(book.names("decode")) == []
+    assert book.version == v0 + 6

@@ -23,6 +23,7 @@ from services.conductor.placement_policy import (
     TtftFeedback,
 )
 from services.conductor.prefix_index import Matches
+from services.policy.chunk_timing import CppConfig
 
 BS = 512
 
@@ -45,12 +46,14 @@ def _prefill(i: int, q: float, node: str | None = None, ts: float = 0.0, fit=Non
     )
 
 
-def _decode(i: int, batch: int, kv: int, max_batch: int = 128, ts: float = 0.0, fit=None):
+def _decode(
+    i: int, batch: int, kv: int, max_batch: int = 128, ts: float = 0.0, fit=None, waiting=0
+):
     return DecodeLoad(
         instance=f"d{i}",
         node=f"m{i}",
         batch_size=batch,
-        waiting=0,
+        waiting=waiting,
         max_batch=max_batch,
         kv_tokens=kv,
         step_time_s=0.02,
@@ -165,7 +168,7 @@ cluster = st.fixed_dictionaries(
         "prefills": st.lists(
             st.tuples(
                 st.integers(0, 5),  # node (shared nodes: several instances on one)
-                st.sampled_from([0.0, 0.1, 0.5, 1.0, 2.0]) | st.floats(0, 20),
+                st.sampled_from([0.0, 0.0, 0.0, 0.1, 0.5, 1.0, 2.0]) | st.floats(0, 20),
                 st.floats(0, 3),  # last report's age
                 fits,
             ),
@@ -176,18 +179,20 @@ cluster = st.fixed_dictionaries(
             st.tuples(
                 st.sampled_from([0, 1, 10, 63]) | st.integers(0, 130),  # equal occupancies
                 st.sampled_from([0, 50_000, 400_000]) | st.integers(0, 2_000_000),
-                st.sampled_from([4, 64, 128]),
+                st.sampled_from([4, 64, 128, 0]),  # 0: no cap (no rounds)
                 st.floats(0, 3),
                 fits,
+                st.sampled_from([0, 0, 7, 200]),  # waiting: rounds past the cap
             ),
             min_size=1,
             max_size=10,
         ),
         "requests": st.lists(
             st.tuples(
-                st.integers(1, 40),  # blocks
+                st.integers(1, 40) | st.sampled_from([96, 128]),  # blocks (long: CPP wins)
                 st.dictionaries(st.integers(0, 6), st.integers(0, 45), max_size=4),
-                st.sampled_from([0.02, 0.05, 0.1, math.inf]),  # TBT SLO
+                # TBT SLO (1e-4: no decode instance meets it, an overloaded pool)
+                st.sampled_from([1e-4, 0.02, 0.05, 0.1, math.inf]),
                 st.booleans(),  # finish a placed one (prefill_done with a TTFT)
                 st.lists(st.integers(0, 11), max_size=2),  # excluded prefill
                 st.lists(st.integers(0, 9), max_size=2),  # excluded decode
@@ -202,6 +207,11 @@ cluster = st.fixed_dictionaries(
         "feedback": st.booleans(),
         # Factors from the start (feedback on): equal queues with unequal factors.
         "factors": st.dictionaries(st.integers(0, 11), st.sampled_from([0.5, 1.0, 2.0])),
+        # CPP groups (size 1: off); min_tokens low enough that the requests meet it.
+        "cpp": st.sampled_from([1, 1, 2, 3]),
+        "cpp_min": st.sampled_from([0, 4096, 65536]),
+        "cpp_chunk": st.sampled_from([1024, 4096]),
+        "cpp_interleave": st.sampled_from([0, 2048, 8192]),
     }
 )
 
@@ -222,6 +232,12 @@ def check_against_the_scan(c):
         tbt_check=c["tbt_check"],
         serve_when_idle=c["idle"],
         dead_after_s=2.0,
+        cpp=CppConfig(
+            group_size=c["cpp"],
+            min_tokens=c["cpp_min"],
+            chunk_tokens=c["cpp_chunk"],
+            interleave_tokens=c["cpp_interleave"],
+        ),
     )
     pair = []
     for pruned in (True, False):
@@ -238,14 +254,16 @@ def check_against_the_scan(c):
             for i, (node, q, age, fit) in enumerate(c["prefills"]):
                 if (age <= 2.5) == late:
                     p.observe_prefill(_prefill(i, q, node=f"n{node}", ts=clock.now(), fit=fit))
-            for i, (batch, kv, mb, age, fit) in enumerate(c["decodes"]):
+            for i, (batch, kv, mb, age, fit, waiting) in enumerate(c["decodes"]):
                 if (age <= 2.5) == late:
-                    p.observe_decode(_decode(i, batch, kv, mb, ts=clock.now(), fit=fit))
+                    p.observe_decode(
+                        _decode(i, batch, kv, mb, ts=clock.now(), fit=fit, waiting=waiting)
+                    )
     for p in pair:
         for i, (_, _, age, _) in enumerate(c["prefills"]):
             if 2.0 < age <= 2.5:
                 p.forget_instance("prefill", f"p{i}")
-        for i, (_, _, _, age, _) in enumerate(c["decodes"]):
+        for i, (_, _, _, age, _, _) in enumerate(c["decodes"]):
             if 2.0 < age <= 2.5:
                 p.forget_instance("decode", f"d{i}")
     placed = []
@@ -265,10 +283,16 @@ def check_against_the_scan(c):
         if isinstance(a, Placement):
             placed.append(a)
         if finish and placed:
-            clock.advance(0.3)
+            clock.advance(0.3)  # a pipeline's stages still to run shrink with time
             done = placed.pop(0)
             for p in pair:
                 p.prefill_done(done.request_id, clock.now())
+        elif k % 3 == 2:  # a report covers what was placed on the first prefill instance
+            clock.advance(0.05)
+            i, (node, q, age, fit) = 0, c["prefills"][0]
+            if age <= 2.0:
+                for p in pair:
+                    p.observe_prefill(_prefill(i, q / 2, node=f"n{node}", ts=clock.now(), fit=fit))
 
 
 def test_ties_among_idle_instances_cost_one_evaluation_per_group():
@@ -484,3 +508,176 @@ def test_least_inflight_source_by_bytes_then_name():
     for rid in ("pull0", "pull1", "pull2", "s"):
         p.release(rid)
     assert not p._by_source and not p._loaded  # only the nodes with pulls in flight
+
+
+# ------------------------------------------------------------------ CPP, overload, fitted ties
+
+
+def _counting(policy: PlacementPolicy, name: str) -> list:
+    """Record the first argument of each call of ``policy.name``."""
+    seen: list = []
+    orig = getattr(policy, name)
+
+    def counting(*a, **k):
+        seen.append(a[0] if name in ("predicted_tbt", "_group_candidate") else a[1])
+        return orig(*a, **k)
+
+    setattr(policy, name, counting)
+    return seen
+
+
+def _cpp_pair(
+    clock: ManualClock, n: int, idle: tuple[int, int] = (10, 11)
+) -> tuple[PlacementPolicy, PlacementPolicy]:
+    cpp = CppConfig(group_size=2, min_tokens=4096, chunk_tokens=4096, interleave_tokens=8192)
+    pair = _policy(True, clock, cpp=cpp), _policy(False, clock, cpp=cpp)
+    for p in pair:
+        for i in range(n):  # busy, but for the idle pair (one group by name)
+            q = 0.0 if i in idle else 2.0 + (i * 37 % n) * 0.01
+            p.observe_prefill(_prefill(i, q))
+        p.observe_decode(_decode(0, 0, 0))
+    return pair
+
+
+def test_cpp_group_of_the_idle_pair_is_found_without_evaluating_every_group():
+    """200 prefill instances in groups of 2 by name (p0 p1, p10 p100, p101 p102, ...),
+    all busy but p101 and p102: a 64k-token prompt goes to the group (p101, p102), as
+    the scan chooses, and the walk over the groups ordered by their busiest member
+    evaluates a few groups, not 100."""
+    clock = ManualClock(0.0)
+    pruned, full = _cpp_pair(clock, 200, idle=(101, 102))
+    groups = _counting(pruned, "_group_candidate")
+    singles = _counting(pruned, "_candidate")
+    a = pruned.place(_req("long", 128), {})
+    b = full.place(_req("long", 128), {})
+    assert isinstance(a, Placement) and a == b
+    assert a.cpp_stages == ("p101", "p102")
+    assert len(groups) <= 2 and len(singles) <= 3
+    # A short prompt is offered no group (under min_tokens): none evaluated.
+    groups.clear()
+    a = pruned.place(_req("short", 4), {})
+    b = full.place(_req("short", 4), {})
+    assert isinstance(a, Placement) and a == b and not a.cpp_stages and not groups
+    # Reports move the idle pair to (p103, p104): the groups' order follows them.
+    clock.advance(0.1)
+    for p in (pruned, full):
+        p.release("long")
+        for i in (101, 102, 103, 104):
+            p.observe_prefill(_prefill(i, 0.0 if i > 102 else 3.0, ts=clock.now()))
+    groups.clear()
+    a = pruned.place(_req("long2", 128), {})
+    b = full.place(_req("long2", 128), {})
+    assert isinstance(a, Placement) and a == b and a.cpp_stages == ("p103", "p104")
+    assert len(groups) <= 2
+
+
+def test_cpp_a_request_prefers_an_idle_instance_that_is_no_stage():
+    """p0-p3 idle, one model: a long prompt is pipelined on (p0, p1); a short one then
+    ties on its TTFT at every idle instance (it runs between two chunks) and goes to
+    p2, the first that is no stage, as in the scan: the walk must not settle the tied
+    group on p0 (a stage)."""
+    clock = ManualClock(0.0)
+    cpp = CppConfig(group_size=2, min_tokens=4096, chunk_tokens=4096, interleave_tokens=8192)
+    pair = _policy(True, clock, cpp=cpp), _policy(False, clock, cpp=cpp)
+    for p in pair:
+        for i in range(4):
+            p.observe_prefill(_prefill(i, 0.0))
+        p.observe_prefill(_prefill(4, 0.5))
+        p.observe_decode(_decode(0, 0, 0))
+    for rid, blocks, want in (("long", 128, "p0"), ("short", 4, "p2")):
+        a, b = (p.place(_req(rid, blocks), {}) for p in pair)
+        assert isinstance(a, Placement) and a == b and a.prefill_instance == want
+    assert pair[0].in_pipeline("p1") and not pair[0].in_pipeline("p2")
+
+
+def test_cpp_groups_formed_again_when_an_instance_goes_silent_or_is_excluded():
+    """Groups are every two live instances in name order: p10 silent shifts every
+    group after it ((p11, p12) is one), and so does an excluded instance for its
+    request alone; the choice is the scan's each time."""
+    clock = ManualClock(0.0)
+    pair = _cpp_pair(clock, 40)
+    for p in pair:
+        p.dead_after_s = p.loads._liveness.dead_after_s = 1.0
+    a, b = (p.place(_req("r0", 128), {}) for p in pair)  # groups built with p10 alive
+    assert isinstance(a, Placement) and a == b and a.cpp_stages == ("p10", "p11")
+    for p in pair:
+        p.release("r0")
+    clock.advance(0.9)
+    for p in pair:  # everyone reports again but p10; p12 idle now
+        for i in range(40):
+            if i != 10:
+                q = 0.0 if i in (11, 12) else 2.0 + i * 0.01
+                p.observe_prefill(_prefill(i, q, ts=clock.now()))
+        p.observe_decode(_decode(0, 0, 0, ts=clock.now()))
+    clock.advance(0.5)  # p10 silent for 1.4 s: dead
+    a, b = (p.place(_req("r1", 128), {}) for p in pair)
+    assert isinstance(a, Placement) and a == b and a.cpp_stages == ("p11", "p12")
+    for p in pair:
+        p.release("r1")
+    ex = ("p5",)  # shifts the groups after p5 back: (p10 dead) ... (p12, p13)
+    a, b = (p.place(_req("r2", 128), {}, exclude_prefill=ex) for p in pair)
+    assert isinstance(a, Placement) and a == b
+
+
+def test_overloaded_decode_pool_is_walked_by_rounds_not_whole():
+    """1,000 decode instances capped at 8, every one over the TBT SLO (the check off:
+    the least TBT is placed). TBT grows with the rounds a backlog takes (ceil of the
+    occupancy) and the KV: dA at 2 rounds holds much KV, dB at 3 rounds little, and dB
+    wins, as in the scan; the walk stops once the floor of the rounds is above the
+    best TBT instead of evaluating the thousand. An uncapped instance (max_batch 0,
+    no rounds) at a high occupancy is still reached."""
+    clock = ManualClock(0.0)
+    pair = (
+        _policy(True, clock, tbt_slo_s=1e-4, tbt_check=False),
+        _policy(False, clock, tbt_slo_s=1e-4, tbt_check=False),
+    )
+    for p in pair:
+        p.observe_prefill(_prefill(0, 0.0))
+        p.observe_decode(_decode(0, 8, 500_000, max_batch=8))  # dA: 2 rounds
+        p.observe_decode(_decode(1, 8, 10_000, max_batch=8, waiting=8))  # dB: 3 rounds
+        for i in range(2, 1000):
+            p.observe_decode(_decode(i, 8, 1000 * i, max_batch=8, waiting=8 * (3 + i % 40)))
+    pruned, full = pair
+    assert pruned.predicted_tbt("d1", 2 * BS) < pruned.predicted_tbt("d0", 2 * BS)
+    tbts = _counting(pruned, "predicted_tbt")
+    a, b = pruned.place(_req("r", 2), {}), full.place(_req("r", 2), {})
+    assert isinstance(a, Placement) and a == b and a.decode_instance == "d1"
+    assert len(tbts) <= 5
+    for p in pair:  # an uncapped instance: one step per token whatever its batch
+        p.observe_decode(_decode(1000, 60, 0, max_batch=0))
+    assert pruned.predicted_tbt("d1000", 2 * BS) < pruned.predicted_tbt("d1", 2 * BS)
+    a, b = pruned.place(_req("s", 2), {}), full.place(_req("s", 2), {})
+    assert isinstance(a, Placement) and a == b and a.decode_instance == "d1000"
+
+
+def test_overloaded_decode_ties_under_fitted_models_are_walked():
+    """Two overloaded instances with the same key (occupancy, KV, batch): with fitted
+    models of their own they may differ, so the walk does not take the first by name
+    for the group; d1's faster fit wins, as in the scan."""
+    clock = ManualClock(0.0)
+    slow = CostFit(prefill=None, decode=[0.05, 1e-3, 1e-7])
+    fast = CostFit(prefill=None, decode=[0.01, 1e-4, 1e-8])
+    for pruned in (True, False):
+        p = _policy(pruned, clock, tbt_slo_s=1e-4, tbt_check=False)
+        p.observe_prefill(_prefill(0, 0.0))
+        for i in range(3):
+            p.observe_decode(_decode(i, 8, 9_000, max_batch=8, fit=fast if i == 1 else slow))
+        d = p.place(_req("r", 2), {})
+        assert isinstance(d, Placement) and d.decode_instance == "d1"
+
+
+def test_fitted_prefill_ties_are_walked_to_the_fastest():
+    """Idle instances with fitted prefill models of their own tie on their key (0):
+    the fastest fit wins wherever it is by name, as in the scan (each of the group is
+    evaluated until the floor of the fits stops the walk: the cost of fitted ties)."""
+    clock = ManualClock(0.0)
+    fits = [CostFit(prefill=[0.01 + 0.001 * i, 1e-4, 1e-9], decode=None) for i in range(30)]
+    fits[17] = CostFit(prefill=[0.001, 1e-5, 1e-10], decode=None)
+    for pruned in (True, False):
+        p = _policy(pruned, clock)
+        for i in range(30):
+            p.observe_prefill(_prefill(i, 0.0, fit=fits[i]))
+        p.observe_prefill(_prefill(30, 9.0))
+        p.observe_decode(_decode(0, 0, 0))
+        d = p.place(_req("r", 4), {})
+        assert isinstance(d, Placement) and d.prefill_instance == "p17"

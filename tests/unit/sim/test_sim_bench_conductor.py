@@ -42,3 +42,13 @@ def test_idle_run_places_every_request():
     """``--idle``: every instance reports nothing queued or running (all tie)."""
     s = run(instances=8, decodes=4, blocks=640, chain=32, placements=50, warmup=5, idle=True)
     assert s["idle"] and s["placed"] == 50
+
+
+def test_the_configurations_of_the_search_run_and_agree_with_the_scan():
+    """--cpp-group, --overloaded and --fitted: the pruned search and the scan place the
+    same number; an overloaded decode pool rejects every request (TBT check on)."""
+    kw = dict(instances=8, decodes=4, blocks=3200, chain=32, placements=60, warmup=5)
+    for flags in (dict(cpp_group=2, cpp_min_tokens=8192), dict(overloaded=True), dict(fitted=True)):
+        a, b = run(**kw, **flags), run(**kw, **flags, scan=True)
+        assert a["placed"] == b["placed"]
+        assert a["placed"] == (0 if flags.get("overloaded") else 60)
