@@ -674,6 +674,8 @@ class PlacementPolicy:
                     ),
                     chosen.prefill_s,
                     self._live_prefill_count(),
+                    backlog_s=chosen.queue_s,
+                    budget_s=ttft_slo * self.ttft_margin - waited - chosen.transfer_s,
                 ),
             )
         if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):

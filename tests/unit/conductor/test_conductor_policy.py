@@ -128,7 +128,9 @@ def test_rejects_when_ttft_slo_cannot_be_met():
     d = pol.place(req(), {})
     assert isinstance(d, Rejection)
     assert d.code == ErrorCode.REJECTED
-    assert d.retry_after_s == pytest.approx(40.0 + COST.prefill_time(N, 0) - 30.0)
+    # Back when the 40 s queued has shrunk to half the room the 30 s SLO leaves it.
+    work = COST.prefill_time(N, 0)
+    assert d.retry_after_s == pytest.approx(40.0 - (30.0 - work) / 2)
     assert "TTFT" in d.reason
     assert pol.dispatched() == []
     # The request's own SLO overrides the default.
@@ -143,7 +145,7 @@ def test_a_burst_turned_away_is_told_to_come_back_one_after_another():
     first = pol.place(req("a"), {})
     second = pol.place(req("b"), {})
     assert isinstance(first, Rejection) and isinstance(second, Rejection)
-    assert first.retry_after_s == pytest.approx(40.0 + work - 30.0)
+    assert first.retry_after_s == pytest.approx(40.0 - (30.0 - work) / 2)
     assert second.retry_after_s == pytest.approx(first.retry_after_s + work)
 
 
@@ -388,7 +390,9 @@ def test_time_spent_before_placement_counts_against_the_ttft_slo():
     late = pol.place(req("b", arrival_ts=98.0), {})  # 2 s in the gateway and on the bus
     assert isinstance(late, Rejection) and late.code == ErrorCode.REJECTED
     assert "after 2.000s before placement" in late.reason
-    assert late.retry_after_s == max(1.0, 2.0 + fresh.est_ttft_s - 5.0)
+    # Back when the 3 s queued leaves half the room (5 s less 2 s waited less its work).
+    work = fresh.est_ttft_s - 3.0
+    assert late.retry_after_s == pytest.approx(max(1.0, 3.0 - (5.0 - 2.0 - work) / 2))
     pol.release("b")
     assert isinstance(pol.place(req("c", arrival_ts=0.0), {}), Placement)  # unknown: not counted
     pol.release("c")
