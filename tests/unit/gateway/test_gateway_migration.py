@@ -330,6 +330,24 @@ async def test_a_second_death_past_the_limit_is_a_clear_error(env):
     await until(lambda: gw.router.in_flight == 0)
 
 
+async def serve_the_rest(b: FakeBackend, reply: str, again, resumed: int) -> None:
+    """A migrated attempt placed, streaming OUT past the ``resumed`` tokens, finished."""
+    aid = again.request_id
+    await send(
+        b,
+        reply,
+        Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
+        Tokens(request_id=aid, token_ids=OUT[resumed:], index=0),
+        Finished(
+            request_id=aid,
+            finish_reason="length",
+            prompt_tokens=len(again.prompt_token_ids),
+            completion_tokens=len(OUT) - resumed,
+            cached_tokens=0,
+        ),
+    )
+
+
 STORE_DOWN = "kv transfer failed: closed: channel tcp://p1 closed"
 
 
@@ -366,19 +384,7 @@ async def _store_fails_under(gw, b, http, failures: int):
                     Error(request_id=aid, code=ErrorCode.UNAVAILABLE, message=STORE_DOWN),
                 )
                 continue
-            await send(
-                b,
-                reply_k,
-                Accepted(request_id=aid, prefill_instance="p1", decode_instance="d1"),
-                Tokens(request_id=aid, token_ids=OUT[2:], index=0),
-                Finished(
-                    request_id=aid,
-                    finish_reason="length",
-                    prompt_tokens=len(again.prompt_token_ids),
-                    completion_tokens=len(OUT) - 2,
-                    cached_tokens=0,
-                ),
-            )
+            await serve_the_rest(b, reply_k, again, resumed=2)
         chunks, done = await read_sse(r)
     return chunks, done, sent
 
@@ -463,20 +469,7 @@ async def test_a_migration_nobody_takes_yet_is_sent_again_until_admission_is_bac
                 b2 = await FakeBackend(nc_b2, serve_nothing).start()  # admission is back
                 again, reply2 = await asyncio.wait_for(b2.requests.get(), 10)
                 assert again.request_id == f"{rid}-m1" and again.migration.resumed_tokens == 2
-                aid = again.request_id
-                await send(
-                    b2,
-                    reply2,
-                    Accepted(request_id=aid, prefill_instance="p0", decode_instance="d1"),
-                    Tokens(request_id=aid, token_ids=OUT[2:], index=0),
-                    Finished(
-                        request_id=aid,
-                        finish_reason="length",
-                        prompt_tokens=len(again.prompt_token_ids),
-                        completion_tokens=len(OUT) - 2,
-                        cached_tokens=0,
-                    ),
-                )
+                await serve_the_rest(b2, reply2, again, resumed=2)
                 chunks, done = await read_sse(r)
         assert done  # the stream was not cut with "no service is subscribed"
         assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (
