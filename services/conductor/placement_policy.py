@@ -658,33 +658,24 @@ class PlacementPolicy:
             decode = self._pick_decode(decodes, tbts, tbt_slo)
             decode_tbt = tbts[decode]
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
-        now = self.clock.now()
-        waited = max(0.0, now - req.arrival_ts) if req.arrival_ts else 0.0
+        waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
         idle_prefill = self.serve_when_idle and chosen.queue_s <= 0
-        # Retries promised room before this request would start are queued ahead of it.
-        key = (req.block_hashes[-1], req.num_tokens) if req.block_hashes else None
-        promised = 0.0
-        if self.retries.reserve:
-            made = self.retries.claim(key, now)
-            promised = self.retries.ahead(now, now + chosen.queue_s, made)
-        ttft = chosen.ttft_s + promised
-        budget = ttft_slo * self.ttft_margin
-        if waited + ttft > budget and not idle_prefill:
+        if waited + chosen.ttft_s > ttft_slo * self.ttft_margin and not idle_prefill:
             self.stats["rejected_ttft"] += 1
             late = f" after {waited:.3f}s before placement" if waited >= 0.001 else ""
-            held = f" ({promised:.3f}s of it promised to retries)" if promised else ""
             return Rejection(
                 ErrorCode.REJECTED,
-                f"predicted TTFT {ttft:.3f}s{held}{late} exceeds the {ttft_slo:g}s SLO"
+                f"predicted TTFT {chosen.ttft_s:.3f}s{late} exceeds the {ttft_slo:g}s SLO"
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
                 self.retries.retry_after(
-                    now,
-                    max(self.min_retry_after_s, waited + ttft - budget),
+                    self.clock.now(),
+                    max(
+                        self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin
+                    ),
                     chosen.prefill_s,
                     self._live_prefill_count(),
                     backlog_s=chosen.queue_s,
-                    budget_s=budget - waited - chosen.transfer_s,
-                    key=key,
+                    budget_s=ttft_slo * self.ttft_margin - waited - chosen.transfer_s,
                 ),
             )
         if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):

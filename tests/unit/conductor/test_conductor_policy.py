@@ -149,31 +149,6 @@ def test_a_burst_turned_away_is_told_to_come_back_one_after_another():
     assert second.retry_after_s == pytest.approx(first.retry_after_s + work)
 
 
-def test_a_promised_retry_keeps_its_room_from_a_newcomer():
-    """With reserve (the live conductor), a request turned away is promised room: one
-    arriving before it comes back sees that work ahead and is turned away too; the
-    promised one, back as itself, does not count its own promise."""
-    from services.policy.retry_schedule import RetrySchedule
-
-    clock = ManualClock(0.0)
-    work = COST.prefill_time(N, 0)
-    # 40 s queued against a 30 s SLO + the request's own work: a has to come back.
-    pol = make_policy(clock, prefills=(("p0", "n0", 40.0),), ttft_slo_s=30.0)
-    pol.retries = RetrySchedule(reserve=True, grace_s=5.0)
-    a = pol.place(req("a"), {})
-    assert isinstance(a, Rejection)
-    due = a.retry_after_s
-    assert due == pytest.approx(40.0 - (30.0 - work) / 2)
-    # At its time, with its load report: 30 s less 1.5 works queued, room for one.
-    clock.advance(due)
-    pol.observe_prefill(pload("p0", "n0", 30.0 - 1.5 * work, ts=clock.now()))
-    pol.observe_decode(dload("d0", "m0", ts=clock.now()))
-    b = pol.place(req("b", n=N + 1), {})  # a newcomer (another prompt), first
-    assert isinstance(b, Rejection) and "promised to retries" in b.reason
-    again = pol.place(req("a"), {})  # a, back as itself: its own promise not ahead of it
-    assert isinstance(again, Placement)
-
-
 def test_unmeetable_slo_retry_after_is_at_least_one_second():
     pol = make_policy(ttft_slo_s=0.001)
     d = pol.place(req(), {})
