@@ -480,10 +480,6 @@ class PlacementPolicy:
     def live_decode(self) -> list[str]:
         return [load.instance for load in self.loads.live_decode()]
 
-    def _live_prefill_count(self) -> int:
-        """Live prefill instances: the reported less the silent, O(silent)."""
-        return len(self.loads.names("prefill")) - len(self.loads.silent("prefill"))
-
     def queue_s(self, instance: str, interleave: bool = False) -> float:
         """Seconds of prefill work ahead of a new request on ``instance``: its report
         plus what this policy dispatched there since. A pipeline's stage holds a member
@@ -658,9 +654,11 @@ class PlacementPolicy:
             decode = self._pick_decode(decodes, tbts, tbt_slo)
             decode_tbt = tbts[decode]
         # Clamped: a gateway clock ahead of this one must not make time run backwards.
-        waited = max(0.0, self.clock.now() - req.arrival_ts) if req.arrival_ts else 0.0
+        now = self.clock.now()
+        waited = max(0.0, now - req.arrival_ts) if req.arrival_ts else 0.0
         idle_prefill = self.serve_when_idle and chosen.queue_s <= 0
-        if waited + chosen.ttft_s > ttft_slo * self.ttft_margin and not idle_prefill:
+        budget = ttft_slo * self.ttft_margin
+        if waited + chosen.ttft_s > budget and not idle_prefill:
             self.stats["rejected_ttft"] += 1
             late = f" after {waited:.3f}s before placement" if waited >= 0.001 else ""
             return Rejection(
@@ -668,14 +666,12 @@ class PlacementPolicy:
                 f"predicted TTFT {chosen.ttft_s:.3f}s{late} exceeds the {ttft_slo:g}s SLO"
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
                 self.retries.retry_after(
-                    self.clock.now(),
-                    max(
-                        self.min_retry_after_s, waited + chosen.ttft_s - ttft_slo * self.ttft_margin
-                    ),
+                    now,
+                    max(self.min_retry_after_s, waited + chosen.ttft_s - budget),
                     chosen.prefill_s,
-                    self._live_prefill_count(),
+                    len(search.live_pool(self, ())),
                     backlog_s=chosen.queue_s,
-                    budget_s=ttft_slo * self.ttft_margin - waited - chosen.transfer_s,
+                    budget_s=budget - waited - chosen.transfer_s,
                 ),
             )
         if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):

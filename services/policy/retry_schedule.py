@@ -9,8 +9,8 @@ retries, behind the pool's real backlog and drained at the pool's rate (work ove
 live prefill instances). A request is told to come back when the work ahead of it on
 that queue has shrunk to half the room its SLO leaves (``budget_s`` less its own work;
 the other half for the requests that arrive meanwhile): then it fits, and it is not
-back sooner to be turned away again; never before the excess. The queue drains with time, so a
-quiet pool answers the excess again.
+back sooner to be turned away again; never before the excess. The queue drains with
+time, so a quiet pool answers the excess again.
 
 Pure: the caller passes the time. The booking changes only what a 429 says, never what
 is admitted, so a client that does not come back costs the others at most a later
