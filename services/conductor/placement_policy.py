@@ -658,20 +658,31 @@ class PlacementPolicy:
         waited = max(0.0, now - req.arrival_ts) if req.arrival_ts else 0.0
         idle_prefill = self.serve_when_idle and chosen.queue_s <= 0
         budget = ttft_slo * self.ttft_margin
-        if waited + chosen.ttft_s > budget and not idle_prefill:
+        # Retries promised room before this request would start are queued ahead of it,
+        # unless its own work is short enough to pass them (RetrySchedule.passes).
+        key = (req.block_hashes[-1], req.num_tokens) if req.block_hashes else None
+        promised = 0.0
+        if self.retries.reserve:
+            made = self.retries.claim(key, now)
+            if not self.retries.passes(chosen.transfer_s + chosen.prefill_s, budget - waited):
+                promised = self.retries.ahead(now, now + chosen.queue_s, made)
+        ttft = chosen.ttft_s + promised
+        if waited + ttft > budget and not idle_prefill:
             self.stats["rejected_ttft"] += 1
             late = f" after {waited:.3f}s before placement" if waited >= 0.001 else ""
+            held = f" ({promised:.3f}s of it promised to retries)" if promised else ""
             return Rejection(
                 ErrorCode.REJECTED,
-                f"predicted TTFT {chosen.ttft_s:.3f}s{late} exceeds the {ttft_slo:g}s SLO"
+                f"predicted TTFT {ttft:.3f}s{held}{late} exceeds the {ttft_slo:g}s SLO"
                 + (f" (planned to {self.ttft_margin:.0%})" if self.ttft_margin < 1 else ""),
                 self.retries.retry_after(
                     now,
-                    max(self.min_retry_after_s, waited + chosen.ttft_s - budget),
+                    max(self.min_retry_after_s, waited + ttft - budget),
                     chosen.prefill_s,
                     len(search.live_pool(self, ())),
                     backlog_s=chosen.queue_s,
                     budget_s=budget - waited - chosen.transfer_s,
+                    key=key,
                 ),
             )
         if self.tbt_check and self.tbt_rule.over(decode_tbt, tbt_slo, self.decode_idle(decode)):

@@ -69,6 +69,7 @@ from services.conductor.placement_policy import PlacementPolicy, Rejection, Ttft
 from services.conductor.role_control import RoleControl
 from services.conductor.shadow import ShadowView
 from services.policy import chunk_timing as cpp_
+from services.policy.retry_schedule import RetrySchedule
 from tracing import tracer
 
 log = structlog.get_logger()
@@ -99,6 +100,9 @@ class ConductorConfig:
     ttft_feedback: bool = True  # scale TTFT predictions by each instance's observed ratio
     ttft_margin: float = 0.9  # plan placements to this share of the TTFT SLO (p90, not mean)
     serve_when_idle: bool = True  # an idle instance takes any request (PlacementPolicy)
+    # A request told to come back keeps the room it was promised (RetrySchedule.reserve);
+    # off where the clients never retry (the simulator's).
+    reserve_retries: bool = True
     tbt_check: bool = True  # False: no TBT rejection at placement (baseline admission)
     pd_controller: bool = False  # publish the dynamic P/D ratio's role switches
     pd_interval_s: float = 10.0
@@ -171,6 +175,7 @@ class ConductorService:
             ttft_margin=cfg.ttft_margin,
             serve_when_idle=cfg.serve_when_idle,
             cpp=cpp_.CppConfig(cfg.cpp_group, cfg.cpp_chunk_tokens, cfg.cpp_min_tokens),
+            retries=RetrySchedule(reserve=cfg.reserve_retries),
         )
         self.roles = RoleControl(
             nc,

@@ -1,4 +1,5 @@
-"""When a request turned away for a full prefill pool should come back (its Retry-After).
+"""When a request turned away for a full prefill pool should come back (its Retry-After),
+and the room its return is promised.
 
 The excess of its predicted TTFT over the SLO is what the request alone would have to
 wait: in a burst every request turned away gets about the same small excess (the floor,
@@ -12,12 +13,35 @@ the other half for the requests that arrive meanwhile): then it fits, and it is 
 back sooner to be turned away again; never before the excess. The queue drains with
 time, so a quiet pool answers the excess again.
 
-Pure: the caller passes the time. The booking changes only what a 429 says, never what
-is admitted, so a client that does not come back costs the others at most a later
-Retry-After, bounded by ``horizon_s`` (the ``openai`` client honours up to 60 s).
+With ``reserve``, a promise also holds its room: a request that comes first sees the
+work of the promises due before it would start as queued ahead of it (:meth:`ahead`),
+so new arrivals do not take the room a retry was told to expect, and are told to come
+back after it instead. A request comes back as itself (``key``: its prompt's last block
+hash and length); :meth:`claim` takes its own promise out, and only the promises made
+before its own are ahead of it (first promised, first served). A promise not claimed
+``grace_s`` after its time lapses (a client that gave up). Only a request turned away
+before holds room (``hold_from``): a first retry competes with the new arrivals as they
+come, which keeps the room for first attempts that can still meet their SLO; a second
+one, the ``openai`` client's last, is kept its place, so the conversation is served
+late rather than lost. The simulator's clients never retry, so it runs without
+``reserve``.
+
+A short request passes the promises (:meth:`passes`: its own work at most
+``pass_share`` of the room its SLO leaves): a conversation's next turn, mostly a cache
+hit, delays a promised retry by little, and the promise leaves the other half of its
+room for arrivals. Held behind promised first turns, such turns were turned away
+themselves (goodput 33 against 52 at 2x load, BENCHMARKS.md), though they are the
+cheapest work there is.
+
+Pure: the caller passes the time. The wait is bounded by ``horizon_s`` (the ``openai``
+client honours up to 60 s).
 """
 
-from dataclasses import dataclass
+import heapq
+import itertools
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,7 +50,23 @@ class RetrySchedule:
 
     horizon_s: float = 30.0
     room_share: float = 0.5  # of the room its SLO leaves: the rest for new arrivals
+    reserve: bool = False
+    grace_s: float = 2.0
+    pass_share: float = 0.1  # of its room: a request this short is not held by promises
+    # A promise holds its room from the request's hold_from-th rejection on (1: every
+    # promise): the first retry competes with new arrivals, a later one (the ``openai``
+    # client's last) is kept its place.
+    hold_from: int = 2
     _until: float = 0.0  # the real backlog and the promised retries are served by then
+    # key -> (due, seconds of the pool's time, order made); a heap of (due + grace, key)
+    # lapses them.
+    _promised: dict[Hashable, tuple[float, float, int]] = field(default_factory=dict)
+    _lapse: list[tuple[float, Hashable]] = field(default_factory=list)
+    _made: "itertools.count[int]" = field(default_factory=itertools.count)
+    # key -> (rejections, when the last one is due back); a heap of (due + grace, key)
+    # forgets a request that did not come back.
+    _turned: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
+    _forget: list[tuple[float, Hashable]] = field(default_factory=list)
 
     def retry_after(
         self,
@@ -36,15 +76,63 @@ class RetrySchedule:
         servers: int,
         backlog_s: float = 0.0,
         budget_s: float = 0.0,
+        key: Hashable | None = None,
     ) -> float:
         """Seconds until the request turned away at ``now`` should come back, and books
         its ``work_s`` (seconds of one instance) on the pool of ``servers`` instances.
 
         ``backlog_s``: the real queue ahead of it now (seconds); ``budget_s``: what its
-        SLO leaves for queue and compute; ``earliest_s``: the floor."""
+        SLO leaves for queue and compute; ``earliest_s``: the floor; ``key``: what it
+        comes back as (promised when ``reserve``)."""
         end = max(self._until, now + max(0.0, backlog_s))
         start = max(now + earliest_s, end - max(0.0, budget_s - work_s) * self.room_share)
         if start - now >= self.horizon_s:
             return self.horizon_s  # not booked: the queue never grows past the horizon
-        self._until = end + max(0.0, work_s) / max(1, servers)
+        share = max(0.0, work_s) / max(1, servers)
+        self._until = end + share
+        if self.reserve and key is not None:
+            self._expire(now)
+            times = self._turned.get(key, (0, 0.0))[0] + 1
+            self._turned[key] = (times, start)
+            heapq.heappush(self._forget, (start + self.grace_s, key))
+            if times >= self.hold_from:
+                self._promised[key] = (start, share, next(self._made))
+                heapq.heappush(self._lapse, (start + self.grace_s, key))
         return start - now
+
+    def claim(self, key: Hashable | None, now: float) -> float:
+        """The request ``key`` is here: its own promise is no longer ahead of anyone.
+        Returns when that promise was made, in order (``inf``: it had none), for
+        :meth:`ahead`."""
+        self._expire(now)
+        p = self._promised.pop(key, None) if key is not None else None
+        return math.inf if p is None else p[2]
+
+    def ahead(self, now: float, by: float, made_before: float = math.inf) -> float:
+        """Seconds of the pool's time promised to retries due at or before ``by``, of the
+        promises made before ``made_before`` (what :meth:`claim` returned)."""
+        self._expire(now)
+        return sum(
+            share
+            for due, share, made in self._promised.values()
+            if due <= by and made < made_before
+        )
+
+    def _expire(self, now: float) -> None:
+        lapse, promised = self._lapse, self._promised
+        while lapse and lapse[0][0] <= now:
+            at, key = heapq.heappop(lapse)
+            p = promised.get(key)
+            if p is not None and p[0] + self.grace_s <= at:
+                del promised[key]
+        forget, turned = self._forget, self._turned
+        while forget and forget[0][0] <= now:
+            at, key = heapq.heappop(forget)
+            t = turned.get(key)
+            if t is not None and t[1] + self.grace_s <= at:
+                del turned[key]
+
+    def passes(self, work_s: float, budget_s: float) -> bool:
+        """Whether a request of ``work_s`` seconds of compute, its SLO leaving it
+        ``budget_s``, goes ahead of the promised retries."""
+        return work_s <= self.pass_share * budget_s

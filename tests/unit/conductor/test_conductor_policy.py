@@ -149,6 +149,56 @@ def test_a_burst_turned_away_is_told_to_come_back_one_after_another():
     assert second.retry_after_s == pytest.approx(first.retry_after_s + work)
 
 
+def test_a_promised_retry_keeps_its_room_from_a_newcomer():
+    """With reserve (the live conductor), a request turned away is promised room: one
+    arriving before it comes back sees that work ahead and is turned away too; the
+    promised one, back as itself, does not count its own promise."""
+    from services.policy.retry_schedule import RetrySchedule
+
+    clock = ManualClock(0.0)
+    work = COST.prefill_time(N, 0)
+    # 40 s queued against a 30 s SLO + the request's own work: a has to come back.
+    pol = make_policy(clock, prefills=(("p0", "n0", 40.0),), ttft_slo_s=30.0)
+    pol.retries = RetrySchedule(reserve=True, grace_s=5.0, pass_share=0.0, hold_from=1)  # none passes
+    a = pol.place(req("a"), {})
+    assert isinstance(a, Rejection)
+    due = a.retry_after_s
+    assert due == pytest.approx(40.0 - (30.0 - work) / 2)
+    # At its time, with its load report: 30 s less 1.5 works queued, room for one.
+    clock.advance(due)
+    pol.observe_prefill(pload("p0", "n0", 30.0 - 1.5 * work, ts=clock.now()))
+    pol.observe_decode(dload("d0", "m0", ts=clock.now()))
+    b = pol.place(req("b", n=N + 1), {})  # a newcomer (another prompt), first
+    assert isinstance(b, Rejection) and "promised to retries" in b.reason
+    again = pol.place(req("a"), {})  # a, back as itself: its own promise not ahead of it
+    assert isinstance(again, Placement)
+
+
+def test_a_short_request_passes_the_promised_retries():
+    """A request whose own work is short (a conversation's next turn, its prompt mostly
+    cached) is not held behind promised retries; the same prompt uncached is."""
+    from services.policy.retry_schedule import RetrySchedule
+
+    clock = ManualClock(0.0)
+    work = COST.prefill_time(N, 0)
+    full, cached = COST.prefill_time(N + 1, 0), COST.prefill_time(N + 1, len(HASHES) * BS)
+    pol = make_policy(clock, prefills=(("p0", "n0", 40.0),), ttft_slo_s=30.0)
+    # Between the two: the cached one passes, the uncached one does not.
+    pol.retries = RetrySchedule(
+        reserve=True, grace_s=5.0, pass_share=(full + cached) / 60.0, hold_from=1
+    )
+    a = pol.place(req("a"), {})
+    assert isinstance(a, Rejection)
+    clock.advance(a.retry_after_s)
+    # Room for the cached request, not for it and the promised retry's work too.
+    pol.observe_prefill(pload("p0", "n0", 30.0 - cached - 0.5 * work, ts=clock.now()))
+    pol.observe_decode(dload("d0", "m0", ts=clock.now()))
+    held = pol.place(req("b", n=N + 1), {})
+    assert isinstance(held, Rejection) and "promised to retries" in held.reason
+    short = pol.place(req("s", n=N + 1), {"n0": len(HASHES)})
+    assert isinstance(short, Placement)
+
+
 def test_unmeetable_slo_retry_after_is_at_least_one_second():
     pol = make_policy(ttft_slo_s=0.001)
     d = pol.place(req(), {})

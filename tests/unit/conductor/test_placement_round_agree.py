@@ -72,6 +72,7 @@ class Twin:
                 ttft_feedback=False,
                 ttft_margin=1.0,
                 serve_when_idle=False,
+                reserve_retries=False,  # the simulator's clients never come back
                 durable_intake=False,
             ),
             clock=sim.loop.clock,
