@@ -159,7 +159,9 @@ def test_a_promised_retry_keeps_its_room_from_a_newcomer():
     work = COST.prefill_time(N, 0)
     # 40 s queued against a 30 s SLO + the request's own work: a has to come back.
     pol = make_policy(clock, prefills=(("p0", "n0", 40.0),), ttft_slo_s=30.0)
-    pol.retries = RetrySchedule(reserve=True, grace_s=5.0, pass_share=0.0, hold_from=1)  # none passes
+    pol.retries = RetrySchedule(
+        reserve=True, grace_s=5.0, pass_share=0.0, hold_from=1
+    )  # none passes
     a = pol.place(req("a"), {})
     assert isinstance(a, Rejection)
     due = a.retry_after_s
