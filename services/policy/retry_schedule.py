@@ -42,6 +42,7 @@ import itertools
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -63,9 +64,9 @@ class RetrySchedule:
     _promised: dict[Hashable, tuple[float, float, int]] = field(default_factory=dict)
     _lapse: list[tuple[float, Hashable]] = field(default_factory=list)
     _made: "itertools.count[int]" = field(default_factory=itertools.count)
-    # key -> (rejections, when the last one is due back); a heap of (due + grace, key)
-    # forgets a request that did not come back.
-    _turned: dict[Hashable, tuple[int, float]] = field(default_factory=dict)
+    # key -> (when its last rejection is due back, rejections); a heap of (due + grace,
+    # key) forgets a request that did not come back.
+    _turned: dict[Hashable, tuple[float, int]] = field(default_factory=dict)
     _forget: list[tuple[float, Hashable]] = field(default_factory=list)
 
     def retry_after(
@@ -92,8 +93,8 @@ class RetrySchedule:
         self._until = end + share
         if self.reserve and key is not None:
             self._expire(now)
-            times = self._turned.get(key, (0, 0.0))[0] + 1
-            self._turned[key] = (times, start)
+            times = self._turned.get(key, (0.0, 0))[1] + 1
+            self._turned[key] = (start, times)
             heapq.heappush(self._forget, (start + self.grace_s, key))
             if times >= self.hold_from:
                 self._promised[key] = (start, share, next(self._made))
@@ -119,20 +120,23 @@ class RetrySchedule:
         )
 
     def _expire(self, now: float) -> None:
-        lapse, promised = self._lapse, self._promised
-        while lapse and lapse[0][0] <= now:
-            at, key = heapq.heappop(lapse)
-            p = promised.get(key)
-            if p is not None and p[0] + self.grace_s <= at:
-                del promised[key]
-        forget, turned = self._forget, self._turned
-        while forget and forget[0][0] <= now:
-            at, key = heapq.heappop(forget)
-            t = turned.get(key)
-            if t is not None and t[1] + self.grace_s <= at:
-                del turned[key]
+        _lapse(self._lapse, self._promised, self.grace_s, now)
+        _lapse(self._forget, self._turned, self.grace_s, now)
 
     def passes(self, work_s: float, budget_s: float) -> bool:
         """Whether a request of ``work_s`` seconds of compute, its SLO leaving it
         ``budget_s``, goes ahead of the promised retries."""
         return work_s <= self.pass_share * budget_s
+
+
+def _lapse(
+    heap: list[tuple[float, Hashable]], due: dict[Hashable, Any], grace: float, now: float
+) -> None:
+    """Drops the entries of ``due`` (key -> (due time, ...)) whose due time plus
+    ``grace`` has passed; ``heap`` holds (due + grace, key) for each time one was set
+    (an entry set again later outlives its older heap items)."""
+    while heap and heap[0][0] <= now:
+        at, key = heapq.heappop(heap)
+        entry = due.get(key)
+        if entry is not None and entry[0] + grace <= at:
+            del due[key]
