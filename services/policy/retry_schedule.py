@@ -30,7 +30,7 @@ A short request passes the promises (:meth:`passes`: its own work at most
 ``pass_share`` of the room its SLO leaves): a conversation's next turn, mostly a cache
 hit, delays a promised retry by little, and the promise leaves the other half of its
 room for arrivals. Held behind promised first turns, such turns were turned away
-themselves (goodput 33 against 52 at 2x load, BENCHMARKS.md), though they are the
+themselves (goodput 33 against vLLM's 55 at 2x load, BENCHMARKS.md), though they are the
 cheapest work there is.
 
 Pure: the caller passes the time. The wait is bounded by ``horizon_s`` (the ``openai``
