@@ -130,16 +130,28 @@ class StageOutbox:
         self.sock.connect(inbox_address)
         self._free = list(range(slots))
 
+    async def _freed(self, timeout_s: float) -> None:
+        try:
+            raw = await asyncio.wait_for(self.sock.recv(), timeout_s)
+        except TimeoutError:
+            raise StageError(
+                "downstream_silent", f"the next stage freed no slot in {timeout_s:g}s"
+            ) from None
+        self._free.append(msgspec.msgpack.decode(raw, type=Freed).slot)
+
     async def _slot(self, timeout_s: float) -> int:
         while not self._free:
-            try:
-                raw = await asyncio.wait_for(self.sock.recv(), timeout_s)
-            except TimeoutError:
-                raise StageError(
-                    "downstream_silent", f"the next stage freed no slot in {timeout_s:g}s"
-                ) from None
-            self._free.append(msgspec.msgpack.decode(raw, type=Freed).slot)
+            await self._freed(timeout_s)
         return self._free.pop(0)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until the next stage has read every chunk sent (each slot freed again).
+        A note only queued in ZeroMQ is dropped when the socket closes (LINGER 0): a
+        stage with no more chunks than slots never waits for a slot, so without this it
+        could close before its notes left, under load before the connection was even
+        up, and the next stage waited for them in vain."""
+        while len(self._free) < self.slots:
+            await self._freed(timeout_s)
 
     async def send(
         self, request_id: str, chunk: int, data: bytes | memoryview, timeout_s: float
@@ -236,6 +248,8 @@ async def run_stage(
                 sending = asyncio.ensure_future(outbox.send(request_id, k, result, timeout_s))
         if sending is not None:
             await sending
+        if outbox is not None:
+            await outbox.drain(timeout_s)
     finally:
         if sending is not None and not sending.done():
             sending.cancel()

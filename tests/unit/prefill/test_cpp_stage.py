@@ -154,6 +154,7 @@ def test_an_out_of_order_or_foreign_chunk_is_refused():
             inbox=None,
             outbox=outboxes[0],
             sleep=sleeper(0),
+            timeout_s=1.0,  # its drain waits for slots the refusing stage never frees
         )
         recv = run_stage(
             request_id="r1",
@@ -172,3 +173,34 @@ def test_an_out_of_order_or_foreign_chunk_is_refused():
     finally:
         teardown(ctx, engines, inboxes, outboxes)
     assert isinstance(err, StageError) and err.code == "out_of_order"
+
+
+def test_a_stage_is_done_only_once_the_next_has_read_its_chunks():
+    """Two chunks in two slots: the upstream never waits for a slot, so only its drain
+    keeps it from closing its socket (LINGER 0) while its notes may still sit in
+    ZeroMQ's queue, lost to a next stage that then waits for them (a hang seen under
+    load). A next stage that never reads fails the upstream instead of letting it
+    report done."""
+    chunks = chunk_timing.chunk_bounds(2 * CHUNK, 0, CHUNK)
+    ctx, engines, inboxes, outboxes = build(2)
+    _, sleeper = pacing()
+
+    async def upstream():
+        await run_stage(
+            request_id="r1",
+            stage=0,
+            stages=2,
+            chunks=chunks,
+            cost=COST,
+            inbox=None,
+            outbox=outboxes[0],
+            sleep=sleeper(0),
+            timeout_s=0.5,
+        )
+
+    try:
+        with pytest.raises(StageError) as e:
+            asyncio.run(upstream())  # stage 1's inbox is open but nobody reads it
+        assert e.value.code == "downstream_silent"
+    finally:
+        teardown(ctx, engines, inboxes, outboxes)
