@@ -68,6 +68,21 @@ def pacing():
     return asked, sleeper
 
 
+async def first_stage(outbox, chunks, sleeper, timeout_s: float, request_id: str = "r1") -> None:
+    """Stage 0 of 2 of ``request_id``, writing into ``outbox``."""
+    await run_stage(
+        request_id=request_id,
+        stage=0,
+        stages=2,
+        chunks=chunks,
+        cost=COST,
+        inbox=None,
+        outbox=outbox,
+        sleep=sleeper(0),
+        timeout_s=timeout_s,
+    )
+
+
 def test_four_stages_chain_every_chunk_and_pace_by_their_layer_share():
     n, x = 5 * CHUNK + 10, 4
     chunks = chunk_timing.chunk_bounds(n, 0, CHUNK)
@@ -113,22 +128,9 @@ def test_a_dead_next_stage_fails_the_write_at_once_with_the_transport_error():
     inboxes[1].close()
     engines[1].close()  # stage 1 is gone: its segment refuses the write
 
-    async def upstream():
-        await run_stage(
-            request_id="r1",
-            stage=0,
-            stages=2,
-            chunks=chunks,
-            cost=COST,
-            inbox=None,
-            outbox=outboxes[0],
-            sleep=sleeper(0),
-            timeout_s=30.0,
-        )
-
     try:
         with pytest.raises(StageError) as e:
-            asyncio.run(upstream())
+            asyncio.run(first_stage(outboxes[0], chunks, sleeper, timeout_s=30.0))
         # refused by the dead segment, not a timeout (30 s would be one)
         assert e.value.code == "unreachable", e.value
         assert "Connection refused" in str(e.value)
@@ -145,17 +147,8 @@ def test_an_out_of_order_or_foreign_chunk_is_refused():
 
     async def main():
         # the upstream runs another request's chunks into this stage's inbox
-        send = run_stage(
-            request_id="other",
-            stage=0,
-            stages=2,
-            chunks=chunks,
-            cost=COST,
-            inbox=None,
-            outbox=outboxes[0],
-            sleep=sleeper(0),
-            timeout_s=1.0,  # its drain waits for slots the refusing stage never frees
-        )
+        # (its drain waits for slots the refusing stage never frees: 1 s)
+        send = first_stage(outboxes[0], chunks, sleeper, timeout_s=1.0, request_id="other")
         recv = run_stage(
             request_id="r1",
             stage=1,
@@ -185,22 +178,9 @@ def test_a_stage_is_done_only_once_the_next_has_read_its_chunks():
     ctx, engines, inboxes, outboxes = build(2)
     _, sleeper = pacing()
 
-    async def upstream():
-        await run_stage(
-            request_id="r1",
-            stage=0,
-            stages=2,
-            chunks=chunks,
-            cost=COST,
-            inbox=None,
-            outbox=outboxes[0],
-            sleep=sleeper(0),
-            timeout_s=0.5,
-        )
-
     try:
-        with pytest.raises(StageError) as e:
-            asyncio.run(upstream())  # stage 1's inbox is open but nobody reads it
+        with pytest.raises(StageError) as e:  # stage 1's inbox is open but nobody reads it
+            asyncio.run(first_stage(outboxes[0], chunks, sleeper, timeout_s=0.5))
         assert e.value.code == "downstream_silent"
     finally:
         teardown(ctx, engines, inboxes, outboxes)
