@@ -274,20 +274,17 @@ class PrefixIndex:
             n.buffer.append(batch)
 
     def _apply_events(self, n: _Node, batch: EventBatch) -> None:
-        add, remove, nid = self._add, self._remove, n.id
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                blocks = n.blocks
-                new = [h for h in dict.fromkeys(ev.block_hashes) if h not in blocks]
-                blocks.update(new)
-                for h in new:
-                    add(h, nid)
+                for h in ev.block_hashes:
+                    if h not in n.blocks:
+                        n.blocks.add(h)
+                        self._add(h, n.id)
             elif isinstance(ev, BlockRemoved):
-                blocks = n.blocks
-                gone = [h for h in dict.fromkeys(ev.block_hashes) if h in blocks]
-                blocks.difference_update(gone)
-                for h in gone:
-                    remove(h, nid)
+                for h in ev.block_hashes:
+                    if h in n.blocks:
+                        n.blocks.discard(h)
+                        self._remove(h, n.id)
             elif isinstance(ev, AllBlocksCleared):
                 self._clear(n)
 

@@ -347,41 +347,36 @@ class BlockPool(LowerTiers):
             self._rollback(tx)
         else:
             keep = tx.retention != Retention.EPHEMERAL
-            hashes, slots, hit = tx.hashes, tx.slots, tx.hit_blocks
-            cached, free, lower = self._cached, self._free, self.lower
-            hooks = bool(lower or self._pins)
-            self._tx_owned -= len(slots) - hit
-            newly: list[int] = []  # hashes this commit cached, in block order
-            full = min(len(hashes), len(slots))
-            for i in range(hit, full):
-                h = hashes[i]
-                if keep and h not in cached:
-                    if not (lower and self.on_node(h)):
+            newly: set[int] = set()  # block indices this commit cached
+            for i in range(tx.hit_blocks, len(tx.slots)):
+                slot = tx.slots[i]
+                h = tx.hashes[i] if i < len(tx.hashes) else None
+                self._tx_owned -= 1
+                if h is not None and keep and h not in self._cached:
+                    if not (self.lower and self.on_node(h)):
                         stored.append(h)
-                    cached[h] = slots[i]  # new, or the DRAM copy of a lower-tier block
-                    newly.append(h)
-                    if hooks:
+                    self._cached[h] = slot  # new, or the DRAM copy of a lower-tier block
+                    newly.add(i)
+                    if self.lower or self._pins:
                         self._written(h)
                 else:
-                    if keep:
+                    if h is not None and keep:
                         self.counters["duplicate_blocks"] += 1
-                    free.append(slots[i])
-            for i in range(max(hit, full), len(slots)):  # the partial tail
-                free.append(slots[i])
+                    self._free.append(slot)
             if tx.answer and newly:
-                self._answers.update(newly)
+                self._answers.update(tx.hashes[i] for i in newly)
                 self.counters["answer_blocks"] += len(newly)
             if tx.retention == Retention.CONTEXT_CACHE and tx.context_ttl_s > 0:
                 until = self.clock.now() + tx.context_ttl_s
-                for h in hashes:
+                for h in tx.hashes:
                     if self.on_node(h):
                         self._pin(h, until)
-            # Released last block first (the new blocks come after the hits), so that a
-            # chain's tail is evicted before its head.
-            refs = self._refs
-            self._lru.add_all([h for h in reversed(newly) if h not in refs])
-            for i in range(min(hit, len(hashes)) - 1, -1, -1):
-                self._unlock(hashes[i])
+            for i in reversed(range(len(tx.hashes))):
+                h = tx.hashes[i]
+                if i < tx.hit_blocks:
+                    self._unlock(h)
+                elif i in newly and h not in self._refs:
+                    self._lru.add(h)
         self.counters["tx_committed"] += 1
         self.counters["stored_blocks"] += len(stored)
         if stored:

@@ -34,16 +34,6 @@ class LRUEviction(Generic[K]):
         self._order[key] = None
         self._order.move_to_end(key)
 
-    def add_all(self, keys: list[K]) -> None:
-        """``add`` each of ``keys`` in turn (distinct keys): one C-level update when none
-        is here yet, which is a commit's case (its new blocks were on no list)."""
-        order = self._order
-        before = len(order)
-        order.update(dict.fromkeys(keys))
-        if len(order) - before != len(keys):  # some were here: each moves to the end
-            for key in keys:
-                order.move_to_end(key)
-
     def remove(self, key: K) -> bool:
         """``key`` is locked again or gone; returns whether it was evictable."""
         if key in self._order:
@@ -57,11 +47,3 @@ class LRUEviction(Generic[K]):
             raise KeyError("no evictable block")
         key, _ = self._order.popitem(last=False)
         return key
-
-    def victims(self, n: int) -> list[K]:
-        """Remove and return the ``n`` least recently used keys, oldest first (KeyError
-        when fewer are here)."""
-        if n > len(self._order):
-            raise KeyError(f"{n} victims wanted, {len(self._order)} evictable")
-        pop = self._order.popitem
-        return [pop(False)[0] for _ in range(n)]

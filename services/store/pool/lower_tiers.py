@@ -193,25 +193,16 @@ class LowerTiers:
         """Free DRAM slots until ``need`` are free (the caller checked ``_room()``);
         blocks that leave the node are queued as one BlockRemoved."""
         removed: list[int] = []
-        if not self.lower:  # victims leave the node, taken in bulk (the simulator's pool)
-            free, cached, lru = self._free, self._cached, self._lru
-            # Again while short: the live store's free list parks a slot that a transfer
-            # still holds (SlotFence), so a victim's slot may not count as free yet.
-            while (short := need - len(free)) > 0 and len(lru):
-                gone = lru.victims(min(short, len(lru)))
-                for h in gone:
-                    free.append(cached.pop(h))
-                removed += gone
-            if removed:
-                self.counters["evictions"] += len(removed)
-                self._queue(BlockRemoved(block_hashes=removed))
-            return
         while len(self._free) < need:
             if len(self._lru):
                 h = self._lru.victim()
                 slot = self._cached.pop(h)
                 self._free.append(slot)
-                self._demote(h, slot, removed)
+                if self.lower:
+                    self._demote(h, slot, removed)
+                else:  # no tier below: it leaves the node
+                    removed.append(h)
+                    self.counters["evictions"] += 1
                 continue
             ssd = self.ssd
             assert ssd is not None
