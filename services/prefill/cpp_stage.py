@@ -38,6 +38,9 @@ from services.common.errors import CodedError
 from services.transfer.backends import Opcode, Poll
 from services.transfer.batch_api import TransferEngine, TransferRequest
 
+# How long a closed inbox's queued Freed notes may take to leave (ms).
+FREED_LINGER_MS = 1000
+
 
 class StageError(CodedError, RuntimeError):
     """A pipeline stage could not hand on or receive a chunk."""
@@ -104,7 +107,9 @@ class StageInbox:
         )
 
     def close(self) -> None:
-        self.sock.close(0)
+        # Its last Freed may still be queued when the stage ends, and the upstream's
+        # drain waits for it: ZeroMQ's I/O thread gets a bounded while to send it.
+        self.sock.close(linger=FREED_LINGER_MS)
         self.engine.unregister_local_memory(self.region)
 
 
