@@ -81,7 +81,9 @@ class StageInbox:
         self.buf = bytearray(chunk_bytes * slots)
         self.region = engine.register_local_memory(self.buf)
         self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        # Its last Freed may still be queued when the stage ends, and the upstream's
+        # drain waits for it: ZeroMQ's I/O thread gets a bounded while to send it.
+        self.sock.setsockopt(zmq.LINGER, FREED_LINGER_MS)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._peer: bytes | None = None
@@ -107,9 +109,7 @@ class StageInbox:
         )
 
     def close(self) -> None:
-        # Its last Freed may still be queued when the stage ends, and the upstream's
-        # drain waits for it: ZeroMQ's I/O thread gets a bounded while to send it.
-        self.sock.close(linger=FREED_LINGER_MS)
+        self.sock.close()
         self.engine.unregister_local_memory(self.region)
 
 
