@@ -107,6 +107,7 @@ from services.common.slo_check import TbtCheck
 from services.conductor import search
 from services.conductor.balancing import AdaptiveThreshold
 from services.conductor.feedback import TtftFeedback
+from services.conductor.prefix_index import NodeGroup
 from services.policy import chunk_timing as cpp_
 from services.policy.retry_schedule import RetrySchedule
 
@@ -538,6 +539,18 @@ class PlacementPolicy:
             return min(idle)
         return min((self.inflight_bytes(n), n) for n in held)[1]
 
+    def _least_inflight_of(self, group: NodeGroup, excluded: Collection[str]) -> str | None:
+        """``_least_inflight`` of the group less ``excluded`` (None when that leaves
+        none): the group's least name outside the loaded sources, found in a walk over
+        the names in order that passes only those; summed one by one only when every
+        node has pulls in flight."""
+        loaded = self._loaded
+        node = group.least(loaded.keys() | excluded if excluded else loaded)
+        if node is not None:
+            return node
+        rest = [n for n in group if n not in excluded]
+        return min((self.inflight_bytes(n), n) for n in rest)[1] if rest else None
+
     def predicted_tbt(self, instance: str, num_tokens: int, seqs: int = 1) -> float:
         """Decode step time on ``instance`` once a request of ``num_tokens`` (and
         ``seqs`` sequences, OpenAI's n) joins."""
@@ -595,7 +608,14 @@ class PlacementPolicy:
         ex_s = set(exclude_sources)
         best_len, best_node = 0, None
         for length in sorted(groups, reverse=True):
-            nodes = set(groups[length]).difference(ex_s) if ex_s else groups[length]
+            group = groups[length]
+            if isinstance(group, NodeGroup):  # many nodes: no step per node
+                node = self._least_inflight_of(group, ex_s)
+                if node is not None:
+                    best_len, best_node = length, node
+                    break
+                continue
+            nodes = set(group).difference(ex_s) if ex_s else group
             if nodes:
                 best_len, best_node = length, self._least_inflight(nodes)
                 break

@@ -82,6 +82,7 @@ from sortedcontainers import SortedList
 from bus_schemas.roles import Role
 from services.common.cost_floor import SHADE
 from services.conductor.load_order import LoadOrder
+from services.conductor.prefix_index import NodeGroup, NodeWeights
 from services.policy.chunk_timing import chunk_bounds, form_groups
 
 # Holders of one prefix length on at most this many instances are evaluated outright.
@@ -102,6 +103,7 @@ class Orders:
         # Prefill instances by node: always a subset of ``prefill`` (drop removes from
         # both), so the search can count the instances that hold no prefix.
         self.on_node: dict[str, set[str]] = {}
+        self.weights = NodeWeights()  # on_node in the prefix index's ids (NodeGroup.weigh)
         self.node_of: dict[str, str] = {}  # prefill instance -> its node in on_node
         self.decode_on_node: dict[str, set[str]] = {}
         # Decode instances reporting no batch cap (max_batch <= 0): their steps do not
@@ -113,6 +115,7 @@ class Orders:
     def drop(self, instance: str) -> None:
         """``instance`` leaves the prefill order and its node's set."""
         self.prefill.discard(instance)
+        self.weights.changed()
         node = self.node_of.pop(instance, None)
         held = self.on_node.get(node) if node is not None else None
         if held is not None:
@@ -132,6 +135,8 @@ class Orders:
                 self.node_of[instance] = node
         if old_node == node:
             return
+        if role == Role.PREFILL:
+            self.weights.changed()
         by_node = self.on_node if role == Role.PREFILL else self.decode_on_node
         if old_node is not None:
             held = by_node.get(old_node)
@@ -245,7 +250,10 @@ def best_prefill(
     on_node = orders.on_node
     for own_len, nodes in by_len.items():
         # The prefill instances on these nodes, counted without a Python step per node.
-        size = sum(map(len, filter(None, map(on_node.get, nodes))))
+        if isinstance(nodes, NodeGroup):
+            size = nodes.weigh(on_node, orders.weights)
+        else:
+            size = sum(map(len, filter(None, map(on_node.get, nodes))))
         held += size
         if size > DIRECT:
             walked[own_len] = []

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from bus_schemas.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from services.conductor import prefix_index
-from services.conductor.prefix_index import Matches, PrefixIndex
+from services.conductor.prefix_index import Matches, NodeGroup, NodeWeights, PrefixIndex
 
 E1, E2 = 1_000, 2_000
 
@@ -182,6 +182,29 @@ def test_match_agrees_with_brute_force(ops, query):
     assert_grouped(idx.match(query))
 
 
+def assert_groups_answer_as_lists(m, held: dict[str, set[int]]) -> None:
+    """Every group, a NodeGroup or not, answers the placement's questions (least name
+    outside a few, instances on its nodes, membership, each node's length) as the list
+    of its names does."""
+    instances = {n: {f"{n}-p{k}" for k in range(i % 3)} for i, n in enumerate(sorted(held))}
+    weights = NodeWeights()
+    for length, group in m.by_length.items():
+        names = sorted(group)
+        for skip in (set(), set(names[:1]), set(names[::2]), set(names)):
+            want = min(set(names) - skip, default=None)
+            if isinstance(group, NodeGroup):
+                assert group.least(skip) == want
+                assert group.weigh(instances, weights) == sum(
+                    len(instances.get(n, ())) for n in names
+                )
+        assert len(group) == len(names)
+        for node in held:
+            assert (node in group) == (node in names)
+            assert m.get(node) == (length if node in names else m.get(node))
+    for node in held:
+        assert m.get(node, 0) == dict(m.items()).get(node, 0)
+
+
 def assert_grouped(m) -> None:
     """``by_length`` holds exactly the dict's nodes, each under its own length."""
     grouped = [(node, n) for n, nodes in m.by_length.items() for node in nodes]
@@ -254,6 +277,7 @@ def check_against_exhaustive(ops, queries):
         assert idx.match(q) == brute_match(held, q)
         assert idx.match(sorted(set(q))) == brute_match(held, sorted(set(q)))
         assert_grouped(idx.match(q))
+        assert_groups_answer_as_lists(idx.match(q), held)
     everything = set().union(*held.values()) if held else set()
     assert idx.num_blocks() == len(everything)
     for h in range(11):
@@ -275,3 +299,45 @@ def test_match_groups_the_nodes_by_length():
     }
     assert m == {f"n{i}": 3 if i < 5 else 2 if i < 20 else 1 for i in range(30)}
     assert Matches.of({"a": 2, "b": 0, "c": 2}).by_length == {2: ["a", "c"]}
+
+
+def test_a_prefix_most_nodes_hold_is_one_group_not_a_list_of_names():
+    """Exact: 30 nodes hold blocks 1-2 (beyond SMALL holders), 3 of them block 3 too.
+    The 27 that stop at 2 are the block's holders less the 3: a NodeGroup, whose least
+    node outside a few, instances on its nodes and members are those of the 27 names."""
+    idx = PrefixIndex()
+    for i in range(30):
+        blocks = (1, 2, 3) if i < 3 else (1, 2)
+        assert idx.apply(batch(f"n{i:02d}", 1, stored(*blocks))) is False
+    m = idx.match([1, 2, 3])
+    group = m.by_length[2]
+    assert isinstance(group, NodeGroup)
+    assert sorted(group) == [f"n{i:02d}" for i in range(3, 30)] and len(group) == 27
+    assert sorted(m.by_length[3]) == ["n00", "n01", "n02"]
+    assert group.least() == "n03"
+    assert group.least({"n03", "n04", "n00"}) == "n05"
+    assert group.least(set(group)) is None
+    assert "n00" not in group and "n03" in group and "x" not in group
+    assert m.get("n00") == 3 and m.get("n29") == 2 and m.get("x") is None and "x" not in m
+    assert m == {f"n{i:02d}": 3 if i < 3 else 2 for i in range(30)}
+    # n03 runs two prefill instances, n04 one, n00 (not in the group) one, n05 none.
+    per_node = {"n03": {"a", "b"}, "n04": {"c"}, "n00": {"d"}, "n05": set()}
+    weights = NodeWeights()
+    assert group.weigh(per_node, weights) == 3
+    per_node["n06"] = {"e"}
+    weights.changed()
+    assert group.weigh(per_node, weights) == 4
+
+
+def test_a_node_group_stays_what_the_match_saw():
+    """A NodeGroup is made of the holders as they were: a block stored or removed later
+    makes new holders, it does not change a group already handed out."""
+    idx = PrefixIndex()
+    for i in range(12):
+        assert idx.apply(batch(f"n{i:02d}", 1, stored(1))) is False
+    group = idx.match([1]).by_length[1]
+    assert isinstance(group, NodeGroup) and len(group) == 12
+    assert idx.apply(batch("n12", 1, stored(1))) is False
+    assert idx.apply(batch("n00", 2, removed(1))) is False
+    assert sorted(group) == [f"n{i:02d}" for i in range(12)]
+    assert sorted(idx.match([1]).by_length[1]) == [f"n{i:02d}" for i in range(1, 13)]
