@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from perigee.sim import plots
+from perigee.sim.gc_policy import paused_gc
 from perigee.sim.metrics import summarize
 from perigee.sim.simulator import SimConfig, Simulator
 from perigee.trace import TRACE_BLOCK, TraceRequest
@@ -61,11 +62,16 @@ def replicate(trace: Sequence[TraceRequest], copies: int) -> list[TraceRequest]:
     if copies < 1:
         raise ValueError(f"copies must be at least 1, not {copies}")
     span = 1 + max((h for r in trace for h in r.hash_ids), default=-1)
-    out = [
-        replace(r, hash_ids=tuple(h + c * span for h in r.hash_ids)) if c else r
-        for c in range(copies)
-        for r in trace
-    ]
+    out = list(trace)
+    with paused_gc():  # a million requests built: no cycles among them to collect
+        for c in range(1, copies):
+            shift = (c * span).__add__
+            out += [
+                TraceRequest(
+                    r.timestamp_s, r.input_length, r.output_length, tuple(map(shift, r.hash_ids))
+                )
+                for r in trace
+            ]
     out.sort(key=lambda r: r.timestamp_s)  # stable
     return out
 

@@ -40,17 +40,16 @@ and turns around to its next task; the KV acks and the handoff run beside that t
 Everything reads one :class:`ManualClock`.
 """
 
-import contextlib
-import gc
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bus_schemas.control import Refused
 from bus_schemas.roles import Role
 from perigee.sim.cluster import Cluster, Link
 from perigee.sim.events import EventLoop
+from perigee.sim.gc_policy import lean_gc, paused_gc
 from perigee.sim.instances import DecodeInstance, PrefillInstance
 from perigee.sim.pipeline_gang import Gang
 from perigee.sim.request import SimRequest
@@ -138,26 +137,6 @@ class SimConfig:
     placement_kw: dict = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def _lean_gc() -> Iterator[None]:
-    """The cyclic collector's cost kept to the run's garbage: what exists before the run
-    (the trace, the requests, the cluster: most of a large run's heap) is frozen out of
-    its scans, and a young collection waits for 50,000 new objects instead of 700. A
-    full collection scans the heap, so at 1M requests the default thresholds cost time
-    that grows faster than the work. Restored (and unfrozen) afterwards."""
-    if not gc.isenabled():
-        yield
-        return
-    old = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(max(old[0], 50_000), *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-        gc.unfreeze()
-
-
 class Simulator:
     """Replays a trace through the live admission and placement policies on simulated time."""
 
@@ -235,7 +214,8 @@ class Simulator:
                 role,
             )
             self.add_instance(role, node.name)
-        self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
+        with paused_gc():
+            self.requests = [self._request(i, r, trace[0].timestamp_s) for i, r in enumerate(trace)]
         self.writeback = None
         if cfg.decode_writeback:
             from perigee.sim.writeback import SimWriteBack
@@ -327,7 +307,7 @@ class Simulator:
                 self.loop.at(start, self._sample)
             if self.resizer is not None:
                 self.resizer.start(start)
-        with _lean_gc():
+        with lean_gc():
             self.loop.run()
         self.wall_s = time.perf_counter() - t0
         if self._bar is not None:
