@@ -4,6 +4,8 @@ incarnation of each name is the live one (services.common.incarnation).
 Pure: the caller feeds sightings and asks with its own clock. The gateway uses it to
 fail streams whose worker went silent or restarted; the conductor to stop placing on it."""
 
+from collections.abc import Collection
+
 from sortedcontainers import SortedList
 
 from services.common import defaults
@@ -19,6 +21,7 @@ class Liveness:
         self.dead_after_s = dead_after_s
         self._last: dict[str, float] = {}
         self._incarnation: dict[str, int] = {}
+        self.names_version = 0  # moves when a name is first seen or forgotten
 
     def seen(self, instance: str, incarnation: int = 0) -> str:
         """A sign of life of ``instance`` (of ``incarnation``, 0: unknown); what it was
@@ -26,6 +29,8 @@ class Liveness:
         verdict = judge(self._incarnation.get(instance), incarnation) if incarnation else SAME
         if verdict == STALE:
             return verdict
+        if instance not in self._last:
+            self.names_version += 1
         self._last[instance] = self.clock.now()
         if incarnation:
             self._incarnation[instance] = incarnation
@@ -36,8 +41,13 @@ class Liveness:
         return self._incarnation.get(instance, 0)
 
     def forget(self, instance: str) -> None:
-        self._last.pop(instance, None)
+        if self._last.pop(instance, None) is not None:
+            self.names_version += 1
         self._incarnation.pop(instance, None)
+
+    def names(self) -> Collection[str]:
+        """Every name with a sighting (alive or not), as a live view."""
+        return self._last.keys()
 
     def prune(self, older_than_s: float) -> list[str]:
         """Forget instances silent for more than ``older_than_s``; those forgotten."""

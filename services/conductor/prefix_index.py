@@ -106,6 +106,13 @@ class NodeGroup:
     def __repr__(self) -> str:
         return f"NodeGroup({list(self)!r})"
 
+    def less(self, ids: frozenset[int]) -> "NodeGroup":
+        """The group less the nodes of ``ids``."""
+        gone = ids.intersection(self._many.ids)
+        if not gone:
+            return self
+        return NodeGroup(self._many, self._minus.union(gone), self._index)
+
     def least(self, skip: Collection[str] = ()) -> str | None:
         """The least node name of the group not in ``skip`` (None when every one is):
         a walk over the names in order that stops at the first, so it costs the skipped
@@ -197,6 +204,25 @@ class Matches(Mapping[str, int]):
         self._groups.append((length, group))
         self.by_length[length] = group
 
+    def without(self, nodes: Collection[str]) -> "Matches":
+        """These matches less ``nodes`` (stores that are down): itself when none of them
+        matched, so that the usual case (every store alive) costs nothing per node."""
+        if not nodes or not any(self.get(n) is not None for n in nodes):
+            return self
+        out = Matches(self._ids)
+        ids = self._ids if self._ids is not None else {}
+        gone = frozenset(ids[n] for n in nodes if n in ids)
+        for length, group in self.by_length.items():
+            if isinstance(group, NodeGroup):
+                kept = group.less(gone)
+                if len(kept):
+                    out._add_group(kept, length)
+            else:
+                rest = [n for n in group if n not in nodes]
+                if rest:
+                    out._add(rest, length)
+        return out
+
     def get(self, node: str, default: int | None = None) -> int | None:  # type: ignore[override]
         n = self._named.get(node)
         if n is not None or not self._groups:
@@ -273,6 +299,10 @@ class PrefixIndex:
 
     def nodes(self) -> list[str]:
         return sorted(self._nodes)
+
+    def node_names(self) -> Collection[str]:
+        """Every node the index tracks, as a live view (no copy)."""
+        return self._ids.keys()
 
     def state(self, node: str) -> tuple[int, int] | None:
         """(epoch, last applied seq) of ``node``, or None if never heard of."""

@@ -38,7 +38,7 @@ from bus_schemas.kv_events import EventBatch
 from services.common import bus, kv_stream
 from services.common.clock import Clock
 from services.common.liveness import OrderedLiveness
-from services.conductor.prefix_index import PrefixIndex
+from services.conductor.prefix_index import Matches, PrefixIndex
 from tracing import inject
 
 log = structlog.get_logger()
@@ -74,6 +74,8 @@ class ShadowView:
         self.clock = clock
         self._live_since: float | None = None  # first sweep after the replay
         self._gone: set[str] = set()  # swept as silent, until the store shows up again
+        self._unseen: set[str] = set()  # index nodes the liveness book does not know
+        self._unseen_stamp: tuple[int, int] | None = None
         # Nodes announced during each discovery under way (start's and a caller's can overlap).
         self._discovering: list[set[str]] = []
 
@@ -147,9 +149,22 @@ class ShadowView:
 
     # ------------------------------------------------------------ queries
 
-    def match(self, block_hashes: list[int] | tuple[int, ...]) -> dict[str, int]:
-        """Prefix length in blocks per node whose store is alive."""
-        return {n: v for n, v in self.index.match(block_hashes).items() if self.stores.alive(n)}
+    def match(self, block_hashes: list[int] | tuple[int, ...]) -> Matches:
+        """Prefix length in blocks per node whose store is alive: the index's match less
+        the nodes whose store is silent or was never seen alive (O(those), not a step
+        per matched node: a prefix a thousand nodes hold is one group)."""
+        return self.index.match(block_hashes).without(self._not_alive())
+
+    def _not_alive(self) -> set[str]:
+        """The index's nodes whose store is not alive now: the silent ones (in time
+        order, O(silent)) and those the liveness book does not know (kept as a set,
+        built again only when either side's names change)."""
+        stamp = (self.index.ids_version, self.stores.names_version)
+        if stamp != self._unseen_stamp:
+            self._unseen = set(self.index.node_names()).difference(self.stores.names())
+            self._unseen_stamp = stamp
+        silent = self.stores.silent()
+        return self._unseen.union(silent) if silent else self._unseen
 
     def down(self) -> set[str]:
         """Nodes whose store was seen and has gone silent (or was swept since), until it

@@ -135,3 +135,26 @@ def test_no_instance_left_is_a_clear_503():
     assert "prefill" in d.reason
     d = place(pol, {"d0"}, {})
     assert isinstance(d, Rejection) and d.code == ErrorCode.UNAVAILABLE and "decode" in d.reason
+
+
+def test_a_prefix_many_stores_hold_is_matched_less_the_silent_and_the_unseen():
+    """Issue 27: 20 stores hold the prefix (one NodeGroup in the index's match); the
+    view's match leaves out the 3 gone silent and the one known only from the stream's
+    history, exactly as a check of every store would, and returns the index's own
+    match when every holder is alive."""
+    clock = ManualClock(0.0)
+    v = ShadowView(None, None, clock, store_dead_after_s=5.0)  # type: ignore[arg-type]
+    v.caught_up.set()
+    for i in range(20):
+        v.apply(batch(f"p{i:02d}", 1, *HASHES))
+    assert v.match(list(HASHES)) == {f"p{i:02d}": len(HASHES) for i in range(20)}
+    clock.advance(4.0)
+    for i in range(3, 20):
+        v.on_info(info(f"p{i:02d}"))
+    clock.advance(2.0)  # p00-p02 silent for 6 s
+    v.apply(batch("p20", 1, *HASHES), live=False)  # history: no sign of life
+    want = {f"p{i:02d}": len(HASHES) for i in range(3, 20)}
+    assert v.match(list(HASHES)) == want
+    assert all(v.stores.alive(n) for n in v.match(list(HASHES)))
+    v.on_info(info("p20"))
+    assert v.match(list(HASHES)) == {**want, "p20": len(HASHES)}

@@ -320,6 +320,11 @@ def test_a_prefix_most_nodes_hold_is_one_group_not_a_list_of_names():
     assert "n00" not in group and "n03" in group and "x" not in group
     assert m.get("n00") == 3 and m.get("n29") == 2 and m.get("x") is None and "x" not in m
     assert m == {f"n{i:02d}": 3 if i < 3 else 2 for i in range(30)}
+    # Stores down: n00 (of the 3-block list), n05 (of the group), zz (unknown).
+    less = m.without({"n00", "n05", "zz"})
+    assert less == {f"n{i:02d}": 3 if i < 3 else 2 for i in range(30) if i not in (0, 5)}
+    assert "n05" not in less.by_length[2] and len(less.by_length[2]) == 26
+    assert m.without({"zz"}) is m and m.without(set()) is m
     # n03 runs two prefill instances, n04 one, n00 (not in the group) one, n05 none.
     per_node = {"n03": {"a", "b"}, "n04": {"c"}, "n00": {"d"}, "n05": set()}
     weights = NodeWeights()
