@@ -5,6 +5,7 @@ and give exactly what reporting every instance gives; the trace copies of
 import gc
 import json
 import random
+from unittest.mock import patch
 
 import pytest
 
@@ -126,6 +127,38 @@ def test_a_run_keeps_the_collector_off_what_existed_before_it():
     sim.run()
     assert seen and all(t >= 50_000 and frozen > 0 for t, frozen in seen)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_a_runs_requests_and_copies_are_built_with_the_collector_paused():
+    """No collection while a trace's requests are built (a full one would scan every
+    request built so far) nor while replicate builds copies; on again after, and left
+    off where the caller had it off."""
+    assert gc.isenabled()
+    built: list[bool] = []
+    real = Simulator._request
+
+    def request(self, *a):  # type: ignore[no-untyped-def]
+        built.append(gc.isenabled())
+        return real(self, *a)
+
+    with patch.object(Simulator, "_request", request):
+        Simulator(random_trace(20, 0), SimConfig(prefill=2, decode=2))
+    assert len(built) == 20 and not any(built) and gc.isenabled()
+    copied: list[bool] = []
+
+    def copy(*a):  # type: ignore[no-untyped-def]
+        copied.append(gc.isenabled())
+        return TraceRequest(*a)
+
+    with patch("perigee.sim.scale.TraceRequest", copy):
+        replicate(random_trace(5, 0), 3)
+    assert len(copied) == 10 and not any(copied) and gc.isenabled()
+    gc.disable()
+    try:
+        Simulator(random_trace(5, 0), SimConfig(prefill=2, decode=2))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_incremental_reports_stay_off_where_a_report_is_not_idempotent():
