@@ -10,11 +10,12 @@ from unittest.mock import patch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bus_schemas.kv_events import BlockStored, EventBatch
 from bus_schemas.load import CostFit, DecodeLoad, PrefillLoad
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
 from services.common.rejection import Rejection
-from services.conductor import search
+from services.conductor import prefix_index, search
 from services.conductor.placement_policy import (
     Placement,
     PlacementPolicy,
@@ -22,7 +23,7 @@ from services.conductor.placement_policy import (
     RemoteSource,
     TtftFeedback,
 )
-from services.conductor.prefix_index import Matches
+from services.conductor.prefix_index import Matches, NodeGroup, PrefixIndex
 from services.policy.chunk_timing import CppConfig
 
 BS = 512
@@ -190,7 +191,10 @@ cluster = st.fixed_dictionaries(
         "requests": st.lists(
             st.tuples(
                 st.integers(1, 40) | st.sampled_from([96, 128]),  # blocks (long: CPP wins)
-                st.dictionaries(st.integers(0, 6), st.integers(0, 45), max_size=4),
+                # prefix lengths by node (often equal: groups of several nodes)
+                st.dictionaries(
+                    st.integers(0, 6), st.integers(0, 45) | st.sampled_from([4, 4, 12]), max_size=6
+                ),
                 # TBT SLO (1e-4: no decode instance meets it, an overloaded pool)
                 st.sampled_from([1e-4, 0.02, 0.05, 0.1, math.inf]),
                 st.booleans(),  # finish a placed one (prefill_done with a TTFT)
@@ -212,6 +216,9 @@ cluster = st.fixed_dictionaries(
         "cpp_min": st.sampled_from([0, 4096, 65536]),
         "cpp_chunk": st.sampled_from([1024, 4096]),
         "cpp_interleave": st.sampled_from([0, 2048, 8192]),
+        # The pruned policy reads a real prefix index's match (every holder set of two
+        # or more nodes a _Many, so the groups are NodeGroups), else Matches.of.
+        "index": st.booleans(),
     }
 )
 
@@ -223,6 +230,24 @@ def test_pruned_search_chooses_as_the_full_scan(c, direct):
     with the rest instead of evaluated outright (low: as a prefix every node holds)."""
     with patch.object(search, "DIRECT", direct):
         check_against_the_scan(c)
+
+
+def index_match(lengths: dict[str, int], blocks: int) -> Matches:
+    """What a prefix index whose nodes hold ``lengths`` blocks of one chain matches for
+    the chain's first ``blocks`` (holder sets of 2 or more nodes as _Many)."""
+    idx = PrefixIndex()
+    with patch.object(prefix_index, "SMALL", 1):
+        for node, n in lengths.items():
+            idx.apply(
+                EventBatch(
+                    node=node,
+                    epoch=1,
+                    seq=1,
+                    ts=0.0,
+                    events=[BlockStored(block_hashes=list(range(n)))],
+                )
+            )
+        return idx.match(tuple(range(blocks)))
 
 
 def check_against_the_scan(c):
@@ -272,7 +297,7 @@ def check_against_the_scan(c):
         m = {f"n{n}": v for n, v in matches.items() if v > 0}
         # The pruned policy reads the index's grouped matches where no length needs
         # capping at the request's blocks (the prefix index never gives one longer).
-        grouped = Matches.of(m)
+        grouped = index_match(m, blocks) if c["index"] else Matches.of(m)
         ex = tuple(f"p{i}" for i in excl)
         ex_d = tuple(f"d{i}" for i in excl_d)
         ex_s = tuple(f"n{i}" for i in excl_s)
@@ -496,6 +521,17 @@ def test_least_inflight_source_by_bytes_then_name():
         assert isinstance(d, Placement) and d.remote is not None and d.remote.node == src
     assert p._least_inflight({f"n{i}" for i in range(100)}) == "n10"
     assert p._least_inflight(["n0", "n1"]) == "n1"
+    # The same through the prefix index's NodeGroup (the 100 holders of one chain): the
+    # walk over the names in order passes the loaded and the excluded sources.
+    many = index_match({f"n{i}": 4 for i in range(100)}, 4).by_length[4]
+    assert isinstance(many, NodeGroup)
+    assert p._least_inflight_of(many, set()) == "n10"
+    assert p._least_inflight_of(many, {"n10", "n11"}) == "n12"
+    three = index_match({"n0": 4, "n1": 4, "n2": 4}, 4).by_length[4]
+    assert isinstance(three, NodeGroup)
+    assert p._least_inflight_of(three, set()) == "n2"
+    assert p._least_inflight_of(three, {"n2"}) == "n1"  # the rest loaded: fewer bytes
+    assert p._least_inflight_of(three, {"n0", "n1", "n2"}) is None
     d = p.place(_req("r", 4), Matches.of({f"n{i}": 4 for i in range(100)}))
     assert isinstance(d, Placement) and d.remote is None
     d = p.place(
@@ -505,7 +541,13 @@ def test_least_inflight_source_by_bytes_then_name():
         exclude_sources=("n2",),
     )
     assert isinstance(d, Placement) and d.remote is not None and d.remote.node == "n1"
-    for rid in ("pull0", "pull1", "pull2", "s"):
+    d = p.place(
+        _req("u", 4),
+        index_match({f"n{i}": 4 for i in range(100)}, 4),
+        exclude_prefill=[f"p{i}" for i in range(100)],
+    )
+    assert isinstance(d, Placement) and d.remote is not None and d.remote.node == "n10"
+    for rid in ("pull0", "pull1", "pull2", "s", "u"):
         p.release(rid)
     assert not p._by_source and not p._loaded  # only the nodes with pulls in flight
 
