@@ -71,7 +71,9 @@ class NodeGroup:
     iterable (names, in order) and tested for membership like the list of names it
     stands for, but never built as one by the placement: it reads the group's size in
     instances (:meth:`weigh`) and its least node outside a few (:meth:`least`) in set
-    operations and a short walk."""
+    operations and a short walk. Its holders are fixed when it is made; its ids are
+    named through the index, so it is read before the index forgets or adds a node (a
+    placement reads it in the step that matched)."""
 
     __slots__ = ("_many", "_minus", "_index")
 
@@ -119,7 +121,7 @@ class NodeGroup:
         ones, not the group."""
         ids, minus = self._index._ids, self._minus
         for name in self._many.names:
-            if name in skip or (minus and ids[name] in minus):
+            if name in skip or (minus and ids.get(name) in minus):
                 continue
             return name
         return None
