@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return repro.main(argv[1:])
     a = build_parser().parse_args(argv)
+    from perigee.sim.gc_policy import no_collection_at_exit
     from perigee.sim.metrics import format_summary, summarize
     from perigee.sim.simulator import SimConfig, Simulator
     from services.common.cost_fit import load_cost_model
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     sim = Simulator(trace, cfg, progress=not a.no_progress).run()
+    no_collection_at_exit()
     s = summarize(sim)
     if a.cpp_group > 1:
         from perigee.sim.pipeline_gang import ttft_buckets

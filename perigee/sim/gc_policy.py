@@ -2,6 +2,7 @@
 reference cycles worth collecting, and at a million requests the collector's scans of a
 growing heap cost time that grows faster than the work (issue 27)."""
 
+import atexit
 import contextlib
 import gc
 from collections.abc import Iterator
@@ -39,3 +40,14 @@ def lean_gc() -> Iterator[None]:
     finally:
         gc.set_threshold(*old)
         gc.unfreeze()
+
+
+def no_collection_at_exit() -> None:
+    """At the interpreter's exit, freeze what is left instead of collecting it: a run's
+    objects are in cycles (instances and their callbacks), so they wait for the last
+    full collection, which at exit scans and frees the whole heap only for the process
+    to end (3.6 s after 150,000 requests at 1,024 instances, 0.1 s frozen). Registered
+    once per process, run only at its exit: a caller in the same process keeps a
+    collector that works as before until then."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
