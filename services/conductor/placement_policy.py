@@ -548,8 +548,8 @@ class PlacementPolicy:
         node = group.least(loaded.keys() | excluded if excluded else loaded)
         if node is not None:
             return node
-        rest = [n for n in group if n not in excluded]
-        return min((self.inflight_bytes(n), n) for n in rest)[1] if rest else None
+        rest = [n for n in group if n not in excluded]  # every one has pulls in flight
+        return self._least_inflight(rest) if rest else None
 
     def predicted_tbt(self, instance: str, num_tokens: int, seqs: int = 1) -> float:
         """Decode step time on ``instance`` once a request of ``num_tokens`` (and
