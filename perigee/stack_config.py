@@ -67,6 +67,9 @@ class StackConfig:
     # store-transaction lease (0: their default; renewed while a request lives).
     load_format: str = ""
     kv_blocks: int = 0
+    # --engine vllm on GPUs: the memory share of each card that its engines split
+    # (0: 0.8; perigee.gpus)
+    gpu_memory_utilization: float = 0.0
     tool_call_parser: str | None = None  # gateway: vLLM's tool parser for tool_choice auto
     lease_s: float = 0.0
     # Longest request (prompt + output), tokens: the gateway's limit and what each store

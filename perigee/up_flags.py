@@ -110,6 +110,11 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
         ),
         flag("--kv-blocks", type=int, help="vllm: paged-cache blocks per engine (0: by role)"),
         flag(
+            "--gpu-memory-utilization",
+            type=float,
+            help="vllm on GPUs: each card's memory share, split among its engines (0: 0.8)",
+        ),
+        flag(
             "--tool-call-parser",
             help="vLLM's tool parser for tool_choice auto (hermes, llama3_json, mistral, ...)",
         ),

@@ -43,7 +43,7 @@ from bus_schemas.requests import (
     Tokens,
 )
 from perigee.natsd import free_port
-from perigee.stack import Stack, StackConfig
+from perigee.stack import Stack, StackConfig, gpu_present
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, load_trace
 from services.common.hashing import block_hashes
 from services.common.model_spec import DEFAULT_MODEL_DIR
@@ -240,11 +240,24 @@ def round_robin(model_dir: str, trace: list[list[int]], kv_blocks: int, workdir:
             {**base, "requests": [{"prompt": p, "max_tokens": 1} for p in trace[k::2]]},
             workdir,
             f"vllm-rr{k}",
-        ).start()
+        )
         for k in (0, 1)
     ]
+    # On one GPU, one engine at a time: vLLM's start-up measures the card's free memory
+    # and fails when another process frees some meanwhile (seen on an H200, issue 28).
+    # The figure is cached tokens, which does not depend on the engines overlapping.
+    one_at_a_time = gpu_present()
+    outs = []
     try:
-        outs = [r.result(3600)["results"] for r in rr]
+        if not one_at_a_time:
+            for r in rr:
+                r.start()
+        for r in rr:
+            if one_at_a_time:
+                r.start()
+            outs.append(r.result(3600)["results"])
+            if one_at_a_time:
+                r.kill()
     finally:
         for r in rr:
             r.kill()

@@ -457,7 +457,26 @@ def main(argv: list[str]) -> int:
         help="a Python that can import mooncake (default: search)",
     )
     p.add_argument("--no-mooncake", action="store_true")
+    p.add_argument(
+        "--cuda",
+        action="store_true",
+        help="add the connector's copies between CUDA pages and the arena, pageable "
+        "against page-locked (perigee.bench.ship_cuda)",
+    )
+    p.add_argument("--cuda-only", action="store_true", help="only those (no stores)")
     args = p.parse_args(argv)
+    if args.cuda or args.cuda_only:
+        from perigee.bench import ship_cuda
+
+        cuda = ship_cuda.measure(
+            [int(x) for x in args.tokens.split(",") if x], max(1, args.repeats)
+        )
+        print(ship_cuda.render(cuda))
+        if args.cuda_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"cuda": cuda}, f, indent=2)
+            return 0 if cuda.get("status") == "ok" else 1
     tokens = [int(x) for x in args.tokens.split(",") if x]
     py = None if args.no_mooncake else tb.find_mooncake_python(args.mooncake_python)
     why = (
@@ -502,6 +521,8 @@ def main(argv: list[str]) -> int:
         for name in PAIRS
     }
     rep["bytes_by_transport"] = moved  # per pair, from the source store's counters
+    if args.cuda:
+        rep["cuda"] = cuda
     print(render(rep))
     if args.json:
         with open(args.json, "w") as f:

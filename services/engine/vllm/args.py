@@ -33,7 +33,9 @@ def engine_args(
     else:
         seqs, kv_blocks = max_batch, o.kv_blocks or max(2 * per_seq, 1024)
         batched = o.max_num_batched_tokens or 2048
+    gpu = {"gpu_memory_utilization": o.gpu_memory_utilization} if o.gpu_memory_utilization else {}
     return EngineArgs(
+        **gpu,
         model=o.model_dir,
         # The tokenizer serves vLLM's structured-output backend (its grammars are compiled
         # against the vocabulary); prompts still arrive as ids, outputs leave as ids.

@@ -129,6 +129,8 @@ class Bridge:
             0,
         )
         self.layer_block_bytes = 0  # vLLM's bytes per block per layer, set by the worker
+        # Page-lock the store's arena for copies to and from CUDA pages (kv_pages).
+        self.pin_arena = True
         # vLLM request id -> its sampling generator (the model runner's), or None; set
         # by the engine once vLLM is built (skip_draws).
         self.generator_of: Callable[[str], Any] | None = None

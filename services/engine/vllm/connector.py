@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from services.engine.vllm.bridge import Plan, advance_grammar, lookup, request_key, skip_draws
+from services.engine.vllm.kv_pages import ArenaPinner, page_view
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,6 +150,11 @@ class PerigeeConnector(KVConnectorBase_V1):
         self._loads: list[Copy] = []
         self._layers_loaded: set[str] = set()
         self._handoffs: list[tuple[str, Future]] = []
+        self._pinner = ArenaPinner(enabled=False)  # page-locks the arena once pages are CUDA
+        # CUDA pages and page-locked slots: copies are queued without waiting for each
+        # (one wait per layer: _settle), else a copy_ waits for its own completion.
+        self._async = False
+        self._pending = False
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -312,6 +318,8 @@ class PerigeeConnector(KVConnectorBase_V1):
                 f"the stores with --block-bytes {need}"
             )
         self.bridge.layer_block_bytes = self._layer_block_bytes
+        self._pinner = ArenaPinner(enabled=page.is_cuda and self.bridge.pin_arena)
+        self._async = self._pinner.enabled
 
     def _page(self, c: Copy, layer: int, like: torch.Tensor) -> torch.Tensor | None:
         plan = self.bridge.get(c.key)
@@ -321,15 +329,17 @@ class PerigeeConnector(KVConnectorBase_V1):
             raw = plan.wb_tensors.get(c.block)
             if raw is None:
                 raw = plan.wb_tensors[c.block] = torch.empty(
-                    self.bridge.block_bytes, dtype=torch.uint8
+                    self.bridge.block_bytes, dtype=torch.uint8, pin_memory=self._pinner.enabled
                 )
-            off = (layer * self.vllm_blocks_per_block + c.sub) * self._layer_block_bytes
-            return raw[off : off + self._layer_block_bytes].view(like.dtype).view(like.shape)
-        raw = plan.tensors.get(c.block)
-        if raw is None:
-            raw = plan.tensors[c.block] = torch.frombuffer(plan.slots[c.block], dtype=torch.uint8)
-        off = (layer * self.vllm_blocks_per_block + c.sub) * self._layer_block_bytes
-        return raw[off : off + self._layer_block_bytes].view(like.dtype).view(like.shape)
+        else:
+            raw = plan.tensors.get(c.block)
+            if raw is None:
+                slot = plan.slots[c.block]
+                self._pinner.pin(slot)
+                raw = plan.tensors[c.block] = torch.frombuffer(slot, dtype=torch.uint8)
+        return page_view(
+            raw, layer, c.sub, self.vllm_blocks_per_block, self._layer_block_bytes, like
+        )
 
     def _guard(self, key: str, err: BaseException) -> None:
         self.bridge.counters["connector_errors"] += 1
@@ -343,7 +353,8 @@ class PerigeeConnector(KVConnectorBase_V1):
             page = self._kv[name][c.block_id]
             src = self._page(c, self._layer_of[name], page)
             if src is not None:
-                page.copy_(src)
+                page.copy_(src, non_blocking=self._async)
+                self._pending |= self._async
                 self.bridge.counters["connector_layer_blocks_loaded"] += 1
         except Exception as e:  # noqa: BLE001 - never raise into vLLM
             self._guard(c.key, e)
@@ -384,10 +395,12 @@ class PerigeeConnector(KVConnectorBase_V1):
                 page = kv_layer[c.block_id]
                 dst = self._page(c, layer, page)
                 if dst is not None:
-                    dst.copy_(page)
+                    dst.copy_(page, non_blocking=self._async)
+                    self._pending |= self._async
                     self.bridge.counters["connector_layer_blocks_saved"] += 1
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
+        self._settle()  # the layer's bytes are in the slots before it ships
         for key in meta.ship:
             plan = self.bridge.get(key)
             if plan is None or plan.on_layer is None:
@@ -414,12 +427,22 @@ class PerigeeConnector(KVConnectorBase_V1):
         except Exception as e:  # noqa: BLE001 - never raise into vLLM
             self._guard(c.key, e)
 
+    def _settle(self) -> None:
+        """Wait for this step's asynchronous copies (page-locked slots: copies are queued
+        on the compute stream, ordered after the kernels that write the pages and
+        before those that read them): before bytes leave through a ship or a
+        hand-back, and before loaded slots are released."""
+        if self._pending:
+            torch.cuda.current_stream().synchronize()
+            self._pending = False
+
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PerigeeMeta)
         for name in self._kv:  # a layer vLLM did not announce (should not happen)
             if self._loads and name not in self._layers_loaded:
                 self.wait_for_layer_load(name)
+        self._settle()
         handoffs, self._handoffs = self._handoffs, []
         if handoffs:
             wait([f for _, f in handoffs], timeout=HANDOFF_TIMEOUT_S)
@@ -447,3 +470,6 @@ class PerigeeConnector(KVConnectorBase_V1):
                 if plan.on_loaded is not None:
                     plan.on_loaded()
         self._loads = []
+
+    def shutdown(self) -> None:
+        self._pinner.close()

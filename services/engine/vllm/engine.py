@@ -154,6 +154,7 @@ class VllmEngine(Engine):
             )
         self.hash_block_size = hash_block_size
         self.bridge = Bridge(block_bytes, hash_block_size)
+        self.bridge.pin_arena = options.pin_arena
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "vllm_requests",

@@ -4,6 +4,7 @@ vLLM reads its environment at import time, so :func:`prepare_env` must run befor
 first ``import vllm`` (the engine does it in its constructor).
 """
 
+import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,11 @@ class VllmOptions:
     max_num_batched_tokens: int = 0  # 0: max_model_len for prefill, 2048 for decode
     seed: int = 0
     enforce_eager: bool = True
+    # CUDA: the fraction of the GPU's memory this engine may take (0: vLLM's default).
+    # Engines that share a GPU split it (perigee up does: perigee.gpus).
+    gpu_memory_utilization: float = 0.0
+    # CUDA: page-lock the store's arena for the connector's copies (kv_pages).
+    pin_arena: bool = True
 
     def resolved_load_format(self) -> str:
         if self.load_format:
@@ -97,6 +103,19 @@ def add_arguments(p: Any) -> None:
         "(0: the model's max_position_embeddings)",
     )
     g.add_argument("--vllm-seed", type=int, default=0, help="vLLM sampling seed")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.0,
+        help="CUDA: fraction of the GPU's memory for this engine (0: vLLM's default, 0.9); "
+        "engines sharing a GPU must split it",
+    )
+    g.add_argument(
+        "--pin-arena",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: page-lock the node store's shared memory for the KV copies",
+    )
 
 
 def from_args(args: Any, model_dir: str) -> VllmOptions:
@@ -107,4 +126,6 @@ def from_args(args: Any, model_dir: str) -> VllmOptions:
         block_size=args.vllm_block_size,
         max_model_len=args.max_model_len,
         seed=args.vllm_seed,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        pin_arena=args.pin_arena,
     )

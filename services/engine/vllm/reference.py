@@ -3,6 +3,7 @@ baseline): ``python -m services.engine.vllm.reference SPEC.json OUT.json``.
 
 SPEC: ``{"model_dir": str, "load_format": str|null, "prefix_caching": bool,
 "kv_blocks": int, "max_model_len": int, "block_size": int, "max_num_batched_tokens": int,
+"gpu_memory_utilization": float (CUDA; absent: REFERENCE_GPU_SHARE),
 "requests": [{"prompt": [ids], "max_tokens": n, "sampling": {...}}]}``. Requests run one
 after another, greedy (temperature 0, ignore_eos), so each sees whatever the previous
 ones left in vLLM's prefix cache; a request's ``sampling`` adds vLLM ``SamplingParams``
@@ -22,6 +23,8 @@ from pathlib import Path
 
 from services.engine.vllm.options import VllmOptions, prepare_env
 
+REFERENCE_GPU_SHARE = 0.05  # of the card (7 GB of an H200); vLLM ignores it on CPU
+
 
 def build_engine(spec: dict):
     from vllm.engine.arg_utils import EngineArgs
@@ -30,8 +33,12 @@ def build_engine(spec: dict):
     opts = VllmOptions(model_dir=spec["model_dir"], load_format=spec.get("load_format"))
     max_len = int(spec.get("max_model_len") or 8192)
     bs = int(spec.get("block_size") or 32)
+    # On a GPU the reference runs beside a stack's engines on the same card: its own
+    # small share (the stack's engines split perigee.gpus.TOTAL_SHARE).
+    gpu = spec.get("gpu_memory_utilization") or REFERENCE_GPU_SHARE
     return LLMEngine.from_engine_args(
         EngineArgs(
+            **({"gpu_memory_utilization": float(gpu)} if gpu else {}),
             model=opts.model_dir,
             skip_tokenizer_init=True,
             load_format=opts.resolved_load_format(),

