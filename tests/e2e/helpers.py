@@ -72,3 +72,11 @@ class KVEventWatcher:
 
 
 __all__ = ["worker_stats", "KVEventWatcher", "encode"]
+
+
+def chat_ids(hf, chats: dict[str, list[dict]]) -> dict[str, list[int]]:
+    """Each chat's prompt ids by transformers' own chat template (a reference's input)."""
+    return {
+        k: hf.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False)
+        for k, m in chats.items()
+    }

@@ -29,7 +29,7 @@ from services.common.cost_fit import PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
 from services.common.hashing import block_hashes
 from tests.e2e.conftest import make_stack
-from tests.e2e.helpers import KVEventWatcher, real_model_marks, worker_stats
+from tests.e2e.helpers import KVEventWatcher, chat_ids, real_model_marks, worker_stats
 
 MODEL_DIR = models.default_model_dir()
 pytestmark = real_model_marks()
@@ -75,10 +75,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def prompts(hf):
-    return {
-        k: hf.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False)
-        for k, m in {**CHATS, **LONG}.items()
-    }
+    return chat_ids(hf, {**CHATS, **LONG})
 
 
 @pytest.fixture(scope="module")
@@ -136,21 +133,15 @@ def client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
-async def ask(c: openai.AsyncOpenAI, messages: list[dict], stream: bool = False):
+async def ask(c: openai.AsyncOpenAI, messages: list[dict], stream: bool = False, model: str = NAME):
     """(text, finish_reason, usage) of one greedy chat request."""
+    kw = {"model": model, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}
     if not stream:
-        r = await c.chat.completions.create(
-            model=NAME, messages=messages, temperature=0, max_tokens=MAX_TOKENS
-        )
+        r = await c.chat.completions.create(**kw)
         return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
     parts, finish, use = [], None, None
     async for ch in await c.chat.completions.create(
-        model=NAME,
-        messages=messages,
-        temperature=0,
-        max_tokens=MAX_TOKENS,
-        stream=True,
-        stream_options={"include_usage": True},
+        **kw, stream=True, stream_options={"include_usage": True}
     ):
         if ch.choices:
             parts.append(ch.choices[0].delta.content or "")

@@ -22,54 +22,40 @@ if vllm_cuda_missing() is not None:  # before the imports that need vLLM's and o
 import os  # noqa: E402
 
 from perigee import models  # noqa: E402
+from services.engine.vllm.options import has_weights  # noqa: E402
 from services.engine.vllm.reference import Reference  # noqa: E402
+from tests.e2e import test_real_model as real_model  # noqa: E402
 from tests.e2e.conftest import make_stack  # noqa: E402
-from tests.e2e.helpers import worker_stats  # noqa: E402
+from tests.e2e.helpers import chat_ids, worker_stats  # noqa: E402
 from tests.e2e.test_real_model import CHATS, EOS, LONG, MAX_TOKENS, check, client  # noqa: E402
 
 BS = 32
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.timeout(900)]
-# PERIGEE_GPU_TEST_MODEL: another model for these tests, as perigee up's --model takes it
-# (tiny-llama: the shipped random model, where the default one cannot be brought).
+# PERIGEE_GPU_TEST_MODEL: another model for these tests, as perigee up's --model takes it,
+# where the default one cannot be prepared (scripts/gpu_run.sh then writes a seeded
+# random checkpoint of tiny-llama: scripts/make_random_weights.py).
 try:
     _model = models.resolve(os.environ.get("PERIGEE_GPU_TEST_MODEL") or None)
 except models.ModelNotReady as e:
     pytest.skip(str(e), allow_module_level=True)
 MODEL_DIR, NAME = _model.path, _model.name
-REAL = NAME == models.DEFAULT_MODEL_NAME  # real text; a random model's is not prompt-dependent
+# Weights of its own (the default model, a seeded random checkpoint): prompt-dependent
+# answers. vLLM's dummy weights (tiny-llama as shipped) answer alike whatever the prompt.
+WEIGHTS = has_weights(MODEL_DIR)
 
 
 @pytest.fixture(scope="module")
-def hf():
+def tokenized():
+    """transformers' tokenizer of the model, and each chat's prompt ids by it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(MODEL_DIR))
-
-
-@pytest.fixture(scope="module")
-def prompts(hf):
-    return {
-        k: hf.apply_chat_template(m, tokenize=True, add_generation_prompt=True, return_dict=False)
-        for k, m in {**CHATS, **LONG}.items()
-    }
+    hf = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    return hf, chat_ids(hf, {**CHATS, **LONG})
 
 
 async def ask(c, messages: list[dict], stream: bool = False):
-    """(text, finish_reason, usage) of one greedy chat request to this module's model."""
-    kw = {"model": NAME, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS}
-    if not stream:
-        r = await c.chat.completions.create(**kw)
-        return r.choices[0].message.content, r.choices[0].finish_reason, r.usage
-    parts, finish, use = [], None, None
-    async for ch in await c.chat.completions.create(
-        **kw, stream=True, stream_options={"include_usage": True}
-    ):
-        if ch.choices:
-            parts.append(ch.choices[0].delta.content or "")
-            finish = ch.choices[0].finish_reason or finish
-        if ch.usage is not None:
-            use = ch.usage
-    return "".join(parts), finish, use
+    """One greedy chat request to this module's model (test_real_model's)."""
+    return await real_model.ask(c, messages, stream, model=NAME)
 
 
 def expected_of(ref: Reference, names: list[str]) -> dict[str, list[int]]:
@@ -110,7 +96,8 @@ def cuda_stack(tmp_path_factory, name: str, cards: str):
 
 
 @pytest.fixture(scope="module")
-def one_gpu(prompts, tmp_path_factory):
+def one_gpu(tokenized, tmp_path_factory):
+    prompts = tokenized[1]
     names = list(prompts)
     ref = reference(prompts, names, tmp_path_factory.mktemp("reference"))
     s = cuda_stack(tmp_path_factory, "cuda1", "0")
@@ -123,11 +110,11 @@ def one_gpu(prompts, tmp_path_factory):
 
 
 @on_vllm_gpu
-async def test_greedy_answers_equal_monolithic_vllm_on_cuda(one_gpu, hf, prompts):
-    s, expected = one_gpu
+async def test_greedy_answers_equal_monolithic_vllm_on_cuda(one_gpu, tokenized):
+    (s, expected), (hf, prompts) = one_gpu, tokenized
     async with client(s.url) as c:
         got = {name: await ask(c, m, stream=name != "france") for name, m in CHATS.items()}
-    if REAL:
+    if WEIGHTS:
         assert len({tuple(expected[k]) for k in CHATS}) == len(CHATS)
     for name, g in got.items():
         check(hf, name, g, expected[name], prompts[name])
@@ -136,8 +123,8 @@ async def test_greedy_answers_equal_monolithic_vllm_on_cuda(one_gpu, hf, prompts
 
 
 @on_vllm_gpu
-async def test_prefix_reuse_through_the_store_on_cuda(one_gpu, hf, prompts):
-    s, expected = one_gpu
+async def test_prefix_reuse_through_the_store_on_cuda(one_gpu, tokenized):
+    (s, expected), (hf, prompts) = one_gpu, tokenized
     first, local = prompts["first"], prompts["local"]
     shared = next(i for i, (a, b) in enumerate(zip(first, local, strict=False)) if a != b)
     shared = shared // BS * BS
@@ -167,7 +154,8 @@ async def test_engines_share_the_card_and_the_arena_is_pinned(one_gpu):
 
 
 @on_vllm_gpu
-async def test_prefill_and_decode_on_two_gpus(prompts, hf, tmp_path_factory):
+async def test_prefill_and_decode_on_two_gpus(tokenized, tmp_path_factory):
+    hf, prompts = tokenized
     if gpus() < 2:
         pytest.skip("one GPU: prefill and decode on two need two")
     ref = reference(prompts, ["france"], tmp_path_factory.mktemp("reference2"))
