@@ -198,7 +198,30 @@ async def connect(url: str, name: str, *, kind: str = "client", sender: str = ""
         **login,
     )
     box.append(nc)
+    guard_pongs(nc)
     return nc
+
+
+def guard_pongs(nc: NATS) -> None:
+    """Make a PONG for a flush that was cancelled or timed out harmless.
+
+    nats-py (2.16) keeps each flush's future in ``_pongs`` and sets the result of the next
+    one when a PONG comes, also when the flush gave up on it (its ``wait_for`` timed out,
+    or the awaiting task was cancelled: a service stopping mid-start). ``set_result`` on
+    the cancelled future raises InvalidStateError, which ends the connection's read loop:
+    the client reads nothing more while it still looks connected. Seen as a traceback in
+    a conductor stopped during start-up (test_clean_stop). The same fix nats-py made for
+    its flusher (nats.py#636): skip a future that is already done."""
+
+    async def process_pong() -> None:
+        if nc._pongs:
+            future = nc._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            nc._pongs_received += 1
+            nc._pings_outstanding = 0
+
+    nc._process_pong = process_pong  # type: ignore[method-assign]
 
 
 async def sync(nc: NATS) -> None:
