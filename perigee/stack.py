@@ -73,10 +73,7 @@ CPU_TBT_SLO_S = 1.0
 
 
 def gpu_present() -> bool:
-    try:
-        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+    return gpus.gpu_count() > 0
 
 
 def default_slos(engine: str) -> tuple[float, float]:
@@ -129,14 +126,14 @@ class Stack:
         self.on_supervised: Callable[[SupervisedEvent], None] = lambda e: None
 
     # -- topology -----------------------------------------------------------------
-    def _engine_env(self, engines: int) -> dict[str, str]:
+    def _engine_env(self, engines: int, cards: int) -> dict[str, str]:
         """vLLM on CPU: each engine gets its share of the cores as OpenMP threads. Left
         at every core each, two engines on two cores oversubscribe them and spin against
         each other (measured: decode TBT p90 0.97 s shared, 0.11 s with one thread each;
         BENCHMARKS.md, bench slo). An OMP_NUM_THREADS the user set wins."""
         if self.cfg.engine != "vllm" or "OMP_NUM_THREADS" in {**os.environ, **self.cfg.extra_env}:
             return {}
-        if gpu_present():
+        if cards:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, engines)))}
 
@@ -147,8 +144,9 @@ class Stack:
         c = self.cfg
         block_bytes = ModelSpec.from_dir(c.model_dir).block_bytes(c.block_size)
         services = deploy_spec.local(c, self.nats_url, block_bytes)
-        engine_env = self._engine_env(c.prefill + c.decode)
-        cards = iter(self._gpu_slots(c.prefill + c.decode))
+        found = gpus.gpu_count() if c.engine == "vllm" else 0  # nvidia-smi, once
+        engine_env = self._engine_env(c.prefill + c.decode, found)
+        cards = iter(self._gpu_slots(c.prefill + c.decode, found))
         out = []
         for name, svc in services:
             env = dict(engine_env) if isinstance(svc, deploy_spec.WorkerCmd) else {}
@@ -162,14 +160,14 @@ class Stack:
             out.append(Child(name, argv, env=env))
         return out
 
-    def _gpu_slots(self, engines: int) -> list[gpus.GpuSlot]:
+    def _gpu_slots(self, engines: int, found: int) -> list[gpus.GpuSlot]:
         """vLLM on GPUs: each engine's card and memory share (perigee.gpus); the cards
-        are those CUDA_VISIBLE_DEVICES names where the user set it."""
+        are those CUDA_VISIBLE_DEVICES names where the user set it, else the ``found``."""
         if self.cfg.engine != "vllm":
             return []
         visible = {**os.environ, **self.cfg.extra_env}.get("CUDA_VISIBLE_DEVICES")
         cards = [d for d in visible.split(",") if d] if visible is not None else None
-        n = len(cards) if cards is not None else gpus.gpu_count()
+        n = len(cards) if cards is not None else found
         if n == 0:
             return []
         slots = gpus.spread(engines, n, self.cfg.gpu_memory_utilization or gpus.TOTAL_SHARE)

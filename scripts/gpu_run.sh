@@ -63,6 +63,10 @@ print(json.dumps(out, indent=2))
 PYEOF
 }
 
+vllm_on_cuda() {
+  "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"
+}
+
 run_install() {
   if [ "${SKIP_INSTALL:-0}" = 1 ]; then
     echo "install skipped (SKIP_INSTALL=1)"
@@ -80,7 +84,7 @@ run_test() {
     echo "the default model is not prepared: tests/gpu on $PERIGEE_GPU_TEST_MODEL"
   fi
   step test-gpu "$PY" -m pytest -q -rs -m gpu tests/gpu --junitxml "$OUT/gpu-tests.xml"
-  if "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"; then
+  if vllm_on_cuda; then
     step test-real-model "$PY" -m pytest -q -rs tests/e2e/test_real_model.py \
       tests/e2e/test_real_model_migration.py --junitxml "$OUT/real-model-tests.xml"
   else
@@ -91,7 +95,7 @@ run_test() {
 run_bench() {
   step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats 9 \
     --json "$OUT/ship_cuda.json"
-  if "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"; then
+  if vllm_on_cuda; then
     step bench-reuse "$PY" -m perigee.cli bench reuse --json "$OUT/reuse.json"
     step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
   else

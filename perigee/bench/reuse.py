@@ -246,17 +246,14 @@ def round_robin(model_dir: str, trace: list[list[int]], kv_blocks: int, workdir:
     # On one GPU, one engine at a time: vLLM's start-up measures the card's free memory
     # and fails when another process frees some meanwhile (seen on an H200, issue 28).
     # The figure is cached tokens, which does not depend on the engines overlapping.
-    one_at_a_time = gpu_present()
+    together = [[r] for r in rr] if gpu_present() else [rr]
     outs = []
     try:
-        if not one_at_a_time:
-            for r in rr:
+        for batch in together:
+            for r in batch:
                 r.start()
-        for r in rr:
-            if one_at_a_time:
-                r.start()
-            outs.append(r.result(3600)["results"])
-            if one_at_a_time:
+            outs += [r.result(3600)["results"] for r in batch]
+            for r in batch:
                 r.kill()
     finally:
         for r in rr:

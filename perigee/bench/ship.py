@@ -465,19 +465,17 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--cuda-only", action="store_true", help="only those (no stores)")
     args = p.parse_args(argv)
+    tokens = [int(x) for x in args.tokens.split(",") if x]
     if args.cuda or args.cuda_only:
         from perigee.bench import ship_cuda
 
-        cuda = ship_cuda.measure(
-            [int(x) for x in args.tokens.split(",") if x], max(1, args.repeats)
-        )
+        cuda = ship_cuda.measure(tokens, max(1, args.repeats))
         print(ship_cuda.render(cuda))
         if args.cuda_only:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"cuda": cuda}, f, indent=2)
             return 0 if cuda.get("status") == "ok" else 1
-    tokens = [int(x) for x in args.tokens.split(",") if x]
     py = None if args.no_mooncake else tb.find_mooncake_python(args.mooncake_python)
     why = (
         "skipped (--no-mooncake)"

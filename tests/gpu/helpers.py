@@ -43,15 +43,6 @@ def gpu_marks() -> list[pytest.MarkDecorator]:
     return [pytest.mark.gpu, pytest.mark.skipif(why is not None, reason=why or "")]
 
 
-def vllm_gpu_marks() -> list[pytest.MarkDecorator]:
-    why = vllm_cuda_missing()
-    return [
-        pytest.mark.gpu,
-        pytest.mark.e2e,
-        pytest.mark.skipif(why is not None, reason=why or ""),
-    ]
-
-
 def gpus() -> int:
     if cuda_missing():
         return 0
@@ -63,12 +54,5 @@ def gpus() -> int:
 def on_gpu(fn):
     """Decorate a test with :func:`gpu_marks`."""
     for m in gpu_marks():
-        fn = m(fn)
-    return fn
-
-
-def on_vllm_gpu(fn):
-    """Decorate a test with :func:`vllm_gpu_marks`."""
-    for m in vllm_gpu_marks():
         fn = m(fn)
     return fn

@@ -14,7 +14,7 @@ Migration with the KV on CUDA is tests/e2e/test_real_model_migration.py, which
 
 import pytest
 
-from tests.gpu.helpers import gpus, on_vllm_gpu, vllm_cuda_missing
+from tests.gpu.helpers import gpus, vllm_cuda_missing
 
 if vllm_cuda_missing() is not None:  # before the imports that need vLLM's and openai's packages
     pytest.skip(vllm_cuda_missing() or "", allow_module_level=True)
@@ -109,7 +109,6 @@ def one_gpu(tokenized, tmp_path_factory):
         s.stop()
 
 
-@on_vllm_gpu
 async def test_greedy_answers_equal_monolithic_vllm_on_cuda(one_gpu, tokenized):
     (s, expected), (hf, prompts) = one_gpu, tokenized
     async with client(s.url) as c:
@@ -122,7 +121,6 @@ async def test_greedy_answers_equal_monolithic_vllm_on_cuda(one_gpu, tokenized):
     assert decode["connector_tokens_loaded"] > 0  # the prompt's KV came through the store
 
 
-@on_vllm_gpu
 async def test_prefix_reuse_through_the_store_on_cuda(one_gpu, tokenized):
     (s, expected), (hf, prompts) = one_gpu, tokenized
     first, local = prompts["first"], prompts["local"]
@@ -139,7 +137,6 @@ async def test_prefix_reuse_through_the_store_on_cuda(one_gpu, tokenized):
     assert prefill["connector_tokens_loaded"] >= shared
 
 
-@on_vllm_gpu
 async def test_engines_share_the_card_and_the_arena_is_pinned(one_gpu):
     s, _ = one_gpu
     workers = [c for c in s.children.values() if c.name.startswith(("prefill", "decode"))]
@@ -153,7 +150,6 @@ async def test_engines_share_the_card_and_the_arena_is_pinned(one_gpu):
             assert "arena_pinned" in f.read(), path
 
 
-@on_vllm_gpu
 async def test_prefill_and_decode_on_two_gpus(tokenized, tmp_path_factory):
     hf, prompts = tokenized
     if gpus() < 2:

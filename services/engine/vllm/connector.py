@@ -150,10 +150,9 @@ class PerigeeConnector(KVConnectorBase_V1):
         self._loads: list[Copy] = []
         self._layers_loaded: set[str] = set()
         self._handoffs: list[tuple[str, Future]] = []
-        self._pinner = ArenaPinner(enabled=False)  # page-locks the arena once pages are CUDA
-        # CUDA pages and page-locked slots: copies are queued without waiting for each
-        # (one wait per layer: _settle), else a copy_ waits for its own completion.
-        self._async = False
+        # Page-locks the arena once pages are CUDA. Then copies are queued without waiting
+        # for each (one wait per layer: _settle); else a copy_ waits for its own completion.
+        self._pinner = ArenaPinner(enabled=False)
         self._pending = False
 
     # ------------------------------------------------------------------ scheduler side
@@ -319,7 +318,6 @@ class PerigeeConnector(KVConnectorBase_V1):
             )
         self.bridge.layer_block_bytes = self._layer_block_bytes
         self._pinner = ArenaPinner(enabled=page.is_cuda and self.bridge.pin_arena)
-        self._async = self._pinner.enabled
 
     def _page(self, c: Copy, layer: int, like: torch.Tensor) -> torch.Tensor | None:
         plan = self.bridge.get(c.key)
@@ -353,8 +351,8 @@ class PerigeeConnector(KVConnectorBase_V1):
             page = self._kv[name][c.block_id]
             src = self._page(c, self._layer_of[name], page)
             if src is not None:
-                page.copy_(src, non_blocking=self._async)
-                self._pending |= self._async
+                page.copy_(src, non_blocking=self._pinner.enabled)
+                self._pending |= self._pinner.enabled
                 self.bridge.counters["connector_layer_blocks_loaded"] += 1
         except Exception as e:  # noqa: BLE001 - never raise into vLLM
             self._guard(c.key, e)
@@ -395,8 +393,8 @@ class PerigeeConnector(KVConnectorBase_V1):
                 page = kv_layer[c.block_id]
                 dst = self._page(c, layer, page)
                 if dst is not None:
-                    dst.copy_(page, non_blocking=self._async)
-                    self._pending |= self._async
+                    dst.copy_(page, non_blocking=self._pinner.enabled)
+                    self._pending |= self._pinner.enabled
                     self.bridge.counters["connector_layer_blocks_saved"] += 1
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)

@@ -35,10 +35,10 @@ def build_engine(spec: dict):
     bs = int(spec.get("block_size") or 32)
     # On a GPU the reference runs beside a stack's engines on the same card: its own
     # small share (the stack's engines split perigee.gpus.TOTAL_SHARE).
-    gpu = spec.get("gpu_memory_utilization") or REFERENCE_GPU_SHARE
+    gpu = float(spec.get("gpu_memory_utilization") or REFERENCE_GPU_SHARE)
     return LLMEngine.from_engine_args(
         EngineArgs(
-            **({"gpu_memory_utilization": float(gpu)} if gpu else {}),
+            gpu_memory_utilization=gpu,
             model=opts.model_dir,
             skip_tokenizer_init=True,
             load_format=opts.resolved_load_format(),
