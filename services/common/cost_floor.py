@@ -40,6 +40,21 @@ def _prefill_coef(poly: Poly2D | None) -> tuple[float, float, float] | None:
     return (c0, c1, c2)
 
 
+def prefill_coefs(model: CostModel) -> tuple[float, float, float] | None:
+    """(e0, e1, e2) such that ``model.prefill_time(n, p)`` is ``e0 + e1 (n - p) + e2 (n^2 -
+    p^2)`` (the fit's coefficients in measured seconds, scaled as ``_fitted`` scales
+    them), for a fitted prefill of the reported form; None for any other model."""
+    if not isinstance(model, FittedCostModel):
+        return None
+    c = _prefill_coef(model.prefill_fit)
+    if c is None:
+        return None
+    if math.isinf(model.speedup):
+        return (0.0, 0.0, 0.0)
+    s = model.fitted_speedup / model.speedup
+    return (c[0] * s, c[1] * s, c[2] * s)
+
+
 def _decode_coef(poly: Poly2D | None) -> tuple[float, float, float] | None:
     if poly is None or tuple((i, j) for i, j, _ in poly.terms) != _DECODE_FORM:
         return None
@@ -64,12 +79,16 @@ class CostFloor:
         self._floor_model: CostModel | None = None  # cached min-coefficient model
         self._fitted_prefill = 0
         self._fitted_decode = 0
+        # Instances whose model changed since the search last looked (it drains this to
+        # keep its prefill coefficient orders, services.conductor.search.FitOrders).
+        self.changed: set[str] = set()
 
     # ------------------------------------------------------------ updates
 
     def set(self, instance: str, model: CostModel | None) -> None:
         """``instance`` now predicts with ``model`` (None: the prior)."""
         self.forget(instance)
+        self.changed.add(instance)
         if model is None or model is self.prior:
             return
         pc = dc = None
@@ -99,6 +118,7 @@ class CostFloor:
         self._floor_model = None
 
     def forget(self, instance: str) -> None:
+        self.changed.add(instance)
         sig = self._sig.pop(instance, None)
         if sig is None:
             return
@@ -159,6 +179,15 @@ class CostFloor:
         t = min(self.prior.prefill_time(n, prefix), self._analytic.prefill_time(n, prefix))
         if self._fitted_prefill:
             t = min(t, self._min_model().prefill_time(n, prefix))
+        for m in self._other_models.values():
+            t = min(t, m.prefill_time(n, prefix))
+        return t * SHADE
+
+    def prefill_unfitted(self, n: int, prefix: int) -> float:
+        """At most the prefill time of (``n``, ``prefix``) on any instance whose model is
+        not a fitted prefill of the reported form (the prior, the analytic form, any
+        other model): :meth:`prefill` without the fits' coefficient floor."""
+        t = min(self.prior.prefill_time(n, prefix), self._analytic.prefill_time(n, prefix))
         for m in self._other_models.values():
             t = min(t, m.prefill_time(n, prefix))
         return t * SHADE

@@ -406,13 +406,29 @@ class PlacementPolicy:
         for d in self._by_prefill.get(instance, {}).values():
             if not d.stage_work:
                 key += d.work_on(instance)
-        self.orders.prefill.set(instance, key)
+        self.orders.set_prefill(instance, key)
         self.orders.groups.touched(instance)
+
+    def _models_changed(self) -> None:
+        """Follow the cost models that changed since the last placement: the prefill
+        coefficient orders (search.FitOrders) and the decode keys' last term."""
+        changed = self._book.floor.changed
+        if changed:
+            names = set(changed)
+            changed.clear()
+            self.orders.fits.dirty |= names
+            for instance in names:
+                if instance in self.orders.decode:
+                    self._touch_decode(instance)
+        self.orders.fits.sync(self._book, self.orders.prefill)
 
     def _touch_decode(self, instance: str) -> None:
         """Re-key ``instance`` in the decode order: (decode_occupancy, KV tokens as
         predicted_tbt sums them), then the rest of predicted_tbt's inputs, so that equal
-        keys predict equal TBTs under one model (the search's ties)."""
+        keys predict equal TBTs under one model (the search's ties); last, the TBT its
+        own model predicts before anything joins (at most what it predicts once a
+        request joins: the decode walk passes over the rest of a group of equal inputs
+        from the first above the best TBT, under models of their own)."""
         load = self._decode.get(instance)
         if load is None:
             self.orders.decode.discard(instance)
@@ -421,7 +437,8 @@ class PlacementPolicy:
         waiting = load.waiting + _seqs(pending)
         occupancy = (load.batch_size + waiting + 1) / max(1, load.max_batch)
         kv = load.kv_tokens + sum(d.tokens for d in pending.values())
-        key = (occupancy, kv, load.batch_size, waiting, load.max_batch)
+        before = self._book.cost(instance).decode_tbt(load.batch_size + waiting, kv, load.max_batch)
+        key = (occupancy, kv, load.batch_size, waiting, load.max_batch, before)
         self.orders.decode.set(instance, key)
         if load.max_batch <= 0:
             self.orders.decode_uncapped.add(instance)
@@ -624,6 +641,7 @@ class PlacementPolicy:
 
         if self.pruned:
             # The same choice as the scan below, from a few candidates (search module).
+            self._models_changed()
             pool = search.live_pool(self, ex_p) if self.strategy == "random" else None
             found = None
             if pool is None:

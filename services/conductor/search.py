@@ -65,12 +65,22 @@ skipped (and dropped from the orders when met); an instance excluded by the requ
 (migration, a store down) is skipped, and with CPP groups on it makes that request's
 groups be formed and evaluated all (the groups after it in name order are not the kept
 ones); the groups are built again, O(n log n), when a prefill name comes or goes or
-the silent set changes; instances with fitted models of their own that tie on their
-key (prefill: idle ones, key 0) are each evaluated until the floor of the fits stops
-the walk, which it does not inside a group of equal keys (the floor takes each
-coefficient's least over every instance: exact only when one fit is least in all);
+the silent set changes; with fitted prefill models of their own, the instances read
+from any order until the threshold passes the best (about the square root of the
+cluster's size where queues and fits are spread independently, issue 27's bench);
 overloaded decode instances at the same number of rounds, KV below the bound, are each
-evaluated (fitted decode models: equal keys too).
+evaluated; with decode models of their own, the instances of a group of equal inputs
+whose TBT before anything joins is at most the best.
+
+Fitted models (``CostFloor.uniform`` false). Prefill: the threshold walk
+(:func:`_threshold_walk`, Fagin's threshold algorithm) reads the queue order and the
+orders by each fitted coefficient (:class:`FitOrders`) in turn; an instance not read in
+any of them is bounded by the next entry of each. Decode: the key's last term is the
+TBT the instance's own model predicts before anything joins, which bounds its TBT once
+a request joins from below (every known model's TBT grows with what joins); inside a
+group of equal inputs the walk passes over the rest from the first whose term is above
+the best TBT (the fit at the level, or the least TBT over the SLO). A model of unknown
+shape (``CostFloor.tbt`` is -inf) turns that off.
 """
 
 import math
@@ -80,7 +90,7 @@ from typing import Any
 from sortedcontainers import SortedList
 
 from bus_schemas.roles import Role
-from services.common.cost_floor import SHADE
+from services.common.cost_floor import SHADE, prefill_coefs
 from services.conductor.load_order import LoadOrder
 from services.conductor.prefix_index import NodeGroup, NodeWeights
 from services.policy.chunk_timing import chunk_bounds, form_groups
@@ -111,10 +121,18 @@ class Orders:
         # (one forgotten may stay): it only weakens the bound.
         self.decode_uncapped: set[str] = set()
         self.groups = Groups(self.prefill)
+        self.fits = FitOrders()
+
+    def set_prefill(self, instance: str, key: Any) -> None:
+        """Re-key ``instance`` in the prefill order (one joining has its fit looked up)."""
+        if instance not in self.prefill:
+            self.fits.dirty.add(instance)
+        self.prefill.set(instance, key)
 
     def drop(self, instance: str) -> None:
         """``instance`` leaves the prefill order and its node's set."""
         self.prefill.discard(instance)
+        self.fits.dirty.add(instance)
         self.weights.changed()
         node = self.node_of.pop(instance, None)
         held = self.on_node.get(node) if node is not None else None
@@ -146,6 +164,48 @@ class Orders:
                     del by_node[old_node]
         if node is not None:
             by_node.setdefault(node, set()).add(instance)
+
+
+class FitOrders:
+    """The prefill instances with a fitted prefill of the reported form (``e0 + e1 (n - p)
+    + e2 (n^2 - p^2)``, :func:`~services.common.cost_floor.prefill_coefs`) ordered by each
+    coefficient, and the ones with any other model: the threshold walk's sorted lists
+    (:func:`best_prefill`). An instance not yet read from any list has each coefficient
+    at least the list's next one, so its prefill time is at least that polynomial.
+
+    Kept in step lazily: :meth:`sync` looks again at the instances whose model changed
+    (``CostFloor.changed``) or that joined or left the prefill order (``dirty``), O(log n)
+    each; a placement with nothing changed pays nothing."""
+
+    def __init__(self) -> None:
+        self.by_coef = [LoadOrder() for _ in range(3)]
+        self.coefs: dict[str, tuple[float, float, float]] = {}
+        self.unfitted: set[str] = set()  # in the prefill order, any other model
+        self.dirty: set[str] = set()
+
+    def sync(self, book: Any, prefill: LoadOrder) -> None:
+        """Look again at the ``dirty`` instances (the policy adds those whose model
+        changed, ``CostFloor.changed``)."""
+        if not self.dirty:
+            return
+        for instance in self.dirty:
+            if instance in prefill:
+                e = prefill_coefs(book.cost(instance))
+            else:
+                e = None
+                self.unfitted.discard(instance)
+            if e is None:
+                if self.coefs.pop(instance, None) is not None:
+                    for order in self.by_coef:
+                        order.discard(instance)
+                if instance in prefill:
+                    self.unfitted.add(instance)
+            else:
+                self.unfitted.discard(instance)
+                self.coefs[instance] = e
+                for order, v in zip(self.by_coef, e, strict=True):
+                    order.set(instance, v)
+        self.dirty.clear()
 
 
 class Groups:
@@ -288,6 +348,10 @@ def best_prefill(
     # passed over unevaluated, and once every walked option is settled the walk jumps
     # past the group.
     same_model = floor.uniform
+    if not same_model:
+        orders.fits.sync(policy._book, orders.prefill)  # placed: since _models_changed
+        if orders.fits.coefs:
+            return _threshold_walk(policy, req, own, walked, best, usable, factor_floor)
     settled: dict[int, Any] = {}  # own length -> the key it was settled at
     stale = []
     it = iter(orders.prefill)
@@ -328,6 +392,79 @@ def best_prefill(
                 ):
                     it = orders.prefill.after(key)  # every option of the group is settled
                     entry = next(it, None)
+    for instance in stale:
+        orders.drop(instance)
+    return best
+
+
+def _threshold_walk(
+    policy: Policy,
+    req: Any,
+    own: Mapping[str, int],
+    walked: dict[int, list[Any]],
+    best: Candidate | None,
+    usable: Any,
+    factor_floor: float,
+) -> Candidate | None:
+    """The walk of :func:`best_prefill` where instances have fitted models of their own
+    (Fagin's threshold algorithm): the least queued order and the orders by each fitted
+    coefficient (:class:`FitOrders`) are read one entry each in turn, and every instance
+    read in any of them is evaluated, once. One not read yet queues at least the queue
+    order's next key and, if fitted, has each coefficient at least that order's next
+    one; with any other model, at least ``CostFloor.prefill_unfitted``. The walk stops
+    once ``factor_floor * (transfer + that key + the least such prefill time)`` exceeds
+    the best TTFT, over every walked option; an exhausted coefficient order means every
+    fitted instance has been read. With fits that differ by a spread the walk reads the
+    instances whose queues and fits are both near the least, not every instance whose
+    queue is within the spread of the compute."""
+    orders, prefill, floor = policy.orders, policy.loads.prefill, policy._book.floor
+    fits = orders.fits
+    n = req.num_tokens
+    bounds = []  # per walked option: transfer, its monomials, the unfitted floor
+    for bound in walked.values():
+        opt = bound[2]
+        p = computed_prefix(n, req.block_size, opt[0])
+        m1, m2 = float(n - p), float(n * n - p * p)
+        unfitted = floor.prefill_unfitted(n, p) if fits.unfitted else math.inf
+        bounds.append((bound[0], m1, m2, unfitted))
+    best_rank = rank(best) if best is not None else None
+    lists = [iter(orders.prefill), *(iter(o) for o in fits.by_coef)]
+    heads = [next(it, None) for it in lists]
+    seen: set[str] = set()
+    stale = []
+    while heads[0] is not None:
+        if best is not None:
+            q = heads[0][0]
+            h0, h1, h2 = heads[1], heads[2], heads[3]
+            least = math.inf
+            for t, m1, m2, unfitted in bounds:
+                f = unfitted
+                if h0 is not None and h1 is not None and h2 is not None:
+                    f = min(f, (h0[0] + h1[0] * m1 + h2[0] * m2) * SHADE)
+                least = min(least, t + q + f)
+            if factor_floor * least > best.ttft_s:
+                break
+        for k, it in enumerate(lists):
+            entry = heads[k]
+            if entry is None:
+                continue
+            heads[k] = next(it, None)
+            instance = entry[1]
+            if instance in seen:
+                continue
+            seen.add(instance)
+            ld = prefill.get(instance)
+            if ld is None:
+                stale.append(instance)
+                continue
+            own_len = own.get(ld.node, 0)
+            option = walked.get(own_len)
+            if option is None or not usable(instance):
+                continue  # evaluated outright, or not to be placed on
+            c = policy._candidate(req, instance, ld.node, own_len, option[2])
+            r = rank(c)
+            if best_rank is None or r < best_rank:
+                best, best_rank = c, r
     for instance in stale:
         orders.drop(instance)
     return best
@@ -423,6 +560,9 @@ def best_decode(
     # Steps per token of every instance from here on (ascending occupancy): at least
     # ceil(occupancy) where each one has a batch cap (CostFloor.tbt).
     capped = not orders.decode_uncapped
+    # Every model's TBT grows with what joins (known shapes): the keys' last term, the
+    # TBT before anything joins, bounds it from below.
+    monotone = floor.tbt(0) > -math.inf
     stale = []
     it = iter(orders.decode)
     entry = next(it, None)
@@ -447,6 +587,13 @@ def best_decode(
                 it = orders.decode.after((occupancy, math.inf))
                 entry = next(it, None)
                 continue
+        least = fit[0] if fit is not None else over[0] if over is not None else None
+        if monotone and least is not None and key[5] > least:
+            # Its TBT is at least its key's last term, above the best: so is the rest of
+            # its group of equal inputs (ordered by that term), under models of their own.
+            it = orders.decode.after((*key[:5], math.inf))
+            entry = next(it, None)
+            continue
         if instance not in decode:
             stale.append(instance)
             continue
