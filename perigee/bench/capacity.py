@@ -17,11 +17,17 @@ services.gateway.lateness): 429 while a request's first token is overdue by more
 Beside it, on the same nats-server and in the same run: NATS's own request/reply rate
 (``--nats-clients`` requesters back to back against one responder for
 ``--nats-s`` seconds), what one bus hop can carry on this machine.
+
+Where the time goes: each step reports the CPU time every process spent during it
+(``/proc/<pid>/stat``: each service, each nats-server, and this load generator), per
+request sent. A rate is out of reach on this machine once the total, times the rate,
+is above its cores.
 """
 
 import argparse
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +52,7 @@ class Step:
     rejected: int = 0  # 429
     errors: dict[str, int] = field(default_factory=dict)  # kind -> count
     overhead_s: list[float] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU s in the step
 
     def answered(self, p99_ms: float) -> bool:
         """No failure but 429s, and the served requests' overhead p99 within ``p99_ms``."""
@@ -65,7 +72,44 @@ class Step:
             "rejected_429": self.rejected,
             "errors": dict(self.errors),
             "overhead_ms": summary_ms(self.overhead_s),
+            "cpu_ms_per_request": self.cpu_per_request(),
         }
+
+    def cpu_per_request(self) -> dict[str, float]:
+        """CPU ms per request sent, by process, and their ``total``."""
+        if not self.cpu_s:
+            return {}
+        out = {k: round(1e3 * v / self.sent, 3) for k, v in sorted(self.cpu_s.items())}
+        out["total"] = round(1e3 * sum(self.cpu_s.values()) / self.sent, 3)
+        return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stack_pids(stack: Stack) -> dict[str, int]:
+    """Every process of the run: the services, the nats-servers, this load generator."""
+    pids = {n: c.proc.pid for n, c in stack.children.items() if c.proc is not None}
+    for n, srv in stack.nats_servers().items():
+        if srv.proc is not None:
+            pids[n] = srv.proc.pid
+    pids["load-generator"] = os.getpid()
+    return pids
+
+
+def measured_step(url: str, rate: float, seconds: float, pids: dict[str, int]) -> Step:
+    """:func:`step`, with the CPU time each of ``pids`` spent meanwhile."""
+    before = {n: cpu_seconds(p) for n, p in pids.items()}
+    s = asyncio.run(step(url, rate, seconds))
+    s.cpu_s = {n: max(0.0, cpu_seconds(p) - before[n]) for n, p in pids.items()}
+    return s
 
 
 def held_rate(steps: list[Step], p99_ms: float, max_429_share: float = 0.01) -> float:
@@ -194,14 +238,15 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
     with Stack(cfg) as stack:
         bus = asyncio.run(nats_rate(stack.nats_url, a.nats_clients, a.nats_s))
         asyncio.run(warm(stack.url, a.warmup))
+        pids = stack_pids(stack)
         for rate in rates:
-            s = asyncio.run(step(stack.url, rate, a.step_s))
+            s = measured_step(stack.url, rate, a.step_s, pids)
             steps.append(s)
             r = s.report()
             print(
                 f"  {conductors}x{admissions} {rate:g} req/s: ok {s.ok}/{s.sent}, 429 {s.rejected}, "
                 f"errors {r['errors'] or 0}, overhead p50 {r['overhead_ms']['p50']} ms "
-                f"p99 {r['overhead_ms']['p99']} ms"
+                f"p99 {r['overhead_ms']['p99']} ms, CPU {r['cpu_ms_per_request']['total']} ms/request"
                 + (
                     ""
                     if s.held(a.p99_ms, a.max_429_share)
@@ -209,6 +254,12 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
                     if s.answered(a.p99_ms)
                     else "  (not answered)"
                 ),
+                flush=True,
+            )
+            cpu = r["cpu_ms_per_request"]
+            print(
+                "    CPU ms/request: "
+                + ", ".join(f"{n} {v:g}" for n, v in cpu.items() if n != "total"),
                 flush=True,
             )
             if not s.answered(a.p99_ms):

@@ -85,3 +85,20 @@ def test_the_stack_runs_as_many_admissions_as_asked():
 
     assert admissions(1) == ["admission"]
     assert admissions(2) == ["admission-0", "admission-1"]
+
+
+def test_cpu_time_is_read_per_process_and_shared_per_request():
+    import os
+
+    from perigee.bench.capacity import cpu_seconds
+
+    t0 = cpu_seconds(os.getpid())
+    x = 0
+    while cpu_seconds(os.getpid()) - t0 < 0.05:  # CPU work, not a timer: the count moves
+        x += sum(range(1000))
+    assert cpu_seconds(os.getpid()) > t0 and x > 0
+    assert cpu_seconds(2**22 + 12345) == 0.0  # no such process
+    s = Step(100.0, 4, ok=4, cpu_s={"gateway": 0.008, "nats-server": 0.002})
+    assert s.cpu_per_request() == {"gateway": 2.0, "nats-server": 0.5, "total": 2.5}
+    assert s.report()["cpu_ms_per_request"]["total"] == 2.5
+    assert Step(100.0, 4).cpu_per_request() == {}
