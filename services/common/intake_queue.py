@@ -232,7 +232,9 @@ class QueueConsumer:
         self._subs: bus.Subscriptions
         self._sub: Any = None
 
-    async def start(self, subs: bus.Subscriptions) -> None:
+    async def start(self, subs: bus.Subscriptions, start_timeout_s: float = 30.0) -> None:
+        """Bind to the durable consumer (created by the first copy), retrying while the
+        server does not answer for up to ``start_timeout_s``."""
         self._subs = subs  # its close() cancels the handlers
 
         async def cb(m: NatsMsg) -> None:
@@ -240,7 +242,10 @@ class QueueConsumer:
             # held here, and touched while it waits, not in nats-py's pending queue.
             self._subs.spawn(self._run(m), name=f"{self.stream}:handler")
 
-        for attempt in range(3):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + start_timeout_s
+        in_use = 0
+        while True:
             try:
                 self._sub = await self.js.subscribe(
                     self.subject,
@@ -255,8 +260,16 @@ class QueueConsumer:
             except nats.js.errors.BadRequestError as e:
                 # Another copy created the consumer between our lookup and our create:
                 # the next try finds it and binds to it.
-                if e.err_code != CONSUMER_NAME_IN_USE or attempt == 2:
+                in_use += 1
+                if e.err_code != CONSUMER_NAME_IN_USE or in_use == 3:
                     raise
+            except STALLED as e:
+                # A busy or electing server answers the consumer lookup late: a copy
+                # starting then waits for it instead of exiting.
+                if loop.time() > deadline:
+                    raise
+                log.warning("intake_consumer_retry", stream=self.stream, error=repr(e))
+                await asyncio.sleep(0.5)
 
     async def close(self) -> None:
         """Stop taking messages (the durable consumer stays for the other copies)."""

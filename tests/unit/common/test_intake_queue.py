@@ -297,6 +297,48 @@ async def test_two_copies_starting_at_once_share_the_work_queue(nats_url):
             await nc.close()
 
 
+async def test_a_consumer_lookup_that_times_out_at_start_is_tried_again(nats_url):
+    """A busy server answers the consumer lookup late (nats-py raises TimeoutError): the
+    copy starting tries again and binds, instead of its service exiting at start-up
+    (seen in a fresh-clone make test: a conductor exited 1)."""
+    nc = await nats.connect(nats_url)
+    subs = bus.Subscriptions(nc)
+    durable = f"late-{uuid.uuid4().hex[:6]}"
+    stream, subject = durable.upper(), f"{durable}.queue"
+    got: list[bytes] = []
+    try:
+        js = nc.jetstream()
+        await js.add_stream(
+            name=stream, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE
+        )
+
+        async def handle(m):
+            got.append(m.data)
+            await m.ack()
+
+        consumer = intake_queue.QueueConsumer(nc, stream, subject, durable, handle)
+        real, failures = consumer.js.subscribe, [0]
+
+        async def late(*a, **kw):
+            if failures[0] < 2:
+                failures[0] += 1
+                raise nats.errors.TimeoutError
+            return await real(*a, **kw)
+
+        consumer.js.subscribe = late  # type: ignore[method-assign]
+        await consumer.start(subs)
+        assert failures[0] == 2
+        await nc.flush()
+        await bus.js_publish(js, subject, b"after", msg_id=f"{durable}-0")
+        async with asyncio.timeout(10):
+            while not got:
+                await asyncio.sleep(0.01)
+        assert got == [b"after"]
+    finally:
+        await subs.close()
+        await nc.close()
+
+
 async def test_a_claim_the_stream_cannot_store_in_time_places_unclaimed_once(
     conductor, monkeypatch
 ):
