@@ -428,7 +428,7 @@ class PlacementPolicy:
         keys predict equal TBTs under one model (the search's ties); last, the TBT its
         own model predicts before anything joins (at most what it predicts once a
         request joins: the decode walk passes over the rest of a group of equal inputs
-        from the first above the best TBT, under models of their own)."""
+        from the first above the best TBT, under models of their own; 0 on the prior)."""
         load = self._decode.get(instance)
         if load is None:
             self.orders.decode.discard(instance)
@@ -437,7 +437,13 @@ class PlacementPolicy:
         waiting = load.waiting + _seqs(pending)
         occupancy = (load.batch_size + waiting + 1) / max(1, load.max_batch)
         kv = load.kv_tokens + sum(d.tokens for d in pending.values())
-        before = self._book.cost(instance).decode_tbt(load.batch_size + waiting, kv, load.max_batch)
+        # On the prior (one model for all) 0, a bound too: equal inputs tie there anyway.
+        model = self._book.cost(instance)
+        before = (
+            0.0
+            if model is self._book.prior
+            else model.decode_tbt(load.batch_size + waiting, kv, load.max_batch)
+        )
         key = (occupancy, kv, load.batch_size, waiting, load.max_batch, before)
         self.orders.decode.set(instance, key)
         if load.max_batch <= 0:
