@@ -3,7 +3,9 @@ model each one's reports carry: the one book that admission and placement both k
 
 Pure: the caller feeds reports and asks with its injected clock. An instance is alive
 while its last report is at most ``dead_after_s`` old; a role switch forgets it in the
-role it left. A report of an older incarnation than the one known is a dead process's,
+role it left, and for ``dead_after_s`` after it a report in that role is one the
+instance sent before it heard the switch, late on the bus, and ignored (taken again
+later: a worker that did not switch goes on reporting). A report of an older incarnation than the one known is a dead process's,
 late on the bus, and ignored.
 """
 
@@ -37,9 +39,12 @@ class LoadBook:
         self.calibration = calibration if calibration is not None else CalibrationBook(cost)
         self.prefill: dict[str, PrefillLoad] = {}
         self.decode: dict[str, DecodeLoad] = {}
+        # (role, instance) switched away -> until when a report there is a late one.
+        self._left: dict[tuple[str, str], float] = {}
         # Each role's names in order and the silent ones in time order: a random pick
         # among the live instances (the placement's ``random`` strategy) without a walk.
         self._names: dict[str, SortedList] = {PREFILL: SortedList(), DECODE: SortedList()}
+        self.clock = clock
         self._liveness = OrderedLiveness(clock, dead_after_s)
         self._observed = 0
         # Bumped whenever a name enters or leaves ``names``: what is built over the names
@@ -55,6 +60,8 @@ class LoadBook:
         """Take a report; what it was (services.common.incarnation.judge): a stale one
         is ignored."""
         self._amortized_prune()
+        if self._left and self._late(PREFILL, load.instance):
+            return STALE
         verdict = judge(self.incarnation(PREFILL, load.instance), load.incarnation)
         if verdict != STALE:
             if load.instance not in self.prefill:
@@ -68,6 +75,8 @@ class LoadBook:
     def observe_decode(self, load: DecodeLoad) -> str:
         """As :meth:`observe_prefill`."""
         self._amortized_prune()
+        if self._left and self._late(DECODE, load.instance):
+            return STALE
         verdict = judge(self.incarnation(DECODE, load.instance), load.incarnation)
         if verdict != STALE:
             if load.instance not in self.decode:
@@ -87,6 +96,19 @@ class LoadBook:
         """``instance`` left ``role`` (a role switch): its last report there no longer counts."""
         self._drop(role, instance)
         self._liveness.forget(f"{role}:{instance}")
+        # Its report sent just before it heard the switch may still be on the bus: one
+        # believed would put it back in the pool it left, and a task sent there once
+        # it stopped serving that role would be lost.
+        self._left[(role, instance)] = self.clock.now() + self.dead_after_s
+
+    def _late(self, role: str, instance: str) -> bool:
+        until = self._left.get((role, instance))
+        if until is None:
+            return False
+        if self.clock.now() < until:
+            return True
+        del self._left[(role, instance)]
+        return False
 
     def _amortized_prune(self) -> None:
         """Names come and go with scaling: every PRUNE_EVERY reports, forget those
@@ -98,6 +120,9 @@ class LoadBook:
     def prune(self, older_than_s: float) -> int:
         """Forget instances silent for more than ``older_than_s``; how many."""
         gone = self._liveness.prune(older_than_s)
+        now = self.clock.now()
+        for left in [k for k, until in self._left.items() if until <= now]:
+            del self._left[left]
         for key in gone:
             role, _, instance = key.partition(":")
             self._drop(role, instance)

@@ -47,6 +47,29 @@ def test_latest_report_liveness_and_forgetting():
     assert not book.alive("prefill", "p1") and book.alive("decode", "p1")
 
 
+def test_a_report_late_from_the_role_an_instance_left_does_not_bring_it_back():
+    """A worker's report sent just before it heard its role switch can reach a conductor
+    after the switch: believed, it would put the instance back in the prefill pool for
+    dead_after_s, and a prefill task placed there once the worker stopped serving prefill
+    would be lost (a request hung in test_two_conductors' role switch, fresh-clone make
+    test). For dead_after_s after the switch such reports are ignored; after that a
+    worker that did not switch (it keeps reporting) is taken back."""
+    clock = ManualClock()
+    policy = PlacementPolicy(clock, CostModel(), dead_after_s=2.0)
+    policy.observe_prefill(p("p0", 5.0, 0.0))
+    policy.observe_prefill(p("x", 0.0, 0.0))
+    policy.forget_instance("prefill", "x")  # RoleSwitch x -> decode
+    clock.advance(0.01)
+    policy.observe_prefill(p("x", 0.0, 0.01))  # late, sent before x switched
+    assert policy.live_prefill() == ["p0"]
+    policy.observe_decode(d("x", 0.01))  # its new role counts at once
+    assert policy.live_decode() == ["x"]
+    clock.advance(2.0)
+    policy.observe_prefill(p("p0", 5.0, 2.01))
+    policy.observe_prefill(p("x", 0.0, 2.01))  # still reporting prefill: did not switch
+    assert policy.live_prefill() == ["p0", "x"]
+
+
 def test_admission_and_placement_keep_their_loads_in_one_book():
     clock = ManualClock()
     cost = CostModel()
