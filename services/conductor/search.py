@@ -282,7 +282,7 @@ def best_prefill(
     if policy.strategy == "load":  # least queued work, then name: the order's first
         # Exact with CPP groups on too: ``load`` never places a group, so no pipeline
         # adds to a queue (queue_s is the key).
-        stale = []
+        stale: list[str] = []
         for _, instance in orders.prefill:
             ld = prefill.get(instance)
             if ld is None:
@@ -364,14 +364,10 @@ def best_prefill(
             and factor_floor * min((t + key) + f for t, f, _ in walked.values()) > best.ttft_s
         ):
             break
-        ld = prefill.get(instance)
-        if ld is None:
-            stale.append(instance)
+        found = _walked(prefill, instance, own, walked, usable, stale)
+        if found is None:
             continue
-        own_len = own.get(ld.node, 0)
-        option = walked.get(own_len)
-        if option is None or not usable(instance):
-            continue  # evaluated outright above, or not to be placed on
+        ld, own_len, option = found
         if own_len in settled and settled[own_len] == key:
             continue  # ties the option's first instance of this key, later by name
         c = policy._candidate(req, instance, ld.node, own_len, option[2])
@@ -395,6 +391,28 @@ def best_prefill(
     for instance in stale:
         orders.drop(instance)
     return best
+
+
+def _walked(
+    prefill: Mapping[str, Any],
+    instance: str,
+    own: Mapping[str, int],
+    walked: dict[int, list[Any]],
+    usable: Any,
+    stale: list[str],
+) -> tuple[Any, int, list[Any]] | None:
+    """(load, own prefix length, walked option) of ``instance`` for a walk to evaluate;
+    None when it is stale (noted in ``stale``), evaluated outright (its length is not
+    walked) or not to be placed on."""
+    ld = prefill.get(instance)
+    if ld is None:
+        stale.append(instance)
+        return None
+    own_len = own.get(ld.node, 0)
+    option = walked.get(own_len)
+    if option is None or not usable(instance):
+        return None
+    return ld, own_len, option
 
 
 def _threshold_walk(
@@ -431,7 +449,7 @@ def _threshold_walk(
     lists = [iter(orders.prefill), *(iter(o) for o in fits.by_coef)]
     heads = [next(it, None) for it in lists]
     seen: set[str] = set()
-    stale = []
+    stale: list[str] = []
     while heads[0] is not None:
         if best is not None:
             q = heads[0][0]
@@ -453,14 +471,10 @@ def _threshold_walk(
             if instance in seen:
                 continue
             seen.add(instance)
-            ld = prefill.get(instance)
-            if ld is None:
-                stale.append(instance)
+            found = _walked(prefill, instance, own, walked, usable, stale)
+            if found is None:
                 continue
-            own_len = own.get(ld.node, 0)
-            option = walked.get(own_len)
-            if option is None or not usable(instance):
-                continue  # evaluated outright, or not to be placed on
+            ld, own_len, option = found
             c = policy._candidate(req, instance, ld.node, own_len, option[2])
             r = rank(c)
             if best_rank is None or r < best_rank:

@@ -20,14 +20,7 @@ from services.conductor.placement_policy import (
     TtftFeedback,
 )
 from services.conductor.prefix_index import Matches
-
-BS = 512
-
-
-def _policy(pruned: bool, clock: ManualClock, **kw) -> PlacementPolicy:
-    p = PlacementPolicy(clock, CostModel(), **kw)
-    p.pruned = pruned
-    return p
+from tests.unit.conductor.test_pruned_search import BS, _policy
 
 
 def _prefill(i: int, q: float, node: str, ts: float, fit: CostFit | None) -> PrefillLoad:
