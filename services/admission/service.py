@@ -154,7 +154,7 @@ class AdmissionService:
                 max_inflight=64,
             )
             await self.intake.start(s)
-        await self.nc.flush()  # subscriptions are live on the server once start() returns
+        await bus.sync(self.nc)  # subscriptions are live on the server once start() returns
         log.info("admission_started", policy=self.cfg.policy)
 
     async def stop(self) -> None:

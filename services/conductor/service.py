@@ -256,7 +256,7 @@ class ConductorService:
                 span_name="conductor.event",
             )
         s.spawn(self._sweeper(), name="conductor:sweeper")
-        await self.nc.flush()  # subscriptions are live on the server once start() returns
+        await bus.sync(self.nc)  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)
 
     async def stop(self) -> None:

@@ -84,7 +84,7 @@ class ShadowView:
         subscribe to announces and discover the stores once the history is in
         (placement works meanwhile, just without the cache view)."""
         await self._follow_events()
-        await self.nc.flush()
+        await bus.sync(self.nc)
         self.subs.spawn(self._bootstrap(discover_window_s), name="conductor:discover")
 
     async def _follow_events(self) -> None:

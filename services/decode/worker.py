@@ -159,7 +159,7 @@ class DecodeWorker(WorkerBase):
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
         await self._start_common()
-        await self.nc.flush()
+        await bus.sync(self.nc)  # its subscriptions are live on the server from here
         metrics.track_worker(Role.DECODE, self, lambda: decode_metrics.sample(self))
         log.info("decode_started", instance=self.instance, node=self.node)
 

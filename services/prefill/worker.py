@@ -247,7 +247,7 @@ class PrefillWorker(WorkerBase):
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
         await self._start_common()
         self._runner = asyncio.create_task(self._run(), name="prefill-run")
-        await self.nc.flush()
+        await bus.sync(self.nc)  # its subscriptions are live on the server from here
         metrics.track_worker(Role.PREFILL, self, lambda: prefill_metrics.sample(self))
         log.info("prefill_started", instance=self.instance, node=self.node)
 

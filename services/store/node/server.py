@@ -78,7 +78,7 @@ from bus_schemas.control import (
 from bus_schemas.kv_events import EventBatch, KVEvent
 from bus_schemas.load import WorkerStats
 from services.common import defaults, kv_stream
-from services.common.bus import Subscriptions, js_publish, publish
+from services.common.bus import Subscriptions, js_publish, publish, sync
 from services.common.clock import Clock, WallClock
 from services.common.incarnation import new_incarnation
 from services.common.tasks import cancel_and_wait
@@ -254,7 +254,7 @@ class StoreService:
         ):
             self._raw_subs.append(await self.nc.subscribe(subject, cb=self._answer(reply)))
         self._raw_subs.append(await self.nc.subscribe(subjects.STORE_DISCOVER, cb=self._discover))
-        await self.nc.flush()
+        await sync(self.nc)  # its subscriptions are live on the server from here
         self._serving.set()
         log.info(
             "store_started",
