@@ -5,8 +5,8 @@ Pure: the caller feeds reports and asks with its injected clock. An instance is 
 while its last report is at most ``dead_after_s`` old; a role switch forgets it in the
 role it left, and for ``dead_after_s`` after it a report in that role is one the
 instance sent before it heard the switch, late on the bus, and ignored (taken again
-later: a worker that did not switch goes on reporting). A report of an older incarnation than the one known is a dead process's,
-late on the bus, and ignored.
+later: a worker that did not switch goes on reporting). A report of an older
+incarnation than the one known is a dead process's, late on the bus, and ignored.
 """
 
 from sortedcontainers import SortedList

@@ -410,8 +410,9 @@ class PlacementPolicy:
         self.orders.groups.touched(instance)
 
     def _models_changed(self) -> None:
-        """Follow the cost models that changed since the last placement: the prefill
-        coefficient orders (search.FitOrders) and the decode keys' last term."""
+        """Follow the cost models that changed since the last placement: the decode keys'
+        last term now, the prefill coefficient orders (search.FitOrders) when the
+        prefill walk needs them."""
         changed = self._book.floor.changed
         if changed:
             names = set(changed)
@@ -420,7 +421,6 @@ class PlacementPolicy:
             for instance in names:
                 if instance in self.orders.decode:
                     self._touch_decode(instance)
-        self.orders.fits.sync(self._book, self.orders.prefill)
 
     def _touch_decode(self, instance: str) -> None:
         """Re-key ``instance`` in the decode order: (decode_occupancy, KV tokens as

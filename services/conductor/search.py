@@ -189,22 +189,19 @@ class FitOrders:
         if not self.dirty:
             return
         for instance in self.dirty:
-            if instance in prefill:
-                e = prefill_coefs(book.cost(instance))
-            else:
-                e = None
-                self.unfitted.discard(instance)
-            if e is None:
-                if self.coefs.pop(instance, None) is not None:
-                    for order in self.by_coef:
-                        order.discard(instance)
-                if instance in prefill:
-                    self.unfitted.add(instance)
-            else:
-                self.unfitted.discard(instance)
+            placed = instance in prefill
+            e = prefill_coefs(book.cost(instance)) if placed else None
+            self.unfitted.discard(instance)
+            if e is not None:
                 self.coefs[instance] = e
                 for order, v in zip(self.by_coef, e, strict=True):
                     order.set(instance, v)
+                continue
+            if self.coefs.pop(instance, None) is not None:
+                for order in self.by_coef:
+                    order.discard(instance)
+            if placed:
+                self.unfitted.add(instance)
         self.dirty.clear()
 
 
@@ -349,7 +346,7 @@ def best_prefill(
     # past the group.
     same_model = floor.uniform
     if not same_model:
-        orders.fits.sync(policy._book, orders.prefill)  # placed: since _models_changed
+        orders.fits.sync(policy._book, orders.prefill)  # the models changed meanwhile
         if orders.fits.coefs:
             return _threshold_walk(policy, req, own, walked, best, usable, factor_floor)
     settled: dict[int, Any] = {}  # own length -> the key it was settled at

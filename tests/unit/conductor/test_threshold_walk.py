@@ -9,7 +9,7 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bus_schemas.load import CostFit, DecodeLoad, PrefillLoad
+from bus_schemas.load import CostFit
 from services.common.calibration import model_from
 from services.common.clock import ManualClock
 from services.common.cost_model import CostModel
@@ -20,32 +20,7 @@ from services.conductor.placement_policy import (
     TtftFeedback,
 )
 from services.conductor.prefix_index import Matches
-from tests.unit.conductor.test_pruned_search import BS, _policy
-
-
-def _prefill(i: int, q: float, node: str, ts: float, fit: CostFit | None) -> PrefillLoad:
-    return PrefillLoad(
-        instance=f"p{i}",
-        node=node,
-        queue_len=int(q),
-        queued_tokens=int(q * 1000),
-        queued_work_s=q,
-        ts=ts,
-        fit=fit,
-    )
-
-
-def _decode(ts: float) -> DecodeLoad:
-    return DecodeLoad(
-        instance="d0",
-        node="m0",
-        batch_size=0,
-        waiting=0,
-        max_batch=128,
-        kv_tokens=0,
-        step_time_s=0.02,
-        ts=ts,
-    )
+from tests.unit.conductor.test_pruned_search import BS, _decode, _policy, _prefill
 
 
 def _fit(c0: float, c1: float = 0.0, c2: float = 0.0) -> CostFit:
@@ -79,7 +54,7 @@ def test_a_fast_instance_behind_a_long_queue_is_found_in_two_reads():
         for i in range(200):
             fit = _fit(0.5 if i == 150 else 2.2)
             p.observe_prefill(_prefill(i, 0.01 * i, f"n{i}", 0.0, fit))
-        p.observe_decode(_decode(0.0))
+        p.observe_decode(_decode(0, 0, 0))
         counted = _Counted(p)
         d = p.place(PlacementRequest("r", 4 * BS, tuple(range(4)), BS), Matches.of({}))
         assert isinstance(d, Placement)
@@ -89,6 +64,27 @@ def test_a_fast_instance_behind_a_long_queue_is_found_in_two_reads():
         else:
             assert counted.n == 200
     assert chosen[0] == chosen[1] and chosen[0].prefill_instance == "p150"
+
+
+def test_the_walk_goes_on_while_the_bound_at_the_cursors_is_below_the_best():
+    """p0..p9 queue 0, 0.1, ... 0.9 s; p5 computes in 1.0 s (TTFT 1.5 s, the least),
+    the others in 1.6 s; p10..p19 compute in 0.9 s behind 5 s queues. The first round
+    finds p0 (1.6 s); the bound, the next queue plus the next c0 (0.9 s of p10..p19),
+    stays below it until p5 is read from the queue order in the sixth round. A bound
+    above the cursors' polynomial (by 30 %) stops a round before and keeps p0."""
+    clock = ManualClock(0.0)
+    chosen = []
+    for pruned in (True, False):
+        p = _policy(pruned, clock)
+        for i in range(10):
+            p.observe_prefill(_prefill(i, 0.1 * i, f"n{i}", 0.0, _fit(1.0 if i == 5 else 1.6)))
+        for i in range(10, 20):
+            p.observe_prefill(_prefill(i, 5.0, f"n{i}", 0.0, _fit(0.9)))
+        p.observe_decode(_decode(0, 0, 0))
+        d = p.place(PlacementRequest("r", 4 * BS, tuple(range(4)), BS), Matches.of({}))
+        assert isinstance(d, Placement)
+        chosen.append(d)
+    assert chosen[0] == chosen[1] and chosen[0].prefill_instance == "p5"
 
 
 def test_an_instance_on_the_prior_is_bounded_by_the_prior():
@@ -102,7 +98,7 @@ def test_an_instance_on_the_prior_is_bounded_by_the_prior():
             p.observe_prefill(_prefill(i, 0.1 * i, f"n{i}", 0.0, _fit(2.0)))
         p.observe_prefill(_prefill(10, 0.0, "n10", 0.0, None))
         p.observe_prefill(_prefill(11, 5.0, "n11", 0.0, _fit(0.1)))
-        p.observe_decode(_decode(0.0))
+        p.observe_decode(_decode(0, 0, 0))
         req = PlacementRequest("r", 128 * BS, tuple(range(128)), BS)
         d = p.place(req, Matches.of({}))
         assert isinstance(d, Placement) and d.prefill_instance == "p0"
@@ -127,7 +123,7 @@ def test_a_changed_fit_and_a_forgotten_instance_are_followed():
     for p in pair:
         for i in range(3):
             p.observe_prefill(_prefill(i, 0.0, f"n{i}", 0.0, _fit(1.0 + i)))
-        p.observe_decode(_decode(0.0))
+        p.observe_decode(_decode(0, 0, 0))
     assert place() == "p0"
     for p in pair:
         p.observe_prefill(_prefill(1, 0.0, "n1", 0.0, _fit(0.5)))
@@ -180,7 +176,7 @@ def test_the_threshold_walk_chooses_as_the_full_scan(instances, requests, factor
         p = _policy(pruned, clock, strategy=strategy, feedback=fb)
         for i, (q, node, fit) in enumerate(instances):
             p.observe_prefill(_prefill(i, q, f"n{node}", 0.0, fit))
-        p.observe_decode(_decode(0.0))
+        p.observe_decode(_decode(0, 0, 0))
         pair.append(p)
     for k, (blocks, prefixes, excl, refit) in enumerate(requests):
         req = PlacementRequest(f"r{k}", blocks * BS - 3, tuple(range(blocks)), BS)
@@ -201,19 +197,6 @@ def test_the_threshold_walk_chooses_as_the_full_scan(instances, requests, factor
 # ------------------------------------------------------------------ decode: equal inputs
 
 
-def _decode_at(i: int, batch: int, kv: int, ts: float = 0.0) -> DecodeLoad:
-    return DecodeLoad(
-        instance=f"d{i}",
-        node=f"m{i}",
-        batch_size=batch,
-        waiting=0,
-        max_batch=128,
-        kv_tokens=kv,
-        step_time_s=0.02,
-        ts=ts,
-    )
-
-
 def _decode_pair(models: dict[str, CostModel], later: dict[str, CostModel] | None = None):
     """d0 and d1 with equal inputs (batch 10, 100k tokens) under ``models``, then
     ``later`` set without a report; the pruned and the scanning choice."""
@@ -225,7 +208,7 @@ def _decode_pair(models: dict[str, CostModel], later: dict[str, CostModel] | Non
         for name, model in models.items():
             p._book.set_model(name, model)
         for i in range(2):
-            p.observe_decode(_decode_at(i, 10, 100_000))
+            p.observe_decode(_decode(i, 10, 100_000))
         for name, model in (later or {}).items():
             p._book.set_model(name, model)
         d = p.place(PlacementRequest("r", 4 * BS, tuple(range(4)), BS), Matches.of({}))
