@@ -96,7 +96,11 @@ run_bench() {
   step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats 9 \
     --json "$OUT/ship_cuda.json"
   if vllm_on_cuda; then
-    step bench-reuse "$PY" -m perigee.cli bench reuse --json "$OUT/reuse.json"
+    # bench reuse defaults to tiny-llama (dummy weights); the default model where prepared
+    local model
+    model=$("$PY" -m perigee.cli model path 2>/dev/null) || model=""
+    step bench-reuse "$PY" -m perigee.cli bench reuse ${model:+--model "$model"} \
+      --json "$OUT/reuse.json"
     step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
   else
     echo "vLLM does not run on CUDA here: bench reuse and bench slo are not run"

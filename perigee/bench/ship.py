@@ -460,8 +460,9 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--cuda",
         action="store_true",
-        help="add the connector's copies between CUDA pages and the arena, pageable "
-        "against page-locked (perigee.bench.ship_cuda)",
+        help="add the connector's copies between vLLM's pages and the arena "
+        "(perigee.bench.ship_cuda): CUDA pages where there is a GPU (pageable, page-locked, "
+        "batched), else CPU pages (page by page against batched)",
     )
     p.add_argument("--cuda-only", action="store_true", help="only those (no stores)")
     args = p.parse_args(argv)

@@ -103,3 +103,60 @@ def test_pinner_keeps_one_registration_per_mapping(device):
         for x in (a, b, store):
             x.close()
         store.unlink()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_layer_batched_to_slots_and_back_equals_page_by_page(device):
+    """page_batch, as the connector runs it: per layer one gather into staging, the
+    host part once the stream has run (CUDA), then the load the same way. The slots
+    hold what the page-by-page save writes, and the load restores every page."""
+    from services.engine.vllm import page_batch
+
+    store = Arena.create(6, BLOCK_BYTES)
+    worker = Arena.attach(store.name, 6, BLOCK_BYTES)
+    try:
+        src = kv_cache(device, 8, seed=2)
+        rows = page_batch.host_rows(worker.slot(0).obj, PAGE_BYTES)
+        # perigee blocks -> slots 4 and 1; vLLM blocks (5, 2) and (7, 0)
+        where = {4: [5, 2], 1: [7, 0]}
+        for layer in range(LAYERS):
+            ids, at = [], []
+            for slot, bids in where.items():
+                raw = torch.frombuffer(worker.slot(slot), dtype=torch.uint8)
+                first = page_batch.first_row(raw, rows, PAGE_BYTES)
+                assert first == slot * LAYERS * PER_BLOCK
+                ids += bids
+                at += [first + layer * PER_BLOCK + sub for sub in range(PER_BLOCK)]
+            rest = page_batch.save(src[layer], ids, rows, at)
+            assert (rest is not None) == (device == "cuda")
+            if rest is not None:
+                torch.cuda.current_stream().synchronize()
+                rest()
+        check = Arena.create(2, BLOCK_BYTES)
+        try:
+            for slot, bids in where.items():
+                save(src, bids, check.slot(0))
+                assert bytes(store.slot(slot)) == bytes(check.slot(0))
+        finally:
+            check.close()
+            check.unlink()
+        dst = [torch.zeros_like(t) for t in src]
+        moved = {5: 0, 2: 3, 7: 6, 0: 1}
+        for layer in range(LAYERS):
+            ids, at = [], []
+            for slot, bids in where.items():
+                ids += [moved[b] for b in bids]
+                at += [slot * LAYERS * PER_BLOCK + layer * PER_BLOCK + s for s in range(PER_BLOCK)]
+            staged = page_batch.load(dst[layer], ids, rows, at)
+            assert (staged is not None) == (device == "cuda")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for layer in range(LAYERS):
+            for was, now in moved.items():
+                assert torch.equal(dst[layer][now], src[layer][was])
+            assert not dst[layer][[2, 4, 5, 7]].any()
+    finally:
+        del rows
+        worker.close()
+        store.close()
+        store.unlink()

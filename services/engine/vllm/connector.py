@@ -34,7 +34,8 @@ Worker side, per step:
                       layers) -> plan.on_block(j, its bytes)
 
 Copies are whole pages (``kv[block_id]``: one block of one layer, vLLM's logical
-[heads, tokens, K|V] order), so CPU and CUDA layouts work alike; P and D must run the
+[heads, tokens, K|V] order), a layer's pages in one batch per arena mapping
+(:mod:`.page_batch`), so CPU and CUDA layouts work alike; P and D must run the
 same attention backend. A perigee block of ``hash_block_size`` tokens holds
 ``ratio = hash_block_size // block_size`` vLLM blocks, layer-major: layer ``l``,
 sub-block ``s`` at byte ``(l * ratio + s) * page_bytes`` -- the layer spans the
@@ -55,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from services.engine.vllm import page_batch
 from services.engine.vllm.bridge import Plan, advance_grammar, lookup, request_key, skip_draws
 from services.engine.vllm.kv_pages import ArenaPinner, page_view
 
@@ -154,6 +156,10 @@ class PerigeeConnector(KVConnectorBase_V1):
         # for each (one wait per layer: _settle); else a copy_ waits for its own completion.
         self._pinner = ArenaPinner(enabled=False)
         self._pending = False
+        # Batched CUDA copies (page_batch): a save's host part, run once the stream has
+        # run its device part (_settle), and a load's staging buffers, kept until then.
+        self._after_sync: list[tuple[set[str], Any]] = []
+        self._staged: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -346,7 +352,64 @@ class PerigeeConnector(KVConnectorBase_V1):
             plan.fail(err)
         log.error("kv_connector_failed", key=key, error=f"{type(err).__name__}: {err}")
 
+    def _slot_rows(
+        self, copies: list[Copy], layer: int
+    ) -> tuple[list[tuple[torch.Tensor, list[int], list[int], set[str]]], list[Copy]]:
+        """``copies`` grouped by the mapping their slot lies in: per mapping, its rows
+        (page_batch.host_rows), the vLLM block ids, the rows of their pages in ``layer``
+        and the plans. Write-back copies, and slots that are not whole rows of their
+        mapping, come back apart (copied page by page)."""
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int], set[str]]] = {}
+        apart: list[Copy] = []
+        pb = self._layer_block_bytes
+        for c in copies:
+            if c.wb:
+                apart.append(c)
+                continue
+            try:
+                plan = self.bridge.get(c.key)
+                if plan is None:
+                    continue
+                slot = plan.slots[c.block]
+                raw = plan.tensors.get(c.block)
+                if raw is None:
+                    self._pinner.pin(slot)
+                    raw = plan.tensors[c.block] = torch.frombuffer(slot, dtype=torch.uint8)
+                base = slot.obj if isinstance(slot, memoryview) else slot
+                g = groups.get(id(base))
+                if g is None:
+                    g = groups[id(base)] = (page_batch.host_rows(base, pb), [], [], set())
+                first = page_batch.first_row(raw, g[0], pb)
+                if first is None:
+                    apart.append(c)
+                    continue
+                g[1].append(c.block_id)
+                g[2].append(first + layer * self.vllm_blocks_per_block + c.sub)
+                g[3].add(c.key)
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                self._guard(c.key, e)
+        return list(groups.values()), apart
+
+    def _load_layer(self, copies: list[Copy], name: str) -> None:
+        """Layer ``name`` of ``copies`` from the slots into the paged cache, a batch per
+        mapping (page_batch.load)."""
+        kv = self._kv[name]
+        groups, apart = self._slot_rows(copies, self._layer_of[name])
+        for rows, ids, at, keys in groups:
+            try:
+                staged = page_batch.load(kv, ids, rows, at)
+                if staged is not None:
+                    self._staged.append(staged)
+                    self._pending = True
+                self.bridge.counters["connector_layer_blocks_loaded"] += len(ids)
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                for key in keys:
+                    self._guard(key, e)
+        for c in apart:
+            self._load(c, name)
+
     def _load(self, c: Copy, name: str) -> None:
+        """One page, the one-by-one way (kept for what _slot_rows sets apart)."""
         try:
             page = self._kv[name][c.block_id]
             src = self._page(c, self._layer_of[name], page)
@@ -368,19 +431,17 @@ class PerigeeConnector(KVConnectorBase_V1):
                     self.bridge.counters["connector_draws_skipped"] += steps
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 log.warning("skip_draws_failed", request_id=req_id, error=str(e))
-        for c in meta.loads:
-            if c.eager:  # all layers now; see Copy.eager
-                for name in self._kv:
-                    self._load(c, name)
-            else:
-                self._loads.append(c)
+        eager = [c for c in meta.loads if c.eager]  # all layers now; see Copy.eager
+        self._loads = [c for c in meta.loads if not c.eager]
+        if eager:
+            for name in self._kv:
+                self._load_layer(eager, name)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loads or layer_name in self._layers_loaded:
             return
         self._layers_loaded.add(layer_name)
-        for c in self._loads:
-            self._load(c, layer_name)
+        self._load_layer(self._loads, layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -388,7 +449,18 @@ class PerigeeConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PerigeeMeta)
         layer = self._layer_of[layer_name]
-        for c in meta.saves:
+        groups, apart = self._slot_rows(meta.saves, layer)
+        for rows, ids, at, keys in groups:
+            try:
+                rest = page_batch.save(kv_layer, ids, rows, at)
+                if rest is not None:
+                    self._after_sync.append((keys, rest))
+                    self._pending = True
+                self.bridge.counters["connector_layer_blocks_saved"] += len(ids)
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                for key in keys:
+                    self._guard(key, e)
+        for c in apart:  # write-back staging blocks, one page each
             try:
                 page = kv_layer[c.block_id]
                 dst = self._page(c, layer, page)
@@ -433,6 +505,14 @@ class PerigeeConnector(KVConnectorBase_V1):
         if self._pending:
             torch.cuda.current_stream().synchronize()
             self._pending = False
+        self._staged.clear()
+        after, self._after_sync = self._after_sync, []
+        for keys, rest in after:
+            try:
+                rest()
+            except Exception as e:  # noqa: BLE001 - never raise into vLLM
+                for key in keys:
+                    self._guard(key, e)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

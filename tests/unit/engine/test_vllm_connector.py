@@ -391,3 +391,82 @@ def test_written_back_pages_come_out_layer_major_once_the_block_is_whole(bridge)
         assert torch.all(raw[(2 * layer + 1) * lb : (2 * layer + 2) * lb] == 20 + layer)
     assert p.slots[1] == memoryview(bytearray(len(p.slots[1])))  # the slots untouched
     assert bridge.counters["connector_blocks_written_back"] == 1
+
+
+def arena_plan(key: str, mapping: bytearray, slots: list[int], offset: int = 0, **kw) -> Plan:
+    """A plan whose slots are slices of one shared mapping, as an arena's are."""
+    bb = LAYERS * HBS * HEADS * CONTENT * 4
+    view = memoryview(mapping)
+    return Plan(key=key, slots=[view[offset + s * bb : offset + (s + 1) * bb] for s in slots], **kw)
+
+
+@pytest.mark.parametrize("offset", [0, 4], ids=["whole-rows", "misaligned"])
+def test_a_layers_pages_move_as_one_batch_per_mapping_byte_for_byte(bridge, offset):
+    """Several plans' blocks in one mapping, two vLLM blocks per perigee block: the
+    batched save puts each page where the page-by-page layout says (layer l, sub s of
+    slot j at (l * 2 + s) pages into it), and the load brings every page back. A mapping
+    whose slots are not whole rows (offset 4) takes the page-by-page way, with the same
+    bytes."""
+    from services.engine.vllm.connector import Copy
+
+    bb = LAYERS * HBS * HEADS * CONTENT * 4
+    lb = page_bytes(16)
+    g = torch.Generator().manual_seed(3)
+    src = kv_caches(bs=16)
+    for t in src.values():
+        t.copy_(torch.randn(t.shape, generator=g))
+    w = connector(bridge, KVConnectorRole.WORKER, vllm_bs=16)
+    w.register_kv_caches(src)
+    mapping = bytearray(offset + 6 * bb)
+    a = arena_plan("a", mapping, [4, 1], offset, save_from=0, save_tokens=64)
+    b = arena_plan("b", mapping, [2], offset, save_from=0, save_tokens=32)
+    bridge.add(a)
+    bridge.add(b)
+    # vLLM blocks (a: 9, 3 | 0, 7), (b: 5, 6)
+    saves = [Copy(9, "a", 0, 0), Copy(3, "a", 0, 1), Copy(0, "a", 1, 0), Copy(7, "a", 1, 1)]
+    saves += [Copy(5, "b", 0, 0), Copy(6, "b", 0, 1)]
+    run_step(w, PerigeeMeta(saves=saves), src)
+    assert a.error is None and b.error is None
+    names = sorted(src, key=lambda n: int(n.split(".")[2]))
+    for c in saves:
+        p = a if c.key == "a" else b
+        raw = bytes(p.slots[c.block])
+        for layer, name in enumerate(names):
+            at = (layer * 2 + c.sub) * lb
+            want = src[name][c.block_id].contiguous().view(torch.uint8).numpy().tobytes()
+            assert raw[at : at + lb] == want, (c, layer)
+    assert bridge.counters["connector_layer_blocks_saved"] == len(saves) * LAYERS
+    untouched = [0, 3, 5]  # slots no plan holds
+    for s in untouched:
+        assert mapping[offset + s * bb : offset + (s + 1) * bb] == bytearray(bb)
+    # Another engine loads them into other blocks of its cache.
+    dst = kv_caches(bs=16)
+    w2 = connector(bridge, KVConnectorRole.WORKER, vllm_bs=16)
+    w2.register_kv_caches(dst)
+    moved = {9: 1, 3: 2, 0: 4, 7: 8, 5: 10, 6: 11}
+    loads = [Copy(moved[c.block_id], c.key, c.block, c.sub) for c in saves]
+    run_step(w2, PerigeeMeta(loads=loads), dst)
+    for name in names:
+        for was, now in moved.items():
+            assert torch.equal(dst[name][now], src[name][was])
+        others = [i for i in range(dst[name].shape[0]) if i not in moved.values()]
+        assert not dst[name][others].any()
+    assert bridge.counters["connector_layer_blocks_loaded"] == len(loads) * LAYERS
+
+
+def test_a_batch_that_fails_fails_its_plans_and_never_raises_into_vllm(bridge, monkeypatch):
+    from services.engine.vllm import page_batch
+    from services.engine.vllm.connector import Copy
+
+    w = connector(bridge, KVConnectorRole.WORKER)
+    caches = kv_caches()
+    w.register_kv_caches(caches)
+    p = plan("f", 1, save_from=0, save_tokens=32)
+    bridge.add(p)
+
+    def broken(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(page_batch, "save", broken)
+    run_step(w, PerigeeMeta(saves=[Copy(1, "f", 0, 0)]), caches)
+    assert isinstance(p.error, RuntimeError) and bridge.counters["connector_errors"] >= 1
