@@ -23,6 +23,7 @@ from bus_schemas.requests import Accepted, Error, Finished, GenerateRequest, Str
 from perigee import models
 from tests.e2e.conftest import make_stack
 from tests.e2e.helpers import real_model_marks, worker_stats
+from tests.gpu.helpers import vllm_cuda_missing
 
 MODEL_DIR = models.default_model_dir()
 pytestmark = real_model_marks()
@@ -166,9 +167,16 @@ async def test_killed_decode_worker_greedy_stream_equals_undisturbed(real_stack)
             got = await chat(http, s.url, kill_its_decode)
         assert killed, "the answer ended before the kill"
         assert got["done"] and ref["done"]
-        assert got["text"] == ref["text"]
-        assert got["finish"] == ref["finish"]
-        assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+        # On CUDA the tail the surviving instance computes again runs through prefill
+        # kernels, where the first time decode kernels made it: their float32 sums
+        # differ in the last bits, and greedy decoding can flip at a near tie later on
+        # (the H200 run: equal for 364 characters, then another word). There what must
+        # hold is the answer up to the kill, untouched, and a whole answer after it.
+        exact = vllm_cuda_missing() is not None  # vLLM on CPU: token for token
+        if exact:
+            assert got["text"] == ref["text"]
+            assert got["finish"] == ref["finish"]
+            assert got["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
         # Token for token, off the bus.
         await tap.ended(ref["id"])
         want = tap.tokens(ref["id"])
@@ -186,7 +194,12 @@ async def test_killed_decode_worker_greedy_stream_equals_undisturbed(real_stack)
         assert migrated.migration.dead_instance == killed[0]
         assert k >= KILL_AFTER - 1  # mid-stream (the first chunk is the role's alone)
         assert migrated.prompt_token_ids[:n] == original.prompt_token_ids
-        assert migrated.prompt_token_ids[n:] + tap.tokens(migrated.request_id) == want
+        assert migrated.prompt_token_ids[n:] == want[:k]
+        after = tap.tokens(migrated.request_id)
+        if exact:
+            assert migrated.prompt_token_ids[n:] + after == want
+        else:
+            assert after and got["usage"]["completion_tokens"] == k + len(after)
         # The prompt's full blocks came from a store; the rest was computed again.
         survivor = next(d for d in ("decode-0", "decode-1") if d != killed[0])
         st = await worker_stats(s.nats_url, "decode", survivor)
