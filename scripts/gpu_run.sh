@@ -8,15 +8,23 @@
 #   scripts/gpu_run.sh bench     perigee bench ship --cuda-only (pageable against pinned),
 #                                then bench reuse and bench slo against plain vLLM
 #   scripts/gpu_run.sh all       env, install, test, bench
+#   scripts/gpu_run.sh unpack    a machine with no package registry: BUNDLE names a folder
+#                                of scripts/offline_bundle.py's parts (site.tar.xz.part.*);
+#                                they are unpacked into /tmp/site and joined to $PY by a
+#                                .pth file in its site-packages (the stack's services
+#                                get PYTHONPATH=<repo>, so PYTHONPATH cannot carry them)
 # PY=python3 SKIP_INSTALL=1 runs with an interpreter that already has the packages (a
-# machine with no package registry: wheels carried in, PYTHONPATH set). STEP_S caps
-# each step (default 590 s). Each step appends {"step", "rc", "seconds"} to steps.jsonl.
+# machine with no package registry: the bundle unpacked). STEP_S caps each step
+# (default 590 s). Each step appends {"step", "rc", "seconds"} to steps.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 STEP_S=${STEP_S:-590}
 PY=${PY:-.venv/bin/python}
 mkdir -p "$OUT"
+if [ -f "${SITE:-/tmp/site}/.unpacked" ]; then  # an unpacked bundle: its nats-server
+  export PATH="${SITE:-/tmp/site}/bin:$PATH"
+fi
 
 step() {
   local name=$1 start rc
@@ -67,6 +75,17 @@ vllm_on_cuda() {
   "$PY" -c "import sys; from tests.gpu.helpers import vllm_cuda_missing as m; sys.exit(m() is not None)"
 }
 
+run_unpack() {
+  local site=${SITE:-/tmp/site}
+  if [ ! -f "$site/.unpacked" ]; then
+    mkdir -p "$(dirname "$site")"
+    cat "${BUNDLE:?BUNDLE names the folder of site.tar.xz.part.*}"/site.tar.xz.part.* |
+      xz -d -T0 | tar -x -C "$(dirname "$site")" && touch "$site/.unpacked" || return 1
+  fi
+  echo "$site" >"$("$PY" -c 'import site; print(site.getsitepackages()[0])')/zz_perigee_bundle.pth"
+  echo "unpacked: $(du -sh "$site" | cut -f1) in $site, on $PY's path"
+}
+
 run_install() {
   if [ "${SKIP_INSTALL:-0}" = 1 ]; then
     echo "install skipped (SKIP_INSTALL=1)"
@@ -109,9 +128,10 @@ run_bench() {
 
 case "${1:-all}" in
   env) env_json ;;
+  unpack) run_unpack ;;
   install) run_install ;;
   test) run_test ;;
   bench) run_bench ;;
   all) env_json; run_install; run_test; run_bench ;;
-  *) echo "usage: $0 env|install|test|bench|all" >&2; exit 2 ;;
+  *) echo "usage: $0 env|unpack|install|test|bench|all" >&2; exit 2 ;;
 esac
