@@ -42,7 +42,7 @@ from typing import TypeVar
 
 from perigee.natsd import NatsCluster, NatsServer
 from perigee.procs import die_with_parent
-from perigee.stack import ROOT, Child, Stack, StackConfig, StartAborted
+from perigee.stack import ROOT, Child, Stack, StackConfig, StartAborted, sampling_env
 from services.transfer.data_auth import ENV as DATA_KEY_ENV
 
 SUBNET = "10.77.0"  # /24, assigned only inside the namespaces built here
@@ -312,6 +312,7 @@ class MultiHostStack(Stack):
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", str(Path(self.spans_file).resolve()))
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")
+        env.update(sampling_env(self.cfg.trace_sample))
         host = self.placement[child.name]
         # nsenter joins the namespaces and execs the service: the pid is the service's,
         # and PR_SET_PDEATHSIG (kept across exec) still ties it to this process.

@@ -93,6 +93,18 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def sampling_env(share: float) -> dict[str, str]:
+    """A service's environment for tracing ``share`` of the requests: OpenTelemetry's
+    sampler decides at a trace's root (the gateway, for a request) and every service
+    follows the parent's decision, so a traced request is traced whole."""
+    if share >= 1.0:
+        return {}
+    return {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": str(share),
+    }
+
+
 class Stack:
     """Starts, watches and stops the services of one local stack."""
 
@@ -217,6 +229,7 @@ class Stack:
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly
+        env.update(sampling_env(self.cfg.trace_sample))
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv],

@@ -56,6 +56,10 @@ class StackConfig:
     report_interval: float = defaults.REPORT_INTERVAL_S
     log_dir: str = ".perigee/logs"
     log_level: str = "INFO"
+    # Share of requests traced, decided once at the root (the gateway) and followed by
+    # every service (OpenTelemetry's parentbased_traceidratio): 1.0 traces every request
+    # (perigee breakdown sees them all); 0.1 cut the stack's CPU per request by ~14 %.
+    trace_sample: float = 1.0
     extra_env: dict[str, str] = field(default_factory=dict)
     # More flags for every child of one service kind (gateway, admission, conductor,
     # prefill, decode, store), after the ones the stack sets: `perigee up --gateway-arg`.

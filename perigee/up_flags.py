@@ -28,6 +28,13 @@ FIELDS = {f.name for f in dataclasses.fields(StackConfig)}
 _D = StackConfig()
 
 
+def _share(v: str) -> float:
+    x = float(v)
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v}: a share in (0, 1]")
+    return x
+
+
 def flag(*names: str, **kw: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
     return names, kw
 
@@ -166,6 +173,13 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
     "logs and supervision": [
         flag("--log-dir"),
         flag("--log-level"),
+        flag(
+            "--trace-sample",
+            type=_share,
+            help="share of requests traced, decided at the gateway and followed by every "
+            "service (OpenTelemetry parentbased_traceidratio; default: %(default)s, every "
+            "request)",
+        ),
         flag(
             "--max-restarts",
             type=int,

@@ -230,6 +230,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         admissions=admissions,
         log_dir=f"{a.log_dir}/{conductors}x{admissions}",
         log_level="WARNING",
+        trace_sample=a.trace_sample,
         extra_env=(
             {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
         ),
@@ -298,6 +299,12 @@ def main(argv: list[str]) -> int:
         help="the gateways' --max-lateness-ms (0: the gate off, their default)",
     )
     p.add_argument("--layouts", default="1x1,2x2", help="conductors x admissions, comma list")
+    p.add_argument(
+        "--trace-sample",
+        type=float,
+        default=1.0,
+        help="share of requests traced (perigee up --trace-sample; default: every one)",
+    )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nats-clients", type=int, default=8)
     p.add_argument("--nats-s", type=float, default=3.0)
@@ -319,7 +326,12 @@ def main(argv: list[str]) -> int:
             f"{res['answered_rps']:g} req/s; NATS request/reply on the same server: {res['nats_request_reply']['per_s']:g}/s",
             flush=True,
         )
-    out = {"p99_ms": a.p99_ms, "step_s": a.step_s, "layouts": results}
+    out = {
+        "p99_ms": a.p99_ms,
+        "step_s": a.step_s,
+        "trace_sample": a.trace_sample,
+        "layouts": results,
+    }
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -127,3 +127,36 @@ def test_jsonl_keeps_kind_and_events(tmp_path):
     assert (ev["name"], ev["attributes"]) == ("first_token", {"n": 1})
     assert outer["start_ns"] <= ev["ts_ns"] <= outer["end_ns"]
     assert "events" not in inner
+
+
+def test_a_sampled_share_is_decided_at_the_root_and_followed_downstream(monkeypatch):
+    """perigee up --trace-sample: the environment perigee.stack.sampling_env gives every
+    service makes OpenTelemetry decide at a trace's root, and a service downstream,
+    handed the root's context through our headers (tracing.propagation), follows that
+    decision: a traced request is traced whole, an untraced one nowhere."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from perigee.stack import sampling_env
+    from tracing.propagation import extract, inject
+
+    assert sampling_env(1.0) == {}
+    for k, v in sampling_env(0.5).items():
+        monkeypatch.setenv(k, v)
+    gateway, downstream = InMemorySpanExporter(), InMemorySpanExporter()
+    pa, pb = TracerProvider(), TracerProvider()  # each reads the sampler from the env
+    pa.add_span_processor(SimpleSpanProcessor(gateway))
+    pb.add_span_processor(SimpleSpanProcessor(downstream))
+    ta, tb = pa.get_tracer("gateway"), pb.get_tracer("prefill")
+    traced = []
+    for _ in range(200):
+        with ta.start_as_current_span("gateway.request") as root:
+            headers = inject()
+        child = tb.start_span("prefill.compute", context=extract(headers))
+        child.end()
+        assert child.get_span_context().trace_id == root.get_span_context().trace_id
+        traced.append(root.get_span_context().trace_flags.sampled)
+        assert child.get_span_context().trace_flags.sampled == traced[-1]
+    assert 0 < sum(traced) < 200  # a share, not all or none (each 2^-200 by chance)
+    roots = {s.context.trace_id for s in gateway.get_finished_spans()}
+    children = {s.context.trace_id for s in downstream.get_finished_spans()}
+    assert roots == children and len(roots) == sum(traced)

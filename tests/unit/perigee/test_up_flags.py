@@ -27,7 +27,7 @@ def test_every_copied_flag_sets_its_field():
             assert str(getattr(parse([*BASE, name, value]), dest)) == value, name
         else:
             kind = kw.get("type", str)
-            value = kind("3")
+            value = kind("0.5" if name == "--trace-sample" else "3")  # a share: (0, 1]
             if name == "--block-size":  # the store must hold a whole request
                 value = 64
             assert getattr(parse([*BASE, name, str(value)]), dest) == value, name
@@ -49,3 +49,13 @@ def test_what_parse_settles():
     assert cfg.ttft_slo == 4.0 and cfg.tbt_slo == StackConfig.tbt_slo  # the mock engine's
     assert cfg.restart_policy.max_restarts == 2
     assert cfg.served_model_name == "tiny-llama" and cfg.service_args == {}
+
+
+def test_trace_sample_is_a_share():
+    import pytest
+
+    assert parse([*BASE, "--trace-sample", "0.1"]).trace_sample == 0.1
+    assert parse(BASE).trace_sample == 1.0
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(SystemExit):
+            parse([*BASE, "--trace-sample", bad])
