@@ -7,10 +7,12 @@ A slot holds one perigee block, every layer, layer-major: layer ``l``, vLLM sub-
 one vLLM block of one layer, ``kv[block_id]``, in the layout of whatever attention
 backend allocated it, so the same bytes move on CPU and CUDA.
 
-Copies between CUDA pages and the slots go through ``Tensor.copy_``. From pageable
-memory the CUDA driver stages each copy through a bounce buffer of its own; from memory
-registered with ``cudaHostRegister`` it moves the bytes by DMA straight from the
-shared mapping. :class:`ArenaPinner` registers each mapping the slots come from once, the
+The connector moves a layer's pages in one batch (:mod:`.page_batch`, through torch's
+own page-locked staging); what it copies one page at a time (decode write-back
+staging, a slot that is not whole pages of its mapping) goes through ``Tensor.copy_``.
+From pageable memory the CUDA driver stages each such copy through a bounce buffer of
+its own; from memory registered with ``cudaHostRegister`` it moves the bytes by DMA
+straight from the shared mapping. :class:`ArenaPinner` registers each mapping the slots come from once, the
 first time a slot of it is copied to or from a CUDA page.
 """
 
