@@ -470,7 +470,12 @@ class PerigeeConnector(KVConnectorBase_V1):
                     self.bridge.counters["connector_layer_blocks_saved"] += 1
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
-        self._settle()  # the layer's bytes are in the slots before it ships
+        # A layer that ships, or whose saves end on the host, waits for the stream here:
+        # its bytes are in the slots before they leave. Loads alone wait at the step's
+        # end (wait_for_save), so a decode step that takes a joining request's pages
+        # does not stall its CPU at every layer.
+        if meta.ship or self._after_sync:
+            self._settle()
         for key in meta.ship:
             plan = self.bridge.get(key)
             if plan is None or plan.on_layer is None:

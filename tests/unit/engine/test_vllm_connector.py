@@ -470,3 +470,47 @@ def test_a_batch_that_fails_fails_its_plans_and_never_raises_into_vllm(bridge, m
     monkeypatch.setattr(page_batch, "save", broken)
     run_step(w, PerigeeMeta(saves=[Copy(1, "f", 0, 0)]), caches)
     assert isinstance(p.error, RuntimeError) and bridge.counters["connector_errors"] >= 1
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.syncs = 0
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+
+
+def test_queued_loads_wait_once_per_step_and_a_shipping_layer_at_once(bridge, monkeypatch):
+    """Where copies are queued on a CUDA stream (pending): a step with loads only waits
+    for the stream once, at its end; a step that ships waits at every layer, before the
+    layer's bytes leave. (CPU pages here; the pending flag set as a CUDA load sets it.)"""
+    from services.engine.vllm.connector import Copy
+
+    stream = _Stream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    w = connector(bridge, KVConnectorRole.WORKER)
+    caches = kv_caches()
+    w.register_kv_caches(caches)
+    names = sorted(caches, key=lambda n: int(n.split(".")[2]))
+    p = plan("l", 1, load_tokens=32)
+    bridge.add(p)
+
+    def step(meta: PerigeeMeta, per_layer: list[int]) -> None:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        for name in names:
+            w.wait_for_layer_load(name)
+            w._pending = True  # what the layer's queued CUDA copies leave
+            w.save_kv_layer(name, caches[name], None)
+            per_layer.append(stream.syncs)
+        w.wait_for_save()
+        w.clear_connector_metadata()
+
+    seen: list[int] = []
+    step(PerigeeMeta(loads=[Copy(1, "l", 0, 0)], loaded=["l"]), seen)
+    assert seen == [0] * LAYERS and stream.syncs == 1
+    q = plan("s", 1, save_from=0, save_tokens=32, on_layer=lambda layer: None)
+    bridge.add(q)
+    stream.syncs, seen = 0, []
+    step(PerigeeMeta(saves=[Copy(2, "s", 0, 0)], ship=["s"]), seen)
+    assert seen == list(range(1, LAYERS + 1))
