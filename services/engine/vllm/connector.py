@@ -325,6 +325,15 @@ class PerigeeConnector(KVConnectorBase_V1):
         self.bridge.layer_block_bytes = self._layer_block_bytes
         self._pinner = ArenaPinner(enabled=page.is_cuda and self.bridge.pin_arena)
 
+    def _slot_tensor(self, plan: Plan, block: int) -> torch.Tensor:
+        """Slot ``block`` of ``plan`` as bytes (made once, its mapping page-locked then)."""
+        raw = plan.tensors.get(block)
+        if raw is None:
+            slot = plan.slots[block]
+            self._pinner.pin(slot)
+            raw = plan.tensors[block] = torch.frombuffer(slot, dtype=torch.uint8)
+        return raw
+
     def _page(self, c: Copy, layer: int, like: torch.Tensor) -> torch.Tensor | None:
         plan = self.bridge.get(c.key)
         if plan is None:
@@ -336,11 +345,7 @@ class PerigeeConnector(KVConnectorBase_V1):
                     self.bridge.block_bytes, dtype=torch.uint8, pin_memory=self._pinner.enabled
                 )
         else:
-            raw = plan.tensors.get(c.block)
-            if raw is None:
-                slot = plan.slots[c.block]
-                self._pinner.pin(slot)
-                raw = plan.tensors[c.block] = torch.frombuffer(slot, dtype=torch.uint8)
+            raw = self._slot_tensor(plan, c.block)
         return page_view(
             raw, layer, c.sub, self.vllm_blocks_per_block, self._layer_block_bytes, like
         )
@@ -371,10 +376,7 @@ class PerigeeConnector(KVConnectorBase_V1):
                 if plan is None:
                     continue
                 slot = plan.slots[c.block]
-                raw = plan.tensors.get(c.block)
-                if raw is None:
-                    self._pinner.pin(slot)
-                    raw = plan.tensors[c.block] = torch.frombuffer(slot, dtype=torch.uint8)
+                raw = self._slot_tensor(plan, c.block)
                 base = slot.obj if isinstance(slot, memoryview) else slot
                 g = groups.get(id(base))
                 if g is None:

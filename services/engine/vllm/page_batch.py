@@ -1,6 +1,6 @@
 """A layer's page copies between vLLM's KV cache and the store's arena as one batch.
 
-Copied page by page, a 5,000-token prompt is 171 pages a layer, 5,130 ``copy_`` calls
+Copied page by page, a 5,449-token prompt is 171 pages a layer, 5,130 ``copy_`` calls
 over 30 layers. On CUDA each costs its launch more than its 48 KiB: the first H200 run
 (issue 28) measured 1-2 GB/s against a 27-55 GB/s ceiling, and prefill and decode
 spent more time in these copies than in the model. Batched, one layer's pages move
@@ -8,7 +8,7 @@ with a handful of operations whatever their number:
 
     save  ``kv.index_select`` of the layer's blocks (one gather kernel), one copy into
           a page-locked staging buffer, and, once the stream has run it, one
-          ``index_copy_`` of its rows into the arena's pages (host memcpy);
+          scatter of its rows into the arena's pages (numpy: a memcpy per row);
     load  one ``index_select`` of the arena's pages into a page-locked staging buffer,
           one copy to the device, one ``index_copy_`` into the layer's blocks.
 
