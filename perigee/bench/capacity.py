@@ -18,6 +18,11 @@ Beside it, on the same nats-server and in the same run: NATS's own request/reply
 (``--nats-clients`` requesters back to back against one responder for
 ``--nats-s`` seconds), what one bus hop can carry on this machine.
 
+Beside that, also per layout (perigee.bench.bus_baseline): a paced NATS round trip
+between two processes (``--paced-rate``, ``--paced-n``), the unit each step's overhead
+is also given in, and its CPU time; and the bus messages per request, counted while
+``--count-requests`` requests run one after another.
+
 Where the time goes: each step reports the CPU time every process spent during it
 (``/proc/<pid>/stat``: each service, each nats-server, and this load generator), per
 request sent. A rate is out of reach on this machine once the total, times the rate,
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import nats
 
+from perigee.bench import bus_baseline
 from perigee.bench.stats import summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
@@ -201,6 +207,14 @@ async def nats_rate(url: str, clients: int, seconds: float) -> dict:
     return {"clients": clients, "round_trips": sum(done), "per_s": round(sum(done) / wall, 1)}
 
 
+def in_rtts(report: dict, rtt_ms: float) -> str:
+    """A step's overhead p50 / p99 in paced NATS round trips."""
+    o = report["overhead_ms"]
+    if not rtt_ms or not o or o["p50"] != o["p50"]:  # nothing served: NaN
+        return "-"
+    return f"{o['p50'] / rtt_ms:.1f} / {o['p99'] / rtt_ms:.1f}"
+
+
 def parse_layouts(text: str) -> list[tuple[int, int]]:
     """``"1x1,2x2"`` -> [(1, 1), (2, 2)]: conductors x admissions."""
     out = []
@@ -240,6 +254,22 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         bus = asyncio.run(nats_rate(stack.nats_url, a.nats_clients, a.nats_s))
         asyncio.run(warm(stack.url, a.warmup))
         pids = stack_pids(stack)
+        server_pid = next((p for n, p in pids.items() if n.startswith("nats")), None)
+        paced = asyncio.run(
+            bus_baseline.paced_round_trip(stack.nats_url, server_pid, a.paced_rate, a.paced_n)
+        )
+        rtt_ms = paced["latency_ms"]["p50"]
+        hops = asyncio.run(
+            bus_baseline.messages_per_request(
+                stack.nats_url, stack.url, a.count_requests, one_request
+            )
+        )
+        print(
+            f"  paced NATS round trip ({a.paced_rate:g}/s): p50 {rtt_ms} ms, "
+            f"CPU {paced['cpu_us']['total']:g} us all told; "
+            f"bus messages per request: {hops['per_request']:g}",
+            flush=True,
+        )
         for rate in rates:
             s = measured_step(stack.url, rate, a.step_s, pids)
             steps.append(s)
@@ -247,7 +277,8 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
             print(
                 f"  {conductors}x{admissions} {rate:g} req/s: ok {s.ok}/{s.sent}, 429 {s.rejected}, "
                 f"errors {r['errors'] or 0}, overhead p50 {r['overhead_ms']['p50']} ms "
-                f"p99 {r['overhead_ms']['p99']} ms, CPU {r['cpu_ms_per_request']['total']} ms/request"
+                f"p99 {r['overhead_ms']['p99']} ms ({in_rtts(r, rtt_ms)} paced round trips), "
+                f"CPU {r['cpu_ms_per_request']['total']} ms/request"
                 + (
                     ""
                     if s.held(a.p99_ms, a.max_429_share)
@@ -273,7 +304,9 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         "answered_rps": max((s.rate for s in steps if s.answered(a.p99_ms)), default=0.0),
         "max_lateness_ms": a.max_lateness_ms,
         "nats_request_reply": bus,
-        "steps": [s.report() for s in steps],
+        "paced_round_trip": paced,
+        "bus_messages": hops,
+        "steps": [{**s.report(), "overhead_rtts": in_rtts(s.report(), rtt_ms)} for s in steps],
     }
 
 
@@ -308,6 +341,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nats-clients", type=int, default=8)
     p.add_argument("--nats-s", type=float, default=3.0)
+    p.add_argument(
+        "--paced-rate", type=float, default=50.0, help="round trips/s of the paced baseline"
+    )
+    p.add_argument("--paced-n", type=int, default=200, help="round trips of the paced baseline")
+    p.add_argument(
+        "--count-requests", type=int, default=50, help="requests whose bus messages are counted"
+    )
     p.add_argument("--log-dir", default=".perigee/bench-logs/capacity")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)

@@ -164,6 +164,15 @@ class LeaseKeeper:
         """Unix seconds until which the store keeps the slots (0: not held or lost)."""
         return self._expires.get((node, tx_id), 0.0)
 
+    def stale(self, key: tuple[str, str], margin_s: float = LEASE_MARGIN_S) -> bool:
+        """Whether the end known for ``key`` might come before this keeper's next renewal
+        would push it on (with room for that renewal's round trip). A holder that took a
+        handle another worker was granted renews it first only then: a fresh handle's
+        end is a lower bound (renewals only extend it), so asking the store again would
+        be a round trip on the request's path that tells nothing new."""
+        left = self._expires.get(key, 0.0) - time.time() - margin_s
+        return left <= self.lease_s / 2
+
     @property
     def held(self) -> int:
         return len(self._held)

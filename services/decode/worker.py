@@ -420,8 +420,9 @@ class DecodeWorker(WorkerBase):
         key = (tx.node, tx.tx_id)
         self.leases.hold(task.request.request_id, tx.node, tx)
         try:
-            # The handle's expiry dates from prefill's reservation: renew before judging.
-            return await self.leases.before_expiry(key, load, renew_first=True)
+            # The handle's expiry dates from prefill's reservation: one that might run out
+            # before the keeper's next renewal is renewed before it is judged.
+            return await self.leases.before_expiry(key, load, renew_first=self.leases.stale(key))
         except LeaseExpired:
             self._abort(task.request.request_id)
             raise LeaseExpired(

@@ -10,8 +10,8 @@ each layer it has *read and verified* the prefix KV from the slots (a mismatch i
 each step sleeps ``cost.decode_step_time(batch, context tokens)`` and then gives one
 token to every running request. Tokens and KV come from :mod:`services.engine.synth`,
 so a disaggregated run produces exactly the tokens of one process computing
-everything from scratch. With ``speedup = inf`` nothing sleeps, but every layer and
-every step still yields to the event loop.
+everything from scratch. With ``speedup = inf`` nothing sleeps: a prefill's layers
+run back to back (yielding every ``UNPACED_SLICE_S``), every decode step yields.
 """
 
 import asyncio
@@ -58,6 +58,10 @@ class _Req:
     # now, which is block ``wb_block``.
     wb_hashes: list[int] | None = None
     wb_block: int = 0
+
+
+# An unpaced prefill (zero compute) yields to the event loop at most this often.
+UNPACED_SLICE_S = 0.002
 
 
 class MockEngine(Engine):
@@ -150,13 +154,20 @@ class MockEngine(Engine):
         hashes = synth.prefix_hashes(prompt)
         per_layer = self.cost.prefill_time(n, p) / self.spec.num_layers if job.paced else 0.0
         big = n * job.kv.layout.row * 2 >= THREAD_ELEMENTS
-        start = self._now()
+        start = yielded = self._now()
         for layer in range(self.spec.num_layers):
             if big:
                 await asyncio.to_thread(self._prefill_layer, job.kv, hashes, layer, p)
             else:
                 self._prefill_layer(job.kv, hashes, layer, p)
-            await self._pace(per_layer, start + (layer + 1) * per_layer)
+            if per_layer > 0:
+                await self._pace(per_layer, start + (layer + 1) * per_layer)
+            elif self._now() - yielded >= UNPACED_SLICE_S:
+                # Unpaced, the layers run back to back as in one forward pass of a real
+                # engine (its connector sees every layer before the loop runs again),
+                # yielding only as often as keeps this process answering.
+                await asyncio.sleep(0)
+                yielded = self._now()
             self._check_alive()
             if job.on_layer is not None:
                 await job.on_layer(layer)

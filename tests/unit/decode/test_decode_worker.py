@@ -211,6 +211,16 @@ async def test_a_renewed_lease_keeps_the_kv_however_old_the_handle(rig):
     assert [r.tx_ids for r in rig.renewals] == [[dt.decode_tx.tx_id]]
 
 
+async def test_a_fresh_handle_is_loaded_without_asking_the_store_first(rig):
+    # Its end lies beyond the keeper's next renewal: a renewal now would tell nothing
+    # new, and cost the request a round trip before its first token.
+    dt = decode_task(rig, rig.prompt(30, seed=29))
+    fresh = msgspec.structs.replace(dt.decode_tx, expires_at=time.time() + 60.0)
+    events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=fresh)))
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+    assert rig.renewals == []
+
+
 # ---------------------------------------------------------------- incarnations
 
 

@@ -6,7 +6,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from perigee.bench.capacity import Step, held_rate, parse_layouts, parse_rates, step
+from perigee.bench import bus_baseline
+from perigee.bench.capacity import Step, held_rate, in_rtts, parse_layouts, parse_rates, step
 from perigee.natsd import free_port
 
 
@@ -102,3 +103,25 @@ def test_cpu_time_is_read_per_process_and_shared_per_request():
     assert s.cpu_per_request() == {"gateway": 2.0, "nats-server": 0.5, "total": 2.5}
     assert s.report()["cpu_ms_per_request"]["total"] == 2.5
     assert Step(100.0, 4).cpu_per_request() == {}
+
+
+def test_a_requests_subjects_fold_into_kinds_and_steps_read_in_round_trips():
+    gw = "perigee.gw.d2e2f975f281.cmpl-ab12.ZiElaY9OGl9zdwUj"
+    assert bus_baseline.subject_kind(gw) == "perigee.gw.d2e2f975f281.<request>"
+    assert bus_baseline.subject_kind("_INBOX.x7.y") == "_INBOX (replies)"
+    ack = "$JS.ACK.PERIGEE_INTAKE.admission.1.2.3.4.5"
+    assert bus_baseline.subject_kind(ack) == "$JS.ACK.PERIGEE_INTAKE.admission (acks)"
+    claim = "perigee.conductor.placed." + "0f" * 16
+    assert bus_baseline.subject_kind(claim) == "perigee.conductor.placed.<claim>"
+    assert bus_baseline.subject_kind("perigee.intake") == "perigee.intake"
+    s = Step(50.0, 2, ok=2, overhead_s=[0.008, 0.016])
+    o = s.report()["overhead_ms"]
+    assert in_rtts(s.report(), 0.8) == f"{o['p50'] / 0.8:.1f} / {o['p99'] / 0.8:.1f}"
+    assert in_rtts(s.report(), 0.0) == "-"
+    assert in_rtts(Step(50.0, 1, rejected=1).report(), 0.8) == "-"
+
+
+async def test_the_paced_round_trip_runs_against_a_responder_of_its_own(nats_url):
+    out = await bus_baseline.paced_round_trip(nats_url, None, rate=200.0, n=10)
+    assert out["round_trips"] == 10 and out["latency_ms"]["p50"] > 0
+    assert set(out["cpu_us"]) == {"requester", "responder", "total"}

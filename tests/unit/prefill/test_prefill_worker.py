@@ -148,12 +148,31 @@ async def test_corrupt_prefix_fails_the_request_with_kv_mismatch(rig):
     assert (await rig.stats("prefill", rig.pi))["tasks_failed"] == 1
 
 
-async def test_dead_decode_store_is_a_503(rig):
+async def test_dead_decode_store_is_a_503(nats_url):
+    # Paced (the cost model's time, ~ms a layer): the first layer's failed ship stops
+    # the compute before its first token goes out. An unpaced mock runs every layer
+    # before a ship's reply could come, as one forward pass of a real engine does.
+    rig = await Rig(speedup=1.0).start(nats_url)
+    try:
+        prompt = rig.prompt(40, seed=5)
+        t = rig.task(prompt)
+        del rig.net[rig.dn]  # the decode node's store is gone
+        (err,) = await until_terminal(await rig.submit(t))
+        assert err.code == ErrorCode.UNAVAILABLE and err.message.startswith("kv transfer failed")
+        assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
+    finally:
+        await rig.close()
+
+
+async def test_dead_decode_store_after_an_unpaced_first_token_is_a_503(rig):
+    # Every layer ran before the ship failed: the first token is out, then the error.
     prompt = rig.prompt(40, seed=5)
     t = rig.task(prompt)
-    del rig.net[rig.dn]  # the decode node's store is gone
-    (err,) = await until_terminal(await rig.submit(t))
+    del rig.net[rig.dn]
+    events = await until_terminal(await rig.submit(t))
+    err = events[-1]
     assert err.code == ErrorCode.UNAVAILABLE and err.message.startswith("kv transfer failed")
+    assert [type(e) for e in events[:-1]] == [Tokens]
     assert isinstance(await asyncio.wait_for(rig.conductor.get(), 5), RequestFailed)
 
 
