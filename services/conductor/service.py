@@ -493,9 +493,10 @@ class ConductorService:
                     log.info("balancing_threshold", old=before, new=self.policy.threshold())
                 if not owner:
                     return
-                await asyncio.gather(
-                    *(self.tx.commit(n, t, ev.request_id) for n, t in [prefill, *source])
-                )
+                # Unanswered: a refusal is the store's to log, and a lost commit only
+                # leaves the blocks uncached when the lease ends; nothing here would act.
+                for n, t in [prefill, *source]:
+                    await self.tx.commit_unanswered(n, t, ev.request_id)
                 if source:  # hot-spot migration: the prefill node now holds a replica
                     log.info("replica_committed", node=prefill[0], source=source[0][0])
             elif isinstance(ev, RequestFailed):

@@ -352,6 +352,7 @@ class StoreService:
             if self.data is not None and not await self.data.settled(
                 req.tx_id, self.peer_timeout_s
             ):
+                log.info("commit_refused", tx_id=req.tx_id, reason="busy")
                 return Refused(
                     reason="busy",
                     message=f"transfers into {req.tx_id} are still open; commit once they closed",

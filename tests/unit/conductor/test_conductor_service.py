@@ -56,6 +56,7 @@ class FakeStore:
         self.seq = 0
         self.allocs: asyncio.Queue[TxAllocate] = asyncio.Queue()
         self.commits: asyncio.Queue[TxCommit] = asyncio.Queue()
+        self.commit_replies: list[str] = []  # each commit's reply subject
         self.aborts: asyncio.Queue[TxAbort] = asyncio.Queue()
         self.dumps: asyncio.Queue[DumpRequest] = asyncio.Queue()
         self.granted: list[TxHandle] = []
@@ -77,7 +78,8 @@ class FakeStore:
         ctl = subjects.store_ctl
 
         async def reply(m, obj):
-            await self.nc.publish(m.reply, encode(obj))
+            if m.reply:  # the conductor's commits ask no answer
+                await self.nc.publish(m.reply, encode(obj))
 
         async def allocate(m):
             a = decode(m.data, TxAllocate)
@@ -105,6 +107,7 @@ class FakeStore:
 
         async def commit(m):
             c = decode(m.data, TxCommit)
+            self.commit_replies.append(m.reply)
             await self.commits.put(c)
             await reply(m, TxDone(tx_id=c.tx_id))
 
@@ -268,6 +271,7 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     )
     await h.nc.publish(subjects.conductor_events(CID), encode(notice))
     assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id="np1-tx-a", request_id="r1")
+    assert h.stores["np1"].commit_replies == [""]  # sent without asking for an answer
     await wait_until(lambda: not h.svc.pending)
 
 
