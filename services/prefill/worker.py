@@ -80,6 +80,11 @@ from tracing import tracer
 
 log = structlog.get_logger()
 
+# The decode node's write grant is opened ahead of the ships (a round trip beside the
+# compute) only for a compute predicted at least this long: a shorter one is over before
+# the grant comes, and its first ship opens the grant itself for one message less.
+HEAD_START_MIN_S = 0.002
+
 REMEMBER_TAKEN = 100_000  # request ids: a redelivery comes within seconds
 
 
@@ -491,7 +496,7 @@ class PrefillWorker(WorkerBase):
         blocks = [b for b in range(len(slots)) if b >= res.decode_tx.hit_blocks]
         ships: list[asyncio.Task] = []
         done = _Computed(first=0, first_ts=0.0, ships=ships)
-        if blocks:
+        if blocks and self._model().prefill_time(n, p) >= HEAD_START_MIN_S:
             # The store opens the decode node's write grant for these ships while the
             # layers compute, instead of on the first ship. Only a head start: should it
             # fail, the first ship opens it again and reports why.
