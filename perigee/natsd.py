@@ -65,6 +65,23 @@ def nats_server_binary() -> str:
     return found
 
 
+def embedded_procs(cpus: int | None = None) -> int:
+    """GOMAXPROCS for a nats-server that shares its host with the whole stack: a quarter
+    of the cores, at least one. With one per core, Go's scheduler keeps idle threads
+    spinning for work on every core and wakes them for each message, CPU the services
+    beside it need (on 2 cores: 17 % of the server's CPU and about 11 % of the stack's per
+    request at 130 req/s, BENCHMARKS.md)."""
+    return max(1, (cpus or os.cpu_count() or 1) // 4)
+
+
+def server_env(procs: int | None) -> dict[str, str] | None:
+    """The server's environment: GOMAXPROCS=``procs`` unless the caller's environment
+    sets it already (an operator's word wins); None (inherit) without ``procs``."""
+    if not procs or "GOMAXPROCS" in os.environ:
+        return None
+    return {**os.environ, "GOMAXPROCS": str(procs)}
+
+
 class NatsServer:
     """A nats-server with JetStream, on loopback unless ``host`` says otherwise; ``url``
     once started.
@@ -75,6 +92,7 @@ class NatsServer:
     ``launcher`` prefixes its command line and ``reach`` runs its readiness probe: both
     put a server on another host's network (:mod:`perigee.multihost`: ``nsenter``, and
     a thread inside that host's namespace); ``host`` is then its address there.
+    ``procs``: its GOMAXPROCS (:func:`server_env`; None: Go's default, one per core).
     """
 
     def __init__(
@@ -91,8 +109,10 @@ class NatsServer:
         cluster_port: int = 0,
         launcher: Sequence[str] = (),
         reach: Callable[[Callable[[], None]], None] | None = None,
+        procs: int | None = None,
     ) -> None:
         self.host = host
+        self.procs = procs
         self.port = port or free_port()
         self.url = f"nats://{host}:{self.port}"
         self.name = name or f"nats-{self.port}"
@@ -152,6 +172,7 @@ class NatsServer:
                 # it, which stops the bus last, after the services that need it to drain.
                 start_new_session=True,
                 preexec_fn=die_with_parent(),
+                env=server_env(self.procs),
             )
         finally:
             if log is not subprocess.PIPE:
@@ -240,6 +261,7 @@ class NatsCluster:
         store_dir: str | None = None,
         log_dir: str | None = None,
         hosts: "Sequence[RemoteHost] | None" = None,
+        procs: int | None = None,
     ) -> None:
         self.spec = ClusterSpec()
         self._tmp = None if store_dir else tempfile.TemporaryDirectory(prefix="perigee-nats-")
@@ -252,6 +274,7 @@ class NatsCluster:
                 max_payload=max_payload,
                 cluster=self.spec,
                 log_file=str(Path(log_dir) / f"nats-n{i}.log") if log_dir else None,
+                procs=procs,
                 **(hosts[i].nats_server_args() if hosts else {}),
             )
             for i in range(n)

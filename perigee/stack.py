@@ -31,7 +31,7 @@ import nats
 
 from bus_schemas import subjects
 from perigee import deploy_spec, gpus, natsauth
-from perigee.natsd import NatsCluster, NatsServer
+from perigee.natsd import NatsCluster, NatsServer, embedded_procs
 from perigee.procs import die_with_parent
 from perigee.rundir import RunLock, check_port, write_env
 from perigee.stack_config import StackConfig
@@ -355,9 +355,16 @@ class Stack:
     def new_nats(self, log_dir: Path) -> NatsServer | NatsCluster:
         """The bus this stack starts (not yet started), its logs in ``log_dir``."""
         c = self.cfg
+        procs = embedded_procs() if c.nats_procs is None else c.nats_procs or None
         if c.nats_cluster > 1:
-            return NatsCluster(c.nats_cluster, max_payload=c.nats_max_payload, log_dir=str(log_dir))
-        return NatsServer(max_payload=c.nats_max_payload, log_file=str(log_dir / "nats-server.log"))
+            return NatsCluster(
+                c.nats_cluster, max_payload=c.nats_max_payload, log_dir=str(log_dir), procs=procs
+            )
+        return NatsServer(
+            max_payload=c.nats_max_payload,
+            log_file=str(log_dir / "nats-server.log"),
+            procs=procs,
+        )
 
     async def _wait_ready(self, timeout: float) -> None:
         """Ready when every worker has reported load and the gateway answers /health."""

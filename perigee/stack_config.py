@@ -85,6 +85,9 @@ class StackConfig:
     nats_cluster: int = 1
     nats_auth: bool = True
     nats_max_payload: int | None = None
+    # GOMAXPROCS of the nats-servers this stack starts: None, a quarter of the cores
+    # (perigee.natsd.embedded_procs); 0, Go's default (every core).
+    nats_procs: int | None = None
     # Once ready, restart a service that dies (perigee up; perigee.supervise). Off for
     # tests that assert no service died (Stack.exited()).
     supervise: bool = False

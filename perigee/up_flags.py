@@ -62,6 +62,14 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
             help="the largest message on the bus (default: nats-server's, 1 MiB)",
         ),
         flag(
+            "--nats-procs",
+            type=int,
+            metavar="N",
+            help="GOMAXPROCS of the nats-servers started (default: a quarter of the "
+            "cores, at least 1, as they share the host with every service; 0: Go's "
+            "default, one per core; a GOMAXPROCS in the environment wins)",
+        ),
+        flag(
             "--no-nats-auth",
             dest="nats_auth",
             action="store_false",

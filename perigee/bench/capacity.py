@@ -245,6 +245,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         log_dir=f"{a.log_dir}/{conductors}x{admissions}",
         log_level="WARNING",
         trace_sample=a.trace_sample,
+        nats_procs=a.nats_procs,
         extra_env=(
             {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
         ),
@@ -338,6 +339,12 @@ def main(argv: list[str]) -> int:
         default=1.0,
         help="share of requests traced (perigee up --trace-sample; default: every one)",
     )
+    p.add_argument(
+        "--nats-procs",
+        type=int,
+        default=None,
+        help="the nats-server's GOMAXPROCS (perigee up --nats-procs; default: automatic)",
+    )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nats-clients", type=int, default=8)
     p.add_argument("--nats-s", type=float, default=3.0)
@@ -370,6 +377,7 @@ def main(argv: list[str]) -> int:
         "p99_ms": a.p99_ms,
         "step_s": a.step_s,
         "trace_sample": a.trace_sample,
+        "nats_procs": a.nats_procs,
         "layouts": results,
     }
     if a.json:
