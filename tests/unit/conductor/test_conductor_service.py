@@ -30,6 +30,7 @@ from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.placement import FirstTokenNotice, PrefillTask, PrefixSource, RequestFailed
 from bus_schemas.requests import Accepted, Error, ErrorCode, GenerateRequest, stream_event_decoder
 from services.common import kv_stream
+from services.common.bus import sync
 from services.common.clock import ManualClock
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
@@ -171,7 +172,7 @@ class Harness:
         for s in stores:
             s.nc = self.nc
             self.stores[s.node] = await s.start()
-        await self.nc.flush()
+        await sync(self.nc)  # the fake stores' SUBs are on the server from here
         self.cnc = await nats.connect(self.url)
         conf = dict(conductor_id=CID, block_size=BS, discover_window_s=0.3, tx_timeout_s=1.0)
         conf.update(cfg)

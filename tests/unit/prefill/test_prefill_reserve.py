@@ -22,6 +22,7 @@ from bus_schemas.control import (
 )
 from bus_schemas.placement import PrefillTask, PrefixSource
 from bus_schemas.requests import GenerateRequest
+from services.common.bus import sync
 from services.common.clock import ManualClock
 from services.common.hashing import block_hashes
 from services.common.store_tx import LeaseExpired, StoreTx
@@ -94,7 +95,7 @@ class Store:
 
         for ep, cb in (("tx.allocate", allocate), ("tx.abort", abort), ("tx.renew", renew)):
             await self.nc.subscribe(subjects.store_ctl(self.node, ep), cb=cb)
-        await self.nc.flush()
+        await sync(self.nc)  # one flush's PING may overtake the SUBs (a no-responders flake)
         return self
 
 
