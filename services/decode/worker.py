@@ -421,8 +421,10 @@ class DecodeWorker(WorkerBase):
         self.leases.hold(task.request.request_id, tx.node, tx)
         try:
             # The handle's expiry dates from prefill's reservation: one that might run out
-            # before the keeper's next renewal is renewed before it is judged.
-            return await self.leases.before_expiry(key, load, renew_first=self.leases.stale(key))
+            # before the keeper's next renewal, or that names none, is renewed before it
+            # is judged.
+            stale = not tx.expires_at or self.leases.stale(key)
+            return await self.leases.before_expiry(key, load, renew_first=stale)
         except LeaseExpired:
             self._abort(task.request.request_id)
             raise LeaseExpired(

@@ -48,6 +48,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import structlog
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -124,6 +125,11 @@ def layer_index(name: str) -> int:
     return int(m.group(1))
 
 
+# A mapping's copies in one layer: its rows, vLLM block ids (on the pages' device), their
+# pages' rows, plans.
+_Group = tuple[torch.Tensor, list[int] | torch.Tensor, np.ndarray, set[str]]
+
+
 class PerigeeConnector(KVConnectorBase_V1):
     """vLLM's KV connector over the node store's slots: loads prefixes and saves new KV."""
 
@@ -160,6 +166,9 @@ class PerigeeConnector(KVConnectorBase_V1):
         # run its device part (_settle), and a load's staging buffers, kept until then.
         self._after_sync: list[tuple[set[str], Any]] = []
         self._staged: list[torch.Tensor] = []
+        # This step's copies grouped by mapping (_group), by the id of the list they came
+        # in: a step's saves and loads are the same in every layer, only the row moves.
+        self._grouped: dict[int, tuple[list[Copy], list[_Group], list[Copy]]] = {}
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -357,13 +366,21 @@ class PerigeeConnector(KVConnectorBase_V1):
             plan.fail(err)
         log.error("kv_connector_failed", key=key, error=f"{type(err).__name__}: {err}")
 
-    def _slot_rows(
-        self, copies: list[Copy], layer: int
-    ) -> tuple[list[tuple[torch.Tensor, list[int], list[int], set[str]]], list[Copy]]:
+    def _slot_rows(self, copies: list[Copy], layer: int) -> tuple[list[_Group], list[Copy]]:
         """``copies`` grouped by the mapping their slot lies in: per mapping, its rows
         (page_batch.host_rows), the vLLM block ids, the rows of their pages in ``layer``
         and the plans. Write-back copies, and slots that are not whole rows of their
-        mapping, come back apart (copied page by page)."""
+        mapping, come back apart (copied page by page). Grouped once a step: a 5,449-token
+        prompt's 171 pages cost ~0.5 ms of Python to group, every layer until then."""
+        got = self._grouped.get(id(copies))
+        if got is None or got[0] is not copies:
+            got = self._grouped[id(copies)] = (copies, *self._group(copies))
+        _, groups, apart = got
+        off = layer * self.vllm_blocks_per_block
+        return [(rows, ids, at + off, keys) for rows, ids, at, keys in groups], apart
+
+    def _group(self, copies: list[Copy]) -> tuple[list[_Group], list[Copy]]:
+        """:meth:`_slot_rows` of layer 0."""
         groups: dict[int, tuple[torch.Tensor, list[int], list[int], set[str]]] = {}
         apart: list[Copy] = []
         pb = self._layer_block_bytes
@@ -386,11 +403,26 @@ class PerigeeConnector(KVConnectorBase_V1):
                     apart.append(c)
                     continue
                 g[1].append(c.block_id)
-                g[2].append(first + layer * self.vllm_blocks_per_block + c.sub)
+                g[2].append(first + c.sub)
                 g[3].add(c.key)
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
-        return list(groups.values()), apart
+        return [
+            (rows, self._ids_on_device(ids), np.asarray(at, dtype=np.int64), keys)
+            for rows, ids, at, keys in groups.values()
+        ], apart
+
+    def _ids_on_device(self, ids: list[int]) -> list[int] | torch.Tensor:
+        """vLLM block ids where the pages are: on CUDA a tensor, queued from page-locked
+        memory once a step (page_batch would otherwise make one per layer, and a tensor
+        made from a list waits for the stream: every queued kernel, every layer)."""
+        layer = next(iter(self._kv.values()), None)
+        if layer is None or not layer.is_cuda:
+            return ids
+        host = torch.tensor(ids, dtype=torch.long).pin_memory()
+        self._staged.append(host)  # kept until the stream has run the copy (_settle)
+        self._pending = True
+        return host.to(layer.device, non_blocking=True)
 
     def _load_layer(self, copies: list[Copy], name: str) -> None:
         """Layer ``name`` of ``copies`` from the slots into the paged cache, a batch per
@@ -427,6 +459,7 @@ class PerigeeConnector(KVConnectorBase_V1):
         assert isinstance(meta, PerigeeMeta)
         self._layers_loaded.clear()
         self._loads = []
+        self._grouped.clear()
         for req_id, steps in meta.skips:
             try:
                 if skip_draws(self.bridge, req_id, steps):
@@ -555,6 +588,7 @@ class PerigeeConnector(KVConnectorBase_V1):
                 if plan.on_loaded is not None:
                     plan.on_loaded()
         self._loads = []
+        self._grouped.clear()  # its tensors view the slots: kept no longer than the step
 
     def shutdown(self) -> None:
         self._pinner.close()

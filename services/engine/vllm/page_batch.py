@@ -18,7 +18,7 @@ every slot is a whole row (see :mod:`.kv_pages`). On CPU the staging is skipped.
 vLLM import: the GPU tests and ``perigee bench ship --cuda`` use it without an engine.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,22 +58,31 @@ def _host_blocks(kv_layer: torch.Tensor) -> np.ndarray | None:
 # where torch's index_copy_ on uint8 rows moved 1.3 GB/s.
 
 
+def _on(device: torch.device, block_ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """The ids as a tensor on ``device`` (one made from a list waits for the stream)."""
+    if isinstance(block_ids, torch.Tensor):
+        return block_ids
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
 def save(
-    kv_layer: torch.Tensor, block_ids: list[int], rows: torch.Tensor, to_rows: list[int]
+    kv_layer: torch.Tensor,
+    block_ids: list[int] | torch.Tensor,
+    rows: torch.Tensor,
+    to_rows: Sequence[int] | np.ndarray,
 ) -> Callable[[], None] | None:
     """Blocks ``block_ids`` of the layer into ``rows[to_rows]``. On CUDA the device copy
     is queued and the host part returned: call it once the current stream has been
     synchronized. On CPU it is done here and None is returned."""
     if kv_layer.is_cuda:
-        ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-        got = _as_bytes(kv_layer.index_select(0, ids))
+        got = _as_bytes(kv_layer.index_select(0, _on(kv_layer.device, block_ids)))
         host = torch.empty(got.shape, dtype=torch.uint8, pin_memory=True)
         host.copy_(got, non_blocking=True)
         dst = np.asarray(to_rows)
         return lambda: rows.numpy().__setitem__(dst, host.numpy())
     blocks = _host_blocks(kv_layer)
     if blocks is None:
-        got = _as_bytes(kv_layer.index_select(0, torch.tensor(block_ids, dtype=torch.long)))
+        got = _as_bytes(kv_layer.index_select(0, _on(kv_layer.device, block_ids)))
         rows.numpy()[to_rows] = got.numpy()
     else:
         rows.numpy()[to_rows] = blocks[block_ids]
@@ -81,13 +90,16 @@ def save(
 
 
 def load(
-    kv_layer: torch.Tensor, block_ids: list[int], rows: torch.Tensor, from_rows: list[int]
+    kv_layer: torch.Tensor,
+    block_ids: list[int] | torch.Tensor,
+    rows: torch.Tensor,
+    from_rows: Sequence[int] | np.ndarray,
 ) -> torch.Tensor | None:
     """``rows[from_rows]`` into blocks ``block_ids`` of the layer. On CUDA the copies are
     queued on the current stream; the page-locked staging buffer is returned, to be kept
     until the stream has run them."""
     n = len(block_ids)
-    src = torch.tensor(from_rows, dtype=torch.long)
+    src = torch.as_tensor(np.asarray(from_rows, dtype=np.int64))
     if not kv_layer.is_cuda:
         blocks = _host_blocks(kv_layer)
         if blocks is not None:
@@ -97,6 +109,5 @@ def load(
     torch.index_select(rows, 0, src, out=host)
     got = host.to(kv_layer.device, non_blocking=True)
     pages = got.view(kv_layer.dtype).view(n, *kv_layer.shape[1:])
-    ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-    kv_layer.index_copy_(0, ids, pages)
+    kv_layer.index_copy_(0, _on(kv_layer.device, block_ids), pages)
     return host if kv_layer.is_cuda else None

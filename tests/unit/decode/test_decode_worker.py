@@ -219,6 +219,12 @@ async def test_a_fresh_handle_is_loaded_without_asking_the_store_first(rig):
     events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=fresh)))
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
     assert rig.renewals == []
+    # One that names no end is renewed first, as any whose end is near.
+    dt = decode_task(rig, rig.prompt(30, seed=30))
+    unknown = msgspec.structs.replace(dt.decode_tx, expires_at=0.0)
+    events = await until_terminal(await send(rig, msgspec.structs.replace(dt, decode_tx=unknown)))
+    assert isinstance(events[-1], Finished)
+    assert [r.tx_ids for r in rig.renewals] == [[dt.decode_tx.tx_id]]
 
 
 # ---------------------------------------------------------------- incarnations

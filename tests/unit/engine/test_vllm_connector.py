@@ -454,6 +454,34 @@ def test_a_layers_pages_move_as_one_batch_per_mapping_byte_for_byte(bridge, offs
     assert bridge.counters["connector_layer_blocks_loaded"] == len(loads) * LAYERS
 
 
+def test_a_steps_copies_are_grouped_once_not_per_layer(bridge, monkeypatch):
+    """The grouping by mapping (a Python pass over every page) runs once a step: the
+    layers differ only in the row their pages start at. A new step groups anew."""
+    from services.engine.vllm import page_batch
+    from services.engine.vllm.connector import Copy
+
+    calls = []
+    real = page_batch.host_rows
+    monkeypatch.setattr(page_batch, "host_rows", lambda *a: calls.append(1) or real(*a))
+    bb = LAYERS * HBS * HEADS * CONTENT * 4
+    src = kv_caches()
+    w = connector(bridge, KVConnectorRole.WORKER)
+    w.register_kv_caches(src)
+    mapping = bytearray(3 * bb)
+    bridge.add(arena_plan("a", mapping, [2, 0], save_from=0, save_tokens=64))
+    saves = [Copy(5, "a", 0, 0), Copy(1, "a", 1, 0)]
+    run_step(w, PerigeeMeta(saves=saves), src)
+    assert len(calls) == 1  # one mapping, one step: once, for all LAYERS layers
+    names = sorted(src, key=lambda n: int(n.split(".")[2]))
+    for layer, name in enumerate(names):
+        for c, slot in zip(saves, (2, 0), strict=True):
+            at = slot * bb + layer * page_bytes(32)
+            want = src[name][c.block_id].contiguous().view(torch.uint8).numpy().tobytes()
+            assert mapping[at : at + page_bytes(32)] == want, (c, layer)
+    run_step(w, PerigeeMeta(saves=saves), src)
+    assert len(calls) == 2
+
+
 def test_a_batch_that_fails_fails_its_plans_and_never_raises_into_vllm(bridge, monkeypatch):
     from services.engine.vllm import page_batch
     from services.engine.vllm.connector import Copy
