@@ -110,6 +110,10 @@ def environment(docs: list[dict], c: dict) -> dict[str, str]:
         ref = e["valueFrom"]
         if "fieldRef" in ref:
             env[e["name"]] = FIELD_REFS[ref["fieldRef"]["fieldPath"]]
+        elif "resourceFieldRef" in ref:  # a container's own limit: its declared value
+            r = ref["resourceFieldRef"]
+            kind, _, what = r["resource"].partition(".")
+            env[e["name"]] = str(c["resources"][kind][what])
         elif "secretKeyRef" in ref:
             s = secrets[ref["secretKeyRef"]["name"]]
             env[e["name"]] = base64.b64decode(s["data"][ref["secretKeyRef"]["key"]]).decode()
@@ -774,3 +778,11 @@ def test_the_nats_server_refuses_a_placeholder_password(rendered, tree, tmp_path
     }
     r = subprocess.run([sh, "-c", script], env={**base, **real}, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "started", (r.returncode, r.stderr)
+
+
+def test_nats_runs_with_gomaxprocs_of_its_cpu_limit(rendered):
+    for docs in rendered.values():
+        (c,) = objs(docs, "StatefulSet")["perigee-nats"]["spec"]["template"]["spec"]["containers"]
+        ref = {e["name"]: e for e in c["env"]}["GOMAXPROCS"]["valueFrom"]["resourceFieldRef"]
+        assert ref == {"containerName": "nats", "resource": "limits.cpu", "divisor": "1"}
+        assert environment(docs, c)["GOMAXPROCS"] == str(c["resources"]["limits"]["cpu"])
