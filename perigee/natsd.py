@@ -69,8 +69,8 @@ def embedded_procs(cpus: int | None = None) -> int:
     """GOMAXPROCS for a nats-server that shares its host with the whole stack: a quarter
     of the cores, at least one. With one per core, Go's scheduler keeps idle threads
     spinning for work on every core and wakes them for each message, CPU the services
-    beside it need (on 2 cores: 17 % of the server's CPU and about 11 % of the stack's per
-    request at 130 req/s, BENCHMARKS.md)."""
+    beside it need (on 2 cores the stack held twice the request rate with 1:
+    BENCHMARKS.md, "nats-server's GOMAXPROCS")."""
     return max(1, (cpus or os.cpu_count() or 1) // 4)
 
 
