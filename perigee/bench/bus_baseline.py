@@ -22,7 +22,7 @@ import time
 import aiohttp
 import nats
 
-from perigee.bench.stats import summary_ms
+from perigee.bench.stats import cpu_seconds, summary_ms
 from services.common.bus import sync
 
 SUBJECT = "bench.capacity.paced"
@@ -44,12 +44,6 @@ async def main():
 
 runner.run(main())
 """
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def paced_round_trip(url: str, server_pid: int | None, rate: float, n: int) -> dict:
@@ -74,7 +68,7 @@ async def paced_round_trip(url: str, server_pid: int | None, rate: float, n: int
             pids = {"requester": os.getpid(), "responder": responder.pid}
             if server_pid is not None:
                 pids["nats-server"] = server_pid
-            before = {k: _cpu_s(p) for k, p in pids.items()}
+            before = {k: cpu_seconds(p) for k, p in pids.items()}
             lat: list[float] = []
             t0 = time.perf_counter()
             for i in range(n):
@@ -84,7 +78,7 @@ async def paced_round_trip(url: str, server_pid: int | None, rate: float, n: int
                 s = time.perf_counter()
                 await nc.request(SUBJECT, b"x" * 200, timeout=5)
                 lat.append(time.perf_counter() - s)
-            cpu = {k: round(1e6 * (_cpu_s(p) - before[k]) / n, 1) for k, p in pids.items()}
+            cpu = {k: round(1e6 * (cpu_seconds(p) - before[k]) / n, 1) for k, p in pids.items()}
         finally:
             await nc.close()
     finally:

@@ -40,7 +40,7 @@ import aiohttp
 import nats
 
 from perigee.bench import bus_baseline
-from perigee.bench.stats import summary_ms
+from perigee.bench.stats import cpu_seconds, summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common.bus import sync
@@ -88,16 +88,6 @@ class Step:
         out = {k: round(1e3 * v / self.sent, 3) for k, v in sorted(self.cpu_s.items())}
         out["total"] = round(1e3 * sum(self.cpu_s.values()) / self.sent, 3)
         return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stack_pids(stack: Stack) -> dict[str, int]:

@@ -1,8 +1,10 @@
-"""What every bench reports with: nearest-rank percentiles, millisecond summaries, and the
-figures a result should hold but does not (:func:`unmeasured`)."""
+"""What every bench reports with: nearest-rank percentiles, millisecond summaries, a
+process's CPU time, and the figures a result should hold but does not
+(:func:`unmeasured`)."""
 
 import fnmatch
 import math
+import os
 from collections.abc import Iterator
 
 
@@ -22,6 +24,16 @@ def summary_ms(values_s: list[float]) -> dict[str, float]:
         "p99": round(percentile(values_s, 99) * 1e3, 3),
         "mean": round(sum(values_s) / len(values_s) * 1e3, 3) if values_s else math.nan,
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def leaves(obj: object, prefix: str = "") -> Iterator[tuple[str, object]]:
