@@ -167,6 +167,19 @@ class RoleSwitch(Msg):
         return Role(self.role).other if self.role in ROLES else None
 
 
+class Presence(Msg):
+    """An admission or conductor process is alive (``subjects.presence(kind, name)``,
+    every ``interval_s``). On the core path (no durable intake) a request such a
+    process holds before it is placed lives only in that process: the gateway resends
+    the requests not placed yet when one goes silent, or comes back under a newer
+    incarnation (services.gateway.control_presence)."""
+
+    kind: str  # "admission" | "conductor"
+    name: str  # unique per kind (the conductor's id, admission's --id)
+    incarnation: int
+    interval_s: float
+
+
 # ---- appended for the tiered store (issue 4): wipe, event replay, objects, replicas ----
 
 

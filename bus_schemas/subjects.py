@@ -125,6 +125,17 @@ def gateway_replies(gateway_id: str) -> str:
     return f"{NS}.gw.{gateway_id}.>"
 
 
+def presence(kind: str, name: str) -> str:
+    """Where an admission or conductor process (``kind``) named ``name`` beats
+    (bus_schemas.control.Presence): the gateway resends the requests a dead one may have
+    held before placing them (services.gateway.control_presence). The bus lets a login
+    publish only its own kind's (perigee.natsauth)."""
+    return f"{NS}.presence.{kind}.{name}"
+
+
+PRESENCE_ALL = f"{NS}.presence.>"
+
+
 def bus_reconnected(kind: str, sender: str) -> str:
     """Where ``sender`` (a worker's instance, a store's node, a conductor's id, ...; of
     ``kind`` "worker", "store", "conductor", "admission", "gateway" or "client") says it

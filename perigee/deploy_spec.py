@@ -128,6 +128,7 @@ class AdmissionCmd(ServiceCmd):
     block_size: Value = None
     cost_model: Value = None
     decode_time: Value = None
+    id: Value = None  # unique among admissions (None: "admission", for one)
     metrics: Metrics | None = None
 
 
@@ -248,6 +249,7 @@ def local(c: "StackConfig", nats: str, block_bytes: int) -> list[tuple[str, Serv
             block_size=c.block_size,
             cost_model=model,
             decode_time=c.decode_time if predict else None,
+            id=None if c.admissions == 1 else f"admission-{i}",
         )
         out.append(("admission" if c.admissions == 1 else f"admission-{i}", admission))
     cpp = c.cpp_group > 1
@@ -350,7 +352,7 @@ def k8s() -> dict[tuple[str, str], Container]:
     metrics = Metrics(METRICS_PORT, "0.0.0.0")
     slos = Slos("$(TTFT_SLO)", "$(TBT_SLO)")
     block = COMPOSE_BLOCK_SIZE
-    admission = AdmissionCmd(bus, slos, block_size=block, metrics=metrics)
+    admission = AdmissionCmd(bus, slos, block_size=block, metrics=metrics, id=POD)
     conductor = ConductorCmd(bus, POD, slos, block_size=block, metrics=metrics)
     out = {
         ("perigee-admission", "admission"): Container(admission, {}),

@@ -29,7 +29,8 @@ states the same lists in prose.
   reply subject it came with (``allow_responses``).
 - Reconnect notices name their sender in the subject,
   ``perigee.bus.reconnected.<kind>.<id>`` (:func:`bus_schemas.subjects.bus_reconnected`),
-  and each login may publish only its own.
+  and each login may publish only its own; so do admission's and the conductors'
+  presence beats, ``perigee.presence.<kind>.<name>``, which only the gateway reads.
 - The JetStream API per role: the gateway none (its intake publishes are plain
   publishes, acked by the stream); admission creates the INTAKE and SCHEDULE streams and
   consumes INTAKE (its durable consumer, acks); the conductor creates SCHEDULE, PLACED

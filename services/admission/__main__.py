@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     shared_flags.DeadAfter.add(ap, "out of the pools' loads")
     ap.add_argument(
+        "--id",
+        default="admission",
+        help="this admission's name, unique among admissions (its presence beats)",
+    )
+    ap.add_argument(
         "--cost-model",
         default="",
         help="fitted cost model JSON (perigee profile --json); default: the analytic model",
@@ -60,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> AdmissionConfig:
     return AdmissionConfig(
+        admission_id=args.id,
         durable_intake=args.durable_intake,
         intake_ack_wait_s=args.intake_ack_wait,
         intake_patience_s=args.intake_patience,

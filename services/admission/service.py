@@ -43,7 +43,7 @@ from services.admission.admission_policy import (
     AdmissionRequest,
     make_admission_policy,
 )
-from services.common import bus, defaults, intake, intake_queue, metrics
+from services.common import bus, defaults, intake, intake_queue, metrics, presence
 from services.common.calibration import CalibrationBook
 from services.common.clock import Clock, WallClock
 from services.common.cost_fit import load_cost_model
@@ -67,6 +67,7 @@ class AdmissionConfig:
     tbt_slo_s: float = defaults.TBT_SLO_S
     speedup: float = 1.0
     policy: str = "early"
+    admission_id: str = "admission"  # unique among admissions: its presence beats' name
     dead_after_s: float = defaults.DEAD_AFTER_S
     cost_model: str = ""  # a fitted cost model (perigee profile --json); "": analytic
     decode_time_s: float = 5.0  # predict: the uniform decode time t_d
@@ -154,8 +155,17 @@ class AdmissionService:
                 max_inflight=64,
             )
             await self.intake.start(s)
+        s.spawn(
+            presence.beat(
+                self.nc,
+                "admission",
+                self.cfg.admission_id,
+                presence.interval_for(self.cfg.dead_after_s),
+            ),
+            name="admission:presence",
+        )
         await bus.sync(self.nc)  # subscriptions are live on the server once start() returns
-        log.info("admission_started", policy=self.cfg.policy)
+        log.info("admission_started", policy=self.cfg.policy, id=self.cfg.admission_id)
 
     async def stop(self) -> None:
         if self.intake is not None:

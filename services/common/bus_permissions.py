@@ -93,6 +93,7 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
             s.SCHEDULE_QUEUE,
             *REPLIES,  # rejections
             s.bus_reconnected("admission", "*"),
+            s.presence("admission", "*"),
             *_stream_admin(INTAKE_STREAM, SCHEDULE_STREAM),
             *_durable(INTAKE_STREAM, s.Q_ADMISSION),
         ]
@@ -105,6 +106,7 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
             *(s.store_ctl("*", ep) for ep in ("tx.commit", "tx.abort", "dump")),
             *REPLIES,  # Accepted, rejections
             s.bus_reconnected("conductor", ident),
+            s.presence("conductor", ident),
             *_stream_admin(SCHEDULE_STREAM, PLACED_STREAM, KV_STREAM),
             *_durable(SCHEDULE_STREAM, s.Q_CONDUCTOR),
             f"$JS.API.STREAM.MSG.GET.{PLACED_STREAM}",  # a claim read back
@@ -158,7 +160,14 @@ def subscribe_allow(m: Member, d: Deployment) -> list[str]:
     inst, node, ident = m.instance or "*", m.node or "*", m.ident or "*"
     own = [f"{inbox(m.name)}.>"]
     if m.role == "gateway":
-        return [*own, s.gateway_replies("*"), f"{s.NS}.gw.*", s.LOAD_ALL, s.BUS_RECONNECTED]
+        return [
+            *own,
+            s.gateway_replies("*"),
+            f"{s.NS}.gw.*",
+            s.LOAD_ALL,
+            s.BUS_RECONNECTED,
+            s.PRESENCE_ALL,
+        ]
     if m.role == "admission":
         return [
             *own,

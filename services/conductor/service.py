@@ -55,7 +55,7 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, ErrorCode, GenerateRequest
-from services.common import bus, defaults, intake, intake_queue, metrics
+from services.common import bus, defaults, intake, intake_queue, metrics, presence
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
@@ -256,6 +256,10 @@ class ConductorService:
                 span_name="conductor.event",
             )
         s.spawn(self._sweeper(), name="conductor:sweeper")
+        s.spawn(
+            presence.beat(self.nc, "conductor", cid, presence.interval_for(self.cfg.dead_after_s)),
+            name="conductor:presence",
+        )
         await bus.sync(self.nc)  # subscriptions are live on the server once start() returns
         log.info("conductor_started", id=self.cfg.conductor_id, strategy=self.cfg.strategy)
 

@@ -43,6 +43,7 @@ from nats.aio.msg import Msg as NatsMsg
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
+from bus_schemas.control import Presence
 from bus_schemas.requests import (
     Accepted,
     CancelAck,
@@ -55,11 +56,12 @@ from bus_schemas.requests import (
     Tokens,
 )
 from bus_schemas.roles import Role
-from services.common import bus, intake_queue, metrics
+from services.common import bus, intake_queue, metrics, presence
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
 from services.common.tasks import cancel_and_wait
 from services.gateway import resend
+from services.gateway.control_presence import ControlPresence
 from services.gateway.lateness import Lateness
 from services.gateway.watchdog import Verdict, Watchdog
 from tracing import inject
@@ -97,6 +99,7 @@ class _Heartbeat(msgspec.Struct):
 
 
 _heartbeat = msgspec.json.Decoder(_Heartbeat)
+_presence = msgspec.json.Decoder(Presence)
 
 # A cancel is repeated (backing off from CANCEL_FIRST_WAIT_S to CANCEL_MAX_WAIT_S) until
 # every instance holding the request acknowledged it or its incarnation ended.
@@ -125,6 +128,9 @@ class _Flight:
     # n > 1: tokens the client has of each sequence after the first (sequence 0's are
     # ``generated``)
     seq_counts: dict[int, int] = field(default_factory=dict)
+    # Its current attempt went on the core path: an admission or conductor that dies
+    # before placing it takes it along (services.gateway.control_presence).
+    on_core: bool = False
 
 
 class ReplyRouter:
@@ -188,6 +194,11 @@ class ReplyRouter:
         self.cancels_acked = 0  # targeted cancels every holder acknowledged
         self.cancel_sends = 0  # CancelRequest messages published
         self.lateness = Lateness()  # requests waiting for their first token, and when due
+        # Admission and conductor processes heard beating, and those that died since the
+        # last resume pass (kind:name): the core path's requests they may have held.
+        self.control = ControlPresence(watchdog.clock, watchdog.dead_after_s)
+        self._control_lost: set[str] = set()
+        self.control_deaths = 0
 
     async def start(self, sweep_interval_s: float | None) -> None:
         self._subs.append(
@@ -198,6 +209,7 @@ class ReplyRouter:
         self._subs.append(
             await self.nc.subscribe(subjects.BUS_RECONNECTED, cb=self._on_bus_reconnected)
         )
+        self._subs.append(await self.nc.subscribe(subjects.PRESENCE_ALL, cb=self._on_presence))
         # nats-py writes flush()'s PING straight to the socket, ahead of a SUB still in
         # its pending buffer: only the second PONG proves the server has the SUBs.
         await self.nc.flush()
@@ -298,6 +310,9 @@ class ReplyRouter:
         all, is another request: its events are routed nowhere and its placement is
         cancelled when its Accepted comes (:meth:`cancel` before placement)."""
         if not self.durable_intake or req.core_path:
+            f = self._flights.get(self._routes.get(req.request_id, ""))
+            if f is not None:
+                f.on_core = True
             await publish(self.nc, subjects.REQUESTS, req, reply=req.reply_subject)
             return
         data, headers = encode(req), inject()
@@ -330,6 +345,7 @@ class ReplyRouter:
         self._routes.pop(old, None)
         self._routes[new] = rid
         f.current = new  # old keeps its nonce: its late Accepted gets a cancel
+        f.on_core = True
         if f.resent is req:
             f.resent = bypassed
         self._unplaced_cancels[old] = ("sent again on the core path", time.monotonic())
@@ -704,6 +720,10 @@ class ReplyRouter:
         instance died is migrated while ``--migration-limit`` allows, else failed)."""
         wedged = self.watchdog.wedged
         verdicts = self.watchdog.sweep(judge_liveness)
+        if judge_liveness:
+            gone = self.control.silent()
+            if gone:
+                self._control_died(gone, "silent")
         if self.watchdog.wedged > wedged:
             metrics.REQUESTS_WEDGED.inc(self.watchdog.wedged - wedged)
         for v in verdicts:
@@ -796,6 +816,30 @@ class ReplyRouter:
             self._bus_pass_due = True
             self._spawn(self._resume_after_bus_loss())
 
+    async def _on_presence(self, msg: NatsMsg) -> None:
+        try:
+            p = _presence.decode(msg.data)
+        except msgspec.DecodeError:
+            self.bad_events += 1
+            return
+        if p.kind not in presence.KINDS or msg.subject != subjects.presence(p.kind, p.name):
+            log.warning("presence_impostor", subject=msg.subject, kind=p.kind, claimed=p.name)
+            return
+        dead = self.control.seen(p.kind, p.name, p.incarnation, p.interval_s)
+        if dead is not None:
+            self._control_died([dead], "restarted")
+
+    def _control_died(self, keys: list[str], how: str) -> None:
+        """Admission or conductor processes died: the requests on the core path that are
+        not placed yet may have died with them, and are sent again in the next resume
+        pass (one pass for every notice within ``bus_settle_s``)."""
+        self.control_deaths += len(keys)
+        log.warning("control_process_died", processes=sorted(keys), how=how)
+        self._control_lost.update(keys)
+        if not self._bus_pass_due:
+            self._bus_pass_due = True
+            self._spawn(self._resume_after_bus_loss())
+
     def _lost_with(self, who: set[str], rid: str) -> bool:
         """Whether request ``rid`` may have lost a message with one of ``who``."""
         if f"gateway:{self.gateway_id}" in who:
@@ -813,21 +857,28 @@ class ReplyRouter:
         self._bus_pass_due = False  # a notice from now on gets a pass of its own
         self.bus_passes += 1
         who, self._bus_lost = set(self._bus_lost), set()
-        sent = [
-            rid
-            for rid, f in self._flights.items()
-            if f.request is not None
-            and f.bus_resumes < MAX_BUS_RESUMES
-            and self._lost_with(who, rid)
-        ]
+        died, self._control_lost = set(self._control_lost), set()
+        sent: list[tuple[str, str]] = []
+        for rid, f in self._flights.items():
+            if f.request is None or f.bus_resumes >= MAX_BUS_RESUMES:
+                continue
+            if self._lost_with(who, rid):
+                why = f"messages lost with a NATS server ({', '.join(sorted(who))} reconnected)"
+            elif died and f.on_core and not self.watchdog.placement(rid):
+                why = f"not placed when {', '.join(sorted(died))} died"
+            else:
+                continue
+            sent.append((rid, why))
         if sent:
-            log.warning("bus_loss_resume", clients=sorted(who), requests=len(sent))
-        for rid in sent:
+            log.warning(
+                "bus_loss_resume", clients=sorted(who), died=sorted(died), requests=len(sent)
+            )
+        for rid, why in sent:
             self._resolve(
                 Verdict(
                     rid,
                     ErrorCode.UNAVAILABLE,
-                    f"messages lost with a NATS server ({', '.join(sorted(who))} reconnected)",
+                    why,
                     dead_role=BUS_LOSS,
                     placement=self.watchdog.placement(rid),
                 )

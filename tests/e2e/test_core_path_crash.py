@@ -1,0 +1,104 @@
+"""The core path (no JetStream intake): a SIGKILLed conductor that held requests before
+placing them loses none. The gateway hears admission's and the conductors' presence
+beats and resends what was not placed when one dies (services.gateway.control_presence).
+Real nats-server, real processes, the mock engine, a supervised stack.
+
+The fault is made certain to hold requests: the conductor is SIGSTOPped, a burst is
+sent (NATS hands the stopped process its share of the queue group), then it is
+SIGKILLed. The resent attempts (``<rid>-m1``) on the prefill task subjects prove it
+held some."""
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import nats
+import pytest
+
+from bus_schemas import subjects
+from bus_schemas.codec import decode
+from bus_schemas.placement import PrefillTask
+from perigee.supervise import RestartPolicy
+from tests.e2e.conftest import make_stack
+from tests.e2e.helpers import worker_stats
+from tests.e2e.sse import stream
+
+pytestmark = pytest.mark.e2e
+
+BURST = 24
+MAX_TOKENS = 4
+DEADLINE_S = 90.0
+CORE = ["--no-durable-intake"]
+
+
+@pytest.fixture(scope="module")
+def core_stack(tmp_path_factory):
+    s = make_stack(
+        tmp_path_factory,
+        "core-path",
+        engine="mock",
+        prefill=2,
+        decode=2,
+        conductors=2,
+        speedup="100",
+        supervise=True,
+        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
+        service_args={"gateway": CORE, "admission": CORE, "conductor": CORE},
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+async def tasks_done(s) -> int:
+    stats = [await worker_stats(s.nats_url, "prefill", f"prefill-{i}") for i in range(2)]
+    return sum(st.get("tasks_done", 0) for st in stats)
+
+
+async def test_sigkilled_conductor_on_the_core_path_loses_no_request(core_stack):
+    s = core_stack
+    nc = await nats.connect(s.nats_url)
+    placed: dict[str, int] = {}
+
+    async def on_task(m) -> None:
+        rid = decode(m.data, PrefillTask).request.request_id
+        placed[rid] = placed.get(rid, 0) + 1
+
+    await nc.subscribe(subjects.prefill_tasks("*"), cb=on_task)
+    await nc.flush()
+    done_before = await tasks_done(s)
+    try:
+        os.kill(s.children["conductor-1"].proc.pid, signal.SIGSTOP)
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": "core path", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+            burst = [
+                asyncio.ensure_future(
+                    stream(http, s.url, {**body, "prompt": f"{i} {body['prompt']}"})
+                )
+                for i in range(BURST)
+            ]
+
+            # The live conductor placed its share; the stopped one's share waits in its
+            # socket until the gateway judges it dead (silent) and sends those again
+            # (half of which the stopped one takes again: its subscription is still up,
+            # and they go on once its restart is heard).
+            async def resent() -> None:
+                while not any(rid.endswith("-m1") for rid in placed):
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(resent(), DEADLINE_S)
+            s.kill("conductor-1", signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
+        assert s.restarts.get("conductor-1") == 1
+        for r in results:
+            assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
+            assert r.usage["completion_tokens"] == MAX_TOKENS
+        # The dead conductor placed none of what it held; each attempt placed once, and
+        # each request computed once.
+        assert all(n == 1 for n in placed.values()), placed
+        firsts = {rid.split("-m")[0] for rid in placed}
+        assert len(firsts) == BURST
+        assert await tasks_done(s) - done_before == BURST
+    finally:
+        await nc.close()
