@@ -196,7 +196,10 @@ class Stack:
         c = self.cfg
         targets = []
         for child in children:
-            child.argv += c.service_args.get(child.argv[0].removeprefix("services."), [])
+            kind = child.argv[0].removeprefix("services.")
+            if not c.durable_intake and kind in ("gateway", "admission", "conductor"):
+                child.argv.append("--no-durable-intake")
+            child.argv += c.service_args.get(kind, [])
             if child.name == "gateway":
                 if c.api_key:
                     child.env["PERIGEE_API_KEY"] = c.api_key

@@ -70,6 +70,14 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
             "default, one per core; a GOMAXPROCS in the environment wins)",
         ),
         flag(
+            "--no-durable-intake",
+            dest="durable_intake",
+            action="store_false",
+            help="requests on core NATS instead of the JetStream work queues: fewer bus "
+            "hops a request; what a dead admission or conductor held is resent by the "
+            "gateway from their presence beats",
+        ),
+        flag(
             "--no-nats-auth",
             dest="nats_auth",
             action="store_false",

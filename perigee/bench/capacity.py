@@ -236,6 +236,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         log_level="WARNING",
         trace_sample=a.trace_sample,
         nats_procs=a.nats_procs,
+        durable_intake=a.durable_intake,
         extra_env=(
             {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
         ),
@@ -335,6 +336,12 @@ def main(argv: list[str]) -> int:
         default=None,
         help="the nats-server's GOMAXPROCS (perigee up --nats-procs; default: automatic)",
     )
+    p.add_argument(
+        "--no-durable-intake",
+        dest="durable_intake",
+        action="store_false",
+        help="requests on core NATS (perigee up --no-durable-intake)",
+    )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nats-clients", type=int, default=8)
     p.add_argument("--nats-s", type=float, default=3.0)
@@ -368,6 +375,7 @@ def main(argv: list[str]) -> int:
         "step_s": a.step_s,
         "trace_sample": a.trace_sample,
         "nats_procs": a.nats_procs,
+        "durable_intake": a.durable_intake,
         "layouts": results,
     }
     if a.json:
