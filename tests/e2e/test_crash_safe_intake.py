@@ -99,6 +99,22 @@ async def tasks_done(s) -> int:
     return await prefill_counter(s, "tasks_done")
 
 
+def send_burst(http: aiohttp.ClientSession, url: str, prompt: str) -> list[asyncio.Future]:
+    """BURST streamed completions of MAX_TOKENS each, distinct prompts, under way."""
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    return [
+        asyncio.ensure_future(stream(http, url, {**body, "prompt": f"{i} {prompt}"}))
+        for i in range(BURST)
+    ]
+
+
+def assert_served(results) -> None:
+    """Every stream of a burst ended well, with every token asked for."""
+    for r in results:
+        assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
+        assert r.usage["completion_tokens"] == MAX_TOKENS
+
+
 async def test_sigkilled_admission_loses_no_accepted_request(intake_stack):
     """The gateway's requests wait in the INTAKE work queue; those the dead admission
     held are redelivered to its restarted self and forwarded once."""
@@ -111,13 +127,7 @@ async def test_sigkilled_admission_loses_no_accepted_request(intake_stack):
         old = s.children["admission"].proc
         os.kill(old.pid, signal.SIGSTOP)
         async with aiohttp.ClientSession() as http:
-            body = {"prompt": "crash-safe intake", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            burst = [
-                asyncio.ensure_future(
-                    stream(http, s.url, {**body, "prompt": f"{i} {body['prompt']}"})
-                )
-                for i in range(BURST)
-            ]
+            burst = send_burst(http, s.url, "crash-safe intake")
             # Every request of the burst is stored before admission dies: the stream has them.
             js = nc.jetstream()
 
@@ -132,9 +142,7 @@ async def test_sigkilled_admission_loses_no_accepted_request(intake_stack):
             s.kill("admission", signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
         assert s.restarts.get("admission") == 1
-        for r in results:
-            assert r.status == 200 and r.done and r.error is None, (r.status, r.error)
-            assert r.usage["completion_tokens"] == MAX_TOKENS
+        assert_served(results)
         # The dead admission held some (delivered, never acked): they came again.
         assert await redelivered(nc, intake_queue.INTAKE_STREAM, subjects.Q_ADMISSION) > before
         # Each request placed once, computed once.

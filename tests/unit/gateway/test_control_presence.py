@@ -101,6 +101,13 @@ async def beat(b: FakeBackend, kind: str, name: str, incarnation: int, subject: 
     await b.nc.flush()
 
 
+async def heard_then_post(gw, b, http, kind: str, name: str, incarnation: int = 1):
+    """``kind`` ``name`` beats and the gateway knows it; then one request goes out."""
+    await beat(b, kind, name, incarnation)
+    await until(lambda: gw.router.control.alive(kind) == [name])
+    return await post_one(gw, b, http)
+
+
 async def post_one(gw, b, http):
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
     body = {"prompt": "hi", "max_tokens": len(OUT), "stream": True, "ignore_eos": True}
@@ -111,9 +118,7 @@ async def post_one(gw, b, http):
 
 async def test_a_restarted_conductor_gets_the_unplaced_request_sent_again(env):
     gw, b, http, _ = env
-    await beat(b, "conductor", "conductor-0", 1)
-    await until(lambda: gw.router.control.alive("conductor") == ["conductor-0"])
-    post, first, _ = await post_one(gw, b, http)
+    post, first, _ = await heard_then_post(gw, b, http, "conductor", "conductor-0")
     assert b.requests.empty()
     await beat(b, "conductor", "conductor-0", 2)  # it died holding the request
     again, reply2 = await asyncio.wait_for(b.requests.get(), 5)
@@ -127,9 +132,7 @@ async def test_a_restarted_conductor_gets_the_unplaced_request_sent_again(env):
 
 async def test_a_silent_admission_gets_the_unplaced_request_sent_again(env):
     gw, b, http, clock = env
-    await beat(b, "admission", "admission", 7)
-    await until(lambda: gw.router.control.alive("admission") == ["admission"])
-    post, first, _ = await post_one(gw, b, http)
+    post, first, _ = await heard_then_post(gw, b, http, "admission", "admission", 7)
     clock.advance(1.9)
     gw.router.sweep()
     assert gw.router.control_deaths == 0
@@ -142,9 +145,7 @@ async def test_a_silent_admission_gets_the_unplaced_request_sent_again(env):
 
 async def test_a_placed_request_is_not_sent_again_when_a_conductor_dies(env):
     gw, b, http, _ = env
-    await beat(b, "conductor", "conductor-0", 1)
-    await until(lambda: gw.router.control.alive("conductor") == ["conductor-0"])
-    post, first, reply = await post_one(gw, b, http)
+    post, first, reply = await heard_then_post(gw, b, http, "conductor", "conductor-0")
     rid = first.request_id
     await b.nc.publish(
         reply, encode(Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0"))
@@ -161,9 +162,7 @@ async def test_a_placed_request_is_not_sent_again_when_a_conductor_dies(env):
 
 async def test_a_beat_whose_subject_names_another_process_is_ignored(env):
     gw, b, http, _ = env
-    await beat(b, "conductor", "conductor-0", 1)
-    await until(lambda: gw.router.control.alive("conductor") == ["conductor-0"])
-    post, _, _ = await post_one(gw, b, http)
+    post, _, _ = await heard_then_post(gw, b, http, "conductor", "conductor-0")
     # A newer incarnation claimed on another process's subject proves nothing.
     await beat(b, "conductor", "conductor-0", 2, subject=subjects.presence("conductor", "x"))
     await b.nc.publish(subjects.presence("conductor", "conductor-0"), b"not a beat")
