@@ -197,8 +197,8 @@ class Stack:
         targets = []
         for child in children:
             kind = child.argv[0].removeprefix("services.")
-            if not c.durable_intake and kind in ("gateway", "admission", "conductor"):
-                child.argv.append("--no-durable-intake")
+            if c.durable_intake and kind in ("gateway", "admission", "conductor"):
+                child.argv.append("--durable-intake")
             child.argv += c.service_args.get(kind, [])
             if child.name == "gateway":
                 if c.api_key:

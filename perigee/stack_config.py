@@ -88,11 +88,12 @@ class StackConfig:
     # GOMAXPROCS of the nats-servers this stack starts: None, a quarter of the cores
     # (perigee.natsd.embedded_procs); 0, Go's default (every core).
     nats_procs: int | None = None
-    # Requests travel on the JetStream work queues (services.common.intake_queue; an
-    # admission or conductor that dies holding one has it redelivered); False: the core
-    # path, two stream hops and a claim fewer, what a dead one held resent by the
-    # gateway from their presence beats (services.gateway.control_presence).
-    durable_intake: bool = True
+    # False (the services' default): requests on the core path, what a dead admission
+    # or conductor held resent by the gateway from their presence beats
+    # (services.gateway.control_presence). True: on the JetStream work queues
+    # (services.common.intake_queue), redelivered by the streams: two stream hops and a
+    # placement claim more a request.
+    durable_intake: bool = False
     # Once ready, restart a service that dies (perigee up; perigee.supervise). Off for
     # tests that assert no service died (Stack.exited()).
     supervise: bool = False

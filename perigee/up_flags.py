@@ -70,12 +70,11 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
             "default, one per core; a GOMAXPROCS in the environment wins)",
         ),
         flag(
-            "--no-durable-intake",
-            dest="durable_intake",
-            action="store_false",
-            help="requests on core NATS instead of the JetStream work queues: fewer bus "
-            "hops a request; what a dead admission or conductor held is resent by the "
-            "gateway from their presence beats",
+            "--durable-intake",
+            action="store_true",
+            help="requests on the JetStream work queues, redelivered by the streams "
+            "should an admission or conductor die (default: core NATS, two stream hops "
+            "and a claim fewer; the gateway resends what a dead one held)",
         ),
         flag(
             "--no-nats-auth",

@@ -337,10 +337,9 @@ def main(argv: list[str]) -> int:
         help="the nats-server's GOMAXPROCS (perigee up --nats-procs; default: automatic)",
     )
     p.add_argument(
-        "--no-durable-intake",
-        dest="durable_intake",
-        action="store_false",
-        help="requests on core NATS (perigee up --no-durable-intake)",
+        "--durable-intake",
+        action="store_true",
+        help="requests on the JetStream work queues (perigee up --durable-intake)",
     )
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--nats-clients", type=int, default=8)

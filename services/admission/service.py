@@ -73,7 +73,7 @@ class AdmissionConfig:
     decode_time_s: float = 5.0  # predict: the uniform decode time t_d
     # Serve the gateway's INTAKE work queue and forward on SCHEDULE_QUEUE (False: core
     # NATS REQUESTS -> SCHEDULE only, for a bus without JetStream).
-    durable_intake: bool = True
+    durable_intake: bool = False
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
     # Past this, a forward the work queue did not store goes on core SCHEDULE (0: wait).
     intake_patience_s: float = intake_queue.PATIENCE_S

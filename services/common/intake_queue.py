@@ -1,5 +1,7 @@
-"""Crash-safe intake: the JetStream work queues an accepted request travels on, and the
-placement claim that makes its placement happen once.
+"""Crash-safe intake (``--durable-intake``; the default is the core path, whose dead
+holders' requests the gateway resends: services.gateway.control_presence): the
+JetStream work queues an accepted request travels on, and the placement claim that
+makes its placement happen once.
 
     gateway --INTAKE (stream PERIGEE_INTAKE, work queue)--> admission
     admission --SCHEDULE_QUEUE (stream PERIGEE_SCHEDULE, work queue)--> conductors

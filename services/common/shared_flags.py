@@ -136,7 +136,7 @@ class Intake(Group):
     """How admission and the conductor serve their JetStream work queues
     (services.common.intake_queue)."""
 
-    durable: bool = True
+    durable: bool = False
     ack_wait_s: float = intake_queue.ACK_WAIT_S
     patience_s: float = intake_queue.PATIENCE_S
 
@@ -145,9 +145,10 @@ class Intake(Group):
         p.add_argument(
             "--durable-intake",
             action=argparse.BooleanOptionalAction,
-            default=True,
+            default=False,
             help="serve the JetStream intake work queue (services.common.intake_queue); "
-            "--no-durable-intake: core NATS only, for a bus without JetStream",
+            "default: core NATS only (a dead copy's requests are resent by the gateway "
+            "from the presence beats)",
         )
         p.add_argument(
             "--intake-ack-wait",

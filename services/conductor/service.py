@@ -111,7 +111,7 @@ class ConductorConfig:
     pd_min_samples: int = 10
     # Serve the crash-safe intake (SCHEDULE_QUEUE, services.common.intake_queue); a
     # message held longer than intake_ack_wait_s by a conductor that died goes to another.
-    durable_intake: bool = True
+    durable_intake: bool = False
     intake_ack_wait_s: float = intake_queue.ACK_WAIT_S
     # Past this, a placement whose claim the PLACED stream did not store goes out
     # unclaimed (the stream is electing a leader) rather than wait 4-9 s (0: wait).

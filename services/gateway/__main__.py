@@ -101,9 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--durable-intake",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="publish requests on the JetStream INTAKE work queue, stored before "
-        "admission sees them (--no-durable-intake: core NATS perigee.requests)",
+        "admission sees them (default: core NATS perigee.requests, resent should an "
+        "admission or conductor die before placing them)",
     )
     ap.add_argument(
         "--shutdown-grace",

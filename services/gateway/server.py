@@ -123,9 +123,10 @@ class GatewayConfig:
     # A migration that finds no live instance of the dead one's role waits this long for
     # one (the restart of the only one: a vLLM engine takes tens of seconds) before 503.
     migration_wait_s: float = 60.0
-    # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue),
-    # not core NATS REQUESTS (False: a bus without JetStream, or a test's fake admission).
-    durable_intake: bool = True
+    # Publish requests on the crash-safe INTAKE work queue (services.common.intake_queue)
+    # rather than core NATS REQUESTS (False, the default: the core path; what a dead
+    # admission or conductor held is resent, services.gateway.control_presence).
+    durable_intake: bool = False
     # The stack's SLOs, s: the gateway does not enforce them (admission and the conductor
     # do), it tells clients what it is graded on (GET /v1/perigee/config; perigee replay).
     ttft_slo_s: float = defaults.TTFT_SLO_S

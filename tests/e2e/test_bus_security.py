@@ -316,7 +316,8 @@ async def test_jetstream_api_rights_per_role(stack):
     finally:
         for c in (dec, store, gw):
             await c.close()
-    # The conductor's own login reads its stream's state through its own inbox.
+    # The conductor's own login reads its stream's state through its own inbox (the KV
+    # events' stream: the intake streams exist with --durable-intake only).
     ok = await nats.connect(
         _server(stack),
         user="conductor",
@@ -325,8 +326,8 @@ async def test_jetstream_api_rights_per_role(stack):
         allow_reconnect=False,
     )
     try:
-        info = await ok.jetstream().stream_info("PERIGEE_SCHEDULE")
-        assert info.config.name == "PERIGEE_SCHEDULE"
+        info = await ok.jetstream().stream_info("PERIGEE_KV_EVENTS")
+        assert info.config.name == "PERIGEE_KV_EVENTS"
     finally:
         await ok.close()
 
@@ -359,7 +360,7 @@ async def test_a_request_over_the_bus_max_payload_is_413_and_the_stack_serves_on
         big = await stream(http, s.url, {"prompt": "word " * 2500, "max_tokens": 2})
         assert big.status == 413, (big.status, big.error)
         msg = big.error["error"]["message"]
-        assert "max_payload of 8192 bytes" in msg and subjects.INTAKE in msg, (
+        assert "max_payload of 8192 bytes" in msg and subjects.REQUESTS in msg, (
             msg
         )  # the gateway's door
         ok = await stream(http, s.url, {"prompt": "word " * 20, "max_tokens": 2})

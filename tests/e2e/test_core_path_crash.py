@@ -31,8 +31,6 @@ from tests.e2e.test_crash_safe_intake import (
 
 pytestmark = pytest.mark.e2e
 
-CORE = ["--no-durable-intake"]
-
 
 @pytest.fixture(scope="module")
 def core_stack(tmp_path_factory):
@@ -46,8 +44,7 @@ def core_stack(tmp_path_factory):
         speedup="100",
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
-        service_args={"gateway": CORE, "admission": CORE, "conductor": CORE},
-    )
+    )  # the core path: the default
     s.start()
     yield s
     s.stop()

@@ -54,6 +54,7 @@ def intake_stack(tmp_path_factory):
         decode=2,
         conductors=2,
         speedup="100",
+        durable_intake=True,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
     )

@@ -119,6 +119,7 @@ def multihost(tmp_path_factory):
             cost_model=str(cost_model),
             log_dir=str(tmp_path_factory.mktemp("logs-multihost")),
             nats_cluster=3,
+            durable_intake=True,  # the intake work queue, replicated on the three servers
         )
         s = MultiHostStack(cfg, hosts)
         s.start()

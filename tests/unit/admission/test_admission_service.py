@@ -27,6 +27,9 @@ class Harness:
     async def start(self, url: str, **cfg) -> "Harness":
         self.nc = await nats.connect(url)
         self.anc = await nats.connect(url)
+        # Forwards are followed on the work queue (the core path's forward:
+        # tests/unit/common/test_intake_queue.py).
+        cfg.setdefault("durable_intake", True)
         self.svc = AdmissionService(self.anc, AdmissionConfig(**cfg))
         await self.svc.start()
         self.inbox = self.nc.new_inbox()

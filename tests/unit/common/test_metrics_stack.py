@@ -56,10 +56,10 @@ def test_metrics_off_and_spans_file_from_extra_env(tmp_path):
     assert s.spans_file == str(tmp_path / "x.jsonl")
 
 
-def test_the_core_path_is_set_on_the_gateway_admission_and_conductors(tmp_path):
+def test_the_durable_intake_is_set_on_the_gateway_admission_and_conductors(tmp_path):
     def flagged(**kw) -> set[str]:
         s = Stack(StackConfig(port=18000, log_dir=str(tmp_path / "logs"), conductors=2, **kw))
-        return {c.name for c in s.observability(s.plan()) if "--no-durable-intake" in c.argv}
+        return {c.name for c in s.observability(s.plan()) if "--durable-intake" in c.argv}
 
-    assert flagged() == set()
-    assert flagged(durable_intake=False) == {"gateway", "admission", "conductor-0", "conductor-1"}
+    assert flagged() == set()  # the core path, the services' default
+    assert flagged(durable_intake=True) == {"gateway", "admission", "conductor-0", "conductor-1"}

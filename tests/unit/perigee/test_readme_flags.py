@@ -22,7 +22,7 @@ SERVICE_FLAGS = [
     "--no-serve-when-idle",
     "--intake-ack-wait",
     "--dead-after",
-    "--no-durable-intake",
+    "--durable-intake",
 ]
 
 
@@ -46,7 +46,7 @@ WHERE = {
     "--no-serve-when-idle": ("conductor",),
     "--intake-ack-wait": ("admission", "conductor"),
     "--dead-after": ("gateway", "admission", "conductor"),
-    "--no-durable-intake": ("gateway", "admission", "conductor"),
+    "--durable-intake": ("gateway", "admission", "conductor"),
 }
 VALUES = {"--calibration-warmup": "3", "--lease": "10", "--ttft-margin": "0.8"}
 VALUES |= {"--intake-ack-wait": "2", "--dead-after": "3"}
