@@ -19,6 +19,7 @@ import pytest
 from bus_schemas import subjects
 from bus_schemas.codec import decode
 from bus_schemas.placement import PrefillTask
+from bus_schemas.requests import GenerateRequest
 from perigee.supervise import RestartPolicy
 from tests.e2e.conftest import make_stack
 from tests.e2e.test_crash_safe_intake import (
@@ -86,5 +87,38 @@ async def test_sigkilled_conductor_on_the_core_path_loses_no_request(core_stack)
         firsts = {rid.split("-m")[0] for rid in placed}
         assert len(firsts) == BURST
         assert await tasks_done(s) - done_before == BURST
+    finally:
+        await nc.close()
+
+
+async def test_sigkilled_admission_on_the_core_path_loses_no_request(core_stack):
+    """The only admission, stopped: what it holds is resent once it is silent, and taken
+    again by the stopped process (the only subscriber); its restart sends it again."""
+    s = core_stack
+    nc = await nats.connect(s.nats_url)
+    sent: list[str] = []
+
+    async def on_request(m) -> None:
+        sent.append(decode(m.data, GenerateRequest).request_id)
+
+    await nc.subscribe(subjects.REQUESTS, cb=on_request)
+    await nc.flush()
+    done_before = await tasks_done(s)
+    try:
+        os.kill(s.children["admission"].proc.pid, signal.SIGSTOP)
+        async with aiohttp.ClientSession() as http:
+            burst = send_burst(http, s.url, "core path admission")
+
+            async def resent() -> None:  # judged dead: silent
+                while not any(rid.endswith("-m1") for rid in sent):
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(resent(), DEADLINE_S)
+            s.kill("admission", signal.SIGKILL)
+            results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
+        assert s.restarts.get("admission") == 1
+        assert_served(results)
+        assert any(rid.endswith("-m2") for rid in sent)  # sent again at its restart
+        assert await tasks_done(s) - done_before == BURST  # each computed once
     finally:
         await nc.close()
