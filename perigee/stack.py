@@ -40,7 +40,6 @@ from services.common import admission_mode, bus, shared_flags
 from services.common.model_spec import ModelSpec
 from services.transfer.data_auth import ENV as DATA_KEY_ENV
 from services.transfer.data_auth import new_key as new_data_key
-from tracing import sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,16 +93,16 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def sampling_env(share: float, per_s: float = sampling.DEFAULT_RATE) -> dict[str, str]:
-    """A service's environment for tracing ``share`` of the requests, at most ``per_s`` a
-    second (0: no bound; tracing.sampling): OpenTelemetry's sampler decides at a trace's
-    root (the gateway, for a request) and every service follows the parent's decision,
-    so a traced request is traced whole."""
-    env = {sampling.RATE_ENV: f"{per_s:g}"}
-    if share < 1.0:
-        env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-        env["OTEL_TRACES_SAMPLER_ARG"] = str(share)
-    return env
+def sampling_env(share: float) -> dict[str, str]:
+    """A service's environment for tracing ``share`` of the requests: OpenTelemetry's
+    sampler decides at a trace's root (the gateway, for a request) and every service
+    follows the parent's decision, so a traced request is traced whole."""
+    if share >= 1.0:
+        return {}
+    return {
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": str(share),
+    }
 
 
 class Stack:
@@ -233,7 +232,7 @@ class Stack:
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly
-        env.update(sampling_env(self.cfg.trace_sample, self.cfg.trace_rate))
+        env.update(sampling_env(self.cfg.trace_sample))
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv],

@@ -196,13 +196,6 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
             "request)",
         ),
         flag(
-            "--trace-rate",
-            type=float,
-            metavar="PER_S",
-            help="at most this many traces a second start in each service (the requests "
-            "past it are not traced; 0: no bound; default: %(default)s)",
-        ),
-        flag(
             "--max-restarts",
             type=int,
             default=RestartPolicy.max_restarts,

@@ -11,8 +11,7 @@
 * ``console``; ``none`` (spans are made, e.g. for span metrics, but not exported).
 
 ``OTEL_SERVICE_NAME`` overrides the service name and ``OTEL_RESOURCE_ATTRIBUTES``
-adds resource attributes; the batch processor reads ``OTEL_BSP_*``. A trace's root
-samples at most ``PERIGEE_TRACE_RATE`` a second (tracing.sampling).
+adds resource attributes; the batch processor reads ``OTEL_BSP_*``.
 """
 
 import os
@@ -23,7 +22,6 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from tracing.jsonl import JsonlSpanExporter
-from tracing.sampling import sampler_from_env
 
 DEFAULT_SPANS_FILE = ".perigee/spans.jsonl"
 EXPORTERS = ("jsonl", "otlp", "console", "none")
@@ -103,9 +101,7 @@ def setup_tracing(service: str) -> TracerProvider:
     if _provider is not None:
         return _provider
     name = os.environ.get("OTEL_SERVICE_NAME") or service
-    provider = TracerProvider(
-        sampler=sampler_from_env(), resource=Resource.create({"service.name": name})
-    )
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
     for p in span_processors():
         provider.add_span_processor(p)
     trace.set_tracer_provider(provider)

@@ -235,7 +235,6 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         log_dir=f"{a.log_dir}/{conductors}x{admissions}",
         log_level="WARNING",
         trace_sample=a.trace_sample,
-        trace_rate=a.trace_rate,
         nats_procs=a.nats_procs,
         durable_intake=a.durable_intake,
         extra_env=(
@@ -332,12 +331,6 @@ def main(argv: list[str]) -> int:
         help="share of requests traced (perigee up --trace-sample; default: every one)",
     )
     p.add_argument(
-        "--trace-rate",
-        type=float,
-        default=StackConfig.trace_rate,
-        help="traces a second each service starts at most (perigee up --trace-rate; 0: no bound)",
-    )
-    p.add_argument(
         "--nats-procs",
         type=int,
         default=None,
@@ -380,7 +373,6 @@ def main(argv: list[str]) -> int:
         "p99_ms": a.p99_ms,
         "step_s": a.step_s,
         "trace_sample": a.trace_sample,
-        "trace_rate": a.trace_rate,
         "nats_procs": a.nats_procs,
         "durable_intake": a.durable_intake,
         "layouts": results,

@@ -138,14 +138,12 @@ def test_a_sampled_share_is_decided_at_the_root_and_followed_downstream(monkeypa
 
     from perigee.stack import sampling_env
     from tracing.propagation import extract, inject
-    from tracing.sampling import sampler_from_env
 
-    assert sampling_env(1.0) == {"PERIGEE_TRACE_RATE": "50"}  # perigee up's default
-    for k, v in sampling_env(0.5, 0).items():  # no bound on the rate: the share alone
+    assert sampling_env(1.0) == {}
+    for k, v in sampling_env(0.5).items():
         monkeypatch.setenv(k, v)
     gateway, downstream = InMemorySpanExporter(), InMemorySpanExporter()
-    # each reads the sampler from the env, as tracing.setup does
-    pa, pb = TracerProvider(sampler_from_env()), TracerProvider(sampler_from_env())
+    pa, pb = TracerProvider(), TracerProvider()  # each reads the sampler from the env
     pa.add_span_processor(SimpleSpanProcessor(gateway))
     pb.add_span_processor(SimpleSpanProcessor(downstream))
     ta, tb = pa.get_tracer("gateway"), pb.get_tracer("prefill")
@@ -162,88 +160,3 @@ def test_a_sampled_share_is_decided_at_the_root_and_followed_downstream(monkeypa
     roots = {s.context.trace_id for s in gateway.get_finished_spans()}
     children = {s.context.trace_id for s in downstream.get_finished_spans()}
     assert roots == children and len(roots) == sum(traced)
-
-
-def test_roots_are_exported_at_most_the_rate_and_the_rest_recorded_whole():
-    """tracing.sampling: a bucket of one second's worth, refilled at the rate. A root
-    past it is recorded, not exported, and so are its children, here and in another
-    service handed its context: span metrics see every request, the exporter the
-    bounded share. A span whose parent was sampled is sampled whatever the bucket
-    holds."""
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from services.common.clock import ManualClock
-    from tracing import sampling
-    from tracing.propagation import extract, inject
-
-    clock = ManualClock()
-
-    def provider(sampler):
-        p, exported, recorded = TracerProvider(sampler=sampler), InMemorySpanExporter(), []
-        p.add_span_processor(SimpleSpanProcessor(exported))  # exports the sampled only
-
-        class Record(SimpleSpanProcessor):
-            def on_end(self, span):
-                recorded.append(span)
-
-        p.add_span_processor(Record(InMemorySpanExporter()))
-        return p.get_tracer("t"), exported, recorded
-
-    gw, gw_out, gw_rec = provider(sampling.rate_limited(50, clock=clock.now))
-    down, down_out, down_rec = provider(sampling.rate_limited(50))
-
-    def roots(n: int) -> list:
-        out = []
-        for _ in range(n):
-            with gw.start_as_current_span("gateway.request") as root:
-                gw.start_span("gateway.child").end()
-                headers = inject()
-            down.start_span("prefill.compute", context=extract(headers)).end()
-            out.append(root.get_span_context().trace_flags.sampled)
-        return out
-
-    assert sum(roots(120)) == 50  # a burst: one second's worth exported
-    assert len(gw_out.get_finished_spans()) == 2 * 50
-    assert len(down_out.get_finished_spans()) == 50  # downstream follows the root
-    assert len(gw_rec) == 2 * 120 and len(down_rec) == 120  # every one recorded
-    clock.advance(0.1)
-    assert sum(roots(20)) == 5
-    clock.advance(10.0)
-    assert sum(roots(60)) == 50  # the bucket holds one second's worth, not ten
-
-
-def test_a_ratio_drop_is_not_recorded_downstream():
-    """What --trace-sample drops stays dropped: only the bucket's own marks record."""
-    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
-
-    from tracing import sampling
-    from tracing.propagation import extract, inject
-
-    gw = TracerProvider(sampler=sampling.rate_limited(1000, TraceIdRatioBased(0.0)))
-    down = TracerProvider(sampler=sampling.rate_limited(1000)).get_tracer("d")
-    with gw.get_tracer("g").start_as_current_span("gateway.request") as root:
-        headers = inject()
-    assert not root.is_recording() or not root.get_span_context().trace_flags.sampled
-    child = down.start_span("prefill.compute", context=extract(headers))
-    assert not child.is_recording()
-
-
-def test_the_trace_rate_from_the_environment():
-    from opentelemetry.sdk.trace.sampling import ParentBased
-
-    from tracing.sampling import DEFAULT_RATE, sampler_from_env
-
-    unset = sampler_from_env({})
-    assert isinstance(unset, ParentBased)
-    assert f"RateLimited{{{DEFAULT_RATE:g}/s" in unset.get_description()
-    assert sampler_from_env({"PERIGEE_TRACE_RATE": "0"}) is None  # the SDK's own: every one
-    # An operator's own sampler is left alone.
-    assert sampler_from_env({"OTEL_TRACES_SAMPLER": "always_off"}) is None
-    ratio = sampler_from_env(
-        {
-            "PERIGEE_TRACE_RATE": "20",
-            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-            "OTEL_TRACES_SAMPLER_ARG": "0.25",
-        }
-    )
-    assert "RateLimited{20/s, TraceIdRatioBased{0.25}}" in ratio.get_description()
