@@ -68,6 +68,11 @@ class ControlPresence:
                 gone.append(k)
         return gone
 
+    def known(self, kind: str) -> bool:
+        """Whether a process of ``kind`` was heard (alive, or dead not long ago)."""
+        prefix = f"{kind}:"
+        return any(k.startswith(prefix) for k in self._beats)
+
     def alive(self, kind: str) -> list[str]:
         """The names of ``kind`` heard within their limit."""
         now = self.clock.now()

@@ -86,7 +86,8 @@ NO_RESPONDERS = "503"  # NATS status header on a reply subject: nobody subscribe
 # A migration answered "no responders" is sent again this many times (backing off from
 # 0.1 s to 1 s: about 10 s in all). Its client was accepted, and the usual cause is the
 # bus healing: admission reconnecting to another NATS server after one died, its
-# subscription not yet known cluster-wide.
+# subscription not yet known cluster-wide. So is a first send on the core path once an
+# admission was heard: it is restarting.
 RESEND_TRIES = 14
 
 
@@ -499,8 +500,15 @@ class ReplyRouter:
             return
         q = f.queue
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-            if f.resent is not None and f.resend_tries < RESEND_TRIES:
-                self._spawn(self._resend_later(f, f.resent))
+            pending = f.resent
+            if pending is None and f.request is not None and self.control.known("admission"):
+                # The core path with an admission heard before: it is restarting (a
+                # supervisor's, or a pod's container), so the request waits for it as the
+                # durable intake would have kept it. With none ever heard, 503 at once.
+                if f.current == f.request.request_id:
+                    pending = f.request
+            if pending is not None and f.resend_tries < RESEND_TRIES:
+                self._spawn(self._resend_later(f, pending))
                 return
             self.watchdog.untrack(rid)
             q.put_nowait(
@@ -947,9 +955,12 @@ class ReplyRouter:
     async def _resend_later(self, f: _Flight, req: GenerateRequest) -> None:
         f.resend_tries += 1
         self.resends_unanswered += 1
-        log.warning("migration_no_responders", request_id=req.request_id, tries=f.resend_tries)
+        log.warning("send_no_responders", request_id=req.request_id, tries=f.resend_tries)
         await asyncio.sleep(min(1.0, 0.1 * 2 ** (f.resend_tries - 1)))
-        if f.resent is not req or self._flights.get(self._routes.get(req.request_id, "")) is not f:
+        if (
+            f.current != req.request_id
+            or self._flights.get(self._routes.get(req.request_id, "")) is not f
+        ):
             return  # migrated again, finished or cancelled meanwhile
         try:
             await self._dispatch(req)

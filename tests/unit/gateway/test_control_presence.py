@@ -19,7 +19,7 @@ from services.common.clock import ManualClock
 from services.gateway import control_presence
 from services.gateway.control_presence import ControlPresence
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, serve_nothing, until
+from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
 
 OUT = TOK.encode("one two three four", add_bos=False)
 
@@ -171,3 +171,41 @@ async def test_a_beat_whose_subject_names_another_process_is_ignored(env):
     await until(lambda: gw.router.bad_events == 1)
     assert gw.router.control_deaths == 0 and b.requests.empty()
     post.cancel()
+
+
+async def test_a_request_nobody_takes_waits_for_the_admission_that_was_heard():
+    """The only admission restarting: the first send is answered "no responders" and is
+    sent again until admission is back, as the durable intake would have kept it. With
+    no admission ever heard, the answer stays a fast 503 (test_gateway_http)."""
+    from perigee.natsd import NatsServer
+    from tests.unit.gateway.test_gateway_migration import OUT as SERVED
+    from tests.unit.gateway.test_gateway_migration import serve_the_rest
+
+    with NatsServer() as server:  # a private server: nobody subscribes perigee.requests
+        nc_gw, nc_b = await nats.connect(server.url), await nats.connect(server.url)
+        gw = await Gateway(
+            GatewayConfig(port=0, sweep_interval_s=0, durable_intake=False), nc_gw, tokenizer=TOK
+        ).start()
+        try:
+            p = Presence(kind="admission", name="admission", incarnation=1, interval_s=0.5)
+            await nc_b.publish(subjects.presence("admission", "admission"), encode(p))
+            await until(lambda: gw.router.control.known("admission"))
+            body = {"prompt": "hi", "max_tokens": len(SERVED), "stream": True, "ignore_eos": True}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                url = f"http://127.0.0.1:{gw.port}/v1/completions"
+                post = asyncio.ensure_future(http.post(url, json=body).__aenter__())
+                await until(lambda: gw.router.resends_unanswered >= 1)
+                b = await FakeBackend(nc_b, serve_nothing).start()  # admission is back
+                req, reply = await asyncio.wait_for(b.requests.get(), 10)
+                await serve_the_rest(b, reply, req, resumed=0)
+                async with await asyncio.wait_for(post, 10) as r:
+                    assert r.status == 200
+                    chunks, done = await read_sse(r)
+            assert done
+            assert "".join(c["choices"][0]["text"] for c in chunks if c.get("choices")) == (
+                TOK.decode(SERVED)
+            )
+        finally:
+            await gw.close()
+            await nc_gw.close()
+            await nc_b.close()
