@@ -51,6 +51,25 @@ def core_stack(tmp_path_factory):
     s.stop()
 
 
+async def stop_burst_kill(s, child: str, prompt: str, resent) -> None:
+    """SIGSTOP ``child``, send a burst, wait until ``resent()`` (the gateway judged the
+    stopped process dead and sent what it held again), SIGKILL it: every request of the
+    burst is served, and the child restarted once."""
+    os.kill(s.children[child].proc.pid, signal.SIGSTOP)
+    async with aiohttp.ClientSession() as http:
+        burst = send_burst(http, s.url, prompt)
+
+        async def until_resent() -> None:
+            while not resent():
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(until_resent(), DEADLINE_S)
+        s.kill(child, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
+    assert s.restarts.get(child) == 1
+    assert_served(results)
+
+
 async def test_sigkilled_conductor_on_the_core_path_loses_no_request(core_stack):
     s = core_stack
     nc = await nats.connect(s.nats_url)
@@ -64,23 +83,13 @@ async def test_sigkilled_conductor_on_the_core_path_loses_no_request(core_stack)
     await nc.flush()
     done_before = await tasks_done(s)
     try:
-        os.kill(s.children["conductor-1"].proc.pid, signal.SIGSTOP)
-        async with aiohttp.ClientSession() as http:
-            burst = send_burst(http, s.url, "core path")
-
-            # The live conductor placed its share; the stopped one's share waits in its
-            # socket until the gateway judges it dead (silent) and sends those again
-            # (half of which the stopped one takes again: its subscription is still up,
-            # and they go on once its restart is heard).
-            async def resent() -> None:
-                while not any(rid.endswith("-m1") for rid in placed):
-                    await asyncio.sleep(0.05)
-
-            await asyncio.wait_for(resent(), DEADLINE_S)
-            s.kill("conductor-1", signal.SIGKILL)
-            results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
-        assert s.restarts.get("conductor-1") == 1
-        assert_served(results)
+        # The live conductor places its share; the stopped one's share waits in its
+        # socket until the gateway judges it dead (silent) and sends those again (half
+        # of which the stopped one takes again: its subscription is still up, and they
+        # go on once its restart is heard).
+        await stop_burst_kill(
+            s, "conductor-1", "core path", lambda: any(r.endswith("-m1") for r in placed)
+        )
         # The dead conductor placed none of what it held; each attempt placed once, and
         # each request computed once.
         assert all(n == 1 for n in placed.values()), placed
@@ -105,19 +114,9 @@ async def test_sigkilled_admission_on_the_core_path_loses_no_request(core_stack)
     await nc.flush()
     done_before = await tasks_done(s)
     try:
-        os.kill(s.children["admission"].proc.pid, signal.SIGSTOP)
-        async with aiohttp.ClientSession() as http:
-            burst = send_burst(http, s.url, "core path admission")
-
-            async def resent() -> None:  # judged dead: silent
-                while not any(rid.endswith("-m1") for rid in sent):
-                    await asyncio.sleep(0.05)
-
-            await asyncio.wait_for(resent(), DEADLINE_S)
-            s.kill("admission", signal.SIGKILL)
-            results = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
-        assert s.restarts.get("admission") == 1
-        assert_served(results)
+        await stop_burst_kill(
+            s, "admission", "core path admission", lambda: any(r.endswith("-m1") for r in sent)
+        )
         assert any(rid.endswith("-m2") for rid in sent)  # sent again at its restart
         assert await tasks_done(s) - done_before == BURST  # each computed once
     finally:

@@ -157,14 +157,7 @@ async def test_admission_forwards_a_redelivered_request_without_deciding_again(n
         m = await asyncio.wait_for(got.get(), 5)
         await dead.unsubscribe()
         await m.nak()
-        await h.start(
-            nats_url,
-            block_size=32,
-            ttft_slo_s=30.0,
-            tbt_slo_s=0.1,
-            policy="early",
-            durable_intake=True,
-        )
+        await h.start(nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early")
         await h.loads(prefill_work=100.0)  # far over the TTFT SLO: a new request gets 429
         fwd = decode((await scheduled.next_msg(timeout=5)).data, GenerateRequest)
         assert fwd.request_id == again and fwd.reply_subject == inbox
@@ -216,7 +209,7 @@ class _Redelivery:
 
 async def test_a_redelivered_request_this_admission_rejected_stays_rejected(nats_url):
     h = await AdmissionHarness().start(
-        nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early", durable_intake=True
+        nats_url, block_size=32, ttft_slo_s=30.0, tbt_slo_s=0.1, policy="early"
     )
     try:
         await h.loads(prefill_work=100.0)
