@@ -20,13 +20,12 @@ from bus_schemas import subjects
 from bus_schemas.codec import decode
 from bus_schemas.placement import PrefillTask
 from bus_schemas.requests import GenerateRequest
-from perigee.supervise import RestartPolicy
-from tests.e2e.conftest import make_stack
 from tests.e2e.test_crash_safe_intake import (
     BURST,
     DEADLINE_S,
     assert_served,
     send_burst,
+    supervised_stack,
     tasks_done,
 )
 
@@ -35,17 +34,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def core_stack(tmp_path_factory):
-    s = make_stack(
-        tmp_path_factory,
-        "core-path",
-        engine="mock",
-        prefill=2,
-        decode=2,
-        conductors=2,
-        speedup="100",
-        supervise=True,
-        restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
-    )  # the core path: the default
+    s = supervised_stack(tmp_path_factory, "core-path")  # the core path: the default
     s.start()
     yield s
     s.stop()

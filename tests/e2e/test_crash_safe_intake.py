@@ -44,20 +44,25 @@ MAX_TOKENS = 4
 DEADLINE_S = 90.0
 
 
-@pytest.fixture(scope="module")
-def intake_stack(tmp_path_factory):
-    s = make_stack(
+def supervised_stack(tmp_path_factory, name: str, **kw):
+    """2 prefill + 2 decode + 2 conductors on the mock, restarted when one dies."""
+    return make_stack(
         tmp_path_factory,
-        "intake",
+        name,
         engine="mock",
         prefill=2,
         decode=2,
         conductors=2,
         speedup="100",
-        durable_intake=True,
         supervise=True,
         restart_policy=RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=0.2),
+        **kw,
     )
+
+
+@pytest.fixture(scope="module")
+def intake_stack(tmp_path_factory):
+    s = supervised_stack(tmp_path_factory, "intake", durable_intake=True)
     s.start()
     yield s
     s.stop()
