@@ -20,7 +20,9 @@ cancelled (a worker wrongly judged dead stops; its late events are dropped here)
 A NATS server that dies loses what was in flight through it (core NATS delivers at most
 once): its clients announce their reconnection on ``perigee.bus.reconnected``
 (services.common.bus.connect) and every request sent is resumed the same way, not
-counted against ``--migration-limit`` (no worker died).
+counted against ``--migration-limit`` (no worker died). So is, on the core path, every
+request not placed yet when an admission or conductor process dies (its presence beats
+stop, or it beats under a newer incarnation: services.gateway.control_presence).
 
 The sweep judges liveness from load reports, which reach the gateway through its own
 NATS connection. When that input lags (a gateway busy with a thousand streams reads
