@@ -156,12 +156,7 @@ class AdmissionService:
             )
             await self.intake.start(s)
         s.spawn(
-            presence.beat(
-                self.nc,
-                "admission",
-                self.cfg.admission_id,
-                presence.interval_for(self.cfg.dead_after_s),
-            ),
+            presence.beat(self.nc, "admission", self.cfg.admission_id, self.cfg.dead_after_s),
             name="admission:presence",
         )
         await bus.sync(self.nc)  # subscriptions are live on the server once start() returns

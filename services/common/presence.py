@@ -27,8 +27,10 @@ def interval_for(dead_after_s: float) -> float:
     return max(0.05, dead_after_s / 4)
 
 
-async def beat(nc: NATS, kind: str, name: str, interval_s: float) -> None:
-    """Publish this process's Presence every ``interval_s`` until cancelled."""
+async def beat(nc: NATS, kind: str, name: str, dead_after_s: float) -> None:
+    """Publish this process's Presence, four times within ``dead_after_s``, until
+    cancelled."""
+    interval_s = interval_for(dead_after_s)
     subject = subjects.presence(kind, name)
     data = encode(
         Presence(kind=kind, name=name, incarnation=process_incarnation(), interval_s=interval_s)

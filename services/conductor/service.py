@@ -257,7 +257,7 @@ class ConductorService:
             )
         s.spawn(self._sweeper(), name="conductor:sweeper")
         s.spawn(
-            presence.beat(self.nc, "conductor", cid, presence.interval_for(self.cfg.dead_after_s)),
+            presence.beat(self.nc, "conductor", cid, self.cfg.dead_after_s),
             name="conductor:presence",
         )
         await bus.sync(self.nc)  # subscriptions are live on the server once start() returns

@@ -1,11 +1,12 @@
 """Which admission and conductor processes are alive, from their beats. Pure.
 
-On the core path (``--no-durable-intake``) the gateway's request travels as a core NATS
-message: REQUESTS to one admission, then SCHEDULE to one conductor. A process that dies
-holding it (between receipt and the conductor's ``Accepted``) takes it along, and no
-stream hands it to another. The gateway knows what it sent and what was placed, so it
-resends what was not placed yet when an admission or a conductor dies (as it resends
-after a NATS server's loss: services.gateway.replies). A death is either
+On the core path (the default; not ``--durable-intake``) the gateway's request travels
+as a core NATS message: REQUESTS to one admission, then SCHEDULE to one conductor. A
+process that dies holding it (between receipt and the conductor's ``Accepted``) takes
+it along, and no stream hands it to another. The gateway knows what it sent and what
+was placed, so it resends what was not placed yet when an admission or a conductor
+dies (as it resends after a NATS server's loss: services.gateway.replies). A death is
+either
 
     silence    no beat from a name for ``dead_after_s`` (at least four of its
                beat intervals), judged only while the gateway's own input is fresh

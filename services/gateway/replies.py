@@ -822,6 +822,10 @@ class ReplyRouter:
         if kind == "gateway" and sender != self.gateway_id:
             return  # another gateway's own requests
         self._bus_lost.add(f"{kind}:{sender}")
+        self._resume_pass_soon()
+
+    def _resume_pass_soon(self) -> None:
+        """One resume pass for every loss noted until it starts (``bus_settle_s``)."""
         if not self._bus_pass_due:
             self._bus_pass_due = True
             self._spawn(self._resume_after_bus_loss())
@@ -846,9 +850,7 @@ class ReplyRouter:
         self.control_deaths += len(keys)
         log.warning("control_process_died", processes=sorted(keys), how=how)
         self._control_lost.update(keys)
-        if not self._bus_pass_due:
-            self._bus_pass_due = True
-            self._spawn(self._resume_after_bus_loss())
+        self._resume_pass_soon()
 
     def _lost_with(self, who: set[str], rid: str) -> bool:
         """Whether request ``rid`` may have lost a message with one of ``who``."""

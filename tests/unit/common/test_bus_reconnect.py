@@ -5,7 +5,6 @@ against --migration-limit. Real nats-servers; a fake backend plays the workers."
 
 import asyncio
 
-import aiohttp
 import nats
 import pytest
 
@@ -16,8 +15,14 @@ from bus_schemas.requests import Accepted, Finished, Tokens
 from perigee.natsd import NatsCluster
 from services.common import bus
 from services.common.clock import ManualClock
-from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+from services.gateway.server import GatewayConfig
+from tests.unit.gateway.test_gateway_http import (
+    TOK,
+    FakeBackend,
+    quiet_backend_gateway,
+    read_sse,
+    until,
+)
 
 OUT = TOK.encode("one two three four five six", add_bos=False)
 
@@ -58,14 +63,8 @@ async def env(nats_url):
         sweep_interval_s=0,
         migration_limit=0,
     )  # even with migration off
-    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
-    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=ManualClock()).start()
-    backend = await FakeBackend(nc_be, serve_nothing).start()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+    async with quiet_backend_gateway(nats_url, cfg, ManualClock()) as (gw, backend, http):
         yield gw, backend, http
-    await gw.close()
-    await nc_gw.close()
-    await nc_be.close()
 
 
 async def send(b: FakeBackend, reply: str, *events) -> None:

@@ -19,7 +19,14 @@ from services.common.clock import ManualClock
 from services.gateway import control_presence
 from services.gateway.control_presence import ControlPresence
 from services.gateway.server import Gateway, GatewayConfig
-from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+from tests.unit.gateway.test_gateway_http import (
+    TOK,
+    FakeBackend,
+    quiet_backend_gateway,
+    read_sse,
+    serve_nothing,
+    until,
+)
 
 OUT = TOK.encode("one two three four", add_bos=False)
 
@@ -84,15 +91,9 @@ async def env(nats_url):
         migration_limit=0,  # not a worker's death: resent even so
     )
     clock = ManualClock()
-    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
-    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
-    gw.router.bus_settle_s = 0.0
-    backend = await FakeBackend(nc_be, serve_nothing).start()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+    async with quiet_backend_gateway(nats_url, cfg, clock) as (gw, backend, http):
+        gw.router.bus_settle_s = 0.0
         yield gw, backend, http, clock
-    await gw.close()
-    await nc_gw.close()
-    await nc_be.close()
 
 
 async def beat(b: FakeBackend, kind: str, name: str, incarnation: int, subject: str = "") -> None:

@@ -2,8 +2,9 @@
 answers GenerateRequests on their reply subject the way admission/conductor/decode do."""
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import nats
@@ -174,6 +175,24 @@ class Env:
 
     def set_behaviour(self, behaviour: Behaviour) -> None:
         self.backend.behaviour = behaviour
+
+
+@contextlib.asynccontextmanager
+async def quiet_backend_gateway(
+    nats_url: str, cfg: GatewayConfig, clock: ManualClock
+) -> AsyncIterator[tuple[Gateway, "FakeBackend", aiohttp.ClientSession]]:
+    """A gateway on ``clock`` before a fake admission that answers nothing by itself (the
+    test plays the backend), and an HTTP client."""
+    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
+    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
+    backend = await FakeBackend(nc_be, serve_nothing).start()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+            yield gw, backend, http
+    finally:
+        await gw.close()
+        await nc_gw.close()
+        await nc_be.close()
 
 
 @pytest.fixture

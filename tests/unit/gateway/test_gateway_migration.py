@@ -30,7 +30,14 @@ from services.conductor.placement_policy import Placement, Rejection
 from services.gateway import resend
 from services.gateway.server import Gateway, GatewayConfig
 from tests.unit.conductor.test_conductor_policy import make_policy, req
-from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, read_sse, serve_nothing, until
+from tests.unit.gateway.test_gateway_http import (
+    TOK,
+    FakeBackend,
+    quiet_backend_gateway,
+    read_sse,
+    serve_nothing,
+    until,
+)
 
 BS = 4
 PROMPT = list(range(10, 20))  # two full blocks of 4 and a tail of 2
@@ -207,14 +214,8 @@ async def env(nats_url):
         sweep_interval_s=0,
         migration_limit=1,
     )
-    nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
-    gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
-    backend = await FakeBackend(nc_be, serve_nothing).start()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+    async with quiet_backend_gateway(nats_url, cfg, clock) as (gw, backend, http):
         yield gw, backend, http, clock
-    await gw.close()
-    await nc_gw.close()
-    await nc_be.close()
 
 
 async def send(b: FakeBackend, reply: str, *events) -> None:
