@@ -234,6 +234,9 @@ class GenerateRequest(Msg):
     # durable intake did not store it in time (a JetStream stream electing a leader
     # after a nats-server died): admission and the conductor keep it off JetStream too.
     core_path: bool = False
+    # The client takes a stream's last tokens inside its Finished (``Finished.tokens``,
+    # ``unbundled``): one message fewer a request. The gateway asks for it.
+    finish_with_tokens: bool = False
 
 
 class Accepted(Msg, tag="accepted"):
@@ -283,6 +286,10 @@ class Finished(Msg, tag="finished"):
     # n > 1: each sequence's finish reason and completion tokens, by sequence.
     seq_finish: list[str] = []
     seq_tokens: list[int] = []
+    # The stream's last tokens when they came at its end, for a request that asked
+    # (``GenerateRequest.finish_with_tokens``): counted in completion_tokens, taken
+    # before the end (``unbundled``).
+    tokens: Tokens | None = None
 
 
 class Error(Msg, tag="error"):
@@ -295,6 +302,14 @@ class Error(Msg, tag="error"):
 
 
 StreamEvent = Accepted | Tokens | Finished | Error
+
+
+def unbundled(ev: StreamEvent) -> tuple[StreamEvent, ...]:
+    """The events ``ev`` stands for, in order: a Finished that carries the last tokens
+    is those Tokens, then the Finished without them."""
+    if type(ev) is Finished and ev.tokens is not None:
+        return ev.tokens, msgspec.structs.replace(ev, tokens=None)
+    return (ev,)
 
 
 class CancelRequest(Msg):

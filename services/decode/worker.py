@@ -318,13 +318,16 @@ class DecodeWorker(WorkerBase):
         if wb is not None:  # the prompt's blocks head the answer's chain
             commit.add_done_callback(lambda _: wb.prompt_committed())
         self.counters["tokens_generated"] += 1
+        # One sequence whose end nothing else waits on: its last tokens ride on Finished.
+        hold = (commit, wb) if len(streams) == 1 and req.finish_with_tokens else None
         with tracer().start_as_current_span("decode.generate") as span:
-            counts = await asyncio.gather(
+            ends = await asyncio.gather(
                 *(
-                    self._pump(req, st, seq, 1 if seq == 0 else 0, wb if seq == 0 else None)
+                    self._pump(req, st, seq, 1 if seq == 0 else 0, wb if seq == 0 else None, hold)
                     for seq, st in enumerate(streams)
                 )
             )
+            counts = [count for count, _ in ends]
             span.set_attribute("completion_tokens", sum(counts))
         await commit  # never raises; ordered before Finished so the node's cache is settled
         if wb is not None:
@@ -346,6 +349,7 @@ class DecodeWorker(WorkerBase):
                 cached_tokens=task.cached_tokens,
                 seq_finish=reasons if many else [],
                 seq_tokens=list(counts) if many else [],
+                tokens=ends[0][1],
             ),
         )
         self.counters["tasks_aborted" if "abort" in reasons else "tasks_done"] += 1
@@ -385,26 +389,34 @@ class DecodeWorker(WorkerBase):
         seq: int,
         index: int,
         wb: "writeback.AnswerWriteBack | None",
-    ) -> int:
+        hold: "tuple[asyncio.Task[None], writeback.AnswerWriteBack | None] | None" = None,
+    ) -> tuple[int, Tokens | None]:
         """Sequence ``seq``'s tokens to the client as the engine makes them, from
-        ``index`` (1: its first token went out already); returns its token count."""
+        ``index`` (1: its first token went out already); returns its token count and,
+        given ``hold`` (the commit and write-back that Finished waits for), the batch
+        that ended the stream, once the commit is over, if the write-back has nothing
+        left to write: it goes out with Finished, one message fewer, when it would
+        have gone anyway (the write-back's last round could delay it: not held then)."""
         while batch := await stream.next_batch():
-            await self._emit(
-                req.reply_subject,
-                Tokens(
-                    request_id=req.request_id,
-                    token_ids=batch,
-                    index=index,
-                    incarnation=self.incarnation,
-                    logprobs=stream.take_logprobs(),
-                    seq=seq,
-                ),
+            ev = Tokens(
+                request_id=req.request_id,
+                token_ids=batch,
+                index=index,
+                incarnation=self.incarnation,
+                logprobs=stream.take_logprobs(),
+                seq=seq,
             )
             index += len(batch)
             self.counters["tokens_generated"] += len(batch)
             if wb is not None:
                 wb.add_tokens(batch)
-        return index
+            if hold is not None and stream.ended():
+                commit, hold_wb = hold
+                await asyncio.shield(commit)  # Finished waits for it anyway
+                if hold_wb is None or hold_wb.idle():
+                    return index, ev
+            await self._emit(req.reply_subject, ev)
+        return index, None
 
     def _abort(self, rid: str) -> None:
         """Drop ``rid`` from the engine, each of its sequences when n > 1."""

@@ -169,6 +169,14 @@ class AnswerWriteBack:
         self._committed.set()
         self._kick()
 
+    def idle(self) -> bool:
+        """Nothing in flight and nothing :meth:`finish` would write now."""
+        writing = self._task is not None and not self._task.done()
+        return not writing and not (
+            self.enabled
+            and (self._ready() or (self.follow_pending and self._next > self._prompt_blocks))
+        )
+
     async def finish(self) -> None:
         """Wait until every block handed over so far is written (or given up); then, if
         the prefill node missed some of them, one last round takes them there."""

@@ -220,6 +220,10 @@ class RequestStream:
             self._event.set()
 
     # -- consumer side (the worker) --
+    def ended(self) -> bool:
+        """Finished with nothing left to take: the last ``next_batch`` was the end."""
+        return self.finish_reason is not None and not self._tokens
+
     async def next_batch(self) -> list[int]:
         while not self._tokens and not self.done:
             self._event.clear()

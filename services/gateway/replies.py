@@ -56,6 +56,7 @@ from bus_schemas.requests import (
     GenerateRequest,
     StreamEvent,
     Tokens,
+    unbundled,
 )
 from bus_schemas.roles import Role
 from services.common import bus, intake_queue, metrics, presence
@@ -528,6 +529,14 @@ class ReplyRouter:
             self.bad_events += 1
             log.warning("bad_stream_event", request_id=rid, error=str(e))
             return
+        for one in unbundled(ev):
+            if self._routes.get(aid) != rid or self._flights.get(rid) is not f:
+                return  # the tokens before it ended this attempt (a gap, a migration)
+            self._on_event(f, rid, one)
+
+    def _on_event(self, f: _Flight, rid: str, ev: StreamEvent) -> None:
+        """One stream event of flight ``f``'s current attempt, decoded."""
+        q = f.queue
         wd = self.watchdog
         if self._lost_before(f, ev):
             # Events before this one never came (a NATS server died with them in

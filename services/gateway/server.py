@@ -587,6 +587,7 @@ class Gateway:
             model=self.cfg.served_model_name,
             arrival_ts=time.time(),
             reply_subject=self.router.reply_subject(rid),
+            finish_with_tokens=True,
         )
         q = self.router.open(rid)
         text = self._text_output(p, sampling)

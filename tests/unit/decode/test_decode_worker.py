@@ -11,7 +11,15 @@ from bus_schemas.codec import decode, encode
 from bus_schemas.control import Refused
 from bus_schemas.load import DecodeLoad
 from bus_schemas.placement import DecodeTask, RequestFailed
-from bus_schemas.requests import CancelAck, CancelRequest, Error, ErrorCode, Finished, Tokens
+from bus_schemas.requests import (
+    CancelAck,
+    CancelRequest,
+    Error,
+    ErrorCode,
+    Finished,
+    Tokens,
+    unbundled,
+)
 from tests.unit.conftest_fakestore import Rig, slot_kv, tokens_of, until_terminal, write_expected
 
 
@@ -83,6 +91,26 @@ async def test_concurrent_requests_each_get_their_reference_tokens(rig):
         )
     assert sorted(c.tx_id for c in rig.commits) == sorted(dt.decode_tx.tx_id for dt in dts)
     assert rig.conductor.empty()  # the prefill instance notifies the conductor, not decode
+
+
+async def test_the_last_tokens_ride_on_finished_for_a_client_that_asks(rig):
+    # A gateway asks (finish_with_tokens): the batch that ends the stream comes inside
+    # Finished, one message fewer; a client that did not ask gets Tokens, then a bare
+    # Finished. The answer fills no block here, so the write-back has nothing to wait on.
+    for asked in (True, False):
+        p = rig.prompt(33, seed=30 + asked)
+        dt = decode_task(rig, p, max_tokens=5)
+        dt = msgspec.structs.replace(
+            dt, request=msgspec.structs.replace(dt.request, finish_with_tokens=asked)
+        )
+        events = await until_terminal(await send(rig, dt))
+        end = events[-1]
+        assert isinstance(end, Finished) and end.completion_tokens == 5
+        assert (end.tokens is not None) == asked
+        flat = [e for ev in events for e in unbundled(ev)]
+        assert tokens_of(flat) == rig.reference(p, 5)
+        assert isinstance(flat[-1], Finished) and flat[-1].tokens is None
+        assert len(flat) == len(events) + asked
 
 
 async def test_max_tokens_one_and_stop_token(rig):

@@ -121,6 +121,28 @@ async def serve_ok(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
     )
 
 
+async def serve_ok_bundled(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
+    """serve_ok with the last tokens inside Finished, as a decode worker sends them to a
+    client that asked (finish_with_tokens)."""
+    rid = req.request_id
+    await b.send(
+        reply,
+        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0", cached_tokens=CACHED),
+    )
+    await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[:1], index=0))
+    await b.send(
+        reply,
+        Finished(
+            request_id=rid,
+            finish_reason="stop",
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(OUT_IDS) + 1,
+            cached_tokens=CACHED,
+            tokens=Tokens(request_id=rid, token_ids=OUT_IDS[1:] + [TOK.eos_id], index=1),
+        ),
+    )
+
+
 async def serve_reject(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
     await b.send(
         reply,
@@ -324,6 +346,25 @@ async def test_completion_token_prompt_stream_with_usage(env):
     assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in texts)
     assert last["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}]
     assert use["choices"] == [] and use["usage"] == usage_of(4)
+
+
+async def test_last_tokens_inside_finished_reach_the_client(env):
+    # The gateway asks the decode worker for them there (one bus message fewer); the
+    # client's answer is the same as from separate Tokens and Finished events.
+    got = {}
+    for name, behaviour in (("apart", serve_ok), ("bundled", serve_ok_bundled)):
+        env.set_behaviour(behaviour)
+        async with env.post("/v1/completions", {"prompt": "hi"}) as r:
+            assert r.status == 200
+            out = await r.json()
+        async with env.post("/v1/completions", {"prompt": "hi", "stream": True}) as r:
+            chunks, done = await read_sse(r)
+        req, _ = env.backend.requests.get_nowait()
+        assert req.finish_with_tokens and done
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        got[name] = (out["choices"], out["usage"], streamed)
+    assert got["bundled"] == got["apart"] and got["apart"][0][0]["text"] == OUT_TEXT
+    assert got["apart"][2] == OUT_TEXT
 
 
 async def test_chat_non_stream_and_stream(env):
