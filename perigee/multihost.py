@@ -312,7 +312,7 @@ class MultiHostStack(Stack):
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", str(Path(self.spans_file).resolve()))
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")
-        env.update(sampling_env(self.cfg.trace_sample))
+        env.update(sampling_env(self.cfg.trace_sample, self.cfg.trace_rate))
         host = self.placement[child.name]
         # nsenter joins the namespaces and execs the service: the pid is the service's,
         # and PR_SET_PDEATHSIG (kept across exec) still ties it to this process.

@@ -40,6 +40,8 @@ from services.common import admission_mode, bus, shared_flags
 from services.common.model_spec import ModelSpec
 from services.transfer.data_auth import ENV as DATA_KEY_ENV
 from services.transfer.data_auth import new_key as new_data_key
+from tracing.sampler import DEFAULT_RATE as DEFAULT_TRACE_RATE
+from tracing.sampler import ENV as TRACE_RATE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,12 +95,13 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def sampling_env(share: float) -> dict[str, str]:
-    """A service's environment for tracing ``share`` of the requests: OpenTelemetry's
+def sampling_env(share: float, rate: float = DEFAULT_TRACE_RATE) -> dict[str, str]:
+    """A service's environment for tracing ``share`` of the requests (or, with share
+    1.0, at most ``rate`` new traces a second at each root, 0: every request): the
     sampler decides at a trace's root (the gateway, for a request) and every service
     follows the parent's decision, so a traced request is traced whole."""
     if share >= 1.0:
-        return {}
+        return {TRACE_RATE_ENV: f"{rate:g}"}
     return {
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": str(share),
@@ -232,7 +235,7 @@ class Stack:
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
         env.setdefault("OTEL_BSP_SCHEDULE_DELAY", "500")  # ms: spans reach the file promptly
-        env.update(sampling_env(self.cfg.trace_sample))
+        env.update(sampling_env(self.cfg.trace_sample, self.cfg.trace_rate))
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv],

@@ -8,6 +8,7 @@ from perigee.supervise import RestartPolicy
 from services.common import admission_mode, defaults
 from services.common.admission_mode import AdmissionMode
 from services.common.model_spec import DEFAULT_MODEL_DIR
+from tracing.sampler import DEFAULT_RATE as DEFAULT_TRACE_RATE
 
 
 @dataclass
@@ -60,6 +61,9 @@ class StackConfig:
     # every service (OpenTelemetry's parentbased_traceidratio): 1.0 traces every request
     # (perigee breakdown sees them all); 0.1 cut the stack's CPU per request by ~14 %.
     trace_sample: float = 1.0
+    # With trace_sample 1.0: at most this many new traces a second at each root
+    # (tracing.sampler; every request below it), 0 for every request at any load.
+    trace_rate: float = DEFAULT_TRACE_RATE
     extra_env: dict[str, str] = field(default_factory=dict)
     # More flags for every child of one service kind (gateway, admission, conductor,
     # prefill, decode, store), after the ones the stack sets: `perigee up --gateway-arg`.

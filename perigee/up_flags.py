@@ -35,6 +35,13 @@ def _share(v: str) -> float:
     return x
 
 
+def _rate(v: str) -> float:
+    x = float(v)
+    if not x >= 0.0:
+        raise argparse.ArgumentTypeError(f"{v}: traces a second, at least 0")
+    return x
+
+
 def flag(*names: str, **kw: Any) -> tuple[tuple[str, ...], dict[str, Any]]:
     return names, kw
 
@@ -193,7 +200,14 @@ GROUPS: dict[str, list[tuple[tuple[str, ...], dict[str, Any]]]] = {
             type=_share,
             help="share of requests traced, decided at the gateway and followed by every "
             "service (OpenTelemetry parentbased_traceidratio; default: %(default)s, every "
-            "request)",
+            "request up to --trace-rate)",
+        ),
+        flag(
+            "--trace-rate",
+            type=_rate,
+            help="with every request traced (--trace-sample 1): at most this many new "
+            "traces a second at each gateway, the others untraced in every service "
+            "(PERIGEE_TRACE_RATE); 0: every request at any load; default: %(default)s",
         ),
         flag(
             "--max-restarts",

@@ -10,6 +10,8 @@
   (needs ``opentelemetry-exporter-otlp-proto-grpc`` installed);
 * ``console``; ``none`` (spans are made, e.g. for span metrics, but not exported).
 
+Which requests are traced: :mod:`tracing.sampler` (at most ``PERIGEE_TRACE_RATE`` new
+traces a second at each root, or the standard ``OTEL_TRACES_SAMPLER``).
 ``OTEL_SERVICE_NAME`` overrides the service name and ``OTEL_RESOURCE_ATTRIBUTES``
 adds resource attributes; the batch processor reads ``OTEL_BSP_*``.
 """
@@ -22,6 +24,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
 from tracing.jsonl import JsonlSpanExporter
+from tracing.sampler import sampler_from_env
 
 DEFAULT_SPANS_FILE = ".perigee/spans.jsonl"
 EXPORTERS = ("jsonl", "otlp", "console", "none")
@@ -101,7 +104,11 @@ def setup_tracing(service: str) -> TracerProvider:
     if _provider is not None:
         return _provider
     name = os.environ.get("OTEL_SERVICE_NAME") or service
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    try:
+        sampler = sampler_from_env()
+    except ValueError as e:
+        raise TracingConfigError(str(e)) from e
+    provider = TracerProvider(resource=Resource.create({"service.name": name}), sampler=sampler)
     for p in span_processors():
         provider.add_span_processor(p)
     trace.set_tracer_provider(provider)

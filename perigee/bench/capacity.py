@@ -44,6 +44,7 @@ from perigee.bench.stats import cpu_seconds, summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common.bus import sync
+from tracing.sampler import DEFAULT_RATE as DEFAULT_TRACE_RATE
 
 DEFAULT_RATES = "25,50,100,150,200,300,400,600,800"
 
@@ -235,6 +236,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         log_dir=f"{a.log_dir}/{conductors}x{admissions}",
         log_level="WARNING",
         trace_sample=a.trace_sample,
+        trace_rate=a.trace_rate,
         nats_procs=a.nats_procs,
         durable_intake=a.durable_intake,
         extra_env=(
@@ -328,7 +330,15 @@ def main(argv: list[str]) -> int:
         "--trace-sample",
         type=float,
         default=1.0,
-        help="share of requests traced (perigee up --trace-sample; default: every one)",
+        help="share of requests traced (perigee up --trace-sample; default: every one "
+        "up to --trace-rate)",
+    )
+    p.add_argument(
+        "--trace-rate",
+        type=float,
+        default=DEFAULT_TRACE_RATE,
+        help="new traces a second at each gateway at most (perigee up --trace-rate; "
+        "0: every request; default: %(default)s)",
     )
     p.add_argument(
         "--nats-procs",
@@ -373,6 +383,7 @@ def main(argv: list[str]) -> int:
         "p99_ms": a.p99_ms,
         "step_s": a.step_s,
         "trace_sample": a.trace_sample,
+        "trace_rate": a.trace_rate,
         "nats_procs": a.nats_procs,
         "durable_intake": a.durable_intake,
         "layouts": results,

@@ -12,6 +12,9 @@ def make_stack(tmp_path_factory, name: str, **kw) -> Stack:
     """A stack for one test module; the mock engine unless ``engine="vllm"`` is given
     (``perigee up`` defaults to vllm, these tests rely on the mock's speed)."""
     kw.setdefault("engine", "mock")
+    # Every request traced at any rate: a test that reads a request's spans must find
+    # them whatever the tests before it sent (the default caps new traces a second).
+    kw.setdefault("trace_rate", 0.0)
     cfg = StackConfig(port=free_port(), log_dir=str(tmp_path_factory.mktemp(f"logs-{name}")), **kw)
     return Stack(cfg)
 

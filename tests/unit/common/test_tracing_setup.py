@@ -12,6 +12,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
 
+import tracing.setup as tracing_setup
 from tracing.jsonl import JsonlSpanExporter
 from tracing.setup import (
     DEFAULT_SPANS_FILE,
@@ -139,7 +140,6 @@ def test_a_sampled_share_is_decided_at_the_root_and_followed_downstream(monkeypa
     from perigee.stack import sampling_env
     from tracing.propagation import extract, inject
 
-    assert sampling_env(1.0) == {}
     for k, v in sampling_env(0.5).items():
         monkeypatch.setenv(k, v)
     gateway, downstream = InMemorySpanExporter(), InMemorySpanExporter()
@@ -160,3 +160,61 @@ def test_a_sampled_share_is_decided_at_the_root_and_followed_downstream(monkeypa
     roots = {s.context.trace_id for s in gateway.get_finished_spans()}
     children = {s.context.trace_id for s in downstream.get_finished_spans()}
     assert roots == children and len(roots) == sum(traced)
+
+
+def test_the_root_traces_at_most_its_rate_and_every_service_follows(monkeypatch):
+    """The default (tracing.sampler): a root traces every request while its bucket holds
+    a token (a second's worth, refilled at the rate) and none past it; a service
+    downstream follows the root's decision either way, so a request is traced whole or
+    nowhere. The clock is the test's."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracing.propagation import extract, inject
+    from tracing.sampler import ParentBased, RateLimitedSampler
+
+    now = [100.0]
+    root = RateLimitedSampler(4.0, clock=lambda: now[0])
+    gateway, downstream = InMemorySpanExporter(), InMemorySpanExporter()
+    pa = TracerProvider(sampler=ParentBased(root=root))
+    pb = TracerProvider(sampler=ParentBased(root=RateLimitedSampler(1.0, burst=1.0)))
+    pa.add_span_processor(SimpleSpanProcessor(gateway))
+    pb.add_span_processor(SimpleSpanProcessor(downstream))
+    ta, tb = pa.get_tracer("gateway"), pb.get_tracer("prefill")
+
+    def request() -> bool:
+        with ta.start_as_current_span("gateway.request") as span:
+            headers = inject()
+        for _ in range(3):  # more than the downstream bucket's own: it is not consulted
+            tb.start_span("prefill.compute", context=extract(headers)).end()
+        return span.get_span_context().trace_flags.sampled
+
+    assert [request() for _ in range(6)] == [True] * 4 + [False] * 2  # the burst: 4
+    now[0] += 0.25  # one token back
+    assert [request() for _ in range(2)] == [True, False]
+    now[0] += 10.0  # the bucket holds a second's worth at most
+    assert [request() for _ in range(5)] == [True] * 4 + [False]
+    roots = [s.context.trace_id for s in gateway.get_finished_spans()]
+    children = [s.context.trace_id for s in downstream.get_finished_spans()]
+    assert len(roots) == 9 and children == [t for t in roots for _ in range(3)]
+
+
+def test_the_rate_comes_from_the_environment_and_the_standard_variable_wins(monkeypatch):
+    from perigee.stack import sampling_env
+    from tracing.sampler import DEFAULT_RATE, RateLimitedSampler, sampler_from_env
+
+    assert sampling_env(1.0) == {"PERIGEE_TRACE_RATE": f"{DEFAULT_RATE:g}"}
+    assert sampling_env(1.0, 0.0) == {"PERIGEE_TRACE_RATE": "0"}
+    assert "PERIGEE_TRACE_RATE" not in sampling_env(0.5, 7.0)  # the share decides
+    default = sampler_from_env({})
+    assert isinstance(default._root, RateLimitedSampler) and default._root.rate == DEFAULT_RATE
+    assert sampler_from_env({"PERIGEE_TRACE_RATE": "12.5"})._root.rate == 12.5
+    assert sampler_from_env({"PERIGEE_TRACE_RATE": "0"}) is None  # every request
+    ratio = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "PERIGEE_TRACE_RATE": "5"}
+    assert sampler_from_env(ratio) is None  # the SDK reads the standard variable
+    for bad in ("-1", "nan", "fast"):
+        with pytest.raises(ValueError):
+            sampler_from_env({"PERIGEE_TRACE_RATE": bad})
+    monkeypatch.setenv("PERIGEE_TRACE_RATE", "-1")
+    monkeypatch.setattr(tracing_setup, "_provider", None)
+    with pytest.raises(tracing_setup.TracingConfigError, match="PERIGEE_TRACE_RATE"):
+        tracing_setup.setup_tracing("svc")
