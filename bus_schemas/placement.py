@@ -67,6 +67,10 @@ class PrefillTask(Msg):
     # task addressed to another incarnation of its name (the one placed on is gone).
     prefill_incarnation: int = 0
     decode_incarnation: int = 0
+    # Non-empty: the conductor sent this task's first round of TxAllocates itself as it
+    # placed it, the stores answering on subjects.prefill_reserved(instance, this key),
+    # so the round trip overlaps the task's way here (services.prefill.reserve_ahead).
+    reserved_ahead: str = ""
 
 
 class DecodeTask(Msg):

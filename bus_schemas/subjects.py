@@ -52,6 +52,13 @@ def prefill_tasks(instance: str) -> str:
     return f"{NS}.prefill.{instance}.tasks"
 
 
+def prefill_reserved(instance: str, key: str = "*", role: str = "*") -> str:
+    """Where the stores answer the TxAllocates a conductor sent for ``instance`` ahead
+    of its task (``PrefillTask.reserved_ahead`` is ``key``; ``role``: prefill, decode,
+    source): the reply subject of each, so that only the instance reads them."""
+    return f"{NS}.prefill.{instance}.reserved.{key}.{role}"
+
+
 def cpp_stage(instance: str, op: str) -> str:
     """Where a pipeline's anchor opens (``op`` "open") and runs ("run") ``instance``'s
     stage (bus_schemas.pipeline_stages)."""

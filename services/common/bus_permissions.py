@@ -104,6 +104,9 @@ def publish_allow(m: Member, d: Deployment) -> list[str]:
             s.placed("*"),
             s.STORE_DISCOVER,
             *(s.store_ctl("*", ep) for ep in ("tx.commit", "tx.abort", "dump")),
+            # a placement's first reservation round, sent ahead of its task (the stores
+            # answer the prefill instance: services.prefill.reserve_ahead)
+            s.store_ctl("*", "tx.allocate"),
             *REPLIES,  # Accepted, rejections
             s.bus_reconnected("conductor", ident),
             s.presence("conductor", ident),
@@ -195,7 +198,7 @@ def subscribe_allow(m: Member, d: Deployment) -> list[str]:
         for role in _worker_roles(m, d):
             out.append(s.worker_stats(role, inst))
             if role == Role.PREFILL:
-                out += [s.prefill_tasks(inst), s.cpp_stage(inst, "*")]
+                out += [s.prefill_tasks(inst), s.cpp_stage(inst, "*"), s.prefill_reserved(inst)]
             else:
                 out.append(s.decode_tasks(inst))
         if d.switchable:

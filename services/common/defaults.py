@@ -15,3 +15,6 @@ REPORT_INTERVAL_S = 0.1
 # A load report covers a dispatch only when generated this long after it: the task's time
 # on the bus (services.conductor.placement_policy.PlacementPolicy.report_grace_s).
 REPORT_GRACE_S = 0.05
+# The lease of a store transaction a worker holds, s (--lease; renewed every third of it
+# while the request lives). A conductor's TxAllocates sent ahead of a task ask for it too.
+TX_LEASE_S = 10.0

@@ -10,7 +10,10 @@ When a request's compute starts its prefill instance opens, in one round::
                                    prefix, as where the pull starts is known only once
                                    the prefill node has answered with its own hit
 
-and reads each round's refusals with :func:`next_step`: a SOURCE that breaks is dropped
+(:func:`allocations` gives the messages; the conductor sends the first round itself
+when it places a request on an idle instance, the replies going to the instance:
+``services.prefill.reserve_ahead``), and reads each round's refusals with
+:func:`next_step`: a SOURCE that breaks is dropped
 (the prefix is computed locally), room refused is waited for, anything else fails the
 request. From the grants, :func:`grant` says what is on the node before compute and
 what is pulled.
@@ -19,8 +22,8 @@ what is pulled.
 from dataclasses import dataclass
 from enum import Enum
 
-from bus_schemas.control import TxRole
-from bus_schemas.placement import PrefixSource
+from bus_schemas.control import TxAllocate, TxRole
+from bus_schemas.placement import PrefillTask, PrefixSource
 
 PREFILL, DECODE, SOURCE = "prefill", "decode", "source"
 WAIT_S = 60.0  # how long a reservation waits for room before the request fails
@@ -87,6 +90,37 @@ def jobs(
             source.node, TxRole.SOURCE, block_hashes[:end], min(num_tokens, end * block_size)
         )
     return out
+
+
+def allocations(
+    task: PrefillTask, roles: set[str], lease_s: float
+) -> dict[str, tuple[str, TxAllocate]]:
+    """The TxAllocate of each role in ``roles`` for ``task``, by role: (node, message)."""
+    req = task.request
+    todo = jobs(
+        prefill_node=task.prefill_node,
+        decode_node=task.decode_node,
+        source=task.source,
+        block_hashes=req.block_hashes or [],
+        num_tokens=len(req.prompt_token_ids),
+        block_size=req.block_size,
+        roles=roles,
+    )
+    return {
+        role: (
+            j.node,
+            TxAllocate(
+                request_id=req.request_id,
+                role=j.role,
+                block_hashes=j.block_hashes,
+                num_tokens=j.num_tokens,
+                retention=req.retention,
+                context_ttl_s=req.context_ttl_s,
+                lease_s=lease_s,
+            ),
+        )
+        for role, j in todo.items()
+    }
 
 
 def wanted(source: PrefixSource | None) -> set[str]:

@@ -16,7 +16,7 @@ from services.common import (
 )
 from services.conductor import metrics as conductor_metrics
 from services.conductor.placement_policy import DEFAULT_BALANCING_THRESHOLD, STRATEGIES
-from services.conductor.service import ConductorConfig, ConductorService
+from services.conductor.service import RESERVE_AHEAD_QUEUE_S, ConductorConfig, ConductorService
 from services.policy import chunk_timing
 
 
@@ -106,6 +106,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shared_flags.DeadAfter.add(ap, "no placement on it")
     ap.add_argument("--tx-timeout", type=float, default=2.0, help="store request timeout, s")
     ap.add_argument(
+        "--reserve-ahead-queue-ms",
+        type=float,
+        default=RESERVE_AHEAD_QUEUE_S * 1e3,
+        help="send a placement's TxAllocates ahead of its task (the stores answer the "
+        "prefill instance) when the instance's predicted queue is at most this long; "
+        "negative: never; default %(default)g",
+    )
+    ap.add_argument(
         "--report-grace",
         type=float,
         default=0.05,
@@ -148,6 +156,7 @@ def config_from_args(args: argparse.Namespace) -> ConductorConfig:
         strategy=args.strategy,
         tx_timeout_s=args.tx_timeout,
         report_grace_s=args.report_grace,
+        reserve_ahead_queue_s=args.reserve_ahead_queue_ms / 1e3,
     )
 
 

@@ -9,9 +9,11 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
     services.common.intake_queue) or SCHEDULE (core NATS, queue group Q_CONDUCTOR)
       -> PLACING      policy.place over the shadow index (shadow.py) and load reports
       -> DISPATCHED   PrefillTask on prefill_tasks(instance) naming both instances and
-                      the expected prefix; Accepted to the client. No store slot is
-                      reserved yet: the prefill instance opens the transactions when
-                      its compute starts and renews their leases (services.prefill.reserve)
+                      the expected prefix; Accepted to the client. The prefill instance
+                      opens the store transactions when its compute starts and renews
+                      their leases (services.prefill.reserve); to an idle instance the
+                      first round goes from here, right after the task, the stores
+                      answering the instance (services.prefill.reserve_ahead)
       -> COMMITTED    FirstTokenNotice (prefill, once its KV is on the decode node):
                       TxCommit on the prefill store (and the SOURCE tx it names)
        | ABORTED      RequestFailed: the worker aborted its transactions; TxAbort again
@@ -36,6 +38,7 @@ first-token notices (services.conductor.balancing).
 
 import asyncio
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -55,11 +58,12 @@ from bus_schemas.placement import (
     RequestFailed,
 )
 from bus_schemas.requests import Accepted, ErrorCode, GenerateRequest
-from services.common import bus, defaults, intake, intake_queue, metrics, presence
+from services.common import bus, defaults, intake, intake_queue, metrics, presence, reservation
 from services.common.calibration import CalibrationBook
 from services.common.clock import UnixClock
 from services.common.cost_fit import load_cost_model
 from services.common.cost_model import CostModel
+from services.common.defaults import TX_LEASE_S
 from services.common.pools_heard import PoolsHeard
 from services.common.store_tx import StoreTx
 from services.conductor import placement_round
@@ -76,6 +80,11 @@ log = structlog.get_logger()
 
 # An instance silent this long leaves the books (its name may never come back).
 FORGET_INSTANCE_S = 600.0
+
+
+# A placement on an instance whose predicted queue is at most this long has its store
+# round trip sent ahead of the task (ConductorConfig.reserve_ahead_queue_s).
+RESERVE_AHEAD_QUEUE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,10 @@ class ConductorConfig:
     cpp_group: int = 1
     cpp_chunk_tokens: int = cpp_.DEFAULT_CHUNK_TOKENS
     cpp_min_tokens: int = cpp_.DEFAULT_MIN_TOKENS
+    # Send a placement's first round of TxAllocates ahead of its task, the stores
+    # answering the prefill instance, when the instance's predicted queue is at most
+    # this long (services.prefill.reserve_ahead); negative: never.
+    reserve_ahead_queue_s: float = RESERVE_AHEAD_QUEUE_S
 
     @property
     def forget_after_s(self) -> float:
@@ -380,6 +393,13 @@ class ConductorService:
         bs = self.cfg.block_size
         p, f = placed.placement, placed.task
         r = p.remote
+        # An idle instance starts at once: its stores' round trip need not wait for the
+        # task to arrive (a pipeline's stages reserve their own way).
+        ahead = (
+            uuid.uuid4().hex[:16]
+            if p.est_queue_s <= self.cfg.reserve_ahead_queue_s and not f.cpp_stages
+            else ""
+        )
         task = PrefillTask(
             request=req,
             conductor_id=self.cfg.conductor_id,
@@ -398,6 +418,7 @@ class ConductorService:
             cpp_chunk_tokens=f.cpp_chunk_tokens,
             prefill_incarnation=f.prefill_incarnation,
             decode_incarnation=f.decode_incarnation,
+            reserved_ahead=ahead,
         )
         if claim:
             try:
@@ -437,6 +458,8 @@ class ConductorService:
         }.items():
             span.set_attribute(k, v)
         await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
+        if ahead:
+            await self._reserve_ahead(task)
         await bus.publish(self.nc, reply, accepted(task, bs))
         log.info(
             "placed",
@@ -447,6 +470,20 @@ class ConductorService:
             est_ttft_s=round(p.est_ttft_s, 6),
             cpp_stages=list(p.cpp_stages) or None,
         )
+
+    async def _reserve_ahead(self, task: PrefillTask) -> None:
+        """The task's first round of TxAllocates, answered to its prefill instance
+        (services.prefill.reserve_ahead); a send that fails leaves the round to the
+        instance (it waits, then asks itself)."""
+        roles = reservation.wanted(task.source)
+        for role, (node, msg) in reservation.allocations(task, roles, TX_LEASE_S).items():
+            reply = subjects.prefill_reserved(task.prefill_instance, task.reserved_ahead, role)
+            try:
+                await bus.publish(
+                    self.nc, subjects.store_ctl(node, "tx.allocate"), msg, reply=reply
+                )
+            except Exception as e:  # noqa: BLE001 - the instance allocates it itself
+                log.warning("reserve_ahead_unsent", node=node, role=role, error=repr(e))
 
     async def _resend(self, task: PrefillTask, reply: str) -> None:
         """Send a claimed placement again, as it was decided: its prefill instance drops

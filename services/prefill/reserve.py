@@ -3,7 +3,8 @@ never while it waits in the queue, and kept alive by lease renewal until they ar
 handed on.
 
     reserve    TxAllocate PREFILL (own node), DECODE (decode node) and SOURCE (the
-               holder of a remote prefix), in parallel. A store short of room (every
+               holder of a remote prefix), in parallel (the first round's answers
+               come from services.prefill.reserve_ahead when the conductor sent it). A store short of room (every
                slot held by running work) is asked again, every ``retry_s``, keeping
                what was granted, for up to ``wait_s``: an accepted request waits for
                room rather than fail. A store that does not answer fails the request.
@@ -80,7 +81,9 @@ T = TypeVar("T")
 class Reserver(Protocol):
     """What the prefill worker asks of its store reservations, from open to release."""
 
-    async def reserve(self, task: PrefillTask) -> Reservation: ...
+    async def reserve(
+        self, task: PrefillTask, ahead: Awaitable[AllocationRound] | None = None
+    ) -> Reservation: ...
     async def computing(self, r: Reservation, work: Awaitable[T]) -> T: ...
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None: ...
     async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None: ...
@@ -109,33 +112,13 @@ class StoreReserver:
         self.retry_s = retry_s
 
     def _jobs(self, task: PrefillTask, roles: set[str]) -> dict[str, tuple[str, TxAllocate]]:
-        req = task.request
-        common = dict(
-            request_id=req.request_id,
-            retention=req.retention,
-            context_ttl_s=req.context_ttl_s,
-            lease_s=self.lease_s,
-        )
-        todo = plan.jobs(
-            prefill_node=task.prefill_node,
-            decode_node=task.decode_node,
-            source=task.source,
-            block_hashes=req.block_hashes or [],
-            num_tokens=len(req.prompt_token_ids),
-            block_size=req.block_size,
-            roles=roles,
-        )
-        return {
-            role: (
-                j.node,
-                TxAllocate(
-                    role=j.role, block_hashes=j.block_hashes, num_tokens=j.num_tokens, **common
-                ),
-            )
-            for role, j in todo.items()
-        }
+        return plan.allocations(task, roles, self.lease_s)
 
-    async def reserve(self, task: PrefillTask) -> Reservation:
+    async def reserve(
+        self, task: PrefillTask, ahead: Awaitable[AllocationRound] | None = None
+    ) -> Reservation:
+        """``ahead``: the first round's answers, when the conductor sent it
+        (services.prefill.reserve_ahead); a role they leave out is asked here."""
         rid = task.request.request_id
         want = plan.wanted(task.source)
         got = AllocationRound()
@@ -143,7 +126,14 @@ class StoreReserver:
         waited = False
         try:
             while True:
-                att = await self.tx.allocate(self._jobs(task, want - set(got.handles)))
+                jobs = self._jobs(task, want - set(got.handles))
+                if ahead is not None:
+                    att, ahead = await ahead, None
+                    rest = {r: j for r, j in jobs.items() if not _answered(att, r)}
+                    if rest:
+                        _merge(att, await self.tx.allocate(rest))
+                else:
+                    att = await self.tx.allocate(jobs)
                 for role, (node, h) in att.handles.items():
                     got.handles[role] = (node, h)
                     self.leases.hold(rid, node, h)
@@ -213,3 +203,13 @@ class StoreReserver:
 
     async def close(self) -> None:
         await self.leases.close()
+
+
+def _answered(r: AllocationRound, role: str) -> bool:
+    return role in r.handles or r.broke(role)
+
+
+def _merge(into: AllocationRound, more: AllocationRound) -> None:
+    into.handles.update(more.handles)
+    into.refused.update(more.refused)
+    into.failed.update(more.failed)

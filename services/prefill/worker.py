@@ -56,6 +56,7 @@ from bus_schemas.placement import (
 from bus_schemas.requests import CancelRequest, ErrorCode, Tokens
 from bus_schemas.roles import Role
 from services.common import bus, metrics
+from services.common import reservation as plan
 from services.common.clock import Clock, UnixClock
 from services.common.cost_model import CostModel
 from services.common.errors import BadTask
@@ -72,6 +73,7 @@ from services.prefill.cpp_pipeline import (
 from services.prefill.cpp_pipeline import PipelineError, StageServer, run_pipeline
 from services.prefill.queue import PrefillQueue, QueuedPrefill
 from services.prefill.reserve import Reservation, ReserveError, Reserver, StoreReserver
+from services.prefill.reserve_ahead import AheadReplies
 from services.store.client.store_client import TransferError
 from services.worker import failures
 from services.worker.lifecycle import WorkerBase
@@ -214,6 +216,7 @@ class PrefillWorker(WorkerBase):
             ),
             0,
         )
+        self.ahead = AheadReplies(StoreTx(nc), lease_s=lease_s, counters=self.counters)
         # Request ids of the tasks taken: a placement a conductor sends again from its
         # claim (services.common.intake_queue) is run once.
         self._taken: OrderedDict[str, None] = OrderedDict()
@@ -250,6 +253,13 @@ class PrefillWorker(WorkerBase):
             span_name="prefill.task",
         )
         await self._subs.serve(subjects.CANCEL, CancelRequest, self._on_cancel)
+        # Answers to the TxAllocates a conductor sent ahead of a task (raw: the stores
+        # answer as to any request, and a reply that is no answer counts as a failure).
+        self._subs.adopt(
+            await self.nc.subscribe(
+                subjects.prefill_reserved(self.instance), cb=self.ahead.on_reply
+            )
+        )
         await self._start_common()
         self._runner = asyncio.create_task(self._run(), name="prefill-run")
         await bus.sync(self.nc)  # its subscriptions are live on the server from here
@@ -285,6 +295,7 @@ class PrefillWorker(WorkerBase):
         await self._close_common()
         await self.stages.close()
         await self.reserver.close()
+        await self.ahead.close()
         await self._subs.close()
 
     async def drain(self, quiet_s: float = 0.5, poll_s: float = 0.05) -> None:
@@ -470,8 +481,16 @@ class PrefillWorker(WorkerBase):
 
     async def _reserve(self, item: QueuedPrefill) -> Reservation:
         """Open the request's transactions now that its compute starts."""
-        with tracer().start_as_current_span("prefill.reserve"):
-            res = await self.reserver.reserve(item.task)
+        task = item.task
+        with tracer().start_as_current_span("prefill.reserve") as span:
+            if task.reserved_ahead:
+                span.set_attribute("ahead", True)
+                got = self.ahead.take(
+                    task.reserved_ahead, task.request.request_id, plan.wanted(task.source)
+                )
+                res = await self.reserver.reserve(task, ahead=got)
+            else:
+                res = await self.reserver.reserve(task)
         item.meta.reservation = res
         self._check_reservation(item.task, res)
         item.settle(res.grant, self.layout.block_size)
@@ -731,6 +750,8 @@ class PrefillWorker(WorkerBase):
         counter: str = "tasks_failed",
         reservation: Reservation | None = None,
     ) -> None:
+        if reservation is None and task.reserved_ahead:
+            self.ahead.drop(task.reserved_ahead, message)  # what arrived ahead, if any
         if reservation is not None:
             try:
                 await self.reserver.release(task, reservation, message)

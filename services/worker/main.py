@@ -112,7 +112,7 @@ def parser(role: str, node: str, doc: str | None) -> argparse.ArgumentParser:
     p.add_argument(
         "--lease",
         type=float,
-        default=10.0,
+        default=defaults.TX_LEASE_S,
         help="lease of the store transactions this worker holds, s; renewed "
         "every third of it while the request lives",
     )

@@ -12,7 +12,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from bus_schemas.roles import ROLES
-from services.common import admission_mode
+from services.common import admission_mode, defaults
 from services.common.cost_model import CostModel
 from services.common.kv_layout import KVLayout
 
@@ -30,7 +30,7 @@ class WorkerSettings:
     commit_timeout: float = 2.0
     admit: Callable[..., str | None] | None = None  # DecodeWorker's admit hook (TBT gate)
     drain_quiet_s: float = 0.5
-    lease_s: float = 10.0  # store transactions this worker holds (renewed)
+    lease_s: float = defaults.TX_LEASE_S  # store transactions this worker holds (renewed)
     reserver: Any = None  # PrefillWorker's reservations (None: the stores' endpoints)
     write_back: bool = True  # DecodeWorker: the answer's blocks go into the stores
     # role -> what builds its worker (from the role's own package; see the module doc)

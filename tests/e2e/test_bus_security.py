@@ -251,6 +251,8 @@ async def test_a_worker_or_store_subscribes_to_its_own_subjects_only(stack):
         (dec, subjects.decode_tasks("decode-1")),
         (pre, subjects.decode_tasks("decode-0")),
         (pre, subjects.prefill_tasks("*")),
+        (dec, subjects.prefill_reserved("prefill-0")),  # an instance's store answers
+        (pre, subjects.prefill_reserved("*")),
         (store, subjects.store_ctl("p0", "tx.allocate")),  # another node's control
         (store, subjects.store_ctl("*", "clear")),
         (store, subjects.LOAD_ALL),

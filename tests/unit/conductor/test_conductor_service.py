@@ -34,6 +34,7 @@ from services.common.bus import sync
 from services.common.clock import ManualClock
 from services.common.cost_fit import FittedCostModel, PrefillSample, fit_cost_model
 from services.common.cost_model import CostModel
+from services.common.defaults import TX_LEASE_S
 from services.common.hashing import block_hashes
 from services.conductor.service import ConductorConfig, ConductorService
 
@@ -174,7 +175,14 @@ class Harness:
             self.stores[s.node] = await s.start()
         await sync(self.nc)  # the fake stores' SUBs are on the server from here
         self.cnc = await nats.connect(self.url)
-        conf = dict(conductor_id=CID, block_size=BS, discover_window_s=0.3, tx_timeout_s=1.0)
+        # The prefill instances reserve their own (reserve-ahead has its own test).
+        conf = dict(
+            conductor_id=CID,
+            block_size=BS,
+            discover_window_s=0.3,
+            tx_timeout_s=1.0,
+            reserve_ahead_queue_s=-1.0,
+        )
         conf.update(cfg)
         self.svc = ConductorService(self.cnc, ConductorConfig(**conf), clock=clock)
         await self.svc.start()
@@ -274,6 +282,40 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id="np1-tx-a", request_id="r1")
     assert h.stores["np1"].commit_replies == [""]  # sent without asking for an answer
     await wait_until(lambda: not h.svc.pending)
+
+
+async def test_an_idle_instance_has_its_reservation_sent_ahead_of_its_task(harness):
+    # The stores' round trip overlaps the task's way to an idle instance: the conductor
+    # sends the first TxAllocates itself and the stores answer the instance, on the
+    # task's key. An instance with a queue reserves its own when its compute starts.
+    h = await harness.start(
+        [FakeStore(None, "np0"), FakeStore(None, "nd0")],
+        prefills=[("prefill-0", "np0", 0.0)],
+        decodes=[("decode-0", "nd0")],
+        reserve_ahead_queue_s=0.05,
+    )
+    answers = await h.nc.subscribe(subjects.prefill_reserved("prefill-0"))
+    await h.schedule("r1")
+    task = await h.task()
+    assert len(task.reserved_ahead) == 16
+    pa, da = await next_of(h.stores["np0"].allocs), await next_of(h.stores["nd0"].allocs)
+    assert (pa.role, da.role) == (TxRole.PREFILL, TxRole.DECODE)
+    assert pa.request_id == da.request_id == "r1" and pa.block_hashes == HASHES
+    assert pa.lease_s == da.lease_s == TX_LEASE_S
+    got = {}
+    for _ in range(2):
+        m = await answers.next_msg(timeout=5)
+        got[m.subject] = decode(m.data, TxHandle).node
+    assert got == {
+        subjects.prefill_reserved("prefill-0", task.reserved_ahead, "prefill"): "np0",
+        subjects.prefill_reserved("prefill-0", task.reserved_ahead, "decode"): "nd0",
+    }
+    h.prefills = [("prefill-0", "np0", 1.0)]  # a second of work queued there now
+    await h.report()
+    await wait_until(lambda: h.svc.policy.loads.prefill["prefill-0"].queued_work_s == 1.0)
+    await h.schedule("r2")
+    assert (await h.task()).reserved_ahead == ""
+    assert h.stores["np0"].allocs.empty() and h.stores["nd0"].allocs.empty()
 
 
 async def test_busy_holder_makes_another_node_pull_the_prefix(harness):

@@ -80,6 +80,10 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
         "computed_tokens": 68,
         "prefix_tokens_loaded": 32,
         "remote_tokens_pulled": 0,
+        # the rig's tasks are the worker's own to reserve (no conductor sent them ahead)
+        "ahead_taken": 0,
+        "ahead_missing": 0,
+        "ahead_aborted": 0,
     }
     dc = await rig.stats("decode", rig.di)
     wb = {k: dc.pop(k) for k in [k for k in dc if k.startswith("writeback_")]}
