@@ -4,7 +4,9 @@ rendered as nats-server config. Nothing is allowed that is not listed; SECURITY.
 states the same lists in prose.
 
 - A worker (prefill or decode instance) subscribes to its own tasks, pipeline stages,
-  stats and the broadcast cancel (and the role switches when it is switchable); it
+  stats and the broadcast cancel (and the role switches when it is switchable; a
+  prefill instance, the stores' answers to a round sent ahead,
+  ``perigee.prefill.<instance>.reserved.*.*``); it
   publishes its own load report and reconnect notice, decode hand-offs (prefill), the
   placing conductor's events, reservations on the stores (prefill: any node's
   ``tx.allocate/renew/abort``; decode: its own node's ``tx.renew/commit/abort``) and the
@@ -18,7 +20,9 @@ states the same lists in prose.
   (``tx.allocate``, ``tx.commit``, ``obj.stat``).
 - Store administration (``clear``, ``replay``, ``obj.remove``, ``obj.replicate``,
   ``perigee.ctl.kv.replicate``) is the admin's alone; the conductor may ``dump`` (it
-  rebuilds its prefix index from it) and settle transactions (``tx.commit/abort``).
+  rebuilds its prefix index from it), open a placement's first reservation round
+  (``tx.allocate``, answered to the prefill instance) and settle transactions
+  (``tx.commit/abort``).
 - Only the gateway (and the admin) may read ``perigee.gw.>``, publish the intake and the
   cancels; only admission forwards to the conductors; only the conductor places work and
   switches roles.

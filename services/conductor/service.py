@@ -496,7 +496,9 @@ class ConductorService:
             decode=task.decode_instance,
             placed_by=task.conductor_id,
         )
-        await bus.publish(self.nc, subjects.prefill_tasks(task.prefill_instance), task)
+        # No round goes ahead of it again: the instance reserves its own at once.
+        again = msgspec.structs.replace(task, reserved_ahead="")
+        await bus.publish(self.nc, subjects.prefill_tasks(task.prefill_instance), again)
         await bus.publish(self.nc, reply, accepted(task, self.cfg.block_size))
 
     # ------------------------------------------------------------ commit / abort

@@ -78,6 +78,7 @@ class AheadReplies:
         self._keys: dict[str, _Key] = {}
         self._done: OrderedDict[str, None] = OrderedDict()  # taken or dropped
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self.counters = {} if counters is None else counters
         for name in ("ahead_taken", "ahead_missing", "ahead_aborted"):
             self.counters.setdefault(name, 0)
@@ -101,7 +102,10 @@ class AheadReplies:
         if isinstance(rep, TxHandle):
             self.leases.hold(k.request_id or key, rep.node, rep)
         k.came.set()
-        self._sweep()
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_while_held(), name="reserve-ahead-sweep"
+            )
 
     # -- the worker --
     async def take(self, key: str, request_id: str, roles: set[str]) -> AllocationRound:
@@ -148,6 +152,8 @@ class AheadReplies:
                 self._abort(rep, reason, k.request_id)
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for key in list(self._keys):
             self.drop(key, "prefill instance shutting down")
         if self._tasks:
@@ -161,11 +167,19 @@ class AheadReplies:
         while len(self._done) > REMEMBER_DROPPED:
             self._done.popitem(last=False)
 
-    def _sweep(self) -> None:
+    def sweep(self) -> None:
+        """Drop the keys no task took within ``forget_s`` (their task was lost)."""
         horizon = self.clock() - self.forget_s
         for key in [k for k, v in self._keys.items() if v.since < horizon]:
             log.warning("reserved_ahead_never_taken", key=key)
             self.drop(key, "reserved ahead, task never came")
+
+    async def _sweep_while_held(self) -> None:
+        # Runs while answers wait: without it a lost task's transactions would be
+        # renewed for ever.
+        while self._keys:
+            await asyncio.sleep(self.forget_s / 4)
+            self.sweep()
 
     def _abort(self, rep: Any, reason: str, request_id: str = "") -> None:
         if not isinstance(rep, TxHandle):

@@ -121,3 +121,22 @@ async def test_a_node_with_no_store_fails_the_reservation_as_the_workers_own_rou
     assert not p0.open and len(p0.allocs) == 1
     await r.close()
     await book.close()
+
+
+async def test_answers_no_task_takes_are_given_back_after_forget_s(conns):
+    # The task was lost on its way (or resent without its key): nobody would take the
+    # answers, and their leases would otherwise be renewed for ever.
+    store_nc, worker_nc = conns
+    p0, d0 = await Store(store_nc, "p0").start(), await Store(store_nc, "d0").start()
+    now = [0.0]
+    book = await booked(worker_nc, forget_s=30.0, clock=lambda: now[0])
+    await send_ahead(store_nc, ahead("k5"), BOTH)
+    await until(lambda: book.answers("k5") == 2)
+    now[0] = 29.0
+    book.sweep()
+    assert book.answers("k5") == 2 and not p0.aborts  # not yet
+    now[0] = 31.0
+    book.sweep()
+    await until(lambda: len(p0.aborts) == len(d0.aborts) == 1)
+    assert book.answers("k5") == 0 and not p0.open and not d0.open
+    await book.close()
