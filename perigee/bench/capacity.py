@@ -40,7 +40,7 @@ import aiohttp
 import nats
 
 from perigee.bench import bus_baseline
-from perigee.bench.stats import cpu_seconds, summary_ms
+from perigee.bench.stats import cpu_seconds, summary_ms, wakeups
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common.bus import sync
@@ -60,6 +60,7 @@ class Step:
     errors: dict[str, int] = field(default_factory=dict)  # kind -> count
     overhead_s: list[float] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # process -> CPU s in the step
+    wakes: dict[str, int] = field(default_factory=dict)  # process -> its threads' wake-ups
 
     def answered(self, p99_ms: float) -> bool:
         """No failure but 429s, and the served requests' overhead p99 within ``p99_ms``."""
@@ -80,7 +81,17 @@ class Step:
             "errors": dict(self.errors),
             "overhead_ms": summary_ms(self.overhead_s),
             "cpu_ms_per_request": self.cpu_per_request(),
+            "wakes_per_request": self.wakes_per_request(),
         }
+
+    def wakes_per_request(self) -> dict[str, float]:
+        """How often each process slept and was woken, per request sent (with the CPU
+        a request costs it: what one wake costs there), and their ``total``."""
+        if not self.wakes:
+            return {}
+        out = {k: round(v / self.sent, 2) for k, v in sorted(self.wakes.items())}
+        out["total"] = round(sum(self.wakes.values()) / self.sent, 2)
+        return out
 
     def cpu_per_request(self) -> dict[str, float]:
         """CPU ms per request sent, by process, and their ``total``."""
@@ -104,8 +115,10 @@ def stack_pids(stack: Stack) -> dict[str, int]:
 def measured_step(url: str, rate: float, seconds: float, pids: dict[str, int]) -> Step:
     """:func:`step`, with the CPU time each of ``pids`` spent meanwhile."""
     before = {n: cpu_seconds(p) for n, p in pids.items()}
+    woke = {n: wakeups(p) for n, p in pids.items()}
     s = asyncio.run(step(url, rate, seconds))
     s.cpu_s = {n: max(0.0, cpu_seconds(p) - before[n]) for n, p in pids.items()}
+    s.wakes = {n: max(0, wakeups(p) - woke[n]) for n, p in pids.items()}
     return s
 
 
@@ -282,10 +295,14 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
                 ),
                 flush=True,
             )
-            cpu = r["cpu_ms_per_request"]
+            cpu, wakes = r["cpu_ms_per_request"], r["wakes_per_request"]
             print(
                 "    CPU ms/request: "
                 + ", ".join(f"{n} {v:g}" for n, v in cpu.items() if n != "total"),
+                flush=True,
+            )
+            print(
+                "    wake-ups/request: " + ", ".join(f"{n} {v:g}" for n, v in wakes.items()),
                 flush=True,
             )
             if not s.answered(a.p99_ms):

@@ -36,6 +36,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wakeups(pid: int) -> int:
+    """Voluntary context switches of every thread of process ``pid`` so far: how often
+    it slept waiting and was woken (0 once it is gone)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
 def leaves(obj: object, prefix: str = "") -> Iterator[tuple[str, object]]:
     """Every leaf of a JSON-like result by its dotted path (list items by index):
     ``{"a": {"b": [1, 2]}}`` -> ("a.b.0", 1), ("a.b.1", 2)."""

@@ -105,6 +105,23 @@ def test_cpu_time_is_read_per_process_and_shared_per_request():
     assert Step(100.0, 4).cpu_per_request() == {}
 
 
+def test_wake_ups_are_counted_per_process_and_shared_per_request():
+    import os
+    import time
+
+    from perigee.bench.stats import wakeups
+
+    w0 = wakeups(os.getpid())
+    for _ in range(5):  # what is counted: the thread blocks in the kernel, then wakes
+        time.sleep(0.001)
+    assert wakeups(os.getpid()) >= w0 + 5
+    assert wakeups(2**22 + 12345) == 0  # no such process
+    s = Step(100.0, 4, ok=4, wakes={"gateway": 18, "store-p0": 6})
+    assert s.wakes_per_request() == {"gateway": 4.5, "store-p0": 1.5, "total": 6.0}
+    assert s.report()["wakes_per_request"]["total"] == 6.0
+    assert Step(100.0, 4).wakes_per_request() == {}
+
+
 def test_a_requests_subjects_fold_into_kinds_and_steps_read_in_round_trips():
     gw = "perigee.gw.d2e2f975f281.cmpl-ab12.ZiElaY9OGl9zdwUj"
     assert bus_baseline.subject_kind(gw) == "perigee.gw.d2e2f975f281.<request>"
