@@ -101,14 +101,18 @@ class FakeBackend:
         await self.nc.flush()
 
 
-async def serve_ok(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
+async def serve_ok(b: FakeBackend, req: GenerateRequest, reply: str, bundled: bool = False) -> None:
+    """Accepted, the first token, the rest, Finished; ``bundled``: the rest inside
+    Finished, as a decode worker sends them to a client that asked (finish_with_tokens)."""
     rid = req.request_id
     await b.send(
         reply,
         Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0", cached_tokens=CACHED),
     )
     await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[:1], index=0))
-    await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[1:] + [TOK.eos_id], index=1))
+    rest = Tokens(request_id=rid, token_ids=OUT_IDS[1:] + [TOK.eos_id], index=1)
+    if not bundled:
+        await b.send(reply, rest)
     await b.send(
         reply,
         Finished(
@@ -117,30 +121,13 @@ async def serve_ok(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=len(OUT_IDS) + 1,
             cached_tokens=CACHED,
+            tokens=rest if bundled else None,
         ),
     )
 
 
 async def serve_ok_bundled(b: FakeBackend, req: GenerateRequest, reply: str) -> None:
-    """serve_ok with the last tokens inside Finished, as a decode worker sends them to a
-    client that asked (finish_with_tokens)."""
-    rid = req.request_id
-    await b.send(
-        reply,
-        Accepted(request_id=rid, prefill_instance="p0", decode_instance="d0", cached_tokens=CACHED),
-    )
-    await b.send(reply, Tokens(request_id=rid, token_ids=OUT_IDS[:1], index=0))
-    await b.send(
-        reply,
-        Finished(
-            request_id=rid,
-            finish_reason="stop",
-            prompt_tokens=len(req.prompt_token_ids),
-            completion_tokens=len(OUT_IDS) + 1,
-            cached_tokens=CACHED,
-            tokens=Tokens(request_id=rid, token_ids=OUT_IDS[1:] + [TOK.eos_id], index=1),
-        ),
-    )
+    await serve_ok(b, req, reply, bundled=True)
 
 
 async def serve_reject(b: FakeBackend, req: GenerateRequest, reply: str) -> None:

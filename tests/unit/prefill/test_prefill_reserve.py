@@ -5,7 +5,6 @@ import asyncio
 import itertools
 import time
 
-import nats
 import pytest
 
 from bus_schemas import subjects
@@ -112,14 +111,6 @@ def task(source: PrefixSource | None = None, nodes=("p0", "d0")) -> PrefillTask:
         decode_node=nodes[1],
         source=source,
     )
-
-
-@pytest.fixture
-async def conns(nats_url):
-    store_nc, worker_nc = await nats.connect(nats_url), await nats.connect(nats_url)
-    yield store_nc, worker_nc
-    await store_nc.close()
-    await worker_nc.close()
 
 
 def reserver(nc, **kw) -> StoreReserver:

@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Callable
 
 import msgspec
-import nats
 import pytest
 
 from bus_schemas import subjects
@@ -20,14 +19,6 @@ from services.prefill.reserve_ahead import AheadReplies
 from tests.unit.prefill.test_prefill_reserve import HASHES, Store, task
 
 BOTH = {reservation.PREFILL, reservation.DECODE}
-
-
-@pytest.fixture
-async def conns(nats_url):
-    store_nc, worker_nc = await nats.connect(nats_url), await nats.connect(nats_url)
-    yield store_nc, worker_nc
-    await store_nc.close()
-    await worker_nc.close()
 
 
 async def send_ahead(nc, t: PrefillTask, roles: set[str]) -> None:
