@@ -83,6 +83,8 @@ class Tap:
             elif obj.get("type") == "tokens":
                 self.first_token.setdefault(rid, now)
                 self.tokens[rid] = self.tokens.get(rid, 0) + len(obj["token_ids"])
+            elif obj.get("type") == "finished" and obj.get("tokens"):  # the last, bundled
+                self.tokens[rid] = self.tokens.get(rid, 0) + len(obj["tokens"]["token_ids"])
 
         # The gateway sends a request, and a migration's resend of it, on the durable
         # intake (JetStream work queue: its publishes still reach a core subscriber)

@@ -19,7 +19,15 @@ import pytest
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode
-from bus_schemas.requests import Accepted, Error, Finished, GenerateRequest, StreamEvent, Tokens
+from bus_schemas.requests import (
+    Accepted,
+    Error,
+    Finished,
+    GenerateRequest,
+    StreamEvent,
+    Tokens,
+    unbundled,
+)
 from perigee import models
 from tests.e2e.conftest import make_stack
 from tests.e2e.helpers import real_model_marks, worker_stats
@@ -84,10 +92,11 @@ class Tap:
         async def on_event(m) -> None:
             if m.subject.count(".") < 3:
                 return  # the gateway's own echo on perigee.gw.<id>, not a stream
-            ev = decode(m.data, StreamEvent)
-            self.events.setdefault(ev.request_id, []).append(ev)
-            if isinstance(ev, (Finished, Error)):
-                self._end(ev.request_id).set()
+            # The gateway asks for the last tokens inside Finished: what they stand for.
+            for ev in unbundled(decode(m.data, StreamEvent)):
+                self.events.setdefault(ev.request_id, []).append(ev)
+                if isinstance(ev, (Finished, Error)):
+                    self._end(ev.request_id).set()
 
         # The gateway sends a request on the durable intake, a migration on core REQUESTS.
         await self.nc.subscribe(subjects.INTAKE, cb=on_req)
