@@ -148,7 +148,10 @@ class NodeWeights:
     or after the index gave or took back an id."""
 
     def __init__(self) -> None:
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: tuple[int, int] | None = None
+        # The index the ids are of, held (not its id(): a new index can get a freed
+        # one's id, and the same ids_version, with other ids for the nodes).
+        self._index: PrefixIndex | None = None
         self._changes = 0
         self._ones: frozenset[int] = _NONE
         self._extra: dict[int, int] = {}
@@ -159,8 +162,8 @@ class NodeWeights:
     def of(
         self, per_node: Mapping[str, Sized], index: "PrefixIndex"
     ) -> tuple[frozenset[int], dict[int, int]]:
-        stamp = (self._changes, id(index), index.ids_version)
-        if stamp != self._stamp:
+        stamp = (self._changes, index.ids_version)
+        if stamp != self._stamp or index is not self._index:
             ones, extra = set(), {}
             for node, items in per_node.items():
                 nid = index._ids.get(node)
@@ -170,6 +173,7 @@ class NodeWeights:
                 if len(items) > 1:
                     extra[nid] = len(items) - 1
             self._ones, self._extra, self._stamp = frozenset(ones), extra, stamp
+            self._index = index
         return self._ones, self._extra
 
 

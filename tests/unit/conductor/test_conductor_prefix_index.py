@@ -346,3 +346,22 @@ def test_a_node_group_stays_what_the_match_saw():
     assert idx.apply(batch("n00", 2, removed(1))) is False
     assert sorted(group) == [f"n{i:02d}" for i in range(12)]
     assert sorted(idx.match([1]).by_length[1]) == [f"n{i:02d}" for i in range(1, 13)]
+
+
+def test_one_weights_reads_each_index_by_its_own_ids():
+    # A placement's weights kept across prefix indexes (a conductor's shadow view
+    # rebuilt): each new index numbers the nodes its own way, and may get a freed index's
+    # id() and the same ids_version. Found by test_pruned_search as a "no live prefill
+    # instance" the full scan did not give, about once in two runs of one example.
+    weights = NodeWeights()
+    instances = {n: [f"{n}-p"] for n in NODES[:3]}
+    for k in range(200):  # each index freed before the next: ids get reused
+        idx = make_index()
+        order = NODES[k % len(NODES) :] + NODES[: k % len(NODES)]  # ids in another order
+        holders = set(order[:12])  # more than SMALL: a NodeGroup
+        for node in order:  # every node gets an id; the first twelve hold block 1
+            idx.apply(batch(node, 1, stored(1 if node in holders else 2)))
+        [group] = idx.match((1,)).by_length.values()
+        assert isinstance(group, NodeGroup)
+        assert group.weigh(instances, weights) == len(holders & set(instances)), k
+        del group, idx  # freed: the next index may take its id()
