@@ -62,6 +62,16 @@ class AllocationRound:
     def broke(self, role: str) -> bool:
         return role in self.refused or role in self.failed
 
+    def answered(self, role: str) -> bool:
+        """Whether ``role`` has an outcome in this round (a grant, a refusal, a failure)."""
+        return role in self.handles or self.broke(role)
+
+    def merge(self, more: "AllocationRound") -> None:
+        """Add ``more``'s outcomes (another round's, for other roles) to this one."""
+        self.handles.update(more.handles)
+        self.refused.update(more.refused)
+        self.failed.update(more.failed)
+
 
 @dataclass(frozen=True)
 class Unanswered:

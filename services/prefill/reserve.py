@@ -4,10 +4,11 @@ handed on.
 
     reserve    TxAllocate PREFILL (own node), DECODE (decode node) and SOURCE (the
                holder of a remote prefix), in parallel (the first round's answers
-               come from services.prefill.reserve_ahead when the conductor sent it). A store short of room (every
-               slot held by running work) is asked again, every ``retry_s``, keeping
-               what was granted, for up to ``wait_s``: an accepted request waits for
-               room rather than fail. A store that does not answer fails the request.
+               come from services.prefill.reserve_ahead when the conductor sent it).
+               A store short of room (every slot held by running work) is asked
+               again, every ``retry_s``, keeping what was granted, for up to
+               ``wait_s``: an accepted request waits for room rather than fail. A
+               store that does not answer fails the request.
     hold       every granted transaction is renewed by the LeaseKeeper
     hand_off   the decode transaction goes to the decode instance in the DecodeTask,
                the prefill and source ones to the conductor's commit: renewals stop
@@ -129,9 +130,9 @@ class StoreReserver:
                 jobs = self._jobs(task, want - set(got.handles))
                 if ahead is not None:
                     att, ahead = await ahead, None
-                    rest = {r: j for r, j in jobs.items() if not _answered(att, r)}
+                    rest = {r: j for r, j in jobs.items() if not att.answered(r)}
                     if rest:
-                        _merge(att, await self.tx.allocate(rest))
+                        att.merge(await self.tx.allocate(rest))
                 else:
                     att = await self.tx.allocate(jobs)
                 for role, (node, h) in att.handles.items():
@@ -203,13 +204,3 @@ class StoreReserver:
 
     async def close(self) -> None:
         await self.leases.close()
-
-
-def _answered(r: AllocationRound, role: str) -> bool:
-    return role in r.handles or r.broke(role)
-
-
-def _merge(into: AllocationRound, more: AllocationRound) -> None:
-    into.handles.update(more.handles)
-    into.refused.update(more.refused)
-    into.failed.update(more.failed)

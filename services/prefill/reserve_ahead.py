@@ -6,8 +6,8 @@ the stores answering on ``subjects.prefill_reserved(instance, key, role)``: the 
 round trip then overlaps the task's way here instead of following it (0.5-0.8 ms off
 the first token through the mock stack on 2 cores, BENCHMARKS.md). The task goes first:
 on a machine with fewer cores than woken processes the instance is then not the last
-to run. The rounds after the first, and any reservation of
-a task not sent ahead, are the worker's own (services.prefill.reserve).
+to run. The rounds after the first, and any reservation of a task not sent ahead, are
+the worker's own (services.prefill.reserve).
 
 One key's life here (:class:`AheadReplies`)::
 

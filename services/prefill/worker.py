@@ -483,14 +483,13 @@ class PrefillWorker(WorkerBase):
         """Open the request's transactions now that its compute starts."""
         task = item.task
         with tracer().start_as_current_span("prefill.reserve") as span:
+            ahead = None
             if task.reserved_ahead:
                 span.set_attribute("ahead", True)
-                got = self.ahead.take(
+                ahead = self.ahead.take(
                     task.reserved_ahead, task.request.request_id, plan.wanted(task.source)
                 )
-                res = await self.reserver.reserve(task, ahead=got)
-            else:
-                res = await self.reserver.reserve(task)
+            res = await self.reserver.reserve(task, ahead=ahead)
         item.meta.reservation = res
         self._check_reservation(item.task, res)
         item.settle(res.grant, self.layout.block_size)

@@ -158,7 +158,7 @@ class FakeReserver:
         self.released: list[tuple[str, str]] = []  # (request id, reason)
         self.lose: set[str] = set()  # prefill tx ids whose lease ends before the compute
 
-    async def reserve(self, task: PrefillTask) -> Reservation:
+    async def reserve(self, task: PrefillTask, ahead=None) -> Reservation:
         rid = task.request.request_id
         self.reserved.append(rid)
         return self.planned[rid]
