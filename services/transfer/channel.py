@@ -13,7 +13,9 @@ whatever comes up at that address later.
 """
 
 import asyncio
+import os
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -157,36 +159,75 @@ class Channel(Requests):
 
 class PeerPool:
     """One channel per peer address, at most ``max_peers``, least recently used evicted
-    (a channel with requests in flight is only evicted when every channel is busy)."""
+    (a channel with requests in flight is only evicted when every channel is busy).
+
+    ``local_path(addr)``: the Unix socket of the store at ``addr`` when it shares this
+    host (``local_channel``); a request to it then takes that socket instead of ZeroMQ,
+    whose I/O thread on each side adds two thread wake-ups a message. A socket that
+    cannot be reached, or a file this user does not own (anyone may create files in
+    /dev/shm: a reply there is trusted as a MAC'd one is), keeps ZeroMQ for that path."""
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, max_peers: int = 64, macs: data_auth.Macs | None = None
+        self,
+        ctx: zmq.asyncio.Context,
+        max_peers: int = 64,
+        macs: data_auth.Macs | None = None,
+        local_path: Callable[[str], str] | None = None,
     ) -> None:
         self.ctx = ctx
         self.macs = macs
         self.max_peers = max(1, max_peers)
-        self._peers: OrderedDict[str, Channel] = OrderedDict()
+        self.local_path = local_path
+        self._peers: OrderedDict[str, Requests] = OrderedDict()
+        self._no_local: set[str] = set()  # paths that could not be used (bounded below)
 
     def __len__(self) -> int:
         return len(self._peers)
 
-    def get(self, addr: str) -> Channel:
+    def get(self, addr: str) -> Requests:
+        """The ZeroMQ channel to ``addr`` (or the local one already open to it)."""
         ch = self._peers.get(addr)
         if ch is not None and not ch.closed:
             self._peers.move_to_end(addr)
             return ch
+        return self._put(addr, Channel(self.ctx, addr, self.macs))
+
+    def _put(self, addr: str, ch: Requests) -> Requests:
         self._peers.pop(addr, None)
         while len(self._peers) >= self.max_peers:
             victim = next((a for a, c in self._peers.items() if c.in_flight == 0), None)
             victim = victim or next(iter(self._peers))
             self._peers.pop(victim).close()
-        ch = self._peers[addr] = Channel(self.ctx, addr, self.macs)
+        self._peers[addr] = ch
         return ch
 
+    async def _channel(self, addr: str) -> Requests:
+        ch = self._peers.get(addr)
+        if ch is not None and not ch.closed:
+            self._peers.move_to_end(addr)
+            return ch
+        path = self.local_path(addr) if self.local_path is not None else ""
+        if path and path not in self._no_local:
+            try:
+                if os.stat(path).st_uid != os.getuid():
+                    raise PermissionError(f"{path} belongs to another user")
+                from services.transfer.local_channel import LocalChannel  # imports us
+
+                return self._put(addr, await LocalChannel.connect(path))
+            except OSError as e:
+                if len(self._no_local) >= 4096:
+                    self._no_local.clear()
+                self._no_local.add(path)
+                log.info("peer_socket_unusable", addr=addr, path=path, error=str(e))
+        return self.get(addr)
+
     async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
-        return await self.get(addr).request(header, timeout)
+        return await (await self._channel(addr)).request(header, timeout)
 
     async def aclose(self) -> None:
         peers, self._peers = list(self._peers.values()), OrderedDict()
         for ch in peers:
-            await ch.aclose()
+            if isinstance(ch, Channel):
+                await ch.aclose()
+            else:
+                ch.close()

@@ -1,4 +1,5 @@
-"""A worker's requests to its own node's store over a Unix socket, without ZeroMQ.
+"""A worker's requests to its own node's store over a Unix socket, without ZeroMQ; and a
+same-host peer store's OPEN / CLOSE (``channel.PeerPool``'s ``local_path``).
 
 A worker and its store share a host (the worker maps the store's arena), so the
 worker's SHIP / PULL / LEASE and the store's OK / ERR need not take ZeroMQ, whose I/O

@@ -356,6 +356,8 @@ def test_prefix_on_one_host_is_pulled_over_the_veth_by_another(multihost):
     sources = [n for n, blocks in read.items() if blocks]
     assert len(sources) == 1 and read[sources[0]] == shared // BS, read
     src = sources[0]
+    # B's OPEN came over ZeroMQ: the source's Unix socket is in another host's /dev/shm
+    assert delta(after[f"store_{src}"], before[f"store_{src}"], "grant_requests_local") == 0
     assert s.host_of_node(src) != host_b and src in (NODE[a], "d0"), (src, b)
     # ...and those bytes crossed the source's cable and B's (the kernel's own counters).
     rx_b = delta(after[f"link_{nb}"], before[f"link_{nb}"], "rx_bytes")

@@ -3,7 +3,8 @@
 Lifecycle of a request on the ROUTER (see :mod:`services.transfer.wire` for frames):
 
     received -> parsed (bad frame: ERR reply, loop goes on)
-      OPEN / CLOSE (from a peer store): the serving side,
+      OPEN / CLOSE (from a peer store; a same-host one's on the Unix socket below,
+            ``grant_requests_local`` counts them): the serving side,
             :class:`~services.store.node.grant_server.GrantServer`: a grant on our
             slots, answered at once.
       SHIP / PULL / LEASE (from a local worker; also on the Unix socket of
@@ -99,10 +100,13 @@ class DataPlane(GrantServer, TransferInitiator):
         shm_copy_threads: int = 2,
         key: bytes | None = None,
         known_peer: Callable[[str], Awaitable[bool]] | None = None,
+        peer_socket: Callable[[str], str] | None = None,
     ) -> None:
         """``key``: the run's data key (default: :func:`services.transfer.data_auth.data_key`);
         ``known_peer(addr)``: whether ``addr`` is a store of the node registry (waiting
-        briefly for its announcement); None lets a ship go anywhere (tests)."""
+        briefly for its announcement); None lets a ship go anywhere (tests).
+        ``peer_socket(addr)``: the Unix socket of the store at ``addr`` (its StoreInfo's
+        ``ctl_path``), over which our OPEN and CLOSE go when it shares this host."""
         self.key = key or data_auth.data_key()
         self.macs = data_auth.Macs(self.key)
         self.known_peer = known_peer
@@ -121,7 +125,7 @@ class DataPlane(GrantServer, TransferInitiator):
         self.peer_timeout_s = peer_timeout_s
         self.sweep_interval_s = sweep_interval_s
         self.clock = clock
-        self.peers = PeerPool(ctx, max_peers=max_peers, macs=self.macs)
+        self.peers = PeerPool(ctx, max_peers=max_peers, macs=self.macs, local_path=peer_socket)
         self.sock = ctx.socket(zmq.ROUTER)
         tune(self.sock)
         if port:
@@ -181,6 +185,7 @@ class DataPlane(GrantServer, TransferInitiator):
                 "shm_bytes",
                 "rdma_bytes",
                 "grants_served",
+                "grant_requests_local",
                 "grants_expired",
                 "grants_fenced",
             ),
@@ -232,26 +237,7 @@ class DataPlane(GrantServer, TransferInitiator):
             try:
                 kind, header = wire.parse(rest, self.macs)
                 if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
-                    # A write (read) grant's span is store.write (store.read), a child
-                    # of the peer's store.ship (store.pull).
-                    name = (
-                        "store.close"
-                        if kind == wire.Kind.CLOSE
-                        else "store.write"
-                        if header.write
-                        else "store.read"
-                    )
-                    with tracer().start_as_current_span(
-                        name,
-                        context=extract(getattr(header, "trace", {})),
-                        kind=trace.SpanKind.SERVER,
-                    ):
-                        out = (
-                            self.serve_open(header)
-                            if kind == wire.Kind.OPEN
-                            else self.serve_close(header)
-                        )
-                    await self._reply(ident, out)
+                    await self._reply(ident, self._serve_grant(kind, header))
                 elif kind in self._worker_ops:
                     self._spawn(self._answer(ident, self._worker_ops[kind], header))
                 else:
@@ -272,6 +258,22 @@ class DataPlane(GrantServer, TransferInitiator):
                 msg = f"{type(e).__name__}: {e}"
                 await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
 
+    def _serve_grant(self, kind: wire.Kind, header: Any) -> Any:
+        """A peer's OPEN or CLOSE: the reply (WireError raises)."""
+        # A write (read) grant's span is store.write (store.read), a child of the peer's
+        # store.ship (store.pull).
+        name = (
+            "store.close"
+            if kind == wire.Kind.CLOSE
+            else "store.write"
+            if header.write
+            else "store.read"
+        )
+        with tracer().start_as_current_span(
+            name, context=extract(getattr(header, "trace", {})), kind=trace.SpanKind.SERVER
+        ):
+            return self.serve_open(header) if kind == wire.Kind.OPEN else self.serve_close(header)
+
     async def _reply(self, ident: bytes, header: Any) -> None:
         await self.sock.send_multipart([ident, *wire.frames(header, self.macs)])
 
@@ -283,13 +285,25 @@ class DataPlane(GrantServer, TransferInitiator):
             pass
 
     def _serve_local(self, kind: wire.Kind, header: Any, reply: Callable[[Any], None]) -> None:
+        if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):  # a same-host peer store's
+            self.counters["grant_requests_local"] += 1
+            try:
+                reply(self._serve_grant(kind, header))
+            except wire.WireError as e:
+                self.counters["transfer_errors"] += 1
+                log.warning("data_plane_refused", code=e.code, error=str(e))
+                reply(wire.Err(id=e.req_id, code=e.code, message=str(e)))
+            except Exception as e:  # noqa: BLE001 - a bug in one request must not stop the store
+                log.exception("data_plane_request_failed")
+                reply(wire.Err(id=header.id, code="internal", message=f"{type(e).__name__}: {e}"))
+            return
         op = self._worker_ops.get(kind)
         if op is None:
             reply(
                 wire.Err(
                     id=header.id,
                     code="bad_request",
-                    message=f"{kind.name} is not a worker's request (SHIP, PULL, LEASE)",
+                    message=f"{kind.name} is not a request of the data plane",
                 )
             )
             return

@@ -218,6 +218,7 @@ class StoreService:
             sweep_interval_s=self.sweep_interval_s,
             shm_copy_threads=self.shm_copy_threads,
             known_peer=self.registry.knows,
+            peer_socket=self.registry.ctl_path,
         )
         self.replicas.data = self.data
         self._raw_subs.append(await self.nc.subscribe(subjects.STORE_ANNOUNCE, cb=self._announced))

@@ -30,6 +30,7 @@ class _Entry:
     node: str
     epoch: int
     seen: float
+    ctl_path: str = ""
 
 
 class NodeRegistry:
@@ -67,7 +68,7 @@ class NodeRegistry:
             if prev is not None and prev.node == info.node:
                 del self._by_addr[old]  # its previous incarnation's address (not another's)
         self._addr_of[info.node] = info.data_addr
-        self._by_addr[info.data_addr] = _Entry(info.node, info.epoch, self.clock())
+        self._by_addr[info.data_addr] = _Entry(info.node, info.epoch, self.clock(), info.ctl_path)
         self._by_addr.move_to_end(info.data_addr)
         while len(self._by_addr) > self.max_nodes:
             gone_addr, gone = self._by_addr.popitem(last=False)
@@ -82,6 +83,12 @@ class NodeRegistry:
     def known_now(self, addr: str) -> bool:
         e = self._by_addr.get(addr)
         return e is not None and self.clock() - e.seen <= self.stale_s
+
+    def ctl_path(self, addr: str) -> str:
+        """The Unix socket the store at ``addr`` announced ('' if none or not known): its
+        peers on the same host send it their OPEN and CLOSE there."""
+        e = self._by_addr.get(addr)
+        return e.ctl_path if e is not None and self.clock() - e.seen <= self.stale_s else ""
 
     async def knows(self, addr: str) -> bool:
         """Whether ``addr`` is a known store's data address (waiting up to ``wait_s`` for

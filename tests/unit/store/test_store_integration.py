@@ -180,6 +180,8 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     stats = await request(nc, subjects.worker_stats("store", "sb"), {}, WorkerStats)
     assert stats.role == "store"
     assert stats.counters["grants_served"] == 1
+    # sa's OPEN and CLOSE took sb's Unix socket (same host), not ZeroMQ
+    assert stats.counters["grant_requests_local"] == 2
     assert stats.counters["blocks_written_remote"] == 4  # one grant on 4 blocks
     assert stats.counters["bytes_in"] == 4 * BB  # 4 layers x 4 blocks
     sent = await request(nc, subjects.worker_stats("store", "sa"), {}, WorkerStats)
@@ -234,7 +236,7 @@ async def test_ship_to_a_dead_peer_fails_within_a_bounded_wait(env):
         block_bytes=BB,
     )
     # a store the registry knows (it announced itself), dead since
-    gone = msgspec.structs.replace(a.info, node="gone", data_addr=dead.data_addr)
+    gone = msgspec.structs.replace(a.info, node="gone", data_addr=dead.data_addr, ctl_path="")
     await nc.publish(subjects.store_announce("gone"), encode(gone))
     with pytest.raises(TransferError) as e:
         await asyncio.wait_for(a.ship_layer(src, dead, 0, [0], LAYER, 0), timeout=20)
@@ -315,7 +317,9 @@ async def test_garbage_on_the_local_socket_gets_an_error_and_the_store_keeps_ser
     for frame, code, rid in (
         (b"\x99" + msgpack({"id": 3}), "bad_frame", 3),  # no such kind
         (b"\x01" + msgpack({"id": 4, "src_tx": 1}), "bad_frame", 4),  # a SHIP that is not one
-        (b"\x03" + wire.frames(opened)[1], "bad_request", 9),  # a peer's request, not a worker's
+        # a same-host peer's OPEN is served here too: checked like one over ZeroMQ
+        (b"\x03" + wire.frames(opened)[1], "epoch", 9),
+        (b"\x10" + msgpack({"id": 5}), "bad_request", 5),  # an OK is no request
         (b"\x01", "bad_frame", -1),  # no header at all
     ):
         kind, err = await ask(frame)
