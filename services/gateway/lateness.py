@@ -12,17 +12,37 @@ requests 429 at once (``--max-lateness-ms``) instead of queueing them behind tha
 backlog: overload is answered before acceptance, as the engines' overload is by
 admission.
 
+The oldest overdue request says so late, though: the gate closes only once a backlog
+has formed, opens again as soon as its oldest requests get their first tokens, and lets
+the next burst in behind what is still queued (at 800 req/s on 2 cores, 573 a second
+went through a 20 ms gate with a p99 of 55 ms). So the gate also caps how many requests
+may wait for their first token at once (``cap``), adapted the way a TCP sender adapts
+its window (AIMD, as Netflix's concurrency-limits does for servers): a first token that
+came more than the limit late cuts it to 0.9 of what was waiting then (at most once per
+limit's span of time: one backlog, one cut); one on time raises it by 1/cap (by one
+a cap's worth of first tokens, as a TCP window grows by one a round trip), up to
+``CAP_MAX``. A burst is then turned away as it arrives, by count, before it queues.
+A request stuck with no token at all (a restarting service) moves neither.
+
 Pure: the clock's time is passed in. Due times sit in a heap with lazy deletion (an
 entry whose request has moved on is dropped when it reaches the top), so each
 operation is O(log n) amortised."""
 
 import heapq
 
+CAP_MIN = 4  # requests the cap always lets wait: a stack that serves any serves these
+CAP_MAX = 4096
+CAP_CUT = 0.9
+
 
 class Lateness:
-    """Due times of the requests still waiting for their first token."""
+    """Due times of the requests still waiting for their first token; with ``limit_s``,
+    the cap on how many may wait (see module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit_s: float = 0.0) -> None:
+        self.limit_s = limit_s
+        self.cap = float(CAP_MAX)
+        self._cut_at = float("-inf")
         self._due: dict[str, float] = {}
         self._heap: list[tuple[float, str]] = []
 
@@ -38,8 +58,24 @@ class Lateness:
             self._set(request_id, now + max(0.0, est_ttft_s))
 
     def done(self, request_id: str) -> None:
-        """Its first token came, or it ended or failed: it owes nothing more."""
+        """It ended or failed before its first token: it owes nothing more."""
         self._due.pop(request_id, None)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        """Its first token came: it owes nothing more, and whether it came in time moves
+        the cap."""
+        due = self._due.pop(request_id, None)
+        if due is None or not self.limit_s:
+            return
+        if now - due <= self.limit_s:
+            self.cap = min(float(CAP_MAX), self.cap + 1.0 / self.cap)
+        elif now >= self._cut_at + self.limit_s:
+            self._cut_at = now
+            self.cap = max(float(CAP_MIN), min(self.cap, len(self._due) + 1.0) * CAP_CUT)
+
+    def full(self) -> bool:
+        """Whether as many requests wait for their first token as the cap lets."""
+        return bool(self.limit_s) and len(self._due) >= int(self.cap)
 
     def overdue(self, now: float) -> float:
         """Seconds the most overdue request is past its due time (0 when none is)."""

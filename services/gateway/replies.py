@@ -551,7 +551,9 @@ class ReplyRouter:
             return
         if type(ev) is Accepted:
             self.lateness.placed(rid, wd.clock.now(), ev.est_ttft_s)
-        else:  # its first token, its end or its failure: it owes nothing more
+        elif type(ev) is Tokens or type(ev) is Finished:  # its first token (or all of them)
+            self.lateness.first_token(rid, wd.clock.now())
+        else:  # its failure: it owes nothing more
             self.lateness.done(rid)
         if type(ev) is Tokens:
             wd.tokens(rid, ev.from_prefill, ev.incarnation)

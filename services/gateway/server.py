@@ -149,8 +149,8 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     # A new request gets 429 while a request waiting for its first token is overdue by
     # more than this: unplaced, since it was sent; placed, since the conductor's TTFT
-    # estimate (the stack is behind its own promises: services.gateway.lateness);
-    # 0: never. Off by default: a restarting admission also leaves requests waiting (the
+    # estimate (the stack is behind its own promises: services.gateway.lateness); or
+    # while as many wait as the cap that late first tokens set; 0: never. Off by default: a restarting admission also leaves requests waiting (the
     # durable intake keeps them), and those should not turn the next requests away.
     max_lateness_s: float = 0.0
 
@@ -194,6 +194,7 @@ class Gateway:
         self.router.durable_intake = cfg.durable_intake
         self.router.migration_wait_s = cfg.migration_wait_s
         self.router.intake_patience_s = cfg.intake_patience_s
+        self.router.lateness.limit_s = cfg.max_lateness_s
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
@@ -491,12 +492,18 @@ class Gateway:
                 metrics.INFLIGHT_REJECTIONS,
                 f"the gateway is serving its limit of {self.cfg.max_inflight} requests",
             )
-        limit = self.cfg.max_lateness_s
-        if limit and (late := self.router.lateness.overdue(self.watchdog.clock.now())) > limit:
+        limit, lateness = self.cfg.max_lateness_s, self.router.lateness
+        if limit and (late := lateness.overdue(self.watchdog.clock.now())) > limit:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
                 f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
+            )
+        if lateness.full():
+            return self._turned_away(
+                metrics.LATENESS_REJECTIONS,
+                f"the stack is behind: {len(lateness)} requests wait for their first token, "
+                f"as many as it kept on time lately",
             )
         self.inflight += 1
         try:

@@ -1,7 +1,8 @@
 """The stack behind its own promises (services.gateway.lateness): a new request gets
 429 + Retry-After while a request's first token is overdue by more than
 --max-lateness-ms (not placed: since it was sent; placed: since the conductor's TTFT
-estimate); its first token, end or failure ends what it owes; off by default.
+estimate), or while as many requests wait for their first token as late first tokens
+capped; its first token, end or failure ends what it owes; off by default.
 
 On a real nats-server with a fake admission that answers only when the test says;
 time is the gateway's injected clock, moved by hand."""
@@ -14,7 +15,7 @@ import pytest
 
 from bus_schemas.requests import Accepted, Tokens
 from services.common.clock import ManualClock
-from services.gateway.lateness import Lateness
+from services.gateway.lateness import CAP_MAX, CAP_MIN, Lateness
 from services.gateway.server import Gateway, GatewayConfig
 from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, until
 
@@ -49,6 +50,55 @@ def test_stale_heap_entries_stay_bounded():
     assert len(late) == 3
     assert len(late._heap) <= 4 * len(late) + 64 + 1
     assert late.overdue(10_000.0) == 10_000.0  # k0, k1, k2 were first sent at 0, 1, 2
+
+
+def test_late_first_tokens_cap_how_many_may_wait_and_on_time_ones_raise_it():
+    late = Lateness(limit_s=0.02)
+    assert late.cap == CAP_MAX and not late.full()
+    for i in range(50):
+        late.sent(f"r{i}", 0.0)  # unplaced: due at once
+    late.first_token("r0", 0.01)  # 10 ms after due: on time, the cap is at its top
+    assert late.cap == CAP_MAX
+    late.first_token("r1", 0.03)  # 30 ms late: 48 still wait -> 0.9 x 49
+    assert late.cap == pytest.approx(44.1) and late.full()  # 48 wait, the cap lets 44
+    late.first_token("r2", 0.04)  # the same backlog (within 20 ms of the cut): no second cut
+    assert late.cap == pytest.approx(44.1)
+    late.first_token("r3", 0.05)  # 20 ms on: a backlog still late cuts again, from 46 waiting
+    assert late.cap == pytest.approx(0.9 * 44.1)
+    for i in range(4, 10):
+        late.first_token(f"r{i}", 0.05)
+    assert len(late) == 40 and late.full()  # int(39.69) = 39 <= 40
+    late.sent("x", 1.0)
+    late.placed("x", 1.0, est_ttft_s=0.5)
+    late.first_token("x", 1.51)  # on time (10 ms past an estimate): up by 1/cap
+    raised = 0.9 * 44.1 + 1 / (0.9 * 44.1)
+    assert late.cap == pytest.approx(raised)
+    late.first_token("x", 9.0)  # not waiting any more: nothing owed, nothing moves
+    late.first_token("never-sent", 9.0)
+    assert late.cap == pytest.approx(raised)
+    for i in range(10, 50):
+        late.first_token(f"r{i}", 100.0)  # all very late, at once: one cut, from 39 waiting
+    assert late.cap == pytest.approx(0.9 * raised) and len(late) == 0  # raised < 39 + 1
+    for i in range(200):  # a cap's worth of first tokens on time raise it by about one
+        late.sent(f"t{i}", 150.0)
+        late.first_token(f"t{i}", 150.0)
+    assert 0.9 * raised + 5 < late.cap < 0.9 * raised + 6
+    late.sent("a", 200.0)
+    late.first_token("a", 201.0)  # late with nobody else waiting: down to the floor
+    assert late.cap == CAP_MIN and not late.full()
+    for i in range(CAP_MIN):
+        late.sent(f"n{i}", 300.0)
+    assert late.full()  # the floor: four may always wait
+    late.done("n0")  # a failure is no first token: the cap stays
+    assert late.cap == CAP_MIN and not late.full()
+
+
+def test_no_limit_no_cap():
+    late = Lateness()
+    for i in range(5000):
+        late.sent(f"r{i}", 0.0)
+    late.first_token("r0", 10.0)
+    assert late.cap == CAP_MAX and not late.full()
 
 
 @pytest.fixture
@@ -130,6 +180,21 @@ async def test_overdue_first_tokens_turn_new_requests_away(make):
     await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
     waiting.append(asyncio.ensure_future(post(http, gw)))
     await backend.requests.get()  # sent, not refused
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_burst_past_the_cap_is_turned_away_by_count(make):
+    gw, backend, http, clock = await make(max_lateness_s=0.05)
+    gw.router.lateness.cap = CAP_MIN  # as late first tokens left it
+    waiting = []
+    for _ in range(CAP_MIN):
+        waiting.append(asyncio.ensure_future(post(http, gw)))
+        await backend.requests.get()
+    # nothing is overdue (no time passed): the count alone turns the fifth away
+    assert gw.router.lateness.overdue(clock.now()) == 0.0
+    assert "4 requests wait for their first token" in await refused(http, gw, backend)
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
