@@ -57,8 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=float(os.environ.get(LATENESS_ENV) or 0),
         help="answer 429 + Retry-After while a request's first token is overdue by more "
-        "than this (unplaced: since sent; placed: since the conductor's TTFT estimate); "
-        f"0: never; default ${LATENESS_ENV} or 0",
+        "than this (unplaced: since sent; placed: since the conductor's TTFT estimate), "
+        "or while as many requests wait for their first token as first tokens later than "
+        f"this let (an AIMD cap); 0: never; default ${LATENESS_ENV} or 0",
     )
     ap.add_argument(
         "--request-timeout",
