@@ -95,7 +95,18 @@ def layer_kv(hashes: np.ndarray, layer: int, row: int, dtype: np.dtype) -> np.nd
     """KV ([2, n, row], ``dtype``) of the positions whose rolling hashes are ``hashes``."""
     salt = np.uint64(((layer + 1) * _LAYER_MULT) & MASK64)
     key = (_splitmix64_np(hashes ^ salt) >> np.uint64(32)).astype(np.uint32)
-    k = _row_const(row) ^ key[None, :, None]
+    return _mix(_row_const(row) ^ key[None, :, None], dtype)
+
+
+def layers_kv(hashes: np.ndarray, layers: int, row: int, dtype: np.dtype) -> np.ndarray:
+    """:func:`layer_kv` of layers ``0 .. layers - 1`` at once ([layers, 2, n, row]), the
+    same bytes: numpy's cost per call, not per element, is what a short prompt pays."""
+    salt = (np.arange(1, layers + 1, dtype=np.uint64) * np.uint64(_LAYER_MULT))[:, None]
+    key = (_splitmix64_np(hashes[None, :] ^ salt) >> np.uint64(32)).astype(np.uint32)
+    return _mix(_row_const(row)[None] ^ key[:, None, :, None], dtype)
+
+
+def _mix(k: np.ndarray, dtype: np.dtype) -> np.ndarray:
     k *= np.uint32(0x85EBCA6B)
     k ^= k >> np.uint32(13)
     k *= np.uint32(0xC2B2AE35)

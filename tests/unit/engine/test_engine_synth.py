@@ -40,6 +40,20 @@ def test_layer_kv_is_deterministic_and_distinct():
     assert synth.layer_kv(h, 0, 128, np.uint16).dtype == np.uint16
 
 
+@given(
+    st.lists(st.integers(0, 1 << 20), min_size=1, max_size=80),
+    st.integers(1, 40),
+    st.sampled_from([8, 64, 128]),
+    st.sampled_from(["float32", "float16", "uint16"]),
+)
+def test_all_layers_at_once_are_each_layers_bytes(tokens, layers, row, dtype):
+    h = synth.prefix_hashes(tokens)
+    every = synth.layers_kv(h, layers, row, np.dtype(dtype))
+    assert every.shape == (layers, 2, len(tokens), row) and every.dtype == np.dtype(dtype)
+    for layer in range(layers):
+        assert every[layer].tobytes() == synth.layer_kv(h, layer, row, np.dtype(dtype)).tobytes()
+
+
 def test_next_token_avoids_eos_and_reference_generate_chains():
     prompt = [1, 2, 3]
     toks = synth.reference_generate(prompt, 50, vocab_size=16, eos_token_id=2)
