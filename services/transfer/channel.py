@@ -95,6 +95,12 @@ class Requests:
             raise ChannelError(reply.code, reply.message)
         return kind, reply
 
+    async def send(self, header: Any) -> None:
+        """Send a message that gets no reply (a quiet CLOSE)."""
+        if self._closed:
+            raise ChannelError("closed", f"channel to {self.addr} is closed")
+        await self._send(header)
+
     def _deliver(self, kind: wire.Kind, header: Any) -> None:
         fut = self._pending.get(header.id)
         if fut is not None and not fut.done():
@@ -223,6 +229,16 @@ class PeerPool:
 
     async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
         return await (await self._channel(addr)).request(header, timeout)
+
+    async def send(self, addr: str, header: Any, timeout: float = 5.0) -> None:
+        """Send ``header``, which gets no reply; ChannelError when it cannot go out."""
+        try:
+            async with asyncio.timeout(timeout):
+                await (await self._channel(addr)).send(header)
+        except TimeoutError:
+            raise ChannelError(
+                "timeout", f"could not send to {addr} within {timeout:.1f}s"
+            ) from None
 
     async def aclose(self) -> None:
         peers, self._peers = list(self._peers.values()), OrderedDict()

@@ -152,6 +152,7 @@ class Close(_Header):
     ok: bool
     nbytes: int = 0
     token: bytes = b""  # the grant's (GRANTED ``token``): a CLOSE without it is refused
+    quiet: bool = False  # no reply: the sender does not wait for the verdict
 
 
 class Ok(_Header):

@@ -4,7 +4,8 @@ Lifecycle of a request on the ROUTER (see :mod:`services.transfer.wire` for fram
 
     received -> parsed (bad frame: ERR reply, loop goes on)
       OPEN / CLOSE (from a peer store; a same-host one's on the Unix socket below,
-            ``grant_requests_local`` counts them): the serving side,
+            ``grant_requests_local`` counts them; a ``quiet`` CLOSE gets no reply, its
+            sender not waiting for the verdict): the serving side,
             :class:`~services.store.node.grant_server.GrantServer`: a grant on our
             slots, answered at once.
       SHIP / PULL / LEASE (from a local worker; also on the Unix socket of
@@ -237,7 +238,9 @@ class DataPlane(GrantServer, TransferInitiator):
             try:
                 kind, header = wire.parse(rest, self.macs)
                 if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):
-                    await self._reply(ident, self._serve_grant(kind, header))
+                    out = self._serve_grant(kind, header)
+                    if not _quiet(header):
+                        await self._reply(ident, out)
                 elif kind in self._worker_ops:
                     self._spawn(self._answer(ident, self._worker_ops[kind], header))
                 else:
@@ -251,12 +254,14 @@ class DataPlane(GrantServer, TransferInitiator):
                     continue
                 self.counters["bad_frames" if e.code == "bad_frame" else "transfer_errors"] += 1
                 log.warning("data_plane_refused", code=e.code, error=str(e))
-                await self._reply(ident, wire.Err(id=e.req_id, code=e.code, message=str(e)))
+                if not _quiet(header):
+                    await self._reply(ident, wire.Err(id=e.req_id, code=e.code, message=str(e)))
             except Exception as e:  # noqa: BLE001 - a bug in one request must not stop the loop
                 log.exception("data_plane_request_failed")
                 rid = getattr(header, "id", -1)
                 msg = f"{type(e).__name__}: {e}"
-                await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
+                if not _quiet(header):
+                    await self._reply(ident, wire.Err(id=rid, code="internal", message=msg))
 
     def _serve_grant(self, kind: wire.Kind, header: Any) -> Any:
         """A peer's OPEN or CLOSE: the reply (WireError raises)."""
@@ -287,6 +292,8 @@ class DataPlane(GrantServer, TransferInitiator):
     def _serve_local(self, kind: wire.Kind, header: Any, reply: Callable[[Any], None]) -> None:
         if kind in (wire.Kind.OPEN, wire.Kind.CLOSE):  # a same-host peer store's
             self.counters["grant_requests_local"] += 1
+            if _quiet(header):
+                reply = _dropped
             try:
                 reply(self._serve_grant(kind, header))
             except wire.WireError as e:
@@ -403,3 +410,12 @@ class DataPlane(GrantServer, TransferInitiator):
         for name, engine in self.engines.items():
             engine.unregister_local_memory(self.regions[name])
             engine.close()
+
+
+def _quiet(header: Any) -> bool:
+    """A CLOSE whose sender wants no reply (it does not wait for the verdict)."""
+    return isinstance(header, wire.Close) and header.quiet
+
+
+def _dropped(_reply: Any) -> None:
+    pass

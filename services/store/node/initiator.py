@@ -263,6 +263,7 @@ class TransferInitiator:
             ok=ok,
             nbytes=lease.moved if ok else 0,
             token=granted.token,
+            quiet=not wait,  # nobody reads the verdict: the peer need not wake us for it
         )
         timeout = self._deadline(lease.moved)
         if not wait:
@@ -452,7 +453,7 @@ class TransferInitiator:
 
     async def _close_later(self, peer: str, close: wire.Close, timeout: float) -> None:
         try:
-            await self.peers.request(peer, close, timeout=timeout)
+            await self.peers.send(peer, close, timeout=timeout)
         except ChannelError as e:  # the grant expires on its own over there
             log.warning("grant_close_failed", peer=peer, grant=close.grant, code=e.code)
 

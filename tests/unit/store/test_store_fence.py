@@ -29,7 +29,7 @@ from services.store.node.data_plane import LEASE_IDLE_S, DataPlane
 from services.store.node.fence import ArenaGuard, SlotFence
 from services.store.node.shared_gens import unchanged
 from services.store.pool.block_pool import BlockPool
-from services.transfer import wire
+from services.transfer import local_channel, wire
 from services.transfer.backends import Region
 from services.transfer.backends.tcp import TcpReceiver
 from services.transfer.backends.tcp.frames import HELLO, NO_TOKEN, REP, REQ, Status, recv_exact
@@ -563,6 +563,48 @@ async def test_the_ships_into_a_tx_share_one_grant_which_the_last_ship_closes(bo
     assert a.counters[f"{kind}_bytes"] == 2 * bb
     assert a._tcp_warm == ({b.segments["tcp"]} if kind == "tcp" else set())
     assert not a.fence.writing(src.slots) and not b.fence.writing(dst.slots)
+
+
+async def test_a_quiet_close_ends_its_grant_and_gets_no_reply(planes):
+    """The last ship's CLOSE is unawaited (the OK went out already): the peer ends the
+    grant without a reply that would only wake the sender. On the peer's Unix socket,
+    replies come in order: the next reply is the next OPEN's."""
+    _, (b, pb, _) = planes
+    dst = alloc(pb, "r", [1, 2])
+    reader, writer = await asyncio.open_unix_connection(b.ctl_path)
+
+    async def reply() -> tuple[wire.Kind, object]:
+        n = int.from_bytes(await asyncio.wait_for(reader.readexactly(4), 5), "little")
+        frame = await reader.readexactly(n)
+        return wire.parse([frame[:1], frame[1:]])
+
+    def opening(rid: int) -> wire.Open:
+        return wire.Open(
+            id=rid, tx=dst.tx_id, epoch=1, slots=dst.slots, offset=0, length=64, write=True
+        )
+
+    writer.write(local_channel.encode(opening(1)))
+    kind, granted = await reply()
+    assert kind == wire.Kind.GRANTED and b.open_grants(dst.tx_id) == 1
+    for quiet in (True, False):
+        close = wire.Close(id=2, grant=granted.grant, ok=True, token=granted.token, quiet=quiet)
+        writer.write(local_channel.encode(close))
+        writer.write(local_channel.encode(opening(3)))
+        kind, out = await reply()
+        if quiet:  # no OK for the CLOSE: the first reply is the OPEN's
+            assert (kind, out.id) == (wire.Kind.GRANTED, 3), out
+            assert b.counters["writes_in"] == 1  # the grant ended as done
+        else:  # a CLOSE that is not quiet is answered first
+            assert (kind, out.id) == (wire.Kind.OK, 2), out
+            assert (await reply())[0] == wire.Kind.GRANTED
+        granted = out if quiet else granted
+    # a quiet CLOSE of a grant it does not hold: refused without a word, the store serves on
+    bad = wire.Close(id=4, grant=granted.grant, ok=True, token=b"x" * 16, quiet=True)
+    writer.write(local_channel.encode(bad))
+    writer.write(local_channel.encode(opening(5)))
+    kind, out = await reply()
+    assert (kind, out.id) == (wire.Kind.GRANTED, 5)
+    writer.close()
 
 
 async def test_a_grant_reused_across_ships_is_revoked_when_its_tx_aborts(both_planes):
