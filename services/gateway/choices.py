@@ -29,7 +29,6 @@ from services.gateway.responses import (
     fail_stream,
     json_response,
     open_stream,
-    try_eof,
     try_write,
 )
 
@@ -176,10 +175,9 @@ async def stream_n(
         done = all(c.finish for c in choices)
         if done:
             buf += w.usage(_settle(out, choices, last)) + ChunkWriter.DONE
-        if buf and not await try_write(resp, buf, write_timeout_s):
+        if (buf or done) and not await try_write(resp, buf, write_timeout_s, eof=done):
             raise StopEarly(resp, 499, "client disconnected")
         if done:
-            await try_eof(resp)
             if last is None:
                 raise StopEarly(resp, 200, "stop string")  # cancels the backend
             return resp

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import nats
 import pytest
+from aiohttp import web
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -400,6 +401,37 @@ async def test_stream_without_usage(env):
         chunks, done = await read_sse(r)
     assert done and all("usage" not in c for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_a_streams_last_chunks_go_out_with_its_end(env, monkeypatch):
+    """One write for the end: its last chunks, [DONE] and the chunked terminator together
+    (each write wakes the client's process)."""
+    calls: list[tuple[str, bytes]] = []
+    write, write_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    async def spy_write(self, data):
+        calls.append(("write", bytes(data)))
+        return await write(self, data)
+
+    async def spy_eof(self, data=b""):
+        calls.append(("eof", bytes(data)))
+        return await write_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", spy_write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", spy_eof)
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "n": 2}),  # choices.py
+    ):
+        calls.clear()
+        async with env.post(path, body) as r:
+            chunks, done = await read_sse(r)
+        assert done and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        end = [k for k, _ in calls].index("eof")
+        # (aiohttp's own write_eof once the handler returns: a no-op, nothing to send)
+        assert all(c == ("eof", b"") for c in calls[end + 1 :]), calls
+        assert b"[DONE]" in calls[end][1] and b'"finish_reason":"stop"' in calls[end][1]
+        assert all(b"[DONE]" not in d for _, d in calls[:end])
 
 
 async def test_models_and_health(env):
