@@ -22,8 +22,9 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from services.common.errors import CodedError
 from services.transfer import data_auth, wire
+from services.transfer.local_channel import LocalChannel
+from services.transfer.requests import ChannelError, Requests
 
 log = structlog.get_logger()
 
@@ -31,10 +32,6 @@ log = structlog.get_logger()
 def next_id() -> int:
     """A request id (random: a stranger cannot guess one in flight)."""
     return data_auth.new_id()
-
-
-class ChannelError(CodedError, RuntimeError):
-    """A request to a peer store that failed (timeout, closed, the peer's ERR)."""
 
 
 def tune(sock: zmq.Socket) -> None:
@@ -45,72 +42,6 @@ def tune(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVBUF, 4 << 20)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-
-
-class Requests:
-    """Requests in flight on one connection, parked by id until the reader hands each its
-    reply: what :class:`Channel` (ZeroMQ) and ``local_channel.LocalChannel`` (the
-    store's Unix socket) share. A subclass puts a request on the wire (``_send``),
-    calls ``_deliver`` for each reply and ``_fail_all`` when the connection ends."""
-
-    def __init__(self, addr: str) -> None:
-        self.addr = addr
-        self._pending: dict[int, asyncio.Future[tuple[wire.Kind, Any]]] = {}
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    async def _send(self, header: Any) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    async def request(self, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
-        """Send one request and return its reply (kind OK or GRANTED); ERR raises
-        :class:`ChannelError` with the peer's code; no reply in ``timeout`` raises
-        ``ChannelError("timeout")`` and closes the channel."""
-        if self._closed:
-            raise ChannelError("closed", f"channel to {self.addr} is closed")
-        fut: asyncio.Future[tuple[wire.Kind, Any]] = asyncio.get_running_loop().create_future()
-        self._pending[header.id] = fut
-        try:
-            async with asyncio.timeout(timeout):
-                await self._send(header)
-                kind, reply = await fut
-        except TimeoutError:
-            self.close()
-            raise ChannelError(
-                "timeout", f"no reply from {self.addr} within {timeout:.1f}s (peer down?)"
-            ) from None
-        finally:
-            self._pending.pop(header.id, None)
-        if kind == wire.Kind.ERR:
-            raise ChannelError(reply.code, reply.message)
-        return kind, reply
-
-    async def send(self, header: Any) -> None:
-        """Send a message that gets no reply (a quiet CLOSE)."""
-        if self._closed:
-            raise ChannelError("closed", f"channel to {self.addr} is closed")
-        await self._send(header)
-
-    def _deliver(self, kind: wire.Kind, header: Any) -> None:
-        fut = self._pending.get(header.id)
-        if fut is not None and not fut.done():
-            fut.set_result((kind, header))
-
-    def _fail_all(self) -> None:
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(ChannelError("closed", f"channel to {self.addr} closed"))
-        self._pending.clear()
 
 
 class Channel(Requests):
@@ -217,8 +148,6 @@ class PeerPool:
             try:
                 if os.stat(path).st_uid != os.getuid():
                     raise PermissionError(f"{path} belongs to another user")
-                from services.transfer.local_channel import LocalChannel  # imports us
-
                 return self._put(addr, await LocalChannel.connect(path))
             except OSError as e:
                 if len(self._no_local) >= 4096:

@@ -30,7 +30,7 @@ from typing import Any, cast
 import structlog
 
 from services.transfer import wire
-from services.transfer.channel import ChannelError, Requests
+from services.transfer.requests import ChannelError, Requests
 
 log = structlog.get_logger()
 
