@@ -117,6 +117,7 @@ class PeerPool:
         self.local_path = local_path
         self._peers: OrderedDict[str, Requests] = OrderedDict()
         self._no_local: set[str] = set()  # paths that could not be used (bounded below)
+        self._connecting: dict[str, asyncio.Future[Requests | None]] = {}
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -145,16 +146,28 @@ class PeerPool:
             return ch
         path = self.local_path(addr) if self.local_path is not None else ""
         if path and path not in self._no_local:
-            try:
-                if os.stat(path).st_uid != os.getuid():
-                    raise PermissionError(f"{path} belongs to another user")
-                return self._put(addr, await LocalChannel.connect(path))
-            except OSError as e:
-                if len(self._no_local) >= 4096:
-                    self._no_local.clear()
-                self._no_local.add(path)
-                log.info("peer_socket_unusable", addr=addr, path=path, error=str(e))
+            # One connection however many requests find none: the others wait for it.
+            pending = self._connecting.get(path)
+            if pending is None:
+                pending = asyncio.ensure_future(self._connect(addr, path))
+                self._connecting[path] = pending
+                pending.add_done_callback(lambda _t: self._connecting.pop(path, None))
+            local = await asyncio.shield(pending)
+            if local is not None:
+                return local
         return self.get(addr)
+
+    async def _connect(self, addr: str, path: str) -> Requests | None:
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                raise PermissionError(f"{path} belongs to another user")
+            return self._put(addr, await LocalChannel.connect(path))
+        except OSError as e:
+            if len(self._no_local) >= 4096:
+                self._no_local.clear()
+            self._no_local.add(path)
+            log.info("peer_socket_unusable", addr=addr, path=path, error=str(e))
+            return None
 
     async def request(self, addr: str, header: Any, timeout: float = 5.0) -> tuple[wire.Kind, Any]:
         return await (await self._channel(addr)).request(header, timeout)
@@ -170,6 +183,8 @@ class PeerPool:
             ) from None
 
     async def aclose(self) -> None:
+        for pending in list(self._connecting.values()):
+            pending.cancel()
         peers, self._peers = list(self._peers.values()), OrderedDict()
         for ch in peers:
             if isinstance(ch, Channel):

@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from services.transfer import channel as channel_mod
-from services.transfer import data_auth, wire
+from services.transfer import data_auth, local_channel, wire
 from services.transfer.channel import Channel, ChannelError, PeerPool
 from services.transfer.local_channel import LocalChannel, LocalServer
 
@@ -80,6 +80,22 @@ async def test_a_peer_with_a_socket_of_ours_is_asked_over_it(peer):
         assert kind == wire.Kind.OK
     assert p.served == {"zmq": 0, "local": 3}
     assert isinstance(pool.get(p.addr), LocalChannel) and len(pool) == 1  # one connection
+    await pool.aclose()
+
+
+async def test_requests_that_find_no_connection_open_one_together(peer, monkeypatch):
+    ctx, p = peer
+    made = []
+    opened = local_channel._ServerConn.connection_made
+    monkeypatch.setattr(
+        local_channel._ServerConn,
+        "connection_made",
+        lambda self, t: (made.append(self), opened(self, t))[-1],
+    )
+    pool = PeerPool(ctx, macs=data_auth.Macs(KEY), local_path={p.addr: p.path}.get)
+    replies = await asyncio.gather(*(pool.request(p.addr, _open(), timeout=5) for _ in range(8)))
+    assert [k for k, _ in replies] == [wire.Kind.OK] * 8 and p.served["local"] == 8
+    assert len(made) == 1  # no connection opened and then orphaned by a racing one
     await pool.aclose()
 
 
