@@ -199,9 +199,9 @@ class MockEngine(Engine):
         if end == 0:
             return
         got = kv.read(layer, 0, end)
-        want = every[layer][:, :end] if every is not None else None
-        if want is None:
-            want = self._expected(kv, hashes[:end], layer)
+        want = (
+            every[layer][:, :end] if every is not None else self._expected(kv, hashes[:end], layer)
+        )
         bad = synth.first_mismatch(got, want)
         if bad is not None:
             raise EngineError(f"kv mismatch: layer {layer}, token {bad} of {end} loaded")
@@ -216,9 +216,11 @@ class MockEngine(Engine):
     ) -> None:
         self._verify(kv, hashes, layer, prefix, every)
         if prefix < len(hashes):
-            want = every[layer][:, prefix:] if every is not None else None
-            if want is None:
-                want = self._expected(kv, hashes[prefix:], layer)
+            want = (
+                every[layer][:, prefix:]
+                if every is not None
+                else self._expected(kv, hashes[prefix:], layer)
+            )
             kv.write(layer, prefix, want)
 
     # -- decode --
