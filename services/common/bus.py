@@ -283,6 +283,17 @@ async def publish(nc: NATS, subject: str, msg: Any, reply: str = "") -> None:
     await send(nc, subject, encode(msg), reply=reply, headers=inject())
 
 
+async def flush_soon() -> None:
+    """Let the connection write what was just published before the caller goes on.
+
+    nats.py only queues a publish; its flusher task writes the queue once the
+    publishing task yields. A handler that publishes what a request's first token
+    waits for and then has more to do (more messages, books, spans) would hold that
+    message back for as long: it yields once here, and the flusher, woken by the
+    publish, runs first. Costs one write more when more follows."""
+    await asyncio.sleep(0)
+
+
 @overload
 async def request(
     nc: NATS, subject: str, msg: Any, reply_type: type[T], timeout: float = 2.0

@@ -460,6 +460,7 @@ class ConductorService:
         await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
         if ahead:
             await self._reserve_ahead(task)
+        await bus.flush_soon()  # the first token waits for these, not for what follows
         await bus.publish(self.nc, reply, accepted(task, bs))
         log.info(
             "placed",

@@ -49,7 +49,7 @@ from bus_schemas.requests import (
     Tokens,
 )
 from bus_schemas.roles import ROLES
-from services.common import defaults, intake_queue, metrics
+from services.common import bus, defaults, intake_queue, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
 from services.common.hashing import block_hashes
@@ -597,8 +597,6 @@ class Gateway:
             finish_with_tokens=True,
         )
         q = self.router.open(rid)
-        text = self._text_output(p, sampling)
-        extras = self._extras(p, ids)
         cancel_reason = ""  # set when the backend may still be working and must be told
         try:
             try:
@@ -611,6 +609,11 @@ class Gateway:
                 raise ApiError(
                     503, f"message bus unavailable: {e}", code="service_unavailable"
                 ) from None
+            # Out on the bus first (it is written once this task waits): what only the
+            # answer needs is made while the request travels.
+            await bus.flush_soon()
+            text = self._text_output(p, sampling)
+            extras = self._extras(p, ids)
             model = self.cfg.served_model_name
 
             span = trace.get_current_span()

@@ -523,6 +523,9 @@ class PrefillWorker(WorkerBase):
             )
             done.lease.add_done_callback(_ignore_result)
         ready: list[int] = []  # computed layers not yet handed to the store
+        last_layer = self.layout.spec.num_layers - 1
+        # Set once the first token is out (or, when decode sends it, once computed).
+        token_out = asyncio.Event()
 
         async def pump() -> None:
             # Layers are contiguous inside a block, so a run of finished layers ships as
@@ -530,6 +533,11 @@ class PrefillWorker(WorkerBase):
             # and a link slower than compute gets fewer, larger transfers.
             await asyncio.sleep(0)  # let layers that finish in the same tick join this run
             while ready:
+                if ready[-1] == last_layer and not token_out.is_set():
+                    # The compute is over: the client's first token goes out before this
+                    # run's ship (a write to the store that would delay it), and decode,
+                    # which waits for every layer anyway, waits only that much longer.
+                    await token_out.wait()
                 first, last = ready[0], ready[0]
                 while len(ready) > last - first + 1 and ready[last - first + 1] == last + 1:
                     last += 1
@@ -623,6 +631,8 @@ class PrefillWorker(WorkerBase):
                             prompt_logprobs=job.prompt_logprobs,
                         ),
                     )
+                await bus.flush_soon()  # out before the last layer's ship and the refit
+            token_out.set()
             if learn is not None:  # after the first token: a refit is not on its path
                 learn()
         except BaseException:

@@ -52,3 +52,20 @@ async def test_a_readiness_probe_is_answered_empty_and_never_reaches_the_handler
         await subs.close()
         await srv.close()
         await cli.close()
+
+
+async def test_flush_soon_writes_what_was_published_before_the_caller_goes_on(nats_url):
+    from services.common import bus
+
+    nc = await bus.connect(nats_url, name="t")
+    try:
+        sub = await nc.subscribe("t.flush")
+        await bus.flush_soon()
+        req = GenerateRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams())
+        await bus.publish(nc, "t.flush", req)
+        assert nc._pending_data_size > 0  # nats.py only queued it
+        await bus.flush_soon()
+        assert nc._pending_data_size == 0  # its flusher wrote it meanwhile
+        assert decode((await sub.next_msg(timeout=5)).data, GenerateRequest) == req
+    finally:
+        await nc.close()

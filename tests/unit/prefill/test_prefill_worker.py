@@ -100,6 +100,47 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     }
 
 
+async def test_the_first_token_goes_out_before_the_last_layer_ships(rig, monkeypatch):
+    # The last layer's ship is a write to the store that would delay the client's
+    # first token; decode waits for every layer anyway.
+    from services.prefill import worker as worker_mod
+
+    order: list[object] = []
+    publish, ship = worker_mod.bus.publish, rig.p.ship_layer
+
+    async def spy_publish(nc, subject, msg, *a, **kw):
+        if isinstance(msg, Tokens):
+            order.append("first token")
+        return await publish(nc, subject, msg, *a, **kw)
+
+    async def spy_ship(src, dst, layer, blocks, layer_bytes, layer_offset):
+        last = (layer_offset + layer_bytes) // rig.layout.layer_bytes - 1
+        order.append(("ship", layer, last))
+        return await ship(src, dst, layer, blocks, layer_bytes, layer_offset)
+
+    computing = rig.reserver.computing
+
+    async def late_computing(r, work):
+        # As LeaseKeeper.before_expiry does, the compute runs in a task of its own, and
+        # the worker resumes some loop turns after it ends.
+        out = await computing(r, asyncio.ensure_future(work))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return out
+
+    monkeypatch.setattr(worker_mod.bus, "publish", spy_publish)
+    monkeypatch.setattr(rig.p, "ship_layer", spy_ship)
+    monkeypatch.setattr(rig.reserver, "computing", late_computing)
+    prompt = rig.prompt(70, seed=3)
+    t = rig.task(prompt, max_tokens=2)
+    events = await until_terminal(await rig.submit(t))
+    assert tokens_of(events) == rig.reference(prompt, 2)
+    top = rig.spec.num_layers - 1
+    with_last = [i for i, o in enumerate(order) if isinstance(o, tuple) and o[2] == top]
+    assert len(with_last) == 1 and order.index("first token") < with_last[0]
+    assert_expected(slot_kv(rig.d, rig.layout, rig.res(t).decode_tx.slots, 70), prompt)
+
+
 async def test_first_token_waits_for_decode_when_prefill_may_not_stream_it(rig):
     # The baseline admission may still reject at decode: decode emits the first token.
     prompt = rig.prompt(50, seed=7)
