@@ -457,11 +457,6 @@ class ConductorService:
             "est_tbt_s": p.est_tbt_s,
         }.items():
             span.set_attribute(k, v)
-        await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
-        if ahead:
-            await self._reserve_ahead(task)
-        await bus.flush_soon()  # the first token waits for these, not for what follows
-        await bus.publish(self.nc, reply, accepted(task, bs))
         log.info(
             "placed",
             prefill=p.prefill_instance,
@@ -471,6 +466,12 @@ class ConductorService:
             est_ttft_s=round(p.est_ttft_s, 6),
             cpp_stages=list(p.cpp_stages) or None,
         )
+        # nats.py writes these together once this task yields, right after: the log
+        # line above is not on the first token's way.
+        await bus.publish(self.nc, subjects.prefill_tasks(p.prefill_instance), task)
+        if ahead:
+            await self._reserve_ahead(task)
+        await bus.publish(self.nc, reply, accepted(task, bs))
 
     async def _reserve_ahead(self, task: PrefillTask) -> None:
         """The task's first round of TxAllocates, answered to its prefill instance

@@ -284,33 +284,6 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     await wait_until(lambda: not h.svc.pending)
 
 
-async def test_the_task_and_its_reservation_are_written_before_the_conductor_goes_on(
-    harness, monkeypatch
-):
-    # nats.py writes what was published once the publishing task yields: the conductor
-    # yields after what the first token waits for, before its Accepted, logs and spans.
-    from services.conductor import service as service_mod
-
-    h = await harness.start(
-        [FakeStore(None, "np0"), FakeStore(None, "nd0")],
-        prefills=[("prefill-0", "np0", 0.0)],
-        decodes=[("decode-0", "nd0")],
-        reserve_ahead_queue_s=0.05,
-    )
-    unwritten: list[int] = []
-    publish = service_mod.bus.publish
-
-    async def spy(nc, subject, msg, *a, **kw):
-        if isinstance(msg, Accepted):
-            unwritten.append(nc._pending_data_size)  # nats.py's queue, not yet written
-        return await publish(nc, subject, msg, *a, **kw)
-
-    monkeypatch.setattr(service_mod.bus, "publish", spy)
-    await h.schedule("r1")
-    assert (await h.task()).reserved_ahead
-    assert unwritten == [0]
-
-
 async def test_an_idle_instance_has_its_reservation_sent_ahead_of_its_task(harness):
     # The stores' round trip overlaps the task's way to an idle instance: the conductor
     # sends the first TxAllocates itself and the stores answer the instance, on the
