@@ -14,7 +14,7 @@ COMMANDS = {
     "model": ("perigee.models", "prepare the default model (or convert a .gguf) once"),
     "bench": (
         "perigee.bench",
-        "benchmarks: pipeline, reuse, transfer, ship, store, conductor, calibration, slo, migration, chaos, agreement, multiturn, capacity",
+        "benchmarks: pipeline, reuse, transfer, ship, store, conductor, calibration, slo, migration, chaos, agreement, multiturn, capacity, capacity-ab",
     ),
     "replay": ("perigee.replay", "replay a Mooncake trace against an OpenAI endpoint"),
     "breakdown": ("perigee.breakdown", "per-request latency breakdown from a spans file (Fig. 22)"),

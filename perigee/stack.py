@@ -230,7 +230,8 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         log_dir = Path(self.cfg.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.cfg.extra_env, **child.env, "PYTHONPATH": str(ROOT)}
+        root = Path(self.cfg.code_root).resolve() if self.cfg.code_root else ROOT
+        env = {**os.environ, **self.cfg.extra_env, **child.env, "PYTHONPATH": str(root)}
         env.setdefault(DATA_KEY_ENV, self.data_key)
         env.setdefault("OTEL_SERVICE_NAME", child.name)
         env.setdefault("PERIGEE_SPANS_FILE", self.spans_file)
@@ -239,7 +240,7 @@ class Stack:
         with open(log_dir / f"{child.name}.log", "ab") as log:
             child.proc = subprocess.Popen(
                 [sys.executable, "-m", *child.argv],
-                cwd=ROOT,
+                cwd=root,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -65,6 +65,9 @@ class StackConfig:
     # (tracing.sampler; every request below it), 0 for every request at any load.
     trace_rate: float = DEFAULT_TRACE_RATE
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The tree whose services run ("": this one): `perigee bench capacity-ab` runs
+    # another revision's services beside this one's, with the same flags.
+    code_root: str = ""
     # More flags for every child of one service kind (gateway, admission, conductor,
     # prefill, decode, store), after the ones the stack sets: `perigee up --gateway-arg`.
     service_args: dict[str, list[str]] = field(default_factory=dict)

@@ -17,6 +17,7 @@ BENCHES = {
     "agreement": "perigee.bench.agreement",
     "multiturn": "perigee.bench.multiturn",
     "capacity": "perigee.bench.capacity",
+    "capacity-ab": "perigee.bench.capacity_ab",
 }
 
 

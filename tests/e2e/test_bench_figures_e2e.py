@@ -139,6 +139,24 @@ def test_reuse(tmp_path):
     assert all(n > 0 for n in out["details"]["hit90_cached_tokens"].values()), out["details"]
 
 
+def test_capacity_ab(tmp_path):
+    """This tree against itself, one rate, one round: each stack measured once, every
+    figure a number."""
+    out = run_bench(
+        tmp_path,
+        "capacity-ab",
+        *("--against", str(ROOT), "--rates", "5", "--rounds", "1"),
+        *("--step-s", "1", "--warmup", "2"),
+    )
+    for side in ("this", "against"):
+        [m] = out["medians"][side]
+        assert (m["rate_rps"], m["rounds"], m["errors"]) == (5.0, 1, 0)
+        [s] = out["steps"][side]
+        assert s["ok"] == s["sent"] == 5
+    assert_measured(out, "medians.*.*.p50_ms", "medians.*.*.cpu_ms_per_request")
+    assert_measured(out, "paced_round_trip.latency_ms.p50")
+
+
 def test_capacity(tmp_path):
     """One layout, one rate, a p99 bound no run misses: the step is held (no error but
     429) and every figure, the bus's own request/reply rate too, is a number."""

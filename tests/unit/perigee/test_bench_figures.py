@@ -32,6 +32,7 @@ COVERED = {
     "agreement": "tests/e2e/test_live_vs_sim.py::test_the_bench_reports_finite_figures",
     "multiturn": "tests/e2e/test_bench_multiturn_e2e.py::test_the_bench_reports_finite_figures",
     "capacity": "tests/e2e/test_bench_figures_e2e.py::test_capacity",
+    "capacity-ab": "tests/e2e/test_bench_figures_e2e.py::test_capacity_ab",
 }
 
 
