@@ -11,8 +11,9 @@ each layer into the decode node's slots. The first token goes to the client as
 soon as prefill has computed it (``stream_first_token``), while the KV is still on
 the wire, as the paper's TTFT (queue + prefill) assumes; once every layer is acked,
 prefill hands a DecodeTask (with the decode transaction) to the decode instance and
-sends FirstTokenNotice to the conductor, which commits the prefill and source
-transactions (their slots are no longer read). Decode streams from the second token on.
+sends FirstTokenNotice to the conductor, which commits the source transaction and the
+prefill one (their slots are no longer read) unless the prefill node's store committed
+that with the last ship (``prefill_committed``). Decode streams from the second token on.
 """
 
 from bus_schemas._base import Msg
@@ -101,6 +102,9 @@ class FirstTokenNotice(Msg, tag="first_token"):
     prefill_tx_id: str
     ts: float  # the first token was computed (unix seconds)
     handoff_ts: float = 0.0  # the DecodeTask went out (0: same as ts)
+    # The prefill node's store committed the prefill transaction with the last ship:
+    # the conductor commits only the SOURCE one.
+    prefill_committed: bool = False
     source_node: str = ""  # a SOURCE transaction to commit too (hot-spot migration)
     source_tx_id: str = ""
 

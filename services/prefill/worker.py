@@ -102,6 +102,7 @@ class PrefillStore(Protocol):
         blocks: list[int],
         layer_bytes: int,
         layer_offset: int,
+        commit_src: str = "",
     ) -> None: ...
     async def lease(self, src: TxHandle, dst: TxHandle, blocks: list[int]) -> None: ...
     async def pull(self, dst: TxHandle, remote: RemotePrefix) -> None: ...
@@ -117,6 +118,7 @@ class _Computed:
     ship_span: Any = None  # prefill.ship, opened with the first layer to ship
     lease: "asyncio.Task[None] | None" = None  # the ships' write grant, opened as compute starts
     job: PrefillJob | None = None  # its logprobs, when the request asked (engine-filled)
+    committed: bool = False  # the last ship had the store commit the prefill transaction
 
     async def stop(self) -> None:
         """Cancel what is still on the wire (nothing, once every ship is acked) and
@@ -546,6 +548,9 @@ class PrefillWorker(WorkerBase):
                 _, end = self.layout.layer_span(last)
                 # The store's ship (and its write on the decode node) join prefill.ship:
                 # the client puts the current context in the ZeroMQ request header.
+                # The last layers' ship is the prefill transaction's last read: its
+                # store commits it then (no TxCommit from the conductor, no wake more).
+                final = last == last_layer
                 with trace.use_span(done.ship_span, end_on_exit=False):
                     await self.store.ship_layer(
                         res.prefill_tx,
@@ -554,7 +559,9 @@ class PrefillWorker(WorkerBase):
                         blocks,
                         end - start,
                         start,
+                        commit_src=req.request_id if final else "",
                     )
+                done.committed = done.committed or final
 
         async def on_layer(layer: int) -> None:
             for s in ships:  # fail fast: a dead peer stops the compute too
@@ -681,6 +688,7 @@ class PrefillWorker(WorkerBase):
                 prefill_tx_id=res.prefill_tx.tx_id,
                 ts=first_ts,
                 handoff_ts=self.unix.now(),
+                prefill_committed=done.committed,
                 source_node=src.source_node if src else "",
                 source_tx_id=src.source_tx.tx_id if src else "",
             ),

@@ -90,6 +90,9 @@ class Ship(_Header):
     layer: int = -1
     trace: dict[str, str] = {}  # W3C trace context (traceparent, tracestate)
     last: bool = True  # the last ship into these slots: it closes their lease
+    # A request id: the worker's last read of src_tx, which the store then commits (the
+    # prefill transaction, without the conductor's TxCommit); "": none.
+    commit_src: str = ""
 
 
 class Lease(_Header):

@@ -56,6 +56,7 @@ class FakeStore:
         self.spans: list[tuple[int, int, tuple[int, ...]]] = []  # (offset, bytes, blocks)
         self.pulls: list[RemotePrefix] = []
         self.leases: list[tuple[str, tuple[int, ...]]] = []  # (decode tx, blocks)
+        self.shipped_commits: list[tuple[str, str]] = []  # (src tx, request id)
         self.gate: asyncio.Event | None = None  # set: ships wait until it is set
         self.at_gate = 0  # ships waiting on the gate right now
         net[node] = self
@@ -81,6 +82,7 @@ class FakeStore:
         blocks: list[int],
         layer_bytes: int,
         layer_offset: int,
+        commit_src: str = "",
     ) -> None:
         assert src.node == self.node
         await asyncio.sleep(0)
@@ -98,6 +100,8 @@ class FakeStore:
             peer.slot(dst.slots[b])[span] = self.slot(src.slots[b])[span]
         self.ships.append((layer, tuple(blocks)))
         self.spans.append((layer_offset, layer_bytes, tuple(blocks)))
+        if commit_src:
+            self.shipped_commits.append((src.tx_id, commit_src))
 
     async def lease(self, src: TxHandle, dst: TxHandle, blocks: list[int]) -> None:
         assert src.node == self.node

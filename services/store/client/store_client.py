@@ -116,6 +116,7 @@ class StoreClient:
         blocks: list[int],
         layer_bytes: int,
         layer_offset: int,
+        commit_src: str = "",
     ) -> None:
         """Send bytes ``[layer_offset, layer_offset + layer_bytes)`` of ``src.slots[b]``
         (this node) into the same span of ``dst.slots[b]`` on ``dst.node``'s store, for
@@ -123,7 +124,9 @@ class StoreClient:
 
         Ships of the same blocks share one write grant on the far store; the span that
         reaches the end of the slot (the last layer: slots are layer-major) ends it, and
-        its return says the far store accepted every byte shipped under the grant."""
+        its return says the far store accepted every byte shipped under the grant.
+        ``commit_src`` (the request's id): this is the last read of ``src``, which the
+        store commits once the ship is acked (a refusal is the store's to log)."""
         await self._check_local(src)
         if dst.block_bytes != self._info.block_bytes:
             raise TransferError(
@@ -149,6 +152,7 @@ class StoreClient:
             layer=layer,
             trace=inject(),
             last=layer_offset + layer_bytes >= self._info.block_bytes,
+            commit_src=commit_src,
         )
         await self._request(header, len(blocks) * layer_bytes)
 

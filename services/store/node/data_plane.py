@@ -178,6 +178,7 @@ class DataPlane(GrantServer, TransferInitiator):
                 "bytes_in",
                 "bytes_out",
                 "local_copies",
+                "commits_on_ship",
                 "transfer_errors",
                 "bad_frames",
                 "unauthenticated",

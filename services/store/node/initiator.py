@@ -11,6 +11,8 @@ through the transfer engine under grants OPENed on the peer store.
                   CLOSEs the lease, unawaited; over RDMA, or to a peer that shares no
                   generations, nothing checked the bytes, so the OK waits for the
                   CLOSE verdict: a request's last OK says the peer accepted every byte.
+                  With ``commit_src`` (a prefill's last ship), the source transaction
+                  commits here once shipped, in the wake that shipped it.
             LEASE OPEN the lease ahead of the ships (OK once granted).
             PULL  hold our destination slots (a write grant), OPEN a read grant on the
                   peer, READ its slots into ours, CLOSE; OK once both ends stayed live.
@@ -34,9 +36,11 @@ from typing import Any
 
 import structlog
 
+from bus_schemas.control import Refused
 from services.store.arena import Arena
 from services.store.node.fence import SlotFence, SlotGrant
 from services.store.node.shared_gens import PeerGens
+from services.store.pool.block_pool import BlockPool
 from services.transfer import wire
 from services.transfer.backends import Opcode, Poll, TransportError
 from services.transfer.backends import shm as shm_transport
@@ -111,6 +115,8 @@ class TransferInitiator:
     regions: dict[str, int]
     engines: dict[str, TransferEngine]
     peer_timeout_s: float
+    pool: BlockPool
+    settled: Callable[[str, float], Awaitable[bool]]
     _check: Callable[[str, int, list[int], bool, int], None]
     _spans: Callable[[list[int], int, int, int], list[memoryview]]
     _known: Callable[[str, int], Awaitable[None]]
@@ -140,6 +146,7 @@ class TransferInitiator:
             self._check(h.dst_tx, h.dst_epoch, h.dst_slots, True, h.id)
             n = wire.scatter(spans, self._spans(h.dst_slots, h.offset, h.length, h.id))
             self.counters["local_copies"] += 1
+            await self._commit_shipped(h)
             return wire.Ok(id=h.id, nbytes=n)
         nbytes = len(h.src_slots) * h.length
         runs = pieces(h.src_slots, h.dst_slots, h.offset, h.length, self.arena.block_bytes)
@@ -188,7 +195,24 @@ class TransferInitiator:
             )
         self.counters[f"{name}_bytes"] += nbytes
         self.counters["bytes_out"] += nbytes
+        await self._commit_shipped(h)
         return wire.Ok(id=h.id, nbytes=nbytes)
+
+    async def _commit_shipped(self, h: wire.Ship) -> None:
+        """A prefill's last ship read its transaction's slots for the last time: commit
+        it as the conductor's TxCommit would (a refusal logged, the lease left to end
+        it), which then need not wake this store again."""
+        if not h.commit_src:
+            return
+        with structlog.contextvars.bound_contextvars(request_id=h.commit_src):
+            if not await self.settled(h.src_tx, self.peer_timeout_s):
+                log.info("commit_refused", tx_id=h.src_tx, reason="busy", on="ship")
+                return
+            result = self.pool.commit(h.src_tx, h.commit_src)
+            if isinstance(result, Refused):
+                log.info("commit_refused", tx_id=h.src_tx, reason=result.reason, on="ship")
+                return
+            self.counters["commits_on_ship"] += 1
 
     async def lease(self, h: wire.Lease) -> wire.Ok:
         """Open the lease that ships into ``h.dst_slots`` will use (see ``_Lease``)."""

@@ -283,6 +283,21 @@ async def test_places_on_the_cached_node_reserves_nothing_and_commits_on_first_t
     assert h.stores["np1"].commit_replies == [""]  # sent without asking for an answer
     await wait_until(lambda: not h.svc.pending)
 
+    # A prefill whose store committed its tx with the last ship: nothing to commit (the
+    # next commit the store sees is the next request's).
+    for rid, tx, committed in (("r2", "np1-tx-b", True), ("r3", "np1-tx-c", False)):
+        await h.schedule(rid)
+        await h.task()
+        n = FirstTokenNotice(
+            request_id=rid,
+            prefill_node="np1",
+            prefill_tx_id=tx,
+            ts=time.time(),
+            prefill_committed=committed,
+        )
+        await h.nc.publish(subjects.conductor_events(CID), encode(n))
+    assert await next_of(h.stores["np1"].commits) == TxCommit(tx_id="np1-tx-c", request_id="r3")
+
 
 async def test_an_idle_instance_has_its_reservation_sent_ahead_of_its_task(harness):
     # The stores' round trip overlaps the task's way to an idle instance: the conductor

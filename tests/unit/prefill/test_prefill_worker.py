@@ -71,6 +71,10 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
         rig.pn,
         rig.res(t).prefill_tx.tx_id,
     )
+    # The last ship had the prefill node's store commit the prefill tx: the conductor
+    # is told it need not.
+    assert rig.p.shipped_commits == [(rig.res(t).prefill_tx.tx_id, t.request.request_id)]
+    assert ev.prefill_committed
 
     pc = await rig.stats("prefill", rig.pi)
     assert pc == {
@@ -113,10 +117,10 @@ async def test_the_first_token_goes_out_before_the_last_layer_ships(rig, monkeyp
             order.append("first token")
         return await publish(nc, subject, msg, *a, **kw)
 
-    async def spy_ship(src, dst, layer, blocks, layer_bytes, layer_offset):
+    async def spy_ship(src, dst, layer, blocks, layer_bytes, layer_offset, **kw):
         last = (layer_offset + layer_bytes) // rig.layout.layer_bytes - 1
         order.append(("ship", layer, last))
-        return await ship(src, dst, layer, blocks, layer_bytes, layer_offset)
+        return await ship(src, dst, layer, blocks, layer_bytes, layer_offset, **kw)
 
     computing = rig.reserver.computing
 
@@ -178,6 +182,10 @@ async def test_full_hit_on_both_nodes_ships_nothing(rig):
     events = await until_terminal(await rig.submit(t))
     assert tokens_of(events) == rig.reference(prompt, 2)
     assert rig.p.ships == [] and rig.p.leases == []
+    # No ship, so no commit with one: the conductor commits the prefill tx.
+    ev = await asyncio.wait_for(rig.conductor.get(), 5)
+    assert isinstance(ev, FirstTokenNotice) and not ev.prefill_committed
+    assert rig.p.shipped_commits == []
 
 
 async def test_corrupt_prefix_fails_the_request_with_kv_mismatch(rig):

@@ -189,6 +189,32 @@ async def test_ship_two_layers_then_commit_publishes_blockstored(env):
     await events.unsubscribe()
 
 
+async def test_the_last_ship_with_commit_src_commits_the_source_tx_on_its_store(env):
+    # A prefill's last ship is its transaction's last read: the store commits it there
+    # (BlockStored published, blocks cached), and no TxCommit need follow.
+    nc, a, b = env
+    events = await nc.subscribe(subjects.kv_events("sa"))
+    hashes = [111, 112]
+    src = await tx(nc, "sa", TxRole.PREFILL, hashes, 2 * BS, request_id="rc")
+    dst = await tx(nc, "sb", TxRole.DECODE, hashes, 2 * BS, request_id="rc")
+    data = fill(a, src, seed=3)
+    await a.ship_layer(src, dst, 0, [0, 1], 2 * LAYER, 0)  # not the last: no commit
+    sent = await request(nc, subjects.worker_stats("store", "sa"), {}, WorkerStats)
+    assert sent.counters["commits_on_ship"] == 0
+    await a.ship_layer(src, dst, 2, [0, 1], 2 * LAYER, 2 * LAYER, commit_src="rc")
+    for i, s in enumerate(dst.slots):
+        assert bytes(b.slot(s)) == data[i]
+    batch = decode((await events.next_msg(timeout=5)).data, EventBatch)
+    assert batch.events == [BlockStored(block_hashes=hashes)]
+    sent = await request(nc, subjects.worker_stats("store", "sa"), {}, WorkerStats)
+    assert sent.counters["commits_on_ship"] == 1
+    late = await commit(nc, "sa", src)  # the conductor's commit, were it still sent
+    assert isinstance(late, Refused)
+    again = await tx(nc, "sa", TxRole.PREFILL, hashes, 2 * BS, request_id="rd")
+    assert again.hit_blocks == 2  # cached by the commit on the ship
+    await events.unsubscribe()
+
+
 async def test_pull_whole_blocks_from_a_source_tx(env):
     nc, a, b = env
     hashes = [201, 202, 203]
