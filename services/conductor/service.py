@@ -15,7 +15,8 @@ A request's lifecycle here (``pending`` holds it from DISPATCHED to the end):
                       first round goes from here, right after the task, the stores
                       answering the instance (services.prefill.reserve_ahead)
       -> COMMITTED    FirstTokenNotice (prefill, once its KV is on the decode node):
-                      TxCommit on the prefill store (and the SOURCE tx it names)
+                      TxCommit on the SOURCE tx it names, and on the prefill store
+                      unless that committed it with the last ship (prefill_committed)
        | ABORTED      RequestFailed: the worker aborted its transactions; TxAbort again
                       on the named prefill tx (harmless when already gone)
        | FORGOTTEN    no notice for ``forget_after_s``: dropped from the policy's books
