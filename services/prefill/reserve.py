@@ -86,6 +86,7 @@ class Reserver(Protocol):
         self, task: PrefillTask, ahead: Awaitable[AllocationRound] | None = None
     ) -> Reservation: ...
     async def computing(self, r: Reservation, work: Awaitable[T]) -> T: ...
+    def prefill_committed(self, r: Reservation) -> None: ...
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None: ...
     async def release(self, task: PrefillTask, r: Reservation, reason: str) -> None: ...
     async def close(self) -> None: ...
@@ -187,6 +188,11 @@ class StoreReserver:
         """``work`` (the engine writing the prompt's KV into the prefill tx's slots) while
         the store keeps them; a lease that ends first cancels it (``LeaseExpired``)."""
         return await self.leases.before_expiry((r.prefill_tx.node, r.prefill_tx.tx_id), work)
+
+    def prefill_committed(self, r: Reservation) -> None:
+        """Its store committed the prefill tx with the last ship: no lease to renew (a
+        renewal now would find it gone and call the lease lost)."""
+        self.leases.drop(r.prefill_tx.node, r.prefill_tx.tx_id)
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
         for node, tx_id in r.txs():

@@ -561,7 +561,9 @@ class PrefillWorker(WorkerBase):
                         start,
                         commit_src=req.request_id if final else "",
                     )
-                done.committed = done.committed or final
+                if final:
+                    done.committed = True
+                    self.reserver.prefill_committed(res)
 
         async def on_layer(layer: int) -> None:
             for s in ships:  # fail fast: a dead peer stops the compute too

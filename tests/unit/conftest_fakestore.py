@@ -159,6 +159,7 @@ class FakeReserver:
         self.planned: dict[str, Reservation] = {}
         self.reserved: list[str] = []
         self.handed_off: list[str] = []
+        self.committed: list[str] = []  # prefill tx ids committed with their last ship
         self.released: list[tuple[str, str]] = []  # (request id, reason)
         self.lose: set[str] = set()  # prefill tx ids whose lease ends before the compute
 
@@ -172,6 +173,9 @@ class FakeReserver:
             work.close()
             raise LeaseExpired("the store no longer holds the slots (test)")
         return await work
+
+    def prefill_committed(self, r: Reservation) -> None:
+        self.committed.append(r.prefill_tx.tx_id)
 
     async def hand_off(self, task: PrefillTask, r: Reservation) -> None:
         self.handed_off.append(task.request.request_id)

@@ -138,6 +138,9 @@ async def test_reserve_opens_prefill_decode_and_source_and_pulls_from_the_local_
     assert (res.remote.first_block, res.remote.num_blocks) == (1, 2)  # from the local hit on
     assert res.prefix_blocks == 3
     assert res_.leases.held == 3
+    # committed with the last ship: its lease is not renewed any more, the others are
+    res_.prefill_committed(res)
+    assert res_.leases.held == 2 and ("p0", res.prefill_tx.tx_id) not in res_.leases._held
     await res_.hand_off(task(), res)
     assert res_.leases.held == 0 and p.aborts == d.aborts == r.aborts == []
     await res_.close()

@@ -75,6 +75,7 @@ async def test_prefill_with_local_prefix_hands_off_and_decode_streams(rig):
     # is told it need not.
     assert rig.p.shipped_commits == [(rig.res(t).prefill_tx.tx_id, t.request.request_id)]
     assert ev.prefill_committed
+    assert rig.reserver.committed == [rig.res(t).prefill_tx.tx_id]  # its lease dropped
 
     pc = await rig.stats("prefill", rig.pi)
     assert pc == {
