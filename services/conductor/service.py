@@ -541,7 +541,7 @@ class ConductorService:
                     return
                 # Unanswered: a refusal is the store's to log, and a lost commit only
                 # leaves the blocks uncached when the lease ends; nothing here would act.
-                for n, t in [*([] if ev.prefill_committed else [prefill]), *source]:
+                for n, t in source if ev.prefill_committed else [prefill, *source]:
                     await self.tx.commit_unanswered(n, t, ev.request_id)
                 if source:  # hot-spot migration: the prefill node now holds a replica
                     log.info("replica_committed", node=prefill[0], source=source[0][0])

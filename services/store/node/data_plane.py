@@ -47,6 +47,7 @@ import zmq
 import zmq.asyncio
 from opentelemetry import trace
 
+from bus_schemas.control import Refused, TxDone
 from services.common.tasks import cancel_and_wait
 from services.store.arena import Arena
 from services.store.node.fence import ArenaGuard, SlotFence
@@ -204,6 +205,20 @@ class DataPlane(GrantServer, TransferInitiator):
         if local_dir is not None and os.path.isdir(local_dir):
             path = os.path.join(local_dir, f"{arena.name}.ctl")
             self.local = LocalServer(path, self._serve_local)
+
+    async def commit(self, tx_id: str, request_id: str) -> TxDone | Refused:
+        """Commit ``tx_id`` once no peer writes into its slots (bytes still landing must
+        not become a cached block): a TxCommit's, or a prefill's last ship's."""
+        if not await self.settled(tx_id, self.peer_timeout_s):
+            log.info("commit_refused", tx_id=tx_id, reason="busy")
+            return Refused(
+                reason="busy",
+                message=f"transfers into {tx_id} are still open; commit once they closed",
+            )
+        result = self.pool.commit(tx_id, request_id)
+        if isinstance(result, Refused):
+            log.info("commit_refused", tx_id=tx_id, reason=result.reason)
+        return result
 
     def security_counters(self) -> dict[str, int]:
         """What strangers met: the TCP receiver's refusals and bounds, unauthorized ops."""

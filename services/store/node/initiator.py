@@ -36,11 +36,10 @@ from typing import Any
 
 import structlog
 
-from bus_schemas.control import Refused
+from bus_schemas.control import Refused, TxDone
 from services.store.arena import Arena
 from services.store.node.fence import SlotFence, SlotGrant
 from services.store.node.shared_gens import PeerGens
-from services.store.pool.block_pool import BlockPool
 from services.transfer import wire
 from services.transfer.backends import Opcode, Poll, TransportError
 from services.transfer.backends import shm as shm_transport
@@ -115,8 +114,7 @@ class TransferInitiator:
     regions: dict[str, int]
     engines: dict[str, TransferEngine]
     peer_timeout_s: float
-    pool: BlockPool
-    settled: Callable[[str, float], Awaitable[bool]]
+    commit: Callable[[str, str], Awaitable[TxDone | Refused]]
     _check: Callable[[str, int, list[int], bool, int], None]
     _spans: Callable[[list[int], int, int, int], list[memoryview]]
     _known: Callable[[str, int], Awaitable[None]]
@@ -205,14 +203,8 @@ class TransferInitiator:
         if not h.commit_src:
             return
         with structlog.contextvars.bound_contextvars(request_id=h.commit_src):
-            if not await self.settled(h.src_tx, self.peer_timeout_s):
-                log.info("commit_refused", tx_id=h.src_tx, reason="busy", on="ship")
-                return
-            result = self.pool.commit(h.src_tx, h.commit_src)
-            if isinstance(result, Refused):
-                log.info("commit_refused", tx_id=h.src_tx, reason=result.reason, on="ship")
-                return
-            self.counters["commits_on_ship"] += 1
+            if isinstance(await self.commit(h.src_tx, h.commit_src), TxDone):
+                self.counters["commits_on_ship"] += 1
 
     async def lease(self, h: wire.Lease) -> wire.Ok:
         """Open the lease that ships into ``h.dst_slots`` will use (see ``_Lease``)."""

@@ -349,19 +349,8 @@ class StoreService:
 
     async def _commit(self, req: TxCommit, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
-            # Bytes may still land in its slots: they must not become a cached block.
-            if self.data is not None and not await self.data.settled(
-                req.tx_id, self.peer_timeout_s
-            ):
-                log.info("commit_refused", tx_id=req.tx_id, reason="busy")
-                return Refused(
-                    reason="busy",
-                    message=f"transfers into {req.tx_id} are still open; commit once they closed",
-                )
-            result = self.pool.commit(req.tx_id, req.request_id)
-            if isinstance(result, Refused):
-                log.info("commit_refused", tx_id=req.tx_id, reason=result.reason)
-            return result
+            assert self.data is not None
+            return await self.data.commit(req.tx_id, req.request_id)
 
     async def _abort(self, req: TxAbort, _m: NatsMsg) -> TxDone | Refused:
         with structlog.contextvars.bound_contextvars(request_id=req.request_id):
