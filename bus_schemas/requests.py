@@ -273,6 +273,10 @@ class Tokens(Msg, tag="tokens"):
     # Which of the request's ``n`` sequences these tokens belong to; ``index`` counts
     # within that sequence.
     seq: int = 0
+    # With the prefill's first token: the seconds of its wait the engine accounts for
+    # (the instance's queue, the cached prefix's load, the compute). The rest of the
+    # gateway's wait is the control plane's (services.gateway.lateness).
+    engine_s: float | None = None
 
 
 class Finished(Msg, tag="finished"):

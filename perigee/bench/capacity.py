@@ -252,9 +252,7 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         trace_rate=a.trace_rate,
         nats_procs=a.nats_procs,
         durable_intake=a.durable_intake,
-        extra_env=(
-            {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
-        ),
+        extra_env=gate_env(a),
     )
     steps: list[Step] = []
     with Stack(cfg) as stack:
@@ -314,11 +312,20 @@ def run_layout(conductors: int, admissions: int, a: argparse.Namespace, rates: l
         # Every step run above the held rate answered with 429s only, in time.
         "answered_rps": max((s.rate for s in steps if s.answered(a.p99_ms)), default=0.0),
         "max_lateness_ms": a.max_lateness_ms,
+        "max_overhead_ms": a.max_overhead_ms,
         "nats_request_reply": bus,
         "paced_round_trip": paced,
         "bus_messages": hops,
         "steps": [{**s.report(), "overhead_rtts": in_rtts(s.report(), rtt_ms)} for s in steps],
     }
+
+
+def gate_env(a: argparse.Namespace) -> dict[str, str]:
+    """The gateways' gates as the bench's flags set them (unset: the gateways' own)."""
+    env = {"PERIGEE_MAX_LATENESS_MS": f"{a.max_lateness_ms:g}"} if a.max_lateness_ms else {}
+    if a.max_overhead_ms is not None:
+        env["PERIGEE_MAX_OVERHEAD_MS"] = f"{a.max_overhead_ms:g}"
+    return env
 
 
 def main(argv: list[str]) -> int:
@@ -341,6 +348,12 @@ def main(argv: list[str]) -> int:
         type=float,
         default=0.0,
         help="the gateways' --max-lateness-ms (0: the gate off, their default)",
+    )
+    p.add_argument(
+        "--max-overhead-ms",
+        type=float,
+        default=None,
+        help="the gateways' --max-overhead-ms (0: that gate off; default: theirs)",
     )
     p.add_argument("--layouts", default="1x1,2x2", help="conductors x admissions, comma list")
     p.add_argument(

@@ -22,6 +22,7 @@ from services.gateway.server import Gateway, GatewayConfig
 
 # The deployment's setting for every gateway (perigee up and the benches set it this way).
 LATENESS_ENV = "PERIGEE_MAX_LATENESS_MS"
+OVERHEAD_ENV = "PERIGEE_MAX_OVERHEAD_MS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +61,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "than this (unplaced: since sent; placed: since the conductor's TTFT estimate), "
         "or while as many requests wait for their first token as first tokens later than "
         f"this let (an AIMD cap); 0: never; default ${LATENESS_ENV} or 0",
+    )
+    ap.add_argument(
+        "--max-overhead-ms",
+        type=float,
+        default=float(os.environ.get(OVERHEAD_ENV, GatewayConfig.max_overhead_s * 1e3)),
+        help="answer 429 + Retry-After while a request is unplaced for longer than this, "
+        "or while as many requests wait for their first token as first tokens whose "
+        "control-plane overhead (their wait less the engine's part, which the prefill "
+        "worker reports) was over this let (an AIMD cap); 0: never; "
+        f"default ${OVERHEAD_ENV} or {GatewayConfig.max_overhead_s * 1e3:g}",
     )
     ap.add_argument(
         "--request-timeout",
@@ -190,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_body_bytes=args.max_body_bytes,
         max_inflight=args.max_inflight,
         max_lateness_s=args.max_lateness_ms / 1e3,
+        max_overhead_s=args.max_overhead_ms / 1e3,
         request_timeout_s=args.request_timeout,
         dead_after_s=args.dead_after,
         wedge_factor=args.wedge_factor,

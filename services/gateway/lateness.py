@@ -24,6 +24,18 @@ a cap's worth of first tokens, as a TCP window grows by one a round trip), up to
 ``CAP_MAX``. A burst is then turned away as it arrives, by count, before it queues.
 A request stuck with no token at all (a restarting service) moves neither.
 
+The conductor's estimate is a promise a real engine breaks without the control plane
+falling behind: a prefill slower than predicted makes its first token late, and the
+cut would turn clients away for the engine's error, which admission already answers
+for. So the cap also has a signal no engine can trip (``overhead_s``, on by default):
+the prefill worker's first token says how much of the request's wait its engine
+accounts for (``Tokens.engine_s``: its queue, the prefix's load, the compute); the rest,
+since the gateway sent it, is the control plane's overhead (gateway, admission,
+conductor, bus, stores' reservation answers), and one over ``overhead_s`` counts as
+late. A first token that says nothing of the engine (decode's, when prefill does not
+stream it) is judged by the estimate alone, or not at all; nor is one whose request was
+sent before a service died (``disturbed``): its wait is a restart's, not a backlog's.
+
 Pure: the clock's time is passed in. Due times sit in a heap with lazy deletion (an
 entry whose request has moved on is dropped when it reaches the top), so each
 operation is O(log n) amortised."""
@@ -33,49 +45,85 @@ import heapq
 CAP_MIN = 4  # requests the cap always lets wait: a stack that serves any serves these
 CAP_MAX = 4096
 CAP_CUT = 0.9
+INF = float("inf")
 
 
 class Lateness:
     """Due times of the requests still waiting for their first token; with ``limit_s``,
     the cap on how many may wait (see module doc)."""
 
-    def __init__(self, limit_s: float = 0.0) -> None:
+    def __init__(self, limit_s: float = 0.0, overhead_s: float = 0.0) -> None:
         self.limit_s = limit_s
+        self.overhead_s = overhead_s
         self.cap = float(CAP_MAX)
         self._cut_at = float("-inf")
         self._due: dict[str, float] = {}
+        self._sent: dict[str, float] = {}  # when its current attempt was sent
+        self._calm_from = float("-inf")  # the last service death heard of
         self._heap: list[tuple[float, str]] = []
 
     def sent(self, request_id: str, now: float) -> None:
         """A request's first send: its placement is due at once (a migration's resend
-        keeps what the request already owes)."""
+        keeps what the request already owes; its overhead counts from the resend, as a
+        dead worker is no sign of a backlog)."""
+        self._sent[request_id] = now
         if request_id not in self._due:
             self._set(request_id, now)
 
     def placed(self, request_id: str, now: float, est_ttft_s: float) -> None:
-        """Its ``Accepted``: the first token is due after the conductor's estimate."""
+        """Its ``Accepted``: the first token is due after the conductor's estimate (not
+        judged by it without ``limit_s``: then only its placement was due)."""
         if request_id in self._due:
-            self._set(request_id, now + max(0.0, est_ttft_s))
+            self._set(request_id, now + max(0.0, est_ttft_s) if self.limit_s else INF)
 
     def done(self, request_id: str) -> None:
         """It ended or failed before its first token: it owes nothing more."""
         self._due.pop(request_id, None)
+        self._sent.pop(request_id, None)
 
-    def first_token(self, request_id: str, now: float) -> None:
-        """Its first token came: it owes nothing more, and whether it came in time moves
-        the cap."""
+    def first_token(self, request_id: str, now: float, engine_s: float | None = None) -> None:
+        """Its first token came (``engine_s``: the part of its wait its engine accounts
+        for, when the sender said): it owes nothing more, and whether it came in time
+        moves the cap."""
         due = self._due.pop(request_id, None)
-        if due is None or not self.limit_s:
+        sent = self._sent.pop(request_id, None)
+        if due is None:
             return
-        if now - due <= self.limit_s:
+        late = on_time = False
+        if self.limit_s:
+            late = now - due > self.limit_s
+            on_time = not late
+        if (
+            self.overhead_s
+            and engine_s is not None
+            and sent is not None
+            and sent >= self._calm_from
+        ):
+            over = now - sent - engine_s > self.overhead_s
+            late, on_time = late or over, on_time or not over
+        if late:
+            if now >= self._cut_at + self._span():
+                self._cut_at = now
+                self.cap = max(float(CAP_MIN), min(self.cap, len(self._due) + 1.0) * CAP_CUT)
+        elif on_time:
             self.cap = min(float(CAP_MAX), self.cap + 1.0 / self.cap)
-        elif now >= self._cut_at + self.limit_s:
-            self._cut_at = now
-            self.cap = max(float(CAP_MIN), min(self.cap, len(self._due) + 1.0) * CAP_CUT)
+
+    def disturbed(self, now: float) -> None:
+        """A service died (or the bus lost messages): the requests waiting now wait for
+        its restart, so their overhead says nothing of a backlog."""
+        self._calm_from = now
 
     def full(self) -> bool:
         """Whether as many requests wait for their first token as the cap lets."""
-        return bool(self.limit_s) and len(self._due) >= int(self.cap)
+        return self.capping and len(self._due) >= int(self.cap)
+
+    @property
+    def capping(self) -> bool:
+        return bool(self.limit_s or self.overhead_s)
+
+    def _span(self) -> float:
+        """One backlog's span: the cap is cut at most once in it."""
+        return min(x for x in (self.limit_s, self.overhead_s) if x)
 
     def overdue(self, now: float) -> float:
         """Seconds the most overdue request is past its due time (0 when none is)."""

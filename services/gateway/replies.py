@@ -552,7 +552,9 @@ class ReplyRouter:
         if type(ev) is Accepted:
             self.lateness.placed(rid, wd.clock.now(), ev.est_ttft_s)
         elif type(ev) is Tokens or type(ev) is Finished:  # its first token (or all of them)
-            self.lateness.first_token(rid, wd.clock.now())
+            self.lateness.first_token(
+                rid, wd.clock.now(), ev.engine_s if type(ev) is Tokens else None
+            )
         else:  # its failure: it owes nothing more
             self.lateness.done(rid)
         if type(ev) is Tokens:
@@ -833,6 +835,7 @@ class ReplyRouter:
         if kind == "gateway" and sender != self.gateway_id:
             return  # another gateway's own requests
         self._bus_lost.add(f"{kind}:{sender}")
+        self.lateness.disturbed(self.watchdog.clock.now())
         self._resume_pass_soon()
 
     def _resume_pass_soon(self) -> None:
@@ -861,6 +864,7 @@ class ReplyRouter:
         self.control_deaths += len(keys)
         log.warning("control_process_died", processes=sorted(keys), how=how)
         self._control_lost.update(keys)
+        self.lateness.disturbed(self.watchdog.clock.now())
         self._resume_pass_soon()
 
     def _lost_with(self, who: set[str], rid: str) -> bool:

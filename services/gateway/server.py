@@ -153,6 +153,11 @@ class GatewayConfig:
     # while as many wait as the cap that late first tokens set; 0: never. Off by default: a restarting admission also leaves requests waiting (the
     # durable intake keeps them), and those should not turn the next requests away.
     max_lateness_s: float = 0.0
+    # The same 429s, judged by what no engine's pace moves: a request unplaced for
+    # longer than this, or as many waiting as the cap that first tokens with more
+    # control-plane overhead than this set (their wait less the engine's part,
+    # Tokens.engine_s); 0: never. On by default: a control plane behind answers 429.
+    max_overhead_s: float = 0.02
 
 
 class Gateway:
@@ -195,6 +200,7 @@ class Gateway:
         self.router.migration_wait_s = cfg.migration_wait_s
         self.router.intake_patience_s = cfg.intake_patience_s
         self.router.lateness.limit_s = cfg.max_lateness_s
+        self.router.lateness.overhead_s = cfg.max_overhead_s
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
@@ -492,7 +498,8 @@ class Gateway:
                 metrics.INFLIGHT_REJECTIONS,
                 f"the gateway is serving its limit of {self.cfg.max_inflight} requests",
             )
-        limit, lateness = self.cfg.max_lateness_s, self.router.lateness
+        lateness = self.router.lateness
+        limit = self.cfg.max_lateness_s or self.cfg.max_overhead_s
         if limit and (late := lateness.overdue(self.watchdog.clock.now())) > limit:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,

@@ -145,6 +145,10 @@ class _Meta:
     ctx: Any  # trace context of the consumer span that received the task
     enqueued_ns: int
     reservation: Reservation | None = None  # once the compute has started
+    queued_at: float = 0.0  # worker clock
+    reserve_s: float = 0.0  # its own reservation's wait: the control plane's, not the engine's
+    busy_at: float = 0.0  # the engine's busy seconds when it was queued
+    moved_s: float = 0.0  # its prefix's load and its group's pipeline: data plane, engines
 
 
 def _ignore_result(task: "asyncio.Task[None]") -> None:
@@ -238,6 +242,7 @@ class PrefillWorker(WorkerBase):
         # pipeline stage it is a member of (any anchor's), in the order they ask (the
         # lock is fair), so a request placed here meanwhile runs between two chunks.
         self.compute_lock = asyncio.Lock()
+        self._engine_busy_s = 0.0  # seconds engine.prefill has run here, in all
         self.stages = StageServer(
             nc, instance, self._model, self.clock, self.counters, self.compute_lock
         )
@@ -330,7 +335,12 @@ class PrefillWorker(WorkerBase):
                 return
             try:
                 self._validate(task)
-                meta = _Meta(otel_context.get_current(), int(self.unix.now() * 1e9))
+                meta = _Meta(
+                    otel_context.get_current(),
+                    int(self.unix.now() * 1e9),
+                    queued_at=self.clock.now(),
+                    busy_at=self._engine_busy_s,
+                )
                 self.queue.push(QueuedPrefill.of(task, self.layout.block_size, meta))
             except BadTask as e:
                 log.warning("bad_prefill_task", error=str(e))
@@ -484,6 +494,7 @@ class PrefillWorker(WorkerBase):
     async def _reserve(self, item: QueuedPrefill) -> Reservation:
         """Open the request's transactions now that its compute starts."""
         task = item.task
+        t0 = self.clock.now()
         with tracer().start_as_current_span("prefill.reserve") as span:
             ahead = None
             if task.reserved_ahead:
@@ -493,6 +504,7 @@ class PrefillWorker(WorkerBase):
                 )
             res = await self.reserver.reserve(task, ahead=ahead)
         item.meta.reservation = res
+        item.meta.reserve_s = self.clock.now() - t0
         self._check_reservation(item.task, res)
         item.settle(res.grant, self.layout.block_size)
         self.queue.reprice_running()
@@ -508,7 +520,9 @@ class PrefillWorker(WorkerBase):
                 "prefill.load_prefix",
                 attributes={"source_node": r.source_node, "blocks": r.num_blocks},
             ):
+                t0 = self.clock.now()
                 await self.store.pull(res.prefill_tx, r)
+                item.meta.moved_s += self.clock.now() - t0
             self.counters["remote_tokens_pulled"] += item.pulled_tokens
         await self.store.attached(res.prefill_tx)  # its store may have restarted
         slots = [self.store.slot(s) for s in res.prefill_tx.slots]
@@ -593,6 +607,7 @@ class PrefillWorker(WorkerBase):
             if task.cpp_stages:
                 # The group computes it as a pipeline; the engine then only writes the
                 # KV here, unpaced (and the compute is no sample of this instance's).
+                t0 = self.clock.now()
                 with tracer().start_as_current_span(
                     "prefill.cpp_pipeline", attributes={"stages": len(task.cpp_stages)}
                 ):
@@ -608,6 +623,7 @@ class PrefillWorker(WorkerBase):
                         timeout_s=DEFAULT_STAGE_TIMEOUT_S + task.est_ttft_s,
                     )
                 job.paced = False
+                item.meta.moved_s += self.clock.now() - t0
             with tracer().start_as_current_span(
                 "prefill.compute",
                 attributes={"prompt_tokens": n, "prefix_tokens": p},
@@ -638,6 +654,7 @@ class PrefillWorker(WorkerBase):
                             incarnation=self.incarnation,
                             logprobs=first_logprobs(job),
                             prompt_logprobs=job.prompt_logprobs,
+                            engine_s=self._engine_s(item),
                         ),
                     )
                 await bus.flush_soon()  # out before the last layer's ship and the refit
@@ -712,18 +729,30 @@ class PrefillWorker(WorkerBase):
         prediction; the queue is repriced with the fit after it). A pipeline's last
         write (``measured=False``) is no sample of this instance's compute."""
         calib = self.calibrator
-        if calib is None or not measured:
-            return await self.engine.prefill(job), None
-        predicted = calib.model().prefill_time(n, p)
+        predicted = calib.model().prefill_time(n, p) if calib is not None and measured else 0.0
         t0 = self.clock.now()
-        first = await self.engine.prefill(job)
-        seconds = self.clock.now() - t0
+        try:
+            first = await self.engine.prefill(job)
+        finally:
+            seconds = self.clock.now() - t0
+            self._engine_busy_s += seconds
+        if calib is None or not measured:
+            return first, None
 
         def learn() -> None:
             calib.prefill(n, p, seconds, predicted)
             self.queue.reprice(calib.model())
 
         return first, learn
+
+    def _engine_s(self, item: QueuedPrefill) -> float:
+        """The seconds since the task arrived that this instance's engine accounts for:
+        the engine's compute meanwhile (its own, and that of the requests ahead of it),
+        its prefix's load and its group's pipeline. Not the event loop's turns between
+        them, nor any reservation's wait: a busy control plane makes those."""
+        m = item.meta
+        engine = self._engine_busy_s - m.busy_at + m.moved_s
+        return max(0.0, min(engine, self.clock.now() - m.queued_at - m.reserve_s))
 
     def _validate(self, task: PrefillTask) -> None:
         req, bs = task.request, self.layout.block_size

@@ -202,8 +202,10 @@ class Rig:
         block_size: int = 32,
         commit_reply: Any = None,
         max_batch: int = 8,
+        clock: Any = None,
     ) -> None:
         sfx = uuid.uuid4().hex[:8]
+        self.clock = clock  # the prefill worker's (None: its own)
         self.spec = ModelSpec.from_dir()
         self.layout = KVLayout(self.spec, block_size)
         self.bs = block_size
@@ -242,6 +244,7 @@ class Rig:
             cost=self.cost,
             report_interval=0.05,
             reserver=self.reserver,
+            clock=self.clock,
         )
         self.decode = DecodeWorker(
             self.nc,

@@ -2,7 +2,10 @@
 429 + Retry-After while a request's first token is overdue by more than
 --max-lateness-ms (not placed: since it was sent; placed: since the conductor's TTFT
 estimate), or while as many requests wait for their first token as late first tokens
-capped; its first token, end or failure ends what it owes; off by default.
+capped; its first token, end or failure ends what it owes. That gate is off by default;
+--max-overhead-ms (on by default) judges only what no engine's pace moves: a request
+unplaced for longer, and first tokens whose wait less the engine's part
+(Tokens.engine_s) is longer.
 
 On a real nats-server with a fake admission that answers only when the test says;
 time is the gateway's injected clock, moved by hand."""
@@ -23,7 +26,7 @@ HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 def test_the_most_overdue_request_sets_the_lateness():
-    late = Lateness()
+    late = Lateness(limit_s=0.05)
     assert late.overdue(5.0) == 0.0
     late.sent("a", 1.0)
     late.sent("b", 2.0)
@@ -93,6 +96,33 @@ def test_late_first_tokens_cap_how_many_may_wait_and_on_time_ones_raise_it():
     assert late.cap == CAP_MIN and not late.full()
 
 
+def test_only_the_overhead_net_of_the_engine_moves_the_cap():
+    late = Lateness(overhead_s=0.02)
+    late.cap = 10.0
+    for i in range(6):
+        late.sent(f"r{i}", 0.0)
+    late.placed("r0", 0.001, est_ttft_s=0.1)
+    assert late.overdue(30.0) == 30.0  # r1..r5 are still unplaced
+    for i in range(1, 6):
+        late.placed(f"r{i}", 0.001, est_ttft_s=0.1)
+    # Placed, each is the engine's now: ten seconds past any estimate is no overdue.
+    assert late.overdue(10.0) == 0.0
+    late.first_token("r0", 10.0, engine_s=9.99)  # 10 ms of it the control plane's
+    assert late.cap == pytest.approx(10.1)
+    late.first_token("r1", 10.0, engine_s=None)  # says nothing of the engine: no move
+    assert late.cap == pytest.approx(10.1)
+    late.first_token("r2", 10.0, engine_s=9.9)  # 100 ms of overhead: cut, from 3 waiting
+    assert late.cap == CAP_MIN
+    late.cap = 10.0
+    late.disturbed(10.5)  # a service died: r3..r5 wait for its restart
+    late.first_token("r3", 11.0, engine_s=0.0)
+    assert late.cap == 10.0
+    late.sent("r4", 11.0)  # resent: its overhead counts from now
+    late.first_token("r4", 11.01, engine_s=0.0)
+    assert late.cap == pytest.approx(10.1)
+    assert len(late) == 1 and not late.full()
+
+
 def test_no_limit_no_cap():
     late = Lateness()
     for i in range(5000):
@@ -105,7 +135,7 @@ def test_no_limit_no_cap():
 async def make(nats_url):
     made = []
 
-    async def build(max_lateness_s: float):
+    async def build(max_lateness_s: float, max_overhead_s: float = 0.0):
         clock = ManualClock()
         cfg = GatewayConfig(
             port=0,
@@ -116,6 +146,7 @@ async def make(nats_url):
             sweep_interval_s=0,
             migration_limit=0,
             max_lateness_s=max_lateness_s,
+            max_overhead_s=max_overhead_s,
         )
         nc_gw, nc_be = await nats.connect(nats_url), await nats.connect(nats_url)
         gw = await Gateway(cfg, nc_gw, tokenizer=TOK, clock=clock).start()
@@ -200,7 +231,37 @@ async def test_a_burst_past_the_cap_is_turned_away_by_count(make):
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
-async def test_off_by_default(make):
+async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
+    assert GatewayConfig().max_overhead_s > 0  # on by default
+    gw, backend, http, clock = await make(max_lateness_s=0.0, max_overhead_s=0.02)
+    waiting = [asyncio.ensure_future(post(http, gw))]
+    r1, reply1 = await backend.requests.get()
+    clock.advance(0.03)  # unplaced for 30 ms: the control plane is behind
+    assert "30 ms overdue" in await refused(http, gw, backend)
+    await backend.send(reply1, accepted(r1, 0.1))
+    await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
+    clock.advance(10.0)  # a slow engine, 10 s past its estimate: requests still go in
+    waiting.append(asyncio.ensure_future(post(http, gw)))
+    r2, reply2 = await backend.requests.get()
+    await backend.send(reply2, accepted(r2, 0.1))
+    cap = gw.router.lateness.cap = 10.0
+    # r1's first token: 10.03 s since sent, 10.02 of them the engine's.
+    await backend.send(
+        reply1, Tokens(request_id=r1.request_id, token_ids=[5], index=0, engine_s=10.02)
+    )
+    await until(lambda: gw.router.lateness.cap != cap)
+    assert gw.router.lateness.cap == pytest.approx(cap + 1 / cap)
+    clock.advance(0.05)  # r2's: 50 ms since sent, none of it the engine's
+    await backend.send(
+        reply2, Tokens(request_id=r2.request_id, token_ids=[5], index=0, engine_s=0.0)
+    )
+    await until(lambda: gw.router.lateness.cap == CAP_MIN)
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_off_when_both_are_zero(make):
     gw, backend, http, clock = await make(max_lateness_s=0.0)
     held = asyncio.ensure_future(post(http, gw))
     await backend.requests.get()

@@ -11,6 +11,7 @@ from bus_schemas.codec import decode, encode
 from bus_schemas.load import PrefillLoad
 from bus_schemas.placement import FirstTokenNotice, RequestFailed
 from bus_schemas.requests import CancelRequest, Error, ErrorCode, Finished, Tokens
+from services.common.clock import ManualClock
 from tests.unit.conftest_fakestore import (
     Rig,
     assert_expected,
@@ -312,6 +313,45 @@ class Gate:
     async def __call__(self, seconds: float) -> None:
         await self.entered.put(seconds)
         await self.open.wait()
+
+
+async def test_the_first_token_says_how_much_of_its_wait_the_engine_accounts_for(
+    nats_url, monkeypatch
+):
+    # The gateway's overhead gate (services.gateway.lateness) subtracts it: the engine's
+    # compute, the requests' ahead of it too, but no reservation's wait (its own, or
+    # one ahead of it in the queue).
+    clock, gate = ManualClock(100.0), Gate()
+    rig = await Rig(speedup=1e6, prefill_sleep=gate, clock=clock).start(nats_url)
+    try:
+        reserve, reserving, hold = rig.reserver.reserve, asyncio.Event(), asyncio.Event()
+        a = rig.task(rig.prompt(50, seed=42), max_tokens=2)
+        b = rig.task(rig.prompt(60, seed=43), max_tokens=2)
+
+        async def slow_reserve(task, ahead=None):
+            if task.request.request_id == a.request.request_id:
+                reserving.set()
+                await hold.wait()
+            clock.advance(5.0)  # the stores' answers: the control plane's part
+            return await reserve(task, ahead=ahead)
+
+        monkeypatch.setattr(rig.reserver, "reserve", slow_reserve)
+        qa = await rig.submit(a)
+        await asyncio.wait_for(reserving.wait(), 5)
+        qb = await rig.submit(b)
+        while len(rig.prefill.queue) < 2:  # b's task is still on the bus
+            await asyncio.sleep(0.01)
+        hold.set()  # a reserves (100 -> 105) while b waits
+        await asyncio.wait_for(gate.entered.get(), 5)  # a computes
+        clock.advance(2.0)
+        gate.open.set()  # b then reserves (107 -> 112) and computes in no time
+        firsts = []
+        for q in (qa, qb):
+            events = await until_terminal(q)
+            firsts += [e for e in events if isinstance(e, Tokens) and e.from_prefill]
+        assert [(t.index, t.engine_s) for t in firsts] == [(0, 2.0), (0, 2.0)]
+    finally:
+        await rig.close()
 
 
 async def test_queue_is_fifo_reports_load_and_honours_cancel(nats_url):
