@@ -11,8 +11,11 @@ besides, at most ``--max-429-share`` of its requests got a 429. The highest rate
 leading held steps is the result; the run goes on above it while steps are answered
 (overload answered with 429s only) and stops at the first step that is not. Once per
 stack layout (``--layouts``: conductors x admissions, e.g. ``1x1,2x2``).
-``--max-lateness-ms`` sets the gateways' gate (``PERIGEE_MAX_LATENESS_MS``,
-services.gateway.lateness): 429 while a request's first token is overdue by more.
+The gateways' gates (services.gateway.lateness): ``--max-overhead-ms``
+(``PERIGEE_MAX_OVERHEAD_MS``; unset: the gateways' default, on) judges the control
+plane's overhead, net of the engine's part; ``--max-lateness-ms``
+(``PERIGEE_MAX_LATENESS_MS``; off unless set) also a first token later than the
+conductor's estimate.
 
 Beside it, on the same nats-server and in the same run: NATS's own request/reply rate
 (``--nats-clients`` requesters back to back against one responder for

@@ -279,8 +279,10 @@ INFLIGHT_REJECTIONS = Counter(
 
 LATENESS_REJECTIONS = Counter(
     P + "gateway_requests_over_lateness",
-    "Requests the gateway answered 429 because a first token was overdue by more than "
-    "--max-lateness-ms (the stack behind its own estimates).",
+    "Requests the gateway answered 429 because the stack was behind: a request unplaced "
+    "for longer than --max-overhead-ms while others were placed, as many waiting for their "
+    "first token as first tokens with more overhead let, or (with --max-lateness-ms) a "
+    "first token overdue by more than that.",
     registry=None,
 )
 

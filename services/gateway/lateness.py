@@ -27,14 +27,21 @@ A request stuck with no token at all (a restarting service) moves neither.
 The conductor's estimate is a promise a real engine breaks without the control plane
 falling behind: a prefill slower than predicted makes its first token late, and the
 cut would turn clients away for the engine's error, which admission already answers
-for. So the cap also has a signal no engine can trip (``overhead_s``, on by default):
-the prefill worker's first token says how much of the request's wait its engine
-accounts for (``Tokens.engine_s``: its queue, the prefix's load, the compute); the rest,
-since the gateway sent it, is the control plane's overhead (gateway, admission,
-conductor, bus, stores' reservation answers), and one over ``overhead_s`` counts as
-late. A first token that says nothing of the engine (decode's, when prefill does not
-stream it) is judged by the estimate alone, or not at all; nor is one whose request was
-sent before a service died (``disturbed``): its wait is a restart's, not a backlog's.
+for. That gate (``limit_s``) is off by default. The one on by default (``overhead_s``
+alone) judges only what no engine's pace moves:
+- the first token's *overhead*: the prefill worker says how much of the request's wait
+  its engine accounts for (``Tokens.engine_s``: its queue, the prefix's load, the
+  compute); the rest, since the gateway sent it, is the control plane's (gateway,
+  admission, conductor, bus, the stores' reservation answers). One over ``overhead_s``
+  is late. A first token that says nothing of the engine (decode's, when prefill does
+  not stream it) moves nothing; nor does one sent before a service died
+  (``disturbed``): its wait is a restart's, not a backlog's.
+- what is due: a request's placement at once, while the stack places others (with
+  none placed at all, an admission or conductor is restarting or starting); its first
+  token only when the conductor expects it within ``overhead_s`` (an engine about to
+  answer). One placed with a longer engine wait is in the engine's hands: not due, and
+  not counted against the cap (``counted``), since a queue the engines hold loads the
+  control plane little and is admission's to bound.
 
 Pure: the clock's time is passed in. Due times sit in a heap with lazy deletion (an
 entry whose request has moved on is dropped when it reaches the top), so each
@@ -45,6 +52,10 @@ import heapq
 CAP_MIN = 4  # requests the cap always lets wait: a stack that serves any serves these
 CAP_MAX = 4096
 CAP_CUT = 0.9
+# A cut answers a backlog while first tokens keep coming late; this long without a late
+# one, the backlog is gone, and the cap is lifted: a hiccup (a pause, a burst that
+# drained) with few requests waiting must not cap the next burst for good.
+CALM_S = 1.0
 INF = float("inf")
 
 
@@ -57,29 +68,42 @@ class Lateness:
         self.overhead_s = overhead_s
         self.cap = float(CAP_MAX)
         self._cut_at = float("-inf")
+        self._late_at = float("-inf")  # the last late first token
         self._due: dict[str, float] = {}
         self._sent: dict[str, float] = {}  # when its current attempt was sent
         self._calm_from = float("-inf")  # the last service death heard of
+        self._placed_at = float("-inf")  # the last placement heard of
+        # Placed with an engine wait past the overhead limit (judged by it alone): in
+        # the engine's hands, and not counted against the cap (see ``counted``).
+        self._at_engine: set[str] = set()
         self._heap: list[tuple[float, str]] = []
 
     def sent(self, request_id: str, now: float) -> None:
-        """A request's first send: its placement is due at once (a migration's resend
-        keeps what the request already owes; its overhead counts from the resend, as a
-        dead worker is no sign of a backlog)."""
+        """A request's send: its placement is due at once. A migration's resend keeps
+        what the request already owes by the estimate (``limit_s``); by the overhead it
+        owes from the resend, as a dead worker is no sign of a backlog."""
         self._sent[request_id] = now
-        if request_id not in self._due:
+        self._at_engine.discard(request_id)
+        if request_id not in self._due or not self.limit_s:
             self._set(request_id, now)
 
     def placed(self, request_id: str, now: float, est_ttft_s: float) -> None:
         """Its ``Accepted``: the first token is due after the conductor's estimate (not
         judged by it without ``limit_s``: then only its placement was due)."""
         if request_id in self._due:
-            self._set(request_id, now + max(0.0, est_ttft_s) if self.limit_s else INF)
+            self._placed_at = now
+            est = max(0.0, est_ttft_s)
+            if self.limit_s or est <= self.overhead_s:
+                self._set(request_id, now + est)
+            else:
+                self._set(request_id, INF)
+                self._at_engine.add(request_id)
 
     def done(self, request_id: str) -> None:
         """It ended or failed before its first token: it owes nothing more."""
         self._due.pop(request_id, None)
         self._sent.pop(request_id, None)
+        self._at_engine.discard(request_id)
 
     def first_token(self, request_id: str, now: float, engine_s: float | None = None) -> None:
         """Its first token came (``engine_s``: the part of its wait its engine accounts
@@ -87,6 +111,7 @@ class Lateness:
         moves the cap."""
         due = self._due.pop(request_id, None)
         sent = self._sent.pop(request_id, None)
+        self._at_engine.discard(request_id)
         if due is None:
             return
         late = on_time = False
@@ -102,9 +127,10 @@ class Lateness:
             over = now - sent - engine_s > self.overhead_s
             late, on_time = late or over, on_time or not over
         if late:
+            self._late_at = now
             if now >= self._cut_at + self._span():
                 self._cut_at = now
-                self.cap = max(float(CAP_MIN), min(self.cap, len(self._due) + 1.0) * CAP_CUT)
+                self.cap = max(float(CAP_MIN), min(self.cap, self.counted + 1.0) * CAP_CUT)
         elif on_time:
             self.cap = min(float(CAP_MAX), self.cap + 1.0 / self.cap)
 
@@ -113,9 +139,20 @@ class Lateness:
         its restart, so their overhead says nothing of a backlog."""
         self._calm_from = now
 
-    def full(self) -> bool:
+    def full(self, now: float) -> bool:
         """Whether as many requests wait for their first token as the cap lets."""
-        return self.capping and len(self._due) >= int(self.cap)
+        if self.cap < CAP_MAX and now - self._late_at > CALM_S:
+            self.cap = float(CAP_MAX)
+        return self.capping and self.counted >= int(self.cap)
+
+    @property
+    def counted(self) -> int:
+        """The requests waiting for their first token that the cap counts: all of them
+        when judged by the estimate; by the overhead alone, all but those placed with an
+        engine wait past its limit. Those wait in an engine's queue or compute, which
+        loads the control plane little and is admission's to bound: counted, a queue
+        the engines hold would cap the stack when a hiccup cut."""
+        return len(self._due) - len(self._at_engine)
 
     @property
     def capping(self) -> bool:
@@ -126,11 +163,20 @@ class Lateness:
         return min(x for x in (self.limit_s, self.overhead_s) if x)
 
     def overdue(self, now: float) -> float:
-        """Seconds the most overdue request is past its due time (0 when none is)."""
+        """Seconds the most overdue request is past its due time (0 when none is).
+
+        Judged by the overhead alone, an unplaced request is overdue only while the
+        stack places others: a backlog places requests late, one after another; a dead
+        admission or conductor places none until it is back or its requests are resent,
+        and the requests sent meanwhile wait for it, not behind each other."""
         heap = self._heap
         while heap and self._due.get(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)
-        return max(0.0, now - heap[0][0]) if heap else 0.0
+        if not heap or (
+            self.overhead_s and not self.limit_s and now - self._placed_at > self.overhead_s
+        ):
+            return 0.0
+        return max(0.0, now - heap[0][0])
 
     def __len__(self) -> int:
         return len(self._due)

@@ -506,10 +506,10 @@ class Gateway:
                 f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
-        if lateness.full():
+        if lateness.full(self.watchdog.clock.now()):
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
-                f"the stack is behind: {len(lateness)} requests wait for their first token, "
+                f"the stack is behind: {lateness.counted} requests wait for their first token, "
                 f"as many as it kept on time lately",
             )
         self.inflight += 1

@@ -44,7 +44,7 @@ def test_the_most_overdue_request_sets_the_lateness():
 
 
 def test_stale_heap_entries_stay_bounded():
-    late = Lateness()
+    late = Lateness(limit_s=0.05)
     for i in range(10_000):
         late.sent("r", float(i))
         late.placed("r", float(i), 0.5)
@@ -57,20 +57,20 @@ def test_stale_heap_entries_stay_bounded():
 
 def test_late_first_tokens_cap_how_many_may_wait_and_on_time_ones_raise_it():
     late = Lateness(limit_s=0.02)
-    assert late.cap == CAP_MAX and not late.full()
+    assert late.cap == CAP_MAX and not late.full(0.0)
     for i in range(50):
         late.sent(f"r{i}", 0.0)  # unplaced: due at once
     late.first_token("r0", 0.01)  # 10 ms after due: on time, the cap is at its top
     assert late.cap == CAP_MAX
     late.first_token("r1", 0.03)  # 30 ms late: 48 still wait -> 0.9 x 49
-    assert late.cap == pytest.approx(44.1) and late.full()  # 48 wait, the cap lets 44
+    assert late.cap == pytest.approx(44.1) and late.full(0.03)  # 48 wait, the cap lets 44
     late.first_token("r2", 0.04)  # the same backlog (within 20 ms of the cut): no second cut
     assert late.cap == pytest.approx(44.1)
     late.first_token("r3", 0.05)  # 20 ms on: a backlog still late cuts again, from 46 waiting
     assert late.cap == pytest.approx(0.9 * 44.1)
     for i in range(4, 10):
         late.first_token(f"r{i}", 0.05)
-    assert len(late) == 40 and late.full()  # int(39.69) = 39 <= 40
+    assert len(late) == 40 and late.full(0.05)  # int(39.69) = 39 <= 40
     late.sent("x", 1.0)
     late.placed("x", 1.0, est_ttft_s=0.5)
     late.first_token("x", 1.51)  # on time (10 ms past an estimate): up by 1/cap
@@ -88,12 +88,16 @@ def test_late_first_tokens_cap_how_many_may_wait_and_on_time_ones_raise_it():
     assert 0.9 * raised + 5 < late.cap < 0.9 * raised + 6
     late.sent("a", 200.0)
     late.first_token("a", 201.0)  # late with nobody else waiting: down to the floor
-    assert late.cap == CAP_MIN and not late.full()
+    assert late.cap == CAP_MIN and not late.full(201.0)
     for i in range(CAP_MIN):
-        late.sent(f"n{i}", 300.0)
-    assert late.full()  # the floor: four may always wait
+        late.sent(f"n{i}", 201.5)
+    assert late.full(201.5)  # the floor: four may always wait
     late.done("n0")  # a failure is no first token: the cap stays
-    assert late.cap == CAP_MIN and not late.full()
+    assert late.cap == CAP_MIN and not late.full(201.5)
+    late.sent("n0", 202.0)
+    assert late.full(202.0)
+    # No late first token for a second: the backlog the cut answered is gone.
+    assert not late.full(202.01) and late.cap == CAP_MAX
 
 
 def test_only_the_overhead_net_of_the_engine_moves_the_cap():
@@ -101,10 +105,13 @@ def test_only_the_overhead_net_of_the_engine_moves_the_cap():
     late.cap = 10.0
     for i in range(6):
         late.sent(f"r{i}", 0.0)
-    late.placed("r0", 0.001, est_ttft_s=0.1)
-    assert late.overdue(30.0) == 30.0  # r1..r5 are still unplaced
+    # Nothing placed at all: a dead admission (or one starting), not a backlog.
+    assert late.overdue(0.5) == 0.0
+    late.placed("r0", 0.49, est_ttft_s=0.1)
+    assert late.overdue(0.5) == 0.5  # r1..r5 are still unplaced, while r0 was placed
+    assert late.overdue(0.52) == 0.0  # and no placement since, for longer than 20 ms
     for i in range(1, 6):
-        late.placed(f"r{i}", 0.001, est_ttft_s=0.1)
+        late.placed(f"r{i}", 0.5, est_ttft_s=0.1)
     # Placed, each is the engine's now: ten seconds past any estimate is no overdue.
     assert late.overdue(10.0) == 0.0
     late.first_token("r0", 10.0, engine_s=9.99)  # 10 ms of it the control plane's
@@ -120,7 +127,32 @@ def test_only_the_overhead_net_of_the_engine_moves_the_cap():
     late.sent("r4", 11.0)  # resent: its overhead counts from now
     late.first_token("r4", 11.01, engine_s=0.0)
     assert late.cap == pytest.approx(10.1)
-    assert len(late) == 1 and not late.full()
+    assert len(late) == 1 and not late.full(11.01)
+
+
+def test_the_overhead_cap_counts_what_waits_on_the_control_plane():
+    late = Lateness(overhead_s=0.02)
+    late.cap, late._late_at = 4.0, 0.0  # as a cut just left it
+    for i in range(4):
+        late.sent(f"q{i}", 0.0)
+    assert late.full(0.0)
+    late.placed("q0", 0.001, est_ttft_s=0.5)  # in an engine's queue: admission's to bound
+    late.placed("q1", 0.001, est_ttft_s=0.005)  # an engine about to answer: counted
+    assert late.counted == 3 and len(late) == 4 and not late.full(0.001)
+    late.placed("q2", 0.001, est_ttft_s=0.3)
+    late.placed("q3", 0.001, est_ttft_s=0.3)
+    # q1's first token is due at once (0.006), and not q0's, q2's or q3's: a slow engine
+    # is no overdue, an instant answer that is not coming is.
+    assert late.overdue(0.02) == pytest.approx(0.014)
+    late.sent("q2", 0.02)  # resent: back on the control plane
+    late.sent("q0", 0.02)  # resent (its worker died): the control plane's again
+    assert late.counted == 3 and not late.full(0.02)
+    late.sent("q3", 0.02)
+    assert late.counted == 4 and late.full(0.02)
+    judged = Lateness(limit_s=0.02, overhead_s=0.02)  # by the estimate, every wait counts
+    judged.sent("e", 0.0)
+    judged.placed("e", 0.001, est_ttft_s=0.5)
+    assert judged.counted == 1
 
 
 def test_no_limit_no_cap():
@@ -128,7 +160,7 @@ def test_no_limit_no_cap():
     for i in range(5000):
         late.sent(f"r{i}", 0.0)
     late.first_token("r0", 10.0)
-    assert late.cap == CAP_MAX and not late.full()
+    assert late.cap == CAP_MAX and not late.full(10.0)
 
 
 @pytest.fixture
@@ -218,7 +250,8 @@ async def test_overdue_first_tokens_turn_new_requests_away(make):
 
 async def test_a_burst_past_the_cap_is_turned_away_by_count(make):
     gw, backend, http, clock = await make(max_lateness_s=0.05)
-    gw.router.lateness.cap = CAP_MIN  # as late first tokens left it
+    gw.router.lateness.cap = CAP_MIN  # as late first tokens left it, just now
+    gw.router.lateness._late_at = clock.now()
     waiting = []
     for _ in range(CAP_MIN):
         waiting.append(asyncio.ensure_future(post(http, gw)))
@@ -236,8 +269,12 @@ async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
     gw, backend, http, clock = await make(max_lateness_s=0.0, max_overhead_s=0.02)
     waiting = [asyncio.ensure_future(post(http, gw))]
     r1, reply1 = await backend.requests.get()
-    clock.advance(0.03)  # unplaced for 30 ms: the control plane is behind
-    assert "30 ms overdue" in await refused(http, gw, backend)
+    clock.advance(0.03)  # unplaced for 30 ms, and nothing placed: not a backlog
+    waiting.append(asyncio.ensure_future(post(http, gw)))
+    r0, reply0 = await backend.requests.get()
+    await backend.send(reply0, accepted(r0, 0.1))  # placed after r1 was sent
+    await until(lambda: gw.router.lateness.overdue(clock.now()) > 0)
+    assert "30 ms overdue" in await refused(http, gw, backend)  # r1: a backlog
     await backend.send(reply1, accepted(r1, 0.1))
     await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
     clock.advance(10.0)  # a slow engine, 10 s past its estimate: requests still go in
