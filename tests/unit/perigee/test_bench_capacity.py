@@ -1,13 +1,22 @@
 """perigee bench capacity's arithmetic and its client, against a stand-in HTTP server:
 a step held or not, the highest held rate, the outcome of each request."""
 
+import argparse
 import asyncio
 
 import pytest
 from aiohttp import web
 
 from perigee.bench import bus_baseline
-from perigee.bench.capacity import Step, held_rate, in_rtts, parse_layouts, parse_rates, step
+from perigee.bench.capacity import (
+    Step,
+    gate_env,
+    held_rate,
+    in_rtts,
+    parse_layouts,
+    parse_rates,
+    step,
+)
 from perigee.natsd import free_port
 
 
@@ -31,6 +40,15 @@ def test_the_held_rate_is_the_last_of_the_leading_held_steps():
     assert held_rate([], 50.0) == 0.0
     shedding = Step(200, 100, ok=50, rejected=50, overhead_s=[0.01] * 50)
     assert held_rate([*good, shedding], 50.0) == 100
+
+
+def test_the_gates_are_the_gateways_own_unless_set():
+    def env(lateness, overhead):
+        return gate_env(argparse.Namespace(max_lateness_ms=lateness, max_overhead_ms=overhead))
+
+    assert env(0.0, None) == {}  # the gateways' defaults: the overhead gate on
+    assert env(0.0, 0.0) == {"PERIGEE_MAX_OVERHEAD_MS": "0"}  # off
+    assert env(20.0, 35.0) == {"PERIGEE_MAX_LATENESS_MS": "20", "PERIGEE_MAX_OVERHEAD_MS": "35"}
 
 
 def test_layouts_and_rates_are_checked():
