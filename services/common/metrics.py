@@ -285,6 +285,20 @@ LATENESS_REJECTIONS = Counter(
     "first token overdue by more than that.",
     registry=None,
 )
+CONTROL_OVERHEAD = Histogram(
+    P + "gateway_control_plane_overhead_seconds",
+    "A first token's wait since the gateway sent its request, less the part the prefill "
+    "engine accounts for (its queue, the prefix's load, the compute): what "
+    "--max-overhead-ms judges.",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+    registry=None,
+)
+WAIT_CAP = Gauge(
+    P + "gateway_first_token_wait_cap",
+    "How many requests may wait on the control plane for their first token before the "
+    "gateway answers 429 (the AIMD cap that late first tokens cut; 4096: not capping).",
+    registry=None,
+)
 
 # ------------------------------------------------------------------ state and failures
 STATE_ENTRIES = Gauge(
@@ -430,6 +444,8 @@ GROUPS: dict[str, list[Any]] = {
         MAX_INFLIGHT,
         INFLIGHT_REJECTIONS,
         LATENESS_REJECTIONS,
+        CONTROL_OVERHEAD,
+        WAIT_CAP,
         STATE_ENTRIES,
         INTAKE_BYPASSES,
         INSTANCE_RESTARTS,

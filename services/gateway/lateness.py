@@ -105,26 +105,29 @@ class Lateness:
         self._sent.pop(request_id, None)
         self._at_engine.discard(request_id)
 
-    def first_token(self, request_id: str, now: float, engine_s: float | None = None) -> None:
+    def first_token(
+        self, request_id: str, now: float, engine_s: float | None = None
+    ) -> float | None:
         """Its first token came (``engine_s``: the part of its wait its engine accounts
         for, when the sender said): it owes nothing more, and whether it came in time
-        moves the cap."""
+        moves the cap. Returns its control-plane overhead, when that is known."""
         due = self._due.pop(request_id, None)
         sent = self._sent.pop(request_id, None)
         self._at_engine.discard(request_id)
         if due is None:
-            return
+            return None
+        overhead = None if engine_s is None or sent is None else now - sent - engine_s
         late = on_time = False
         if self.limit_s:
             late = now - due > self.limit_s
             on_time = not late
         if (
             self.overhead_s
-            and engine_s is not None
+            and overhead is not None
             and sent is not None
             and sent >= self._calm_from
         ):
-            over = now - sent - engine_s > self.overhead_s
+            over = overhead > self.overhead_s
             late, on_time = late or over, on_time or not over
         if late:
             self._late_at = now
@@ -133,6 +136,7 @@ class Lateness:
                 self.cap = max(float(CAP_MIN), min(self.cap, self.counted + 1.0) * CAP_CUT)
         elif on_time:
             self.cap = min(float(CAP_MAX), self.cap + 1.0 / self.cap)
+        return overhead
 
     def disturbed(self, now: float) -> None:
         """A service died (or the bus lost messages): the requests waiting now wait for

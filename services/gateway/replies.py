@@ -552,9 +552,11 @@ class ReplyRouter:
         if type(ev) is Accepted:
             self.lateness.placed(rid, wd.clock.now(), ev.est_ttft_s)
         elif type(ev) is Tokens or type(ev) is Finished:  # its first token (or all of them)
-            self.lateness.first_token(
+            overhead = self.lateness.first_token(
                 rid, wd.clock.now(), ev.engine_s if type(ev) is Tokens else None
             )
+            if overhead is not None:
+                metrics.CONTROL_OVERHEAD.observe(max(0.0, overhead))
         else:  # its failure: it owes nothing more
             self.lateness.done(rid)
         if type(ev) is Tokens:

@@ -506,7 +506,9 @@ class Gateway:
                 f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
-        if lateness.full(self.watchdog.clock.now()):
+        full = lateness.full(self.watchdog.clock.now())
+        metrics.WAIT_CAP.set(lateness.cap)
+        if full:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
                 f"the stack is behind: {lateness.counted} requests wait for their first token, "

@@ -17,6 +17,7 @@ import nats
 import pytest
 
 from bus_schemas.requests import Accepted, Tokens
+from services.common import metrics
 from services.common.clock import ManualClock
 from services.gateway.lateness import CAP_MAX, CAP_MIN, Lateness
 from services.gateway.server import Gateway, GatewayConfig
@@ -259,9 +260,22 @@ async def test_a_burst_past_the_cap_is_turned_away_by_count(make):
     # nothing is overdue (no time passed): the count alone turns the fifth away
     assert gw.router.lateness.overdue(clock.now()) == 0.0
     assert "4 requests wait for their first token" in await refused(http, gw, backend)
+    assert metrics.WAIT_CAP._value.get() == CAP_MIN  # exported as it turned one away
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+def overhead_seen() -> tuple[float, float]:
+    """The control-plane overhead histogram's count and sum (process-wide)."""
+    got = {
+        x.name: x.value
+        for m in metrics.CONTROL_OVERHEAD.collect()
+        for x in m.samples
+        if x.name.endswith(("_count", "_sum"))
+    }
+    count = next(v for k, v in got.items() if k.endswith("_count"))
+    return count, next(v for k, v in got.items() if k.endswith("_sum"))
 
 
 async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
@@ -282,6 +296,7 @@ async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
     r2, reply2 = await backend.requests.get()
     await backend.send(reply2, accepted(r2, 0.1))
     cap = gw.router.lateness.cap = 10.0
+    count, total = overhead_seen()
     # r1's first token: 10.03 s since sent, 10.02 of them the engine's.
     await backend.send(
         reply1, Tokens(request_id=r1.request_id, token_ids=[5], index=0, engine_s=10.02)
@@ -293,6 +308,9 @@ async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
         reply2, Tokens(request_id=r2.request_id, token_ids=[5], index=0, engine_s=0.0)
     )
     await until(lambda: gw.router.lateness.cap == CAP_MIN)
+    # What it judged is exported: 10 ms and 50 ms of overhead.
+    count2, total2 = overhead_seen()
+    assert count2 == count + 2 and total2 - total == pytest.approx(0.06)
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
