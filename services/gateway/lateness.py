@@ -60,8 +60,8 @@ INF = float("inf")
 
 
 class Lateness:
-    """Due times of the requests still waiting for their first token; with ``limit_s``,
-    the cap on how many may wait (see module doc)."""
+    """Due times of the requests still waiting for their first token; with ``limit_s``
+    or ``overhead_s``, the cap on how many may wait (see module doc)."""
 
     def __init__(self, limit_s: float = 0.0, overhead_s: float = 0.0) -> None:
         self.limit_s = limit_s
@@ -144,7 +144,8 @@ class Lateness:
         self._calm_from = now
 
     def full(self, now: float) -> bool:
-        """Whether as many requests wait for their first token as the cap lets."""
+        """Whether as many requests wait for their first token as the cap lets (the cap
+        lifted first, once ``CALM_S`` passed without a late first token)."""
         if self.cap < CAP_MAX and now - self._late_at > CALM_S:
             self.cap = float(CAP_MAX)
         return self.capping and self.counted >= int(self.cap)
