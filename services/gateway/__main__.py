@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--max-overhead-ms",
         type=float,
-        default=float(os.environ.get(OVERHEAD_ENV, GatewayConfig.max_overhead_s * 1e3)),
+        default=float(os.environ.get(OVERHEAD_ENV) or GatewayConfig.max_overhead_s * 1e3),
         help="answer 429 + Retry-After while a request is unplaced for longer than this, "
         "or while as many requests wait for their first token as first tokens whose "
         "control-plane overhead (their wait less the engine's part, which the prefill "
