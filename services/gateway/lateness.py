@@ -27,8 +27,8 @@ A request stuck with no token at all (a restarting service) moves neither.
 The conductor's estimate is a promise a real engine breaks without the control plane
 falling behind: a prefill slower than predicted makes its first token late, and the
 cut would turn clients away for the engine's error, which admission already answers
-for. That gate (``limit_s``) is off by default. The one on by default (``overhead_s``
-alone) judges only what no engine's pace moves:
+for. The other gate (``overhead_s`` alone; both are off by default) judges only what no
+engine's pace moves:
 - the first token's *overhead*: the prefill worker says how much of the request's wait
   its engine accounts for (``Tokens.engine_s``: its queue, the prefix's load, the
   compute); the rest, since the gateway sent it, is the control plane's (gateway,
