@@ -508,8 +508,11 @@ class Gateway:
                 f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
-        full = lateness.full(self.watchdog.clock.now())
-        metrics.WAIT_CAP.set(lateness.cap)
+        if lateness.capping:  # off (the default): no per-request work for it
+            full = lateness.full(self.watchdog.clock.now())
+            metrics.WAIT_CAP.set(lateness.cap)
+        else:
+            full = False
         if full:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
