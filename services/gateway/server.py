@@ -505,7 +505,7 @@ class Gateway:
         if limit and (late := lateness.overdue(self.watchdog.clock.now())) > limit:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
-                f"the stack is behind: a first token is {late * 1e3:.0f} ms overdue "
+                f"the stack is behind: first tokens are {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
         if lateness.capping:  # off (the default): no per-request work for it

@@ -19,7 +19,7 @@ import pytest
 from bus_schemas.requests import Accepted, Tokens
 from services.common import metrics
 from services.common.clock import ManualClock
-from services.gateway.lateness import CAP_MAX, CAP_MIN, Lateness
+from services.gateway.lateness import BACKLOG, CAP_MAX, CAP_MIN, Lateness
 from services.gateway.server import Gateway, GatewayConfig
 from tests.unit.gateway.test_gateway_http import TOK, FakeBackend, until
 
@@ -131,6 +131,22 @@ def test_only_the_overhead_net_of_the_engine_moves_the_cap():
     assert len(late) == 1 and not late.full(11.01)
 
 
+def test_one_request_late_among_others_placed_is_no_backlog():
+    late = Lateness(overhead_s=0.02)
+    for i in range(6):  # a burst of six long prompts
+        late.sent(f"b{i}", 0.0)
+    for i in range(1, 6):
+        late.placed(f"b{i}", 0.02, est_ttft_s=0.5)
+    assert late.overdue(0.023) == 0.0  # b0 unplaced for 23 ms: a hiccup
+    for i in range(BACKLOG - 1):
+        late.sent(f"c{i}", 0.001 * i)
+    # Now BACKLOG unplaced past their due while the stack places others: the figure is
+    # the BACKLOG-th most overdue's (c2, sent at 2 ms).
+    assert late.overdue(0.023) == pytest.approx(0.021)
+    late.sent("b0", 0.023)  # a resend is due from now: one fewer overdue
+    assert late.overdue(0.023) == 0.0
+
+
 def test_the_overhead_cap_counts_what_waits_on_the_control_plane():
     late = Lateness(overhead_s=0.02)
     late.cap, late._late_at = 4.0, 0.0  # as a cut just left it
@@ -143,8 +159,15 @@ def test_the_overhead_cap_counts_what_waits_on_the_control_plane():
     late.placed("q2", 0.001, est_ttft_s=0.3)
     late.placed("q3", 0.001, est_ttft_s=0.3)
     # q1's first token is due at once (0.006), and not q0's, q2's or q3's: a slow engine
-    # is no overdue, an instant answer that is not coming is.
+    # is no overdue, an instant answer that is not coming is (with as many more, a
+    # backlog).
+    assert late.overdue(0.02) == 0.0
+    for i in range(4, 4 + BACKLOG - 1):
+        late.sent(f"q{i}", 0.0)
+        late.placed(f"q{i}", 0.001, est_ttft_s=0.005)
     assert late.overdue(0.02) == pytest.approx(0.014)
+    for i in range(4, 4 + BACKLOG - 1):
+        late.done(f"q{i}")
     late.sent("q2", 0.02)  # resent: back on the control plane
     late.sent("q0", 0.02)  # resent (its worker died): the control plane's again
     assert late.counted == 3 and not late.full(0.02)
@@ -280,16 +303,22 @@ def overhead_seen() -> tuple[float, float]:
 
 async def test_the_overhead_gate_judges_the_control_plane_not_the_engine(make):
     gw, backend, http, clock = await make(max_lateness_s=0.0, max_overhead_s=0.02)
-    waiting = [asyncio.ensure_future(post(http, gw))]
-    r1, reply1 = await backend.requests.get()
+    waiting, unplaced = [], []
+    for _ in range(BACKLOG):
+        waiting.append(asyncio.ensure_future(post(http, gw)))
+        unplaced.append(await backend.requests.get())
+    r1, reply1 = unplaced[0]
     clock.advance(0.03)  # unplaced for 30 ms, and nothing placed: not a backlog
     waiting.append(asyncio.ensure_future(post(http, gw)))
     r0, reply0 = await backend.requests.get()
-    await backend.send(reply0, accepted(r0, 0.1))  # placed after r1 was sent
+    await backend.send(reply0, accepted(r0, 0.1))  # placed after the others were sent
     await until(lambda: gw.router.lateness.overdue(clock.now()) > 0)
-    assert "30 ms overdue" in await refused(http, gw, backend)  # r1: a backlog
+    assert "30 ms overdue" in await refused(http, gw, backend)  # a backlog
     await backend.send(reply1, accepted(r1, 0.1))
+    # One fewer overdue than a backlog: the rest is a hiccup, and requests go in.
     await until(lambda: gw.router.lateness.overdue(clock.now()) == 0.0)
+    for r, reply in unplaced[1:]:
+        await backend.send(reply, accepted(r, 0.1))
     clock.advance(10.0)  # a slow engine, 10 s past its estimate: requests still go in
     waiting.append(asyncio.ensure_future(post(http, gw)))
     r2, reply2 = await backend.requests.get()
