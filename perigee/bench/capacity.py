@@ -12,7 +12,7 @@ leading held steps is the result; the run goes on above it while steps are answe
 (overload answered with 429s only) and stops at the first step that is not. Once per
 stack layout (``--layouts``: conductors x admissions, e.g. ``1x1,2x2``).
 The gateways' gates (services.gateway.lateness): ``--max-overhead-ms``
-(``PERIGEE_MAX_OVERHEAD_MS``; unset: the gateways' default, off) judges the control
+(``PERIGEE_MAX_OVERHEAD_MS``; unset: the gateways' default, on) judges the control
 plane's overhead, net of the engine's part; ``--max-lateness-ms``
 (``PERIGEE_MAX_LATENESS_MS``; off unless set) also a first token later than the
 conductor's estimate.

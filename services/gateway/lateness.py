@@ -27,8 +27,8 @@ A request stuck with no token at all (a restarting service) moves neither.
 The conductor's estimate is a promise a real engine breaks without the control plane
 falling behind: a prefill slower than predicted makes its first token late, and the
 cut would turn clients away for the engine's error, which admission already answers
-for. The other gate (``overhead_s`` alone; both are off by default) judges only what no
-engine's pace moves:
+for. That gate (``limit_s``) is off by default. The one on by default (``overhead_s``
+alone) judges only what no engine's pace moves:
 - the first token's *overhead*: the prefill worker says how much of the request's wait
   its engine accounts for (``Tokens.engine_s``: its queue, the prefix's load, the
   compute); the rest, since the gateway sent it, is the control plane's (gateway,
@@ -39,7 +39,7 @@ engine's pace moves:
 - what is due: a request's placement at once, while the stack places others (with
   none placed at all, an admission or conductor is restarting or starting); its first
   token only when the conductor expects it within ``overhead_s`` (an engine about to
-  answer). One placed with a longer engine wait is in the engine's hands: not due, and
+  answer). What turns requests away is a backlog of ``BACKLOG`` overdue, not one. One placed with a longer engine wait is in the engine's hands: not due, and
   not counted against the cap (``counted``), since a queue the engines hold loads the
   control plane little and is admission's to bound.
 

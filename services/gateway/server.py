@@ -156,10 +156,8 @@ class GatewayConfig:
     # The same 429s, judged by what no engine's pace moves: a request unplaced for
     # longer than this, or as many waiting as the cap that first tokens with more
     # control-plane overhead than this set (their wait less the engine's part,
-    # Tokens.engine_s); 0: never. Off by default for now: at 20 ms, a burst of six
-    # long prompts on a loaded 2-core machine had one unplaced for 23 ms, and turned
-    # away (BENCHMARKS.md, session 22).
-    max_overhead_s: float = 0.0
+    # Tokens.engine_s); 0: never. On by default: a control plane behind answers 429.
+    max_overhead_s: float = 0.02
 
 
 class Gateway:

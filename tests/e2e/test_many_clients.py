@@ -100,8 +100,8 @@ async def _until(cond, what: str, timeout: float = 60.0, every: float = 0.1):
 def crowd(tmp_path_factory):
     # speedup 0.1: a request streams for ~1.4 s of decode after a 7.6 ms prefill, and
     # prefills run one at a time, so the crowd is in flight together and meets the cap.
-    # The overhead gate would turn the crowd away before it does: this is the in-flight
-    # cap's test, and the gate has its own (tests/unit/gateway).
+    # The overhead gate (on by default) would turn the crowd away before it does: this
+    # is the in-flight cap's test, and the gate has its own (tests/unit/gateway).
     s = _start(
         tmp_path_factory,
         "crowd",

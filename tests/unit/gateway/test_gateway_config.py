@@ -57,11 +57,11 @@ async def test_replay_reads_the_slos_from_the_gateway(base):
     assert await stack_slos(base + "/nothing", None) is None
 
 
-def test_the_overhead_gate_is_off_unless_turned_on(monkeypatch):
+def test_the_overhead_gate_is_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("PERIGEE_MAX_OVERHEAD_MS", raising=False)
-    assert config_from_args(parse_args([])).max_overhead_s == 0.0
-    monkeypatch.setenv("PERIGEE_MAX_OVERHEAD_MS", "")  # set but empty: the default
-    assert config_from_args(parse_args([])).max_overhead_s == 0.0
-    monkeypatch.setenv("PERIGEE_MAX_OVERHEAD_MS", "20")
     assert config_from_args(parse_args([])).max_overhead_s == 0.02
+    monkeypatch.setenv("PERIGEE_MAX_OVERHEAD_MS", "")  # set but empty: the default
+    assert config_from_args(parse_args([])).max_overhead_s == 0.02
+    monkeypatch.setenv("PERIGEE_MAX_OVERHEAD_MS", "0")
+    assert config_from_args(parse_args([])).max_overhead_s == 0.0
     assert config_from_args(parse_args(["--max-overhead-ms", "35"])).max_overhead_s == 0.035

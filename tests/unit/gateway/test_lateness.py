@@ -3,7 +3,7 @@
 --max-lateness-ms (not placed: since it was sent; placed: since the conductor's TTFT
 estimate), or while as many requests wait for their first token as late first tokens
 capped; its first token, end or failure ends what it owes. That gate is off by default;
---max-overhead-ms (off by default) judges only what no engine's pace moves: a request
+--max-overhead-ms (on by default, 20 ms) judges only what no engine's pace moves: a request
 unplaced for longer, and first tokens whose wait less the engine's part
 (Tokens.engine_s) is longer.
 

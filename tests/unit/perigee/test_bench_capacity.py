@@ -46,7 +46,7 @@ def test_the_gates_are_the_gateways_own_unless_set():
     def env(lateness, overhead):
         return gate_env(argparse.Namespace(max_lateness_ms=lateness, max_overhead_ms=overhead))
 
-    assert env(0.0, None) == {}  # the gateways' defaults
+    assert env(0.0, None) == {}  # the gateways' defaults: the overhead gate on
     assert env(0.0, 0.0) == {"PERIGEE_MAX_OVERHEAD_MS": "0"}  # off
     assert env(20.0, 35.0) == {"PERIGEE_MAX_LATENESS_MS": "20", "PERIGEE_MAX_OVERHEAD_MS": "35"}
 
