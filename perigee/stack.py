@@ -72,6 +72,7 @@ class StartAborted(Exception):
 # LLaMA3-70B on A800s). README "SLOs".
 CPU_TTFT_SLO_S = 15.0
 CPU_TBT_SLO_S = 1.0
+OVERHEAD_ENV = "PERIGEE_MAX_OVERHEAD_MS"  # the gateway's overhead gate (services.gateway)
 
 
 def gpu_present() -> bool:
@@ -152,6 +153,20 @@ class Stack:
             return {}
         return {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(1, engines)))}
 
+    def _gate_env(self, cards: int) -> dict[str, str]:
+        """vLLM on CPU: the gateway's overhead gate off (``PERIGEE_MAX_OVERHEAD_MS`` 0,
+        services.gateway.lateness), unless the user set it. Those engines compute on the
+        cores the control plane runs on, so a request's control-plane overhead there is
+        mostly the engines' hold on the CPU, not a backlog that turning requests away
+        answers: at 20 ms the gate turned 10 of 80 requests of a trace replay away that
+        admission alone would have served, and cut the goodput by a quarter
+        (BENCHMARKS.md, session 23). The mock engine and GPU engines leave the CPU to
+        the control plane: the gateway's default (on) stands."""
+        user = {**os.environ, **self.cfg.extra_env}
+        if self.cfg.engine != "vllm" or cards or OVERHEAD_ENV in user:
+            return {}
+        return {OVERHEAD_ENV: "0"}
+
     def plan(self) -> list[Child]:
         """The children, in start order: their command lines from perigee.deploy_spec
         (the one source compose.yaml and deploy/k8s are rendered from too), their
@@ -161,10 +176,14 @@ class Stack:
         services = deploy_spec.local(c, self.nats_url, block_bytes)
         found = gpus.gpu_count() if c.engine == "vllm" else 0  # nvidia-smi, once
         engine_env = self._engine_env(c.prefill + c.decode, found)
-        cards = iter(self._gpu_slots(c.prefill + c.decode, found))
+        slots = self._gpu_slots(c.prefill + c.decode, found)
+        cards = iter(slots)
+        gate_env = self._gate_env(len(slots))
         out = []
         for name, svc in services:
             env = dict(engine_env) if isinstance(svc, deploy_spec.WorkerCmd) else {}
+            if svc.module == "services.gateway":
+                env.update(gate_env)
             argv = svc.argv()
             card = next(cards, None) if isinstance(svc, deploy_spec.WorkerCmd) else None
             if card is not None:

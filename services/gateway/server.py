@@ -156,7 +156,9 @@ class GatewayConfig:
     # The same 429s, judged by what no engine's pace moves: a request unplaced for
     # longer than this, or as many waiting as the cap that first tokens with more
     # control-plane overhead than this set (their wait less the engine's part,
-    # Tokens.engine_s); 0: never. On by default: a control plane behind answers 429.
+    # Tokens.engine_s); 0: never. On by default: a control plane behind answers 429
+    # (perigee up turns it off beside vLLM on CPU, whose compute holds the control
+    # plane's cores: perigee.stack.Stack._gate_env).
     max_overhead_s: float = 0.02
 
 

@@ -58,3 +58,25 @@ def test_no_card_or_mock_engine_leaves_workers_alone(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     for c in workers(parse(["--engine", "mock", "--model", "tiny-llama"])):
         assert "--gpu-memory-utilization" not in c.argv
+
+
+def gateway_env(cfg) -> dict[str, str]:
+    return next(c.env for c in Stack(cfg).plan() if c.name == "gateway")
+
+
+def test_the_overhead_gate_is_off_only_for_engines_on_the_cpu(monkeypatch):
+    # vLLM on CPU computes on the control plane's cores: its overhead is no backlog's.
+    monkeypatch.delenv("PERIGEE_MAX_OVERHEAD_MS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    cpu = parse(["--engine", "vllm", "--model", "tiny-llama"])
+    assert gateway_env(cpu)["PERIGEE_MAX_OVERHEAD_MS"] == "0"
+    assert all("PERIGEE_MAX_OVERHEAD_MS" not in c.env for c in workers(cpu))
+    # The mock engine and vLLM on a card leave it at the gateway's default (on).
+    assert "PERIGEE_MAX_OVERHEAD_MS" not in gateway_env(parse(["--engine", "mock"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    gpu = parse(["--engine", "vllm", "--model", "tiny-llama"])
+    assert "PERIGEE_MAX_OVERHEAD_MS" not in gateway_env(gpu)
+    # What the user set wins, on CPU too.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PERIGEE_MAX_OVERHEAD_MS", "20")
+    assert "PERIGEE_MAX_OVERHEAD_MS" not in gateway_env(cpu)
