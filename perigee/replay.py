@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -178,6 +179,17 @@ async def replay(
     return list(outs), wall
 
 
+def why(o: ReplayOutcome) -> str:
+    """What a failed or cut request was told: its status and the error's message."""
+    msg = o.error
+    try:
+        body = json.loads(msg)
+        msg = body["error"]["message"] if isinstance(body.get("error"), dict) else msg
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return f"{o.status or 'no answer'}: {msg or 'stream ended early'}"
+
+
 def summarize(outs: list[ReplayOutcome], wall_s: float, ttft_slo: float, tbt_slo: float) -> dict:
     done = [o for o in outs if o.ok and not o.cut]
     ttfts = [o.ttft_s for o in done]
@@ -199,6 +211,10 @@ def summarize(outs: list[ReplayOutcome], wall_s: float, ttft_slo: float, tbt_slo
         "rejected": sum(1 for o in outs if o.status == 429),
         "failed": sum(1 for o in outs if o.status not in (200, 429)),
         "cut": sum(1 for o in outs if o.cut),
+        # Why the failed and cut ones failed: the commonest answers, with their counts.
+        "errors": dict(
+            Counter(why(o) for o in outs if o.cut or o.status not in (200, 429)).most_common(5)
+        ),
         "ttft_s": pct(ttfts),
         "tbt_s": pct(tbts),
         "goodput": {
@@ -277,6 +293,8 @@ def main(argv: list[str]) -> int:
         f"requests {s['requests']}  completed {s['completed']}  rejected {s['rejected']}  "
         f"failed {s['failed']}  cut {s['cut']}  wall {s['wall_s']:.1f}s"
     )
+    for msg, n in s["errors"].items():
+        print(f"  {n} x {msg}")
     print(
         f"TTFT p50 {s['ttft_s']['p50']:.4f}s p99 {s['ttft_s']['p99']:.4f}s   "
         f"TBT p50 {s['tbt_s']['p50']:.4f}s p99 {s['tbt_s']['p99']:.4f}s"

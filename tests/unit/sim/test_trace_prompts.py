@@ -53,3 +53,21 @@ def test_spread_ties_spreads_each_step_evenly_in_file_order():
     )
     assert [r.timestamp_s for r in tail] == [0.0, 3.0, 4.5]  # the last step: the median one
     assert spread_ties([]) == []
+
+
+def test_the_summary_says_why_requests_failed():
+    unsubscribed = '{"error": {"message": "no service is subscribed to perigee.requests"}}'
+    outs = [
+        ReplayOutcome(ok=False, status=503, error=unsubscribed),
+        ReplayOutcome(ok=False, status=503, error=unsubscribed),
+        ReplayOutcome(ok=False, status=200, error="{'message': 'decode died'}", expected_tokens=4),
+        ReplayOutcome(ok=False, status=0, error="ClientConnectorError()"),
+        ReplayOutcome(ok=False, status=429, error='{"error": {"message": "busy"}}'),
+    ]
+    s = summarize(outs, wall_s=1.0, ttft_slo=30, tbt_slo=0.5)
+    assert s["failed"] == 3 and s["cut"] == 1 and s["rejected"] == 1
+    assert s["errors"] == {
+        "503: no service is subscribed to perigee.requests": 2,
+        "200: {'message': 'decode died'}": 1,
+        "no answer: ClientConnectorError()": 1,
+    }
