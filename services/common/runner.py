@@ -7,9 +7,16 @@ fallback where uvloop is not installed.
 A run that a signal stopped (:mod:`services.common.shutdown`) exits 0 right after the
 main coroutine returns, or is cancelled during start-up, without the loop's own
 clean-up: that would wait, unbounded, for tasks that ignore cancellation (a NATS
-drain on a dead bus) and for executor threads."""
+drain on a dead bus) and for executor threads.
+
+The heap the imports built is frozen before the loop starts (``gc.freeze``, as vLLM
+does after its start-up): a service's imports alone leave 65-69k tracked objects, and
+a full collection walking them paused the process 9-16 ms on this 2-core machine, a
+pause every request in flight waits out. Frozen, the collector walks only what the
+service made since."""
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -25,6 +32,7 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
+    gc.freeze()
     with asyncio.Runner(loop_factory=factory) as runner:
         try:
             result = runner.run(main)
