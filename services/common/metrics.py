@@ -279,10 +279,10 @@ INFLIGHT_REJECTIONS = Counter(
 
 LATENESS_REJECTIONS = Counter(
     P + "gateway_requests_over_lateness",
-    "Requests the gateway answered 429 because the stack was behind: a request unplaced "
-    "for longer than --max-overhead-ms while others were placed, as many waiting for their "
-    "first token as first tokens with more overhead let, or (with --max-lateness-ms) a "
-    "first token overdue by more than that.",
+    "Requests the gateway answered 429 because the stack was behind: four requests "
+    "unplaced for longer than --max-overhead-ms while others were placed, as many "
+    "waiting for their first token as first tokens with more overhead let, or (with "
+    "--max-lateness-ms) a first token overdue by more than that.",
     registry=None,
 )
 CONTROL_OVERHEAD = Histogram(

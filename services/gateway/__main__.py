@@ -66,10 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-overhead-ms",
         type=float,
         default=float(os.environ.get(OVERHEAD_ENV) or GatewayConfig.max_overhead_s * 1e3),
-        help="answer 429 + Retry-After while a request is unplaced for longer than this, "
+        help="answer 429 + Retry-After while four requests are unplaced for longer than "
+        "this while others are placed (a backlog, not one hiccup), "
         "or while as many requests wait for their first token as first tokens whose "
         "control-plane overhead (their wait less the engine's part, which the prefill "
-        "worker reports) was over this let (an AIMD cap); 0: never; "
+        "worker reports) was over this let (an AIMD cap); 0: never (perigee up sets 0 "
+        "beside vLLM on CPU unless this is set); "
         f"default ${OVERHEAD_ENV} or {GatewayConfig.max_overhead_s * 1e3:g}",
     )
     ap.add_argument(

@@ -39,8 +39,9 @@ alone) judges only what no engine's pace moves:
 - what is due: a request's placement at once, while the stack places others (with
   none placed at all, an admission or conductor is restarting or starting); its first
   token only when the conductor expects it within ``overhead_s`` (an engine about to
-  answer). What turns requests away is a backlog of ``BACKLOG`` overdue, not one. One placed with a longer engine wait is in the engine's hands: not due, and
-  not counted against the cap (``counted``), since a queue the engines hold loads the
+  answer). What turns requests away is a backlog of ``BACKLOG`` overdue, not one.
+  One placed with a longer engine wait is in the engine's hands: not due, and not
+  counted against the cap (``counted``), since a queue the engines hold loads the
   control plane little and is admission's to bound.
 
 Pure: the clock's time is passed in. Due times sit in a heap with lazy deletion (an
@@ -171,7 +172,8 @@ class Lateness:
         return min(x for x in (self.limit_s, self.overhead_s) if x)
 
     def overdue(self, now: float) -> float:
-        """Seconds the most overdue request is past its due time (0 when none is).
+        """Seconds the most overdue request is past its due time (0 when none is);
+        judged by the overhead, the ``BACKLOG``-th most overdue one.
 
         Judged by the overhead alone, a backlog is what is overdue, not one request:
         - the figure is the ``BACKLOG``-th most overdue request's. A backlog makes every

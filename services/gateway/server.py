@@ -153,10 +153,10 @@ class GatewayConfig:
     # while as many wait as the cap that late first tokens set; 0: never. Off by default: a restarting admission also leaves requests waiting (the
     # durable intake keeps them), and those should not turn the next requests away.
     max_lateness_s: float = 0.0
-    # The same 429s, judged by what no engine's pace moves: a request unplaced for
-    # longer than this, or as many waiting as the cap that first tokens with more
-    # control-plane overhead than this set (their wait less the engine's part,
-    # Tokens.engine_s); 0: never. On by default: a control plane behind answers 429
+    # The same 429s, judged by what no engine's pace moves: four requests unplaced for
+    # longer than this (a backlog: lateness.BACKLOG), or as many waiting as the cap
+    # that first tokens with more control-plane overhead than this set (their wait
+    # less the engine's part, Tokens.engine_s); 0: never. On by default: a control plane behind answers 429
     # (perigee up turns it off beside vLLM on CPU, whose compute holds the control
     # plane's cores: perigee.stack.Stack._gate_env).
     max_overhead_s: float = 0.02
@@ -508,7 +508,7 @@ class Gateway:
                 f"the stack is behind: first tokens are {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
-        if lateness.capping:  # off (the default): no per-request work for it
+        if lateness.capping:  # both gates off: no per-request work for it
             full = lateness.full(self.watchdog.clock.now())
             metrics.WAIT_CAP.set(lateness.cap)
         else:
