@@ -142,12 +142,16 @@ class Stack:
         self.on_supervised: Callable[[SupervisedEvent], None] = lambda e: None
 
     # -- topology -----------------------------------------------------------------
+    def _user_env(self) -> dict[str, str]:
+        """What the user set: the environment, then the config's ``extra_env``."""
+        return {**os.environ, **self.cfg.extra_env}
+
     def _engine_env(self, engines: int, cards: int) -> dict[str, str]:
         """vLLM on CPU: each engine gets its share of the cores as OpenMP threads. Left
         at every core each, two engines on two cores oversubscribe them and spin against
         each other (measured: decode TBT p90 0.97 s shared, 0.11 s with one thread each;
         BENCHMARKS.md, bench slo). An OMP_NUM_THREADS the user set wins."""
-        if self.cfg.engine != "vllm" or "OMP_NUM_THREADS" in {**os.environ, **self.cfg.extra_env}:
+        if self.cfg.engine != "vllm" or "OMP_NUM_THREADS" in self._user_env():
             return {}
         if cards:
             return {}
@@ -162,8 +166,7 @@ class Stack:
         admission alone would have served, and cut the goodput by a quarter
         (BENCHMARKS.md, session 23). The mock engine and GPU engines leave the CPU to
         the control plane: the gateway's default (on) stands."""
-        user = {**os.environ, **self.cfg.extra_env}
-        if self.cfg.engine != "vllm" or cards or OVERHEAD_ENV in user:
+        if self.cfg.engine != "vllm" or cards or OVERHEAD_ENV in self._user_env():
             return {}
         return {OVERHEAD_ENV: "0"}
 
@@ -199,7 +202,7 @@ class Stack:
         are those CUDA_VISIBLE_DEVICES names where the user set it, else the ``found``."""
         if self.cfg.engine != "vllm":
             return []
-        visible = {**os.environ, **self.cfg.extra_env}.get("CUDA_VISIBLE_DEVICES")
+        visible = self._user_env().get("CUDA_VISIBLE_DEVICES")
         cards = [d for d in visible.split(",") if d] if visible is not None else None
         n = len(cards) if cards is not None else found
         if n == 0:

@@ -172,8 +172,7 @@ class Lateness:
         return min(x for x in (self.limit_s, self.overhead_s) if x)
 
     def overdue(self, now: float) -> float:
-        """Seconds the most overdue request is past its due time (0 when none is);
-        judged by the overhead, the ``BACKLOG``-th most overdue one.
+        """Seconds the most overdue request is past its due time (0 when none is).
 
         Judged by the overhead alone, a backlog is what is overdue, not one request:
         - the figure is the ``BACKLOG``-th most overdue request's. A backlog makes every
@@ -183,14 +182,10 @@ class Lateness:
         - an unplaced request is overdue only while the stack places others. A dead
           admission or conductor places none until it is back or its requests are
           resent, and the requests sent meanwhile wait for it, not behind each other."""
-        if self.overhead_s and not self.limit_s:
-            if now - self._placed_at > self.overhead_s:
-                return 0.0
-            return max(0.0, now - self._kth_due(BACKLOG))
-        heap = self._heap
-        while heap and self._due.get(heap[0][1]) != heap[0][0]:
-            heapq.heappop(heap)
-        return max(0.0, now - heap[0][0]) if heap else 0.0
+        by_overhead = self.overhead_s and not self.limit_s
+        if by_overhead and now - self._placed_at > self.overhead_s:
+            return 0.0
+        return max(0.0, now - self._kth_due(BACKLOG if by_overhead else 1))
 
     def _kth_due(self, k: int) -> float:
         """The k-th earliest due time (INF with fewer than k due): the k earliest live

@@ -150,15 +150,16 @@ class GatewayConfig:
     # A new request gets 429 while a request waiting for its first token is overdue by
     # more than this: unplaced, since it was sent; placed, since the conductor's TTFT
     # estimate (the stack is behind its own promises: services.gateway.lateness); or
-    # while as many wait as the cap that late first tokens set; 0: never. Off by default: a restarting admission also leaves requests waiting (the
-    # durable intake keeps them), and those should not turn the next requests away.
+    # while as many wait as the cap that late first tokens set; 0: never. Off by
+    # default: a restarting admission also leaves requests waiting (the durable intake
+    # keeps them), and those should not turn the next requests away.
     max_lateness_s: float = 0.0
     # The same 429s, judged by what no engine's pace moves: four requests unplaced for
     # longer than this (a backlog: lateness.BACKLOG), or as many waiting as the cap
     # that first tokens with more control-plane overhead than this set (their wait
-    # less the engine's part, Tokens.engine_s); 0: never. On by default: a control plane behind answers 429
-    # (perigee up turns it off beside vLLM on CPU, whose compute holds the control
-    # plane's cores: perigee.stack.Stack._gate_env).
+    # less the engine's part, Tokens.engine_s); 0: never. On by default: a control
+    # plane behind answers 429 (perigee up turns it off beside vLLM on CPU, whose
+    # compute holds the control plane's cores: perigee.stack.Stack._gate_env).
     max_overhead_s: float = 0.02
 
 
@@ -500,25 +501,23 @@ class Gateway:
                 metrics.INFLIGHT_REJECTIONS,
                 f"the gateway is serving its limit of {self.cfg.max_inflight} requests",
             )
-        lateness = self.router.lateness
+        lateness, now = self.router.lateness, self.watchdog.clock.now()
         limit = self.cfg.max_lateness_s or self.cfg.max_overhead_s
-        if limit and (late := lateness.overdue(self.watchdog.clock.now())) > limit:
+        if limit and (late := lateness.overdue(now)) > limit:
             return self._turned_away(
                 metrics.LATENESS_REJECTIONS,
                 f"the stack is behind: first tokens are {late * 1e3:.0f} ms overdue "
                 f"(limit {limit * 1e3:.0f} ms)",
             )
         if lateness.capping:  # both gates off: no per-request work for it
-            full = lateness.full(self.watchdog.clock.now())
+            full = lateness.full(now)  # (which may lift the cap: the gauge follows)
             metrics.WAIT_CAP.set(lateness.cap)
-        else:
-            full = False
-        if full:
-            return self._turned_away(
-                metrics.LATENESS_REJECTIONS,
-                f"the stack is behind: {lateness.counted} requests wait for their first token, "
-                f"as many as it kept on time lately",
-            )
+            if full:
+                return self._turned_away(
+                    metrics.LATENESS_REJECTIONS,
+                    f"the stack is behind: {lateness.counted} requests wait for their first "
+                    f"token, as many as it kept on time lately",
+                )
         self.inflight += 1
         try:
             return await self._admitted(request, data, chat, t0)
