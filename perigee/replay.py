@@ -27,6 +27,8 @@ from perigee.bench.stats import percentile
 from perigee.trace import DEFAULT_TRACE, PromptBuilder, TraceRequest, load_trace
 from services.common import defaults
 
+WAIT_S = 120.0  # a stack still starting: perigee up takes tens of seconds with vLLM
+
 
 @dataclass
 class ReplayOutcome:
@@ -112,16 +114,34 @@ async def send(
     return out
 
 
-async def served_model(http, url: str, headers: dict) -> str:
-    """The first model the endpoint lists on ``/v1/models``: what a client that was not
-    told a model name asks for (perigee and vLLM each serve one)."""
-    async with http.get(url.rstrip("/") + "/v1/models", headers=headers) as r:
-        if r.status != 200:
-            raise SystemExit(f"perigee replay: GET /v1/models answered {r.status}; give --model")
-        models = (await r.json()).get("data") or []
-    if not models:
-        raise SystemExit("perigee replay: the endpoint lists no model; give --model")
-    return models[0]["id"]
+async def models_listed(http, url: str, headers: dict, wait_s: float = WAIT_S) -> list[dict]:
+    """``/v1/models``' list, once the endpoint serves: a perigee gateway whose stack is
+    still starting answers 503 with ``Retry-After`` (vLLM does not listen until it
+    serves), waited for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        async with http.get(url.rstrip("/") + "/v1/models", headers=headers) as r:
+            try:
+                body = await r.json(content_type=None)
+            except ValueError:  # not JSON: a proxy's page
+                body = None
+            if r.status == 200:
+                return (body or {}).get("data") or []
+            left = deadline - time.monotonic()
+            if r.status != 503 or left <= 0:
+                raise SystemExit(
+                    f"perigee replay: GET /v1/models answered {r.status}: {error_text(body)}"
+                )
+            if not said:
+                print(f"perigee replay: waiting for the endpoint ({error_text(body)})", flush=True)
+                said = True
+            await asyncio.sleep(min(left, float(r.headers.get("Retry-After") or 1)))
+
+
+def error_text(body) -> str:
+    err = body.get("error") if isinstance(body, dict) else None
+    return str(err.get("message")) if isinstance(err, dict) else "no error message"
 
 
 async def stack_slos(url: str, api_key: str | None) -> tuple[float, float] | None:
@@ -153,6 +173,7 @@ async def replay(
     max_output: int,
     api_key: str | None,
     progress: bool = True,
+    wait_s: float = 0.0,
 ) -> tuple[list[ReplayOutcome], float]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress)
@@ -160,7 +181,11 @@ async def replay(
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
     ) as http:
-        model = model or await served_model(http, url, headers)
+        listed = await models_listed(http, url, headers, wait_s)
+        if model is None:
+            if not listed:
+                raise SystemExit("perigee replay: the endpoint lists no model; give --model")
+            model = listed[0]["id"]
         t_start = time.perf_counter()
         base = reqs[0].timestamp_s if reqs else 0.0
 
@@ -258,6 +283,12 @@ def main(argv: list[str]) -> int:
         f"{defaults.TBT_SLO_S:g} from an endpoint without it)",
     )
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=WAIT_S,
+        help="seconds to wait for an endpoint still starting (503 on /v1/models)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -286,6 +317,7 @@ def main(argv: list[str]) -> int:
             max_output=a.max_output,
             api_key=a.api_key,
             progress=not a.no_progress,
+            wait_s=a.wait,
         )
     )
     s = summarize(outs, wall, a.ttft_slo, a.tbt_slo)

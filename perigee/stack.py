@@ -396,7 +396,8 @@ class Stack:
         )
 
     async def _wait_ready(self, timeout: float) -> None:
-        """Ready when every worker has reported load and the gateway answers /health."""
+        """Ready when every worker has reported load, admission and the conductors
+        answer, and the gateway is ready."""
         want = {f"prefill-{i}" for i in range(self.cfg.prefill)}
         want |= {f"decode-{i}" for i in range(self.cfg.decode)}
         seen: set[str] = set()
@@ -439,10 +440,12 @@ class Stack:
                         break
                     except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
                         await asyncio.sleep(0.05)
-            while not await asyncio.to_thread(self._health):
+            # The gateway ready: it heard an admission and a conductor beat and the
+            # workers report (what its /v1/models waits for, as clients poll it).
+            while not await asyncio.to_thread(self._gateway_ready):
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError("gateway did not become healthy")
+                    raise TimeoutError("the gateway did not become ready (GET /ready)")
                 await asyncio.sleep(0.1)
         finally:
             await nc.close()
@@ -461,11 +464,11 @@ class Stack:
                 raise TimeoutError("the NATS cluster elected no JetStream leader")
             await asyncio.sleep(0.1)
 
-    def _health(self) -> bool:
+    def _gateway_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+            with urllib.request.urlopen(self.url + "/ready", timeout=1) as r:
                 return r.status == 200
-        except OSError:
+        except OSError:  # HTTPError (503) included
             return False
 
     def exited(self) -> list[Child]:

@@ -95,6 +95,7 @@ def subject_kind(subject: str) -> str:
     if subject.startswith("$JS.ACK."):
         return ".".join(subject.split(".")[:4]) + " (acks)"
     s = re.sub(r"\.cmpl-.*$", ".<request>", subject)
+    s = re.sub(r"\.reserved\.[0-9a-f]{16}\.", ".reserved.<key>.", s)  # reserved ahead
     return re.sub(r"\.[0-9a-f]{32}$", ".<claim>", s)
 
 

@@ -58,7 +58,7 @@ from bus_schemas.requests import (
     Tokens,
     unbundled,
 )
-from bus_schemas.roles import Role
+from bus_schemas.roles import ROLES, Role
 from services.common import bus, intake_queue, metrics, presence
 from services.common.bus import publish
 from services.common.kv_errors import instance_restarted, restarted_instance, store_failure
@@ -738,6 +738,16 @@ class ReplyRouter:
         """The roles ("prefill", "decode") with at least one instance reporting now."""
         alive = self.watchdog.liveness.alive_instances()
         return {self.roles[i] for i in alive if i in self.roles}
+
+    def missing(self) -> list[str]:
+        """What a request needs and nothing answers for now: the bus, an admission and a
+        conductor (their presence beats), a prefill and a decode instance (their load
+        reports). Empty: a request sent now can be served."""
+        if not self.nc.is_connected:
+            return ["bus"]
+        control = [k for k in presence.KINDS if not self.control.alive(k)]
+        live = self.live_roles()
+        return control + [r for r in ROLES if r not in live]
 
     # ---- watchdog ------------------------------------------------------------------
     def sweep(self, judge_liveness: bool = True) -> int:

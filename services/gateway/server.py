@@ -48,7 +48,6 @@ from bus_schemas.requests import (
     StructuredOutput,
     Tokens,
 )
-from bus_schemas.roles import ROLES
 from services.common import bus, defaults, intake_queue, metrics
 from services.common.bus import PayloadTooLarge
 from services.common.clock import Clock, WallClock
@@ -207,6 +206,7 @@ class Gateway:
         # Real-time backstop behind the watchdog (whose clock may be a test's).
         self._guard_s = cfg.request_timeout_s + cfg.dead_after_s + 5.0
         self._created = int(time.time())
+        self._served = False  # the stack was ready once: /v1/models answers from then on
         self._bg: set[asyncio.Task] = set()
         if cfg.max_inflight < 1:
             raise ValueError("max_inflight must be at least 1")
@@ -299,6 +299,20 @@ class Gateway:
 
     # ---- small endpoints -----------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        # vLLM lists its model only once it serves (it listens after its engine starts),
+        # so clients poll this to wait: it answers 503 until the stack was ready once.
+        if not self._served:
+            missing = self.router.missing()
+            if missing:
+                return error_response(
+                    ApiError(
+                        503,
+                        f"the stack is starting: no {', no '.join(missing)} yet",
+                        code="service_unavailable",
+                        headers={"Retry-After": "1"},
+                    )
+                )
+            self._served = True
         card = {
             "id": self.cfg.served_model_name,
             "object": "model",
@@ -369,17 +383,14 @@ class Gateway:
         return json_response(body, 200 if ok else 503)
 
     async def ready(self, request: web.Request) -> web.Response:
-        """Readiness (``/health`` is liveness): 200 once a prefill and a decode instance
-        report load, so a load balancer sends no request that could only get a 503."""
-        live = self.router.live_roles()
-        missing = [r for r in ROLES if r not in live]
-        ok = self.nc.is_connected and not missing
-        body = {
-            "ready": ok,
-            "gateway_id": self.gateway_id,
-            "missing": missing if self.nc.is_connected else ["bus"],
-        }
-        return json_response(body, 200 if ok else 503)
+        """Readiness (``/health`` is liveness): 200 while an admission and a conductor
+        beat and a prefill and a decode instance report load, so a load balancer sends
+        no request that could only get a 503."""
+        missing = self.router.missing()
+        if not missing:
+            self._served = True
+        body = {"ready": not missing, "gateway_id": self.gateway_id, "missing": missing}
+        return json_response(body, 503 if missing else 200)
 
     # ---- generation ----------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

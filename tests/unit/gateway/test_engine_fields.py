@@ -211,6 +211,7 @@ from tests.unit.gateway.test_gateway_http import (  # noqa: E402
     OUT_IDS,
     env,  # noqa: F401 - fixture
     read_sse,
+    stack_ready,
 )
 
 
@@ -330,6 +331,7 @@ async def test_tokenize_and_detokenize(env):  # noqa: F811
 
 
 async def test_models_lists_max_model_len(env):  # noqa: F811
+    await stack_ready(env)
     async with env.http.get(env.base + "/v1/models") as r:
         card = (await r.json())["data"][0]
     assert card["max_model_len"] == 128

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from bus_schemas import subjects
 from bus_schemas.codec import decode, encode
+from bus_schemas.control import Presence
 from bus_schemas.load import DecodeLoad, PrefillLoad
 from bus_schemas.requests import (
     Accepted,
@@ -69,6 +70,13 @@ class FakeBackend:
 
     async def send(self, reply: str, ev) -> None:
         await self.nc.publish(reply, encode(ev))
+
+    async def present(self) -> None:
+        """Beat as an admission and a conductor do (services.common.presence)."""
+        for kind in ("admission", "conductor"):
+            p = Presence(kind=kind, name=kind, incarnation=1, interval_s=0.5)
+            await self.nc.publish(subjects.presence(kind, kind), encode(p))
+        await self.nc.flush()
 
     async def load(self, prefill: str = "p0", decode_: str = "d0") -> None:
         await self.nc.publish(
@@ -434,7 +442,16 @@ async def test_a_streams_last_chunks_go_out_with_its_end(env, monkeypatch):
         assert all(b"[DONE]" not in d for _, d in calls[:end])
 
 
+async def stack_ready(env) -> None:
+    """An admission, a conductor, a prefill and a decode instance heard, as a gateway
+    hears them once its stack is up."""
+    await env.backend.present()
+    await env.backend.load()
+    await until(lambda: not env.gw.router.missing())
+
+
 async def test_models_and_health(env):
+    await stack_ready(env)
     async with env.http.get(env.base + "/v1/models") as r:
         out = await r.json()
     assert out["object"] == "list" and [m["id"] for m in out["data"]] == ["tiny-llama"]
@@ -696,15 +713,40 @@ def test_cli_args():
     assert (cfg.request_timeout_s, cfg.dead_after_s) == (120.0, 2.0)
 
 
-async def test_ready_only_while_a_prefill_and_a_decode_instance_report(env):
+async def test_ready_only_while_every_part_of_the_path_is_heard(env):
+    everything = ["admission", "conductor", "prefill", "decode"]
     async with env.http.get(env.base + "/ready") as r:
-        assert r.status == 503 and (await r.json())["missing"] == ["prefill", "decode"]
+        assert r.status == 503 and (await r.json())["missing"] == everything
     await env.backend.load()
     await until(lambda: env.gw.router.live_roles() == {"prefill", "decode"})
+    async with env.http.get(env.base + "/ready") as r:  # the workers alone are not enough
+        assert r.status == 503 and (await r.json())["missing"] == ["admission", "conductor"]
+    await env.backend.present()
+    await until(lambda: not env.gw.router.missing())
     async with env.http.get(env.base + "/ready") as r:
         assert r.status == 200 and (await r.json())["missing"] == []
-    env.clock.advance(2.5)  # both silent for longer than dead_after_s
+    env.clock.advance(2.5)  # all silent for longer than dead_after_s
     async with env.http.get(env.base + "/ready") as r:
-        assert r.status == 503 and (await r.json())["missing"] == ["prefill", "decode"]
+        assert r.status == 503 and (await r.json())["missing"] == everything
     async with env.http.get(env.base + "/health") as r:
         assert r.status == 200  # alive all the same
+
+
+async def test_models_wait_for_the_stack_once(env):
+    """Clients wait for a vLLM server by polling /v1/models: 503 + Retry-After until the
+    stack could serve, then the list, even while a part is briefly unheard."""
+    async with env.http.get(env.base + "/v1/models") as r:
+        body = await r.json()
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+    assert "no admission, no conductor, no prefill, no decode" in body["error"]["message"]
+    await env.backend.load()
+    await until(lambda: env.gw.router.live_roles() == {"prefill", "decode"})
+    async with env.http.get(env.base + "/v1/models") as r:
+        assert r.status == 503
+        assert "no admission, no conductor yet" in (await r.json())["error"]["message"]
+    await stack_ready(env)
+    async with env.http.get(env.base + "/v1/models") as r:
+        assert r.status == 200 and [m["id"] for m in (await r.json())["data"]] == ["tiny-llama"]
+    env.clock.advance(2.5)
+    async with env.http.get(env.base + "/v1/models") as r:
+        assert r.status == 200

@@ -149,6 +149,8 @@ def test_a_requests_subjects_fold_into_kinds_and_steps_read_in_round_trips():
     claim = "perigee.conductor.placed." + "0f" * 16
     assert bus_baseline.subject_kind(claim) == "perigee.conductor.placed.<claim>"
     assert bus_baseline.subject_kind("perigee.intake") == "perigee.intake"
+    ahead = "perigee.prefill.prefill-0.reserved.ba070e28c0ed4f81.decode"
+    assert bus_baseline.subject_kind(ahead) == "perigee.prefill.prefill-0.reserved.<key>.decode"
     s = Step(50.0, 2, ok=2, overhead_s=[0.008, 0.016])
     o = s.report()["overhead_ms"]
     assert in_rtts(s.report(), 0.8) == f"{o['p50'] / 0.8:.1f} / {o['p99'] / 0.8:.1f}"

@@ -71,3 +71,45 @@ def test_the_summary_says_why_requests_failed():
         "200: {'message': 'decode died'}": 1,
         "no answer: ClientConnectorError()": 1,
     }
+
+
+async def test_replay_waits_for_a_stack_still_starting():
+    """A gateway whose stack is starting answers /v1/models 503 + Retry-After: replay
+    waits for it (and says so) rather than fail every request; other answers end it."""
+    import aiohttp
+    import pytest
+    from aiohttp import web
+
+    from perigee.replay import models_listed
+
+    answers = [503, 503, 200]
+    seen = []
+
+    async def models(request):
+        status = answers.pop(0) if answers else 500
+        seen.append(status)
+        if status == 503:
+            body = {"error": {"message": "the stack is starting: no conductor yet"}}
+            return web.json_response(body, status=503, headers={"Retry-After": "0"})
+        if status == 500:
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            assert [m["id"] for m in await models_listed(http, url, {}, wait_s=30)] == ["m"]
+            assert seen == [503, 503, 200]
+            with pytest.raises(SystemExit, match="answered 500: boom"):
+                await models_listed(http, url, {}, wait_s=30)
+            answers[:] = [503]
+            with pytest.raises(SystemExit, match="answered 503: the stack is starting"):
+                await models_listed(http, url, {}, wait_s=0)
+    finally:
+        await runner.cleanup()
