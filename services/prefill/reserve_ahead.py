@@ -24,7 +24,8 @@ One key's life here (:class:`AheadReplies`)::
 A reply that is no answer (an error reply, a payload that does not decode) counts as
 that role's failure, as the worker's own round would count it. A node with no store
 sends nothing here (the server's no-responders goes to the sender, the conductor): the
-role is missing after ``wait_s``, and the worker's own request learns why.
+role is missing ``straggler_s`` after the round's other answers (``wait_s`` if none came),
+and the worker's own request learns why.
 """
 
 import asyncio
@@ -45,6 +46,12 @@ from services.common.store_tx import AllocationRound, LeaseKeeper, StoreTx
 log = structlog.get_logger()
 
 WAIT_S = 2.0  # the worker's own store requests time out after as long
+# Once one store answered, the others of the same round (sent together) are waited for
+# this much longer at most: a store that died since the conductor last heard of it
+# answers nothing (its no-responders goes to the conductor), and the worker's own
+# request then learns so at once instead of after WAIT_S. A store alive but slower
+# than this is asked again, its late answer aborted.
+STRAGGLER_S = 0.2
 FORGET_S = 30.0  # a key no task took by then is dropped (its task was lost)
 REMEMBER_DROPPED = 4096  # keys whose late answers are aborted on arrival
 
@@ -55,6 +62,7 @@ class _Key:
     got: dict[str, Any] = field(default_factory=dict)  # role -> TxHandle | Refused | str
     came: asyncio.Event = field(default_factory=asyncio.Event)
     since: float = 0.0
+    first: float | None = None  # when the first answer came
 
 
 class AheadReplies:
@@ -66,6 +74,7 @@ class AheadReplies:
         *,
         lease_s: float,
         wait_s: float = WAIT_S,
+        straggler_s: float = STRAGGLER_S,
         forget_s: float = FORGET_S,
         clock: Callable[[], float] = time.monotonic,
         counters: dict[str, int] | None = None,
@@ -73,6 +82,7 @@ class AheadReplies:
         self.tx = tx
         self.leases = LeaseKeeper(tx, lease_s)
         self.wait_s = wait_s
+        self.straggler_s = straggler_s
         self.forget_s = forget_s
         self.clock = clock
         self._keys: dict[str, _Key] = {}
@@ -99,6 +109,8 @@ class AheadReplies:
             self._abort(rep, "reserved ahead twice")
             return
         k.got[role] = rep
+        if k.first is None:
+            k.first = self.clock()
         if isinstance(rep, TxHandle):
             self.leases.hold(k.request_id or key, rep.node, rep)
         k.came.set()
@@ -110,11 +122,15 @@ class AheadReplies:
     # -- the worker --
     async def take(self, key: str, request_id: str, roles: set[str]) -> AllocationRound:
         """The answers for ``roles``, as one round; a role not answered within
-        ``wait_s`` is left out (the worker allocates it), its late answer aborted."""
+        ``wait_s``, or ``straggler_s`` after the round's first answer, is left out (the
+        worker allocates it), its late answer aborted."""
         k = self._keys.setdefault(key, _Key(since=self.clock()))
         k.request_id = request_id
         deadline = self.clock() + self.wait_s
-        while not roles <= set(k.got) and (left := deadline - self.clock()) > 0:
+        while not roles <= set(k.got):
+            end = deadline if k.first is None else min(deadline, k.first + self.straggler_s)
+            if (left := end - self.clock()) <= 0:
+                break
             k.came.clear()
             try:
                 await asyncio.wait_for(k.came.wait(), left)

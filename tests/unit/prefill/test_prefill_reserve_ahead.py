@@ -98,19 +98,40 @@ async def test_a_task_that_ends_first_aborts_what_came_and_what_comes(conns):
 
 async def test_a_node_with_no_store_fails_the_reservation_as_the_workers_own_round(conns):
     # Nobody answers an allocation sent ahead to a node without a store (the server's
-    # no-responders goes to the sender only): the worker asks itself after wait_s, is
+    # no-responders goes to the sender only, the conductor): once the other store of
+    # the round answered, the worker waits straggler_s, not wait_s, asks itself, is
     # told no store listens, and fails the request; what was granted goes back.
     store_nc, worker_nc = conns
     p0 = await Store(store_nc, "p0").start()
-    book, r = await booked(worker_nc, wait_s=0.05), StoreReserver(StoreTx(worker_nc), lease_s=10.0)
+    book = await booked(worker_nc, wait_s=3600.0, straggler_s=0.05)
+    r = StoreReserver(StoreTx(worker_nc), lease_s=10.0)
     t = ahead("k4", nodes=("p0", "gone"))
     await send_ahead(store_nc, t, BOTH)
     with pytest.raises(ReserveError) as e:
-        await r.reserve(t, ahead=book.take("k4", "r1", BOTH))
+        async with asyncio.timeout(30):  # wait_s would be an hour
+            await r.reserve(t, ahead=book.take("k4", "r1", BOTH))
     assert e.value.reason == "unavailable" and book.counters["ahead_missing"] == 1
     await until(lambda: len(p0.aborts) == 1)
     assert not p0.open and len(p0.allocs) == 1
     await r.close()
+    await book.close()
+
+
+async def test_the_straggler_wait_starts_with_the_rounds_first_answer(conns):
+    # A task taken long before any answer (the stores are slow, not dead) waits for
+    # them up to wait_s: straggler_s counts from the first answer, not from the take.
+    store_nc, worker_nc = conns
+    p0, d0 = await Store(store_nc, "p0").start(), await Store(store_nc, "d0").start()
+    now = [0.0]
+    book = await booked(worker_nc, wait_s=3600.0, straggler_s=0.05, clock=lambda: now[0])
+    t = ahead("k6")
+    taking = asyncio.create_task(book.take("k6", "r1", BOTH))
+    await until(lambda: "k6" in book._keys)  # the take is waiting
+    now[0] = 10.0  # far past straggler_s, no answer yet
+    await send_ahead(store_nc, t, BOTH)
+    round_ = await taking
+    assert set(round_.handles) == BOTH and book.counters["ahead_missing"] == 0
+    assert not p0.aborts and not d0.aborts
     await book.close()
 
 
