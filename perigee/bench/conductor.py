@@ -43,7 +43,7 @@ def build_index(instances: int, blocks: int, chain: int, rng: random.Random) -> 
     per_node: dict[int, list[int]] = {i: [] for i in range(instances)}
     for c in range(blocks // chain):
         hashes = range(c * chain, (c + 1) * chain)
-        for node in rng.sample(range(instances), 1 + c % 3):
+        for node in rng.sample(range(instances), min(instances, 1 + c % 3)):
             per_node[node].extend(hashes)
     for node, hashes in per_node.items():
         for seq, start in enumerate(range(0, len(hashes), 10_000), 1):

@@ -15,6 +15,18 @@ def test_index_holds_every_block_on_one_to_three_nodes():
     assert len(index.match(list(range(64, 96)))) == 3  # chain 2: three replicas
 
 
+def test_a_cluster_smaller_than_the_replicas_holds_every_block():
+    """One or two prefill nodes: a chain's one to three replicas are at most all of
+    them (``--instances 1`` crashed on sampling three of one)."""
+    import random
+
+    for instances in (1, 2):
+        index = build_index(instances=instances, blocks=320, chain=32, rng=random.Random(0))
+        assert index.num_blocks() == 320 and len(index.nodes()) == instances
+    s = run(instances=1, decodes=1, blocks=320, chain=32, placements=20, warmup=5)
+    assert s["placed"] == 20
+
+
 def test_run_reports_placement_latency():
     s = run(instances=8, decodes=2, blocks=6400, chain=32, placements=200, warmup=10)
     assert set(s["placement_us"]) >= {"p50", "p99"}
