@@ -18,7 +18,7 @@ import secrets
 import sys
 from multiprocessing import shared_memory
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
+from services.common import prefault
 
 
 class ArenaError(RuntimeError):
@@ -129,21 +129,33 @@ class Arena:
 
     def prefault(self) -> None:
         """Map every page now rather than on first touch (a page fault per 4 KiB costs more
-        than the copy into it). Best effort: MADV_POPULATE_WRITE where the kernel has it,
-        else the creator writes zeros (the arena is zeros anyway)."""
-        mm = self._owner._mmap if self._owner is not None else self._mm  # type: ignore[attr-defined]
-        try:
-            mm.madvise(MADV_POPULATE_WRITE)
+        than the copy into it), before anything is served: MADV_POPULATE_WRITE where the
+        kernel has it, else the creator writes zeros (the arena is zeros anyway)."""
+        mm = self._map()
+        if mm is not None and prefault.populate(mm):
             return
-        except (OSError, ValueError, AttributeError):
-            pass
         if self._owner is not None:
             zeros = bytes(1 << 20)
             for start in range(0, self.size, len(zeros)):
                 n = min(len(zeros), self.size - start)
                 self.buf[start : start + n] = zeros[:n]
 
-    # ---------------------------------------------------------------- close
+    def populates(self) -> bool:
+        """Whether the kernel maps pages on advice (:meth:`populate` does anything)."""
+        mm = self._map()
+        return mm is not None and prefault.supported(mm)
+
+    async def populate(self) -> bool:
+        """What :meth:`prefault` does, a chunk per turn of the event loop, while the
+        arena is in use (services.common.prefault); no zeros written, so nothing written
+        meanwhile is lost. Whether it got to the end (not once the arena is closed)."""
+        mm = self._map()
+        return mm is not None and await prefault.populate_async(mm)
+
+    def _map(self) -> mmap.mmap | None:
+        if self._closed:
+            return None
+        return self._owner._mmap if self._owner is not None else self._mm  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Unmap. If views are still exported (a zero-copy frame in flight, a worker's slot

@@ -71,6 +71,7 @@ class StoreClient:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.op_timeout_s = op_timeout_s
         self._reattaching = asyncio.Lock()
+        self._populating: asyncio.Future | None = None  # a new arena's pages, mapped in turns
 
     @classmethod
     async def connect(
@@ -85,7 +86,7 @@ class StoreClient:
         """Wait (up to ``timeout``) for ``node``'s store to answer ``info``, then attach."""
         info = await fetch_info(nc, node, timeout)
         arena = Arena.attach(info.shm_name, info.capacity_blocks, info.block_bytes)
-        arena.prefault()
+        await arena.populate()  # before the first request, the loop turning meanwhile
         ctx = ctx or zmq.asyncio.Context.instance()
         return cls(nc, info, arena, await _channel_to(info, ctx), op_timeout_s, ctx)
 
@@ -240,13 +241,16 @@ class StoreClient:
                 arena = Arena.attach(info.shm_name, info.capacity_blocks, info.block_bytes)
             except ArenaError as e:
                 raise TransferError("store_restarted", str(e)) from None
-            arena.prefault()
+            # Mapped while in use: all at once held this worker's event loop 0.5-3 s.
+            self._populating = asyncio.ensure_future(arena.populate())
             self.arena.close()
             self.arena, self._info = arena, info
             self._channel.close()
             self._channel = await _channel_to(info, self._ctx)
 
     async def close(self) -> None:
+        if self._populating is not None:
+            self._populating.cancel()
         await self._channel.aclose()
         self.arena.close()
 

@@ -2,12 +2,12 @@
 
 A :class:`ShmReceiver` publishes a small descriptor (``/dev/shm/perigee-seg-<token>.json``:
 region id -> shared-memory name, base offset, size) and advertises ``shm://<token>``.
-A :class:`ShmSender` reads the descriptor once, maps each named segment (prefaulted),
-and serves a request with one memcpy: no socket, no kernel copy. The copy runs on the
-submitting thread (the ticket has ended when ``submit`` returns): handing it to a
-thread costs a wake-up that, on a busy host, takes longer than copying megabytes;
-requests of ``inline_below`` bytes or more go to the copy thread instead, for callers
-that must not block. A copy of ``split_min`` bytes or more is cut in ``split_threads + 1``
+A :class:`ShmSender` reads the descriptor once, maps each named segment (its owner maps
+the pages: services.common.prefault), and serves a request with one memcpy: no socket,
+no kernel copy. The copy runs on the submitting thread (the ticket has ended when
+``submit`` returns): handing it to a thread costs a wake-up that, on a busy host, takes
+longer than copying megabytes; requests of ``inline_below`` bytes or more go to the copy
+thread instead, for callers that must not block. A copy of ``split_min`` bytes or more is cut in ``split_threads + 1``
 parts, copied at once by the copying thread and that many helper threads: one core
 copies cold memory at ~9 GB/s here, two at ~13 (one thread copying memory that is
 still in cache, as a memcpy benchmark repeating itself does, reaches ~15).
@@ -39,7 +39,6 @@ from services.transfer.backends.contract import (
 from services.transfer.backends.sieve import SievePool
 
 SEG_DIR = "/dev/shm"
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 def available() -> Availability:
@@ -75,10 +74,10 @@ def map_segment(name: str, size: int) -> mmap.mmap:
         mm = mmap.mmap(fd, size)
     finally:
         os.close(fd)
-    try:
-        mm.madvise(MADV_POPULATE_WRITE)
-    except (OSError, ValueError, AttributeError):
-        pass
+    # Not populated here: its owner maps its pages (services.common.prefault), and this
+    # mapping takes a minor fault per page on first touch; a madvise over the whole
+    # segment would hold this process's GIL (its event loop) 0.5 s per 2 GB, at the
+    # first ship to a store just restarted.
     return mm
 
 
