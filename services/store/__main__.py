@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefault",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="map the whole arena at start (commits its memory up front)",
+        help="map the whole arena's pages once serving, in the background (commits its "
+        "memory up front; an older kernel zeroes it before serving)",
     )
     p.add_argument(
         "--ssd-dir",
