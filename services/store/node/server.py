@@ -91,6 +91,7 @@ from services.store.node.replication import Replicator
 from services.store.node.store_core import StoreCore
 from services.store.pool.block_pool import BlockPool
 from services.store.pool.registry import NodeRegistry
+from services.transfer.backends import shm as shm_transport
 from tracing import inject
 
 log = structlog.get_logger()
@@ -197,6 +198,9 @@ class StoreService:
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        swept = shm_transport.sweep_stale()
+        if swept:
+            log.info("stale_shm_files_removed", node=self.node, files=swept)
         self.arena = Arena.create(self.capacity, self.block_bytes)
         # Its pages are mapped while it serves: all at once took 1.2-6 s for a 2 GB
         # arena, the restarted store answering nothing meanwhile. An older kernel

@@ -157,3 +157,37 @@ def test_rdma_refuses_unregistered_memory_checksums_and_bad_spans(rdma):
     for req, code in cases:
         t = tx.submit(req)
         assert t.wait(WAIT) == Poll.FAILED and t.error.code == code, req
+
+
+def test_what_killed_stores_left_in_dev_shm_is_swept_and_nothing_live(tmp_path):
+    """A store killed with SIGKILL leaves its descriptor and its local socket (its arena
+    is unlinked by its resource tracker): a store starting removes those, judged by
+    whether their segments still exist, never a live store's, nor what it cannot read."""
+    import json
+
+    from services.transfer.backends.shm import sweep_stale
+
+    d = tmp_path
+    (d / "perigee_11_aa").write_bytes(b"")  # a live store's arena
+    files = {
+        "perigee-seg-11-aa.json": {"0": {"name": "perigee_11_aa", "offset": 0, "size": 8}},
+        "perigee-seg-12-bb.json": {"0": {"name": "/perigee_12_bb", "offset": 0, "size": 8}},
+        "perigee-seg-13-cc.json": {},  # a receiver with nothing exposed yet
+    }
+    for name, desc in files.items():
+        (d / name).write_text(json.dumps(desc))
+    (d / "perigee-seg-14-dd.json").write_text("{not json")  # being written
+    (d / "perigee_11_aa.ctl").write_bytes(b"")
+    (d / "perigee_12_bb.ctl").write_bytes(b"")
+    (d / "other.ctl").write_bytes(b"")
+    assert sweep_stale(str(d)) == 2
+    left = sorted(p.name for p in d.iterdir())
+    assert left == [
+        "other.ctl",
+        "perigee-seg-11-aa.json",
+        "perigee-seg-13-cc.json",
+        "perigee-seg-14-dd.json",
+        "perigee_11_aa",
+        "perigee_11_aa.ctl",
+    ]
+    assert sweep_stale(str(d / "missing")) == 0

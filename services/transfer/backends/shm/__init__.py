@@ -16,6 +16,7 @@ Mapped segments are pooled per target (SIEVE, capped) like network endpoints.
 Only regions registered with a shared-memory ``name`` can be exposed this way.
 """
 
+import contextlib
 import json
 import mmap
 import os
@@ -49,6 +50,37 @@ def available() -> Availability:
 
 def _descriptor_path(token: str) -> str:
     return os.path.join(SEG_DIR, f"perigee-seg-{token}.json")
+
+
+def sweep_stale(seg_dir: str = SEG_DIR) -> int:
+    """Remove what stores killed with SIGKILL left in ``seg_dir``: a descriptor none of
+    whose segments exists any more, and a store's local socket (``<arena>.ctl``) whose
+    arena is gone (a dead store's resource tracker unlinks its arena, not these). Judged
+    by the segments, not by process ids, so a store in another PID namespace sharing
+    this ``/dev/shm`` keeps its files. Returns how many files went."""
+    try:
+        names = os.listdir(seg_dir)
+    except OSError:
+        return 0
+    present = set(names)
+    gone = 0
+    for name in names:
+        if name.startswith("perigee-seg-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(seg_dir, name)) as f:
+                    segments = {str(d["name"]).lstrip("/") for d in json.load(f).values()}
+            except (OSError, ValueError, TypeError, KeyError, AttributeError):
+                continue  # being written, or not ours to judge
+            stale = bool(segments) and not segments & present
+        elif name.startswith("perigee_") and name.endswith(".ctl"):
+            stale = name[: -len(".ctl")] not in present
+        else:
+            continue
+        if stale:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(seg_dir, name))
+                gone += 1
+    return gone
 
 
 def reachable(target: str) -> bool:
