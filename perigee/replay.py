@@ -114,10 +114,13 @@ async def send(
     return out
 
 
-async def models_listed(http, url: str, headers: dict, wait_s: float = WAIT_S) -> list[dict]:
+async def models_listed(
+    http, url: str, headers: dict, wait_s: float = WAIT_S, required: bool = True
+) -> list[dict]:
     """``/v1/models``' list, once the endpoint serves: a perigee gateway whose stack is
     still starting answers 503 with ``Retry-After`` (vLLM does not listen until it
-    serves), waited for up to ``wait_s``."""
+    serves), waited for up to ``wait_s``. Not ``required`` (the model was named), any
+    other answer, or a wait that ran out, is an empty list rather than the end."""
     deadline = time.monotonic() + wait_s
     said = False
     while True:
@@ -130,6 +133,8 @@ async def models_listed(http, url: str, headers: dict, wait_s: float = WAIT_S) -
                 return (body or {}).get("data") or []
             left = deadline - time.monotonic()
             if r.status != 503 or left <= 0:
+                if not required:
+                    return []
                 raise SystemExit(
                     f"perigee replay: GET /v1/models answered {r.status}: {error_text(body)}"
                 )
@@ -181,7 +186,7 @@ async def replay(
     async with aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
     ) as http:
-        listed = await models_listed(http, url, headers, wait_s)
+        listed = await models_listed(http, url, headers, wait_s, required=model is None)
         if model is None:
             if not listed:
                 raise SystemExit("perigee replay: the endpoint lists no model; give --model")

@@ -111,5 +111,10 @@ async def test_replay_waits_for_a_stack_still_starting():
             answers[:] = [503]
             with pytest.raises(SystemExit, match="answered 503: the stack is starting"):
                 await models_listed(http, url, {}, wait_s=0)
+            # The model named: an endpoint without the list (here 500) is replayed all
+            # the same, as before the wait; a 503 is still waited for.
+            answers[:] = [503, 500]
+            assert await models_listed(http, url, {}, wait_s=30, required=False) == []
+            assert seen[-2:] == [503, 500]
     finally:
         await runner.cleanup()
