@@ -41,8 +41,7 @@ def supported(mm: mmap.mmap) -> bool:
 def populate(mm: mmap.mmap) -> bool:
     """All of ``mm`` now, in one go (nothing is served yet); whether the kernel did."""
     try:
-        for _ in chunks(mm, chunk=len(mm) or 1):
-            pass
+        mm.madvise(MADV_POPULATE_WRITE)
         return True
     except (OSError, ValueError, AttributeError):
         return False

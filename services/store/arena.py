@@ -157,6 +157,8 @@ class Arena:
             return None
         return self._owner._mmap if self._owner is not None else self._mm  # type: ignore[attr-defined]
 
+    # ---------------------------------------------------------------- close
+
     def close(self) -> None:
         """Unmap. If views are still exported (a zero-copy frame in flight, a worker's slot
         view), the mapping is left to the process's exit instead of raising."""

@@ -7,10 +7,11 @@ the pages: services.common.prefault), and serves a request with one memcpy: no s
 no kernel copy. The copy runs on the submitting thread (the ticket has ended when
 ``submit`` returns): handing it to a thread costs a wake-up that, on a busy host, takes
 longer than copying megabytes; requests of ``inline_below`` bytes or more go to the copy
-thread instead, for callers that must not block. A copy of ``split_min`` bytes or more is cut in ``split_threads + 1``
-parts, copied at once by the copying thread and that many helper threads: one core
-copies cold memory at ~9 GB/s here, two at ~13 (one thread copying memory that is
-still in cache, as a memcpy benchmark repeating itself does, reaches ~15).
+thread instead, for callers that must not block. A copy of ``split_min`` bytes or more
+is cut in ``split_threads + 1`` parts, copied at once by the copying thread and that
+many helper threads: one core copies cold memory at ~9 GB/s here, two at ~13 (one
+thread copying memory that is still in cache, as a memcpy benchmark repeating itself
+does, reaches ~15).
 Mapped segments are pooled per target (SIEVE, capped) like network endpoints.
 
 Only regions registered with a shared-memory ``name`` can be exposed this way.
