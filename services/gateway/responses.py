@@ -261,9 +261,17 @@ async def stream(
             return resp
 
 
+class _SseResponse(web.StreamResponse):
+    # aiohttp writes a StreamResponse's headers at prepare(): a write, and a wake of the
+    # client's process, of their own. Held back (as aiohttp's Response does), they go
+    # out with the first chunk, which the caller writes right after.
+    _send_headers_immediately = False
+
+
 async def open_stream(request: web.Request) -> web.StreamResponse:
-    """The SSE response, its headers sent (a client gone already stops the request)."""
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    """The SSE response, its headers to go out with the first chunk (a client gone
+    already stops the request)."""
+    resp = _SseResponse(headers=SSE_HEADERS)
     try:
         await resp.prepare(request)
     except (ConnectionResetError, OSError):

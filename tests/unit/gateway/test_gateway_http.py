@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import nats
 import pytest
-from aiohttp import web
+from aiohttp import http_writer, web
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -440,6 +440,38 @@ async def test_a_streams_last_chunks_go_out_with_its_end(env, monkeypatch):
         assert all(c == ("eof", b"") for c in calls[end + 1 :]), calls
         assert b"[DONE]" in calls[end][1] and b'"finish_reason":"stop"' in calls[end][1]
         assert all(b"[DONE]" not in d for _, d in calls[:end])
+
+
+async def test_a_streams_headers_go_out_with_its_first_chunk(env, monkeypatch):
+    """The status line and headers leave in the same transport write as the first
+    token's chunk: one wake of the client's process for the first token, not two."""
+    sent: list[bytes] = []
+    write, writelines = http_writer.StreamWriter._write, http_writer.StreamWriter._writelines
+
+    def spy_write(self, chunk):
+        sent.append(bytes(chunk))
+        return write(self, chunk)
+
+    def spy_writelines(self, chunks):
+        sent.append(b"".join(bytes(c) for c in chunks))
+        return writelines(self, chunks)
+
+    monkeypatch.setattr(http_writer.StreamWriter, "_write", spy_write)
+    monkeypatch.setattr(http_writer.StreamWriter, "_writelines", spy_writelines)
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        ("/v1/completions", {"prompt": "hi", "stream": True, "n": 2}),  # choices.py
+    ):
+        sent.clear()
+        async with env.post(path, body) as r:
+            assert r.headers["Content-Type"] == "text/event-stream"
+            chunks, done = await read_sse(r)
+        assert done and chunks
+        # (the client's writes go through the same writer class: the request)
+        first = next(c for c in sent if c.startswith(b"HTTP/1.1 "))
+        assert first.startswith(b"HTTP/1.1 200") and b"\r\n\r\n" in first, sent
+        assert b"data: {" in first, sent  # the first chunk rode with the headers
 
 
 async def stack_ready(env) -> None:
