@@ -25,6 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 
 from tracing.jsonl import JsonlSpanExporter
 from tracing.sampler import sampler_from_env
+from tracing.unsampled import SkipUnsampled
 
 DEFAULT_SPANS_FILE = ".perigee/spans.jsonl"
 EXPORTERS = ("jsonl", "otlp", "console", "none")
@@ -138,5 +139,5 @@ def tracer(name: str = "perigee") -> trace.Tracer:
     # Caching is safe: before setup it is a proxy that follows the provider once set.
     t = _tracers.get(name)
     if t is None:
-        t = _tracers[name] = trace.get_tracer(name)
+        t = _tracers[name] = SkipUnsampled(trace.get_tracer(name))
     return t
