@@ -156,6 +156,9 @@ class Close(_Header):
     nbytes: int = 0
     token: bytes = b""  # the grant's (GRANTED ``token``): a CLOSE without it is refused
     quiet: bool = False  # no reply: the sender does not wait for the verdict
+    # The request's trace: the peer's store.close joins it (without, each CLOSE was a
+    # trace of its own, sampled at the peer's root).
+    trace: dict[str, str] = {}
 
 
 class Ok(_Header):

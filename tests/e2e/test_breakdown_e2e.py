@@ -61,6 +61,24 @@ async def wait_for_traces(path: str, request_ids: list[str], timeout: float = 30
     return found
 
 
+async def wait_for_closes(path: str, trace_ids: set[str], timeout: float = 30.0):
+    """Each of these traces' store.close spans, with the spans they are children of, once
+    every trace has one and every parent is exported too: (closes, spans by id)."""
+
+    def ready():
+        spans = [s for s in bd.read_spans(path) if s["trace_id"] in trace_ids]
+        by_id = {s["span_id"]: s for s in spans}
+        closes = [s for s in spans if s["name"] == "store.close"]
+        if {c["trace_id"] for c in closes} != trace_ids:
+            return None
+        return None if any(c["parent_id"] not in by_id for c in closes) else (closes, by_id)
+
+    async with asyncio.timeout(timeout):
+        while (found := ready()) is None:
+            await asyncio.sleep(0.1)
+    return found
+
+
 async def test_breakdown_of_requests_through_the_stack(stack, tmp_path):
     tok = Tokenizer.from_dir(stack.cfg.model_dir)
     cold, warm = PREAMBLE + " Question one?", PREAMBLE + " Question two?"
@@ -112,6 +130,14 @@ async def test_breakdown_of_requests_through_the_stack(stack, tmp_path):
         ships = [s for s in spans if s["name"] == "store.ship"]
         assert ships and all(by_id[s["parent_id"]]["name"] == "prefill.ship" for s in ships)
         assert len(writes) <= len(ships) + 1
+    # The CLOSE of a write grant carries the request's trace too, so the decode node's
+    # store.close joins it under the prefill node's span that ended the grant (it was a
+    # trace of its own for every request, sampled at that store's root).
+    closes, by_id = await wait_for_closes(stack.spans_file, {found[rid][0].trace_id for rid in ids})
+    for c in closes:
+        parent = by_id[c["parent_id"]]
+        assert c["service"] == "store-d0" and parent["service"] == "store-p0", c
+        assert parent["name"] in ("store.lease", "store.ship"), (c, parent)
     assert found[ids[0]][0].cached_tokens == 0
     assert found[ids[1]][0].hit > 0.5  # the preamble came from the prefill node's store
 

@@ -280,6 +280,7 @@ class TransferInitiator:
             nbytes=lease.moved if ok else 0,
             token=granted.token,
             quiet=not wait,  # nobody reads the verdict: the peer need not wake us for it
+            trace=inject(),
         )
         timeout = self._deadline(lease.moved)
         if not wait:
@@ -387,6 +388,7 @@ class TransferInitiator:
             ok=ok,
             nbytes=nbytes if ok else 0,
             token=granted.token,
+            trace=inject(),
         )
         try:
             await self.peers.request(peer, close, timeout=timeout)
