@@ -1,10 +1,10 @@
 """Spans of untraced requests are not made.
 
 Under a parent-based sampler (perigee's default, and every ``parentbased_*`` choice of
-``OTEL_TRACES_SAMPLER``), a span whose parent is not sampled is dropped: the SDK still
-builds it, a non-recording span with an id of its own, and makes it current (5-6 us a
-span warm, about twenty a request across the services: most requests once the root's
-rate is reached, tracing.sampler). :class:`SkipUnsampled` wraps a tracer and
+``OTEL_TRACES_SAMPLER``), a span whose parent is not sampled is dropped. The SDK still
+builds it (a non-recording span with an id of its own) and makes it current: 5-6 us a
+span warm, about twenty a request across the services, for most requests once the
+root's rate is reached (tracing.sampler). :class:`SkipUnsampled` wraps a tracer and
 hands back the parent's own non-recording span instead, with the parent's context
 current, so what is propagated onwards says "not sampled" as before. Nothing records
 either span, so nothing else differs. A span under a sampled parent, or at a root, goes
