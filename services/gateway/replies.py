@@ -37,11 +37,13 @@ import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
+from opentelemetry import context as otel_context
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
@@ -135,6 +137,8 @@ class _Flight:
     # Its current attempt went on the core path: an admission or conductor that dies
     # before placing it takes it along (services.gateway.control_presence).
     on_core: bool = False
+    # The trace context it was opened in (its gateway.request span): its attempts join it.
+    ctx: Any = None
 
 
 class ReplyRouter:
@@ -251,7 +255,7 @@ class ReplyRouter:
 
     def open(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
-        self._flights[request_id] = _Flight(q, current=request_id)
+        self._flights[request_id] = _Flight(q, current=request_id, ctx=otel_context.get_current())
         self._routes[request_id] = request_id
         self._idle.clear()
         self.watchdog.track(request_id)
@@ -305,6 +309,18 @@ class ReplyRouter:
         await self._dispatch(req)
 
     async def _dispatch(self, req: GenerateRequest) -> None:
+        """:meth:`_to_admission`, in the request's own trace: an attempt sent again (a
+        migration, a resend) goes from a watchdog's or a timer's task, and would begin a
+        trace of its own at admission."""
+        f = self._flights.get(self._routes.get(req.request_id, ""))
+        token = otel_context.attach(f.ctx) if f is not None and f.ctx is not None else None
+        try:
+            await self._to_admission(req)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+
+    async def _to_admission(self, req: GenerateRequest) -> None:
         """Send a request (or a migration's attempt) to admission: on the INTAKE work
         queue when durable (stored before this returns), else on core REQUESTS.
 

@@ -38,6 +38,7 @@ from tests.unit.gateway.test_gateway_http import (
     serve_nothing,
     until,
 )
+from tracing import setup_tracing
 
 BS = 4
 PROMPT = list(range(10, 20))  # two full blocks of 4 and a tail of 2
@@ -224,8 +225,14 @@ async def send(b: FakeBackend, reply: str, *events) -> None:
     await b.nc.flush()
 
 
-async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
+def trace_id(headers: dict) -> str:
+    return headers["traceparent"].split("-")[1]
+
+
+async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env, monkeypatch):
     gw, b, http, clock = env
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    setup_tracing("test")  # (once per process: whichever test comes first)
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
     body = {
         "prompt": "hi",
@@ -259,6 +266,8 @@ async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env):
         assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:3]]
         assert again.sampling.max_tokens == len(OUT) - 3
         assert again.migration.resumed_tokens == 3 and again.migration.dead_instance == "d0"
+        # Sent from the watchdog's sweep, the attempt is still in the request's trace.
+        assert trace_id(b.headers[1]) == trace_id(b.headers[0])
         # A late event of the dead attempt is dropped; the new attempt's index 0 is the
         # client's token 3, and a repeat of it (index 0 again) is not shown twice.
         aid = again.request_id
