@@ -50,6 +50,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import structlog
+from opentelemetry import context as otel_context
 
 from bus_schemas.control import TxAllocate, TxHandle, TxRole
 from bus_schemas.requests import GenerateRequest, Retention
@@ -148,6 +149,9 @@ class AnswerWriteBack:
         self.catch_up: asyncio.Task[None] | None = None
         self._sleep = sleep
         self._retry_s = tuple(retry_s)
+        # Made in the request's trace; its writes go from the engine's callbacks and
+        # timers, which are in none.
+        self._ctx = otel_context.get_current()
 
     # -- fed by the worker --
     def on_block(self, j: int, data: memoryview) -> None:
@@ -193,11 +197,15 @@ class AnswerWriteBack:
                 self.catch_up = t
 
     async def _catch_up(self) -> None:
-        for delay in self._retry_s:
-            await self._sleep(delay)
-            if not (self.enabled and self.follow_pending):
-                return
-            await self._write(self._next, self._next)
+        token = otel_context.attach(self._ctx)
+        try:
+            for delay in self._retry_s:
+                await self._sleep(delay)
+                if not (self.enabled and self.follow_pending):
+                    return
+                await self._write(self._next, self._next)
+        finally:
+            otel_context.detach(token)
 
     def cancel(self) -> None:
         """The request failed: stop writing (what is committed stays)."""
@@ -221,9 +229,13 @@ class AnswerWriteBack:
             )
 
     async def _drain(self) -> None:
-        await self._committed.wait()
-        while self.enabled and (k := self._ready()):
-            await self._write(self._next, self._next + k)
+        token = otel_context.attach(self._ctx)
+        try:
+            await self._committed.wait()
+            while self.enabled and (k := self._ready()):
+                await self._write(self._next, self._next + k)
+        finally:
+            otel_context.detach(token)
 
     async def _write(self, first: int, end: int) -> None:
         """Blocks [first, end) into this node's store (and the chain up to ``end`` to the

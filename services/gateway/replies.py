@@ -527,7 +527,7 @@ class ReplyRouter:
                 if f.current == f.request.request_id:
                     pending = f.request
             if pending is not None and f.resend_tries < RESEND_TRIES:
-                self._spawn(self._resend_later(f, pending))
+                self._spawn(self._resend_later(f, pending), f)
                 return
             self.watchdog.untrack(rid)
             q.put_nowait(
@@ -652,7 +652,7 @@ class ReplyRouter:
             retry_in_s=round(pause, 2),
             gives_up_in_s=round(f.wait_until - now, 1),
         )
-        self._spawn(self._send_again(f, f.resent, pause))
+        self._spawn(self._send_again(f, f.resent, pause), f)
         return True
 
     async def _send_again(self, f: _Flight, req: GenerateRequest, pause: float) -> None:
@@ -824,7 +824,7 @@ class ReplyRouter:
                 self._migrate(f, d, v, pause)
                 return
             if isinstance(d, resend.Finish):
-                self._spawn(self.cancel(f.current, f"{v.dead_role} instance died", v.placement))
+                self._spawn(self.cancel(f.current, f"{v.dead_role} instance died", v.placement), f)
                 f.queue.put_nowait(
                     Finished(
                         request_id=v.request_id,
@@ -997,7 +997,7 @@ class ReplyRouter:
                         )
                     )
 
-        self._spawn(resend())
+        self._spawn(resend(), f)
 
     async def _resend_later(self, f: _Flight, req: GenerateRequest) -> None:
         f.resend_tries += 1
@@ -1014,8 +1014,15 @@ class ReplyRouter:
         except Exception as e:  # noqa: BLE001 - NATS down or closing: the watchdog ends it
             log.warning("migration_resend_failed", request_id=req.request_id, error=str(e))
 
-    def _spawn(self, coro) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, coro, f: _Flight | None = None) -> None:
+        """``coro`` in the background; with ``f``, in its request's trace (the sweep's and
+        the reply handlers' tasks are in none)."""
+        token = otel_context.attach(f.ctx) if f is not None and f.ctx is not None else None
+        try:
+            t = asyncio.get_running_loop().create_task(coro)  # (copies the context)
+        finally:
+            if token is not None:
+                otel_context.detach(token)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 

@@ -6,6 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from bus_schemas.control import Refused, TxAllocate, TxRole
 from bus_schemas.kv_events import BlockStored
@@ -38,6 +41,7 @@ class PoolStore:
         self.mem = bytearray(capacity * layout.block_bytes)
         self.allocs: list[TxAllocate] = []
         self.ships: list[tuple[str, list[int]]] = []
+        self.traces: list[int] = []  # the trace id current at each allocate and commit
 
     def peer(self, node: str) -> "PoolStore":
         return PoolStore(self.layout, node=node, net=self.net)
@@ -58,6 +62,7 @@ class PoolStore:
         """One incarnation."""
 
     async def allocate(self, jobs):
+        self.traces.append(trace.get_current_span().get_span_context().trace_id)
         out = AllocationRound()
         for role, (node, msg) in jobs.items():
             st = self.net[node]
@@ -70,6 +75,7 @@ class PoolStore:
         return out
 
     async def commit(self, node: str, tx_id: str, request_id: str) -> bool:
+        self.traces.append(trace.get_current_span().get_span_context().trace_id)
         return not isinstance(self.net[node].pool.commit(tx_id, request_id), Refused)
 
     async def abort(self, node: str, tx_id: str, request_id: str, reason: str) -> bool:
@@ -126,6 +132,7 @@ async def decode(
     max_tokens,
     retention=Retention.DEFAULT,
     follow=None,
+    ctx=None,
     **kw,
 ):
     """Decode ``prompt`` on the mock engine with write-back into ``store``; the answer."""
@@ -140,6 +147,9 @@ async def decode(
         retention=retention,
     )
     counters = dict.fromkeys(COUNTERS, 0)
+    # Made in the request's trace (``ctx``), as the decode worker makes it; the engine's
+    # loop and everything after run in none.
+    token = otel_context.attach(ctx) if ctx is not None else None
     wb = AnswerWriteBack(
         req,
         node=NODE,
@@ -151,6 +161,8 @@ async def decode(
         follow_node=follow,
         **kw,
     )
+    if token is not None:
+        otel_context.detach(token)
     first = synth.reference_generate(prompt, 1, spec.vocab_size, spec.eos_token_id)[0]
     wb.add_tokens([first])
     kv = SlotKV(
@@ -204,6 +216,20 @@ async def test_answer_blocks_are_stored_under_prompt_plus_answer_hashes_with_the
     # One transaction per block as it filled (the second after the first committed).
     assert [len(a.block_hashes) for a in store.allocs] == [3, 4]
     assert all(a.answer and a.role == TxRole.DECODE for a in store.allocs)
+
+
+async def test_the_write_back_goes_in_its_requests_trace(spec, layout):
+    """Its writes start from the engine's block callbacks, which run in no request's
+    trace: the store's allocations and commits are in the request's all the same."""
+    store = PoolStore(layout)
+    prompt = prompt_of(40, 1)
+    store.cache_prompt(prompt)
+    span = NonRecordingSpan(SpanContext(0xC0FFEE, 0xBEEF, False, TraceFlags(1)))
+    _, counters = await decode(
+        spec, layout, store, prompt, max_tokens=30, ctx=trace.set_span_in_context(span)
+    )
+    assert counters["writeback_blocks"] == 2
+    assert len(store.traces) == 4 and set(store.traces) == {0xC0FFEE}  # 2 allocs, 2 commits
 
 
 async def test_a_chain_missing_its_prompt_writes_nothing(spec, layout):

@@ -50,6 +50,7 @@ class FakeBackend:
         self.requests: asyncio.Queue = asyncio.Queue()
         self.cancels: asyncio.Queue = asyncio.Queue()
         self.headers: list[dict] = []
+        self.cancel_headers: list[dict] = []
 
     async def start(self) -> "FakeBackend":
         async def on_req(msg):
@@ -59,6 +60,7 @@ class FakeBackend:
             await self.behaviour(self, req, msg.reply)
 
         async def on_cancel(msg):
+            self.cancel_headers.append(dict(msg.headers or {}))
             await self.cancels.put(decode(msg.data, CancelRequest))
 
         await self.nc.subscribe(subjects.REQUESTS, cb=on_req)

@@ -266,8 +266,10 @@ async def test_decode_death_mid_stream_migrates_and_the_stream_goes_on(env, monk
         assert again.prompt_token_ids == [*first.prompt_token_ids, *OUT[:3]]
         assert again.sampling.max_tokens == len(OUT) - 3
         assert again.migration.resumed_tokens == 3 and again.migration.dead_instance == "d0"
-        # Sent from the watchdog's sweep, the attempt is still in the request's trace.
+        # Sent from the watchdog's sweep, the attempt and the dead attempt's cancel are
+        # still in the request's trace.
         assert trace_id(b.headers[1]) == trace_id(b.headers[0])
+        assert trace_id(b.cancel_headers[0]) == trace_id(b.headers[0])
         # A late event of the dead attempt is dropped; the new attempt's index 0 is the
         # client's token 3, and a repeat of it (index 0 again) is not shown twice.
         aid = again.request_id
