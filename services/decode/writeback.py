@@ -46,11 +46,11 @@ nothing (their blocks are never cached). Failures cost the cache, never the requ
 """
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import structlog
-from opentelemetry import context as otel_context
 
 from bus_schemas.control import TxAllocate, TxHandle, TxRole
 from bus_schemas.requests import GenerateRequest, Retention
@@ -149,9 +149,9 @@ class AnswerWriteBack:
         self.catch_up: asyncio.Task[None] | None = None
         self._sleep = sleep
         self._retry_s = tuple(retry_s)
-        # Made in the request's trace; its writes go from the engine's callbacks and
-        # timers, which are in none.
-        self._ctx = otel_context.get_current()
+        # Made in the request's context (its trace, its request id for the logs); its
+        # writes start from the engine's callbacks and timers, which are in none.
+        self._ctx = contextvars.copy_context()
 
     # -- fed by the worker --
     def on_block(self, j: int, data: memoryview) -> None:
@@ -190,22 +190,20 @@ class AnswerWriteBack:
             await self._write(self._next, self._next)
             if self.enabled and self.follow_pending and self._retry_s:
                 t = asyncio.get_running_loop().create_task(
-                    self._catch_up(), name=f"writeback-follow-{self.req.request_id}"
+                    self._catch_up(),
+                    name=f"writeback-follow-{self.req.request_id}",
+                    context=self._ctx.copy(),
                 )
                 _BACKGROUND.add(t)
                 t.add_done_callback(_BACKGROUND.discard)
                 self.catch_up = t
 
     async def _catch_up(self) -> None:
-        token = otel_context.attach(self._ctx)
-        try:
-            for delay in self._retry_s:
-                await self._sleep(delay)
-                if not (self.enabled and self.follow_pending):
-                    return
-                await self._write(self._next, self._next)
-        finally:
-            otel_context.detach(token)
+        for delay in self._retry_s:
+            await self._sleep(delay)
+            if not (self.enabled and self.follow_pending):
+                return
+            await self._write(self._next, self._next)
 
     def cancel(self) -> None:
         """The request failed: stop writing (what is committed stays)."""
@@ -225,17 +223,13 @@ class AnswerWriteBack:
     def _kick(self) -> None:
         if self.enabled and (self._task is None or self._task.done()) and self._ready():
             self._task = asyncio.get_running_loop().create_task(
-                self._drain(), name=f"writeback-{self.req.request_id}"
+                self._drain(), name=f"writeback-{self.req.request_id}", context=self._ctx.copy()
             )
 
     async def _drain(self) -> None:
-        token = otel_context.attach(self._ctx)
-        try:
-            await self._committed.wait()
-            while self.enabled and (k := self._ready()):
-                await self._write(self._next, self._next + k)
-        finally:
-            otel_context.detach(token)
+        await self._committed.wait()
+        while self.enabled and (k := self._ready()):
+            await self._write(self._next, self._next + k)
 
     async def _write(self, first: int, end: int) -> None:
         """Blocks [first, end) into this node's store (and the chain up to ``end`` to the

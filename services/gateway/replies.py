@@ -33,17 +33,16 @@ back within half of ``dead_after_s`` (or 2.5 sweep intervals, if longer).
 
 import asyncio
 import contextlib
+import contextvars
 import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg as NatsMsg
-from opentelemetry import context as otel_context
 
 from bus_schemas import subjects
 from bus_schemas.codec import BadMessage, decode, encode
@@ -137,8 +136,9 @@ class _Flight:
     # Its current attempt went on the core path: an admission or conductor that dies
     # before placing it takes it along (services.gateway.control_presence).
     on_core: bool = False
-    # The trace context it was opened in (its gateway.request span): its attempts join it.
-    ctx: Any = None
+    # The context it was opened in (its gateway.request span, its request id for the
+    # logs): what is sent for it from the background runs in it (ReplyRouter._spawn).
+    ctx: contextvars.Context | None = None
 
 
 class ReplyRouter:
@@ -255,7 +255,7 @@ class ReplyRouter:
 
     def open(self, request_id: str) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue()
-        self._flights[request_id] = _Flight(q, current=request_id, ctx=otel_context.get_current())
+        self._flights[request_id] = _Flight(q, current=request_id, ctx=contextvars.copy_context())
         self._routes[request_id] = request_id
         self._idle.clear()
         self.watchdog.track(request_id)
@@ -309,18 +309,6 @@ class ReplyRouter:
         await self._dispatch(req)
 
     async def _dispatch(self, req: GenerateRequest) -> None:
-        """:meth:`_to_admission`, in the request's own trace: an attempt sent again (a
-        migration, a resend) goes from a watchdog's or a timer's task, and would begin a
-        trace of its own at admission."""
-        f = self._flights.get(self._routes.get(req.request_id, ""))
-        token = otel_context.attach(f.ctx) if f is not None and f.ctx is not None else None
-        try:
-            await self._to_admission(req)
-        finally:
-            if token is not None:
-                otel_context.detach(token)
-
-    async def _to_admission(self, req: GenerateRequest) -> None:
         """Send a request (or a migration's attempt) to admission: on the INTAKE work
         queue when durable (stored before this returns), else on core REQUESTS.
 
@@ -1015,14 +1003,11 @@ class ReplyRouter:
             log.warning("migration_resend_failed", request_id=req.request_id, error=str(e))
 
     def _spawn(self, coro, f: _Flight | None = None) -> None:
-        """``coro`` in the background; with ``f``, in its request's trace (the sweep's and
-        the reply handlers' tasks are in none)."""
-        token = otel_context.attach(f.ctx) if f is not None and f.ctx is not None else None
-        try:
-            t = asyncio.get_running_loop().create_task(coro)  # (copies the context)
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+        """``coro`` in the background; with ``f``, in its request's context (the sweep's
+        and the reply handlers' tasks are in none: a migration sent from them began a
+        trace of its own at admission)."""
+        ctx = f.ctx.copy() if f is not None and f.ctx is not None else None
+        t = asyncio.get_running_loop().create_task(coro, context=ctx)
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
