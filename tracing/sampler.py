@@ -6,9 +6,9 @@ and every service downstream follows that decision from the W3C context it is ha
 span anywhere. Making spans is what tracing costs (about 15 % of the CPU of a request
 through the mock stack, BENCHMARKS.md), so a fixed share would charge a busy stack more
 the busier it gets. The root's :class:`RateLimitedSampler` is a token bucket instead:
-below ``rate`` requests a second every request is traced (what ``perigee breakdown`` of
-a small run wants); above it, ``rate`` a second are, and the share falls as the load
-rises (Jaeger's rate-limiting sampler). The stage histograms fed by spans
+below ``rate`` requests a second every request is traced; above it, ``rate`` a second
+are, and the share falls as the load rises (Jaeger's rate-limiting sampler;
+``--trace-rate 0`` traces every request, for a ``perigee breakdown`` of each). The stage histograms fed by spans
 (services.common.metrics.SpanMetrics) then count the traced requests only.
 
 ``PERIGEE_TRACE_RATE`` sets it (traces a second, default :data:`DEFAULT_RATE`; 0: no
@@ -32,7 +32,12 @@ from opentelemetry.trace.span import TraceState
 from opentelemetry.util.types import Attributes
 
 ENV = "PERIGEE_TRACE_RATE"
-DEFAULT_RATE = 50.0  # new traces a second at each root
+# New traces a second at each root. Low, as production tracers sample (Jaeger's
+# rate limiter; vLLM and Dynamo trace nothing unless asked): a traced request costs
+# about 1.8 ms more CPU through the mock stack on 2 cores and 0.7-1 ms more to its
+# first token, so tracing every request at 50 req/s put the control plane's p50 past
+# 8 paced bus round trips (BENCHMARKS.md, capacity, session 26).
+DEFAULT_RATE = 5.0
 
 
 class RateLimitedSampler(Sampler):
