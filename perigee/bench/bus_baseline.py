@@ -18,8 +18,8 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
-import aiohttp
 import nats
 
 from perigee.bench.stats import cpu_seconds, summary_ms
@@ -99,8 +99,10 @@ def subject_kind(subject: str) -> str:
     return re.sub(r"\.[0-9a-f]{32}$", ".<claim>", s)
 
 
-async def messages_per_request(admin_url: str, http_url: str, n: int, one_request) -> dict:
-    """Bus messages per request while ``n`` requests run one after another."""
+async def messages_per_request(
+    admin_url: str, n: int, send: Callable[[int], Awaitable[object]]
+) -> dict:
+    """Bus messages per request while ``n`` requests (``send(i)``) run one after another."""
     counts: collections.Counter[str] = collections.Counter()
     nc = await nats.connect(admin_url)
     try:
@@ -111,9 +113,8 @@ async def messages_per_request(admin_url: str, http_url: str, n: int, one_reques
         sub = await nc.subscribe(">", cb=count)
         await sync(nc)
         counts.clear()  # what the subscription's own set-up sent
-        async with aiohttp.ClientSession() as http:
-            for i in range(n):
-                await one_request(http, http_url, 1_000_000 + i)
+        for i in range(n):
+            await send(1_000_000 + i)
         await sync(nc)
         await asyncio.sleep(0.5)  # notices and commits that follow a request's end
         await sub.unsubscribe()

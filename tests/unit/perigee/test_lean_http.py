@@ -1,0 +1,133 @@
+"""The capacity bench's lean HTTP client against real servers on loopback."""
+
+import asyncio
+
+import pytest
+from aiohttp import web
+
+from perigee.bench.lean_http import HttpError, LeanClient
+from perigee.natsd import free_port
+
+
+async def _aiohttp_server(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _raw_server(reply: bytes) -> tuple[asyncio.Server, str]:
+    """Answers every request with ``reply``, then closes the connection."""
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while (await r.readline()) not in (b"\r\n", b""):
+            pass
+        w.write(reply)
+        await w.drain()
+        w.close()
+
+    port = free_port()
+    return await asyncio.start_server(serve, "127.0.0.1", port), f"http://127.0.0.1:{port}"
+
+
+async def test_a_stream_is_read_to_its_end_and_its_connection_reused():
+    peers = []
+    bodies = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername"))
+        bodies.append(await request.json())
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b'data: {"choices": [{"role": "assistant"}]}\n\n')  # no text yet
+        await r.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    runner, url = await _aiohttp_server(completions)
+    client = LeanClient(url)
+    try:
+        one = await client.post("/v1/completions", b'{"prompt": "x"}')
+        two = await client.post("/v1/completions", b'{"prompt": "y"}')
+    finally:
+        await client.close()
+        await runner.cleanup()
+    for r in (one, two):
+        assert r.status == 200 and r.done and r.first_s > 0
+    assert bodies == [{"prompt": "x"}, {"prompt": "y"}]
+    assert peers[0] == peers[1]  # the same kept-alive connection
+
+
+async def test_a_stream_without_text_has_no_first_token():
+    async def completions(request: web.Request) -> web.StreamResponse:
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        await r.write(b"data: [DONE]\n\n")
+        return r
+
+    runner, url = await _aiohttp_server(completions)
+    client = LeanClient(url)
+    try:
+        r = await client.post("/v1/completions", b"{}")
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert r.status == 200 and r.done and r.first_s != r.first_s
+
+
+async def test_a_refusal_is_read_by_its_length():
+    async def completions(request: web.Request) -> web.Response:
+        return web.json_response({"error": "busy"}, status=429, headers={"Retry-After": "1"})
+
+    runner, url = await _aiohttp_server(completions)
+    client = LeanClient(url)
+    try:
+        r = await client.post("/v1/completions", b"{}")
+        again = await client.post("/v1/completions", b"{}")
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert (r.status, r.body, r.done) == (429, b'{"error": "busy"}', False)
+    assert again.status == 429
+
+
+async def test_a_connection_the_server_closes_is_not_reused():
+    reply = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+    server, url = await _raw_server(reply)
+    client = LeanClient(url)
+    try:
+        first = await client.post("/v1/completions", b"{}")
+        second = await client.post("/v1/completions", b"{}")  # a new connection
+    finally:
+        await client.close()
+        server.close()
+    assert (first.status, first.body) == (second.status, second.body) == (200, b"ok")
+    assert not client._idle
+
+
+async def test_a_stream_cut_short_or_garbled_raises():
+    cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n20\r\ndata: {"
+    server, url = await _raw_server(cut)
+    client = LeanClient(url)
+    try:
+        with pytest.raises(EOFError):
+            await client.post("/v1/completions", b"{}")
+    finally:
+        server.close()
+    assert not client._open and not client._idle  # the connection is not kept
+    server, url = await _raw_server(b"SPDY/9 what\r\n\r\n")
+    client = LeanClient(url)
+    try:
+        with pytest.raises(HttpError):
+            await client.post("/v1/completions", b"{}")
+    finally:
+        server.close()
+    assert not client._open and not client._idle
+
+
+def test_only_http_addresses():
+    with pytest.raises(ValueError):
+        LeanClient("https://127.0.0.1:1")
