@@ -1,17 +1,18 @@
 """A lean HTTP/1.1 client for the capacity bench's open-loop load.
 
 The bench's load generator shares the machine with the stack it measures: on 2 cores
-at 400 req/s, aiohttp's client spent 0.37 ms of CPU a request (a twelfth of the
+at 400 req/s, aiohttp's client spent 0.35 ms of CPU a request (a twelfth of the
 stack's own), and its request building and response parsing sat inside every
-measured overhead. This client writes one POST and reads the reply off a kept-alive
-connection with asyncio's streams, nothing more: status line, headers, a body by
-``Content-Length`` or chunked transfer coding. What the bench measures is unchanged:
-from just before the request is written to the first SSE event that carries text.
+measured overhead. This client writes one POST on a kept-alive connection and parses
+the reply as it arrives (an :class:`asyncio.Protocol`, no stream reader: a reply is two
+or three reads): status line, headers, a body by ``Content-Length`` or chunked
+transfer coding. What the bench measures is unchanged: from just before the request
+is written to the arrival of the first SSE event that carries text.
 """
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 
@@ -29,21 +30,142 @@ class Reply:
     body: bytes = b""  # a non-streamed reply's body
 
 
-@dataclass
+_HEAD, _CHUNKS, _LENGTH, _TO_EOF, _OVER = range(5)
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection, one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._buf = bytearray()
+        self._state = _OVER
+        self._reply = Reply(0)
+        self._keep = False
+        self._left = 0
+        self._body: list[bytes] = []
+        self._t0 = 0.0
+        self._done: asyncio.Future[tuple[Reply, bool]] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._state == _TO_EOF:
+            self._finish(False)
+        elif self._done is not None and not self._done.done():
+            self._done.set_exception(EOFError("the connection closed mid-reply"))
+
+    def send(self, data: bytes, t0: float) -> "asyncio.Future[tuple[Reply, bool]]":
+        assert self.transport is not None
+        self._buf.clear()
+        self._state, self._reply, self._body, self._t0 = _HEAD, Reply(0), [], t0
+        self._done = asyncio.get_running_loop().create_future()
+        self.transport.write(data)
+        return self._done
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        try:
+            self._parse()
+        except (HttpError, ValueError) as e:
+            if self._done is not None and not self._done.done():
+                self._done.set_exception(e if isinstance(e, HttpError) else HttpError(str(e)))
+            self._state = _OVER
+            if self.transport is not None:
+                self.transport.close()
+
+    def _parse(self) -> None:
+        buf = self._buf
+        if self._state == _HEAD:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self._head(bytes(buf[:end]))
+            del buf[: end + 4]
+        while self._state == _CHUNKS:
+            eol = buf.find(b"\r\n")
+            if eol < 0:
+                return
+            size = int(bytes(buf[:eol]).split(b";", 1)[0], 16)
+            if size == 0:
+                # the last chunk: then trailers (none from the gateway) and a blank line
+                end = buf.find(b"\r\n\r\n", eol) if buf[eol + 2 : eol + 4] != b"\r\n" else eol
+                if end < 0:
+                    return
+                del buf[: end + 4]
+                self._reply.body = b"".join(self._body)
+                self._finish(self._keep)
+                return
+            if len(buf) < eol + 2 + size + 2:
+                return
+            self._chunk(bytes(buf[eol + 2 : eol + 2 + size]))
+            del buf[: eol + 2 + size + 2]
+        if self._state == _LENGTH and len(buf) >= self._left:
+            self._reply.body = bytes(buf[: self._left])
+            del buf[: self._left]
+            self._finish(self._keep)
+        elif self._state == _TO_EOF:
+            self._body.append(bytes(buf))
+            buf.clear()
+
+    def _head(self, head: bytes) -> None:
+        status, *lines = head.split(b"\r\n")
+        parts = status.split(None, 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+            raise HttpError(f"status line {status[:80]!r}")
+        self._reply.status = int(parts[1])
+        keep, length, chunked = parts[0] == b"HTTP/1.1", None, False
+        for line in lines:
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.endswith(b"chunked")
+            elif name == b"connection":
+                keep = value == b"keep-alive" or (keep and value != b"close")
+        self._keep = keep
+        if chunked:
+            self._state = _CHUNKS
+        elif length is not None:
+            self._state, self._left = _LENGTH, length
+        else:
+            self._state, self._keep = _TO_EOF, False
+
+    def _chunk(self, data: bytes) -> None:
+        r = self._reply
+        if r.status != 200:
+            self._body.append(data)
+            return
+        if r.first_s != r.first_s and b"data:" in data and b'"text"' in data:
+            r.first_s = time.perf_counter() - self._t0
+        if b"data: [DONE]" in data:
+            r.done = True
+
+    def _finish(self, keep: bool) -> None:
+        if self._state == _TO_EOF:
+            self._reply.body = b"".join(self._body)
+        self._state = _OVER
+        if self._done is not None and not self._done.done():
+            self._done.set_result((self._reply, keep))
+
+
 class LeanClient:
     """POSTs JSON to one server over a pool of kept-alive connections."""
 
-    url: str
-    _idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = field(default_factory=list)
-    _open: set[asyncio.StreamWriter] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        u = urlsplit(self.url)
+    def __init__(self, url: str) -> None:
+        u = urlsplit(url)
         if u.scheme != "http" or not u.hostname:
-            raise ValueError(f"{self.url!r}: an http:// address")
+            raise ValueError(f"{url!r}: an http:// address")
+        self.url = url
         self._host = u.hostname
         self._port = u.port or 80
         self._authority = f"{self._host}:{self._port}".encode()
+        self._idle: list[_Connection] = []
+        self._open: set[_Connection] = set()
 
     async def post(self, path: str, body: bytes) -> Reply:
         """POST ``body`` (JSON) to ``path`` and read the whole reply."""
@@ -59,81 +181,34 @@ class LeanClient:
             )
         )
         t0 = time.perf_counter()
-        reader, writer = await self._connection()
-        reuse = False
+        conn = await self._connection()
+        keep = False
         try:
-            writer.write(head + body)
-            reply, reuse = await _read_reply(reader, t0)
+            reply, keep = await conn.send(head + body, t0)
             return reply
         finally:
-            if reuse:
-                self._idle.append((reader, writer))
+            if keep and not conn.closed:
+                self._idle.append(conn)
             else:
-                self._open.discard(writer)
-                writer.close()
+                self._drop(conn)
 
     async def close(self) -> None:
-        for w in list(self._open):
-            w.close()
-        self._open.clear()
+        for c in list(self._open):
+            self._drop(c)
         self._idle.clear()
 
-    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    def _drop(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+        if conn.transport is not None:
+            conn.transport.close()
+
+    async def _connection(self) -> _Connection:
         while self._idle:
-            r, w = self._idle.pop()
-            if not w.is_closing() and not r.at_eof():
-                return r, w
-            self._open.discard(w)
-            w.close()
-        r, w = await asyncio.open_connection(self._host, self._port)
-        self._open.add(w)
-        return r, w
-
-
-async def _read_reply(reader: asyncio.StreamReader, t0: float) -> tuple[Reply, bool]:
-    """The reply, and whether its connection can carry another request."""
-    line = await reader.readline()
-    parts = line.split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise HttpError(f"status line {line[:80]!r}")
-    reply = Reply(int(parts[1]))
-    length: int | None = None
-    chunked = False
-    keep = parts[0] == b"HTTP/1.1"
-    while (h := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        name, _, value = h.partition(b":")
-        name = name.strip().lower()
-        value = value.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = value.endswith(b"chunked")
-        elif name == b"connection":
-            keep = value == b"keep-alive" or (keep and value != b"close")
-    if chunked:
-        await _read_chunks(reader, reply, t0)
-    elif length is not None:
-        reply.body = await reader.readexactly(length)
-    else:  # delimited by the connection's end
-        reply.body = await reader.read()
-        keep = False
-    return reply, keep
-
-
-async def _read_chunks(reader: asyncio.StreamReader, reply: Reply, t0: float) -> None:
-    body = []
-    while True:
-        size = int((await reader.readline()).split(b";", 1)[0], 16)
-        if size == 0:
-            while (await reader.readline()) not in (b"\r\n", b"\n", b""):
-                pass  # trailers
-            break
-        data = (await reader.readexactly(size + 2))[:-2]
-        if reply.status != 200:
-            body.append(data)
-            continue
-        if reply.first_s != reply.first_s and b"data:" in data and b'"text"' in data:
-            reply.first_s = time.perf_counter() - t0
-        if b"data: [DONE]" in data:
-            reply.done = True
-    reply.body = b"".join(body)
+            c = self._idle.pop()
+            if not c.closed:
+                return c
+            self._drop(c)
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(_Connection, self._host, self._port)
+        self._open.add(conn)
+        return conn

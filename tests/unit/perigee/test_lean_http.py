@@ -131,3 +131,51 @@ async def test_a_stream_cut_short_or_garbled_raises():
 def test_only_http_addresses():
     with pytest.raises(ValueError):
         LeanClient("https://127.0.0.1:1")
+
+
+class _Wire:
+    """A transport that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_reply_is_parsed_however_its_bytes_are_split():
+    from perigee.bench.lean_http import _Connection
+
+    events = [b'data: {"choices": [{}]}\n\n', b'data: {"choices": [{"text": 1}]}\n\n']
+    events.append(b"data: [DONE]\n\n")  # the first has no text yet
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    reply += b"Transfer-Encoding: chunked\r\n\r\n"
+    reply += b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    reply += b"0\r\nTrailer: x\r\n\r\n"
+    for step in (1, 2, 7, len(reply)):
+        conn = _Connection()
+        wire = _Wire()
+        conn.connection_made(wire)
+        done = conn.send(b"POST / HTTP/1.1\r\n\r\n", 0.0)
+        for i in range(0, len(reply), step):
+            conn.data_received(reply[i : i + step])
+        r, keep = await done
+        assert (r.status, r.done, keep) == (200, True, True) and r.first_s > 0
+        assert wire.written == b"POST / HTTP/1.1\r\n\r\n" and not wire.closed
+
+
+async def test_a_body_to_the_connections_end_is_read_and_not_kept():
+    from perigee.bench.lean_http import _Connection
+
+    conn = _Connection()
+    conn.connection_made(_Wire())
+    done = conn.send(b"x", 0.0)
+    conn.data_received(b"HTTP/1.0 503 Busy\r\n\r\nno ")
+    conn.data_received(b"room")
+    conn.connection_lost(None)
+    r, keep = await done
+    assert (r.status, r.body, keep) == (503, b"no room", False)
