@@ -17,7 +17,7 @@ from perigee.bench.capacity import (
     parse_rates,
     step,
 )
-from perigee.natsd import free_port
+from tests.unit.perigee.test_lean_http import aiohttp_server
 
 
 def test_a_step_holds_without_errors_and_under_the_p99():
@@ -76,14 +76,9 @@ async def _serve_and_step(rate: float, seconds: float) -> Step:
         await r.write(b"data: [DONE]\n\n")
         return r
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, url = await aiohttp_server(completions)
     try:
-        return await step(f"http://127.0.0.1:{port}", rate, seconds)
+        return await step(url, rate, seconds)
     finally:
         await runner.cleanup()
 

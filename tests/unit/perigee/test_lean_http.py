@@ -5,11 +5,12 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from perigee.bench.lean_http import HttpError, LeanClient
+from perigee.bench.lean_http import HttpError, LeanClient, Reply
 from perigee.natsd import free_port
 
 
-async def _aiohttp_server(handler) -> tuple[web.AppRunner, str]:
+async def aiohttp_server(handler) -> tuple[web.AppRunner, str]:
+    """An aiohttp app serving ``handler`` at /v1/completions, and its address."""
     app = web.Application()
     app.router.add_post("/v1/completions", handler)
     runner = web.AppRunner(app)
@@ -17,6 +18,17 @@ async def _aiohttp_server(handler) -> tuple[web.AppRunner, str]:
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def _post_all(handler, *bodies: bytes) -> list[Reply]:
+    """Each of ``bodies`` posted in turn by one client to ``handler``'s server."""
+    runner, url = await aiohttp_server(handler)
+    client = LeanClient(url)
+    try:
+        return [await client.post("/v1/completions", b) for b in bodies]
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def _raw_server(reply: bytes) -> tuple[asyncio.Server, str]:
@@ -47,15 +59,8 @@ async def test_a_stream_is_read_to_its_end_and_its_connection_reused():
         await r.write(b"data: [DONE]\n\n")
         return r
 
-    runner, url = await _aiohttp_server(completions)
-    client = LeanClient(url)
-    try:
-        one = await client.post("/v1/completions", b'{"prompt": "x"}')
-        two = await client.post("/v1/completions", b'{"prompt": "y"}')
-    finally:
-        await client.close()
-        await runner.cleanup()
-    for r in (one, two):
+    replies = await _post_all(completions, b'{"prompt": "x"}', b'{"prompt": "y"}')
+    for r in replies:
         assert r.status == 200 and r.done and r.first_s > 0
     assert bodies == [{"prompt": "x"}, {"prompt": "y"}]
     assert peers[0] == peers[1]  # the same kept-alive connection
@@ -68,13 +73,7 @@ async def test_a_stream_without_text_has_no_first_token():
         await r.write(b"data: [DONE]\n\n")
         return r
 
-    runner, url = await _aiohttp_server(completions)
-    client = LeanClient(url)
-    try:
-        r = await client.post("/v1/completions", b"{}")
-    finally:
-        await client.close()
-        await runner.cleanup()
+    (r,) = await _post_all(completions, b"{}")
     assert r.status == 200 and r.done and r.first_s != r.first_s
 
 
@@ -82,14 +81,7 @@ async def test_a_refusal_is_read_by_its_length():
     async def completions(request: web.Request) -> web.Response:
         return web.json_response({"error": "busy"}, status=429, headers={"Retry-After": "1"})
 
-    runner, url = await _aiohttp_server(completions)
-    client = LeanClient(url)
-    try:
-        r = await client.post("/v1/completions", b"{}")
-        again = await client.post("/v1/completions", b"{}")
-    finally:
-        await client.close()
-        await runner.cleanup()
+    r, again = await _post_all(completions, b"{}", b"{}")
     assert (r.status, r.body, r.done) == (429, b'{"error": "busy"}', False)
     assert again.status == 429
 
@@ -108,20 +100,19 @@ async def test_a_connection_the_server_closes_is_not_reused():
     assert not client._idle
 
 
-async def test_a_stream_cut_short_or_garbled_raises():
-    cut = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n20\r\ndata: {"
-    server, url = await _raw_server(cut)
+@pytest.mark.parametrize(
+    ("reply", "error"),
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n20\r\ndata: {", EOFError),
+        (b"SPDY/9 what\r\n\r\n", HttpError),
+    ],
+    ids=["cut short", "garbled"],
+)
+async def test_a_reply_cut_short_or_garbled_raises_and_its_connection_goes(reply, error):
+    server, url = await _raw_server(reply)
     client = LeanClient(url)
     try:
-        with pytest.raises(EOFError):
-            await client.post("/v1/completions", b"{}")
-    finally:
-        server.close()
-    assert not client._open and not client._idle  # the connection is not kept
-    server, url = await _raw_server(b"SPDY/9 what\r\n\r\n")
-    client = LeanClient(url)
-    try:
-        with pytest.raises(HttpError):
+        with pytest.raises(error):
             await client.post("/v1/completions", b"{}")
     finally:
         server.close()
