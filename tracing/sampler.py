@@ -8,8 +8,9 @@ through the mock stack, BENCHMARKS.md), so a fixed share would charge a busy sta
 the busier it gets. The root's :class:`RateLimitedSampler` is a token bucket instead:
 below ``rate`` requests a second every request is traced; above it, ``rate`` a second
 are, and the share falls as the load rises (Jaeger's rate-limiting sampler;
-``--trace-rate 0`` traces every request, for a ``perigee breakdown`` of each). The stage histograms fed by spans
-(services.common.metrics.SpanMetrics) then count the traced requests only.
+``--trace-rate 0`` traces every request, for a ``perigee breakdown`` of each). The
+stage histograms fed by spans (services.common.metrics.SpanMetrics) then count the
+traced requests only.
 
 ``PERIGEE_TRACE_RATE`` sets it (traces a second, default :data:`DEFAULT_RATE`; 0: no
 cap, every request). The standard ``OTEL_TRACES_SAMPLER`` wins when set (``perigee up

@@ -50,6 +50,7 @@ from perigee.bench.lean_http import HttpError, LeanClient
 from perigee.bench.stats import cpu_seconds, summary_ms, wakeups
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
+from services.common import runner
 from services.common.bus import sync
 from tracing.sampler import DEFAULT_RATE as DEFAULT_TRACE_RATE
 
@@ -122,16 +123,10 @@ def stack_pids(stack: Stack) -> dict[str, int]:
 
 
 def run_load(coro: Coroutine[Any, Any, T]) -> T:
-    """Run the load generator's ``coro`` on uvloop where installed, as the services run:
+    """Run the load generator's ``coro`` on the services' loop (uvloop where installed):
     it shares the cores with the stack it measures, so its own cost is kept low."""
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+    with asyncio.Runner(loop_factory=runner.loop_factory()) as r:
+        return r.run(coro)
 
 
 def measured_step(url: str, rate: float, seconds: float, pids: dict[str, int]) -> Step:
@@ -174,8 +169,7 @@ async def one_request(client: LeanClient, i: int) -> tuple[str, float]:
 async def step(url: str, rate: float, seconds: float) -> Step:
     n = max(1, round(rate * seconds))
     out = Step(rate, n)
-    client = LeanClient(url)
-    try:
+    async with LeanClient(url) as client:
         tasks = []
         start = time.perf_counter()
         for i in range(n):
@@ -191,28 +185,20 @@ async def step(url: str, rate: float, seconds: float) -> Step:
                 out.rejected += 1
             else:
                 out.errors[kind] = out.errors.get(kind, 0) + 1
-    finally:
-        await client.close()
     return out
 
 
 async def warm(url: str, n: int) -> None:
-    client = LeanClient(url)
-    try:
+    async with LeanClient(url) as client:
         for i in range(n):
             await one_request(client, -1 - i)
-    finally:
-        await client.close()
 
 
 async def count_messages(admin_url: str, url: str, n: int) -> dict:
-    client = LeanClient(url)
-    try:
+    async with LeanClient(url) as client:
         return await bus_baseline.messages_per_request(
             admin_url, n, lambda i: one_request(client, i)
         )
-    finally:
-        await client.close()
 
 
 async def nats_rate(url: str, clients: int, seconds: float) -> dict:

@@ -192,6 +192,12 @@ class LeanClient:
             else:
                 self._drop(conn)
 
+    async def __aenter__(self) -> "LeanClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def close(self) -> None:
         for c in list(self._open):
             self._drop(c)

@@ -17,7 +17,7 @@ service made since."""
 
 import asyncio
 import gc
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from services.common import shutdown
@@ -25,15 +25,18 @@ from services.common import shutdown
 T = TypeVar("T")
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where installed, else None (asyncio's own)."""
     try:
         import uvloop
-
-        factory = uvloop.new_event_loop
     except ImportError:
-        factory = None
+        return None
+    return uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
     gc.freeze()
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         try:
             result = runner.run(main)
         except asyncio.CancelledError:
