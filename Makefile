@@ -1,6 +1,10 @@
 # perigee: `make up` starts the local stack, `make test` runs every test.
 SHELL := /bin/bash
-PY ?= python3
+# The interpreter the venvs are made with (scripts/pick-python.sh: an optimised
+# CPython 3.11 where the machine has one); `make PY=...` chooses another.
+ifeq ($(origin PY),undefined)
+PY := $(shell scripts/pick-python.sh)
+endif
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
