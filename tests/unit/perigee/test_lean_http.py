@@ -23,11 +23,10 @@ async def aiohttp_server(handler) -> tuple[web.AppRunner, str]:
 async def _post_all(handler, *bodies: bytes) -> list[Reply]:
     """Each of ``bodies`` posted in turn by one client to ``handler``'s server."""
     runner, url = await aiohttp_server(handler)
-    client = LeanClient(url)
     try:
-        return [await client.post("/v1/completions", b) for b in bodies]
+        async with LeanClient(url) as client:
+            return [await client.post("/v1/completions", b) for b in bodies]
     finally:
-        await client.close()
         await runner.cleanup()
 
 
@@ -89,12 +88,11 @@ async def test_a_refusal_is_read_by_its_length():
 async def test_a_connection_the_server_closes_is_not_reused():
     reply = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
     server, url = await _raw_server(reply)
-    client = LeanClient(url)
     try:
-        first = await client.post("/v1/completions", b"{}")
-        second = await client.post("/v1/completions", b"{}")  # a new connection
+        async with LeanClient(url) as client:
+            first = await client.post("/v1/completions", b"{}")
+            second = await client.post("/v1/completions", b"{}")  # a new connection
     finally:
-        await client.close()
         server.close()
     assert (first.status, first.body) == (second.status, second.body) == (200, b"ok")
     assert not client._idle
