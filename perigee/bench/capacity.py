@@ -47,7 +47,7 @@ import nats
 
 from perigee.bench import bus_baseline
 from perigee.bench.lean_http import HttpError, LeanClient
-from perigee.bench.stats import cpu_seconds, summary_ms, wakeups
+from perigee.bench.stats import cpu_seconds, machine, machine_line, summary_ms, wakeups
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common import runner
@@ -430,6 +430,8 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     results = []
+    host = machine()
+    print(f"on {machine_line(host)}", flush=True)
     for conductors, admissions in layouts:
         print(f"{conductors} conductor(s), {admissions} admission(s):", flush=True)
         res = run_layout(conductors, admissions, a, rates)
@@ -441,6 +443,7 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
     out = {
+        "machine": host,
         "p99_ms": a.p99_ms,
         "step_s": a.step_s,
         "trace_sample": a.trace_sample,

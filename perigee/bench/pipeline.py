@@ -21,7 +21,7 @@ import time
 import aiohttp
 import nats
 
-from perigee.bench.stats import summary_ms
+from perigee.bench.stats import machine, machine_line, summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common.bus import sync
@@ -114,6 +114,7 @@ def main(argv: list[str]) -> int:
         )
         ttfts, failed = asyncio.run(drive(stack.url, a.requests, a.rate, a.warmup))
     result = {
+        "machine": machine(),
         "requests": a.requests,
         "rate_rps": a.rate,
         "failed": failed,
@@ -128,6 +129,7 @@ def main(argv: list[str]) -> int:
         result["ttft_over_paced_rtt_p50"] = round(
             result["ttft_ms"]["p50"] / result["nats_rtt_paced_ms"]["p50"], 2
         )
+    print(f"on {machine_line(result['machine'])}")
     print(
         f"full-path TTFT  p50 {result['ttft_ms']['p50']:.3f} ms  p99 {result['ttft_ms']['p99']:.3f} ms"
         f"  ({a.requests} requests at {a.rate:g}/s, {failed} failed)"

@@ -5,6 +5,7 @@ process's CPU time, and the figures a result should hold but does not
 import fnmatch
 import math
 import os
+import platform
 from collections.abc import Iterator
 
 
@@ -15,6 +16,31 @@ def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
     return s[k]
+
+
+def machine(cpuinfo: str = "/proc/cpuinfo") -> dict[str, object]:
+    """What ran a bench: figures from two machines of the same size differ by up to 2x
+    here (a paced bus round trip 0.46-0.66 ms on one, 0.9 ms on another), so a result
+    says where it came from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count() or 0,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(m: dict[str, object]) -> str:
+    return f"{m['cores']} x {m['cpu']}, kernel {m['kernel']}, Python {m['python']}"
 
 
 def summary_ms(values_s: list[float]) -> dict[str, float]:

@@ -58,6 +58,7 @@ def test_pipeline(tmp_path):
         "3",
     )
     assert out["failed"] == 0
+    assert out["machine"]["cores"] >= 1
     assert_measured(out, "ttft_ms.*", "nats_rtt_ms.*", "nats_rtt_paced_ms.*")
     assert_measured(out, "ttft_over_nats_rtt_p50", "ttft_over_paced_rtt_p50")
 
@@ -166,6 +167,7 @@ def test_capacity(tmp_path):
         *("--rates", "5", "--step-s", "1", "--layouts", "1x1", "--warmup", "2"),
         *("--nats-clients", "1", "--nats-s", "0.5", "--p99-ms", "1e9"),
     )
+    assert out["machine"]["cores"] >= 1 and out["machine"]["kernel"]
     [layout] = out["layouts"]
     assert (layout["conductors"], layout["admissions"]) == (1, 1)
     assert layout["held_rps"] == 5
