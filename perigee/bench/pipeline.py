@@ -11,6 +11,9 @@ The round trip is measured twice: back to back (``nats_rtt_ms``, every process h
 and paced at the request rate (``nats_rtt_paced_ms``), so that, like each request
 of the open-loop load, it wakes processes that slept since the previous one. On a
 small VM that wake-up, not the bus, is most of a hop's cost.
+
+Each request ends served, turned away with a 429 (overload answered before acceptance:
+not a failure), or failed, by kind (``errors``). The exit status is 1 when any failed.
 """
 
 import argparse
@@ -49,7 +52,10 @@ async def nats_rtt(url: str, n: int, rate: float = 0.0) -> list[float]:
     return out
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[float, bool]:
+async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[str, float]:
+    """(outcome, seconds to the first token): "ok", "429" (turned away before
+    acceptance: an answer, not a failure), another HTTP status, "cut" (the stream ended
+    without ``[DONE]``), or the exception's kind."""
     body = {
         "prompt": f"bench request {i}: hello",
         "max_tokens": 2,
@@ -58,23 +64,40 @@ async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[fl
     }
     t0 = time.perf_counter()
     ttft = None
-    ok = False
-    async with http.post(url + "/v1/completions", json=body) as r:
-        if r.status != 200:
-            return float("nan"), False
-        async for raw in r.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            if ttft is None and b'"text"' in line:
-                ttft = time.perf_counter() - t0
-            if line == b"data: [DONE]":
-                ok = True
-                break
-    return (ttft if ttft is not None else float("nan")), ok
+    try:
+        async with asyncio.timeout(60), http.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                return str(r.status), float("nan")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                if ttft is None and b'"text"' in line:
+                    ttft = time.perf_counter() - t0
+                if line == b"data: [DONE]":
+                    return ("ok" if ttft is not None else "no token"), (
+                        ttft if ttft is not None else float("nan")
+                    )
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
+        return type(e).__name__, float("nan")
+    return "cut", float("nan")
 
 
-async def drive(url: str, n: int, rate: float, warmup: int) -> tuple[list[float], int]:
+def outcomes(results: list[tuple[str, float]]) -> tuple[list[float], int, dict[str, int]]:
+    """(first-token times of the served, 429s, every other outcome by kind)."""
+    ttfts = [t for kind, t in results if kind == "ok"]
+    rejected = sum(1 for kind, _ in results if kind == "429")
+    errors: dict[str, int] = {}
+    for kind, _ in results:
+        if kind not in ("ok", "429"):
+            errors[kind] = errors.get(kind, 0) + 1
+    return ttfts, rejected, errors
+
+
+async def drive(
+    url: str, n: int, rate: float, warmup: int
+) -> tuple[list[float], int, dict[str, int]]:
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
         for i in range(warmup):
@@ -86,9 +109,7 @@ async def drive(url: str, n: int, rate: float, warmup: int) -> tuple[list[float]
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one_request(http, url, i)))
-        results = await asyncio.gather(*tasks)
-    ttfts = [t for t, ok in results if ok and t == t]
-    return ttfts, sum(1 for _, ok in results if not ok)
+        return outcomes(await asyncio.gather(*tasks))
 
 
 def main(argv: list[str]) -> int:
@@ -112,12 +133,16 @@ def main(argv: list[str]) -> int:
             if a.paced_rtt_samples
             else []
         )
-        ttfts, failed = asyncio.run(drive(stack.url, a.requests, a.rate, a.warmup))
+        ttfts, rejected, errors = asyncio.run(drive(stack.url, a.requests, a.rate, a.warmup))
+    failed = sum(errors.values())
     result = {
         "machine": machine(),
         "requests": a.requests,
         "rate_rps": a.rate,
+        # Neither served nor turned away with a 429 (which answers overload, as it should).
         "failed": failed,
+        "errors": errors,
+        "rejected_429": rejected,
         "ttft_ms": summary_ms(ttfts),
         "nats_rtt_ms": summary_ms(rtt),
     }
@@ -132,7 +157,8 @@ def main(argv: list[str]) -> int:
     print(f"on {machine_line(result['machine'])}")
     print(
         f"full-path TTFT  p50 {result['ttft_ms']['p50']:.3f} ms  p99 {result['ttft_ms']['p99']:.3f} ms"
-        f"  ({a.requests} requests at {a.rate:g}/s, {failed} failed)"
+        f"  ({a.requests} requests at {a.rate:g}/s: {len(ttfts)} served, {rejected} turned "
+        f"away with 429, {failed} failed{' ' + str(errors) if errors else ''})"
     )
     print(
         f"NATS req/reply  p50 {result['nats_rtt_ms']['p50']:.3f} ms  p99 {result['nats_rtt_ms']['p99']:.3f} ms"
