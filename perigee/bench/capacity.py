@@ -47,7 +47,14 @@ import nats
 
 from perigee.bench import bus_baseline
 from perigee.bench.lean_http import HttpError, LeanClient
-from perigee.bench.stats import cpu_seconds, machine, machine_line, summary_ms, wakeups
+from perigee.bench.stats import (
+    cpu_seconds,
+    machine,
+    machine_line,
+    outcomes,
+    summary_ms,
+    wakeups,
+)
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common import runner
@@ -177,14 +184,8 @@ async def step(url: str, rate: float, seconds: float) -> Step:
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one_request(client, i)))
-        for kind, first in await asyncio.gather(*tasks):
-            if kind == "ok":
-                out.ok += 1
-                out.overhead_s.append(first)
-            elif kind == "429":
-                out.rejected += 1
-            else:
-                out.errors[kind] = out.errors.get(kind, 0) + 1
+        out.overhead_s, out.rejected, out.errors = outcomes(await asyncio.gather(*tasks))
+    out.ok = len(out.overhead_s)
     return out
 
 

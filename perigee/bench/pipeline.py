@@ -24,7 +24,7 @@ import time
 import aiohttp
 import nats
 
-from perigee.bench.stats import machine, machine_line, summary_ms
+from perigee.bench.stats import machine, machine_line, outcomes, summary_ms
 from perigee.natsd import free_port
 from perigee.stack import Stack, StackConfig
 from services.common.bus import sync
@@ -76,23 +76,10 @@ async def one_request(http: aiohttp.ClientSession, url: str, i: int) -> tuple[st
                 if ttft is None and b'"text"' in line:
                     ttft = time.perf_counter() - t0
                 if line == b"data: [DONE]":
-                    return ("ok" if ttft is not None else "no token"), (
-                        ttft if ttft is not None else float("nan")
-                    )
+                    return ("no token", float("nan")) if ttft is None else ("ok", ttft)
     except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return type(e).__name__, float("nan")
     return "cut", float("nan")
-
-
-def outcomes(results: list[tuple[str, float]]) -> tuple[list[float], int, dict[str, int]]:
-    """(first-token times of the served, 429s, every other outcome by kind)."""
-    ttfts = [t for kind, t in results if kind == "ok"]
-    rejected = sum(1 for kind, _ in results if kind == "429")
-    errors: dict[str, int] = {}
-    for kind, _ in results:
-        if kind not in ("ok", "429"):
-            errors[kind] = errors.get(kind, 0) + 1
-    return ttfts, rejected, errors
 
 
 async def drive(

@@ -43,6 +43,19 @@ def machine_line(m: dict[str, object]) -> str:
     return f"{m['cores']} x {m['cpu']}, kernel {m['kernel']}, Python {m['python']}"
 
 
+def outcomes(results: list[tuple[str, float]]) -> tuple[list[float], int, dict[str, int]]:
+    """Open-loop requests' ``(outcome, seconds to the first token)`` folded into the
+    first-token times of the served ("ok"), the 429s (overload answered before
+    acceptance, not a failure), and every other outcome by kind."""
+    served = [t for kind, t in results if kind == "ok"]
+    rejected = sum(1 for kind, _ in results if kind == "429")
+    errors: dict[str, int] = {}
+    for kind, _ in results:
+        if kind not in ("ok", "429"):
+            errors[kind] = errors.get(kind, 0) + 1
+    return served, rejected, errors
+
+
 def summary_ms(values_s: list[float]) -> dict[str, float]:
     return {
         "p50": round(percentile(values_s, 50) * 1e3, 3),

@@ -5,7 +5,8 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from perigee.bench.pipeline import drive, one_request, outcomes
+from perigee.bench.pipeline import drive, one_request
+from perigee.bench.stats import outcomes
 from perigee.natsd import free_port
 from tests.unit.perigee.test_lean_http import aiohttp_server
 
