@@ -240,7 +240,9 @@ class GenerateRequest(Msg):
 
 
 class Accepted(Msg, tag="accepted"):
-    """The first stream event: the request is placed, on these instances."""
+    """The request is placed, on these instances. The conductor sends it before the
+    placement's task, so the workers' events follow it on one nats-server; across a
+    cluster (each service's connection on its own server) it may arrive after them."""
 
     request_id: str
     prefill_instance: str

@@ -152,7 +152,11 @@ async def generate(
     await nc.publish(subjects.REQUESTS, encode(req), reply=inbox)
     run = Run()
     try:
-        while run.finished is None and run.error is None:
+        # Accepted comes from the conductor, the tokens and Finished from the workers,
+        # each on its own connection: across the NATS cluster nothing orders one
+        # publisher's messages before another's, so a short request's Finished may
+        # arrive first (seen on a slow 2-core machine). A placed request gets both.
+        while run.error is None and (run.finished is None or run.accepted is None):
             ev = decode((await sub.next_msg(timeout=60)).data, StreamEvent)
             if isinstance(ev, Accepted):
                 run.accepted = ev
