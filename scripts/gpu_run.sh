@@ -9,6 +9,11 @@
 #                                then bench reuse and bench slo against plain vLLM; with
 #                                BIG_MODEL=<a .gguf> both again on that model
 #   scripts/gpu_run.sh all       env, install, test, bench
+#   scripts/gpu_run.sh model | ship | slo | reuse | migration
+#                                one part of those alone, for a lease too short for all:
+#                                perigee model prepare (the default model from the
+#                                bundle's GGUF), bench ship, bench slo, bench reuse, the
+#                                migration e2e test
 #   scripts/gpu_run.sh unpack    a machine with no package registry: BUNDLE names a folder
 #                                of scripts/offline_bundle.py's parts (site.tar.xz.part.*);
 #                                they are unpacked into /tmp/site and joined to $PY by a
@@ -118,16 +123,33 @@ run_test() {
   fi
 }
 
-run_bench() {
-  step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats 9 \
+run_ship() {
+  step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats "${REPEATS:-9}" \
     --json "$OUT/ship_cuda.json"
+}
+
+run_reuse() {
+  # bench reuse defaults to tiny-llama (dummy weights); the default model where prepared
+  local model
+  model=$("$PY" -m perigee.cli model path 2>/dev/null) || model=""
+  step bench-reuse "$PY" -m perigee.cli bench reuse ${model:+--model "$model"} \
+    --json "$OUT/reuse.json"
+}
+
+run_slo() {
+  step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
+}
+
+run_migration() {
+  step test-migration "$PY" -m pytest -q -rs tests/e2e/test_real_model_migration.py \
+    --junitxml "$OUT/migration-tests.xml"
+}
+
+run_bench() {
+  run_ship
   if vllm_on_cuda; then
-    # bench reuse defaults to tiny-llama (dummy weights); the default model where prepared
-    local model
-    model=$("$PY" -m perigee.cli model path 2>/dev/null) || model=""
-    step bench-reuse "$PY" -m perigee.cli bench reuse ${model:+--model "$model"} \
-      --json "$OUT/reuse.json"
-    step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
+    run_reuse
+    run_slo
     if [ -n "${BIG_MODEL:-}" ]; then  # a .gguf, converted once to a HuggingFace folder
       local big
       big=$("$PY" -m perigee.cli model prepare --gguf "$BIG_MODEL" | tail -n 1) || big=""
@@ -152,5 +174,10 @@ case "${1:-all}" in
   test) run_test ;;
   bench) run_bench ;;
   all) env_json; run_install; run_test; run_bench ;;
-  *) echo "usage: $0 env|unpack|install|test|bench|all" >&2; exit 2 ;;
+  model) step model "$PY" -m perigee.cli model prepare ;;
+  ship) run_ship ;;
+  slo) run_slo ;;
+  reuse) run_reuse ;;
+  migration) run_migration ;;
+  *) echo "usage: $0 env|unpack|install|test|bench|all|model|ship|slo|reuse|migration" >&2; exit 2 ;;
 esac
