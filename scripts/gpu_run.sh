@@ -13,7 +13,9 @@
 #                                one part of those alone, for a lease too short for all:
 #                                perigee model prepare (the default model from the
 #                                bundle's GGUF), bench ship, bench slo, bench reuse, the
-#                                migration e2e test
+#                                migration e2e test; slo takes py-spy stacks of the
+#                                engine workers every SPY_S s (spy.txt) and SLO_ARGS
+#                                (e.g. "--systems perigee --speeds 1")
 #   scripts/gpu_run.sh unpack    a machine with no package registry: BUNDLE names a folder
 #                                of scripts/offline_bundle.py's parts (site.tar.xz.part.*);
 #                                they are unpacked into /tmp/site and joined to $PY by a
@@ -136,8 +138,28 @@ run_reuse() {
     --json "$OUT/reuse.json"
 }
 
+# Every SPY_S seconds while a bench runs, each engine worker's Python stacks, all threads
+# (py-spy, where the bundle or the machine has it) into $OUT/spy.txt: the third H200 run
+# saw the decode engine stand still for seconds and had no profile to say where.
+spy_loop() {
+  local spy pid
+  spy=$(command -v py-spy) || spy=${SITE:-/tmp/site}/bin/py-spy
+  [ -x "$spy" ] || { echo "py-spy not found: no stacks taken"; return 0; }
+  while sleep "${SPY_S:-2}"; do
+    for pid in $(pgrep -f -- "-m services[.](prefill|decode)"); do
+      echo "== $(date +%T.%N) pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-60)"
+      timeout 10 "$spy" dump --pid "$pid" 2>&1
+    done
+  done >>"$OUT/spy.txt"
+}
+
 run_slo() {
-  step bench-slo "$PY" -m perigee.cli bench slo --json "$OUT/slo.json"
+  spy_loop &
+  local spy=$!
+  step bench-slo "$PY" -m perigee.cli bench slo ${SLO_ARGS:-} --json "$OUT/slo.json"
+  kill "$spy" 2>/dev/null
+  wait "$spy" 2>/dev/null
+  return 0
 }
 
 run_migration() {

@@ -62,6 +62,7 @@ ROOTS = [
     "pycountry",  # mistral_common's language codes: an extra of pydantic-extra-types
     "uvicorn[standard]",
     "fastapi[standard]<0.137.0,>=0.133.0",  # vLLM's OpenAI server (bench slo's baseline)
+    "py-spy",  # gpu_run.sh slo: the engine workers' stacks while the bench runs
 ]
 # Not imported for a dense model on vLLM's default paths, and large: compilers, video,
 # other kernels' DSLs. torch and its CUDA libraries come with the target's image.

@@ -60,6 +60,10 @@ WARMUP_ID = "perigee-warmup"
 START_TIMEOUT_S = 600.0
 ABORT_TIMEOUT_S = 60.0
 STEP_EMA = 0.2
+# A step this long is logged (vllm_step_slow). On a GPU the default model's steps take
+# milliseconds; the third H200 run's decode engine stood still for 12 s (BENCHMARKS.md,
+# "Third GPU run"), which only the spans' gaps showed.
+SLOW_STEP_S = 1.0
 
 
 @dataclass
@@ -159,6 +163,7 @@ class VllmEngine(Engine):
             (
                 "vllm_requests",
                 "vllm_steps",
+                "vllm_slow_steps",
                 "vllm_prompt_tokens_computed",
                 "vllm_cached_tokens",
                 "vllm_tokens_generated",
@@ -541,6 +546,15 @@ class VllmEngine(Engine):
 
     def _after_step(self, engine: Any, outs: list, dt: float) -> None:
         self.counters["vllm_steps"] += 1
+        if dt >= SLOW_STEP_S:
+            self.counters["vllm_slow_steps"] += 1
+            log.warning(
+                "vllm_step_slow",
+                role=self.role,
+                seconds=round(dt, 3),
+                outputs=len(outs),
+                request_ids=[o.request_id for o in outs[:8]],
+            )
         if self.on_decode_step is not None:
             self._post(self._on_step, dt)  # before the outputs: the batch as it stepped
         if self.role == Role.DECODE:
