@@ -208,6 +208,12 @@ class Migration(Msg):
     # The incarnation that died (0: unknown). A restarted process under the same name is
     # a new instance: the conductor excludes the name only while that incarnation reports.
     dead_incarnation: int = 0
+    # The instance did not die: it kept reporting but made no progress on the request
+    # (the gateway watchdog's wedge verdict). The conductor avoids it while another
+    # instance of its role is live, and places there again when it is the only one:
+    # waiting for another that may never come would fail a request a live instance can
+    # still serve (a single-card stack whose engines stalled each other: BENCHMARKS.md).
+    wedged: bool = False
 
 
 class GenerateRequest(Msg):

@@ -70,20 +70,30 @@ def place(
     """One round: ``match`` is the prefix index's (node -> prefix blocks), ``down`` the
     nodes whose store is down, ``migration`` a dead attempt's (its instance excluded,
     no SLO rejection). The policy records the dispatch of what it places."""
-    exclude: Mapping[str, tuple[str, ...]] = {}
+    avoid: Mapping[str, tuple[str, ...]] = {}
     if migration is not None:
-        preq, exclude = placement_for(preq, migration, policy.loads.incarnation)
-    if down:  # the instances on those nodes, from the policy's node maps
-        exclude = away_from_stores(
-            exclude,
-            down,
-            policy.on_nodes(Role.PREFILL, down),
-            policy.on_nodes(Role.DECODE, down),
-        )
-    decision = policy.place(preq, match(preq.block_hashes), **exclude)
+        preq, avoid = placement_for(preq, migration, policy.loads.incarnation)
+    hits = match(preq.block_hashes)
+    decision = policy.place(preq, hits, **_away(policy, avoid, down))
+    if isinstance(decision, Rejection) and avoid and migration is not None and migration.wedged:
+        # A wedged instance is alive: avoided while another of its role is live, and
+        # placed on again when it is the only one (Migration.wedged).
+        decision = policy.place(preq, hits, **_away(policy, {}, down))
     if isinstance(decision, Rejection):
         return decision
     return Placed(decision, task_fields(policy, decision))
+
+
+def _away(
+    policy: PlacementPolicy, exclude: Mapping[str, tuple[str, ...]], down: Collection[str]
+) -> Mapping[str, tuple[str, ...]]:
+    """``exclude`` plus, where stores are down, the instances on their nodes (from the
+    policy's node maps)."""
+    if not down:
+        return exclude
+    return away_from_stores(
+        exclude, down, policy.on_nodes(Role.PREFILL, down), policy.on_nodes(Role.DECODE, down)
+    )
 
 
 def task_fields(policy: PlacementPolicy, p: Placement) -> TaskFields:

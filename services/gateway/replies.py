@@ -805,6 +805,7 @@ class ReplyRouter:
                 reply_subject=self.reply_subject(resend.attempt_id(v.request_id, f.attempt + 1)),
                 eos_token_ids=self.eos_token_ids,
                 dead_incarnation=v.dead_incarnation,
+                wedged=v.wedged,
                 failure=v.message if v.dead_role == resend.STORE else "",
             )
             if isinstance(d, resend.Resume):

@@ -86,6 +86,7 @@ def plan(
     eos_token_ids: Sequence[int] = (),
     dead_incarnation: int = 0,
     failure: str = "",
+    wedged: bool = False,
 ) -> Decision:
     """What to do for ``original`` (as the client sent it) whose ``dead_role`` instance
     died after the client got ``generated``; ``attempts`` migrations happened before;
@@ -138,6 +139,7 @@ def plan(
             prompt_tokens=len(original.prompt_token_ids),
             dead_request_id=attempt_id(original.request_id, attempts),
             dead_incarnation=dead_incarnation,
+            wedged=wedged,
         ),
     )
     return Resume(req, k)

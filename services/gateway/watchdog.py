@@ -73,6 +73,8 @@ class Verdict:
     dead_incarnation: int = 0
     # The (instance, incarnation) pairs that held the request: its cancel goes to them.
     placement: tuple[tuple[str, int], ...] = ()
+    # The instance is alive but made no progress (Migration.wedged).
+    wedged: bool = False
 
 
 class Watchdog:
@@ -284,6 +286,7 @@ class Watchdog:
                         role,
                         inst,
                         inc,
+                        wedged=True,
                     )
                 )
             elif now - r.last_event > self.request_timeout_s:

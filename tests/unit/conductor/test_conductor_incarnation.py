@@ -96,3 +96,33 @@ async def test_the_conductor_drops_a_load_report_claiming_another_instance(nats_
         await nc.close()
     finally:
         await h.close()
+
+
+def test_a_wedged_instance_is_avoided_unless_it_is_the_only_one_of_its_role():
+    """The watchdog's wedge verdict names a live instance (Migration.wedged): the
+    migration goes elsewhere while another of its role is live, and back to it when it
+    is the only one, rather than waiting for another that never comes. A death is
+    still excluded with no fallback."""
+    from services.conductor import placement_round
+    from services.conductor.placement_policy import Rejection
+
+    pol = make_policy(prefills=(), decodes=())
+    pol.observe_prefill(inc(pload("p0", "n0"), OLD))  # the only prefill instance
+    pol.observe_decode(inc(dload("d0", "m0"), OLD))
+    died = msgspec.structs.replace(mig("prefill_died", "p0"), dead_incarnation=OLD)
+    wedged = msgspec.structs.replace(died, wedged=True)
+    got = placement_round.place(pol, req("r-m1"), lambda h: {}, migration=died)
+    assert isinstance(got, Rejection) and "no live prefill instance" in got.reason
+    got = placement_round.place(pol, req("r-m1"), lambda h: {}, migration=wedged)
+    assert isinstance(got, placement_round.Placed)
+    assert got.placement.prefill_instance == "p0"
+    # Another prefill instance live: the wedged one is avoided.
+    pol.observe_prefill(inc(pload("p1", "n1"), OLD))
+    for _ in range(3):
+        got = placement_round.place(pol, req("r-m1"), lambda h: {"n0": 3}, migration=wedged)
+        assert isinstance(got, placement_round.Placed)
+        assert got.placement.prefill_instance == "p1"
+    # A wedged decode instance, the only one, gets its request back too.
+    dw = msgspec.structs.replace(mig("decode_died", "d0"), dead_incarnation=OLD, wedged=True)
+    got = placement_round.place(pol, req("r-m2"), lambda h: {}, migration=dw)
+    assert isinstance(got, placement_round.Placed) and got.placement.decode_instance == "d0"

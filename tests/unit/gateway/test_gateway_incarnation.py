@@ -55,6 +55,7 @@ def test_a_new_incarnation_is_the_old_ones_death_at_once():
     assert v.dead_incarnation == OLD and "restarted" in v.message
     assert dict(v.placement) == {"p0": OLD, "d0": OLD}
     assert wd.restarts == 1
+    assert not v.wedged  # a death: never placed on again
 
 
 def test_a_late_report_of_the_dead_incarnation_is_ignored():
@@ -93,6 +94,7 @@ def test_a_prefill_silent_far_beyond_its_predicted_ttft_is_wedged():
     [v] = wd.sweep()
     assert (v.dead_role, v.dead_instance, v.dead_incarnation) == ("prefill", "p0", OLD)
     assert "no progress" in v.message and wd.wedged == 1
+    assert v.wedged  # alive: the conductor may place there again (Migration.wedged)
 
 
 def test_decode_progress_is_judged_by_its_own_step_time():

@@ -131,6 +131,11 @@ def test_nothing_is_resent_when_the_client_has_every_token():
     assert d == resend.Finish("stop")
 
 
+def test_a_wedge_verdict_rides_on_the_migration():
+    assert plan([1, 2], wedged=True).request.migration.wedged
+    assert not plan([1, 2]).request.migration.wedged
+
+
 def test_past_the_limit_is_a_clear_error():
     d = plan([7], attempts=2, limit=2)
     assert isinstance(d, resend.GiveUp)
