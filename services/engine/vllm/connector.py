@@ -71,6 +71,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger()
 
+# On CUDA, a mapping's pages in one layer go as one batch from this many on, and one
+# queued copy_ each below it: batching pays a gather, a page-locked staging buffer, a
+# wait and a host scatter whatever the count (about 80 us a layer on an H200), and won
+# only from about 12 pages (bench ship --cuda-only, BENCHMARKS.md "Third GPU run":
+# batched 0.39-0.47x page by page at 1 page, 0.66-0.72x of queued at 4, 1.04-1.42x at
+# 12). On CPU pages batching wins at any count.
+CUDA_BATCH_MIN_PAGES = 8
+
 # How long wait_for_save waits for the event loop to take a layer (the loop only
 # appends it to the ship queue; a stuck loop means the process is going down).
 HANDOFF_TIMEOUT_S = 60.0
@@ -161,6 +169,7 @@ class PerigeeConnector(KVConnectorBase_V1):
         # Page-locks the arena once pages are CUDA. Then copies are queued without waiting
         # for each (one wait per layer: _settle); else a copy_ waits for its own completion.
         self._pinner = ArenaPinner(enabled=False)
+        self._batch_min = 1  # pages of a mapping in a layer that go as one batch
         self._pending = False
         # Batched CUDA copies (page_batch): a save's host part, run once the stream has
         # run its device part (_settle), and a load's staging buffers, kept until then.
@@ -333,6 +342,7 @@ class PerigeeConnector(KVConnectorBase_V1):
             )
         self.bridge.layer_block_bytes = self._layer_block_bytes
         self._pinner = ArenaPinner(enabled=page.is_cuda and self.bridge.pin_arena)
+        self._batch_min = CUDA_BATCH_MIN_PAGES if page.is_cuda else 1
 
     def _slot_tensor(self, plan: Plan, block: int) -> torch.Tensor:
         """Slot ``block`` of ``plan`` as bytes (made once, its mapping page-locked then)."""
@@ -369,8 +379,9 @@ class PerigeeConnector(KVConnectorBase_V1):
     def _slot_rows(self, copies: list[Copy], layer: int) -> tuple[list[_Group], list[Copy]]:
         """``copies`` grouped by the mapping their slot lies in: per mapping, its rows
         (page_batch.host_rows), the vLLM block ids, the rows of their pages in ``layer``
-        and the plans. Write-back copies, and slots that are not whole rows of their
-        mapping, come back apart (copied page by page). Grouped once a step: a 5,449-token
+        and the plans. Write-back copies, slots that are not whole rows of their
+        mapping, and on CUDA a mapping with fewer than CUDA_BATCH_MIN_PAGES pages, come
+        back apart (copied page by page). Grouped once a step: a 5,449-token
         prompt's 171 pages cost ~0.5 ms of Python to group, every layer until then."""
         got = self._grouped.get(id(copies))
         if got is None or got[0] is not copies:
@@ -381,7 +392,7 @@ class PerigeeConnector(KVConnectorBase_V1):
 
     def _group(self, copies: list[Copy]) -> tuple[list[_Group], list[Copy]]:
         """:meth:`_slot_rows` of layer 0."""
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int], set[str]]] = {}
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int], set[str], list[Copy]]] = {}
         apart: list[Copy] = []
         pb = self._layer_block_bytes
         for c in copies:
@@ -397,7 +408,7 @@ class PerigeeConnector(KVConnectorBase_V1):
                 base = slot.obj if isinstance(slot, memoryview) else slot
                 g = groups.get(id(base))
                 if g is None:
-                    g = groups[id(base)] = (page_batch.host_rows(base, pb), [], [], set())
+                    g = groups[id(base)] = (page_batch.host_rows(base, pb), [], [], set(), [])
                 first = page_batch.first_row(raw, g[0], pb)
                 if first is None:
                     apart.append(c)
@@ -405,12 +416,18 @@ class PerigeeConnector(KVConnectorBase_V1):
                 g[1].append(c.block_id)
                 g[2].append(first + c.sub)
                 g[3].add(c.key)
+                g[4].append(c)
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
-        return [
-            (rows, self._ids_on_device(ids), np.asarray(at, dtype=np.int64), keys)
-            for rows, ids, at, keys in groups.values()
-        ], apart
+        batches: list[_Group] = []
+        for rows, ids, at, keys, copies_of in groups.values():
+            if len(ids) < self._batch_min:
+                apart += copies_of
+            else:
+                batches.append(
+                    (rows, self._ids_on_device(ids), np.asarray(at, dtype=np.int64), keys)
+                )
+        return batches, apart
 
     def _ids_on_device(self, ids: list[int]) -> list[int] | torch.Tensor:
         """vLLM block ids where the pages are: on CUDA a tensor, queued from page-locked
@@ -495,7 +512,7 @@ class PerigeeConnector(KVConnectorBase_V1):
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 for key in keys:
                     self._guard(key, e)
-        for c in apart:  # write-back staging blocks, one page each
+        for c in apart:  # write-back staging blocks, a few pages on CUDA: one page each
             try:
                 page = kv_layer[c.block_id]
                 dst = self._page(c, layer, page)

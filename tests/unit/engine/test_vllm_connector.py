@@ -542,3 +542,38 @@ def test_queued_loads_wait_once_per_step_and_a_shipping_layer_at_once(bridge, mo
     stream.syncs, seen = 0, []
     step(PerigeeMeta(saves=[Copy(2, "s", 0, 0)], ship=["s"]), seen)
     assert seen == list(range(1, LAYERS + 1))
+
+
+def test_a_small_mapping_goes_page_by_page_on_cuda(bridge, monkeypatch):
+    """On CUDA a few pages go one queued copy each (a batch's fixed cost loses there:
+    CUDA_BATCH_MIN_PAGES); from the minimum on, one batch a layer. Same bytes either way.
+    (CPU pages, with the CUDA minimum set as register_kv_caches sets it for CUDA.)"""
+    from services.engine.vllm import connector as conn
+    from services.engine.vllm import page_batch
+    from services.engine.vllm.connector import Copy
+
+    batched = []
+    real = page_batch.save
+    monkeypatch.setattr(page_batch, "save", lambda *a: batched.append(1) or real(*a))
+    bb = LAYERS * HBS * HEADS * CONTENT * 4
+    src = kv_caches()
+    names = sorted(src, key=lambda n: int(n.split(".")[2]))
+    for n_pages, want_batches in ((2, 0), (3, LAYERS)):
+        batched.clear()
+        w = connector(bridge, KVConnectorRole.WORKER)
+        w.register_kv_caches(src)
+        assert w._batch_min == 1  # CPU pages: always batched
+        w._batch_min = 3
+        mapping = bytearray(4 * bb)
+        key = f"m{n_pages}"
+        slots = list(range(n_pages))
+        bridge.add(arena_plan(key, mapping, slots, save_from=0, save_tokens=32 * n_pages))
+        saves = [Copy(5 + i, key, i, 0) for i in range(n_pages)]
+        run_step(w, PerigeeMeta(saves=saves), src)
+        assert len(batched) == want_batches
+        for layer, name in enumerate(names):
+            for c, slot in zip(saves, slots, strict=True):
+                at = slot * bb + layer * page_bytes(32)
+                want = src[name][c.block_id].contiguous().view(torch.uint8).numpy().tobytes()
+                assert mapping[at : at + page_bytes(32)] == want, (n_pages, c, layer)
+    assert conn.CUDA_BATCH_MIN_PAGES > 1
