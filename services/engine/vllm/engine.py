@@ -50,7 +50,7 @@ from services.engine.base import (
     PrefillJob,
     RequestStream,
 )
-from services.engine.vllm.args import engine_args, sampling_params
+from services.engine.vllm.args import engine_args, on_cpu, sampling_params
 from services.engine.vllm.bridge import Bridge, Plan, register, unregister
 from services.engine.vllm.options import VllmOptions, prepare_env
 
@@ -62,8 +62,10 @@ ABORT_TIMEOUT_S = 60.0
 STEP_EMA = 0.2
 # A step this long is logged (vllm_step_slow). On a GPU the default model's steps take
 # milliseconds; the third H200 run's decode engine stood still for 12 s (BENCHMARKS.md,
-# "Third GPU run"), which only the spans' gaps showed.
+# "Third GPU run"), which only the spans' gaps showed. On CPU a long prompt's prefill
+# step takes seconds by itself.
 SLOW_STEP_S = 1.0
+SLOW_STEP_CPU_S = 30.0
 
 
 @dataclass
@@ -177,6 +179,7 @@ class VllmEngine(Engine):
         self._dead: EngineDeadError | None = None
         self._step_ema = 0.0
         self._key = ""
+        self.slow_step_s = SLOW_STEP_S  # SLOW_STEP_CPU_S once vLLM says it runs on CPU
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -486,6 +489,8 @@ class VllmEngine(Engine):
             )
             return
         self.bridge.generator_of = _generators(engine)
+        if on_cpu():
+            self.slow_step_s = SLOW_STEP_CPU_S
         self.bridge.vocab_size = self.spec.vocab_size
         self._post(_settle, ready, None)
         try:
@@ -546,7 +551,7 @@ class VllmEngine(Engine):
 
     def _after_step(self, engine: Any, outs: list, dt: float) -> None:
         self.counters["vllm_steps"] += 1
-        if dt >= SLOW_STEP_S:
+        if dt >= self.slow_step_s:
             self.counters["vllm_slow_steps"] += 1
             log.warning(
                 "vllm_step_slow",

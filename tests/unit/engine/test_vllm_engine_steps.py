@@ -8,7 +8,7 @@ from structlog.testing import capture_logs
 
 from services.common.model_spec import ModelSpec
 from services.engine.vllm import engine as vllm_engine
-from services.engine.vllm.engine import SLOW_STEP_S, VllmEngine
+from services.engine.vllm.engine import SLOW_STEP_CPU_S, SLOW_STEP_S, VllmEngine
 from services.engine.vllm.options import VllmOptions
 
 SPEC = ModelSpec(
@@ -56,3 +56,12 @@ def test_a_step_under_the_bound_is_not_logged(engine):
     assert not [e for e in logs if e["event"] == "vllm_step_slow"]
     assert engine.counters["vllm_slow_steps"] == 0
     assert engine.counters["vllm_steps"] == 1
+
+
+def test_on_cpu_the_bound_is_a_long_prompts_step_not_a_gpus(engine):
+    engine.slow_step_s = SLOW_STEP_CPU_S  # what the engine thread sets on vLLM's CPU platform
+    with capture_logs() as logs:
+        engine._after_step(None, [_out("a")], SLOW_STEP_S * 5)  # a 2k-token prefill on CPU
+        engine._after_step(None, [_out("a")], SLOW_STEP_CPU_S + 1)
+    assert len([e for e in logs if e["event"] == "vllm_step_slow"]) == 1
+    assert engine.counters["vllm_slow_steps"] == 1
