@@ -16,6 +16,9 @@
 #                                migration e2e test; slo takes py-spy stacks of the
 #                                engine workers every SPY_S s (spy.txt) and SLO_ARGS
 #                                (e.g. "--systems perigee --speeds 1")
+#   scripts/gpu_run.sh diagnose  after unpack, in one call (about 2 min): env, model, then
+#                                perigee alone at 1x through bench slo with the stacks
+#                                sampled, and the stack's logs and spans as slo-logs.tgz
 #   scripts/gpu_run.sh unpack    a machine with no package registry: BUNDLE names a folder
 #                                of scripts/offline_bundle.py's parts (site.tar.xz.part.*);
 #                                they are unpacked into /tmp/site and joined to $PY by a
@@ -201,5 +204,11 @@ case "${1:-all}" in
   slo) run_slo ;;
   reuse) run_reuse ;;
   migration) run_migration ;;
-  *) echo "usage: $0 env|unpack|install|test|bench|all|model|ship|slo|reuse|migration" >&2; exit 2 ;;
+  diagnose)
+    env_json >/dev/null
+    step model "$PY" -m perigee.cli model prepare
+    SLO_ARGS=${SLO_ARGS:---systems perigee --speeds 1 --log-dir .perigee/bench-slo} run_slo
+    tar -czf "$OUT/slo-logs.tgz" .perigee/bench-slo 2>/dev/null
+    ;;
+  *) echo "usage: $0 env|unpack|install|test|bench|all|model|ship|slo|reuse|migration|diagnose" >&2; exit 2 ;;
 esac
