@@ -51,7 +51,7 @@ class VllmOptions:
     load_format: str | None = None
     dtype: str | None = None  # None: the model's (config.json torch_dtype)
     block_size: int = 0  # vLLM's block; must divide perigee's. 0: 32 if it does, else perigee's
-    kv_blocks: int = 0  # vLLM's paged-cache blocks (num_gpu_blocks_override); 0: by role
+    kv_blocks: int = 0  # num_gpu_blocks_override; 0: by role (a GPU decode engine: vLLM sizes it)
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_num_batched_tokens: int = 0  # 0: max_model_len for prefill, 2048 for decode
     seed: int = 0
