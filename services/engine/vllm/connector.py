@@ -392,7 +392,8 @@ class PerigeeConnector(KVConnectorBase_V1):
 
     def _group(self, copies: list[Copy]) -> tuple[list[_Group], list[Copy]]:
         """:meth:`_slot_rows` of layer 0."""
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int], set[str], list[Copy]]] = {}
+        # per mapping: its rows, the rows of the copies' pages in layer 0, the copies
+        groups: dict[int, tuple[torch.Tensor, list[int], list[Copy]]] = {}
         apart: list[Copy] = []
         pb = self._layer_block_bytes
         for c in copies:
@@ -408,25 +409,22 @@ class PerigeeConnector(KVConnectorBase_V1):
                 base = slot.obj if isinstance(slot, memoryview) else slot
                 g = groups.get(id(base))
                 if g is None:
-                    g = groups[id(base)] = (page_batch.host_rows(base, pb), [], [], set(), [])
+                    g = groups[id(base)] = (page_batch.host_rows(base, pb), [], [])
                 first = page_batch.first_row(raw, g[0], pb)
                 if first is None:
                     apart.append(c)
                     continue
-                g[1].append(c.block_id)
-                g[2].append(first + c.sub)
-                g[3].add(c.key)
-                g[4].append(c)
+                g[1].append(first + c.sub)
+                g[2].append(c)
             except Exception as e:  # noqa: BLE001 - never raise into vLLM
                 self._guard(c.key, e)
         batches: list[_Group] = []
-        for rows, ids, at, keys, copies_of in groups.values():
-            if len(ids) < self._batch_min:
-                apart += copies_of
-            else:
-                batches.append(
-                    (rows, self._ids_on_device(ids), np.asarray(at, dtype=np.int64), keys)
-                )
+        for rows, at, batch in groups.values():
+            if len(batch) < self._batch_min:
+                apart += batch
+                continue
+            ids = self._ids_on_device([c.block_id for c in batch])
+            batches.append((rows, ids, np.asarray(at, dtype=np.int64), {c.key for c in batch}))
         return batches, apart
 
     def _ids_on_device(self, ids: list[int]) -> list[int] | torch.Tensor:
