@@ -128,6 +128,10 @@ run_test() {
   fi
 }
 
+run_model() {
+  step model "$PY" -m perigee.cli model prepare
+}
+
 run_ship() {
   step bench-ship-cuda "$PY" -m perigee.cli bench ship --cuda-only --repeats "${REPEATS:-9}" \
     --json "$OUT/ship_cuda.json"
@@ -199,14 +203,14 @@ case "${1:-all}" in
   test) run_test ;;
   bench) run_bench ;;
   all) env_json; run_install; run_test; run_bench ;;
-  model) step model "$PY" -m perigee.cli model prepare ;;
+  model) run_model ;;
   ship) run_ship ;;
   slo) run_slo ;;
   reuse) run_reuse ;;
   migration) run_migration ;;
   diagnose)
     env_json >/dev/null
-    step model "$PY" -m perigee.cli model prepare
+    run_model
     SLO_ARGS=${SLO_ARGS:---systems perigee --speeds 1 --log-dir .perigee/bench-slo} run_slo
     tar -czf "$OUT/slo-logs.tgz" .perigee/bench-slo 2>/dev/null
     ;;
